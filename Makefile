@@ -1,0 +1,70 @@
+# kiln — `make help` lists the targets.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install train test test-all lint format sweep export serve bench doctor lock clean
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-10s %s\n", $$1, $$2}'
+
+# Re-runs only when the lock or the project metadata changes.
+$(STAMP): requirements.lock pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP) ## build .venv from requirements.lock (idempotent)
+
+train: install ## train the default experiment (extra overrides: make train ARGS="model=resnet18")
+	$(PY) train.py $(ARGS)
+
+test: install ## ruff + the default test suite (everything but `slow`)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -m "not slow" $(ARGS)
+
+test-all: install ## ruff + every test, slow ones included
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest $(ARGS)
+
+lint: install ## ruff check + format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install ## apply ruff's fixes and formatting
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+sweep: install ## a short multirun sweep over num_workers x accumulation x precision, then its summary
+	$(PY) train.py -m hydra.sweep.dir=multirun/sweep_$$(date +%Y%m%d_%H%M%S) \
+		data.num_workers=0,2 trainer.accumulate_grad_batches=1,4 precision=fp32,amp \
+		trainer.max_epochs=1 $(ARGS)
+	$(PY) scripts/summarize_sweep.py $$(ls -d multirun/sweep_* | tail -n 1)
+
+bench: install ## engine vs a hand-written loop (samples/s and ratio)
+	$(PY) scripts/bench_engine.py $(ARGS)
+
+doctor: install ## explain the Python / torch / CUDA / cuDNN / driver / ONNX Runtime stack
+	$(PY) -m kiln.doctor
+
+export: install ## export CKPT=<path to .pt> to ONNX with a parity check
+	$(PY) infer.py mode=export ckpt=$(CKPT) $(ARGS)
+
+serve: install ## serve CKPT=<path to .pt> over HTTP on 127.0.0.1
+	$(PY) infer.py mode=serve ckpt=$(CKPT) $(ARGS)
+
+lock: ## refresh requirements.lock from requirements.in (needs network to the package index)
+	$(PY) -m pip install --quiet pip-tools
+	$(VENV)/bin/pip-compile --quiet --strip-extras --no-emit-find-links --no-emit-index-url \
+		-o requirements.lock requirements.in
+
+clean: ## remove outputs, caches and the venv
+	rm -rf outputs multirun .pytest_cache .ruff_cache wandb
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Entry points: compose the config, hand over, exit with a meaningful code."""

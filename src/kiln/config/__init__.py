@@ -1,0 +1,31 @@
+from kiln.config.schema import (
+    ConfigError,
+    DataConfig,
+    DebugConfig,
+    EnvConfig,
+    KilnConfig,
+    LoggerConfig,
+    LossConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    SchedulerConfig,
+    TrainerConfig,
+    register_configs,
+)
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "DebugConfig",
+    "EnvConfig",
+    "KilnConfig",
+    "LoggerConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "SchedulerConfig",
+    "TrainerConfig",
+    "register_configs",
+]

@@ -1,0 +1,99 @@
+"""Full checkpoints as plain dicts, written atomically and only ever loaded with weights_only=True.
+
+A kill at any moment leaves the previous file intact: we write a temp file in the same directory,
+fsync it, rename it over the target (atomic on POSIX) and fsync the directory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EPOCH_FILE = re.compile(r"epoch-(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, truncated, corrupt, or not weights-only."""
+
+
+def atomic_save(obj: dict[str, Any], path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(path: Path, map_location="cpu") -> dict[str, Any]:
+    """Load with weights_only=True; anything that would need unpickling code is refused."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"refusing {path}: it cannot be loaded with weights_only=True (it holds Python "
+            f"objects beyond tensors and plain data, which kiln never unpickles): {err}"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as err:
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {err}") from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        raise CheckpointError(f"checkpoint {path} is not a kiln checkpoint (no 'model' entry)")
+    return ckpt
+
+
+def candidates(checkpoint_dir: Path) -> list[Path]:
+    """Resume candidates, newest first: last.pt, then step/epoch files by mtime, then best.pt."""
+    checkpoint_dir = Path(checkpoint_dir)
+    others = sorted(
+        (p for p in checkpoint_dir.glob("*.pt") if p.name not in ("last.pt", "best.pt")),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    ordered = [checkpoint_dir / "last.pt", *others, checkpoint_dir / "best.pt"]
+    return [p for p in ordered if p.is_file()]
+
+
+def load_newest_valid(checkpoint_dir: Path, map_location="cpu") -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint that loads; each unusable one is reported and skipped."""
+    problems = []
+    for path in candidates(checkpoint_dir):
+        try:
+            return path, load_checkpoint(path, map_location)
+        except CheckpointError as err:
+            log.warning("skipping unusable checkpoint: %s", err)
+            problems.append(str(err))
+    detail = "; ".join(problems) or "no *.pt files"
+    raise CheckpointError(f"no usable checkpoint in {checkpoint_dir}: {detail}")
+
+
+def prune_epoch_checkpoints(checkpoint_dir: Path, keep_last_k: int) -> None:
+    """Keep the newest k epoch-N.pt files; last.pt and best.pt are never pruned."""
+    epochs = sorted(
+        (p for p in Path(checkpoint_dir).glob("epoch-*.pt") if EPOCH_FILE.search(p.name)),
+        key=lambda p: int(EPOCH_FILE.search(p.name).group(1)),
+    )
+    for stale in epochs[: max(0, len(epochs) - keep_last_k)]:
+        stale.unlink(missing_ok=True)

@@ -1,0 +1,64 @@
+"""Optimizer and per-optimizer-step LR schedules from config."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
+
+
+def build_optimizer(params, cfg) -> torch.optim.Optimizer:
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        )
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov and cfg.momentum > 0,
+            weight_decay=cfg.weight_decay,
+        )
+    raise ValueError(f"optimizer.name={cfg.name!r}; choose adamw or sgd")
+
+
+def total_optimizer_steps(
+    batches_per_epoch: int, max_epochs: int, accumulate: int, max_steps: int
+) -> int:
+    """Optimizer steps the run will take. A partial accumulation window at an epoch's end still
+    steps, hence the ceil. max_steps (> 0) caps it."""
+    per_epoch = math.ceil(batches_per_epoch / accumulate)
+    total = per_epoch * max_epochs
+    return min(total, max_steps) if max_steps > 0 else total
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float):
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        progress = min(progress, 1.0)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_scheduler(optimizer, cfg, total_steps: int) -> LRScheduler | None:
+    """Stepped once per optimizer step (never per micro-batch)."""
+    if cfg.name == "none":
+        return None
+    if cfg.name == "onecycle":
+        return OneCycleLR(
+            optimizer,
+            max_lr=[group["lr"] for group in optimizer.param_groups],
+            total_steps=max(total_steps, 2),
+            pct_start=cfg.pct_start,
+            div_factor=cfg.div_factor,
+            final_div_factor=cfg.final_div_factor,
+        )
+    if cfg.name == "cosine":
+        warmup = cfg.warmup_steps or int(cfg.warmup_fraction * total_steps)
+        return LambdaLR(optimizer, warmup_cosine(total_steps, warmup, cfg.min_lr_ratio))
+    raise ValueError(f"scheduler.name={cfg.name!r}; choose onecycle, cosine or none")

@@ -1,0 +1,117 @@
+"""Rule 3: before evaluation, a no-grad forward in train mode and in eval mode must agree on the
+output's structure and shapes. Models whose outputs differ by design between modes (detectors)
+declare a contract per mode via `check_output(mode, output) -> list[str]` instead.
+
+The check leaves no trace: parameters' gradients (no-grad forward), BatchNorm running statistics
+and every other buffer, the RNG states and the model's mode are exactly as before."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class ShapeContractError(RuntimeError):
+    """Train-mode and eval-mode outputs disagree, or an output breaks its declared contract."""
+
+
+def describe(obj: Any) -> Any:
+    """The structure of an output with shapes in place of tensors."""
+    if isinstance(obj, torch.Tensor):
+        return tuple(obj.shape)
+    if isinstance(obj, dict):
+        return {key: describe(value) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(describe(value) for value in obj)
+    return type(obj).__name__
+
+
+def first_difference(train: Any, eval_: Any, path: str = "output") -> str | None:
+    if isinstance(train, dict) and isinstance(eval_, dict):
+        if set(train) != set(eval_):
+            return f"{path}: keys differ: train {sorted(train)} vs eval {sorted(eval_)}"
+        for key in train:
+            found = first_difference(train[key], eval_[key], f"{path}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(train, list) and isinstance(eval_, list):
+        if len(train) != len(eval_):
+            return f"{path}: length differs: train {len(train)} vs eval {len(eval_)}"
+        for i, (a, b) in enumerate(zip(train, eval_, strict=True)):
+            found = first_difference(a, b, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if type(train) is not type(eval_):
+        return f"{path}: structure differs: train {_kind(train)} vs eval {_kind(eval_)}"
+    if train != eval_:
+        return f"{path}: shape differs: train {train} vs eval {eval_}"
+    return None
+
+
+def _kind(described: Any) -> str:
+    return "tensor of shape " + str(described) if isinstance(described, tuple) else str(described)
+
+
+def _snapshot(model: nn.Module):
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    rng = (
+        random.getstate(),
+        np.random.get_state(),
+        torch.get_rng_state(),
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    )
+    modes = {name: m.training for name, m in model.named_modules()}
+    return buffers, rng, modes
+
+
+def _restore(model: nn.Module, snapshot) -> None:
+    buffers, (py_rng, np_rng, torch_rng, cuda_rng), modes = snapshot
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    random.setstate(py_rng)
+    np.random.set_state(np_rng)
+    torch.set_rng_state(torch_rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    for name, module in model.named_modules():
+        module.training = modes[name]
+
+
+def check_train_eval_agreement(
+    model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any, bool], Any]
+) -> None:
+    """`forward(model, batch, train_mode)` calls the model the way the engine does."""
+    snapshot = _snapshot(model)
+    try:
+        with torch.no_grad():
+            outputs = {}
+            for mode, train_mode in (("train", True), ("eval", False)):
+                model.train(train_mode)
+                outputs[mode] = forward(model, batch, train_mode)
+    finally:
+        _restore(model, snapshot)
+    name = type(model).__name__
+    if hasattr(model, "check_output"):
+        problems = [
+            f"{mode} mode: {p}" for mode in outputs for p in model.check_output(mode, outputs[mode])
+        ]
+        if problems:
+            raise ShapeContractError(
+                f"{name} breaks its declared output contract:\n  " + "\n  ".join(problems)
+            )
+        return
+    difference = first_difference(describe(outputs["train"]), describe(outputs["eval"]))
+    if difference:
+        raise ShapeContractError(
+            f"{name}: train-mode and eval-mode outputs disagree at {difference}. A model must "
+            "return the same structure and shapes in both modes (or declare check_output for "
+            "outputs that differ by design); look for branches on self.training in forward."
+        )

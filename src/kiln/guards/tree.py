@@ -1,0 +1,19 @@
+"""Walk nested batches/outputs (tensors inside lists, tuples and dicts) with their paths."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from iter_tensors(value, f"{path}[{key!r}]")
+    elif isinstance(obj, list | tuple):
+        for i, value in enumerate(obj):
+            yield from iter_tensors(value, f"{path}[{i}]")

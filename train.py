@@ -1,0 +1,6 @@
+"""Train a model: `python train.py [group=option ...] [key=value ...]`. See README.md."""
+
+from kiln.cli.train import main
+
+if __name__ == "__main__":
+    main()
