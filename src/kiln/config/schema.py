@@ -4,7 +4,7 @@ the type system cannot express (names, policies) are checked by `validate` with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -161,6 +161,12 @@ class KilnConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes kept with the run
 
 
+SCHEMAS = {
+    cls.__name__: cls
+    for cls in (DataConfig, ModelConfig, OptimizerConfig, SchedulerConfig, PrecisionConfig,
+                TrainerConfig, LoggerConfig, LossConfig, EnvConfig, DebugConfig)
+}  # fmt: skip
+
 CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
     "precision.name": ("fp32", "amp", "bf16"),
@@ -184,10 +190,27 @@ def _lookup(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+def check_known_keys(cfg: Any, schema: type = None, path: str = "") -> None:
+    """Hydra's `+key=value` adds keys even to typed nodes; kiln refuses any key its schema lacks,
+    so a typo never silently reads as a default."""
+    schema = schema or KilnConfig
+    known = {f.name: f for f in fields(schema)}
+    for key in cfg:
+        if key not in known:
+            raise ConfigError(
+                f"unknown key {path}{key}; {schema.__name__} has: {', '.join(sorted(known))}"
+            )
+        field_type = known[key].type
+        sub = SCHEMAS.get(field_type if isinstance(field_type, str) else field_type.__name__)
+        if sub is not None:
+            check_known_keys(cfg[key], sub, f"{path}{key}.")
+
+
 def validate(cfg: Any) -> None:
     """Cross-field and choice checks the schema types cannot express. Raises ConfigError."""
     from kiln.registry import DATASETS, MODELS
 
+    check_known_keys(cfg)
     for key, valid in CHOICES.items():
         value = _lookup(cfg, key)
         if value not in valid:

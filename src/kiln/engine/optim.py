@@ -38,7 +38,8 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float):
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        # The last step (total_steps - 1) runs at exactly lr * min_lr_ratio.
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps - 1)
         progress = min(progress, 1.0)
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 

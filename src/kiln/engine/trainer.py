@@ -94,6 +94,7 @@ class StepResult:
     samples: int
     data_time_s: float
     step_time_s: float
+    lr: float  # the learning rate this step used
     stepped: bool = True
 
 
@@ -244,11 +245,14 @@ class Trainer:
                 self.state.scaler_skipped += 1
             optimizer.zero_grad(set_to_none=True)
             stepped = True
+        lr = optimizer.param_groups[0]["lr"]
         if self.scheduler is not None:
             self.scheduler.step()  # per optimizer step, skipped steps too: the curve stays aligned
         terms = {name: value / window for name, value in terms_sum.items()}
         elapsed = time.perf_counter() - start
-        return StepResult(loss_sum / window, terms, grad_norm, samples, data_time, elapsed, stepped)
+        return StepResult(
+            loss_sum / window, terms, grad_norm, samples, data_time, elapsed, lr, stepped
+        )
 
     # ------------------------------------------------------------------------- loss & guards
     def forward(self, model: nn.Module, batch: Any, train_mode: bool) -> Any:
@@ -338,7 +342,7 @@ class Trainer:
         metrics = {
             "epoch": self.state.epoch,
             "loss": loss,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": result.lr,
             "samples_per_s": iv.samples / max(iv.step_time_s, 1e-9),
             "data_time_frac": iv.data_time_s / max(iv.step_time_s, 1e-9),
             "memory_mb": memory_mb(self.device),
@@ -436,6 +440,14 @@ class Trainer:
         self.raw_model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         if self.scheduler is not None and checkpoint.get("scheduler") is not None:
+            planned = checkpoint["scheduler"].get("total_steps")
+            now = getattr(self.scheduler, "total_steps", planned)
+            if planned != now:
+                raise ValueError(
+                    f"the checkpoint's LR schedule spans {planned} optimizer steps but this config "
+                    f"implies {now}; resume with the run's trainer.max_epochs, trainer.max_steps, "
+                    "trainer.accumulate_grad_batches and data.batch_size, or start a new run"
+                )
             self.scheduler.load_state_dict(checkpoint["scheduler"])
         self.scaler.load_state_dict(checkpoint["scaler"])
         self.state = TrainState(**checkpoint["state"])

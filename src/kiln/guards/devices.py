@@ -9,7 +9,11 @@ from torch import nn
 
 from kiln.guards.tree import iter_tensors
 
-MISMATCH_MARKERS = ("Expected all tensors to be on the same device", "on different devices")
+MISMATCH_MARKERS = (
+    "Expected all tensors to be on the same device",
+    "on different devices",
+    "is not on the expected device",
+)
 
 
 class DeviceMismatchError(RuntimeError):

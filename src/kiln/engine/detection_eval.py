@@ -1,0 +1,42 @@
+"""Detection quality: mean average precision at one IoU threshold (mAP@0.5 by default), by
+torchmetrics' COCO evaluation (pycocotools): precision is interpolated at 101 recall points and
+averaged over the classes that have ground truth."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _to_cpu(items: list[dict[str, Tensor]], keys: tuple[str, ...]) -> list[dict[str, Tensor]]:
+    return [{key: item[key].detach().cpu() for key in keys} for item in items]
+
+
+def mean_average_precision(
+    predictions: list[dict[str, Tensor]],
+    targets: list[dict[str, Tensor]],
+    iou_threshold: float = 0.5,
+) -> float:
+    """mAP at `iou_threshold` over a dataset.
+
+    predictions: one dict per image with "boxes" (K, 4) as (x1, y1, x2, y2), "scores" (K,),
+    "labels" (K,); targets: one dict per image with "boxes" (M, 4) and "labels" (M,).
+    Returns a float in [0, 1]; 0.0 when no image has a ground-truth box (nothing to find)."""
+    if len(predictions) != len(targets):
+        raise ValueError(
+            f"mean_average_precision needs one prediction per target image, got "
+            f"{len(predictions)} predictions and {len(targets)} targets"
+        )
+    if not any(len(t["labels"]) for t in targets):
+        return 0.0
+    # Imported here: torchmetrics takes seconds to import and only detection runs need it.
+    from torchmetrics.detection import MeanAveragePrecision
+
+    metric = MeanAveragePrecision(iou_type="bbox", iou_thresholds=[iou_threshold])
+    metric.update(
+        _to_cpu(predictions, ("boxes", "scores", "labels")), _to_cpu(targets, ("boxes", "labels"))
+    )
+    value = metric.compute()["map"]
+    # COCO reports -1 for "undefined"; with ground truth present that cannot happen, but a
+    # negative mAP must never reach a metric log.
+    return max(float(torch.as_tensor(value)), 0.0)

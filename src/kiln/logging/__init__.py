@@ -1,0 +1,167 @@
+"""Metric logging: the run record (metrics.jsonl, always) plus optional backends.
+
+    loggers = build_loggers(["csv", "tensorboard"], run_dir, run_name="digits_mlp")
+    loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
+    loggers.log_metrics({"loss": 0.7, "lr": 1e-3}, step=10)
+    loggers.close()
+
+Backends (logger.backends): csv -> <run_dir>/metrics.csv, tensorboard -> <run_dir>/tensorboard/,
+wandb -> <run_dir>/wandb/ (offline unless told otherwise). Metric names may contain "/".
+A backend that raises while logging is dropped with a warning and the run goes on: the run record
+(metrics.jsonl, written by the engine with JsonlWriter) does not depend on any backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from kiln.logging.jsonl import JsonlWriter, read_jsonl
+from kiln.logging.redaction import redact
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("csv", "tensorboard", "wandb")
+
+
+@runtime_checkable
+class MetricLogger(Protocol):
+    def log_config(self, config: dict) -> None:
+        """Record the composed config (a plain dict, e.g. OmegaConf.to_container(resolve=True))."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Record scalar metrics at an optimizer step."""
+
+    def close(self) -> None:
+        """Flush and release files; safe to call more than once."""
+
+
+class MultiLogger:
+    """Fans every call out to its backends; itself a MetricLogger.
+
+    A backend that raises is closed and dropped with a warning (logging must not end a run that
+    is training fine); `close()` is idempotent and never raises.
+    """
+
+    def __init__(self, backends: Mapping[str, MetricLogger]):
+        self.backends: dict[str, MetricLogger] = dict(backends)
+
+    def log_config(self, config: dict) -> None:
+        safe_config = redact(config)  # no credential reaches a backend
+        self._each(lambda backend: backend.log_config(safe_config), "log_config")
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self._each(lambda backend: backend.log_metrics(metrics, step), "log_metrics")
+
+    def close(self) -> None:
+        backends, self.backends = self.backends, {}
+        for name, backend in backends.items():
+            try:
+                backend.close()
+            except Exception:
+                log.warning("logger backend %r failed to close", name, exc_info=True)
+
+    def _each(self, call, what: str) -> None:
+        for name, backend in list(self.backends.items()):
+            try:
+                call(backend)
+            except Exception:
+                log.warning(
+                    "logger backend %r failed in %s; dropping it", name, what, exc_info=True
+                )
+                del self.backends[name]
+                try:
+                    backend.close()
+                except Exception:
+                    log.debug("and %r failed to close", name, exc_info=True)
+
+    def __enter__(self) -> MultiLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def build_loggers(
+    backends: Sequence[str],
+    run_dir: str | Path,
+    *,
+    run_name: str,
+    wandb_project: str = "kiln",
+    wandb_mode: str = "offline",
+    wandb_entity: str | None = None,
+    resume_id: str | None = None,
+) -> MultiLogger:
+    """The loggers named in `backends` (each of BACKENDS), writing under `run_dir`.
+
+    Raises ValueError for an unknown backend or an unusable W&B mode, before anything is created;
+    if a backend fails to start, the ones already started are closed before the error propagates.
+    """
+    unknown = [name for name in backends if name not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown logger backend(s) {unknown}; choose from: {', '.join(BACKENDS)}")
+    if "wandb" in backends:
+        from kiln.logging.wandb_backend import check_wandb_mode
+
+        check_wandb_mode(wandb_mode)  # fail before any file is written
+
+    run_dir = Path(run_dir)
+    started = MultiLogger({})
+    try:
+        for name in dict.fromkeys(backends):  # ordered, duplicates dropped
+            started.backends[name] = _build_backend(
+                name,
+                run_dir,
+                run_name=run_name,
+                wandb_project=wandb_project,
+                wandb_mode=wandb_mode,
+                wandb_entity=wandb_entity,
+                resume_id=resume_id,
+            )
+    except BaseException:
+        started.close()
+        raise
+    return started
+
+
+def _build_backend(
+    name: str,
+    run_dir: Path,
+    *,
+    run_name: str,
+    wandb_project: str,
+    wandb_mode: str,
+    wandb_entity: str | None,
+    resume_id: str | None,
+) -> MetricLogger:
+    if name == "csv":
+        from kiln.logging.csv_backend import CsvLogger
+
+        return CsvLogger(run_dir / "metrics.csv")
+    if name == "tensorboard":
+        from kiln.logging.tensorboard_backend import TensorBoardLogger
+
+        return TensorBoardLogger(run_dir / "tensorboard")
+    from kiln.logging.wandb_backend import WandbLogger
+
+    return WandbLogger(
+        run_dir,
+        run_name=run_name,
+        project=wandb_project,
+        mode=wandb_mode,
+        entity=wandb_entity,
+        resume_id=resume_id,
+    )
+
+
+__all__ = [
+    "BACKENDS",
+    "JsonlWriter",
+    "MetricLogger",
+    "MultiLogger",
+    "build_loggers",
+    "read_jsonl",
+    "redact",
+]

@@ -1,0 +1,182 @@
+"""Summarise a Hydra multirun: one row per run, one column per swept key, then the run's metrics.
+
+A run directory is any directory under the sweep holding `summary.json` or `.hydra/config.yaml`.
+A run that died before writing summary.json still gets a row: status "failed", error
+"no summary.json". Override keys whose value is the same in every run (e.g. the
+trainer.max_epochs=1 that `make sweep` passes to all) are not swept and are left out.
+
+    python scripts/summarize_sweep.py multirun/2026-01-01/12-00-00
+    -> prints the table, writes summary.md and summary.png into that directory
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+SUMMARY_FILE = "summary.json"
+OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
+CONFIG_FILE = Path(".hydra") / "config.yaml"
+METRIC_COLUMNS = [
+    "status",
+    "val_acc",
+    "val_loss",
+    "steps",
+    "samples_per_s",
+    "data_time_frac",
+    "error",
+]
+# The "final metric" plotted per run: the first of these a sweep reports.
+FINAL_METRICS = ("val_acc", "val_map50", "val_loss")
+
+
+def find_run_dirs(sweep_dir: Path) -> list[Path]:
+    """Run directories under `sweep_dir` in natural order (2 before 10)."""
+    markers = [*sweep_dir.rglob(SUMMARY_FILE), *sweep_dir.rglob(str(CONFIG_FILE))]
+    run_dirs = {
+        marker.parent if marker.name == SUMMARY_FILE else marker.parent.parent for marker in markers
+    }
+    return sorted(run_dirs, key=lambda path: _natural_key(path.relative_to(sweep_dir)))
+
+
+def _natural_key(path: Path) -> list[Any]:
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.parts]
+
+
+def read_overrides(run_dir: Path) -> dict[str, str]:
+    """The run's command-line overrides ("key=value" strings) as {key: value}."""
+    path = run_dir / OVERRIDES_FILE
+    if not path.is_file():
+        return {}
+    overrides = {}
+    for item in yaml.safe_load(path.read_text()) or []:
+        key, _, value = str(item).partition("=")
+        overrides[key.lstrip("+~")] = value  # "+key" / "++key" add keys; same column
+    return overrides
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """summary.json as a dict; a missing or unreadable one makes the run failed with that error."""
+    path = run_dir / SUMMARY_FILE
+    if not path.is_file():
+        return {"status": "failed", "error": "no summary.json"}
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        return {"status": "failed", "error": f"unreadable summary.json: {error}"}
+    if not isinstance(summary, dict):
+        return {"status": "failed", "error": "summary.json is not a JSON object"}
+    return summary
+
+
+def collect_runs(sweep_dir: str | Path) -> pd.DataFrame:
+    """One row per run: `run` (its path in the sweep), the swept keys, then METRIC_COLUMNS and any
+    other keys the summaries hold."""
+    sweep_dir = Path(sweep_dir)
+    rows, override_keys, extra_keys = [], {}, {}
+    for run_dir in find_run_dirs(sweep_dir):
+        overrides = read_overrides(run_dir)
+        summary = read_summary(run_dir)
+        override_keys.update(dict.fromkeys(overrides))
+        extra_keys.update(dict.fromkeys(k for k in summary if k not in METRIC_COLUMNS))
+        rows.append({"run": run_dir.relative_to(sweep_dir).as_posix(), **overrides, **summary})
+    swept = [key for key in override_keys if _varies(rows, key)]
+    columns = ["run", *swept, *METRIC_COLUMNS, *extra_keys]
+    frame = pd.DataFrame(rows, columns=columns)
+    frame["status"] = frame["status"].fillna("failed")
+    return frame
+
+
+def _varies(rows: list[dict[str, Any]], key: str) -> bool:
+    # With one run there is nothing to compare against: keep every override.
+    return len(rows) < 2 or len({str(row.get(key)) for row in rows}) > 1
+
+
+def _cell(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float):  # steps read back as float when a failed run has none
+        if value.is_integer() and abs(value) < 1e15:
+            return str(int(value))
+        return f"{value:.1f}" if abs(value) >= 100 else f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(frame: pd.DataFrame) -> str:
+    """A GitHub-flavoured Markdown table (pandas' to_markdown would need tabulate)."""
+    lines = [
+        "| " + " | ".join(str(column) for column in frame.columns) + " |",
+        "|" + "|".join("---" for _ in frame.columns) + "|",
+    ]
+    for row in frame.itertuples(index=False):
+        lines.append("| " + " | ".join(_cell(value) for value in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def swept_columns(frame: pd.DataFrame) -> list[str]:
+    """The swept override keys: collect_runs puts them between `run` and `status`."""
+    return list(frame.columns[1 : frame.columns.get_loc("status")])
+
+
+def run_labels(frame: pd.DataFrame) -> list[str]:
+    """A short label per run: its swept settings, or its directory when nothing was swept."""
+    swept = swept_columns(frame)
+    labels = []
+    for _, row in frame.iterrows():
+        parts = [f"{key.rsplit('.', 1)[-1]}={row[key]}" for key in swept if pd.notna(row[key])]
+        labels.append(", ".join(parts) or str(row["run"]))
+    return labels
+
+
+def final_metric(frame: pd.DataFrame) -> str | None:
+    for name in FINAL_METRICS:
+        if name in frame.columns and frame[name].notna().any():
+            return name
+    return None
+
+
+def plot_summary(frame: pd.DataFrame, path: Path) -> None:
+    """Horizontal bars per run: throughput, data-time fraction and the final metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on servers
+    import matplotlib.pyplot as plt
+
+    metric = final_metric(frame)
+    panels = [("samples_per_s", "samples/s"), ("data_time_frac", "data-time fraction")]
+    if metric:
+        panels.append((metric, metric))
+    labels = run_labels(frame)
+    failed = frame["status"] != "ok"
+    height = max(2.5, 0.45 * len(frame) + 1.2)
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), height), sharey=True)
+    for axis, (column, title) in zip(axes, panels, strict=True):
+        values = pd.to_numeric(frame[column], errors="coerce")
+        colours = ["tab:red" if bad else "tab:blue" for bad in failed]
+        axis.barh(range(len(frame)), values.fillna(0.0), color=colours)
+        for y, (value, bad) in enumerate(zip(values, failed, strict=True)):
+            if bad and pd.isna(value):
+                axis.text(0, y, " failed", va="center", color="tab:red")
+        axis.set_title(title)
+        axis.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(frame)), labels)
+    axes[0].invert_yaxis()  # first run on top, as in the table
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def write_summary(frame: pd.DataFrame, sweep_dir: str | Path) -> tuple[Path, Path]:
+    """Write summary.md and summary.png into `sweep_dir`; returns their paths."""
+    sweep_dir = Path(sweep_dir)
+    markdown_path, png_path = sweep_dir / "summary.md", sweep_dir / "summary.png"
+    num_failed = int((frame["status"] != "ok").sum())
+    header = f"# Sweep summary: {sweep_dir}\n\n{len(frame)} runs, {num_failed} failed.\n\n"
+    markdown_path.write_text(header + to_markdown(frame))
+    plot_summary(frame, png_path)
+    return markdown_path, png_path

@@ -1,0 +1,145 @@
+"""Exact resume after a real SIGKILL, preemption by SIGTERM, and the [FAIL] line, each through the
+real train.py in a subprocess."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from kiln.cli.paths import REPO_ROOT
+from kiln.engine.checkpoint import load_checkpoint
+
+from .conftest import SUBPROCESS_ENV, read_metrics, read_summary, run_train
+
+# Small batches make long epochs, so a kill right after the first step checkpoint lands
+# mid-epoch; dropout stays on so the RNG state must be restored too.
+RESUMABLE = (
+    "trainer.deterministic=true",
+    "trainer.max_epochs=2",
+    "trainer.checkpoint_every_n_steps=10",
+    "trainer.log_every_n_steps=1",
+    "data.batch_size=8",
+    "model.dropout=0.2",
+    "env.progress_bar=false",
+)
+
+
+def start_train(run_dir, *overrides):
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.Popen(
+        cmd, cwd=run_dir.parent, env=SUBPROCESS_ENV,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def wait_for(path, proc, timeout=180.0):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"run ended before {path.name} appeared: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.005)
+
+
+def final_weights(run_dir):
+    return load_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
+
+
+def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(tmp_path):
+    reference = tmp_path / "reference"
+    assert run_train(reference, *RESUMABLE).returncode == 0
+
+    interrupted = tmp_path / "interrupted"
+    proc = start_train(interrupted, *RESUMABLE)
+    wait_for(interrupted / "checkpoints" / "last.pt", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+    saved = load_checkpoint(interrupted / "checkpoints" / "last.pt")["state"]
+    assert saved["epoch"] == 0 and saved["batch_in_epoch"] > 0  # killed mid-epoch
+
+    resumed = run_train(interrupted, *RESUMABLE, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = (interrupted / "train.log").read_text()
+    assert f"at epoch 0, step {saved['global_step']} (batch {saved['batch_in_epoch']}" in log
+
+    expected, actual = final_weights(reference), final_weights(interrupted)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), f"{name} differs after resume"
+    assert read_summary(interrupted)["steps"] == read_summary(reference)["steps"]
+    # The resumed run continued at the next step, not at the start of the epoch.
+    steps = [m["step"] for m in read_metrics(interrupted) if "loss" in m]
+    assert steps.count(saved["global_step"] + 1) >= 1
+
+
+def test_truncated_last_checkpoint_is_reported_and_an_older_one_used(tmp_path):
+    run_dir = tmp_path / "run"
+    settings = ("trainer.max_epochs=2", "env.progress_bar=false")
+    assert run_train(run_dir, *settings).returncode == 0
+    last = run_dir / "checkpoints" / "last.pt"
+    last.write_bytes(last.read_bytes()[:1000])
+    result = run_train(run_dir, *settings, "resume=auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert "last.pt is truncated or corrupt" in log
+    assert "resumed from" in log and "epoch-2.pt" in log
+    assert read_summary(run_dir)["epochs"] == 2
+
+
+def test_resume_with_a_different_schedule_length_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, "trainer.max_epochs=1", "env.progress_bar=false").returncode == 0
+    result = run_train(run_dir, "trainer.max_epochs=3", "env.progress_bar=false", "resume=auto")
+    assert result.returncode == 1
+    assert "spans 23 optimizer steps but this config implies 69" in result.stderr
+
+
+def test_sigterm_checkpoints_at_a_step_boundary_and_exits_75(tmp_path):
+    run_dir = tmp_path / "run"
+    settings = ("trainer.max_epochs=50", "data.batch_size=8", "env.progress_bar=false",
+                "trainer.checkpoint_every_n_steps=10")  # fmt: skip
+    proc = start_train(run_dir, *settings)
+    wait_for(run_dir / "checkpoints" / "last.pt", proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    assert proc.returncode == 75
+    summary = read_summary(run_dir)
+    assert summary["status"] == "preempted" and "resume=auto" in summary["error"]
+    state = load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]
+    assert state["global_step"] == summary["steps"] > 0
+
+
+def test_nonfinite_loss_fails_with_one_greppable_line(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train(
+        run_dir, "optimizer=sgd", "optimizer.lr=1e12", "scheduler=none",
+        "trainer.max_epochs=1", "env.progress_bar=false", f"output_root={tmp_path}/outputs",
+    )  # fmt: skip
+    assert result.returncode == 1
+    pattern = r"^\[FAIL\] digits-mlp \| single \| amp=False \| loss (NaN|Inf) @ step (\d+)$"
+    lines = [line for line in result.stderr.splitlines() if line.startswith("[FAIL]")]
+    assert len(lines) == 1 and re.match(pattern, lines[0]), result.stderr[-2000:]
+    assert (tmp_path / "outputs" / "failures.log").read_text().splitlines() == lines
+    summary = read_summary(run_dir)
+    assert summary["status"] == "failed" and "@ step" in summary["error"]
+    stats = (run_dir / "nan_batch_stats.json").read_text()
+    assert '"batch[0]"' in stats and '"nan"' in stats
+    assert len(list((tmp_path / "outputs" / "failures").glob("*.json"))) == 1
+
+
+def test_nan_policy_skip_finishes_and_counts(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train(
+        run_dir, "optimizer=sgd", "optimizer.lr=1e12", "scheduler=none", "trainer.nan_policy=skip",
+        "trainer.max_epochs=1", "env.progress_bar=false", f"output_root={tmp_path}/outputs",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "ok" and summary["nonfinite_skipped"] > 0
+    assert not (tmp_path / "outputs" / "failures.log").exists()

@@ -1,0 +1,71 @@
+"""A 2-step run of each model through the real train.py, checking the files the contract names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import FAST, read_metrics, read_summary, run_train
+
+SUMMARY_KEYS = {
+    "status",
+    "val_acc",
+    "val_loss",
+    "steps",
+    "samples_per_s",
+    "data_time_frac",
+    "error",
+}
+CASES = {
+    "mlp": ("data=digits",),
+    "resnet18": ("data=synthetic_images", "data.image_size=16", "data.num_train=64",
+                 "data.num_val=32", "data.batch_size=16"),
+    "resnet50": ("data=digits", "data.batch_size=8", "trainer.limit_val_batches=2"),
+    "text_bow": ("data=csv_text",),
+    "text_transformer": ("data=csv_text",),
+    "detector": ("data=shapes_detection", "data.num_train=8", "data.num_val=4",
+                 "data.batch_size=2"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", sorted(CASES))
+def test_two_step_run_leaves_the_contract_files(tmp_path, model):
+    run_dir = tmp_path / "run"
+    result = run_train(run_dir, f"model={model}", *CASES[model], *FAST, "trainer.max_steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"run directory: {run_dir}" in result.stdout
+    for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
+        assert (run_dir / ".hydra" / name).is_file()
+    assert "step 2" in (run_dir / "train.log").read_text()
+    summary = read_summary(run_dir)
+    assert set(summary) >= SUMMARY_KEYS
+    assert summary["status"] == "ok" and summary["error"] is None and summary["steps"] == 2
+    assert summary["samples_per_s"] > 0 and 0 <= summary["data_time_frac"] <= 1
+    metric = "val_map50" if model == "detector" else "val_acc"
+    assert 0.0 <= summary[metric] <= 1.0
+    steps = [m for m in read_metrics(run_dir) if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(k in steps[0] for k in ("lr", "grad_norm", "samples_per_s", "data_time_frac"))
+    for name in ("last.pt", "best.pt"):
+        checkpoint = torch.load(run_dir / "checkpoints" / name, weights_only=True)
+        assert checkpoint["model_name"] == model and checkpoint["state"]["global_step"] == 2
+        assert checkpoint["preprocessing"]["class_names"]
+
+
+def test_resnet50_with_amp_runs_on_cpu_as_bf16(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train(
+        run_dir, "model=resnet50", "precision=amp", "trainer.max_steps=5", *FAST,
+        "data.batch_size=8", "trainer.limit_val_batches=2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_summary(run_dir)["steps"] == 5
+
+
+def test_failed_run_still_writes_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train(run_dir, "data=csv_text", "model=text_bow",
+                       f"data.train_path={tmp_path}/missing.csv", *FAST)  # fmt: skip
+    assert result.returncode != 0
+    summary = read_summary(run_dir)
+    assert summary["status"] == "failed" and "missing.csv" in summary["error"]
