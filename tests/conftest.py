@@ -37,11 +37,17 @@ def cfg_factory():
 
 
 def run_train(
-    run_dir: Path, *overrides: str, cwd: Path | None = None, timeout: int = 300, launcher=None
+    run_dir: Path,
+    *overrides: str,
+    cwd: Path | None = None,
+    timeout: int = 300,
+    launcher=None,
+    explicit_run_dir: bool = True,
 ):
     """Run the real `python train.py` with hydra.run.dir=run_dir; returns CompletedProcess."""
     cmd = [*(launcher or [sys.executable]), str(REPO_ROOT / "train.py")]
-    cmd += [f"hydra.run.dir={run_dir}", *overrides]
+    cmd += [f"hydra.run.dir={run_dir}"] if explicit_run_dir else []
+    cmd += overrides
     return subprocess.run(
         cmd,
         cwd=cwd or run_dir.parent,

@@ -30,11 +30,14 @@ def with_env_profile(argv: list[str]) -> list[str]:
 
 
 def shared_ddp_run_dir() -> str:
-    """One run directory for every rank of a torchrun launch. Ranks share the torchrun agent as
-    parent process, so its start time names the directory; multi-node launches share the
-    rendezvous id instead."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if run_id and run_id != "none":
+    """One run directory for every rank of a torchrun launch. On one node the ranks share the
+    torchrun agent as parent process, so its start time names the directory; ranks on several
+    nodes share only the rendezvous id (torchrun --rdzv-id), which names it instead."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    world = os.environ.get("WORLD_SIZE", "1")
+    if os.environ.get("LOCAL_WORLD_SIZE", world) != world:  # several nodes
+        if run_id == "none":
+            raise ValueError("multi-node torchrun needs --rdzv-id (or set hydra.run.dir)")
         return f"outputs/ddp/{run_id}"
     started = datetime.fromtimestamp(psutil.Process(os.getppid()).create_time())
     return f"outputs/{started:%Y-%m-%d}/{started:%H-%M-%S}-ddp-{socket.gethostname()}"
