@@ -19,8 +19,20 @@ from kiln.models import build_model
 
 from .conftest import SUBPROCESS_ENV, compose_config
 
-GROUPS = ["data", "model", "optimizer", "scheduler", "precision", "env", "trainer", "logger",
-          "loss", "debug", "experiment", "hparams_search"]  # fmt: skip
+GROUPS = [
+    "data",
+    "model",
+    "optimizer",
+    "scheduler",
+    "precision",
+    "env",
+    "trainer",
+    "logger",
+    "loss",
+    "debug",
+    "experiment",
+    "hparams_search",
+]
 SMALL_DATA = ("data.num_train=32", "data.num_val=16")
 DATA_FOR_MODEL = {
     "text_bow": "csv_text",
@@ -163,15 +175,21 @@ def test_production_profile_is_deterministic_and_quiet():
 def test_named_experiment_pins_its_groups():
     cfg = compose_config("experiment=digits_resnet18")
     assert (cfg.name, cfg.model.name, cfg.data.name, cfg.seed) == (
-        "digits_resnet18", "resnet18", "digits", 7,
-    )  # fmt: skip
+        "digits_resnet18",
+        "resnet18",
+        "digits",
+        7,
+    )
 
 
 def test_help_lists_groups_and_options():
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "train.py"), "--help"],
-        capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     for group in ("data", "model", "optimizer", "scheduler", "precision", "env", "trainer"):
         assert f"{group}:" in result.stdout
@@ -180,10 +198,17 @@ def test_help_lists_groups_and_options():
 
 def test_typo_on_the_command_line_fails_before_any_work(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "train.py"), f"hydra.run.dir={tmp_path}/run",
-         "optimizer=adamx"],
-        capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO_ROOT / "train.py"),
+            f"hydra.run.dir={tmp_path}/run",
+            "optimizer=adamx",
+        ],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert "adamw" in result.stderr and "sgd" in result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()

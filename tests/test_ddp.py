@@ -12,8 +12,14 @@ from .conftest import read_summary, run_train
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # fp32, no dropout, no shuffle-dependent padding: 5 steps stay clear of the epoch's end.
-SAME_RUN = ("model.dropout=0.0", "trainer.max_steps=5", "trainer.log_every_n_steps=1",
-            "env.progress_bar=false", "scheduler=none", "optimizer=sgd")  # fmt: skip
+SAME_RUN = (
+    "model.dropout=0.0",
+    "trainer.max_steps=5",
+    "trainer.log_every_n_steps=1",
+    "env.progress_bar=false",
+    "scheduler=none",
+    "optimizer=sgd",
+)
 
 
 def test_two_cpu_processes_match_one_process_with_the_same_global_batch(tmp_path):
@@ -39,9 +45,14 @@ def test_two_cpu_processes_match_one_process_with_the_same_global_batch(tmp_path
 
 def test_ranks_share_one_run_directory_without_hydra_run_dir(tmp_path):
     result = run_train(
-        tmp_path / "unused", "trainer=ddp", "trainer.max_steps=2", "env.progress_bar=false",
-        launcher=TORCHRUN, cwd=tmp_path, explicit_run_dir=False,
-    )  # fmt: skip
+        tmp_path / "unused",
+        "trainer=ddp",
+        "trainer.max_steps=2",
+        "env.progress_bar=false",
+        launcher=TORCHRUN,
+        cwd=tmp_path,
+        explicit_run_dir=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dirs = [p.parent for p in (tmp_path / "outputs").glob("**/summary.json")]
     assert len(run_dirs) == 1 and "-ddp-" in run_dirs[0].name
@@ -51,10 +62,16 @@ def test_ranks_share_one_run_directory_without_hydra_run_dir(tmp_path):
 def test_nonfinite_loss_under_ddp_stops_every_rank_with_one_fail_line(tmp_path):
     run_dir = tmp_path / "run"
     result = run_train(
-        run_dir, "trainer=ddp", "optimizer=sgd", "optimizer.lr=1e12", "scheduler=none",
-        "env.progress_bar=false", f"output_root={tmp_path}/outputs", launcher=TORCHRUN,
+        run_dir,
+        "trainer=ddp",
+        "optimizer=sgd",
+        "optimizer.lr=1e12",
+        "scheduler=none",
+        "env.progress_bar=false",
+        f"output_root={tmp_path}/outputs",
+        launcher=TORCHRUN,
         timeout=240,
-    )  # fmt: skip
+    )
     assert result.returncode != 0
     fails = [line for line in result.stderr.splitlines() if line.startswith("[FAIL]")]
     assert len(fails) == 1 and "| DDP | amp=False | loss" in fails[0], result.stderr[-2000:]

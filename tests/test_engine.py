@@ -47,10 +47,16 @@ def one_step(trainer, window):
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_accumulating_k_batches_equals_one_batch_of_k_times_b(tmp_path, optimizer):
-    big, _ = make_trainer(tmp_path / "a", *DETERMINISTIC_MLP, f"optimizer={optimizer}",
-                          "data.batch_size=32")  # fmt: skip
-    small, _ = make_trainer(tmp_path / "b", *DETERMINISTIC_MLP, f"optimizer={optimizer}",
-                            "data.batch_size=8", "trainer.accumulate_grad_batches=4")  # fmt: skip
+    big, _ = make_trainer(
+        tmp_path / "a", *DETERMINISTIC_MLP, f"optimizer={optimizer}", "data.batch_size=32"
+    )
+    small, _ = make_trainer(
+        tmp_path / "b",
+        *DETERMINISTIC_MLP,
+        f"optimizer={optimizer}",
+        "data.batch_size=8",
+        "trainer.accumulate_grad_batches=4",
+    )
     before = [p.detach().clone() for p in big.raw_model.parameters()]
     one_step(big, window=1)
     one_step(small, window=4)
@@ -67,8 +73,9 @@ def test_partial_last_window_is_scaled_by_its_own_size(tmp_path):
     # A window of 1 micro-batch must give the same update as a plain step on that batch,
     # even though accumulate_grad_batches is 4 (the end of an epoch).
     plain, _ = make_trainer(tmp_path / "a", *DETERMINISTIC_MLP, "optimizer=sgd")
-    partial, _ = make_trainer(tmp_path / "b", *DETERMINISTIC_MLP, "optimizer=sgd",
-                              "trainer.accumulate_grad_batches=4")  # fmt: skip
+    partial, _ = make_trainer(
+        tmp_path / "b", *DETERMINISTIC_MLP, "optimizer=sgd", "trainer.accumulate_grad_batches=4"
+    )
     one_step(plain, window=1)
     one_step(partial, window=1)
     for a, b in zip(plain.raw_model.parameters(), partial.raw_model.parameters(), strict=True):
@@ -77,9 +84,13 @@ def test_partial_last_window_is_scaled_by_its_own_size(tmp_path):
 
 def test_optimizer_steps_per_epoch_include_the_partial_window(tmp_path):
     trainer, recorder = make_trainer(
-        tmp_path, "data.batch_size=256", "trainer.accumulate_grad_batches=4",
-        "trainer.max_epochs=2", "trainer.log_every_n_steps=1", "env.progress_bar=false",
-    )  # fmt: skip
+        tmp_path,
+        "data.batch_size=256",
+        "trainer.accumulate_grad_batches=4",
+        "trainer.max_epochs=2",
+        "trainer.log_every_n_steps=1",
+        "env.progress_bar=false",
+    )
     assert trainer.batches_per_epoch == 6  # 1437 training digits / 256
     trainer.fit()
     assert trainer.state.global_step == 2 * math.ceil(6 / 4) == 4
@@ -88,16 +99,24 @@ def test_optimizer_steps_per_epoch_include_the_partial_window(tmp_path):
 
 def lr_curve(tmp_path, *overrides):
     trainer, recorder = make_trainer(
-        tmp_path, "data.batch_size=128", "trainer.log_every_n_steps=1",
-        "env.progress_bar=false", *overrides,
-    )  # fmt: skip
+        tmp_path,
+        "data.batch_size=128",
+        "trainer.log_every_n_steps=1",
+        "env.progress_bar=false",
+        *overrides,
+    )
     trainer.fit()
     return trainer, [m["lr"] for m in recorder if "loss" in m]
 
 
 def test_onecycle_curve_has_one_value_per_optimizer_step(tmp_path):
-    trainer, lrs = lr_curve(tmp_path, "scheduler=onecycle", "trainer.max_epochs=3",
-                            "trainer.accumulate_grad_batches=3", "optimizer.lr=0.01")  # fmt: skip
+    trainer, lrs = lr_curve(
+        tmp_path,
+        "scheduler=onecycle",
+        "trainer.max_epochs=3",
+        "trainer.accumulate_grad_batches=3",
+        "optimizer.lr=0.01",
+    )
     expected = total_optimizer_steps(12, 3, 3, -1)
     assert len(lrs) == expected == trainer.state.global_step == 12
     peak = lrs.index(max(lrs))
@@ -110,9 +129,15 @@ def test_onecycle_curve_has_one_value_per_optimizer_step(tmp_path):
 
 
 def test_cosine_curve_warms_up_then_decays(tmp_path):
-    _, lrs = lr_curve(tmp_path, "scheduler=cosine", "scheduler.warmup_steps=3",
-                      "scheduler.min_lr_ratio=0.1", "trainer.max_epochs=2",
-                      "trainer.accumulate_grad_batches=2", "optimizer.lr=0.01")  # fmt: skip
+    _, lrs = lr_curve(
+        tmp_path,
+        "scheduler=cosine",
+        "scheduler.warmup_steps=3",
+        "scheduler.min_lr_ratio=0.1",
+        "trainer.max_epochs=2",
+        "trainer.accumulate_grad_batches=2",
+        "optimizer.lr=0.01",
+    )
     assert len(lrs) == total_optimizer_steps(12, 2, 2, -1) == 12
     assert lrs[:3] == sorted(lrs[:3]) and lrs[0] == pytest.approx(0.01 / 3)
     assert lrs[2] == pytest.approx(0.01)
@@ -122,17 +147,24 @@ def test_cosine_curve_warms_up_then_decays(tmp_path):
 
 
 def test_max_steps_caps_the_schedule(tmp_path):
-    trainer, lrs = lr_curve(tmp_path, "scheduler=onecycle", "trainer.max_steps=5",
-                            "trainer.max_epochs=10")  # fmt: skip
+    trainer, lrs = lr_curve(
+        tmp_path, "scheduler=onecycle", "trainer.max_steps=5", "trainer.max_epochs=10"
+    )
     assert trainer.state.global_step == 5 and len(lrs) == 5
     assert lrs[-1] < lrs[2]  # annealed over 5 steps, not over 10 epochs
 
 
 def test_clipping_bounds_the_update_and_the_raw_norm_is_logged(tmp_path):
     clip = 1e-3
-    trainer, _ = make_trainer(tmp_path, *DETERMINISTIC_MLP, "optimizer=sgd", "optimizer.lr=1.0",
-                              "optimizer.momentum=0.0", "optimizer.weight_decay=0.0",
-                              f"trainer.gradient_clip_val={clip}")  # fmt: skip
+    trainer, _ = make_trainer(
+        tmp_path,
+        *DETERMINISTIC_MLP,
+        "optimizer=sgd",
+        "optimizer.lr=1.0",
+        "optimizer.momentum=0.0",
+        "optimizer.weight_decay=0.0",
+        f"trainer.gradient_clip_val={clip}",
+    )
     before = torch.cat([p.detach().flatten().clone() for p in trainer.raw_model.parameters()])
     result = one_step(trainer, window=1)
     after = torch.cat([p.detach().flatten() for p in trainer.raw_model.parameters()])

@@ -68,8 +68,14 @@ def all_backends_run(tmp_path_factory) -> Path:
 def test_csv_is_a_flat_table_with_late_keys(all_backends_run):
     table = pd.read_csv(all_backends_run / "metrics.csv")
     assert list(table.columns) == [
-        "step", "loss", "loss/z_loss", "lr", "grad_norm", "val_loss", "val_acc"
-    ]  # fmt: skip
+        "step",
+        "loss",
+        "loss/z_loss",
+        "lr",
+        "grad_norm",
+        "val_loss",
+        "val_acc",
+    ]
     assert table["step"].tolist() == [step for step, _ in STEPS]
     assert table["loss"].iloc[:3].tolist() == [2.0, 1.5, 1.0]
     assert table["loss/z_loss"].iloc[:3].tolist() == [0.01, 0.02, 0.03]

@@ -32,9 +32,13 @@ RESUMABLE = (
 def start_train(run_dir, *overrides):
     cmd = [sys.executable, str(REPO_ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
     return subprocess.Popen(
-        cmd, cwd=run_dir.parent, env=SUBPROCESS_ENV,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cmd,
+        cwd=run_dir.parent,
+        env=SUBPROCESS_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(path, proc, timeout=180.0):
@@ -102,8 +106,12 @@ def test_resume_with_a_different_schedule_length_is_refused(tmp_path):
 
 def test_sigterm_checkpoints_at_a_step_boundary_and_exits_75(tmp_path):
     run_dir = tmp_path / "run"
-    settings = ("trainer.max_epochs=50", "data.batch_size=8", "env.progress_bar=false",
-                "trainer.checkpoint_every_n_steps=10")  # fmt: skip
+    settings = (
+        "trainer.max_epochs=50",
+        "data.batch_size=8",
+        "env.progress_bar=false",
+        "trainer.checkpoint_every_n_steps=10",
+    )
     proc = start_train(run_dir, *settings)
     wait_for(run_dir / "checkpoints" / "last.pt", proc)
     proc.send_signal(signal.SIGTERM)
@@ -118,9 +126,14 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_exits_75(tmp_path):
 def test_nonfinite_loss_fails_with_one_greppable_line(tmp_path):
     run_dir = tmp_path / "run"
     result = run_train(
-        run_dir, "optimizer=sgd", "optimizer.lr=1e12", "scheduler=none",
-        "trainer.max_epochs=1", "env.progress_bar=false", f"output_root={tmp_path}/outputs",
-    )  # fmt: skip
+        run_dir,
+        "optimizer=sgd",
+        "optimizer.lr=1e12",
+        "scheduler=none",
+        "trainer.max_epochs=1",
+        "env.progress_bar=false",
+        f"output_root={tmp_path}/outputs",
+    )
     assert result.returncode == 1
     pattern = r"^\[FAIL\] digits-mlp \| single \| amp=False \| loss (NaN|Inf) @ step (\d+)$"
     lines = [line for line in result.stderr.splitlines() if line.startswith("[FAIL]")]
@@ -136,9 +149,15 @@ def test_nonfinite_loss_fails_with_one_greppable_line(tmp_path):
 def test_nan_policy_skip_finishes_and_counts(tmp_path):
     run_dir = tmp_path / "run"
     result = run_train(
-        run_dir, "optimizer=sgd", "optimizer.lr=1e12", "scheduler=none", "trainer.nan_policy=skip",
-        "trainer.max_epochs=1", "env.progress_bar=false", f"output_root={tmp_path}/outputs",
-    )  # fmt: skip
+        run_dir,
+        "optimizer=sgd",
+        "optimizer.lr=1e12",
+        "scheduler=none",
+        "trainer.nan_policy=skip",
+        "trainer.max_epochs=1",
+        "env.progress_bar=false",
+        f"output_root={tmp_path}/outputs",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = read_summary(run_dir)
     assert summary["status"] == "ok" and summary["nonfinite_skipped"] > 0

@@ -18,14 +18,23 @@ SUMMARY_KEYS = {
 }
 CASES = {
     "mlp": ("data=digits",),
-    "resnet18": ("data=synthetic_images", "data.image_size=16", "data.num_train=64",
-                 "data.num_val=32", "data.batch_size=16"),
+    "resnet18": (
+        "data=synthetic_images",
+        "data.image_size=16",
+        "data.num_train=64",
+        "data.num_val=32",
+        "data.batch_size=16",
+    ),
     "resnet50": ("data=digits", "data.batch_size=8", "trainer.limit_val_batches=2"),
     "text_bow": ("data=csv_text",),
     "text_transformer": ("data=csv_text",),
-    "detector": ("data=shapes_detection", "data.num_train=8", "data.num_val=4",
-                 "data.batch_size=2"),
-}  # fmt: skip
+    "detector": (
+        "data=shapes_detection",
+        "data.num_train=8",
+        "data.num_val=4",
+        "data.batch_size=2",
+    ),
+}
 
 
 @pytest.mark.parametrize("model", sorted(CASES))
@@ -55,17 +64,23 @@ def test_two_step_run_leaves_the_contract_files(tmp_path, model):
 def test_resnet50_with_amp_runs_on_cpu_as_bf16(tmp_path):
     run_dir = tmp_path / "run"
     result = run_train(
-        run_dir, "model=resnet50", "precision=amp", "trainer.max_steps=5", *FAST,
-        "data.batch_size=8", "trainer.limit_val_batches=2",
-    )  # fmt: skip
+        run_dir,
+        "model=resnet50",
+        "precision=amp",
+        "trainer.max_steps=5",
+        *FAST,
+        "data.batch_size=8",
+        "trainer.limit_val_batches=2",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_summary(run_dir)["steps"] == 5
 
 
 def test_failed_run_still_writes_summary(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_train(run_dir, "data=csv_text", "model=text_bow",
-                       f"data.train_path={tmp_path}/missing.csv", *FAST)  # fmt: skip
+    result = run_train(
+        run_dir, "data=csv_text", "model=text_bow", f"data.train_path={tmp_path}/missing.csv", *FAST
+    )
     assert result.returncode != 0
     summary = read_summary(run_dir)
     assert summary["status"] == "failed" and "missing.csv" in summary["error"]

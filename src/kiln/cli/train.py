@@ -37,7 +37,12 @@ def record_nonfinite(cfg, run_dir: Path, err, distributed: bool) -> None:
     root.mkdir(parents=True, exist_ok=True)
     with open(root / "failures.log", "a") as f:
         f.write(line + "\n")
-    stats = {"failure": line, "run_dir": str(run_dir), "batch": err.batch_stats}
+    stats = {
+        "failure": line,
+        "run_dir": str(run_dir),
+        "nonfinite_terms": err.bad_terms,
+        "batch": err.batch_stats,
+    }
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     stats_dir = root / "failures"
     stats_dir.mkdir(exist_ok=True)

@@ -39,9 +39,10 @@ PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class NonFiniteLossError(RuntimeError):
     """The loss was NaN/Inf under trainer.nan_policy=fail."""
 
-    def __init__(self, kind: str, step: int, batch_stats: dict):
-        super().__init__(f"loss {kind} @ step {step}")
-        self.kind, self.step, self.batch_stats = kind, step, batch_stats
+    def __init__(self, kind: str, step: int, batch_stats: dict, bad_terms: list[str]):
+        detail = f" (non-finite terms: {', '.join(bad_terms)})" if bad_terms else ""
+        super().__init__(f"loss {kind} @ step {step}{detail}")
+        self.kind, self.step, self.batch_stats, self.bad_terms = kind, step, batch_stats, bad_terms
 
 
 class Preempted(Exception):  # noqa: N818  (a control-flow signal, not an error)
@@ -223,7 +224,8 @@ class Trainer:
             with contextlib.nullcontext() if sync else model.no_sync():
                 with self.precision.autocast():
                     loss, terms = self.compute_loss(batch)
-                finite = self.check_loss(loss, batch) and finite  # raises under nan_policy=fail
+                # raises under nan_policy=fail
+                finite = self.check_loss(loss, terms, batch) and finite
                 # Divide by the window so k micro-batches of b equal one batch of k*b.
                 scaler.scale(loss / window).backward()
             loss_sum += loss.detach()
@@ -275,7 +277,7 @@ class Trainer:
             return sum(output.values()), output
         return classification_loss(output, batch[1], self.loss_branches)
 
-    def check_loss(self, loss: torch.Tensor, batch: Any) -> bool:
+    def check_loss(self, loss: torch.Tensor, terms: dict, batch: Any) -> bool:
         """False (skip) or NonFiniteLossError (fail) when the loss is NaN/Inf on any rank."""
         flags = torch.stack([torch.isnan(loss.detach()), torch.isinf(loss.detach())]).float()
         nan, inf = all_reduce_sum(flags).tolist()
@@ -285,7 +287,8 @@ class Trainer:
         if self.settings.nan_policy == "skip":
             log.warning("non-finite loss @ step %d skipped (nan_policy=skip)", step)
             return False
-        raise NonFiniteLossError("NaN" if nan else "Inf", step, tensor_stats(batch))
+        bad_terms = [name for name, term in terms.items() if not torch.isfinite(term).all()]
+        raise NonFiniteLossError("NaN" if nan else "Inf", step, tensor_stats(batch), bad_terms)
 
     def check_shapes(self) -> None:
         if self.settings.shape_check:

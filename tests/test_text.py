@@ -1,0 +1,298 @@
+"""csv_text (CSV reading, errors, tokenizer, collate, encode_texts) and the text models."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from kiln.config.schema import DataConfig, ModelConfig
+from kiln.data import build_data
+from kiln.data.csv_text import CsvTextError, collate_tokens, encode_texts
+from kiln.data.spec import DataSpec
+from kiln.models import build_model
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+TEXT_MODELS = ["text_bow", "text_transformer"]
+
+
+def compose(schema, group: str, option: str, **overrides):
+    """The real config group option merged onto its schema, with test overrides."""
+    return OmegaConf.merge(
+        OmegaConf.structured(schema), OmegaConf.load(CONF / group / f"{option}.yaml"), overrides
+    )
+
+
+def data_cfg(**overrides):
+    return compose(DataConfig, "data", "csv_text", **overrides)
+
+
+def model_cfg(name: str, **overrides):
+    return compose(ModelConfig, "model", name, **overrides)
+
+
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return path
+
+
+TRAIN_ROWS = [
+    {"text": "the cat sat on the mat", "label": "pets"},
+    {"text": "a dog chased the ball", "label": "pets"},
+    {"text": "my cat likes warm milk", "label": "pets"},
+    {"text": "the stock market fell today", "label": "money"},
+    {"text": "interest rates rose again", "label": "money"},
+    {"text": "the bank raised its fees", "label": "money"},
+]
+VAL_ROWS = [
+    {"text": "the dog sat on the ball", "label": "pets"},
+    {"text": "zebras quietly market their fees", "label": "money"},  # 'zebras' unseen in train
+]
+
+
+@pytest.fixture(scope="module")
+def demo_bundle():
+    return build_data(data_cfg())
+
+
+@pytest.fixture
+def csv_bundle(tmp_path):
+    train = write_csv(tmp_path / "train.csv", TRAIN_ROWS)
+    val = write_csv(tmp_path / "val.csv", VAL_ROWS)
+    return build_data(data_cfg(train_path=str(train), val_path=str(val)))
+
+
+# --- the dataset ---------------------------------------------------------------------------
+
+
+def test_demo_corpus_builds_a_token_spec(demo_bundle):
+    cfg, spec = data_cfg(), demo_bundle.spec
+    assert spec.task == "classification" and spec.input_kind == "tokens"
+    assert spec.pad_id == 0 and spec.max_length == cfg.max_length
+    assert spec.num_classes == len(spec.class_names) >= 2
+    assert list(spec.class_names) == sorted(spec.class_names)
+    assert 0 < spec.vocab_size <= cfg.vocab_size
+    every_id = torch.cat([demo_bundle.train[i][0] for i in range(len(demo_bundle.train))])
+    assert int(every_id.max()) < spec.vocab_size
+    assert len(demo_bundle.val) == round(
+        (len(demo_bundle.train) + len(demo_bundle.val)) * cfg.val_fraction
+    )
+
+
+def test_demo_split_is_stratified_and_seeded(demo_bundle):
+    labels = demo_bundle.val.labels
+    counts = torch.bincount(labels, minlength=demo_bundle.spec.num_classes)
+    assert int(counts.max() - counts.min()) <= 1  # the demo topics are balanced
+    again = build_data(data_cfg())
+    assert torch.equal(again.val.labels, labels)
+    other = build_data(data_cfg(split_seed=1))
+    first_ids = [again.val[i][0].tolist() for i in range(len(again.val))]
+    assert [other.val[i][0].tolist() for i in range(len(other.val))] != first_ids
+
+
+def test_preprocessing_is_plain_data_that_survives_a_weights_only_load(demo_bundle):
+    pre = demo_bundle.preprocessing
+    assert pre["kind"] == "tokens" and pre["pad_id"] == demo_bundle.spec.pad_id
+    assert pre["class_names"] == list(demo_bundle.spec.class_names)
+    json.dumps(pre)  # nothing but JSON types
+    buffer = io.BytesIO()
+    torch.save({"preprocessing": pre}, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True)["preprocessing"] == pre
+
+
+def test_csv_files_give_sorted_classes_and_the_val_file_rows(csv_bundle):
+    assert csv_bundle.spec.class_names == ("money", "pets")
+    assert len(csv_bundle.train) == len(TRAIN_ROWS) and len(csv_bundle.val) == len(VAL_ROWS)
+    expected = [csv_bundle.spec.class_names.index(r["label"]) for r in VAL_ROWS]
+    assert csv_bundle.val.labels.tolist() == expected
+
+
+def test_numeric_labels_sort_as_numbers(tmp_path):
+    rows = [
+        {"text": f"sentence number {i}", "label": label}
+        for i, label in enumerate(["10", "2", "2", "10", "1", "1"] * 2)
+    ]
+    bundle = build_data(data_cfg(train_path=str(write_csv(tmp_path / "n.csv", rows))))
+    assert bundle.spec.class_names == ("1", "2", "10")
+
+
+def test_tokenizer_is_trained_on_the_training_split_only(csv_bundle):
+    unk_id = 1  # [PAD]=0, [UNK]=1
+    zebra_ids = encode_texts(csv_bundle.preprocessing, ["zebras"])[0]
+    assert zebra_ids.tolist() == [unk_id]
+    cat_ids = encode_texts(csv_bundle.preprocessing, ["cat"])[0]
+    assert unk_id not in cat_ids.tolist()
+
+
+def test_texts_are_truncated_to_max_length(tmp_path):
+    rows = [dict(r) for r in TRAIN_ROWS]
+    rows[0]["text"] = " ".join(["cat"] * 500)
+    cfg = data_cfg(train_path=str(write_csv(tmp_path / "long.csv", rows)), val_fraction=0.5)
+    bundle = build_data(cfg)
+    lengths = [len(bundle.train[i][0]) for i in range(len(bundle.train))]
+    lengths += [len(bundle.val[i][0]) for i in range(len(bundle.val))]
+    assert max(lengths) == cfg.max_length
+    long_text = encode_texts(bundle.preprocessing, [rows[0]["text"]])
+    assert long_text.shape[1] == cfg.max_length
+
+
+def test_small_vocab_size_is_respected(tmp_path):
+    cfg = data_cfg(train_path=str(write_csv(tmp_path / "t.csv", TRAIN_ROWS)), vocab_size=24)
+    assert build_data(cfg).spec.vocab_size <= cfg.vocab_size
+
+
+# --- clear errors for bad input --------------------------------------------------------------
+
+
+def test_missing_column_names_the_file_and_the_columns_present(tmp_path):
+    path = write_csv(tmp_path / "bad.csv", [{"sentence": "hello", "label": "a"}])
+    with pytest.raises(CsvTextError) as err:
+        build_data(data_cfg(train_path=str(path)))
+    message = str(err.value)
+    assert str(path) in message and "'text'" in message
+    assert "columns present: 'sentence', 'label'" in message
+
+
+def test_empty_text_names_the_row(tmp_path):
+    rows = [dict(r) for r in TRAIN_ROWS]
+    rows[3]["text"] = "   "
+    path = write_csv(tmp_path / "empty.csv", rows)
+    with pytest.raises(CsvTextError, match=r"row 4 \(line 5\) has an empty text in column 'text'"):
+        build_data(data_cfg(train_path=str(path)))
+
+
+def test_nan_label_names_the_row(tmp_path):
+    rows = [dict(r) for r in TRAIN_ROWS]
+    rows[1]["label"] = float("nan")
+    path = write_csv(tmp_path / "nan.csv", rows)
+    with pytest.raises(CsvTextError, match=r"nan\.csv: row 2 \(line 3\) has a missing"):
+        build_data(data_cfg(train_path=str(path)))
+
+
+def test_nonexistent_path_is_named(tmp_path):
+    missing = tmp_path / "nowhere.csv"
+    with pytest.raises(CsvTextError, match="nowhere.csv: no such file"):
+        build_data(data_cfg(train_path=str(missing)))
+
+
+def test_val_label_unseen_in_training_names_the_row_and_label(tmp_path):
+    train = write_csv(tmp_path / "train.csv", TRAIN_ROWS)
+    val = write_csv(tmp_path / "val.csv", [*VAL_ROWS, {"text": "rain again", "label": "weather"}])
+    with pytest.raises(CsvTextError, match=r"val\.csv: row 3 \(line 4\).*'weather'"):
+        build_data(data_cfg(train_path=str(train), val_path=str(val)))
+
+
+def test_single_class_is_refused(tmp_path):
+    rows = [{"text": r["text"], "label": "same"} for r in TRAIN_ROWS]
+    with pytest.raises(CsvTextError, match="two classes"):
+        build_data(data_cfg(train_path=str(write_csv(tmp_path / "one.csv", rows))))
+
+
+# --- batching and inference encoding --------------------------------------------------------
+
+
+def test_collate_pads_to_the_longest_with_pad_id(demo_bundle):
+    items = [demo_bundle.train[i] for i in range(4)]
+    ids, labels = demo_bundle.collate_fn(items)
+    lengths = [len(item[0]) for item in items]
+    assert ids.dtype == torch.long and labels.dtype == torch.long
+    assert ids.shape == (len(items), max(lengths)) and labels.shape == (len(items),)
+    for row, (tokens, _label), length in zip(ids, items, lengths, strict=True):
+        assert torch.equal(row[:length], tokens)
+        assert bool((row[length:] == demo_bundle.spec.pad_id).all())
+    assert labels.tolist() == [int(item[1]) for item in items]
+
+
+def test_collate_fn_is_picklable_for_workers(demo_bundle):
+    restored = pickle.loads(pickle.dumps(demo_bundle.collate_fn))
+    assert restored is collate_tokens
+
+
+def test_encode_texts_repeats_the_training_encoding(csv_bundle):
+    texts = [row["text"] for row in VAL_ROWS]
+    encoded = encode_texts(csv_bundle.preprocessing, texts)
+    expected, _ = csv_bundle.collate_fn([csv_bundle.val[i] for i in range(len(texts))])
+    assert torch.equal(encoded, expected)
+
+
+# --- models ----------------------------------------------------------------------------------
+
+
+def _token_batch(spec: DataSpec, batch_size: int, length: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, spec.vocab_size, (batch_size, length), generator=gen)
+    ids[0, length // 2 :] = spec.pad_id  # one padded row, like a real batch
+    return ids
+
+
+@pytest.mark.parametrize("aux_head", [False, True])
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("name", TEXT_MODELS)
+def test_text_model_forward_backward_at_two_lengths(demo_bundle, name, batch_size, aux_head):
+    spec = demo_bundle.spec
+    model = build_model(spec, model_cfg(name), aux_head=aux_head)
+    for length in (spec.max_length, max(1, spec.max_length // 3)):
+        model.zero_grad()
+        out = model(_token_batch(spec, batch_size, length))
+        logits = out["logits"] if aux_head else out
+        assert logits.shape == (batch_size, spec.num_classes)
+        loss = logits.sum()
+        if aux_head:
+            assert out["aux_logits"].shape == logits.shape
+            loss = loss + out["aux_logits"].sum()
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("name", TEXT_MODELS)
+def test_padding_does_not_change_the_prediction(demo_bundle, name):
+    spec = demo_bundle.spec
+    model = build_model(spec, model_cfg(name)).eval()
+    ids = _token_batch(spec, 2, spec.max_length // 2)
+    padded = torch.cat([ids, torch.full_like(ids, spec.pad_id)], dim=1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), model(padded), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", TEXT_MODELS)
+def test_text_model_on_real_batch_and_all_padding_row(demo_bundle, name):
+    spec = demo_bundle.spec
+    model = build_model(spec, model_cfg(name))
+    ids, _ = demo_bundle.collate_fn([demo_bundle.train[i] for i in range(3)])
+    ids[0] = spec.pad_id
+    assert torch.isfinite(model(ids)).all()
+
+
+def test_transformer_refuses_sequences_longer_than_max_length(demo_bundle):
+    spec = demo_bundle.spec
+    model = build_model(spec, model_cfg("text_transformer"))
+    with pytest.raises(ValueError, match="data.max_length"):
+        model(_token_batch(spec, 1, spec.max_length + 1))
+
+
+@pytest.mark.parametrize("name", TEXT_MODELS)
+def test_text_models_reject_image_data(name):
+    image_spec = DataSpec(
+        task="classification",
+        input_kind="image",
+        num_classes=3,
+        class_names=("a", "b", "c"),
+        channels=1,
+        image_size=(8, 8),
+    )
+    with pytest.raises(ValueError, match="needs token data"):
+        build_model(image_spec, model_cfg(name))
+
+
+def test_transformer_heads_must_divide_embed_dim(demo_bundle):
+    cfg = model_cfg("text_transformer", embed_dim=30, num_heads=4)
+    with pytest.raises(ValueError, match="divisible by model.num_heads"):
+        build_model(demo_bundle.spec, cfg)
