@@ -43,6 +43,7 @@ def run_train(
     timeout: int = 300,
     launcher=None,
     explicit_run_dir: bool = True,
+    env_overrides: dict | None = None,
 ):
     """Run the real `python train.py` with hydra.run.dir=run_dir; returns CompletedProcess."""
     cmd = [*(launcher or [sys.executable]), str(REPO_ROOT / "train.py")]
@@ -51,7 +52,7 @@ def run_train(
     return subprocess.run(
         cmd,
         cwd=cwd or run_dir.parent,
-        env=SUBPROCESS_ENV,
+        env={**SUBPROCESS_ENV, **(env_overrides or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from kiln.cli.paths import CONF_DIR, with_ddp_run_dir, with_env_profile
@@ -77,6 +78,8 @@ def hydra_main(cfg: DictConfig) -> float | None:
     except NonFiniteLossError as err:
         if dist.is_main:
             record_nonfinite(cfg, run_dir, err, dist.enabled)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # Hydra records the failed job and the sweep goes on
         raise SystemExit(EXIT_FAILED) from None
     except Preempted as err:
         log.warning("%s", err)

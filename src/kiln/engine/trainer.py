@@ -108,8 +108,10 @@ class Interval:
     samples: int = 0
     data_time_s: float = 0.0
     step_time_s: float = 0.0
-    loss_sum: float = 0.0
-    terms: dict[str, float] = field(default_factory=dict)
+    # Device tensors, read once per log line: no host sync on the steps in between.
+    loss_sum: Any = 0.0
+    terms: dict[str, Any] = field(default_factory=dict)
+    grad_norm_max: Any = None  # every step's norm counts, not only the logged step's
 
 
 def batch_size_of(batch: Any) -> int:
@@ -307,9 +309,12 @@ class Trainer:
         interval.step_time_s += result.step_time_s
         if result.stepped:
             interval.finite_steps += 1
-            interval.loss_sum += float(result.loss)
+            interval.loss_sum = interval.loss_sum + result.loss
             for name, value in result.terms.items():
-                interval.terms[name] = interval.terms.get(name, 0.0) + float(value)
+                interval.terms[name] = interval.terms.get(name, 0.0) + value
+            norm = result.grad_norm.detach()
+            previous = interval.grad_norm_max
+            interval.grad_norm_max = norm if previous is None else torch.maximum(previous, norm)
         if bar is not None:
             bar.update(1)
         if self.should_log():
@@ -340,8 +345,8 @@ class Trainer:
     def interval_metrics(self, result: StepResult) -> dict:
         iv = self._interval
         counted = max(1, iv.finite_steps)
-        loss = torch.tensor(iv.loss_sum / counted, device=self.device)
-        loss = float(all_reduce_sum(loss)) / self.dist.world_size
+        loss = torch.as_tensor(iv.loss_sum / counted, device=self.device, dtype=torch.float32)
+        loss = float(all_reduce_sum(loss.clone())) / self.dist.world_size
         metrics = {
             "epoch": self.state.epoch,
             "loss": loss,
@@ -354,8 +359,10 @@ class Trainer:
         }
         if result.grad_norm is not None:
             metrics["grad_norm"] = float(result.grad_norm)
+        if iv.grad_norm_max is not None:
+            metrics["grad_norm_max"] = float(iv.grad_norm_max)
         for name, value in iv.terms.items():
-            metrics[f"loss/{name}"] = value / counted
+            metrics[f"loss/{name}"] = float(value) / counted
         return metrics
 
     def should_log(self) -> bool:
@@ -516,10 +523,11 @@ class Trainer:
         self._preempt_requested = True
 
     def _preemption_agreed(self) -> bool:
+        if not self.dist.enabled:
+            return self._preempt_requested
+        # The signal may reach ranks at different steps: stop together or not at all.
         flag = torch.tensor(float(self._preempt_requested), device=self.device)
-        if self.dist.enabled:
-            flag = all_reduce_sum(flag)
-        return bool(flag > 0)
+        return bool(all_reduce_sum(flag) > 0)
 
 
 def memory_mb(device: torch.device) -> float:

@@ -1,0 +1,237 @@
+"""Export a checkpoint to ONNX (dynamic batch, and sequence length for token models), prove the
+graph agrees with torch on real validation examples, and write the preprocessing beside it.
+
+    model.onnx            inputs: input (N, C, H, W) float32 | (N, L) int64; outputs: logits, probs
+    model.onnx.json       data spec, preprocessing, config and the source .pt's sha256
+    model.int8.onnx(.json)  with int8=True: dynamically quantised weights, looser agreement check
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from torch import Tensor
+
+from kiln.inference.backends import ONNX_INPUT, ONNX_OUTPUTS, ProbabilityHead, ort_session
+from kiln.inference.errors import InferenceError
+from kiln.inference.preprocess import build_preprocessor
+from kiln.inference.record import ModelRecord, read_checkpoint, rebuild_model, sidecar_path
+
+log = logging.getLogger(__name__)
+
+OPSET = 17
+PROBS_TOLERANCE = 1e-4  # max |p_onnx - p_torch| over every class of every example
+INT8_MIN_AGREEMENT = 0.95  # share of examples where the int8 model's argmax matches torch's
+NUM_PARITY_EXAMPLES = 64
+NUM_INT8_EXAMPLES = 512
+
+
+class ExportParityError(InferenceError):
+    """The exported graph disagrees with the torch model beyond the tolerance."""
+
+
+@dataclass
+class ParityCheck:
+    name: str  # which batch: "batch=1", "batch=64, length=12", ...
+    max_abs_diff: float  # on probabilities
+
+
+@dataclass
+class ExportReport:
+    onnx_path: Path
+    parity: list[ParityCheck] = field(default_factory=list)
+    int8_path: Path | None = None
+    int8_agreement: float | None = None
+    int8_num_examples: int = 0
+    examples_source: str = ""
+
+    def lines(self) -> list[str]:
+        out = [f"wrote {self.onnx_path} (+ {sidecar_path(self.onnx_path).name})"]
+        out += [f"  parity {c.name}: max |dprob| = {c.max_abs_diff:.2e}" for c in self.parity]
+        out.append(f"  examples: {self.examples_source}")
+        if self.int8_path is not None:
+            out.append(
+                f"wrote {self.int8_path}: argmax agrees with torch on "
+                f"{self.int8_agreement:.1%} of {self.int8_num_examples} examples"
+            )
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Examples to check parity on
+
+
+def validation_examples(record: ModelRecord, limit: int) -> tuple[Tensor, str]:
+    """Up to `limit` preprocessed validation inputs, rebuilt from the run's data config. If the
+    data is not reachable here (a CSV on another machine), random valid inputs instead."""
+    from kiln.data import build_data
+
+    try:
+        bundle = build_data(OmegaConf.create(record.config["data"]))
+    except (OSError, ValueError) as err:
+        warnings.warn(f"parity check on random inputs: the run's data is unavailable ({err})")
+        return random_examples(record, limit), "random inputs (training data unavailable)"
+    items = [bundle.val[i] for i in range(min(limit, len(bundle.val)))]
+    if bundle.collate_fn is not None:
+        inputs, _ = bundle.collate_fn(items)
+    else:
+        inputs = torch.stack([x for x, _ in items])
+    return inputs, f"{len(items)} validation examples of data={record.config['data']['name']}"
+
+
+def random_examples(record: ModelRecord, limit: int) -> Tensor:
+    gen = torch.Generator().manual_seed(0)
+    spec = record.spec
+    if spec.input_kind == "tokens":
+        return torch.randint(1, spec.vocab_size, (limit, max(2, spec.max_length // 2)), generator=gen)
+    preprocess = build_preprocessor(record.preprocessing)
+    low, high = preprocess.value_range or (-1.0, 1.0)
+    raw = low + (high - low) * torch.rand((limit, *preprocess.shape), generator=gen)
+    return preprocess(raw.numpy())
+
+
+def parity_batches(examples: Tensor, input_kind: str) -> dict[str, Tensor]:
+    """Two batch sizes; token models also at two sequence lengths."""
+    n = len(examples)
+    batches = {"batch=1": examples[:1], f"batch={n}": examples}
+    if input_kind == "tokens":
+        length = examples.shape[1]
+        batches = {
+            f"batch=1, length={length}": examples[:1],
+            f"batch={n}, length={length}": examples,
+        }
+        short = max(1, length // 2)  # truncated rows are still valid token sequences
+        batches[f"batch={n}, length={short}"] = examples[:, :short].contiguous()
+    return batches
+
+
+# ---------------------------------------------------------------------------------------------
+# Export and checks
+
+
+def write_onnx(net: ProbabilityHead, example: Tensor, out_path: Path, input_kind: str) -> None:
+    dims = {0: "batch", 1: "sequence"} if input_kind == "tokens" else {0: "batch"}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notice
+        torch.onnx.export(
+            net,
+            (example,),
+            str(out_path),
+            input_names=[ONNX_INPUT],
+            output_names=list(ONNX_OUTPUTS),
+            dynamic_axes={ONNX_INPUT: dims, "logits": {0: "batch"}, "probs": {0: "batch"}},
+            opset_version=OPSET,
+            dynamo=False,
+        )
+    import onnx
+
+    onnx.checker.check_model(str(out_path))
+
+
+def write_sidecar(record: ModelRecord, onnx_path: Path) -> Path:
+    path = sidecar_path(onnx_path)
+    path.write_text(json.dumps(record.to_json(), indent=1) + "\n")
+    return path
+
+
+@torch.inference_mode()
+def torch_probs(net: ProbabilityHead, batch: Tensor) -> np.ndarray:
+    return net(batch)[1].numpy()
+
+
+def onnx_probs(session, batch: Tensor) -> np.ndarray:
+    return session.run(["probs"], {ONNX_INPUT: batch.numpy()})[0]
+
+
+def check_parity(net: ProbabilityHead, onnx_path: Path, batches: dict[str, Tensor], device: str):
+    session = ort_session(onnx_path, device)
+    checks = []
+    for name, batch in batches.items():
+        diff = float(np.abs(onnx_probs(session, batch) - torch_probs(net, batch)).max())
+        checks.append(ParityCheck(name, diff))
+        if not diff <= PROBS_TOLERANCE:  # also catches NaN
+            raise ExportParityError(
+                f"{onnx_path}: ONNX Runtime and torch disagree on {name}: max |dprob| = "
+                f"{diff:.3g} > {PROBS_TOLERANCE:g}; the export is not trustworthy"
+            )
+    return checks
+
+
+@contextlib.contextmanager
+def quiet_root_logger():
+    """onnxruntime.quantization logs per-tensor notes on the root logger; keep them out."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def quantize_int8(onnx_path: Path) -> Path:
+    from onnxruntime.quantization import QuantType, quant_pre_process, quantize_dynamic
+
+    int8_path = onnx_path.with_name(onnx_path.name.removesuffix(".onnx") + ".int8.onnx")
+    with tempfile.TemporaryDirectory() as tmp, quiet_root_logger():
+        # Shape inference + graph clean-up first, as onnxruntime recommends before quantising.
+        prepared = Path(tmp) / "prepared.onnx"
+        quant_pre_process(str(onnx_path), str(prepared))
+        quantize_dynamic(str(prepared), str(int8_path), weight_type=QuantType.QInt8)
+    return int8_path
+
+
+def check_int8(net: ProbabilityHead, int8_path: Path, examples: Tensor, device: str) -> float:
+    session = ort_session(int8_path, device)
+    agree = onnx_probs(session, examples).argmax(1) == torch_probs(net, examples).argmax(1)
+    agreement = float(agree.mean())
+    if agreement < INT8_MIN_AGREEMENT:
+        raise ExportParityError(
+            f"{int8_path}: the int8 model's prediction matches torch on only {agreement:.1%} of "
+            f"{len(examples)} examples (< {INT8_MIN_AGREEMENT:.0%}); use the fp32 model.onnx"
+        )
+    return agreement
+
+
+def export(
+    ckpt_path: str | Path,
+    out_path: str | Path | None = None,
+    *,
+    int8: bool = False,
+    device: str = "cpu",
+) -> ExportReport:
+    """Export, check parity (raises ExportParityError), write the sidecar JSON; optionally int8."""
+    ckpt_path = Path(ckpt_path)
+    record, state_dict = read_checkpoint(ckpt_path)
+    onnx_path = Path(out_path) if out_path is not None else ckpt_path.with_name("model.onnx")
+    net = ProbabilityHead(rebuild_model(record, state_dict)).eval()
+    limit = NUM_INT8_EXAMPLES if int8 else NUM_PARITY_EXAMPLES
+    examples, source = validation_examples(record, limit)
+    kind = record.spec.input_kind
+    write_onnx(net, examples[:2], onnx_path, kind)
+    report = ExportReport(onnx_path, examples_source=source)
+    report.parity = check_parity(net, onnx_path, parity_batches(examples[:NUM_PARITY_EXAMPLES], kind), device)
+    write_sidecar(record, onnx_path)
+    if int8:
+        report.int8_path = quantize_int8(onnx_path)
+        report.int8_agreement = check_int8(net, report.int8_path, examples, device)
+        report.int8_num_examples = len(examples)
+        write_sidecar(record, report.int8_path)
+    for line in report.lines():
+        log.info(line)
+    return report
+
+
+def export_onnx(ckpt_path: str | Path, out_path: str | Path | None = None) -> Path:
+    """Write model.onnx beside the checkpoint (or at out_path) after the parity check."""
+    return export(ckpt_path, out_path).onnx_path

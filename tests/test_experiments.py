@@ -1,0 +1,230 @@
+"""Experiments you can trust: real train runs read back by TensorBoard's and W&B's own readers,
+multirun sweeps with their summary, env profiles, debug tools and init schemes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from kiln.cli.paths import REPO_ROOT, with_env_profile
+from kiln.engine.run import train
+from kiln.guards.activations import ActivationMonitor
+from kiln.logging.sweep_summary import collect_runs
+from kiln.models.init import apply_init
+
+from .conftest import SUBPROCESS_ENV, compose_config, read_metrics, read_summary, run_train
+
+QUICK = ("trainer.max_steps=4", "trainer.log_every_n_steps=1", "env.progress_bar=false")
+
+
+def run_in_process(run_dir, *overrides):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return train(compose_config(*overrides), run_dir)
+
+
+def test_tensorboard_and_wandb_receive_every_step_metric_and_eval(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    run_in_process(run_dir, *QUICK, "logger.backends=[csv,tensorboard,wandb]", "loss.z_loss=true")
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    jsonl = {m["step"]: m for m in read_metrics(run_dir) if "loss" in m}
+    for key in (
+        "loss",
+        "loss/main",
+        "loss/z_loss",
+        "lr",
+        "grad_norm",
+        "samples_per_s",
+        "data_time_frac",
+        "memory_mb",
+    ):
+        scalars = {e.step: e.value for e in events.Scalars(key)}
+        assert sorted(scalars) == [1, 2, 3, 4], key
+        assert scalars[4] == pytest.approx(jsonl[4][key], rel=1e-5), key
+    assert [e.step for e in events.Scalars("val_acc")] == [4]
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    records = [json.loads(line) for line in out.splitlines() if line.strip()]
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    assert [h["loss"] for h in history if "loss" in h] == pytest.approx(
+        [jsonl[s]["loss"] for s in (1, 2, 3, 4)], rel=1e-6
+    )
+    assert any("val_acc" in h for h in history)
+
+
+def test_multirun_sweep_and_its_summary_include_failed_runs(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "train.py"),
+            "-m",
+            f"hydra.sweep.dir={sweep}",
+            "trainer.accumulate_grad_batches=1,2",
+            "optimizer=sgd",
+            "scheduler=none",
+            "optimizer.lr=0.05,1e12",
+            *QUICK,
+            f"output_root={tmp_path}/outputs",
+        ],
+        cwd=tmp_path,
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode != 0  # two jobs failed; Hydra reports it after running all four
+    assert result.stderr.count("[FAIL]") == 2
+    summary = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "summarize_sweep.py"), str(sweep)],
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert summary.returncode == 0, summary.stderr
+    table = collect_runs(sweep)
+    assert len(table) == 4
+    failed = table[table["status"] == "failed"]
+    assert [float(lr) for lr in failed["optimizer.lr"]] == [1e12, 1e12]
+    assert all("@ step" in error for error in failed["error"])
+    ok = table[table["status"] == "ok"]
+    assert len(ok) == 2 and (ok["samples_per_s"] > 0).all()
+    assert (sweep / "summary.md").read_text().count("failed") >= 2
+    assert (sweep / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_make_sweep_runs_the_documented_grid(tmp_path):
+    result = subprocess.run(
+        ["make", "-C", str(REPO_ROOT), "sweep", "ARGS=trainer.max_steps=3"],
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "summary.md" in result.stdout
+
+
+def test_kiln_env_picks_the_profile_unless_env_is_given(monkeypatch):
+    monkeypatch.setenv("KILN_ENV", "production")
+    assert with_env_profile(["model=mlp"]) == ["model=mlp", "env=production"]
+    assert with_env_profile(["env=experiment"]) == ["env=experiment"]
+    monkeypatch.delenv("KILN_ENV")
+    assert with_env_profile(["model=mlp"]) == ["model=mlp"]
+
+
+def test_production_profile_through_kiln_env(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**SUBPROCESS_ENV, "KILN_ENV": "production"}
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), f"hydra.run.dir={run_dir}", *QUICK]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = (run_dir / ".hydra" / "config.yaml").read_text()
+    assert "name: production" in config and "deterministic: true" in config
+    assert "step 4 loss" not in result.stdout  # quiet: no per-step log lines
+    refused = run_train(
+        tmp_path / "r2", "debug=activations", env_overrides={"KILN_ENV": "production"}
+    )
+    assert refused.returncode != 0 and "not allowed in env=production" in refused.stderr
+
+
+def test_fast_dev_run_is_one_train_and_one_val_batch(tmp_path):
+    summary = run_in_process(tmp_path / "run", "debug=fast_dev_run", "env.progress_bar=false")
+    assert summary["steps"] == 1 and summary["status"] == "ok"
+    assert not list((tmp_path / "run" / "checkpoints").glob("epoch-*.pt"))
+
+
+def test_overfit_batch_drives_the_loss_down(tmp_path):
+    summary = run_in_process(
+        tmp_path / "run",
+        "debug=overfit_batch",
+        "debug.overfit_steps=30",
+        "env.progress_bar=false",
+        "model.dropout=0.0",
+    )
+    assert summary["steps"] == 30
+    assert summary["overfit_loss_last"] < 0.2 * summary["overfit_loss_first"]
+
+
+def test_activations_debug_logs_layer_statistics(tmp_path):
+    run_in_process(tmp_path / "run", "debug=activations", *QUICK)
+    first = read_metrics(tmp_path / "run")[0]
+    assert "act/body.0/mean" in first and "act/head/std" in first
+    assert first["act/body.1/mean"] >= 0  # after the ReLU
+
+
+def test_activation_monitor_flags_dead_and_exploding_layers():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with torch.no_grad():
+        model[0].bias.fill_(-1e4)  # every ReLU output is 0: dead
+        model[2].weight.fill_(0.0)
+        model[2].bias.fill_(1e5)  # exploding
+    monitor = ActivationMonitor(model)
+    model.train()
+    model(torch.randn(8, 4))
+    flagged = monitor.flagged()
+    assert flagged["1"].startswith("dead") and flagged["2"].startswith("exploding")
+    assert "0" not in flagged or not flagged["0"].startswith("dead")
+    monitor.close()
+    assert not model[0]._forward_hooks
+
+
+@pytest.mark.parametrize(
+    ("scheme", "expected_std"),
+    [("kaiming", math.sqrt(2 / 256)), ("xavier", math.sqrt(2 / (256 + 256)))],
+)
+def test_init_schemes_set_the_weight_scale(scheme, expected_std):
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 256)
+    apply_init(layer, scheme)
+    assert layer.weight.std().item() == pytest.approx(expected_std, rel=0.05)
+    assert torch.count_nonzero(layer.bias) == 0
+
+
+def test_init_scheme_from_config_reaches_the_model(tmp_path):
+    summary = run_in_process(tmp_path / "run", "model.init=kaiming", *QUICK)
+    assert summary["status"] == "ok"
+    assert compose_config("model.init=xavier").model.init == "xavier"
+
+
+def test_optuna_search_optimises_the_metric_train_returns(tmp_path):
+    sweep = tmp_path / "search"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "train.py"),
+            "hparams_search=digits_optuna",
+            f"hydra.sweep.dir={sweep}",
+            "hydra.sweeper.n_trials=2",
+            *QUICK,
+        ],
+        cwd=tmp_path,
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    best = (sweep / "optimization_results.yaml").read_text()
+    values = [
+        read_summary(d)["val_acc"] for d in sorted(p.parent for p in sweep.glob("*/summary.json"))
+    ]
+    assert len(values) == 2
+    assert f"best_value: {max(values)}" in best
