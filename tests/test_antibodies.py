@@ -241,6 +241,32 @@ def test_rule3_check_leaves_no_trace(tmp_path):
     assert torch.equal(torch.get_rng_state(), rng[2])
 
 
+class LeakyNorm(nn.Module):
+    """Broken on purpose: its BatchNorm is forced into train mode, so evaluation moves the
+    running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+        self.norm = nn.BatchNorm1d(10)
+
+    def forward(self, x):
+        self.norm.train()
+        return self.norm(self.fc(x.flatten(1)))
+
+
+def test_rule3_bn_statistics_leaking_in_eval_mode_are_reported():
+    batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+    model = LeakyNorm()
+    before = model.norm.running_mean.clone()
+    with pytest.raises(ShapeContractError) as info:
+        check_train_eval_agreement(model, batch, forward_inputs)
+    assert "eval-mode forward changed buffers norm.running_mean, norm.running_var" in str(
+        info.value
+    )
+    assert torch.equal(model.norm.running_mean, before)  # and the check itself left no trace
+
+
 def test_rule3_detector_is_checked_against_its_per_mode_contract(tmp_path):
     trainer, _ = make_trainer(
         tmp_path,

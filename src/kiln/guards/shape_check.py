@@ -2,6 +2,7 @@
 output's structure and shapes. Models whose outputs differ by design between modes (detectors)
 declare a contract per mode via `check_output(mode, output) -> list[str]` instead.
 
+An eval-mode forward must not change any buffer (BatchNorm statistics leaking in eval mode).
 The check leaves no trace: parameters' gradients (no-grad forward), BatchNorm running statistics
 and every other buffer, the RNG states and the model's mode are exactly as before."""
 
@@ -85,20 +86,32 @@ def _restore(model: nn.Module, snapshot) -> None:
         module.training = modes[name]
 
 
+def _changed_buffers(model: nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
+    return [name for name, b in model.named_buffers() if not torch.equal(b, before[name])]
+
+
 def check_train_eval_agreement(
     model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any, bool], Any]
 ) -> None:
     """`forward(model, batch, train_mode)` calls the model the way the engine does."""
     snapshot = _snapshot(model)
+    name = type(model).__name__
     try:
         with torch.no_grad():
-            outputs = {}
-            for mode, train_mode in (("train", True), ("eval", False)):
-                model.train(train_mode)
-                outputs[mode] = forward(model, batch, train_mode)
+            model.train(True)
+            outputs = {"train": forward(model, batch, True)}
+            _restore(model, snapshot)
+            model.eval()
+            outputs["eval"] = forward(model, batch, False)
+            changed = _changed_buffers(model, snapshot[0])
     finally:
         _restore(model, snapshot)
-    name = type(model).__name__
+    if changed:
+        raise ShapeContractError(
+            f"{name}: an eval-mode forward changed buffers {', '.join(changed)}. Statistics "
+            "leak in eval mode: a BatchNorm (or similar) layer is still updating its running "
+            "statistics; check for modules forced into train mode or a train() override."
+        )
     if hasattr(model, "check_output"):
         problems = [
             f"{mode} mode: {p}" for mode in outputs for p in model.check_output(mode, outputs[mode])
