@@ -248,3 +248,15 @@ def test_epoch_checkpoints_are_pruned_to_the_last_k(tmp_path):
         ckpt.atomic_save({"model": {}}, tmp_path / f"epoch-{epoch}.pt")
     ckpt.prune_epoch_checkpoints(tmp_path, keep_last_k=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-4.pt", "epoch-5.pt"]
+
+
+def test_slow_data_loading_is_reported_with_a_num_workers_hint(tmp_path, caplog):
+    trainer, _ = make_trainer(tmp_path, *DETERMINISTIC_MLP)
+    trainer.state.data_time_s, trainer.state.step_time_s = 4.0, 10.0
+    trainer.report_data_time()
+    assert "data loading took 40% of step time" in caplog.text
+    assert "data.num_workers (now 0)" in caplog.text
+    caplog.clear()
+    trainer.state.data_time_s = 1.0
+    trainer.report_data_time()
+    assert "data loading took" not in caplog.text
