@@ -63,7 +63,8 @@ def ort_session(onnx_path: Path, device: torch.device | str = "cpu"):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.log_severity_level = 3  # errors only: ORT's warnings about unused providers are noise
+    # Fatal only: errors reach us as exceptions, and its warnings (unused providers) are noise.
+    options.log_severity_level = 4
     return ort.InferenceSession(str(onnx_path), options, providers=ort_providers(device))
 
 

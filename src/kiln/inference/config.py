@@ -71,7 +71,9 @@ def _convert(key: str, text: str, declared: Any) -> Any:
     optional = isinstance(declared, types.UnionType) and type(None) in typing.get_args(declared)
     if optional and text.lower() in ("null", "none", ""):
         return None
-    base = next(t for t in typing.get_args(declared) if t is not type(None)) if optional else declared
+    base = (
+        next(t for t in typing.get_args(declared) if t is not type(None)) if optional else declared
+    )
     if base is bool:
         if text.lower() not in ("true", "false", "1", "0"):
             raise ArgumentError(f"{key}={text!r}: expected true or false")

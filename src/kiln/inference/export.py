@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor
 
+from kiln.data.spec import DataSpec
 from kiln.inference.backends import ONNX_INPUT, ONNX_OUTPUTS, ProbabilityHead, ort_session
 from kiln.inference.errors import InferenceError
 from kiln.inference.preprocess import build_preprocessor
@@ -29,6 +30,7 @@ from kiln.inference.record import ModelRecord, read_checkpoint, rebuild_model, s
 log = logging.getLogger(__name__)
 
 OPSET = 17
+DYNAMO_OPSET = 18  # the dynamo exporter's lowest supported opset
 PROBS_TOLERANCE = 1e-4  # max |p_onnx - p_torch| over every class of every example
 INT8_MIN_AGREEMENT = 0.95  # share of examples where the int8 model's argmax matches torch's
 NUM_PARITY_EXAMPLES = 64
@@ -49,13 +51,15 @@ class ParityCheck:
 class ExportReport:
     onnx_path: Path
     parity: list[ParityCheck] = field(default_factory=list)
+    exporter: str = ""  # which torch.onnx exporter produced the graph: legacy | dynamo
     int8_path: Path | None = None
     int8_agreement: float | None = None
     int8_num_examples: int = 0
     examples_source: str = ""
 
     def lines(self) -> list[str]:
-        out = [f"wrote {self.onnx_path} (+ {sidecar_path(self.onnx_path).name})"]
+        sidecar = sidecar_path(self.onnx_path).name
+        out = [f"wrote {self.onnx_path} (+ {sidecar}; {self.exporter} exporter)"]
         out += [f"  parity {c.name}: max |dprob| = {c.max_abs_diff:.2e}" for c in self.parity]
         out.append(f"  examples: {self.examples_source}")
         if self.int8_path is not None:
@@ -78,7 +82,7 @@ def validation_examples(record: ModelRecord, limit: int) -> tuple[Tensor, str]:
     try:
         bundle = build_data(OmegaConf.create(record.config["data"]))
     except (OSError, ValueError) as err:
-        warnings.warn(f"parity check on random inputs: the run's data is unavailable ({err})")
+        log.warning("parity check on random inputs: the run's data is unavailable (%s)", err)
         return random_examples(record, limit), "random inputs (training data unavailable)"
     items = [bundle.val[i] for i in range(min(limit, len(bundle.val)))]
     if bundle.collate_fn is not None:
@@ -92,7 +96,9 @@ def random_examples(record: ModelRecord, limit: int) -> Tensor:
     gen = torch.Generator().manual_seed(0)
     spec = record.spec
     if spec.input_kind == "tokens":
-        return torch.randint(1, spec.vocab_size, (limit, max(2, spec.max_length // 2)), generator=gen)
+        return torch.randint(
+            1, spec.vocab_size, (limit, max(2, spec.max_length // 2)), generator=gen
+        )
     preprocess = build_preprocessor(record.preprocessing)
     low, high = preprocess.value_range or (-1.0, 1.0)
     raw = low + (high - low) * torch.rand((limit, *preprocess.shape), generator=gen)
@@ -118,11 +124,12 @@ def parity_batches(examples: Tensor, input_kind: str) -> dict[str, Tensor]:
 # Export and checks
 
 
-def write_onnx(net: ProbabilityHead, example: Tensor, out_path: Path, input_kind: str) -> None:
-    dims = {0: "batch", 1: "sequence"} if input_kind == "tokens" else {0: "batch"}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+def export_legacy(net: ProbabilityHead, example: Tensor, out_path: Path, spec: DataSpec) -> None:
+    """TorchScript-based exporter: fast and simple, but it bakes some shapes (e.g. the batch size
+    inside nn.MultiheadAttention) into the graph; the parity check catches that."""
+    dims = {0: "batch", 1: "sequence"} if spec.input_kind == "tokens" else {0: "batch"}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notice
+        warnings.simplefilter("ignore")  # its deprecation notice
         torch.onnx.export(
             net,
             (example,),
@@ -133,9 +140,53 @@ def write_onnx(net: ProbabilityHead, example: Tensor, out_path: Path, input_kind
             opset_version=OPSET,
             dynamo=False,
         )
+
+
+def export_dynamo(net: ProbabilityHead, example: Tensor, out_path: Path, spec: DataSpec) -> None:
+    """torch.export-based exporter: symbolic batch (and sequence) sizes all the way through."""
+    dims = {0: torch.export.Dim("batch")}
+    if spec.input_kind == "tokens":
+        dims[1] = torch.export.Dim("sequence", max=spec.max_length)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            net,
+            (example,),
+            str(out_path),
+            input_names=[ONNX_INPUT],
+            output_names=list(ONNX_OUTPUTS),
+            dynamic_shapes=(dims,),
+            opset_version=DYNAMO_OPSET,
+            dynamo=True,
+            external_data=False,  # one self-contained file, like the legacy exporter's
+            verbose=False,
+        )
+
+
+EXPORTERS = {"legacy": export_legacy, "dynamo": export_dynamo}
+
+
+def export_checked(
+    net: ProbabilityHead, examples: Tensor, onnx_path: Path, spec: DataSpec, device: str
+) -> tuple[str, list[ParityCheck]]:
+    """The first exporter whose graph runs and agrees with torch: (its name, parity checks)."""
     import onnx
 
-    onnx.checker.check_model(str(out_path))
+    onnx_path.parent.mkdir(parents=True, exist_ok=True)
+    batches = parity_batches(examples[:NUM_PARITY_EXAMPLES], spec.input_kind)
+    failures = []
+    for name, exporter in EXPORTERS.items():
+        try:
+            exporter(net, examples[:2], onnx_path, spec)
+            onnx.checker.check_model(str(onnx_path))
+            return name, check_parity(net, onnx_path, batches, device)
+        except Exception as err:  # any failure of one exporter: try the next, report all
+            log.info("the %s ONNX exporter did not work: %s", name, err)
+            failures.append(f"{name} exporter: {type(err).__name__}: {str(err)[:300]}")
+    onnx_path.unlink(missing_ok=True)
+    raise ExportParityError(
+        f"no ONNX export of {onnx_path} agreed with torch: " + "; ".join(failures)
+    )
 
 
 def write_sidecar(record: ModelRecord, onnx_path: Path) -> Path:
@@ -180,13 +231,19 @@ def quiet_root_logger():
 
 
 def quantize_int8(onnx_path: Path) -> Path:
+    import onnx
     from onnxruntime.quantization import QuantType, quant_pre_process, quantize_dynamic
 
     int8_path = onnx_path.with_name(onnx_path.name.removesuffix(".onnx") + ".int8.onnx")
     with tempfile.TemporaryDirectory() as tmp, quiet_root_logger():
+        # The dynamo exporter's intermediate shape annotations can contradict onnx's own shape
+        # inference, which quantisation runs; drop them and let it infer afresh.
+        graph = onnx.load(str(onnx_path))
+        del graph.graph.value_info[:]
+        stripped, prepared = Path(tmp) / "stripped.onnx", Path(tmp) / "prepared.onnx"
+        onnx.save(graph, str(stripped))
         # Shape inference + graph clean-up first, as onnxruntime recommends before quantising.
-        prepared = Path(tmp) / "prepared.onnx"
-        quant_pre_process(str(onnx_path), str(prepared))
+        quant_pre_process(str(stripped), str(prepared), skip_symbolic_shape=True)
         quantize_dynamic(str(prepared), str(int8_path), weight_type=QuantType.QInt8)
     return int8_path
 
@@ -196,6 +253,7 @@ def check_int8(net: ProbabilityHead, int8_path: Path, examples: Tensor, device: 
     agree = onnx_probs(session, examples).argmax(1) == torch_probs(net, examples).argmax(1)
     agreement = float(agree.mean())
     if agreement < INT8_MIN_AGREEMENT:
+        int8_path.unlink()  # never leave a model behind that failed its check
         raise ExportParityError(
             f"{int8_path}: the int8 model's prediction matches torch on only {agreement:.1%} of "
             f"{len(examples)} examples (< {INT8_MIN_AGREEMENT:.0%}); use the fp32 model.onnx"
@@ -217,10 +275,8 @@ def export(
     net = ProbabilityHead(rebuild_model(record, state_dict)).eval()
     limit = NUM_INT8_EXAMPLES if int8 else NUM_PARITY_EXAMPLES
     examples, source = validation_examples(record, limit)
-    kind = record.spec.input_kind
-    write_onnx(net, examples[:2], onnx_path, kind)
-    report = ExportReport(onnx_path, examples_source=source)
-    report.parity = check_parity(net, onnx_path, parity_batches(examples[:NUM_PARITY_EXAMPLES], kind), device)
+    exporter, parity = export_checked(net, examples, onnx_path, record.spec, device)
+    report = ExportReport(onnx_path, parity, exporter=exporter, examples_source=source)
     write_sidecar(record, onnx_path)
     if int8:
         report.int8_path = quantize_int8(onnx_path)

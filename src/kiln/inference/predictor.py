@@ -56,6 +56,8 @@ class Predictor:
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} does not exist")
         torch_device = resolve_device(device)
+        if backend == "torch" and path.suffix == ".onnx":
+            raise ValueError(f"{path} is an ONNX export; use backend=onnx (or pass the .pt)")
         if backend == "torch":
             if int8:
                 raise ValueError("int8=true needs backend=onnx (the int8 model is an ONNX export)")
