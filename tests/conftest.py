@@ -63,6 +63,19 @@ def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def read_wandb_records(run_dir: Path) -> tuple[Path, list[dict]]:
+    """The offline W&B run under run_dir, read by wandb's own reader (`wandb leet inspect`)."""
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    return run_file, [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -260,3 +260,19 @@ def test_slow_data_loading_is_reported_with_a_num_workers_hint(tmp_path, caplog)
     trainer.state.data_time_s = 1.0
     trainer.report_data_time()
     assert "data loading took" not in caplog.text
+
+
+def test_steps_gradscaler_skips_for_inf_gradients_are_counted(tmp_path):
+    trainer, _ = make_trainer(tmp_path, *DETERMINISTIC_MLP)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=True)
+    head = trainer.raw_model.head
+    weight = head.weight.detach().clone()
+    handle = head.weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    result = one_step(trainer, window=1)
+    handle.remove()
+    assert result.stepped and not math.isfinite(float(result.grad_norm))
+    assert trainer.state.scaler_skipped == 1 and trainer.state.nonfinite_skipped == 0
+    assert torch.equal(weight, head.weight)  # the scaler skipped optimizer.step
+    assert trainer.scaler.get_scale() == 2.0**7
+    one_step(trainer, window=1)  # a clean step goes through and is not counted
+    assert trainer.state.scaler_skipped == 1 and not torch.equal(weight, head.weight)

@@ -3,7 +3,6 @@ multirun sweeps with their summary, env profiles, debug tools and init schemes."
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -19,7 +18,14 @@ from kiln.guards.activations import ActivationMonitor
 from kiln.logging.sweep_summary import collect_runs
 from kiln.models.init import apply_init
 
-from .conftest import SUBPROCESS_ENV, compose_config, read_metrics, read_summary, run_train
+from .conftest import (
+    SUBPROCESS_ENV,
+    compose_config,
+    read_metrics,
+    read_summary,
+    read_wandb_records,
+    run_train,
+)
 
 QUICK = ("trainer.max_steps=4", "trainer.log_every_n_steps=1", "env.progress_bar=false")
 
@@ -51,15 +57,7 @@ def test_tensorboard_and_wandb_receive_every_step_metric_and_eval(tmp_path, monk
         assert sorted(scalars) == [1, 2, 3, 4], key
         assert scalars[4] == pytest.approx(jsonl[4][key], rel=1e-5), key
     assert [e.step for e in events.Scalars("val_acc")] == [4]
-    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    out = subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_file)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    records = [json.loads(line) for line in out.splitlines() if line.strip()]
+    _, records = read_wandb_records(run_dir)
     history = [r["history"]["item"] for r in records if r["type"] == "history"]
     assert [h["loss"] for h in history if "loss" in h] == pytest.approx(
         [jsonl[s]["loss"] for s in (1, 2, 3, 4)], rel=1e-6

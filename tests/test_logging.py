@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from kiln.logging import JsonlWriter, MultiLogger, build_loggers, read_jsonl, redact
 from kiln.logging.csv_backend import CsvLogger
+
+from .conftest import read_wandb_records
 
 FAKE_API_KEY = "kiln-test-secret-" + "0123456789abcdef" * 2
 CONFIG = {
@@ -112,16 +112,9 @@ def test_tensorboard_event_files_hold_scalars_and_config(all_backends_run):
 
 
 def _wandb_records(run_dir: Path) -> list[dict]:
-    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    run_file, records = read_wandb_records(run_dir)
     assert run_file.name == "run-kilntest01.wandb"  # the resume id became the run id
-    out = subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_file)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    return [json.loads(line) for line in out.splitlines() if line.strip()]
+    return records
 
 
 def test_wandb_offline_run_holds_history_and_config(all_backends_run):

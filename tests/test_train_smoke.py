@@ -84,3 +84,11 @@ def test_failed_run_still_writes_summary(tmp_path):
     assert result.returncode != 0
     summary = read_summary(run_dir)
     assert summary["status"] == "failed" and "missing.csv" in summary["error"]
+
+
+@pytest.mark.slow
+def test_default_run_reaches_095_on_digits(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train(run_dir, "env.progress_bar=false", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_summary(run_dir)["val_acc"] >= 0.95
