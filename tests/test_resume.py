@@ -162,3 +162,35 @@ def test_nan_policy_skip_finishes_and_counts(tmp_path):
     summary = read_summary(run_dir)
     assert summary["status"] == "ok" and summary["nonfinite_skipped"] > 0
     assert not (tmp_path / "outputs" / "failures.log").exists()
+
+
+def make_run(outputs, rel, name, checkpoint_age_s):
+    import os
+
+    run_dir = outputs / rel
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text(f"name: {name}\n")
+    (run_dir / "checkpoints").mkdir()
+    last = run_dir / "checkpoints" / "last.pt"
+    last.write_bytes(b"x")
+    stamp = time.time() - checkpoint_age_s
+    os.utime(last, (stamp, stamp))
+    return run_dir
+
+
+def test_resume_auto_picks_the_newest_run_of_the_same_experiment(tmp_path):
+    from kiln.cli.resume import with_resume_run_dir
+
+    outputs = tmp_path / "outputs"
+    make_run(outputs, "2026-11-01/10-00-00", "digits-mlp", checkpoint_age_s=300)
+    newest = make_run(outputs, "2026-11-02/09-00-00", "digits-mlp", checkpoint_age_s=60)
+    make_run(outputs, "2026-11-03/09-00-00", "digits-resnet18", checkpoint_age_s=1)
+    argv = with_resume_run_dir(["resume=auto"], outputs=outputs)
+    assert argv == ["resume=auto", f"hydra.run.dir={newest}"]
+    resnet = with_resume_run_dir(["resume=auto", "model=resnet18"], outputs=outputs)
+    assert resnet[-1].endswith("2026-11-03/09-00-00")
+    assert with_resume_run_dir(["resume=auto", "model=resnet50"], outputs=outputs) == [
+        "resume=auto",
+        "model=resnet50",
+    ]  # no earlier run: start fresh
+    assert with_resume_run_dir(["model=mlp"], outputs=outputs) == ["model=mlp"]
