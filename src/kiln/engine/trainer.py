@@ -323,7 +323,7 @@ class Trainer:
                 bar.set_postfix(
                     loss=f"{metrics['loss']:.4f}", sps=f"{metrics['samples_per_s']:.0f}"
                 )
-            elif self.dist.is_main:
+            if self.dist.is_main:
                 log.info(
                     "epoch %d step %d loss %.4f lr %.3g grad_norm %.3g %.0f samples/s data %.0f%%",
                     s.epoch,
@@ -378,6 +378,11 @@ class Trainer:
 
     def evaluate_and_checkpoint(self, epoch_end: bool) -> None:
         self.last_eval = self.evaluate()
+        if self.dist.is_main:
+            shown = " ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items())
+            log.info(
+                "eval after epoch %d step %d: %s", self.state.epoch, self.state.global_step, shown
+            )
         self.on_metrics({"epoch": self.state.epoch, **self.last_eval}, self.state.global_step)
         improved = self.update_best(self.last_eval)
         self.save("last.pt")
@@ -498,15 +503,21 @@ class Trainer:
     def _loader_batch(self) -> int:
         return self.train_loader.batch_size
 
+    @contextlib.contextmanager
     def _progress_bar(self):
+        """A tqdm bar on a terminal (log lines are routed around it), None otherwise."""
         if not (self.settings.progress_bar and self.dist.is_main and sys.stderr.isatty()):
-            return contextlib.nullcontext()
+            yield None
+            return
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         steps = math.ceil(
             (self.batches_per_epoch - self.state.batch_in_epoch) / self.settings.accumulate
         )
-        return tqdm(total=steps, desc=f"epoch {self.state.epoch}", unit="step", leave=False)
+        bar = tqdm(total=steps, desc=f"epoch {self.state.epoch}", unit="step", leave=False)
+        with logging_redirect_tqdm(), bar:
+            yield bar
 
     def _install_preemption_handlers(self) -> None:
         self._previous_handlers = {}
