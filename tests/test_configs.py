@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
@@ -123,8 +124,6 @@ def test_unknown_key_added_with_plus_is_rejected_by_validation():
 def test_unknown_key_in_a_yaml_file_fails_at_composition(tmp_path):
     import shutil
 
-    from hydra import compose, initialize_config_dir
-
     conf = tmp_path / "conf"
     shutil.copytree(CONF_DIR, conf)
     (conf / "trainer" / "typo.yaml").write_text("name: typo\nmax_epoks: 3\n")
@@ -170,6 +169,9 @@ def test_production_profile_is_deterministic_and_quiet():
     cfg = compose_config("env=production")
     assert cfg.trainer.deterministic and cfg.env.quiet and not cfg.env.progress_bar
     assert cfg.env.require_best_checkpoint
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        hydra_cfg = compose("config", overrides=["env=production"], return_hydra_config=True)
+    assert hydra_cfg.hydra.run.dir.startswith("outputs/production/digits-mlp/")
 
 
 def test_named_experiment_pins_its_groups():
