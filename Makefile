@@ -24,13 +24,10 @@ install: $(STAMP) ## build .venv from requirements.lock (idempotent)
 train: install ## train the default experiment (extra overrides: make train ARGS="model=resnet18")
 	$(PY) train.py $(ARGS)
 
-test: install ## ruff + the default test suite (everything but `slow`)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+test: lint ## ruff + the default test suite (everything but `slow`)
 	$(PY) -m pytest -m "not slow" $(ARGS)
 
-test-all: install ## ruff + every test, slow ones included
-	$(VENV)/bin/ruff check .
+test-all: lint ## ruff + every test, slow ones included
 	$(PY) -m pytest $(ARGS)
 
 lint: install ## ruff check + format check
