@@ -136,7 +136,8 @@ def test_production_profile_through_kiln_env(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     config = (run_dir / ".hydra" / "config.yaml").read_text()
     assert "name: production" in config and "deterministic: true" in config
-    assert "step 4 loss" not in result.stdout  # quiet: no per-step log lines
+    assert "step 4 loss" not in result.stdout  # quiet console: no per-step log lines
+    assert "step 4 loss" in (run_dir / "train.log").read_text()  # the file keeps them
     refused = run_train(
         tmp_path / "r2", "debug=activations", env_overrides={"KILN_ENV": "production"}
     )

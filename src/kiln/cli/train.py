@@ -61,6 +61,13 @@ def record_oom(run_dir: Path) -> None:
         (run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary())
 
 
+def quiet_console() -> None:
+    """Only warnings on the console; train.log keeps every line."""
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, logging.FileHandler):
+            handler.setLevel(logging.WARNING)
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> float | None:
     import torch
@@ -72,7 +79,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     dist = env_dist_info()
     if cfg.env.quiet:
-        logging.getLogger().setLevel(logging.WARNING)
+        quiet_console()
     try:
         summary = train(cfg, run_dir)
     except NonFiniteLossError as err:
