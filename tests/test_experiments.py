@@ -65,6 +65,18 @@ def test_tensorboard_and_wandb_receive_every_step_metric_and_eval(tmp_path, monk
     assert any("val_acc" in h for h in history)
 
 
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    settings = (*QUICK, "logger=wandb", "trainer.max_epochs=1")
+    run_in_process(run_dir, *settings)
+    run_in_process(run_dir, *settings, "resume=auto")
+    run_files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(run_files) == 2
+    run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
+    assert {path.name for path in run_files} == {f"run-{run_id}.wandb"}
+
+
 def test_multirun_sweep_and_its_summary_include_failed_runs(tmp_path):
     sweep = tmp_path / "sweep"
     result = subprocess.run(

@@ -30,6 +30,8 @@ from kiln.models import build_model
 
 log = logging.getLogger(__name__)
 
+WANDB_ID_FILE = "wandb_run_id.txt"
+
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
@@ -95,6 +97,8 @@ class RunRecorder:
         if not self.enabled:
             return
         self.jsonl = JsonlWriter(run_dir / "metrics.jsonl")
+        # A resumed run continues its W&B run rather than starting a second one.
+        wandb_id_file = run_dir / WANDB_ID_FILE
         self.loggers = build_loggers(
             list(cfg.logger.backends),
             run_dir,
@@ -102,7 +106,10 @@ class RunRecorder:
             wandb_project=cfg.logger.wandb_project,
             wandb_mode=cfg.logger.wandb_mode,
             wandb_entity=cfg.logger.wandb_entity,
+            resume_id=wandb_id_file.read_text().strip() if wandb_id_file.is_file() else None,
         )
+        if "wandb" in self.loggers.backends:
+            wandb_id_file.write_text(self.loggers.backends["wandb"].run_id + "\n")
         self.loggers.log_config(OmegaConf.to_container(cfg, resolve=True))
 
     def __call__(self, metrics: dict, step: int) -> None:
