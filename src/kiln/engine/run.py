@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from kiln.engine.loss import LossBranches
 from kiln.engine.optim import build_optimizer, build_scheduler, total_optimizer_steps
 from kiln.engine.precision import resolve_precision
 from kiln.engine.seeding import seed_everything, set_deterministic
-from kiln.engine.trainer import LoopSettings, Preempted, Trainer, move_to
+from kiln.engine.trainer import LoopSettings, Preempted, Trainer, batches_per_epoch, move_to
 from kiln.guards.activations import ActivationMonitor
 from kiln.models import build_model
 
@@ -167,11 +166,11 @@ def build_trainer(cfg, run_dir: Path, dist: DistInfo, device: torch.device, reco
         cuda=device.type == "cuda",
     )
     settings = loop_settings(cfg, bundle.spec.task)
-    batches = math.ceil(train_loader.sampler.num_samples / cfg.data.batch_size)
-    if settings.limit_train_batches > 0:
-        batches = min(batches, settings.limit_train_batches)
     total_steps = total_optimizer_steps(
-        batches, settings.max_epochs, settings.accumulate, settings.max_steps
+        batches_per_epoch(train_loader, settings.limit_train_batches),
+        settings.max_epochs,
+        settings.accumulate,
+        settings.max_steps,
     )
     optimizer = build_optimizer(model.parameters(), cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.scheduler, total_steps)

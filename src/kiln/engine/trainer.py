@@ -165,7 +165,7 @@ class Trainer:
         self.state = TrainState()
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
         self.non_blocking = bool(getattr(train_loader, "pin_memory", False))
-        self.batches_per_epoch = self._batches_per_epoch()
+        self.batches_per_epoch = batches_per_epoch(train_loader, settings.limit_train_batches)
         self.last_eval: dict = {}
         self._preempt_requested = False
         self._interval = Interval()
@@ -494,12 +494,6 @@ class Trainer:
     def samples_per_s(self) -> float:
         return self.state.samples_seen / max(self.state.step_time_s, 1e-9)
 
-    def _batches_per_epoch(self) -> int:
-        per_rank = self.train_loader.sampler.num_samples
-        batches = math.ceil(per_rank / self._loader_batch())
-        limit = self.settings.limit_train_batches
-        return min(batches, limit) if limit > 0 else batches
-
     def _loader_batch(self) -> int:
         return self.train_loader.batch_size
 
@@ -539,6 +533,12 @@ class Trainer:
         # The signal may reach ranks at different steps: stop together or not at all.
         flag = torch.tensor(float(self._preempt_requested), device=self.device)
         return bool(all_reduce_sum(flag) > 0)
+
+
+def batches_per_epoch(train_loader, limit_train_batches: int) -> int:
+    """Batches this rank trains on per epoch: its sampler's share, capped by the limit (> 0)."""
+    batches = math.ceil(train_loader.sampler.num_samples / train_loader.batch_size)
+    return min(batches, limit_train_batches) if limit_train_batches > 0 else batches
 
 
 def memory_mb(device: torch.device) -> float:
