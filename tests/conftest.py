@@ -80,6 +80,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# A learning rate that drives the digits MLP to a non-finite loss within a few steps.
+DIVERGING = ("optimizer=sgd", "optimizer.lr=1e12", "scheduler=none")
+
 # Settings that make a real training run take seconds: tiny data, few steps, no progress bar.
 FAST = (
     "trainer.max_epochs=1",

@@ -8,7 +8,7 @@ import torch
 
 from kiln.engine.checkpoint import load_checkpoint
 
-from .conftest import read_summary, run_train
+from .conftest import DIVERGING, read_summary, run_train
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # fp32, no dropout, no shuffle-dependent padding: 5 steps stay clear of the epoch's end.
@@ -64,9 +64,7 @@ def test_nonfinite_loss_under_ddp_stops_every_rank_with_one_fail_line(tmp_path):
     result = run_train(
         run_dir,
         "trainer=ddp",
-        "optimizer=sgd",
-        "optimizer.lr=1e12",
-        "scheduler=none",
+        *DIVERGING,
         "env.progress_bar=false",
         f"output_root={tmp_path}/outputs",
         launcher=TORCHRUN,

@@ -35,6 +35,20 @@ def run_in_process(run_dir, *overrides):
     return train(compose_config(*overrides), run_dir)
 
 
+def run_sweep(sweep_dir, *overrides):
+    """The real train.py as a Hydra multirun writing into sweep_dir."""
+    # Flags such as -m must come before the overrides, so the sweep dir goes last.
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), *overrides, f"hydra.sweep.dir={sweep_dir}"]
+    return subprocess.run(
+        cmd,
+        cwd=sweep_dir.parent,
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 def test_tensorboard_and_wandb_receive_every_step_metric_and_eval(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -79,24 +93,15 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
 
 def test_multirun_sweep_and_its_summary_include_failed_runs(tmp_path):
     sweep = tmp_path / "sweep"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "train.py"),
-            "-m",
-            f"hydra.sweep.dir={sweep}",
-            "trainer.accumulate_grad_batches=1,2",
-            "optimizer=sgd",
-            "scheduler=none",
-            "optimizer.lr=0.05,1e12",
-            *QUICK,
-            f"output_root={tmp_path}/outputs",
-        ],
-        cwd=tmp_path,
-        env=SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = run_sweep(
+        sweep,
+        "-m",
+        "trainer.accumulate_grad_batches=1,2",
+        "optimizer=sgd",
+        "scheduler=none",
+        "optimizer.lr=0.05,1e12",
+        *QUICK,
+        f"output_root={tmp_path}/outputs",
     )
     assert result.returncode != 0  # two jobs failed; Hydra reports it after running all four
     assert result.stderr.count("[FAIL]") == 2
@@ -217,21 +222,7 @@ def test_init_scheme_from_config_reaches_the_model(tmp_path):
 
 def test_optuna_search_optimises_the_metric_train_returns(tmp_path):
     sweep = tmp_path / "search"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "train.py"),
-            "hparams_search=digits_optuna",
-            f"hydra.sweep.dir={sweep}",
-            "hydra.sweeper.n_trials=2",
-            *QUICK,
-        ],
-        cwd=tmp_path,
-        env=SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_sweep(sweep, "hparams_search=digits_optuna", "hydra.sweeper.n_trials=2", *QUICK)
     assert result.returncode == 0, result.stderr[-3000:]
     best = (sweep / "optimization_results.yaml").read_text()
     values = [

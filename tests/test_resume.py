@@ -14,7 +14,7 @@ import torch
 from kiln.cli.paths import REPO_ROOT
 from kiln.engine.checkpoint import load_checkpoint
 
-from .conftest import SUBPROCESS_ENV, read_metrics, read_summary, run_train
+from .conftest import DIVERGING, SUBPROCESS_ENV, read_metrics, read_summary, run_train
 
 # Small batches make long epochs, so a kill right after the first step checkpoint lands
 # mid-epoch; dropout stays on so the RNG state must be restored too.
@@ -127,9 +127,7 @@ def test_nonfinite_loss_fails_with_one_greppable_line(tmp_path):
     run_dir = tmp_path / "run"
     result = run_train(
         run_dir,
-        "optimizer=sgd",
-        "optimizer.lr=1e12",
-        "scheduler=none",
+        *DIVERGING,
         "trainer.max_epochs=1",
         "env.progress_bar=false",
         f"output_root={tmp_path}/outputs",
@@ -150,9 +148,7 @@ def test_nan_policy_skip_finishes_and_counts(tmp_path):
     run_dir = tmp_path / "run"
     result = run_train(
         run_dir,
-        "optimizer=sgd",
-        "optimizer.lr=1e12",
-        "scheduler=none",
+        *DIVERGING,
         "trainer.nan_policy=skip",
         "trainer.max_epochs=1",
         "env.progress_bar=false",
