@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = with_env_profile(argv)
     argv = with_ddp_run_dir(argv)
+    register_configs()  # before anything composes the config (resume=auto does, to find the run)
     argv = with_resume_run_dir(argv)
-    register_configs()
     sys.argv = [sys.argv[0], *argv]
     hydra_main()

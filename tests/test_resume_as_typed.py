@@ -1,0 +1,89 @@
+"""`python train.py resume=auto` exactly as a user types it: no hydra.run.dir, the run directory
+found by the CLI itself under ./outputs, after a finished run and after a preempted one."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kiln.cli.paths import REPO_ROOT
+from kiln.engine.checkpoint import load_checkpoint
+
+from .conftest import SUBPROCESS_ENV
+
+SMALL = ("trainer.max_epochs=1", "env.progress_bar=false")
+
+
+def as_typed(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python train.py <args>` run in `cwd`, where train.py is the repository's own file."""
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=cwd,
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def user_checkout(tmp_path: Path) -> Path:
+    cwd = tmp_path / "checkout"
+    cwd.mkdir()
+    (cwd / "train.py").symlink_to(REPO_ROOT / "train.py")
+    return cwd
+
+
+def run_dirs(cwd: Path) -> list[Path]:
+    return sorted(p.parent.parent for p in (cwd / "outputs").glob("*/*/.hydra/config.yaml"))
+
+
+def test_resume_auto_after_a_finished_run(tmp_path):
+    cwd = user_checkout(tmp_path)
+    first = as_typed(cwd, *SMALL)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run_dir,) = run_dirs(cwd)
+
+    resumed = as_typed(cwd, *SMALL, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert run_dirs(cwd) == [run_dir]  # continued in its own directory, no new one
+    assert "resumed from" in (run_dir / "train.log").read_text()
+
+
+def test_resume_auto_after_a_preempted_run(tmp_path):
+    cwd = user_checkout(tmp_path)
+    settings = (
+        "trainer.max_epochs=3",
+        "data.batch_size=8",
+        "trainer.checkpoint_every_n_steps=5",
+        "env.progress_bar=false",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *settings],
+        cwd=cwd,
+        env=SUBPROCESS_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 180
+    while not list((cwd / "outputs").glob("*/*/checkpoints/last.pt")):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "resume with resume=auto" in stdout + stderr  # what the user is told to type next
+    (run_dir,) = run_dirs(cwd)
+    stopped_at = load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]["global_step"]
+
+    resumed = as_typed(cwd, *settings, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert run_dirs(cwd) == [run_dir]
+    log = (run_dir / "train.log").read_text()
+    assert f"step {stopped_at}" in log and "resumed from" in log
+    final = load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]
+    assert final["epoch"] == 3 and final["global_step"] > stopped_at
