@@ -4,6 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
+# pytest-xdist workers for make test: one per core of the 2-core CI machine.
+JOBS   ?= 2
 
 .DEFAULT_GOAL := help
 .PHONY: help install train test test-all lint format sweep export serve bench doctor lock clean
@@ -25,10 +27,10 @@ train: install ## train the default experiment (extra overrides: make train ARGS
 	$(PY) train.py $(ARGS)
 
 test: lint ## ruff + the default test suite (everything but `slow`)
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PY) -m pytest -m "not slow" -n $(JOBS) $(ARGS)
 
 test-all: lint ## ruff + every test, slow ones included
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(JOBS) $(ARGS)
 
 lint: install ## ruff check + format check
 	$(VENV)/bin/ruff check .

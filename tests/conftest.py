@@ -1,4 +1,6 @@
-"""Shared fixtures: the real config, composed and shrunk; the real train.py in a subprocess."""
+"""Shared helpers: the real config, composed and shrunk; training in-process through the same
+`train(cfg, run_dir)` the CLI calls; the real train.py in a subprocess where the process itself
+(exit codes, signals, stderr, torchrun) is what a test checks."""
 
 from __future__ import annotations
 
@@ -9,12 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from kiln.cli.paths import CONF_DIR, REPO_ROOT
-from kiln.config import register_configs
-
-register_configs()
+from kiln.cli.paths import REPO_ROOT
+from kiln.config import load_config
 
 # Keep CPU work predictable on the 2-core machines tests run on.
 SUBPROCESS_ENV = {
@@ -27,13 +26,26 @@ SUBPROCESS_ENV = {
 
 
 def compose_config(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    """The typed config `python train.py <overrides>` would run (kiln.config.load_config)."""
+    return load_config(list(overrides))
 
 
-@pytest.fixture
-def cfg_factory():
-    return compose_config
+def train_in_process(run_dir: Path, *overrides: str) -> dict:
+    """Train as train.py does, in this process; returns the summary."""
+    from kiln.engine.run import train
+
+    return train(compose_config(*overrides), run_dir)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_threads():
+    """One intra-op thread per test, as the subprocess runs have (OMP_NUM_THREADS=1)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def run_train(
@@ -89,3 +101,26 @@ FAST = (
     "trainer.log_every_n_steps=1",
     "env.progress_bar=false",
 )
+
+
+@pytest.fixture
+def temporary_model():
+    """Register a model builder for one test: `temporary_model("name", Builder)`; returns the
+    config of the default run with model.name switched to it (schema: the mlp's)."""
+    import dataclasses
+
+    from kiln.config.model import MlpConfig
+    from kiln.registry import MODELS
+
+    added = []
+
+    def register(name, builder, *overrides):
+        MODELS.register(name, config=MlpConfig)(builder)
+        added.append(name)
+        cfg = compose_config(*overrides)
+        cfg.model = dataclasses.replace(cfg.model, name=name)
+        return cfg
+
+    yield register
+    for name in added:
+        del MODELS._entries[name]

@@ -117,7 +117,7 @@ def test_rule2_all_branches_on_give_finite_nonzero_terms_and_grads(tmp_path, nam
         *BRANCH_CASES[name],
         "loss.force_all_branches=true",
         "data.batch_size=4",
-        "model.dropout=0.0",
+        *(() if name == "detector" else ("model.dropout=0.0",)),  # the detector has no dropout
     )
     grads = {}
     for pname, param in trainer.raw_model.named_parameters():
@@ -139,7 +139,7 @@ def test_rule2_branches_default_off():
     cfg = compose_config()
     assert cfg.loss.force_all_branches is False
     flags = ("label_smoothing", "z_loss", "confidence_penalty", "aux_head")
-    assert not any(cfg.loss[flag] for flag in flags)
+    assert not any(getattr(cfg.loss, flag) for flag in flags)
 
 
 class NaNAuxHead(nn.Module):
@@ -154,9 +154,9 @@ class NaNAuxHead(nn.Module):
         return {"logits": logits, "aux_logits": logits * float("nan")}
 
 
-def test_rule2_a_nan_branch_is_named_in_the_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(MODELS._entries, "nan_aux", NaNAuxHead)
-    trainer, _ = make_trainer(tmp_path, "model.name=nan_aux", "loss.aux_head=true")
+def test_rule2_a_nan_branch_is_named_in_the_error(tmp_path, temporary_model):
+    cfg = temporary_model("nan_aux", NaNAuxHead, "loss.aux_head=true")
+    trainer, _ = make_trainer(tmp_path, cfg=cfg)
     with pytest.raises(
         NonFiniteLossError, match=r"loss NaN @ step 1 \(non-finite terms: aux_head\)"
     ):
@@ -201,9 +201,9 @@ def test_rule3_structure_change_in_eval_is_reported():
         check_train_eval_agreement(ModeDependentStructure(), batch, forward_inputs)
 
 
-def test_rule3_training_stops_before_the_first_step(tmp_path, monkeypatch):
-    monkeypatch.setitem(MODELS._entries, "mode_dependent", ModeDependentHead)
-    trainer, recorder = make_trainer(tmp_path, "model.name=mode_dependent")
+def test_rule3_training_stops_before_the_first_step(tmp_path, temporary_model):
+    cfg = temporary_model("mode_dependent", ModeDependentHead)
+    trainer, recorder = make_trainer(tmp_path, cfg=cfg)
     with pytest.raises(ShapeContractError):
         trainer.fit()
     assert trainer.state.global_step == 0 and not recorder
@@ -226,7 +226,7 @@ def test_rule3_check_leaves_no_trace(tmp_path):
     # Without restoring, one train-mode no-grad forward moves the BN statistics:
     probe = copy.deepcopy(model)
     with torch.no_grad():
-        probe(trainer.example_batch[0])
+        probe(trainer.parts.probe_batch[0])
     assert not torch.equal(probe.net.bn1.running_mean, model.net.bn1.running_mean)
 
     rng = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())

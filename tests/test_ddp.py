@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from kiln.engine.checkpoint import load_checkpoint
+from kiln.checkpoint import load_checkpoint
 
 from .conftest import DIVERGING, read_summary, run_train
 

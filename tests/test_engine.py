@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from kiln.engine import checkpoint as ckpt
+from kiln import checkpoint as ckpt
 from kiln.engine.distributed import DistInfo
 from kiln.engine.optim import total_optimizer_steps
 from kiln.engine.run import build_trainer
@@ -33,8 +33,8 @@ class Recorder(list):
         self.append({"step": step, **metrics})
 
 
-def make_trainer(tmp_path, *overrides):
-    cfg = compose_config(*overrides)
+def make_trainer(tmp_path, *overrides, cfg=None):
+    cfg = cfg or compose_config(*overrides)
     recorder = Recorder()
     trainer = build_trainer(cfg, tmp_path, DistInfo(), torch.device("cpu"), recorder)
     return trainer, recorder

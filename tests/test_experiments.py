@@ -13,7 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 from kiln.cli.paths import REPO_ROOT, with_env_profile
-from kiln.engine.run import train
+from kiln.engine.distributed import DistInfo
+from kiln.engine.run import build_trainer, train
 from kiln.guards.activations import ActivationMonitor
 from kiln.logging.sweep_summary import collect_runs
 from kiln.models.init import apply_init
@@ -125,6 +126,7 @@ def test_multirun_sweep_and_its_summary_include_failed_runs(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_make_sweep_runs_the_documented_grid(tmp_path):
     result = subprocess.run(
         ["make", "-C", str(REPO_ROOT), "sweep", "ARGS=trainer.max_steps=3"],
@@ -171,7 +173,7 @@ def test_overfit_batch_drives_the_loss_down(tmp_path):
     summary = run_in_process(
         tmp_path / "run",
         "debug=overfit_batch",
-        "debug.overfit_steps=30",
+        "trainer.max_steps=30",
         "env.progress_bar=false",
         "model.dropout=0.0",
     )
@@ -214,10 +216,24 @@ def test_init_schemes_set_the_weight_scale(scheme, expected_std):
     assert torch.count_nonzero(layer.bias) == 0
 
 
-def test_init_scheme_from_config_reaches_the_model(tmp_path):
-    summary = run_in_process(tmp_path / "run", "model.init=kaiming", *QUICK)
-    assert summary["status"] == "ok"
-    assert compose_config("model.init=xavier").model.init == "xavier"
+@pytest.mark.parametrize(("scheme", "gain"), [("kaiming", math.sqrt(2)), ("xavier", None)])
+def test_init_scheme_from_config_reaches_the_models_weights(tmp_path, scheme, gain):
+    """model.init=<scheme> on the command line sets the weights the trainer starts from."""
+    cfg = compose_config(f"model.init={scheme}", "model.hidden_dims=[512,256]")
+    trainer = build_trainer(cfg, tmp_path, DistInfo(), torch.device("cpu"), lambda m, s: None)
+    layer = trainer.raw_model.body[3]  # Linear(512, 256)
+    fan_in, fan_out = layer.in_features, layer.out_features
+    expected = gain / math.sqrt(fan_in) if gain else math.sqrt(2 / (fan_in + fan_out))
+    assert layer.weight.std().item() == pytest.approx(expected, rel=0.05)
+    assert torch.count_nonzero(layer.bias) == 0
+    default = build_trainer(
+        compose_config("model.hidden_dims=[512,256]"),
+        tmp_path,
+        DistInfo(),
+        torch.device("cpu"),
+        lambda m, s: None,
+    ).raw_model.body[3]
+    assert default.weight.std().item() != pytest.approx(expected, rel=0.2)  # the default differs
 
 
 def test_optuna_search_optimises_the_metric_train_returns(tmp_path):

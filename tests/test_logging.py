@@ -86,10 +86,10 @@ def test_csv_is_a_flat_table_with_late_keys(all_backends_run):
 
 def test_csv_appends_on_resume_and_keeps_non_finite(tmp_path):
     path = tmp_path / "metrics.csv"
-    first = CsvLogger(path)
+    first = CsvLogger(tmp_path)
     first.log_metrics({"loss": 1.0}, step=1)
     first.close()
-    resumed = CsvLogger(path)
+    resumed = CsvLogger(tmp_path)
     resumed.log_metrics({"loss": float("nan"), "lr": float("inf")}, step=2)
     resumed.close()
     resumed.close()
@@ -174,7 +174,7 @@ class _BrokenBackend:
 
 def test_multilogger_drops_a_failing_backend_and_closes_safely(tmp_path, caplog):
     broken = _BrokenBackend()
-    loggers = MultiLogger({"broken": broken, "csv": CsvLogger(tmp_path / "metrics.csv")})
+    loggers = MultiLogger({"broken": broken, "csv": CsvLogger(tmp_path)})
     loggers.log_metrics({"loss": 1.0}, step=1)
     loggers.log_metrics({"loss": 0.5}, step=2)
     loggers.close()

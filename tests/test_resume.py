@@ -3,18 +3,28 @@ real train.py in a subprocess."""
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
+from kiln.checkpoint import load_checkpoint
 from kiln.cli.paths import REPO_ROOT
-from kiln.engine.checkpoint import load_checkpoint
+from kiln.engine.checkpointer import ResumeError
 
-from .conftest import DIVERGING, SUBPROCESS_ENV, read_metrics, read_summary, run_train
+from .conftest import (
+    DIVERGING,
+    SUBPROCESS_ENV,
+    read_metrics,
+    read_summary,
+    run_train,
+    train_in_process,
+)
 
 # Small batches make long epochs, so a kill right after the first step checkpoint lands
 # mid-epoch; dropout stays on so the RNG state must be restored too.
@@ -82,26 +92,26 @@ def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(tmp_path):
     assert steps.count(saved["global_step"] + 1) >= 1
 
 
-def test_truncated_last_checkpoint_is_reported_and_an_older_one_used(tmp_path):
+def test_truncated_last_checkpoint_is_reported_and_an_older_one_used(tmp_path, caplog):
     run_dir = tmp_path / "run"
-    settings = ("trainer.max_epochs=2", "env.progress_bar=false")
-    assert run_train(run_dir, *settings).returncode == 0
+    settings = ("trainer.max_epochs=2", "env.progress_bar=false", "logger=none")
+    train_in_process(run_dir, *settings)
     last = run_dir / "checkpoints" / "last.pt"
     last.write_bytes(last.read_bytes()[:1000])
-    result = run_train(run_dir, *settings, "resume=auto")
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = (run_dir / "train.log").read_text()
-    assert "last.pt is truncated or corrupt" in log
-    assert "resumed from" in log and "epoch-2.pt" in log
-    assert read_summary(run_dir)["epochs"] == 2
+    with caplog.at_level(logging.INFO):
+        summary = train_in_process(run_dir, *settings, "resume=auto")
+    assert "last.pt is truncated or corrupt" in caplog.text
+    assert "resumed from" in caplog.text and "epoch-2.pt" in caplog.text
+    assert summary["epochs"] == 2
 
 
-def test_resume_with_a_different_schedule_length_is_refused(tmp_path):
+@pytest.mark.parametrize("scheduler", ["onecycle", "cosine"])
+def test_resume_with_a_different_schedule_length_is_refused(tmp_path, scheduler):
     run_dir = tmp_path / "run"
-    assert run_train(run_dir, "trainer.max_epochs=1", "env.progress_bar=false").returncode == 0
-    result = run_train(run_dir, "trainer.max_epochs=3", "env.progress_bar=false", "resume=auto")
-    assert result.returncode == 1
-    assert "spans 23 optimizer steps but this config implies 69" in result.stderr
+    settings = (f"scheduler={scheduler}", "env.progress_bar=false", "logger=none")
+    train_in_process(run_dir, *settings, "trainer.max_epochs=1")
+    with pytest.raises(ResumeError, match="spans 23 optimizer steps but this config implies 69"):
+        train_in_process(run_dir, *settings, "trainer.max_epochs=3", "resume=auto")
 
 
 def test_sigterm_checkpoints_at_a_step_boundary_and_exits_75(tmp_path):
@@ -181,12 +191,11 @@ def test_resume_auto_picks_the_newest_run_of_the_same_experiment(tmp_path):
     make_run(outputs, "2026-11-01/10-00-00", "digits-mlp", checkpoint_age_s=300)
     newest = make_run(outputs, "2026-11-02/09-00-00", "digits-mlp", checkpoint_age_s=60)
     make_run(outputs, "2026-11-03/09-00-00", "digits-resnet18", checkpoint_age_s=1)
-    argv = with_resume_run_dir(["resume=auto"], outputs=outputs)
+    argv = with_resume_run_dir(["resume=auto"], "digits-mlp", outputs=outputs)
     assert argv == ["resume=auto", f"hydra.run.dir={newest}"]
-    resnet = with_resume_run_dir(["resume=auto", "model=resnet18"], outputs=outputs)
+    resnet = with_resume_run_dir(["resume=auto"], "digits-resnet18", outputs=outputs)
     assert resnet[-1].endswith("2026-11-03/09-00-00")
-    assert with_resume_run_dir(["resume=auto", "model=resnet50"], outputs=outputs) == [
-        "resume=auto",
-        "model=resnet50",
+    assert with_resume_run_dir(["resume=auto"], "digits-resnet50", outputs=outputs) == [
+        "resume=auto"
     ]  # no earlier run: start fresh
-    assert with_resume_run_dir(["model=mlp"], outputs=outputs) == ["model=mlp"]
+    assert with_resume_run_dir(["model=mlp"], "digits-mlp", outputs=outputs) == ["model=mlp"]

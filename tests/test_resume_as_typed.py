@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from kiln.checkpoint import load_checkpoint
 from kiln.cli.paths import REPO_ROOT
-from kiln.engine.checkpoint import load_checkpoint
 
 from .conftest import SUBPROCESS_ENV
 
@@ -57,6 +57,7 @@ def test_resume_auto_after_a_preempted_run(tmp_path):
     settings = (
         "trainer.max_epochs=3",
         "data.batch_size=8",
+        "trainer.limit_train_batches=40",
         "trainer.checkpoint_every_n_steps=5",
         "env.progress_bar=false",
     )

@@ -115,6 +115,7 @@ def test_optuna_search_runs_in_memory(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_joblib_launcher_runs_two_jobs(tmp_path):
     sweep_dir = tmp_path / "sweep"
     result = _run_app(

@@ -241,3 +241,30 @@ def test_large_request_is_split_and_stop_fails_waiting_requests():
     big, (waiting,) = asyncio.run(scenario())
     assert big == ["A", "B", "C", "D", "E"]
     assert isinstance(waiting, BatcherClosed)
+
+
+def test_serving_a_checkpoint_imports_no_training_data_stack(tmp_path_factory):
+    """The server's import chain (app, predictor, preprocessing recipe, model) stays below the
+    dataset modules: no pandas, scikit-learn or Hydra in a serving process."""
+    import subprocess
+    import sys
+
+    from .conftest import SUBPROCESS_ENV
+
+    run_dir, _ = digits_run(tmp_path_factory)
+    code = (
+        "import sys\n"
+        "from kiln.inference import Predictor\n"
+        "from kiln.serving import create_app\n"
+        f"create_app(Predictor.from_checkpoint({str(run_dir / 'checkpoints' / 'best.pt')!r}))\n"
+        "print(sorted(m for m in ('pandas', 'sklearn', 'hydra') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

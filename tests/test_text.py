@@ -1,7 +1,9 @@
-"""csv_text (CSV reading, errors, tokenizer, collate, encode_texts) and the text models."""
+"""csv_text (CSV reading, errors, tokenizer, collate, the recipe's encoding) and the text
+models."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pickle
@@ -10,31 +12,29 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from kiln.config.schema import DataConfig, ModelConfig
+from kiln.config import ConfigError
 from kiln.data import build_data
-from kiln.data.csv_text import CsvTextError, collate_tokens, encode_texts
+from kiln.data.csv_text import CsvTextError, collate_tokens
 from kiln.data.spec import DataSpec
 from kiln.models import build_model
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from .conftest import compose_config
+
 TEXT_MODELS = ["text_bow", "text_transformer"]
 
 
-def compose(schema, group: str, option: str, **overrides):
-    """The real config group option merged onto its schema, with test overrides."""
-    return OmegaConf.merge(
-        OmegaConf.structured(schema), OmegaConf.load(CONF / group / f"{option}.yaml"), overrides
-    )
-
-
 def data_cfg(**overrides):
-    return compose(DataConfig, "data", "csv_text", **overrides)
+    """data=csv_text as composed, with `overrides` applied and checked as the CLI would."""
+    cfg = dataclasses.replace(compose_config("data=csv_text").data, **overrides)
+    cfg.check("data")
+    return cfg
 
 
 def model_cfg(name: str, **overrides):
-    return compose(ModelConfig, "model", name, **overrides)
+    cfg = dataclasses.replace(compose_config(f"model={name}", "data=csv_text").model, **overrides)
+    cfg.check("model")
+    return cfg
 
 
 def write_csv(path: Path, rows: list[dict]) -> Path:
@@ -97,7 +97,7 @@ def test_demo_split_is_stratified_and_seeded(demo_bundle):
 
 
 def test_preprocessing_is_plain_data_that_survives_a_weights_only_load(demo_bundle):
-    pre = demo_bundle.preprocessing
+    pre = demo_bundle.recipe.to_dict()
     assert pre["kind"] == "tokens" and pre["pad_id"] == demo_bundle.spec.pad_id
     assert pre["class_names"] == list(demo_bundle.spec.class_names)
     json.dumps(pre)  # nothing but JSON types
@@ -125,9 +125,9 @@ def test_numeric_labels_sort_as_numbers(tmp_path):
 
 def test_tokenizer_is_trained_on_the_training_split_only(csv_bundle):
     unk_id = 1  # [PAD]=0, [UNK]=1
-    zebra_ids = encode_texts(csv_bundle.preprocessing, ["zebras"])[0]
+    zebra_ids = csv_bundle.recipe.encode(["zebras"])[0]
     assert zebra_ids.tolist() == [unk_id]
-    cat_ids = encode_texts(csv_bundle.preprocessing, ["cat"])[0]
+    cat_ids = csv_bundle.recipe.encode(["cat"])[0]
     assert unk_id not in cat_ids.tolist()
 
 
@@ -139,7 +139,7 @@ def test_texts_are_truncated_to_max_length(tmp_path):
     lengths = [len(bundle.train[i][0]) for i in range(len(bundle.train))]
     lengths += [len(bundle.val[i][0]) for i in range(len(bundle.val))]
     assert max(lengths) == cfg.max_length
-    long_text = encode_texts(bundle.preprocessing, [rows[0]["text"]])
+    long_text = bundle.recipe.encode([rows[0]["text"]])
     assert long_text.shape[1] == cfg.max_length
 
 
@@ -215,9 +215,9 @@ def test_collate_fn_is_picklable_for_workers(demo_bundle):
     assert restored is collate_tokens
 
 
-def test_encode_texts_repeats_the_training_encoding(csv_bundle):
+def test_the_recipe_repeats_the_training_encoding(csv_bundle):
     texts = [row["text"] for row in VAL_ROWS]
-    encoded = encode_texts(csv_bundle.preprocessing, texts)
+    encoded = csv_bundle.recipe.encode(texts)
     expected, _ = csv_bundle.collate_fn([csv_bundle.val[i] for i in range(len(texts))])
     assert torch.equal(encoded, expected)
 
@@ -292,7 +292,6 @@ def test_text_models_reject_image_data(name):
         build_model(image_spec, model_cfg(name))
 
 
-def test_transformer_heads_must_divide_embed_dim(demo_bundle):
-    cfg = model_cfg("text_transformer", embed_dim=30, num_heads=4)
-    with pytest.raises(ValueError, match="divisible by model.num_heads"):
-        build_model(demo_bundle.spec, cfg)
+def test_transformer_heads_must_divide_embed_dim():
+    with pytest.raises(ConfigError, match=r"not divisible by num_heads=4 \(model.num_heads\)"):
+        model_cfg("text_transformer", embed_dim=30, num_heads=4)

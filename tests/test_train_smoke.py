@@ -1,21 +1,16 @@
-"""A 2-step run of each model through the real train.py, checking the files the contract names."""
+"""Short runs of each model leave the files the contract names; one run goes through the real
+train.py, the rest train in-process through the same `train(cfg, run_dir)`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from .conftest import FAST, read_metrics, read_summary, run_train
+from kiln.data.csv_text import CsvTextError
+from kiln.logging.summary import SUMMARY_KEYS
 
-SUMMARY_KEYS = {
-    "status",
-    "val_acc",
-    "val_loss",
-    "steps",
-    "samples_per_s",
-    "data_time_frac",
-    "error",
-}
+from .conftest import FAST, read_metrics, read_summary, run_train, train_in_process
+
 CASES = {
     "mlp": ("data=digits",),
     "resnet18": (
@@ -37,56 +32,75 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("model", sorted(CASES))
-def test_two_step_run_leaves_the_contract_files(tmp_path, model):
+def check_run_files(run_dir, model: str, steps: int) -> None:
+    summary = read_summary(run_dir)
+    assert set(summary) >= set(SUMMARY_KEYS)
+    assert summary["status"] == "ok" and summary["error"] is None and summary["steps"] == steps
+    assert summary["samples_per_s"] > 0 and 0 <= summary["data_time_frac"] <= 1
+    metric = "val_map50" if model == "detector" else "val_acc"
+    assert 0.0 <= summary[metric] <= 1.0
+    logged = [m for m in read_metrics(run_dir) if "loss" in m]
+    assert [m["step"] for m in logged] == list(range(1, steps + 1))
+    assert all(k in logged[0] for k in ("lr", "grad_norm", "samples_per_s", "data_time_frac"))
+    for name in ("last.pt", "best.pt"):
+        checkpoint = torch.load(run_dir / "checkpoints" / name, weights_only=True)
+        assert checkpoint["model_name"] == model and checkpoint["state"]["global_step"] == steps
+        assert checkpoint["preprocessing"]["class_names"]
+
+
+def test_train_py_leaves_the_contract_files(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_train(run_dir, f"model={model}", *CASES[model], *FAST, "trainer.max_steps=2")
+    result = run_train(run_dir, "model=mlp", *FAST, "trainer.max_steps=2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"run directory: {run_dir}" in result.stdout
     for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
         assert (run_dir / ".hydra" / name).is_file()
     assert "step 2" in (run_dir / "train.log").read_text()
-    summary = read_summary(run_dir)
-    assert set(summary) >= SUMMARY_KEYS
-    assert summary["status"] == "ok" and summary["error"] is None and summary["steps"] == 2
-    assert summary["samples_per_s"] > 0 and 0 <= summary["data_time_frac"] <= 1
-    metric = "val_map50" if model == "detector" else "val_acc"
-    assert 0.0 <= summary[metric] <= 1.0
-    steps = [m for m in read_metrics(run_dir) if "loss" in m]
-    assert [m["step"] for m in steps] == [1, 2]
-    assert all(k in steps[0] for k in ("lr", "grad_norm", "samples_per_s", "data_time_frac"))
-    for name in ("last.pt", "best.pt"):
-        checkpoint = torch.load(run_dir / "checkpoints" / name, weights_only=True)
-        assert checkpoint["model_name"] == model and checkpoint["state"]["global_step"] == 2
-        assert checkpoint["preprocessing"]["class_names"]
+    check_run_files(run_dir, "mlp", steps=2)
+
+
+@pytest.mark.parametrize("model", sorted(CASES))
+def test_two_step_run_of_each_model(tmp_path, model):
+    run_dir = tmp_path / "run"
+    train_in_process(run_dir, f"model={model}", *CASES[model], *FAST, "trainer.max_steps=2")
+    check_run_files(run_dir, model, steps=2)
 
 
 def test_resnet50_with_amp_runs_on_cpu_as_bf16(tmp_path):
-    run_dir = tmp_path / "run"
-    result = run_train(
-        run_dir,
+    summary = train_in_process(
+        tmp_path / "run",
         "model=resnet50",
         "precision=amp",
-        "trainer.max_steps=5",
+        "trainer.max_steps=3",
         *FAST,
         "data.batch_size=8",
         "trainer.limit_val_batches=2",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert read_summary(run_dir)["steps"] == 5
+    assert summary["steps"] == 3
 
 
 def test_failed_run_still_writes_summary(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_train(
-        run_dir, "data=csv_text", "model=text_bow", f"data.train_path={tmp_path}/missing.csv", *FAST
-    )
-    assert result.returncode != 0
+    missing = f"data.train_path={tmp_path}/missing.csv"
+    with pytest.raises(CsvTextError):
+        train_in_process(run_dir, "data=csv_text", "model=text_bow", missing, *FAST)
     summary = read_summary(run_dir)
     assert summary["status"] == "failed" and "missing.csv" in summary["error"]
 
 
+def test_a_user_error_is_one_line_exit_2_and_a_failed_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    missing = f"data.train_path={tmp_path}/missing.csv"
+    result = run_train(run_dir, "data=csv_text", "model=text_bow", missing, *FAST)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {tmp_path}/missing.csv: no such file (set data.train_path / data.val_path)"
+    ]
+    assert read_summary(run_dir)["status"] == "failed"
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_default_run_reaches_095_on_digits(tmp_path):
     run_dir = tmp_path / "run"
     result = run_train(run_dir, "env.progress_bar=false", timeout=600)

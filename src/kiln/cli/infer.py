@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from kiln.engine.checkpoint import CheckpointError
+from kiln.checkpoint import CheckpointError
 from kiln.inference.config import ArgumentError, InferConfig, parse_args, usage
 from kiln.inference.errors import InferenceError, InputError
 

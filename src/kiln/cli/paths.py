@@ -1,16 +1,14 @@
-"""Where kiln's config lives and which run directory a launch should use."""
+"""Which run directory a launch should use, and what the command line asks for."""
 
 from __future__ import annotations
 
 import os
 import socket
 from datetime import datetime
-from pathlib import Path
 
 import psutil
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-CONF_DIR = Path(os.environ.get("KILN_CONF_DIR", REPO_ROOT / "conf"))
+from kiln.config import CONF_DIR, REPO_ROOT  # noqa: F401  (re-exported for scripts and tests)
 
 
 def has_override(argv: list[str], key: str) -> bool:
@@ -19,6 +17,20 @@ def has_override(argv: list[str], key: str) -> bool:
 
 def is_multirun(argv: list[str]) -> bool:
     return "-m" in argv or "--multirun" in argv
+
+
+def config_overrides(argv: list[str]) -> list[str]:
+    """The overrides that shape the job's config: key=value arguments, minus Hydra's own (but
+    hydra.searchpath, which can bring a user's config files)."""
+    return [
+        arg
+        for arg in argv
+        if "=" in arg
+        and (
+            has_override([arg], "hydra.searchpath")
+            or not arg.startswith(("-", "hydra.", "hydra/", "+hydra", "~hydra"))
+        )
+    ]
 
 
 def with_env_profile(argv: list[str]) -> list[str]:

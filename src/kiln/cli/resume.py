@@ -7,18 +7,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from kiln.cli.paths import CONF_DIR, has_override, is_multirun
-from kiln.engine.checkpoint import candidates
+from kiln.checkpoint import candidates
+from kiln.cli.paths import has_override, is_multirun
 
 log = logging.getLogger(__name__)
-
-
-def experiment_name(argv: list[str]) -> str:
-    from hydra import compose, initialize_config_dir
-
-    overrides = [a for a in argv if not a.startswith(("hydra.", "hydra/", "-"))]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides).name
 
 
 def newest_run_of(name: str, outputs: Path) -> Path | None:
@@ -35,12 +27,16 @@ def newest_run_of(name: str, outputs: Path) -> Path | None:
     return newest
 
 
-def with_resume_run_dir(argv: list[str], outputs: Path = Path("outputs")) -> list[str]:
+def with_resume_run_dir(
+    argv: list[str], experiment: str, outputs: Path = Path("outputs")
+) -> list[str]:
+    """Adds hydra.run.dir=<the newest run of `experiment`> to a resume=auto command line."""
     if "resume=auto" not in argv or has_override(argv, "hydra.run.dir") or is_multirun(argv):
         return argv
-    name = experiment_name(argv)
-    run_dir = newest_run_of(name, outputs)
+    run_dir = newest_run_of(experiment, outputs)
     if run_dir is None:
-        log.warning("resume=auto: no earlier run of %r under %s; starting fresh", name, outputs)
+        log.warning(
+            "resume=auto: no earlier run of %r under %s; starting fresh", experiment, outputs
+        )
         return argv
     return [*argv, f"hydra.run.dir={run_dir}"]

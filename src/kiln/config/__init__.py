@@ -1,20 +1,235 @@
-from kiln.config.schema import (
-    ConfigError,
-    DataConfig,
+"""Typed configs. Every group option merges onto its own dataclass (the schema its registry entry
+names, stored in Hydra's ConfigStore as schema/<group>/<option>), so a key that belongs to another
+option, a wrong type or an unknown choice fails when the config is composed, before any work.
+
+    cfg = load_config(["model=resnet18", "trainer.max_epochs=3"])   # a KilnConfig
+    cfg.model                                                        # a ResNetConfig
+
+Composition and validation errors are ConfigError: one line naming the key and what to do."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kiln.config.base import ConfigError, check_tree, field_help
+from kiln.config.data import DataConfig
+from kiln.config.model import ModelConfig
+from kiln.config.optim import OptimizerConfig, SchedulerConfig
+from kiln.config.run import (
     DebugConfig,
     EnvConfig,
     KilnConfig,
     LoggerConfig,
     LossConfig,
-    ModelConfig,
-    OptimizerConfig,
     PrecisionConfig,
-    SchedulerConfig,
     TrainerConfig,
-    register_configs,
 )
+from kiln.registry import GROUP_REGISTRIES
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CONF_DIR = Path(os.environ.get("KILN_CONF_DIR", REPO_ROOT / "conf"))
+SCHEMA_GROUP = "schema"  # schema/<group>/<option> in the ConfigStore
+# Groups with one schema for all their options (their options are YAML files only).
+GROUP_SCHEMAS: dict[str, type] = {
+    "trainer": TrainerConfig,
+    "logger": LoggerConfig,
+    "loss": LossConfig,
+    "env": EnvConfig,
+    "debug": DebugConfig,
+}
+
+
+def register_configs() -> None:
+    """Store the top-level schema and every registered option's schema in the ConfigStore. The
+    option itself is a YAML file, conf/<group>/<option>.yaml (or on hydra.searchpath)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="kiln_schema", node=KilnConfig)
+    for group, registry in GROUP_REGISTRIES.items():
+        for name in registry.names():
+            schema = registry.entry(name).config
+            store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=schema(name=name))
+
+
+def compose(overrides: list[str] = (), *, hydra_config: bool = False) -> DictConfig:
+    """The composed config (not yet typed-checked beyond Hydra's own merge)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    register_configs()
+    overrides = list(overrides)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose("config", overrides, return_hydra_config=hydra_config)
+    except ConfigCompositionException as err:
+        raise composition_error(err, overrides) from err
+
+
+def load_config(overrides: list[str] = ()) -> KilnConfig:
+    return to_typed(compose(overrides))
+
+
+def to_typed(cfg: DictConfig) -> KilnConfig:
+    """The composed config as dataclasses, after every check: unknown keys (Hydra lets `+key`
+    add them), values the types cannot hold, choices, ranges and cross-field rules."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    check_known_keys(cfg)
+    try:
+        typed = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", "") or ""
+        raise ConfigError("invalid value", key, _first_line(err)) from None
+    check_option_names(typed)
+    check_tree(typed)
+    return typed
+
+
+def to_plain(cfg: Any) -> dict[str, Any]:
+    """A typed config as plain data (enums as strings): safe in checkpoints and JSON."""
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+    return OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+
+
+def option_from_dict(group: str, data: dict[str, Any]) -> Any:
+    """Rebuild one group's typed config (e.g. a checkpoint's "model" section)."""
+    registry = GROUP_REGISTRIES[group]
+    schema = registry.entry(data["name"]).config
+    merged = OmegaConf.merge(OmegaConf.structured(schema(name=data["name"])), data)
+    return OmegaConf.to_object(merged)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks beyond what Hydra's merge enforces
+
+
+def schema_keys(schema: type) -> list[str]:
+    return [f.name for f in fields(schema)]
+
+
+def check_known_keys(cfg: DictConfig, path: str = "") -> None:
+    for key in cfg:
+        node = cfg._get_node(key)
+        if not isinstance(node, DictConfig):
+            continue
+        schema = OmegaConf.get_type(node)
+        if is_dataclass(schema):
+            known = set(schema_keys(schema))
+            for child in node:
+                if child not in known:
+                    raise unknown_key_error(f"{path}{key}.{child}", schema, node.get("name"))
+            check_known_keys(node, f"{path}{key}.")
+
+
+def check_option_names(cfg: KilnConfig) -> None:
+    """Each registry-backed group holds the schema of the option it names."""
+    for group, registry in GROUP_REGISTRIES.items():
+        node = getattr(cfg, group)
+        entry = registry.entry(node.name) if node.name in registry else None
+        if entry is None:
+            raise ConfigError(
+                f"{group}.name={node.name!r} is not a registered {registry.kind}",
+                f"{group}.name",
+                f"choose {group}=<option> from {', '.join(registry.names())}",
+            )
+        if type(node) is not entry.config:
+            raise ConfigError(
+                f"{group}.name={node.name} does not match the {group} option's keys",
+                f"{group}.name",
+                f"choose the option with {group}={node.name} instead of setting {group}.name",
+            )
+
+
+def unknown_key_error(key: str, schema: type, option: str | None) -> ConfigError:
+    group, _, name = key.rpartition(".")
+    known = [k for k in schema_keys(schema) if not (k == "name" and group in GROUP_REGISTRIES)]
+    owners = _options_with_key(group, name)
+    which = f"{group}={option}" if option and group in GROUP_REGISTRIES else group or "config"
+    todo = f"{which} has: {', '.join(known)}"
+    if owners:
+        todo += f"; {name} belongs to {', '.join(f'{group}={o}' for o in owners)}"
+    else:
+        close = difflib.get_close_matches(name, known, n=1)
+        todo += f"; did you mean {group}.{close[0]}?" if close else ""
+    return ConfigError("unknown key", key, todo)
+
+
+def _options_with_key(group: str, key: str) -> list[str]:
+    registry = GROUP_REGISTRIES.get(group)
+    if registry is None:
+        return []
+    return [n for n in registry.names() if key in schema_keys(registry.entry(n).config)]
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def composition_error(err: Exception, overrides: list[str]) -> ConfigError:
+    """Hydra's composition errors as one line naming the key or option and what to do."""
+    text = str(err)
+    cause = err.__cause__ or err.__context__
+    found = re.search(r"Could not find '([\w/]+)/([^']+)'", text)
+    if found and found.group(1).startswith(f"{SCHEMA_GROUP}/"):
+        group, option = found.group(1).split("/", 1)[1], found.group(2)
+        kind = GROUP_REGISTRIES[group].kind
+        return ConfigError(
+            f"{group}={option} has a YAML file but no registered {kind} {option!r}",
+            group,
+            f"register it with @register_{kind.replace(' ', '_')}({option!r}, config=...) in "
+            "a module listed in plugins=[...]",
+        )
+    if found:
+        group, option = found.group(1), found.group(2)
+        choices = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE)
+        close = difflib.get_close_matches(option, choices, n=1)
+        hint = f" (did you mean {group}={close[0]}?)" if close else ""
+        return ConfigError(
+            f"unknown option {option!r}", group, f"choose one of: {', '.join(choices)}{hint}"
+        )
+    missing_key = re.search(r"Could not override '([\w.]+)'", text)
+    if missing_key:
+        return _unknown_override(missing_key.group(1), overrides)
+    override = re.search(r"Error merging override (\S+)", text)
+    if override:
+        key, _, value = override.group(1).partition("=")
+        return ConfigError("invalid value", key.lstrip("+~"), _first_line(cause or err))
+    key_error = re.search(r"Key '(\w+)' not in '(\w+)'", f"{text} {cause}")
+    if key_error:
+        name, schema_name = key_error.groups()
+        full_key = getattr(cause, "full_key", "") or name
+        return ConfigError(
+            f"unknown key {name!r} in a config file (no such field in {schema_name})",
+            full_key,
+            _first_line(err),
+        )
+    return ConfigError(_first_line(err), "", _first_line(cause) if cause else "")
+
+
+def _unknown_override(key: str, overrides: list[str]) -> ConfigError:
+    group, _, name = key.rpartition(".")
+    others = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
+    try:
+        node = compose(others).get(group) if group else None
+    except ConfigError:
+        node = None
+    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if schema is None or not is_dataclass(schema):
+        return ConfigError("unknown key", key, "check the spelling (python train.py --help)")
+    return unknown_key_error(key, schema, node.get("name"))
+
 
 __all__ = [
+    "CONF_DIR",
     "ConfigError",
     "DataConfig",
     "DebugConfig",
@@ -25,7 +240,14 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "PrecisionConfig",
+    "REPO_ROOT",
     "SchedulerConfig",
     "TrainerConfig",
+    "compose",
+    "field_help",
+    "load_config",
+    "option_from_dict",
     "register_configs",
+    "to_plain",
+    "to_typed",
 ]

@@ -1,6 +1,6 @@
-"""Datasets: each registered builder turns a DataConfig into a DataBundle."""
+"""Datasets: each registered builder turns its typed config (kiln.config.data) into a DataBundle.
+Importing this package loads no dataset module; `build_data` imports the one asked for."""
 
-from kiln.data import csv_text, digits, shapes_detection, synthetic  # noqa: F401  (registration side effects)
 from kiln.data.loaders import build_dataloaders, example_batch
 from kiln.data.spec import DataBundle, DataSpec
 from kiln.registry import DATASETS

@@ -1,49 +1,37 @@
 """Text classification from a CSV (a text and a label column), tokenized by a WordPiece tokenizer
 trained on the training split only. The tokenizer travels with every checkpoint as JSON, and
-`encode_texts` repeats exactly the training encoding at inference time.
+its `TokenRecipe.encode` repeats exactly the training encoding at inference time.
 
 With `train_path=null` a small demo corpus is generated in code, so the dataset works offline."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import random
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 import torch
 from sklearn.model_selection import train_test_split
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
+from kiln.config.data import CsvTextConfig
 from kiln.data.spec import DataBundle, DataSpec
-from kiln.registry import register_dataset
+from kiln.errors import UserError
+from kiln.preprocessing import TokenRecipe
+from kiln.preprocessing.text import PAD_ID, encode, pad_token_ids, train_tokenizer
+from kiln.sorting import natural_key
 
-PAD_TOKEN, UNK_TOKEN = "[PAD]", "[UNK]"
-PAD_ID = 0  # [PAD] is the first special token, so the trainer gives it id 0
-SPECIAL_TOKENS = [PAD_TOKEN, UNK_TOKEN]
-MIN_VOCAB_SIZE = 16  # below this the vocabulary cannot even hold the special tokens and letters
 MAX_ROWS_REPORTED = 5  # a bad CSV lists this many bad rows, then a count
 
 
-class CsvTextError(ValueError):
+class CsvTextError(UserError, ValueError):
     """A problem with a user's CSV; the message names the file, the row and the column."""
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading and checking the CSV
-
-
-def _natural_sort_key(label: str) -> tuple[int, float, str]:
-    # Labels "2" and "10" sort as numbers, other labels alphabetically (numbers first).
-    try:
-        return (0, float(label), label)
-    except ValueError:
-        return (1, 0.0, label)
 
 
 def _describe_rows(rows: list[int]) -> str:
@@ -96,7 +84,7 @@ def _check_val_labels(path: str, labels: list[str], class_names: list[str]) -> N
     known = set(class_names)
     rows = [n for n, label in enumerate(labels, start=1) if label not in known]
     if rows:
-        unseen = sorted({labels[n - 1] for n in rows}, key=_natural_sort_key)
+        unseen = sorted({labels[n - 1] for n in rows}, key=natural_key)
         raise CsvTextError(
             f"{path}: {_describe_rows(rows)} {'has' if len(rows) == 1 else 'have'} a label "
             "not in the training data "
@@ -194,60 +182,7 @@ def demo_corpus() -> tuple[list[str], list[str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer and encoding (shared by training and inference)
-
-
-def train_tokenizer(texts: list[str], vocab_size: int, max_length: int) -> Tokenizer:
-    """A lower-casing WordPiece tokenizer with [PAD]=0 and [UNK], truncating to max_length."""
-    tokenizer = Tokenizer(models.WordPiece(unk_token=UNK_TOKEN))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        # Each alphabet letter costs two entries (x and ##x); cap it so rare characters cannot
-        # push the vocabulary past vocab_size.
-        limit_alphabet=max(1, (vocab_size - len(SPECIAL_TOKENS)) // 4),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    tokenizer.enable_truncation(max_length)
-    if tokenizer.token_to_id(PAD_TOKEN) != PAD_ID:  # invariant of the special-token order
-        raise AssertionError("[PAD] must have id 0")
-    return tokenizer
-
-
-def _encode(tokenizer: Tokenizer, texts: list[str]) -> list[Tensor]:
-    unk_id = tokenizer.token_to_id(UNK_TOKEN)
-    encoded = []
-    for encoding in tokenizer.encode_batch(list(texts)):
-        # A text that normalises to nothing still gets one token, so no row is all padding
-        # (an all-padding row would give models a mean over zero tokens).
-        encoded.append(torch.tensor(encoding.ids or [unk_id], dtype=torch.long))
-    return encoded
-
-
-@functools.lru_cache(maxsize=8)
-def _tokenizer_from_json(tokenizer_json: str, max_length: int) -> Tokenizer:
-    tokenizer = Tokenizer.from_str(tokenizer_json)
-    tokenizer.enable_truncation(max_length)
-    tokenizer.no_padding()  # we pad ourselves, with PAD_ID, to the longest in the batch
-    return tokenizer
-
-
-def pad_token_ids(sequences: list[Tensor], pad_id: int = PAD_ID) -> Tensor:
-    """Pads 1-d LongTensors to the longest: (N, L_max)."""
-    return pad_sequence(sequences, batch_first=True, padding_value=pad_id)
-
-
-def encode_texts(preprocessing: dict[str, Any], texts: list[str]) -> Tensor:
-    """Texts -> LongTensor (N, L) padded with pad_id, exactly as in training. `preprocessing` is
-    the dict stored in the checkpoint (DataBundle.preprocessing of csv_text)."""
-    if not texts:
-        return torch.zeros((0, 0), dtype=torch.long)
-    tokenizer = _tokenizer_from_json(preprocessing["tokenizer_json"], preprocessing["max_length"])
-    return pad_token_ids(_encode(tokenizer, texts), preprocessing["pad_id"])
+# Batching
 
 
 def collate_tokens(batch: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -278,8 +213,6 @@ class TokenDataset(Dataset):
 
 
 def _split(texts: list[str], labels: list[str], val_fraction: float, seed: int):
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
     num_val = round(len(texts) * val_fraction)
     if num_val < 1 or num_val >= len(texts):
         raise ValueError(
@@ -301,7 +234,7 @@ def _split(texts: list[str], labels: list[str], val_fraction: float, seed: int):
 
 
 def _sorted_classes(labels: list[str], source: str) -> list[str]:
-    class_names = sorted(set(labels), key=_natural_sort_key)
+    class_names = sorted(set(labels), key=natural_key)
     if len(class_names) < 2:
         raise CsvTextError(
             f"{source}: every row has label {class_names[0]!r}; classification needs two classes"
@@ -309,10 +242,8 @@ def _sorted_classes(labels: list[str], source: str) -> list[str]:
     return class_names
 
 
-def _load_splits(cfg):
+def _load_splits(cfg: CsvTextConfig):
     """(train_texts, train_labels, val_texts, val_labels, class_names)."""
-    if cfg.train_path is None and cfg.val_path is not None:
-        raise ValueError("data.val_path is set but data.train_path is null; set both")
     if cfg.train_path is None:
         texts, labels = demo_corpus()
     else:
@@ -327,22 +258,13 @@ def _load_splits(cfg):
     return texts, labels, val_texts, val_labels, class_names
 
 
-def _check_sizes(cfg) -> None:
-    if cfg.vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"data.vocab_size must be >= {MIN_VOCAB_SIZE}, got {cfg.vocab_size}")
-    if cfg.max_length < 1:
-        raise ValueError(f"data.max_length must be >= 1, got {cfg.max_length}")
-
-
-@register_dataset("csv_text")
-def build_csv_text(cfg) -> DataBundle:
-    _check_sizes(cfg)
+def build_csv_text(cfg: CsvTextConfig) -> DataBundle:
     train_texts, train_labels, val_texts, val_labels, class_names = _load_splits(cfg)
     class_index = {name: i for i, name in enumerate(class_names)}
 
     tokenizer = train_tokenizer(train_texts, cfg.vocab_size, cfg.max_length)
-    train = TokenDataset(_encode(tokenizer, train_texts), [class_index[y] for y in train_labels])
-    val = TokenDataset(_encode(tokenizer, val_texts), [class_index[y] for y in val_labels])
+    train = TokenDataset(encode(tokenizer, train_texts), [class_index[y] for y in train_labels])
+    val = TokenDataset(encode(tokenizer, val_texts), [class_index[y] for y in val_labels])
     spec = DataSpec(
         task="classification",
         input_kind="tokens",
@@ -357,11 +279,5 @@ def build_csv_text(cfg) -> DataBundle:
         train=train,
         val=val,
         collate_fn=collate_tokens,
-        preprocessing={
-            "kind": "tokens",
-            "tokenizer_json": tokenizer.to_str(),
-            "max_length": cfg.max_length,
-            "pad_id": PAD_ID,
-            "class_names": list(class_names),
-        },
+        recipe=TokenRecipe(tokenizer.to_str(), cfg.max_length, tuple(class_names), PAD_ID),
     )

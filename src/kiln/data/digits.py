@@ -8,19 +8,12 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import TensorDataset
 
+from kiln.config.data import DigitsConfig
 from kiln.data.spec import DataBundle, DataSpec
-from kiln.registry import register_dataset
+from kiln.preprocessing import ImageRecipe, normalise
 
 
-def normalise(images: np.ndarray, mean: list[float], std: list[float]) -> torch.Tensor:
-    """(N, C, H, W) float images -> standardised tensor, per channel. Inference uses this too."""
-    mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-    std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-    return (torch.as_tensor(images, dtype=torch.float32) - mean_t) / std_t
-
-
-@register_dataset("digits")
-def build_digits(cfg) -> DataBundle:
+def build_digits(cfg: DigitsConfig) -> DataBundle:
     raw = load_digits()
     images = raw.images.astype(np.float32)[:, None, :, :]  # (N, 1, 8, 8), values 0..16
     labels = raw.target.astype(np.int64)
@@ -31,25 +24,18 @@ def build_digits(cfg) -> DataBundle:
     mean = x_train.mean(axis=(0, 2, 3)).tolist()
     std = (x_train.std(axis=(0, 2, 3)) + 1e-6).tolist()
     class_names = tuple(str(i) for i in range(10))
-    spec = DataSpec(
-        task="classification",
-        input_kind="image",
-        num_classes=10,
-        class_names=class_names,
+    recipe = ImageRecipe(
+        mean=tuple(mean),
+        std=tuple(std),
         channels=1,
         image_size=(8, 8),
+        class_names=class_names,
+        value_range=(0.0, 16.0),
     )
+    spec = DataSpec("classification", "image", 10, class_names, channels=1, image_size=(8, 8))
     return DataBundle(
         spec=spec,
         train=TensorDataset(normalise(x_train, mean, std), torch.from_numpy(y_train)),
         val=TensorDataset(normalise(x_val, mean, std), torch.from_numpy(y_val)),
-        preprocessing={
-            "kind": "image",
-            "mean": mean,
-            "std": std,
-            "value_range": [0.0, 16.0],
-            "image_size": [8, 8],
-            "channels": 1,
-            "class_names": list(class_names),
-        },
+        recipe=recipe,
     )

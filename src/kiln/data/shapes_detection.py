@@ -13,11 +13,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from kiln.config.data import ShapesDetectionConfig
 from kiln.data.spec import DataBundle, DataSpec
-from kiln.registry import register_dataset
+from kiln.preprocessing import ImageListRecipe
 
 SHAPE_NAMES = ("rectangle", "ellipse", "triangle", "diamond")
-MIN_SIDE = 16  # smaller images cannot hold a shape a detector could find
 MAX_PLACEMENT_TRIES = 20  # attempts to place a shape without overlapping the ones already drawn
 
 
@@ -122,33 +122,9 @@ def collate_image_list(batch):
     return list(images), list(targets)
 
 
-def _check_config(cfg) -> tuple[int, int]:
-    """Returns (min_side, max_side) after checking the sizes and counts."""
+def build_shapes_detection(cfg: ShapesDetectionConfig) -> DataBundle:
     max_side = cfg.image_size
-    min_side = cfg.min_image_size or max_side
-    if not MIN_SIDE <= min_side <= max_side:
-        raise ValueError(
-            f"shapes_detection needs {MIN_SIDE} <= data.min_image_size <= data.image_size "
-            f"(0 means image_size), got min_image_size={cfg.min_image_size}, "
-            f"image_size={cfg.image_size}"
-        )
-    if not 1 <= cfg.num_classes <= len(SHAPE_NAMES):
-        raise ValueError(
-            f"shapes_detection draws {len(SHAPE_NAMES)} shapes ({', '.join(SHAPE_NAMES)}); "
-            f"data.num_classes must be 1..{len(SHAPE_NAMES)}, got {cfg.num_classes}"
-        )
-    if cfg.max_objects < 1:
-        raise ValueError(f"data.max_objects must be >= 1, got {cfg.max_objects}")
-    if cfg.num_train < 1 or cfg.num_val < 1:
-        raise ValueError(
-            f"data.num_train and data.num_val must be >= 1, got {cfg.num_train} and {cfg.num_val}"
-        )
-    return min_side, max_side
-
-
-@register_dataset("shapes_detection")
-def build_shapes_detection(cfg) -> DataBundle:
-    min_side, max_side = _check_config(cfg)
+    min_side = cfg.min_image_size or max_side  # the config checks 16 <= min_side <= max_side
     common = dict(
         min_side=min_side,
         max_side=max_side,
@@ -172,13 +148,10 @@ def build_shapes_detection(cfg) -> DataBundle:
         train=train,
         val=val,
         collate_fn=collate_image_list,
-        preprocessing={
-            "kind": "image_list",
-            "class_names": list(class_names),
-            "background_id": 0,  # label k means class_names[k - 1]
-            "value_range": [0.0, 1.0],
-            "channels": 3,
-            "image_size": [max_side, max_side],
-            "min_image_size": min_side,
-        },
+        recipe=ImageListRecipe(
+            class_names=class_names,
+            channels=3,
+            image_size=(max_side, max_side),
+            min_image_size=min_side,
+        ),
     )

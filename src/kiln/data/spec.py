@@ -1,21 +1,23 @@
-"""What a dataset tells the rest of kiln: the shapes models are built from and the preprocessing
-that inference must repeat exactly."""
+"""What a dataset tells the rest of kiln: the shapes models are built from (DataSpec) and the
+preprocessing recipe that inference must repeat exactly (kiln.preprocessing)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch.utils.data import Dataset
+
+from kiln.preprocessing import Recipe
 
 
 @dataclass(frozen=True)
 class DataSpec:
     """Shapes and labels a model is built from. Nothing in a model hard-codes these."""
 
-    task: str  # "classification" | "detection"
-    input_kind: str  # "image" | "tokens" | "image_list"
+    task: str  # "classification" | "detection" (picks the evaluator)
+    input_kind: str  # "image" | "tokens" | "image_list" (which models fit)
     num_classes: int
     class_names: tuple[str, ...]
     channels: int | None = None  # images
@@ -38,12 +40,10 @@ class DataSpec:
 
 @dataclass
 class DataBundle:
-    """A built dataset: spec, splits, how to batch them, and the preprocessing to save."""
+    """A built dataset: spec, splits, how to batch them, and the preprocessing recipe."""
 
     spec: DataSpec
     train: Dataset
     val: Dataset
+    recipe: Recipe
     collate_fn: Callable | None = None
-    # Plain data (lists, numbers, strings) stored in checkpoints: normalisation statistics,
-    # tokenizer JSON, label names. kiln.data.preprocess rebuilds the transform from it.
-    preprocessing: dict[str, Any] = field(default_factory=dict)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
+from kiln.config.data import SyntheticImagesConfig
 from kiln.data.spec import DataBundle, DataSpec
-from kiln.registry import register_dataset
+from kiln.preprocessing import ImageRecipe
 
 
 def make_images(n: int, channels: int, size: int, num_classes: int, seed: int):
@@ -21,31 +22,20 @@ def make_images(n: int, channels: int, size: int, num_classes: int, seed: int):
     return images, labels
 
 
-@register_dataset("synthetic_images")
-def build_synthetic_images(cfg) -> DataBundle:
+def build_synthetic_images(cfg: SyntheticImagesConfig) -> DataBundle:
     size, channels, num_classes = cfg.image_size, cfg.channels, cfg.num_classes
     train = make_images(cfg.num_train, channels, size, num_classes, seed=cfg.split_seed)
     val = make_images(cfg.num_val, channels, size, num_classes, seed=cfg.split_seed + 1)
     class_names = tuple(f"class_{i}" for i in range(num_classes))
     spec = DataSpec(
-        task="classification",
-        input_kind="image",
-        num_classes=num_classes,
-        class_names=class_names,
+        "classification", "image", num_classes, class_names, channels=channels,
+        image_size=(size, size),
+    )  # fmt: skip
+    recipe = ImageRecipe(
+        mean=(0.0,) * channels,
+        std=(1.0,) * channels,
         channels=channels,
         image_size=(size, size),
+        class_names=class_names,
     )
-    return DataBundle(
-        spec=spec,
-        train=TensorDataset(*train),
-        val=TensorDataset(*val),
-        preprocessing={
-            "kind": "image",
-            "mean": [0.0] * channels,
-            "std": [1.0] * channels,
-            "value_range": None,
-            "image_size": [size, size],
-            "channels": channels,
-            "class_names": list(class_names),
-        },
-    )
+    return DataBundle(spec, TensorDataset(*train), TensorDataset(*val), recipe)

@@ -24,10 +24,6 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def label(self) -> str:
-        return "DDP" if self.enabled else "single"
-
 
 def env_dist_info() -> DistInfo:
     return DistInfo(

@@ -1,14 +1,23 @@
-"""Rule 2: the main criterion plus optional branches, each behind a flag that defaults to off.
-Every branch's term is returned (and logged) on its own; the total is their sum."""
+"""What the training step minimises. Classifiers go through `ClassificationCriterion`: the main
+cross-entropy plus optional branches (rule 2), each behind a flag that defaults to off, each term
+returned (and logged) on its own. Models that compute their own loss (detectors, declared with
+`computes_own_loss = True`) go through `OwnLossCriterion`.
+
+A criterion also knows how the model is called in each mode (`forward`), which rule 3's check
+and the evaluators reuse, so they call the model exactly as training does."""
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+
+from kiln.config.run import LossConfig
+from kiln.models import logits_of
 
 BRANCHES = ("label_smoothing", "z_loss", "confidence_penalty", "aux_head")
 
@@ -21,7 +30,7 @@ class LossBranches:
     aux_head_weight: float | None = None
 
     @classmethod
-    def from_config(cls, cfg) -> LossBranches:
+    def from_config(cls, cfg: LossConfig) -> LossBranches:
         on = {name: cfg.force_all_branches or getattr(cfg, name) for name in BRANCHES}
         return cls(
             label_smoothing_eps=cfg.label_smoothing_eps if on["label_smoothing"] else None,
@@ -41,8 +50,7 @@ def classification_loss(
     output: Tensor | dict[str, Tensor], targets: Tensor, branches: LossBranches
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Returns (total, terms). `output` is logits (N, C) or {"logits", "aux_logits"}."""
-    logits = output["logits"] if isinstance(output, dict) else output
-    logits = logits.float()  # the loss in fp32 also under autocast
+    logits = logits_of(output).float()  # the loss in fp32 also under autocast
     terms = {"main": F.cross_entropy(logits, targets)}
     log_probs = F.log_softmax(logits, dim=-1)
     if branches.label_smoothing_eps is not None:
@@ -64,3 +72,35 @@ def classification_loss(
         else:
             terms["aux_head"] = branches.aux_head_weight * F.cross_entropy(aux.float(), targets)
     return sum(terms.values()), terms
+
+
+class ClassificationCriterion:
+    """model(inputs) in both modes; cross-entropy plus the switched-on branches."""
+
+    def __init__(self, branches: LossBranches):
+        self.branches = branches
+
+    def forward(self, model: nn.Module, batch: Any, train_mode: bool) -> Any:
+        return model(batch[0])
+
+    def __call__(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        return classification_loss(self.forward(model, batch, True), batch[1], self.branches)
+
+
+class OwnLossCriterion:
+    """model(inputs, targets) returns a dict of loss terms in train mode; model(inputs) returns
+    predictions in eval mode (torchvision's detection convention)."""
+
+    def forward(self, model: nn.Module, batch: Any, train_mode: bool) -> Any:
+        inputs, targets = batch
+        return model(inputs, targets) if train_mode else model(inputs)
+
+    def __call__(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        terms = self.forward(model, batch, True)
+        return sum(terms.values()), terms
+
+
+def build_criterion(model: nn.Module, cfg: LossConfig):
+    if getattr(model, "computes_own_loss", False):
+        return OwnLossCriterion()
+    return ClassificationCriterion(LossBranches.from_config(cfg))

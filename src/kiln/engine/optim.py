@@ -1,4 +1,5 @@
-"""Optimizer and per-optimizer-step LR schedules from config."""
+"""Optimizers and per-optimizer-step LR schedules. Each builder is a registry entry (declared in
+kiln.config.optim beside its schema); `build_optimizer`/`build_scheduler` look them up."""
 
 from __future__ import annotations
 
@@ -7,21 +8,41 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
+from kiln.config.optim import (
+    AdamWConfig,
+    ConstantConfig,
+    CosineConfig,
+    OneCycleConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    SGDConfig,
+)
+from kiln.registry import OPTIMIZERS, SCHEDULERS
 
-def build_optimizer(params, cfg) -> torch.optim.Optimizer:
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
-        )
-    if cfg.name == "sgd":
-        return torch.optim.SGD(
-            params,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov and cfg.momentum > 0,
-            weight_decay=cfg.weight_decay,
-        )
-    raise ValueError(f"optimizer.name={cfg.name!r}; choose adamw or sgd")
+
+def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    return OPTIMIZERS.get(cfg.name)(params, cfg)
+
+
+def build_scheduler(optimizer, cfg: SchedulerConfig, total_steps: int) -> LRScheduler | None:
+    """Stepped once per optimizer step (never per micro-batch); None: a constant lr."""
+    return SCHEDULERS.get(cfg.name)(optimizer, cfg, total_steps)
+
+
+def build_adamw(params, cfg: AdamWConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+    )
+
+
+def build_sgd(params, cfg: SGDConfig) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        params,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov and cfg.momentum > 0,
+        weight_decay=cfg.weight_decay,
+    )
 
 
 def total_optimizer_steps(
@@ -32,6 +53,17 @@ def total_optimizer_steps(
     per_epoch = math.ceil(batches_per_epoch / accumulate)
     total = per_epoch * max_epochs
     return min(total, max_steps) if max_steps > 0 else total
+
+
+def build_onecycle(optimizer, cfg: OneCycleConfig, total_steps: int) -> LRScheduler:
+    return OneCycleLR(
+        optimizer,
+        max_lr=[group["lr"] for group in optimizer.param_groups],
+        total_steps=max(total_steps, 2),
+        pct_start=cfg.pct_start,
+        div_factor=cfg.div_factor,
+        final_div_factor=cfg.final_div_factor,
+    )
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float):
@@ -46,20 +78,10 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float):
     return factor
 
 
-def build_scheduler(optimizer, cfg, total_steps: int) -> LRScheduler | None:
-    """Stepped once per optimizer step (never per micro-batch)."""
-    if cfg.name == "none":
-        return None
-    if cfg.name == "onecycle":
-        return OneCycleLR(
-            optimizer,
-            max_lr=[group["lr"] for group in optimizer.param_groups],
-            total_steps=max(total_steps, 2),
-            pct_start=cfg.pct_start,
-            div_factor=cfg.div_factor,
-            final_div_factor=cfg.final_div_factor,
-        )
-    if cfg.name == "cosine":
-        warmup = cfg.warmup_steps or int(cfg.warmup_fraction * total_steps)
-        return LambdaLR(optimizer, warmup_cosine(total_steps, warmup, cfg.min_lr_ratio))
-    raise ValueError(f"scheduler.name={cfg.name!r}; choose onecycle, cosine or none")
+def build_cosine(optimizer, cfg: CosineConfig, total_steps: int) -> LRScheduler:
+    warmup = cfg.warmup_steps or int(cfg.warmup_fraction * total_steps)
+    return LambdaLR(optimizer, warmup_cosine(total_steps, warmup, cfg.min_lr_ratio))
+
+
+def build_constant(optimizer, cfg: ConstantConfig, total_steps: int) -> None:
+    return None

@@ -1,4 +1,4 @@
-"""The precision group turned into (autocast dtype, whether a GradScaler runs)."""
+"""precision=<option> -> (autocast dtype, whether a GradScaler runs) on the training device."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+
+from kiln.registry import PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -15,10 +17,6 @@ class Precision:
     use_grad_scaler: bool
     device_type: str
 
-    @property
-    def mixed(self) -> bool:
-        return self.autocast_dtype is not None
-
     def autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -26,15 +24,21 @@ class Precision:
 
 
 def resolve_precision(name: str, device: torch.device) -> Precision:
-    """amp means fp16 + GradScaler on CUDA; on CPU fp16 autocast is slow and has no scaler, so amp
-    falls back to bf16 there. bf16 never needs a scaler (fp32's exponent range)."""
-    kind = device.type
-    if name == "fp32":
-        return Precision(name, None, False, kind)
-    if name == "amp":
-        if kind == "cuda":
-            return Precision(name, torch.float16, True, kind)
-        return Precision(name, torch.bfloat16, False, kind)
-    if name == "bf16":
-        return Precision(name, torch.bfloat16, False, kind)
-    raise ValueError(f"precision={name!r}; choose fp32, amp or bf16")
+    return PRECISIONS.get(name)(device)
+
+
+def fp32(device: torch.device) -> Precision:
+    return Precision("fp32", None, False, device.type)
+
+
+def amp(device: torch.device) -> Precision:
+    """fp16 + GradScaler on CUDA; on CPU fp16 autocast is slow and has no scaler, so amp falls
+    back to bf16 there."""
+    if device.type == "cuda":
+        return Precision("amp", torch.float16, True, device.type)
+    return Precision("amp", torch.bfloat16, False, device.type)
+
+
+def bf16(device: torch.device) -> Precision:
+    """bf16 never needs a scaler: it has fp32's exponent range."""
+    return Precision("bf16", torch.bfloat16, False, device.type)

@@ -7,7 +7,7 @@ from kiln.inference.errors import (
     InputError,
     UnsupportedCheckpointError,
 )
-from kiln.inference.export import ExportParityError, export, export_onnx
+from kiln.inference.export import ExportParityError, export
 from kiln.inference.predictor import Predictor
 
 __all__ = [
@@ -18,5 +18,4 @@ __all__ = [
     "Predictor",
     "UnsupportedCheckpointError",
     "export",
-    "export_onnx",
 ]

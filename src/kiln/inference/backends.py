@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from kiln.models import logits_of
+
 ONNX_INPUT, ONNX_OUTPUTS = "input", ("logits", "probs")
 
 
@@ -21,19 +23,8 @@ class ProbabilityHead(nn.Module):
         self.model = model
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        out = self.model(x)
-        logits = out["logits"] if isinstance(out, dict) else out
+        logits = logits_of(self.model(x))
         return logits, logits.softmax(dim=-1)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"device={name!r}; expected cpu, cuda or auto")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda but torch.cuda.is_available() is False; run kiln-doctor")
-    return torch.device(name)
 
 
 class TorchBackend:

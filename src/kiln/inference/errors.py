@@ -3,18 +3,12 @@ arrived and how to fix it, so the CLI and the server can show it as it is."""
 
 from __future__ import annotations
 
+from kiln.errors import UserError
+from kiln.preprocessing.errors import InputError  # noqa: F401  (raw inputs; raised there)
 
-class InferenceError(ValueError):
+
+class InferenceError(UserError, ValueError):
     """Base class: a request or a checkpoint that inference cannot use."""
-
-
-class InputError(InferenceError):
-    """Raw inputs that do not match what the model was trained on (shape, type, value range).
-    `index` is the offending item's position in the batch, when one item is to blame."""
-
-    def __init__(self, message: str, index: int | None = None):
-        super().__init__(message)
-        self.index = index
 
 
 class UnsupportedCheckpointError(InferenceError):

@@ -18,13 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from torch import Tensor
 
 from kiln.data.spec import DataSpec
 from kiln.inference.backends import ONNX_INPUT, ONNX_OUTPUTS, ProbabilityHead, ort_session
 from kiln.inference.errors import InferenceError
-from kiln.inference.preprocess import build_preprocessor
 from kiln.inference.record import ModelRecord, read_checkpoint, rebuild_model, sidecar_path
 
 log = logging.getLogger(__name__)
@@ -77,10 +75,11 @@ class ExportReport:
 def validation_examples(record: ModelRecord, limit: int) -> tuple[Tensor, str]:
     """Up to `limit` preprocessed validation inputs, rebuilt from the run's data config. If the
     data is not reachable here (a CSV on another machine), random valid inputs instead."""
+    from kiln.config import option_from_dict
     from kiln.data import build_data
 
     try:
-        bundle = build_data(OmegaConf.create(record.config["data"]))
+        bundle = build_data(option_from_dict("data", record.config["data"]))
     except (OSError, ValueError) as err:
         log.warning("parity check on random inputs: the run's data is unavailable (%s)", err)
         return random_examples(record, limit), "random inputs (training data unavailable)"
@@ -99,7 +98,7 @@ def random_examples(record: ModelRecord, limit: int) -> Tensor:
         return torch.randint(
             1, spec.vocab_size, (limit, max(2, spec.max_length // 2)), generator=gen
         )
-    preprocess = build_preprocessor(record.preprocessing)
+    preprocess = record.recipe.preprocessor()
     low, high = preprocess.value_range or (-1.0, 1.0)
     raw = low + (high - low) * torch.rand((limit, *preprocess.shape), generator=gen)
     return preprocess(raw.numpy())
@@ -124,46 +123,44 @@ def parity_batches(examples: Tensor, input_kind: str) -> dict[str, Tensor]:
 # Export and checks
 
 
-def export_legacy(net: ProbabilityHead, example: Tensor, out_path: Path, spec: DataSpec) -> None:
-    """TorchScript-based exporter: fast and simple, but it bakes some shapes (e.g. the batch size
-    inside nn.MultiheadAttention) into the graph; the parity check catches that."""
-    dims = {0: "batch", 1: "sequence"} if spec.input_kind == "tokens" else {0: "batch"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # its deprecation notice
-        torch.onnx.export(
-            net,
-            (example,),
-            str(out_path),
-            input_names=[ONNX_INPUT],
-            output_names=list(ONNX_OUTPUTS),
-            dynamic_axes={ONNX_INPUT: dims, "logits": {0: "batch"}, "probs": {0: "batch"}},
-            opset_version=OPSET,
-            dynamo=False,
-        )
-
-
-def export_dynamo(net: ProbabilityHead, example: Tensor, out_path: Path, spec: DataSpec) -> None:
-    """torch.export-based exporter: symbolic batch (and sequence) sizes all the way through."""
+def exporter_options(name: str, spec: DataSpec) -> dict:
+    """torch.onnx.export's arguments for each exporter. legacy (TorchScript-based) is fast and
+    simple but bakes some shapes (e.g. the batch size inside nn.MultiheadAttention) into the
+    graph, which the parity check catches; dynamo (torch.export-based) keeps batch and sequence
+    sizes symbolic all the way through."""
+    tokens = spec.input_kind == "tokens"
+    if name == "legacy":
+        dims = {0: "batch", 1: "sequence"} if tokens else {0: "batch"}
+        axes = {ONNX_INPUT: dims, "logits": {0: "batch"}, "probs": {0: "batch"}}
+        return {"dynamic_axes": axes, "opset_version": OPSET, "dynamo": False}
     dims = {0: torch.export.Dim("batch")}
-    if spec.input_kind == "tokens":
+    if tokens:
         dims[1] = torch.export.Dim("sequence", max=spec.max_length)
+    return {
+        "dynamic_shapes": (dims,),
+        "opset_version": DYNAMO_OPSET,
+        "dynamo": True,
+        "external_data": False,  # one self-contained file, like the legacy exporter's
+        "verbose": False,
+    }
+
+
+def export_graph(
+    name: str, net: ProbabilityHead, example: Tensor, out_path: Path, spec: DataSpec
+) -> None:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # deprecation and tracer notices
         torch.onnx.export(
             net,
             (example,),
             str(out_path),
             input_names=[ONNX_INPUT],
             output_names=list(ONNX_OUTPUTS),
-            dynamic_shapes=(dims,),
-            opset_version=DYNAMO_OPSET,
-            dynamo=True,
-            external_data=False,  # one self-contained file, like the legacy exporter's
-            verbose=False,
+            **exporter_options(name, spec),
         )
 
 
-EXPORTERS = {"legacy": export_legacy, "dynamo": export_dynamo}
+EXPORTERS = ("legacy", "dynamo")  # tried in this order
 
 
 def export_checked(
@@ -175,9 +172,9 @@ def export_checked(
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     batches = parity_batches(examples[:NUM_PARITY_EXAMPLES], spec.input_kind)
     failures = []
-    for name, exporter in EXPORTERS.items():
+    for name in EXPORTERS:
         try:
-            exporter(net, examples[:2], onnx_path, spec)
+            export_graph(name, net, examples[:2], onnx_path, spec)
             onnx.checker.check_model(str(onnx_path))
             return name, check_parity(net, onnx_path, batches, device)
         except Exception as err:  # any failure of one exporter: try the next, report all
@@ -286,8 +283,3 @@ def export(
     for line in report.lines():
         log.info(line)
     return report
-
-
-def export_onnx(ckpt_path: str | Path, out_path: str | Path | None = None) -> Path:
-    """Write model.onnx beside the checkpoint (or at out_path) after the parity check."""
-    return export(ckpt_path, out_path).onnx_path

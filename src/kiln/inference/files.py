@@ -10,8 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kiln.inference.errors import InputError
-from kiln.inference.preprocess import ImagePreprocessor, Preprocessor, describe_shape
+from kiln.preprocessing import ImagePreprocessor, InputError, Preprocessor, describe_shape
 
 
 def read_inputs(path: str | Path, preprocess: Preprocessor, text_column: str = "text") -> Any:

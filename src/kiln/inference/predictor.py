@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from kiln.data.spec import DataSpec
-from kiln.inference.backends import OnnxBackend, TorchBackend, resolve_device
-from kiln.inference.preprocess import Preprocessor, build_preprocessor
+from kiln.device import resolve_device
+from kiln.inference.backends import OnnxBackend, TorchBackend
 from kiln.inference.record import (
     ModelRecord,
     file_sha256,
@@ -28,6 +28,7 @@ from kiln.inference.record import (
     read_sidecar,
     rebuild_model,
 )
+from kiln.preprocessing import Preprocessor
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class Predictor:
         self.backend = backend
         self.record = record
         self.source = source
-        self.preprocess: Preprocessor = build_preprocessor(record.preprocessing)
+        self.preprocess: Preprocessor = record.recipe.preprocessor()
 
     @classmethod
     def from_checkpoint(

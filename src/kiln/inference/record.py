@@ -10,13 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
 from torch import nn
 
+from kiln.checkpoint import load_checkpoint
+from kiln.config import option_from_dict
 from kiln.data.spec import DataSpec
-from kiln.engine.checkpoint import load_checkpoint
 from kiln.inference.errors import CheckpointPolicyError, UnsupportedCheckpointError
 from kiln.models import build_model
+from kiln.preprocessing import Recipe, recipe_from_dict
+from kiln.registry import load_plugins
 
 BEST_CHECKPOINT = "best.pt"
 
@@ -24,7 +26,7 @@ BEST_CHECKPOINT = "best.pt"
 @dataclass(frozen=True)
 class ModelRecord:
     spec: DataSpec
-    preprocessing: dict[str, Any]
+    recipe: Recipe  # the training preprocessing, repeated exactly
     config: dict[str, Any]  # the training run's resolved config
     model_name: str
     checkpoint_name: str  # file name of the .pt it came from (the env policy checks it)
@@ -33,7 +35,7 @@ class ModelRecord:
     def to_json(self) -> dict[str, Any]:
         return {
             "data_spec": self.spec.to_dict(),
-            "preprocessing": self.preprocessing,
+            "preprocessing": self.recipe.to_dict(),
             "config": self.config,
             "model_name": self.model_name,
             "checkpoint_name": self.checkpoint_name,
@@ -44,7 +46,8 @@ class ModelRecord:
     def from_json(cls, d: dict[str, Any]) -> ModelRecord:
         fields = dict(d)
         spec = DataSpec.from_dict(fields.pop("data_spec"))
-        return cls(spec=spec, **fields)
+        recipe = recipe_from_dict(fields.pop("preprocessing"))
+        return cls(spec=spec, recipe=recipe, **fields)
 
 
 def file_sha256(path: Path) -> str:
@@ -80,7 +83,7 @@ def read_checkpoint(path: str | Path) -> tuple[ModelRecord, dict[str, Any]]:
     ckpt = load_checkpoint(path)
     record = ModelRecord(
         spec=DataSpec.from_dict(ckpt["data_spec"]),
-        preprocessing=ckpt["preprocessing"],
+        recipe=recipe_from_dict(ckpt["preprocessing"]),
         config=ckpt["config"],
         model_name=ckpt["model_name"],
         checkpoint_name=path.name,
@@ -112,7 +115,9 @@ def sidecar_path(onnx_path: Path) -> Path:
 def rebuild_model(record: ModelRecord, state_dict: dict[str, Any]) -> nn.Module:
     """The trained network in eval mode. A model trained with an auxiliary head (by
     model.aux_head or the loss branch) has `aux.*` weights, so it is rebuilt with one."""
+    load_plugins(record.config.get("plugins", []))  # a user's model registers itself there
     aux_head = any(key.startswith("aux.") for key in state_dict)
-    model = build_model(record.spec, OmegaConf.create(record.config["model"]), aux_head=aux_head)
+    model_cfg = option_from_dict("model", record.config["model"])
+    model = build_model(record.spec, model_cfg, aux_head=aux_head)
     model.load_state_dict(state_dict)
     return model.eval()

@@ -13,6 +13,7 @@ A backend that raises while logging is dropped with a warning and the run goes o
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,10 +21,9 @@ from typing import Protocol, runtime_checkable
 
 from kiln.logging.jsonl import JsonlWriter, read_jsonl
 from kiln.logging.redaction import redact
+from kiln.registry import LOGGERS
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("csv", "tensorboard", "wandb")
 
 
 @runtime_checkable
@@ -94,70 +94,42 @@ def build_loggers(
     wandb_entity: str | None = None,
     resume_id: str | None = None,
 ) -> MultiLogger:
-    """The loggers named in `backends` (each of BACKENDS), writing under `run_dir`.
+    """The loggers named in `backends` (entries of the LOGGERS registry), writing under `run_dir`.
 
     Raises ValueError for an unknown backend or an unusable W&B mode, before anything is created;
     if a backend fails to start, the ones already started are closed before the error propagates.
     """
-    unknown = [name for name in backends if name not in BACKENDS]
+    unknown = [name for name in backends if name not in LOGGERS]
     if unknown:
-        raise ValueError(f"unknown logger backend(s) {unknown}; choose from: {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"unknown logger backend(s) {unknown}; choose from: {', '.join(LOGGERS.names())}"
+        )
     if "wandb" in backends:
         from kiln.logging.wandb_backend import check_wandb_mode
 
         check_wandb_mode(wandb_mode)  # fail before any file is written
-
     run_dir = Path(run_dir)
+    options = {  # each backend takes the keyword arguments it declares
+        "run_dir": run_dir,
+        "run_name": run_name,
+        "project": wandb_project,
+        "mode": wandb_mode,
+        "entity": wandb_entity,
+        "resume_id": resume_id,
+    }
     started = MultiLogger({})
     try:
         for name in dict.fromkeys(backends):  # ordered, duplicates dropped
-            started.backends[name] = _build_backend(
-                name,
-                run_dir,
-                run_name=run_name,
-                wandb_project=wandb_project,
-                wandb_mode=wandb_mode,
-                wandb_entity=wandb_entity,
-                resume_id=resume_id,
-            )
+            backend = LOGGERS.get(name)
+            wanted = inspect.signature(backend).parameters
+            started.backends[name] = backend(**{k: v for k, v in options.items() if k in wanted})
     except BaseException:
         started.close()
         raise
     return started
 
 
-def _build_backend(
-    name: str,
-    run_dir: Path,
-    *,
-    run_name: str,
-    wandb_project: str,
-    wandb_mode: str,
-    wandb_entity: str | None,
-    resume_id: str | None,
-) -> MetricLogger:
-    if name == "csv":
-        from kiln.logging.csv_backend import CsvLogger
-
-        return CsvLogger(run_dir / "metrics.csv")
-    if name == "tensorboard":
-        from kiln.logging.tensorboard_backend import TensorBoardLogger
-
-        return TensorBoardLogger(run_dir / "tensorboard")
-    from kiln.logging.wandb_backend import WandbLogger
-
-    return WandbLogger(
-        run_dir,
-        run_name=run_name,
-        project=wandb_project,
-        mode=wandb_mode,
-        entity=wandb_entity,
-        resume_id=resume_id,
-    )
-
-
 __all__ = [
-    "BACKENDS",
     "JsonlWriter",
     "MetricLogger",
     "MultiLogger",

@@ -34,8 +34,8 @@ def _read_header(path: Path) -> list[str]:
 
 
 class CsvLogger:
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / "metrics.csv"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         exists = self.path.exists() and self.path.stat().st_size > 0
         self._columns: list[str] = _read_header(self.path) if exists else [STEP_COLUMN]

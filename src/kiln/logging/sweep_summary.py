@@ -11,7 +11,6 @@ trainer.max_epochs=1 that `make sweep` passes to all) are not swept and are left
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -19,18 +18,12 @@ from typing import Any
 import pandas as pd
 import yaml
 
-SUMMARY_FILE = "summary.json"
+from kiln.logging.summary import SUMMARY_FILE, SUMMARY_KEYS, read_summary
+from kiln.sorting import natural_key
+
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 CONFIG_FILE = Path(".hydra") / "config.yaml"
-METRIC_COLUMNS = [
-    "status",
-    "val_acc",
-    "val_loss",
-    "steps",
-    "samples_per_s",
-    "data_time_frac",
-    "error",
-]
+METRIC_COLUMNS = list(SUMMARY_KEYS)
 # The "final metric" plotted per run: the first of these a sweep reports.
 FINAL_METRICS = ("val_acc", "val_map50", "val_loss")
 
@@ -41,11 +34,7 @@ def find_run_dirs(sweep_dir: Path) -> list[Path]:
     run_dirs = {
         marker.parent if marker.name == SUMMARY_FILE else marker.parent.parent for marker in markers
     }
-    return sorted(run_dirs, key=lambda path: _natural_key(path.relative_to(sweep_dir)))
-
-
-def _natural_key(path: Path) -> list[Any]:
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.parts]
+    return sorted(run_dirs, key=lambda path: natural_key(path.relative_to(sweep_dir).as_posix()))
 
 
 def read_overrides(run_dir: Path) -> dict[str, str]:
@@ -58,20 +47,6 @@ def read_overrides(run_dir: Path) -> dict[str, str]:
         key, _, value = str(item).partition("=")
         overrides[key.lstrip("+~")] = value  # "+key" / "++key" add keys; same column
     return overrides
-
-
-def read_summary(run_dir: Path) -> dict[str, Any]:
-    """summary.json as a dict; a missing or unreadable one makes the run failed with that error."""
-    path = run_dir / SUMMARY_FILE
-    if not path.is_file():
-        return {"status": "failed", "error": "no summary.json"}
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        return {"status": "failed", "error": f"unreadable summary.json: {error}"}
-    if not isinstance(summary, dict):
-        return {"status": "failed", "error": "summary.json is not a JSON object"}
-    return summary
 
 
 def collect_runs(sweep_dir: str | Path) -> pd.DataFrame:

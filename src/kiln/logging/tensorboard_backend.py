@@ -17,11 +17,11 @@ CONFIG_TAG = "config"
 
 
 class TensorBoardLogger:
-    def __init__(self, log_dir: str | Path):
+    def __init__(self, run_dir: str | Path):
         # Imported here so runs without this backend never load tensorboard.
         from torch.utils.tensorboard import SummaryWriter
 
-        self.log_dir = Path(log_dir)
+        self.log_dir = Path(run_dir) / "tensorboard"
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
         self._closed = False
 

@@ -1,19 +1,31 @@
-"""Models: each registered builder takes (DataSpec, ModelConfig) and never hard-codes a shape.
+"""Models: each registered builder takes (DataSpec, its typed config, aux_head=...) and never
+hard-codes a shape. Importing this package loads no model module; `build_model` imports the one
+asked for.
 
-Classification models return logits (N, num_classes), or a dict {"logits": ..., "aux_logits": ...}
-when built with an auxiliary head."""
+Classification models return logits (N, num_classes), or {"logits": ..., "aux_logits": ...} when
+built with an auxiliary head; `logits_of` reads either."""
 
-from kiln.models import detector, mlp, resnet, text  # noqa: F401  (registration side effects)
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
 from kiln.models.init import apply_init
 from kiln.registry import MODELS
 
 
-def build_model(spec, cfg, *, aux_head: bool | None = None):
+def build_model(spec, cfg, *, aux_head: bool | None = None) -> nn.Module:
     """Build a registered model from the data spec. `aux_head` overrides cfg.aux_head."""
-    want_aux = cfg.aux_head if aux_head is None else aux_head
+    want_aux = getattr(cfg, "aux_head", False) if aux_head is None else aux_head
     model = MODELS.get(cfg.name)(spec, cfg, aux_head=want_aux)
-    apply_init(model, cfg.init)
+    apply_init(model, str(cfg.init))
     return model
 
 
-__all__ = ["build_model", "apply_init"]
+def logits_of(output: Any) -> Tensor:
+    """The main logits of a classifier's output (a tensor, or a dict with "logits")."""
+    return output["logits"] if isinstance(output, dict) else output
+
+
+__all__ = ["apply_init", "build_model", "logits_of"]

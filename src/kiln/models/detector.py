@@ -16,7 +16,7 @@ from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_320_fpn
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 
-from kiln.registry import register_model
+from kiln.config.model import DetectorConfig
 
 # Images are resized to at least this side: below it MobileNet's stride-32 features shrink to
 # 1x1, and BatchNorm cannot train on a batch of one image.
@@ -150,8 +150,7 @@ def _resize_side(spec) -> int:
     return max(max(spec.image_size), MIN_RESIZE_SIDE)
 
 
-@register_model("detector")
-def build_detector(spec, cfg, *, aux_head: bool = False) -> KilnDetector:
+def build_detector(spec, cfg: DetectorConfig, *, aux_head: bool = False) -> KilnDetector:
     """aux_head is accepted for a uniform builder signature and ignored (no classifier head)."""
     if aux_head:
         warnings.warn(

@@ -6,7 +6,7 @@ import math
 
 from torch import Tensor, nn
 
-from kiln.registry import register_model
+from kiln.config.model import MlpConfig
 
 
 class MLP(nn.Module):
@@ -37,8 +37,7 @@ class MLP(nn.Module):
         return {"logits": self.head(self.body[3:](first)), "aux_logits": self.aux(first)}
 
 
-@register_model("mlp")
-def build_mlp(spec, cfg, *, aux_head: bool = False) -> MLP:
+def build_mlp(spec, cfg: MlpConfig, *, aux_head: bool = False) -> MLP:
     if spec.input_kind != "image":
         raise ValueError(f"model mlp needs image data, got {spec.input_kind} ({spec})")
     in_features = spec.channels * math.prod(spec.image_size)

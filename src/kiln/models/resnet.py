@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torchvision.models import resnet18, resnet50
 
-from kiln.registry import register_model
+from kiln.config.model import ResNetConfig
 
 SMALL_INPUT_SIDE = 64  # below this, the 7x7/2 stem + max-pool would discard most of the image
 
@@ -29,7 +29,7 @@ class KilnResNet(nn.Module):
         return logits if aux is None else {"logits": logits, "aux_logits": aux}
 
 
-def _adapt(factory, spec, cfg, aux_head: bool) -> KilnResNet:
+def _adapt(factory, spec, cfg: ResNetConfig, aux_head: bool) -> KilnResNet:
     if spec.input_kind != "image":
         raise ValueError(f"model {cfg.name} needs image data, got {spec.input_kind}")
     net = factory(weights=None, num_classes=spec.num_classes)
@@ -46,11 +46,9 @@ def _adapt(factory, spec, cfg, aux_head: bool) -> KilnResNet:
     return KilnResNet(net, spec.num_classes, aux_head)
 
 
-@register_model("resnet18")
-def build_resnet18(spec, cfg, *, aux_head: bool = False) -> KilnResNet:
+def build_resnet18(spec, cfg: ResNetConfig, *, aux_head: bool = False) -> KilnResNet:
     return _adapt(resnet18, spec, cfg, aux_head)
 
 
-@register_model("resnet50")
-def build_resnet50(spec, cfg, *, aux_head: bool = False) -> KilnResNet:
+def build_resnet50(spec, cfg: ResNetConfig, *, aux_head: bool = False) -> KilnResNet:
     return _adapt(resnet50, spec, cfg, aux_head)

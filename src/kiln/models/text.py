@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kiln.registry import register_model
+from kiln.config.model import TextBowConfig, TextTransformerConfig
 
 
 def masked_mean(x: Tensor, keep: Tensor) -> Tensor:
@@ -114,25 +114,17 @@ def _check_token_spec(spec, model_name: str) -> None:
         )
 
 
-@register_model("text_bow")
-def build_text_bow(spec, cfg, *, aux_head: bool = False) -> BagOfEmbeddings:
+def build_text_bow(spec, cfg: TextBowConfig, *, aux_head: bool = False) -> BagOfEmbeddings:
     _check_token_spec(spec, "text_bow")
     return BagOfEmbeddings(
         spec.vocab_size, cfg.embed_dim, spec.num_classes, cfg.dropout, spec.pad_id, aux_head
     )
 
 
-@register_model("text_transformer")
-def build_text_transformer(spec, cfg, *, aux_head: bool = False) -> TextTransformer:
-    _check_token_spec(spec, "text_transformer")
-    if cfg.embed_dim % cfg.num_heads:
-        divisors = [h for h in range(1, cfg.embed_dim + 1) if cfg.embed_dim % h == 0]
-        raise ValueError(
-            f"model.embed_dim={cfg.embed_dim} must be divisible by model.num_heads="
-            f"{cfg.num_heads}; e.g. num_heads in {divisors[:8]}"
-        )
-    if cfg.num_layers < 1:
-        raise ValueError(f"model.num_layers must be >= 1, got {cfg.num_layers}")
+def build_text_transformer(
+    spec, cfg: TextTransformerConfig, *, aux_head: bool = False
+) -> TextTransformer:
+    _check_token_spec(spec, "text_transformer")  # the config checked heads, layers and width
     return TextTransformer(
         spec.vocab_size,
         spec.max_length,

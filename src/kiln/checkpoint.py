@@ -1,4 +1,5 @@
-"""Full checkpoints as plain dicts, written atomically and only ever loaded with weights_only=True.
+"""Checkpoint files: plain dicts, written atomically and only ever loaded with weights_only=True.
+A leaf module: the engine, inference and the CLI all read and write checkpoints through it.
 
 A kill at any moment leaves the previous file intact: we write a temp file in the same directory,
 fsync it, rename it over the target (atomic on POSIX) and fsync the directory."""
@@ -9,23 +10,29 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
-import torch
+from kiln.errors import UserError
 
 log = logging.getLogger(__name__)
 
 EPOCH_FILE = re.compile(r"epoch-(\d+)\.pt$")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: missing, truncated, corrupt, or not weights-only."""
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be used or written: missing, truncated, corrupt, not a
+    checkpoint, not weights-only, or a failed write."""
 
 
 def atomic_save(obj: dict[str, Any], path: Path) -> None:
+    """Write `obj` to `path` so that a crash or a full disk never leaves a half-written file;
+    the previous file at `path` survives any failure."""
+    import torch  # here: listing checkpoints (resume=auto) must not pay torch's import
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -35,6 +42,9 @@ def atomic_save(obj: dict[str, Any], path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
+    except (OSError, RuntimeError) as err:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise CheckpointError(_write_failure(path, err)) from err
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
@@ -45,11 +55,27 @@ def atomic_save(obj: dict[str, Any], path: Path) -> None:
         os.close(dir_fd)
 
 
+def _write_failure(path: Path, err: BaseException) -> str:
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**20:.0f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    kept = f"the previous {path.name} is kept" if path.exists() else f"no {path.name} was written"
+    return f"could not write checkpoint {path} ({free} on its disk; {kept}): {err}"
+
+
 def load_checkpoint(path: Path, map_location="cpu") -> dict[str, Any]:
     """Load with weights_only=True; anything that would need unpickling code is refused."""
+    import torch
+
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or corrupt, or not a checkpoint at all (it is not "
+            "the zip archive torch.save writes)"
+        )
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
@@ -60,7 +86,7 @@ def load_checkpoint(path: Path, map_location="cpu") -> dict[str, Any]:
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as err:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {err}") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt:
-        raise CheckpointError(f"checkpoint {path} is not a kiln checkpoint (no 'model' entry)")
+        raise CheckpointError(f"{path} is not a kiln checkpoint (no 'model' entry)")
     return ckpt
 
 

@@ -1,40 +1,55 @@
-"""Raw inputs -> the model's input tensor, repeating exactly the preprocessing used in training.
-
-The recipe is the `preprocessing` dict saved in every checkpoint (see kiln.data): images are
-checked against the stored (C, H, W) and value range, then standardised with the stored mean/std
-by the same `normalise` the dataset used; texts go through the stored tokenizer via
-`encode_texts`. Every check names the item index and what was expected."""
+"""Images: the recipe (normalisation statistics, value range, size, labels) a dataset records and
+every checkpoint carries, and the transform that repeats it on raw pixel arrays."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from kiln.data.csv_text import encode_texts
-from kiln.data.digits import normalise
-from kiln.inference.errors import InputError
+from kiln.preprocessing.errors import InputError, describe_shape
 
 
-def describe_shape(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(str(s) for s in shape) + ")"
+def normalise(images: np.ndarray | torch.Tensor, mean: list[float], std: list[float]):
+    """(N, C, H, W) float images -> standardised float32 tensor, per channel."""
+    mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    return (torch.as_tensor(images, dtype=torch.float32) - mean_t) / std_t
+
+
+@dataclass(frozen=True)
+class ImageRecipe:
+    """Fixed-size images (C, H, W), standardised per channel."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    channels: int
+    image_size: tuple[int, int]  # (H, W)
+    class_names: tuple[str, ...]
+    value_range: tuple[float, float] | None = None  # the raw pixels' range; None: unchecked
+    kind = "image"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **_lists(asdict(self))}
+
+    def preprocessor(self) -> ImagePreprocessor:
+        return ImagePreprocessor(self)
 
 
 class ImagePreprocessor:
-    """Raw pixel arrays (C, H, W) -- or (H, W) for one-channel data -- in the data's value range."""
+    """Raw pixel arrays (C, H, W) -- or (H, W) for one-channel data -- in the data's value range
+    -> the standardised (N, C, H, W) tensor the model was trained on."""
 
     input_kind = "image"
 
-    def __init__(self, preprocessing: dict[str, Any]):
-        self.mean = list(preprocessing["mean"])
-        self.std = list(preprocessing["std"])
-        self.channels = int(preprocessing["channels"])
-        height, width = preprocessing["image_size"]
-        self.shape = (self.channels, int(height), int(width))
-        value_range = preprocessing.get("value_range")
-        self.value_range = tuple(value_range) if value_range is not None else None
+    def __init__(self, recipe: ImageRecipe):
+        self.recipe = recipe
+        self.channels = recipe.channels
+        self.shape = (recipe.channels, *recipe.image_size)
+        self.value_range = recipe.value_range
 
     @property
     def expected(self) -> str:
@@ -45,7 +60,7 @@ class ImagePreprocessor:
         """One raw item -> float32 (C, H, W); InputError naming `index` if it does not fit."""
         try:
             array = np.asarray(item, dtype=np.float32)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, OverflowError):
             raise InputError(
                 f"item {index}: not a numeric array; expected an image of shape {self.expected}",
                 index,
@@ -85,7 +100,7 @@ class ImagePreprocessor:
         if len(raw_inputs) == 0:
             return torch.zeros((0, *self.shape), dtype=torch.float32)
         batch = np.stack([self.item_array(item, i) for i, item in enumerate(raw_inputs)])
-        return normalise(batch, self.mean, self.std)
+        return normalise(batch, list(self.recipe.mean), list(self.recipe.std))
 
     def example(self) -> np.ndarray:
         """A valid raw input (mid-range grey), for warm-up requests."""
@@ -93,37 +108,6 @@ class ImagePreprocessor:
         return np.full(self.shape, (low + high) / 2, dtype=np.float32)
 
 
-class TokenPreprocessor:
-    """Raw texts (str) -> token ids (N, L) padded to the longest, by the stored tokenizer."""
-
-    input_kind = "tokens"
-    expected = "a text (string)"
-
-    def __init__(self, preprocessing: dict[str, Any]):
-        self.preprocessing = preprocessing
-
-    def validate(self, raw_inputs: Sequence[Any]) -> None:
-        for index, item in enumerate(raw_inputs):
-            if not isinstance(item, str):
-                raise InputError(
-                    f"item {index}: expected a text (string), got {type(item).__name__}", index
-                )
-
-    def __call__(self, raw_inputs: Sequence[Any]) -> torch.Tensor:
-        self.validate(raw_inputs)
-        return encode_texts(self.preprocessing, list(raw_inputs))
-
-    def example(self) -> str:
-        return "hello world"
-
-
-Preprocessor = ImagePreprocessor | TokenPreprocessor
-
-
-def build_preprocessor(preprocessing: dict[str, Any]) -> Preprocessor:
-    kind = preprocessing.get("kind")
-    if kind == "image":
-        return ImagePreprocessor(preprocessing)
-    if kind == "tokens":
-        return TokenPreprocessor(preprocessing)
-    raise AssertionError(f"checkpoint preprocessing of unknown kind {kind!r}")
+def _lists(d: dict[str, Any]) -> dict[str, Any]:
+    """Tuples as lists: plain data that survives torch.load(weights_only=True) and JSON alike."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}

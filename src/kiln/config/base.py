@@ -1,0 +1,86 @@
+"""What every config schema shares: the user-error type, range checks that name the key, and the
+one-line meaning of each field (the comment written beside it, shown by `--help GROUP=OPTION`)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import io
+import textwrap
+import tokenize
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+from kiln.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A user mistake in the config. Printed as one line: `error: <what> (<key>): <what to do>`."""
+
+    def __init__(self, what: str, key: str = "", todo: str = ""):
+        self.what, self.key, self.todo = what, key, todo
+        where = f" ({key})" if key else ""
+        super().__init__(f"{what}{where}" + (f": {todo}" if todo else ""))
+
+
+def invalid(key: str, todo: str) -> ConfigError:
+    return ConfigError("invalid value", key, todo)
+
+
+def at_least(value: float, low: float, key: str, meaning: str = "") -> None:
+    if value < low:
+        raise invalid(
+            key, f"must be >= {low:g}, got {value:g}" + (f" ({meaning})" if meaning else "")
+        )
+
+
+def in_range(value: float, low: float, high: float, key: str, *, open_low=False, open_high=False):
+    too_low = value <= low if open_low else value < low
+    too_high = value >= high if open_high else value > high
+    if too_low or too_high:
+        left, right = "(" if open_low else "[", ")" if open_high else "]"
+        raise invalid(key, f"must be in {left}{low:g}, {high:g}{right}, got {value:g}")
+
+
+def limit_or_all(value: int, key: str) -> None:
+    """-1 means no limit; 0 and other negatives are refused rather than read as 'no limit'."""
+    if value != -1 and value < 1:
+        raise invalid(key, f"must be -1 (no limit) or >= 1, got {value}")
+
+
+def check_tree(cfg: Any, path: str = "") -> None:
+    """Run `check(path)` on every dataclass in the tree that defines one."""
+    if not is_dataclass(cfg):
+        return
+    check = getattr(cfg, "check", None)
+    if check is not None:
+        check(path.rstrip("."))
+    for f in fields(cfg):
+        check_tree(getattr(cfg, f.name), f"{path}{f.name}.")
+
+
+@functools.cache
+def field_help(schema: type) -> dict[str, str]:
+    """{field: the comment on the line that declares it}, for the schema and its bases."""
+    help_text: dict[str, str] = {}
+    for cls in reversed(schema.__mro__):
+        if not is_dataclass(cls) or cls is object:
+            continue
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            continue
+        help_text.update(_trailing_comments(source))
+    return help_text
+
+
+def _trailing_comments(source: str) -> dict[str, str]:
+    """`name: type = default  # meaning` lines of a class body -> {name: meaning}."""
+    comments: dict[str, str] = {}
+    line_name: dict[int, str] = {}
+    for token in tokenize.generate_tokens(io.StringIO(textwrap.dedent(source)).readline):
+        if token.type == tokenize.NAME and token.start[1] == 4 and token.start[0] not in line_name:
+            line_name[token.start[0]] = token.string
+        elif token.type == tokenize.COMMENT and token.start[0] in line_name:
+            comments[line_name[token.start[0]]] = token.string.lstrip("# ").strip()
+    return comments

@@ -1,0 +1,106 @@
+"""model=<option>: one schema per model. Every model is built from the dataset's DataSpec plus
+these keys; nothing here is a shape the data already tells."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from omegaconf import MISSING
+
+from kiln.config.base import ConfigError, at_least, in_range
+from kiln.registry import MODELS
+
+
+class Init(StrEnum):
+    default = "default"  # PyTorch's per-layer defaults
+    kaiming = "kaiming"
+    xavier = "xavier"
+
+
+@dataclass
+class ModelConfig:
+    """Options every model has."""
+
+    name: str = MISSING  # the model (set by model=<option>)
+    init: Init = Init.default  # weight initialisation: default | kaiming | xavier
+
+
+@dataclass
+class ClassifierConfig(ModelConfig):
+    """Options every classifier has."""
+
+    dropout: float = 0.0  # dropout probability before the classifier head
+    aux_head: bool = False  # add an auxiliary classifier head (also switched on by loss.aux_head)
+
+    def check(self, key: str) -> None:
+        in_range(self.dropout, 0, 1, f"{key}.dropout", open_high=True)
+
+
+@dataclass
+class MlpConfig(ClassifierConfig):
+    """A multilayer perceptron over flattened images."""
+
+    dropout: float = 0.1
+    hidden_dims: list[int] = field(default_factory=lambda: [256, 128])  # hidden layer widths
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        for width in self.hidden_dims:
+            at_least(width, 1, f"{key}.hidden_dims")
+
+
+@dataclass
+class ResNetConfig(ClassifierConfig):
+    """torchvision ResNet (weights=None), adapted to the data's channels and classes."""
+
+    small_input_stem: bool | None = None  # 3x3 stem without max-pool (null: when side < 64)
+
+
+@dataclass
+class TextBowConfig(ClassifierConfig):
+    """Mean of token embeddings (padding masked) -> linear classifier."""
+
+    dropout: float = 0.1
+    embed_dim: int = 64  # embedding width
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        at_least(self.embed_dim, 1, f"{key}.embed_dim")
+
+
+@dataclass
+class TextTransformerConfig(ClassifierConfig):
+    """Token + position embeddings -> Transformer encoder (padding masked) -> mean -> linear."""
+
+    dropout: float = 0.1
+    embed_dim: int = 64  # model width; must be divisible by num_heads
+    num_layers: int = 2  # encoder layers
+    num_heads: int = 4  # attention heads per layer
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        at_least(self.num_layers, 1, f"{key}.num_layers")
+        at_least(self.num_heads, 1, f"{key}.num_heads")
+        if self.embed_dim % self.num_heads:
+            divisors = [h for h in range(1, self.embed_dim + 1) if self.embed_dim % h == 0]
+            raise ConfigError(
+                f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}",
+                f"{key}.num_heads",
+                f"choose num_heads in {divisors[:8]}",
+            )
+
+
+@dataclass
+class DetectorConfig(ModelConfig):
+    """torchvision Faster R-CNN, MobileNetV3-Large FPN backbone (weights=None), CPU-sized."""
+
+
+MODELS.declare("mlp", "kiln.models.mlp:build_mlp", config=MlpConfig)
+MODELS.declare("resnet18", "kiln.models.resnet:build_resnet18", config=ResNetConfig)
+MODELS.declare("resnet50", "kiln.models.resnet:build_resnet50", config=ResNetConfig)
+MODELS.declare("text_bow", "kiln.models.text:build_text_bow", config=TextBowConfig)
+MODELS.declare(
+    "text_transformer", "kiln.models.text:build_text_transformer", config=TextTransformerConfig
+)
+MODELS.declare("detector", "kiln.models.detector:build_detector", config=DetectorConfig)

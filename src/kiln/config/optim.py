@@ -1,0 +1,99 @@
+"""optimizer=<option> and scheduler=<option>: one schema per optimizer and per LR schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from kiln.config.base import at_least, in_range, invalid
+from kiln.registry import OPTIMIZERS, SCHEDULERS
+
+
+@dataclass
+class OptimizerConfig:
+    """Options every optimizer has."""
+
+    name: str = MISSING  # the optimizer (set by optimizer=<option>)
+    lr: float = 1e-3  # learning rate (the peak for onecycle)
+    weight_decay: float = 0.0  # decoupled (adamw) or L2 (sgd) weight decay
+
+    def check(self, key: str) -> None:
+        if not self.lr > 0:
+            raise invalid(f"{key}.lr", f"must be > 0, got {self.lr:g}")
+        at_least(self.weight_decay, 0, f"{key}.weight_decay")
+
+
+@dataclass
+class AdamWConfig(OptimizerConfig):
+    """torch.optim.AdamW."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # (beta1, beta2)
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        for beta in self.betas:
+            in_range(beta, 0, 1, f"{key}.betas", open_high=True)
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    """torch.optim.SGD with momentum."""
+
+    lr: float = 0.05
+    weight_decay: float = 5e-4
+    momentum: float = 0.9  # 0: plain SGD
+    nesterov: bool = True  # Nesterov momentum (ignored when momentum is 0)
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        in_range(self.momentum, 0, 1, f"{key}.momentum", open_high=True)
+
+
+@dataclass
+class SchedulerConfig:
+    """Options every LR schedule has: it is stepped once per optimizer step."""
+
+    name: str = MISSING  # the schedule (set by scheduler=<option>)
+
+
+@dataclass
+class OneCycleConfig(SchedulerConfig):
+    """torch.optim.lr_scheduler.OneCycleLR; its peak is optimizer.lr."""
+
+    pct_start: float = 0.3  # share of the steps spent warming up to the peak
+    div_factor: float = 25.0  # initial lr = lr / div_factor
+    final_div_factor: float = 1e4  # final lr = initial lr / final_div_factor
+
+    def check(self, key: str) -> None:
+        in_range(self.pct_start, 0, 1, f"{key}.pct_start", open_low=True, open_high=True)
+        at_least(self.div_factor, 1, f"{key}.div_factor")
+        at_least(self.final_div_factor, 1, f"{key}.final_div_factor")
+
+
+@dataclass
+class CosineConfig(SchedulerConfig):
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio at the last step."""
+
+    warmup_steps: int = 0  # warm-up in optimizer steps (0: use warmup_fraction)
+    warmup_fraction: float = 0.05  # warm-up as a share of all steps, when warmup_steps is 0
+    min_lr_ratio: float = 0.01  # final lr = lr * min_lr_ratio
+
+    def check(self, key: str) -> None:
+        at_least(self.warmup_steps, 0, f"{key}.warmup_steps")
+        in_range(self.warmup_fraction, 0, 1, f"{key}.warmup_fraction", open_high=True)
+        in_range(self.min_lr_ratio, 0, 1, f"{key}.min_lr_ratio")
+
+
+@dataclass
+class ConstantConfig(SchedulerConfig):
+    """No schedule: the learning rate stays optimizer.lr."""
+
+
+OPTIMIZERS.declare("adamw", "kiln.engine.optim:build_adamw", config=AdamWConfig)
+OPTIMIZERS.declare("sgd", "kiln.engine.optim:build_sgd", config=SGDConfig)
+SCHEDULERS.declare("onecycle", "kiln.engine.optim:build_onecycle", config=OneCycleConfig)
+SCHEDULERS.declare("cosine", "kiln.engine.optim:build_cosine", config=CosineConfig)
+SCHEDULERS.declare("none", "kiln.engine.optim:build_constant", config=ConstantConfig)

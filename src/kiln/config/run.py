@@ -1,0 +1,184 @@
+"""The rest of a training run: precision, trainer, logger, loss, env, debug, and the top-level
+KilnConfig that holds one option of every group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from omegaconf import MISSING
+
+from kiln.config.base import ConfigError, at_least, invalid, limit_or_all
+from kiln.config.data import DataConfig
+from kiln.config.model import ModelConfig
+from kiln.config.optim import OptimizerConfig, SchedulerConfig
+from kiln.registry import LOGGERS, PRECISIONS
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric precision of the forward pass."""
+
+    name: str = MISSING  # fp32 | amp (fp16 + GradScaler on CUDA, bf16 on CPU) | bf16
+
+
+class NanPolicy(StrEnum):
+    fail = "fail"  # stop with the [FAIL] line
+    skip = "skip"  # drop the step's gradients and go on
+
+
+class Backend(StrEnum):
+    auto = "auto"  # nccl on CUDA, gloo on CPU
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class MonitorMode(StrEnum):
+    max = "max"
+    min = "min"
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop: length, accumulation, clipping, checkpoints, guards, logging."""
+
+    name: str = MISSING  # the trainer option (default | ddp)
+    distributed: bool = False  # torch.distributed data parallel; run under torchrun
+    backend: Backend = Backend.auto  # process-group backend: auto | gloo | nccl
+    max_epochs: int = 10  # epochs to train
+    max_steps: int = -1  # optimizer steps, at most (-1: no limit)
+    accumulate_grad_batches: int = 1  # micro-batches per optimizer step
+    gradient_clip_val: float | None = None  # max total grad norm (null: no clipping)
+    deterministic: bool = False  # bitwise-repeatable kernels (errors where an op has none)
+    nan_policy: NanPolicy = NanPolicy.fail  # on a NaN/Inf loss: fail | skip
+    check_inputs: bool = False  # raise on NaN/Inf in a batch, naming the tensor
+    shape_check: bool = True  # rule 3 before the first step and before every evaluation
+    checkpoint_every_n_steps: int = 0  # also save last.pt every N optimizer steps (0: off)
+    checkpoint_every_epoch: bool = True  # keep an epoch-N.pt at every epoch end
+    keep_last_k: int = 2  # epoch-N.pt files kept besides last.pt and best.pt (0: none)
+    monitor: str = "auto"  # metric that picks best.pt (auto: the evaluator's, e.g. val_acc)
+    monitor_mode: MonitorMode = MonitorMode.max  # whether a larger monitor value is better
+    log_every_n_steps: int = 10  # optimizer steps between log lines
+    limit_train_batches: int = -1  # batches per epoch, at most (-1: all)
+    limit_val_batches: int = -1  # validation batches, at most (-1: all)
+    overfit_batches: int = 0  # train and validate on the first N batches only (0: off)
+    log_activations: bool = False  # per-layer output mean/std in the metrics
+
+    def check(self, key: str) -> None:
+        at_least(self.max_epochs, 1, f"{key}.max_epochs")
+        limit_or_all(self.max_steps, f"{key}.max_steps")
+        at_least(self.accumulate_grad_batches, 1, f"{key}.accumulate_grad_batches")
+        if self.gradient_clip_val is not None and not self.gradient_clip_val > 0:
+            raise invalid(
+                f"{key}.gradient_clip_val",
+                f"must be > 0, got {self.gradient_clip_val:g}, or null to switch clipping off",
+            )
+        at_least(self.checkpoint_every_n_steps, 0, f"{key}.checkpoint_every_n_steps")
+        at_least(self.keep_last_k, 0, f"{key}.keep_last_k", "0 keeps no epoch-N.pt files")
+        at_least(self.log_every_n_steps, 1, f"{key}.log_every_n_steps")
+        limit_or_all(self.limit_train_batches, f"{key}.limit_train_batches")
+        limit_or_all(self.limit_val_batches, f"{key}.limit_val_batches")
+        at_least(self.overfit_batches, 0, f"{key}.overfit_batches")
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    online = "online"
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go besides metrics.jsonl (always written)."""
+
+    backends: list[str] = field(default_factory=lambda: ["csv"])  # csv, tensorboard, wandb
+    wandb_project: str = "kiln"  # W&B project
+    wandb_mode: WandbMode = WandbMode.offline  # offline | online (online needs WANDB_API_KEY)
+    wandb_entity: str | None = None  # W&B team or user (null: your default)
+
+    def check(self, key: str) -> None:
+        for backend in self.backends:
+            if backend not in LOGGERS:
+                raise ConfigError(
+                    f"unknown backend {backend!r}",
+                    f"{key}.backends",
+                    f"choose from {', '.join(LOGGERS.names())}",
+                )
+
+
+@dataclass
+class LossConfig:
+    """The main criterion plus optional branches, each behind a flag (default off)."""
+
+    label_smoothing: bool = False  # smooth the targets towards uniform
+    label_smoothing_eps: float = 0.1  # smoothing strength
+    z_loss: bool = False  # penalise the log-sum-exp of the logits (logit drift)
+    z_loss_weight: float = 1e-4  # z-loss weight
+    confidence_penalty: bool = False  # penalise low-entropy (over-confident) predictions
+    confidence_penalty_weight: float = 0.1  # confidence-penalty weight
+    aux_head: bool = False  # loss on an auxiliary head (the model is built with one)
+    aux_head_weight: float = 0.4  # auxiliary-head weight
+    force_all_branches: bool = False  # switch every branch on (the tests do)
+
+
+@dataclass
+class EnvConfig:
+    """A profile: experiment (interactive) or production (unattended)."""
+
+    name: str = MISSING  # experiment | production
+    progress_bar: bool = True  # tqdm on a terminal; plain log lines otherwise
+    debug_allowed: bool = True  # debug=... options are refused when false
+    quiet: bool = False  # only warnings on the console (train.log keeps every line)
+    require_best_checkpoint: bool = False  # inference refuses anything but best.pt
+
+
+@dataclass
+class DebugConfig:
+    """Which debug option is on; each is a YAML of trainer overrides (conf/debug/)."""
+
+    name: str = "none"  # none | fast_dev_run | overfit_batch | activations
+
+
+class Device(StrEnum):
+    auto = "auto"  # CUDA when available, else CPU
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@dataclass
+class KilnConfig:
+    """One option of every group plus the run-wide keys."""
+
+    data: DataConfig = MISSING  # the dataset and its loaders (data=<option>)
+    model: ModelConfig = MISSING  # the network (model=<option>)
+    optimizer: OptimizerConfig = MISSING  # optimizer=<option>
+    scheduler: SchedulerConfig = MISSING  # the LR schedule (scheduler=<option>)
+    precision: PrecisionConfig = MISSING  # precision=<option>
+    trainer: TrainerConfig = MISSING  # the loop (trainer=<option>)
+    logger: LoggerConfig = MISSING  # metric backends (logger=<option>)
+    loss: LossConfig = field(default_factory=LossConfig)  # criterion and its branches
+    env: EnvConfig = MISSING  # the profile (env=<option>)
+    debug: DebugConfig = field(default_factory=DebugConfig)  # debug=<option>
+    name: str = "${data.name}-${model.name}"  # experiment name: resume=auto and failures use it
+    seed: int = 42  # seeds python, numpy, torch and the DataLoader workers
+    device: Device = Device.auto  # auto | cpu | cuda
+    resume: str | None = None  # null | auto | <path to a .pt>
+    output_root: str = "outputs"  # where failures.log and failures/ go
+    plugins: list[str] = field(default_factory=list)  # your modules that register entries
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes kept with the run
+
+    def check(self, key: str) -> None:
+        if self.debug.name != "none" and not self.env.debug_allowed:
+            raise ConfigError(
+                f"debug={self.debug.name} is not allowed in env={self.env.name}",
+                "debug",
+                "use env=experiment for debug tools",
+            )
+
+
+PRECISIONS.declare("fp32", "kiln.engine.precision:fp32", config=PrecisionConfig)
+PRECISIONS.declare("amp", "kiln.engine.precision:amp", config=PrecisionConfig)
+PRECISIONS.declare("bf16", "kiln.engine.precision:bf16", config=PrecisionConfig)
+LOGGERS.declare("csv", "kiln.logging.csv_backend:CsvLogger")
+LOGGERS.declare("tensorboard", "kiln.logging.tensorboard_backend:TensorBoardLogger")
+LOGGERS.declare("wandb", "kiln.logging.wandb_backend:WandbLogger")

@@ -1,0 +1,23 @@
+"""Batches as the loaders give them: a tensor, or tensors nested in tuples, lists and dicts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def move_to(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    if isinstance(obj, dict):
+        return {k: move_to(v, device, non_blocking) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(move_to(v, device, non_blocking) for v in obj)
+    return obj
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in an (inputs, targets) batch: inputs are a tensor or a list (one per sample)."""
+    inputs = batch[0]
+    return len(inputs) if isinstance(inputs, list | tuple) else inputs.shape[0]

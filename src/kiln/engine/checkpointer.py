@@ -1,0 +1,86 @@
+"""The checkpoint policy of a run: last.pt after every evaluation (and every N steps when asked),
+best.pt when the monitored metric improves, epoch-N.pt at epoch ends with the newest k kept; and
+on resume, which file to continue from and whether this config can continue it."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from kiln import checkpoint as files
+from kiln.config.run import TrainerConfig
+from kiln.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class ResumeError(UserError, ValueError):
+    """The checkpoint cannot be continued with this config; the message says what differs."""
+
+
+class Checkpointer:
+    def __init__(
+        self, directory: Path, cfg: TrainerConfig, *, monitor: str, monitor_mode: str, is_main: bool
+    ):
+        self.directory = Path(directory)
+        self.cfg = cfg
+        self.monitor, self.monitor_mode = monitor, str(monitor_mode)
+        self.is_main = is_main  # only the main rank writes
+
+    def save(self, name: str, state: dict) -> None:
+        if self.is_main:
+            files.atomic_save(state, self.directory / name)
+
+    def should_save_step(self, step: int) -> bool:
+        every = self.cfg.checkpoint_every_n_steps
+        return every > 0 and step % every == 0
+
+    def is_improvement(self, value: float | None, best: float | None) -> bool:
+        if value is None or not math.isfinite(value):
+            return best is None  # keep a best.pt even without the metric
+        if best is None:
+            return True
+        return value > best if self.monitor_mode == "max" else value < best
+
+    def after_evaluation(
+        self, metrics: dict, state, state_dict: Callable[[], dict], epoch_end: bool
+    ) -> None:
+        """Updates state.best_metric, then writes last.pt, best.pt and epoch-N.pt as due."""
+        value = metrics.get(self.monitor)
+        improved = self.is_improvement(value, state.best_metric)
+        if improved and value is not None and math.isfinite(value):
+            state.best_metric = value
+        snapshot = state_dict()
+        self.save("last.pt", snapshot)
+        if improved:
+            self.save("best.pt", snapshot)
+        if epoch_end and self.cfg.checkpoint_every_epoch:
+            self.save(f"epoch-{state.epoch}.pt", snapshot)
+            if self.is_main:
+                files.prune_epoch_checkpoints(self.directory, self.cfg.keep_last_k)
+
+    def resume_source(self, resume: str | None) -> tuple[Path, dict] | None:
+        """(path, checkpoint) to continue from: resume=auto takes the newest valid file in this
+        run's checkpoints/ (None when there is none yet); a path takes that file."""
+        if resume is None:
+            return None
+        if resume == "auto":
+            if not files.candidates(self.directory):
+                log.info("resume=auto: no checkpoint in %s, starting fresh", self.directory)
+                return None
+            return files.load_newest_valid(self.directory)
+        return Path(resume), files.load_checkpoint(Path(resume))
+
+
+def check_schedule(saved_planned_steps: int, planned_steps: int, has_schedule: bool) -> None:
+    """A schedule is a function of the planned step count: continuing it under another count
+    would silently reshape it, whichever scheduler it is."""
+    if has_schedule and saved_planned_steps and saved_planned_steps != planned_steps:
+        raise ResumeError(
+            f"the checkpoint's LR schedule spans {saved_planned_steps} optimizer steps but this "
+            f"config implies {planned_steps}; resume with the run's trainer.max_epochs, "
+            "trainer.max_steps, trainer.accumulate_grad_batches and data.batch_size, or start a "
+            "new run"
+        )

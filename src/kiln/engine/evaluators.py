@@ -1,0 +1,74 @@
+"""One evaluator per task, chosen by the dataset's DataSpec.task through the EVALUATORS registry.
+An evaluator runs the model (already in eval mode, under no_grad) over validation batches and
+returns metrics; `monitor` names the one that picks best.pt when trainer.monitor=auto."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.engine.distributed import DistInfo, all_reduce_sum
+from kiln.engine.precision import Precision
+from kiln.models import logits_of
+from kiln.registry import EVALUATORS
+
+
+def build_evaluator(task: str, *, precision: Precision, device: torch.device, dist: DistInfo):
+    return EVALUATORS.get(task)(precision=precision, device=device, dist=dist)
+
+
+class ClassificationEvaluator:
+    """val_loss (cross-entropy) and val_acc over every validation sample, all ranks summed."""
+
+    monitor, monitor_mode = "val_acc", "max"
+
+    def __init__(self, *, precision: Precision, device: torch.device, dist: DistInfo):
+        self.precision, self.device, self.dist = precision, device, dist
+
+    def __call__(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
+        totals = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss sum, correct, n
+        for inputs, targets in batches:
+            with self.precision.autocast():
+                logits = logits_of(model(inputs)).float()
+            loss = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+            correct = (logits.argmax(dim=-1) == targets).sum()
+            count = torch.tensor(len(targets), device=self.device)
+            totals += torch.stack([loss.double(), correct.double(), count.double()])
+        loss_sum, correct, count = all_reduce_sum(totals).tolist()
+        count = max(count, 1.0)
+        return {"val_loss": loss_sum / count, "val_acc": correct / count}
+
+
+class DetectionEvaluator:
+    """mAP@0.5 over every validation image, predictions gathered from all ranks."""
+
+    monitor, monitor_mode = "val_map50", "max"
+
+    def __init__(self, *, precision: Precision, device: torch.device, dist: DistInfo):
+        self.precision, self.device, self.dist = precision, device, dist
+
+    def __call__(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
+        from kiln.engine.detection_eval import mean_average_precision
+
+        predictions, targets = [], []
+        for images, batch_targets in batches:
+            with self.precision.autocast():
+                outputs = model(images)
+            # fp32 boxes and scores also under autocast; labels stay integers
+            predictions += [
+                {k: (v.float() if v.is_floating_point() else v).cpu() for k, v in p.items()}
+                for p in outputs
+            ]
+            targets += [{k: v.cpu() for k, v in t.items()} for t in batch_targets]
+        if self.dist.enabled:
+            gathered = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(gathered, (predictions, targets))
+            predictions = [p for part in gathered for p in part[0]]
+            targets = [t for part in gathered for t in part[1]]
+        return {"val_map50": mean_average_precision(predictions, targets, iou_threshold=0.5)}
+
+
+__all__ = ["ClassificationEvaluator", "DetectionEvaluator", "EVALUATORS", "build_evaluator"]

@@ -1,0 +1,67 @@
+"""MetricWindow: what happened between two log lines. Losses, loss terms and the largest grad
+norm are summed on the device, step after step; `read` makes the one host transfer (and, under
+DDP, the one all-reduce) per log line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kiln.engine.distributed import all_reduce_sum
+
+
+class MetricWindow:
+    def __init__(self, device: torch.device, world_size: int):
+        self.device, self.world_size = device, world_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.finite_steps = 0  # steps whose loss counts towards the mean
+        self.samples = 0  # over all ranks
+        self.data_time_s = 0.0
+        self.step_time_s = 0.0
+        self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        self.terms: dict[str, torch.Tensor] = {}
+        self.grad_norm_max: torch.Tensor | None = None  # every step's norm counts
+        self.grad_norm: torch.Tensor | None = None  # the last step's
+
+    def add(self, result) -> None:
+        """One optimizer step's StepResult."""
+        self.steps += 1
+        self.samples += result.samples * self.world_size
+        self.data_time_s += result.data_time_s
+        self.step_time_s += result.step_time_s
+        if not result.stepped:
+            return
+        self.finite_steps += 1
+        self.loss_sum += result.loss.float()
+        for name, value in result.terms.items():
+            self.terms[name] = self.terms.get(name, 0.0) + value.float()
+        norm = result.grad_norm.detach().float()
+        self.grad_norm = norm
+        self.grad_norm_max = (
+            norm if self.grad_norm_max is None else torch.maximum(self.grad_norm_max, norm)
+        )
+
+    def read(self) -> dict[str, Any]:
+        """The window's means, all ranks averaged: one device-to-host copy. A window whose every
+        step was skipped (nan_policy=skip) has no loss to report: NaN, never 0.0."""
+        names = list(self.terms)
+        sums = all_reduce_sum(torch.stack([self.loss_sum, *(self.terms[n] for n in names)]))
+        parts = [sums / (max(1, self.finite_steps) * self.world_size)]
+        if self.grad_norm is not None:
+            parts.append(torch.stack([self.grad_norm, self.grad_norm_max]))
+        values = torch.cat(parts).tolist()
+        metrics = {
+            "loss": values[0] if self.finite_steps else float("nan"),
+            "samples_per_s": self.samples / max(self.step_time_s, 1e-9),
+            "data_time_frac": self.data_time_s / max(self.step_time_s, 1e-9),
+        }
+        metrics.update(
+            {f"loss/{n}": v for n, v in zip(names, values[1 : 1 + len(names)], strict=True)}
+        )
+        if self.grad_norm is not None:
+            metrics["grad_norm"], metrics["grad_norm_max"] = values[-2:]
+        return metrics

@@ -1,0 +1,52 @@
+"""SIGTERM/SIGUSR1 ask the run to stop: the loop checkpoints at the next step boundary and exits
+with code 75 (requeue with resume=auto). Under DDP the ranks agree before anyone stops."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+
+import torch
+
+from kiln.engine.distributed import DistInfo, all_reduce_sum
+
+log = logging.getLogger(__name__)
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(Exception):  # noqa: N818  (a control-flow signal, not an error)
+    """A preemption signal arrived; a checkpoint was saved at the step boundary."""
+
+
+class PreemptionFlag:
+    """Installs the signal handlers for the duration of a `with` block."""
+
+    def __init__(self, dist: DistInfo, device: torch.device):
+        self.dist, self.device = dist, device
+        self.requested = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> PreemptionFlag:
+        with contextlib.suppress(ValueError):  # not in the main thread: no handlers
+            for sig in PREEMPT_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._request)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _request(self, signum, frame) -> None:
+        log.warning("received signal %d: checkpointing at the next step boundary", signum)
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """True when any rank was asked to stop: the signal may reach ranks at different steps,
+        so they stop together or not at all."""
+        if not self.dist.enabled:
+            return self.requested
+        flag = torch.tensor(float(self.requested), device=self.device)
+        return bool(all_reduce_sum(flag) > 0)

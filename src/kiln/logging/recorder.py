@@ -1,0 +1,56 @@
+"""RunRecorder: where a run's metrics go. metrics.jsonl always, the configured logger backends
+too, on the main rank only; a resumed run continues its W&B run."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from kiln.config.run import LoggerConfig
+from kiln.logging import JsonlWriter, build_loggers
+
+log = logging.getLogger(__name__)
+
+WANDB_ID_FILE = "wandb_run_id.txt"
+
+
+class RunRecorder:
+    def __init__(
+        self, cfg: LoggerConfig, run_dir: Path, *, run_name: str, config: dict, is_main: bool
+    ):
+        self.enabled = is_main
+        self.history: list[dict] = []
+        self.activations = None  # an ActivationMonitor when trainer.log_activations is on
+        if not self.enabled:
+            return
+        self.jsonl = JsonlWriter(run_dir / "metrics.jsonl")
+        wandb_id_file = run_dir / WANDB_ID_FILE
+        self.loggers = build_loggers(
+            list(cfg.backends),
+            run_dir,
+            run_name=run_name,
+            wandb_project=cfg.wandb_project,
+            wandb_mode=str(cfg.wandb_mode),
+            wandb_entity=cfg.wandb_entity,
+            resume_id=wandb_id_file.read_text().strip() if wandb_id_file.is_file() else None,
+        )
+        if "wandb" in self.loggers.backends:
+            wandb_id_file.write_text(self.loggers.backends["wandb"].run_id + "\n")
+        self.loggers.log_config(config)
+
+    def __call__(self, metrics: dict, step: int) -> None:
+        if self.activations is not None and "loss" in metrics:
+            metrics = {**metrics, **self.activations.metrics()}
+            for layer, problem in self.activations.flagged().items():
+                log.warning("activation check: layer %s is %s", layer, problem)
+        self.history.append({"step": step, **metrics})
+        if self.enabled:
+            self.jsonl.write({"step": step, **metrics})
+            self.loggers.log_metrics(metrics, step)
+
+    def close(self) -> None:
+        if self.activations is not None:
+            self.activations.close()
+        if self.enabled:
+            self.loggers.close()
+            self.jsonl.close()

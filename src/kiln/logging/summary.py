@@ -1,0 +1,62 @@
+"""summary.json: the one-file record of how a run ended, written on every exit, failures
+included. Its keys are defined here once; the sweep summary reads the same ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SUMMARY_FILE = "summary.json"
+# The contract's keys first (../shared/INTERFACE.md), in this order; a run's evaluation metrics
+# (val_map50, ...) and the counters follow.
+SUMMARY_KEYS = (
+    "status",
+    "val_acc",
+    "val_loss",
+    "steps",
+    "samples_per_s",
+    "data_time_frac",
+    "error",
+)
+
+
+def summarize(trainer, final: dict[str, Any], *, status: str, error: str | None) -> dict:
+    """The summary of a run that ended with `status`; `trainer` is None when it never started."""
+    s = trainer.state if trainer is not None else None
+    return {
+        "status": status,
+        "val_acc": final.get("val_acc"),
+        "val_loss": final.get("val_loss"),
+        **{k: v for k, v in final.items() if k not in ("val_acc", "val_loss", "epoch")},
+        "monitor": trainer.checkpointer.monitor if trainer else None,
+        "best": s.best_metric if s else None,
+        "steps": s.global_step if s else 0,
+        "epochs": s.epoch if s else 0,
+        "samples_per_s": trainer.samples_per_s if trainer else None,
+        "data_time_frac": trainer.data_time_frac if trainer else None,
+        "nonfinite_skipped": s.nonfinite_skipped if s else 0,
+        "scaler_skipped": s.scaler_skipped if s else 0,
+        "error": error,
+    }
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    """Atomically: a reader never sees half a file."""
+    tmp = Path(run_dir) / (SUMMARY_FILE + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    tmp.replace(Path(run_dir) / SUMMARY_FILE)
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """summary.json as a dict; a missing or unreadable one makes the run failed with that error."""
+    path = Path(run_dir) / SUMMARY_FILE
+    if not path.is_file():
+        return {"status": "failed", "error": f"no {SUMMARY_FILE}"}
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        return {"status": "failed", "error": f"unreadable {SUMMARY_FILE}: {error}"}
+    if not isinstance(summary, dict):
+        return {"status": "failed", "error": f"{SUMMARY_FILE} is not a JSON object"}
+    return summary

@@ -1,0 +1,164 @@
+"""Registries: a dict plus a decorator, one per kind of part. Each entry has a name (the config
+option that selects it), its typed config schema, and its builder.
+
+    @register_model("my_mlp", config=MyMlpConfig)
+    def build_my_mlp(spec, cfg, *, aux_head=False): ...
+
+kiln's own entries are declared with the import path of their builder
+(`MODELS.declare("mlp", "kiln.models.mlp:build_mlp", config=MlpConfig)`, next to the schema in
+`kiln.config`), so listing options, composing a config or printing `--help` never imports torch;
+the builder's module is imported when the entry is first built. The registries fill themselves
+on first use (`load_builtins`), whatever was imported before, and a user's modules are imported
+by `load_plugins` (config key `plugins`, or the `kiln.plugins` entry-point group)."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+BUILTIN_MODULES = (  # where kiln's own entries are declared (torch-free)
+    "kiln.config.data",
+    "kiln.config.model",
+    "kiln.config.optim",
+    "kiln.config.run",
+)
+ENTRY_POINT_GROUP = "kiln.plugins"
+
+
+class UnknownNameError(KeyError):
+    """A name that is not in a registry; the message lists the known names."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it readable.
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    target: Callable | str | None  # the builder, or "module:attribute" imported on first use
+    config: type | None  # the option's typed schema (a dataclass), if it has one
+
+    def load(self) -> Callable:
+        if not isinstance(self.target, str):
+            return self.target
+        module, _, attribute = self.target.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+class Registry:
+    def __init__(self, kind: str, group: str | None = None):
+        self.kind = kind  # "model", "logger backend", ...
+        self.group = group  # the config group whose options these are, if any
+        self._entries: dict[str, Entry] = {}
+
+    def register(self, name: str, *, config: type | None = None) -> Callable:
+        """Decorator: register a builder (a function or class) under `name`."""
+
+        def decorator(fn):
+            self._add(Entry(name, fn, config))
+            return fn
+
+        return decorator
+
+    def declare(self, name: str, target: str, *, config: type | None = None) -> None:
+        """Register a builder by its import path, loaded when first used."""
+        self._add(Entry(name, target, config))
+
+    def _add(self, entry: Entry) -> None:
+        if entry.name in self._entries:
+            raise ValueError(f"{self.kind} {entry.name!r} is already registered")
+        self._entries[entry.name] = entry
+
+    def entry(self, name: str) -> Entry:
+        load_builtins()
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise self.unknown(name) from None
+
+    def get(self, name: str) -> Callable:
+        """The builder registered as `name` (its module imported if it was declared lazily)."""
+        return self.entry(name).load()
+
+    def names(self) -> list[str]:
+        load_builtins()
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        load_builtins()
+        return name in self._entries
+
+    def unknown(self, name: str) -> UnknownNameError:
+        close = difflib.get_close_matches(name, self._entries, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        return UnknownNameError(
+            f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._entries))}.{hint}"
+        )
+
+
+MODELS = Registry("model", group="model")
+DATASETS = Registry("dataset", group="data")
+OPTIMIZERS = Registry("optimizer", group="optimizer")
+SCHEDULERS = Registry("scheduler", group="scheduler")
+PRECISIONS = Registry("precision", group="precision")
+LOGGERS = Registry("logger backend")  # chosen by logger.backends, not by a group option
+EVALUATORS = Registry("evaluator")  # one per task, chosen by the dataset's task
+
+# Config groups whose options are registry entries: each option's schema comes from its entry.
+GROUP_REGISTRIES = {r.group: r for r in (DATASETS, MODELS, OPTIMIZERS, SCHEDULERS, PRECISIONS)}
+
+register_model = MODELS.register
+register_dataset = DATASETS.register
+register_optimizer = OPTIMIZERS.register
+register_scheduler = SCHEDULERS.register
+register_precision = PRECISIONS.register
+register_logger = LOGGERS.register
+register_evaluator = EVALUATORS.register
+
+_builtins_loaded = False
+
+
+def load_builtins() -> None:
+    """Declare kiln's own entries, once. Called by every registry lookup."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def load_plugins(modules: Iterable[str] = ()) -> list[str]:
+    """Import the user's modules (which register entries) and those advertised under the
+    `kiln.plugins` entry-point group. The working directory is importable, as with `python -m`.
+    Returns the module names imported."""
+    load_builtins()
+    if str(Path.cwd()) not in sys.path:
+        sys.path.append(str(Path.cwd()))
+    imported = []
+    for module in modules:
+        if module not in sys.modules:
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as err:
+                raise ImportError(
+                    f"plugins: cannot import {module!r} ({err}); a plugin is a module name "
+                    "importable from the working directory or PYTHONPATH (my_model for "
+                    "./my_model.py)"
+                ) from None
+        imported.append(module)
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        point.load()
+        imported.append(point.value)
+    return imported
+
+
+def describe_registries() -> dict[str, Any]:
+    """{kind: names} for every registry: what `kiln-train --help` and the tests list."""
+    return {r.kind: r.names() for r in (*GROUP_REGISTRIES.values(), LOGGERS, EVALUATORS)}
