@@ -47,3 +47,9 @@ class DataBundle:
     val: Dataset
     recipe: Recipe
     collate_fn: Callable | None = None
+    # Per-batch quantities the training log reports as interval means, computed on the device
+    # from a collated batch: e.g. {"padding_frac": tensor, "tokens": tensor} for text.
+    batch_metrics: Callable[[Any], dict[str, Any]] | None = None
+    # What building the data found (rows read, kept, dropped per reason...): written to
+    # <run>/data_report.json.
+    report: dict[str, Any] | None = None

@@ -26,6 +26,8 @@ class MetricWindow:
         self.terms: dict[str, torch.Tensor] = {}
         self.grad_norm_max: torch.Tensor | None = None  # every step's norm counts
         self.grad_norm: torch.Tensor | None = None  # the last step's
+        self.batch_sums: dict[str, torch.Tensor] = {}  # the dataset's batch metrics, summed
+        self.micro_batches = 0
 
     def add(self, result) -> None:
         """One optimizer step's StepResult."""
@@ -33,6 +35,8 @@ class MetricWindow:
         self.samples += result.samples * self.world_size
         self.data_time_s += result.data_time_s
         self.step_time_s += result.step_time_s
+        for name, value in result.batch_metrics.items():
+            self.batch_sums[name] = self.batch_sums.get(name, 0.0) + value
         if not result.stepped:
             return
         self.finite_steps += 1
@@ -48,9 +52,12 @@ class MetricWindow:
     def read(self) -> dict[str, Any]:
         """The window's means, all ranks averaged: one device-to-host copy. A window whose every
         step was skipped (nan_policy=skip) has no loss to report: NaN, never 0.0."""
-        names = list(self.terms)
-        sums = all_reduce_sum(torch.stack([self.loss_sum, *(self.terms[n] for n in names)]))
-        parts = [sums / (max(1, self.finite_steps) * self.world_size)]
+        names, extra = list(self.terms), list(self.batch_sums)
+        stacked = [self.loss_sum, *(self.terms[n] for n in names)]
+        stacked += [torch.as_tensor(self.batch_sums[n], device=self.device).float() for n in extra]
+        sums = all_reduce_sum(torch.stack(stacked))
+        count = max(1, self.finite_steps) * self.world_size
+        parts = [sums[: 1 + len(names)] / count, sums[1 + len(names) :]]
         if self.grad_norm is not None:
             parts.append(torch.stack([self.grad_norm, self.grad_norm_max]))
         values = torch.cat(parts).tolist()
@@ -65,3 +72,15 @@ class MetricWindow:
         if self.grad_norm is not None:
             metrics["grad_norm"], metrics["grad_norm_max"] = values[-2:]
         return metrics
+
+
+def batch_rates(totals: dict[str, float], steps: int, seconds: float) -> dict[str, float]:
+    """The dataset's batch metrics over a window: counts (names without "_frac") become rates
+    per second ("tokens" -> "tokens_per_s"), fractions become their mean per step."""
+    rates = {}
+    for name, total in totals.items():
+        if name.endswith("_frac"):
+            rates[name] = total / max(1, steps)
+        else:
+            rates[f"{name}_per_s"] = total / max(seconds, 1e-9)
+    return rates

@@ -28,7 +28,7 @@ from kiln.engine.preemption import Preempted
 from kiln.engine.seeding import seed_everything, set_deterministic
 from kiln.engine.trainer import Trainer, TrainingParts, batches_per_epoch
 from kiln.logging.recorder import RunRecorder
-from kiln.logging.summary import summarize, write_summary
+from kiln.logging.summary import summarize, write_json, write_summary
 from kiln.models import build_model
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,10 @@ def build_trainer(
             example_batch(bundle, min(cfg.data.batch_size, PROBE_BATCH_SIZE), seed=cfg.seed),
             device,
         ),
+        batch_metrics=bundle.batch_metrics,
     )
+    if bundle.report is not None and dist.is_main:
+        write_json(run_dir / "data_report.json", bundle.report)
     monitor = evaluator.monitor if cfg.trainer.monitor == "auto" else cfg.trainer.monitor
     checkpointer = Checkpointer(
         run_dir / "checkpoints",

@@ -12,7 +12,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -83,6 +83,7 @@ class TrainingParts:
     train_loader: Any
     val_loader: Any
     probe_batch: Any  # one real training batch on the device, for rule 3
+    batch_metrics: Callable[[Any], dict[str, torch.Tensor]] | None = None  # from the dataset
 
 
 @dataclass
@@ -95,6 +96,7 @@ class StepResult:
     step_time_s: float
     lr: float  # the learning rate this step used
     stepped: bool = True
+    batch_metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # summed over the window
 
 
 class Trainer:
@@ -171,6 +173,7 @@ class Trainer:
         model.train()
         start, data_time, samples = time.perf_counter(), 0.0, 0
         loss_sum, terms_sum, finite = torch.zeros((), device=self.device), {}, True
+        batch_sums: dict[str, torch.Tensor] = {}
         for micro in range(window):
             fetch_start = time.perf_counter()
             batch = move_to(next(batches), self.device, self.non_blocking)
@@ -189,6 +192,9 @@ class Trainer:
             for name, term in terms.items():
                 terms_sum[name] = terms_sum.get(name, 0.0) + term.detach()
             samples += batch_size_of(batch)
+            if self.parts.batch_metrics is not None:
+                for name, value in self.parts.batch_metrics(batch).items():
+                    batch_sums[name] = batch_sums.get(name, 0.0) + value
         if not finite:  # nan_policy=skip: drop this step's gradients
             optimizer.zero_grad(set_to_none=True)
             self.state.nonfinite_skipped += 1
@@ -210,7 +216,15 @@ class Trainer:
         terms = {name: value / window for name, value in terms_sum.items()}
         elapsed = time.perf_counter() - start
         return StepResult(
-            loss_sum / window, terms, grad_norm, samples, data_time, elapsed, lr, stepped
+            loss_sum / window,
+            terms,
+            grad_norm,
+            samples,
+            data_time,
+            elapsed,
+            lr,
+            stepped,
+            batch_sums,
         )
 
     # ------------------------------------------------------------------------- loss & guards

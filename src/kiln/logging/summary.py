@@ -41,11 +41,15 @@ def summarize(trainer, final: dict[str, Any], *, status: str, error: str | None)
     }
 
 
-def write_summary(run_dir: Path, summary: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     """Atomically: a reader never sees half a file."""
-    tmp = Path(run_dir) / (SUMMARY_FILE + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    tmp.replace(Path(run_dir) / SUMMARY_FILE)
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    write_json(Path(run_dir) / SUMMARY_FILE, summary)
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
