@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import sys
 
-from kiln.checkpoint import CheckpointError
+from kiln.errors import UserError
 from kiln.inference.config import ArgumentError, InferConfig, parse_args, usage
-from kiln.inference.errors import InferenceError, InputError
+from kiln.inference.errors import InputError
 
 EXIT_USER_ERROR = 2
-USER_ERRORS = (ArgumentError, InferenceError, CheckpointError, FileNotFoundError, ValueError)
+USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, ValueError)
 
 
 def run_predict(cfg: InferConfig) -> None:

@@ -163,17 +163,38 @@ class KilnConfig:
     seed: int = 42  # seeds python, numpy, torch and the DataLoader workers
     device: Device = Device.auto  # auto | cpu | cuda
     resume: str | None = None  # null | auto | <path to a .pt>
+    resume_override: list[str] = field(default_factory=list)  # keys a resume may change
     output_root: str = "outputs"  # where failures.log and failures/ go
     plugins: list[str] = field(default_factory=list)  # your modules that register entries
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes kept with the run
 
     def check(self, key: str) -> None:
+        from dataclasses import asdict
+
+        known = _dotted_keys(asdict(self))
+        for override in self.resume_override:
+            if override not in known:
+                raise ConfigError(
+                    f"unknown key {override!r}",
+                    "resume_override",
+                    "list config keys (optimizer.lr) or groups (optimizer) the resume may change",
+                )
         if self.debug.name != "none" and not self.env.debug_allowed:
             raise ConfigError(
                 f"debug={self.debug.name} is not allowed in env={self.env.name}",
                 "debug",
                 "use env=experiment for debug tools",
             )
+
+
+def _dotted_keys(tree: dict, prefix: str = "") -> set[str]:
+    """Every group and dotted key of a config: {"optimizer", "optimizer.lr", ...}."""
+    keys = set()
+    for key, value in tree.items():
+        keys.add(prefix + key)
+        if isinstance(value, dict):
+            keys |= _dotted_keys(value, f"{prefix}{key}.")
+    return keys
 
 
 PRECISIONS.declare("fp32", "kiln.engine.precision:fp32", config=PrecisionConfig)

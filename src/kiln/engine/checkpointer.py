@@ -72,15 +72,3 @@ class Checkpointer:
                 return None
             return files.load_newest_valid(self.directory)
         return Path(resume), files.load_checkpoint(Path(resume))
-
-
-def check_schedule(saved_planned_steps: int, planned_steps: int, has_schedule: bool) -> None:
-    """A schedule is a function of the planned step count: continuing it under another count
-    would silently reshape it, whichever scheduler it is."""
-    if has_schedule and saved_planned_steps and saved_planned_steps != planned_steps:
-        raise ResumeError(
-            f"the checkpoint's LR schedule spans {saved_planned_steps} optimizer steps but this "
-            f"config implies {planned_steps}; resume with the run's trainer.max_epochs, "
-            "trainer.max_steps, trainer.accumulate_grad_batches and data.batch_size, or start a "
-            "new run"
-        )

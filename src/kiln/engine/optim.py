@@ -4,6 +4,7 @@ kiln.config.optim beside its schema); `build_optimizer`/`build_scheduler` look t
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
@@ -85,3 +86,25 @@ def build_cosine(optimizer, cfg: CosineConfig, total_steps: int) -> LRScheduler:
 
 def build_constant(optimizer, cfg: ConstantConfig, total_steps: int) -> None:
     return None
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> None:
+    """Give a restored optimizer (its moments kept) the hyper-parameters of `cfg`, as a fresh
+    one would have them; the schedule's own bookkeeping is dropped so it can be rebuilt."""
+    template = build_optimizer([torch.zeros(1, requires_grad=True)], cfg).param_groups[0]
+    for group in optimizer.param_groups:
+        group.update({k: v for k, v in template.items() if k != "params"})
+        for key in ("initial_lr", "max_lr", "min_lr"):  # set by the schedule being replaced
+            group.pop(key, None)
+
+
+def schedule_at(optimizer, cfg: SchedulerConfig, total_steps: int, step: int):
+    """The schedule of `cfg` as it stands after `step` optimizer steps (rebuilt and replayed, so
+    new hyper-parameters apply from here on exactly as if the run had used them)."""
+    scheduler = build_scheduler(optimizer, cfg, total_steps)
+    if scheduler is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
+            for _ in range(step):
+                scheduler.step()
+    return scheduler

@@ -18,13 +18,20 @@ from kiln.config import KilnConfig, to_plain
 from kiln.data import DataBundle, build_data, build_dataloaders, example_batch
 from kiln.device import resolve_device
 from kiln.engine.batches import move_to
-from kiln.engine.checkpointer import Checkpointer
+from kiln.engine.checkpointer import Checkpointer, ResumeError
 from kiln.engine.distributed import DistInfo, init_distributed
 from kiln.engine.evaluators import build_evaluator
 from kiln.engine.loss import build_criterion
-from kiln.engine.optim import build_optimizer, build_scheduler, total_optimizer_steps
+from kiln.engine.optim import (
+    apply_hyperparameters,
+    build_optimizer,
+    build_scheduler,
+    schedule_at,
+    total_optimizer_steps,
+)
 from kiln.engine.precision import resolve_precision
 from kiln.engine.preemption import Preempted
+from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge, map_position
 from kiln.engine.seeding import seed_everything, set_deterministic
 from kiln.engine.trainer import Trainer, TrainingParts, batches_per_epoch
 from kiln.logging.recorder import RunRecorder
@@ -105,6 +112,17 @@ def build_trainer(
         monitor_mode=cfg.trainer.monitor_mode,
         is_main=dist.is_main,
     )
+    contract = Contract(
+        config=flatten(to_plain(cfg)),
+        planned_steps=planned_steps,
+        batch_size=cfg.data.batch_size,
+        world_size=dist.world_size,
+        accumulate=cfg.trainer.accumulate_grad_batches,
+        data_fingerprint=data_fingerprint(
+            bundle.spec.to_dict(), bundle.recipe.to_dict(), (len(bundle.train), len(bundle.val))
+        ),
+        has_schedule=parts.scheduler is not None,
+    )
     seed_everything(cfg.seed + dist.rank)  # distinct dropout streams per rank
     trainer = Trainer(
         cfg.trainer,
@@ -114,10 +132,11 @@ def build_trainer(
         dist=dist,
         device=device,
         seed=cfg.seed,
-        record=checkpoint_record(cfg, bundle),
+        record={**checkpoint_record(cfg, bundle), "contract": contract.to_dict()},
         progress_bar=cfg.env.progress_bar,
     )
     trainer.state.planned_steps = planned_steps
+    trainer.contract = contract
     return trainer
 
 
@@ -133,12 +152,29 @@ def checkpoint_record(cfg: KilnConfig, bundle: DataBundle) -> dict[str, Any]:
     }
 
 
-def resume_if_asked(trainer: Trainer, resume: str | None) -> Path | None:
-    found = trainer.checkpointer.resume_source(resume)
+def resume_if_asked(trainer: Trainer, cfg: KilnConfig) -> Path | None:
+    """Continue from the checkpoint cfg.resume names, after judging every config difference
+    (kiln.engine.resume); approved changes are applied for real."""
+    found = trainer.checkpointer.resume_source(cfg.resume)
     if found is None:
         return None
     path, checkpoint = found
+    if "contract" not in checkpoint:
+        raise ResumeError(f"{path} has no resume contract (an older kiln wrote it); start anew")
+    saved = Contract.from_dict(checkpoint["contract"])
+    mid_epoch = checkpoint["state"]["batch_in_epoch"] > 0
+    judgement = judge(saved, trainer.contract, list(cfg.resume_override), mid_epoch)
+    check(judgement, str(path))
     trainer.load_state_dict(checkpoint)
+    if any(d.key.startswith(("optimizer.", "scheduler.")) for d in judgement.changes):
+        apply_hyperparameters(trainer.optimizer, cfg.optimizer)
+        trainer.scheduler = schedule_at(
+            trainer.optimizer, cfg.scheduler, trainer.state.planned_steps, trainer.state.global_step
+        )
+    if saved.batch_size != cfg.data.batch_size and trainer.state.batch_in_epoch:
+        trainer.state.batch_in_epoch = map_position(
+            trainer.state.batch_in_epoch, saved.batch_size, cfg.data.batch_size, str(path)
+        )
     s = trainer.state
     log.info(
         "resumed from %s at epoch %d, step %d (batch %d of the epoch)",
@@ -174,7 +210,7 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
             cfg.logger, run_dir, run_name=cfg.name, config=to_plain(cfg), is_main=dist.is_main
         )
         trainer = build_trainer(cfg, run_dir, dist, device, recorder)
-        resume_if_asked(trainer, cfg.resume)
+        resume_if_asked(trainer, cfg)
         final = trainer.fit()
         summary = summarize(trainer, final, status="ok", error=None)
         if cfg.trainer.overfit_batches:

@@ -20,7 +20,7 @@ from torch import nn
 
 from kiln.config.run import NanPolicy, TrainerConfig
 from kiln.engine.batches import batch_size_of, move_to
-from kiln.engine.checkpointer import Checkpointer, check_schedule
+from kiln.engine.checkpointer import Checkpointer
 from kiln.engine.distributed import DistInfo, all_reduce_sum
 from kiln.engine.metrics import MetricWindow
 from kiln.engine.precision import Precision
@@ -342,14 +342,16 @@ class Trainer:
         }
 
     def load_state_dict(self, checkpoint: dict) -> None:
-        saved = TrainState(**checkpoint["state"])
-        check_schedule(saved.planned_steps, self.state.planned_steps, self.scheduler is not None)
+        """Restore an exact training state (kiln.engine.resume judged the config first)."""
+        planned = self.state.planned_steps
         self.raw_model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         if self.scheduler is not None and checkpoint.get("scheduler") is not None:
             self.scheduler.load_state_dict(checkpoint["scheduler"])
-        self.scaler.load_state_dict(checkpoint["scaler"])
-        self.state = saved
+        if checkpoint["scaler"] and self.scaler.is_enabled():  # empty when it was disabled
+            self.scaler.load_state_dict(checkpoint["scaler"])
+        self.state = TrainState(**checkpoint["state"])
+        self.state.planned_steps = planned
         if self.dist.is_main:
             set_rng_state(checkpoint["rng"])
         else:  # other ranks keep distinct streams, re-derived from the position in training

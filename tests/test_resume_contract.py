@@ -1,0 +1,192 @@
+"""The resume contract: a changed command line on an old checkpoint is refused, applied for real
+when resume_override says so, or accepted when harmless; never silently wrong."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kiln import checkpoint as files
+from kiln.engine.checkpointer import ResumeError
+
+from .conftest import SUBPROCESS_ENV, read_metrics, read_summary, run_train, train_in_process
+
+BASE = ("env.progress_bar=false", "logger=none", "trainer.log_every_n_steps=1")
+
+
+def first_run(run_dir, *overrides):
+    return train_in_process(run_dir, *BASE, *overrides)
+
+
+def resume(run_dir, *overrides):
+    return train_in_process(run_dir, *BASE, *overrides, "resume=auto")
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (("optimizer=sgd",), "optimizer.name: 'adamw' -> 'sgd'"),
+        (("scheduler=cosine",), "scheduler.name: 'onecycle' -> 'cosine'"),
+        (("model.hidden_dims=[64]",), "model.hidden_dims: [256, 128] -> [64]"),
+        (("data.val_fraction=0.3",), "<data fingerprint>"),
+        (("seed=1",), "seed: 42 -> 1"),
+    ],
+)
+def test_incompatible_changes_are_refused_naming_key_and_values(tmp_path, change, expected):
+    run_dir = tmp_path / "run"
+    first_run(run_dir, "trainer.max_epochs=1")
+    with pytest.raises(ResumeError) as info:
+        resume(run_dir, "trainer.max_epochs=1", *change)
+    message = str(info.value)
+    assert expected in message and "start a new run" in message
+
+
+def lrs(run_dir):
+    return [m["lr"] for m in read_metrics(run_dir) if "loss" in m]
+
+
+def test_a_new_learning_rate_is_refused_unless_overridden_and_then_applied(tmp_path):
+    run_dir = tmp_path / "run"
+    settings = ("scheduler=none", "trainer.max_epochs=1")
+    first_run(run_dir, *settings)
+    with pytest.raises(ResumeError, match=r"resume_override=\[optimizer.lr\]"):
+        resume(run_dir, "scheduler=none", "trainer.max_epochs=2", "optimizer.lr=0.5")
+    before = len(lrs(run_dir))
+    resume(
+        run_dir,
+        "scheduler=none",
+        "trainer.max_epochs=2",
+        "optimizer.lr=0.5",
+        "resume_override=[optimizer.lr]",
+    )
+    trace = lrs(run_dir)
+    assert set(trace[:before]) == {0.003} and set(trace[before:]) == {0.5}  # applied for real
+
+
+def test_an_overridden_learning_rate_reshapes_the_schedule_from_where_it_stands(tmp_path):
+    """With onecycle the new peak applies from the current step on, as if the run had used it."""
+    reference, first, resumed = tmp_path / "reference", tmp_path / "first", tmp_path / "resumed"
+    first_run(reference, "trainer.max_epochs=2", "optimizer.lr=0.01")
+    first_run(first, "trainer.max_epochs=2")  # lr 0.003; epoch-1.pt after 23 steps
+    train_in_process(
+        resumed,
+        *BASE,
+        "trainer.max_epochs=2",
+        "optimizer.lr=0.01",
+        "resume_override=[optimizer.lr]",
+        f"resume={first}/checkpoints/epoch-1.pt",
+    )
+    assert lrs(resumed) == pytest.approx(lrs(reference)[23:], rel=1e-9)
+    assert lrs(resumed) != pytest.approx(lrs(first)[23:], rel=1e-3)
+
+
+@pytest.mark.parametrize(("batch", "mapped"), [(16, True), (128, False)])
+def test_mid_epoch_resume_with_another_batch_size_maps_samples_exactly_or_is_refused(
+    tmp_path, batch, mapped
+):
+    run_dir = tmp_path / "run"
+    settings = ("scheduler=none", "trainer.max_epochs=1", "trainer.checkpoint_every_n_steps=5")
+    first_run(run_dir, *settings, "trainer.max_steps=5")  # 5 batches of 64 = 320 samples
+    assert (
+        files.load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]["batch_in_epoch"] == 5
+    )
+    with pytest.raises(ResumeError, match="would change the run"):
+        resume(run_dir, *settings, f"data.batch_size={batch}")
+    override = (f"data.batch_size={batch}", "resume_override=[data.batch_size]")
+    if not mapped:  # 320 samples are not a whole number of batches of 128
+        with pytest.raises(ResumeError, match="320 samples into the epoch"):
+            resume(run_dir, *settings, *override)
+        return
+    summary = resume(run_dir, *settings, *override)
+    assert summary["epochs"] == 1
+    state = files.load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]
+    assert (
+        state["samples_seen"] == 1437
+    )  # every training digit exactly once: none skipped or repeated
+
+
+def test_the_same_global_batch_split_differently_is_harmless(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    first_run(run_dir, "trainer.max_epochs=1", "data.batch_size=32")
+    with caplog.at_level(logging.INFO):
+        resume(
+            run_dir,
+            "trainer.max_epochs=1",
+            "data.batch_size=16",
+            "trainer.accumulate_grad_batches=2",
+        )
+    assert "accepted harmless changes" in caplog.text and "data.batch_size: 32 -> 16" in caplog.text
+
+
+def test_harmless_changes_are_accepted_and_listed(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    first_run(run_dir, "trainer.max_epochs=1")
+    with caplog.at_level(logging.INFO):
+        summary = resume(
+            run_dir, "trainer.max_epochs=1", "data.num_workers=1", "trainer.keep_last_k=5"
+        )
+    assert summary["status"] == "ok"
+    assert (
+        "data.num_workers: 0 -> 1" in caplog.text and "trainer.keep_last_k: 2 -> 5" in caplog.text
+    )
+
+
+def test_an_unknown_override_key_is_a_config_error():
+    from kiln.config import ConfigError
+
+    from .conftest import compose_config
+
+    with pytest.raises(ConfigError, match="unknown key 'optimiser.lr' \\(resume_override\\)"):
+        compose_config("resume_override=[optimiser.lr]")
+
+
+def test_a_refused_resume_is_one_line_with_exit_2_through_train_py(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_train(run_dir, *BASE, "trainer.max_epochs=1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    result = run_train(run_dir, *BASE, "trainer.max_epochs=1", "optimizer=sgd", "resume=auto")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: cannot resume") and "optimizer.name" in line
+    assert read_summary(run_dir)["status"] == "failed"
+
+
+def test_a_failed_checkpoint_write_names_the_file_the_free_space_and_what_was_kept(tmp_path):
+    """A real write failure (the process may not grow a file past 64 KiB, as on a full disk):
+    the previous checkpoint survives and the message says so."""
+    path = tmp_path / "last.pt"
+    files.atomic_save({"model": {"w": torch.ones(2)}}, path)
+    code = textwrap.dedent(
+        f"""
+        import resource, signal, torch
+        from kiln import checkpoint
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+        try:
+            checkpoint.atomic_save({{"model": {{"w": torch.zeros(1_000_000)}}}}, {str(path)!r})
+        except checkpoint.CheckpointError as err:
+            print(err)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=SUBPROCESS_ENV
+    )
+    assert result.returncode == 0, result.stderr
+    message = result.stdout.strip()
+    assert message.startswith(f"could not write checkpoint {path} (")
+    assert "MiB free on its disk; the previous last.pt is kept)" in message
+    assert torch.equal(files.load_checkpoint(path)["model"]["w"], torch.ones(2))
+    assert os.listdir(tmp_path) == ["last.pt"]  # no temp file left behind
+
+
+def test_random_bytes_are_called_not_a_checkpoint(tmp_path):
+    path = tmp_path / "weights.pt"
+    path.write_bytes(os.urandom(4096))
+    with pytest.raises(files.CheckpointError, match="not a checkpoint at all"):
+        files.load_checkpoint(path)
