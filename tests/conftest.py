@@ -14,6 +14,10 @@ import pytest
 
 from kiln.cli.paths import REPO_ROOT
 from kiln.config import load_config
+from kiln.registry import load_plugins
+
+# Your own modules join the registry-wide tests: KILN_PLUGINS=my_parts make test
+load_plugins([m for m in os.environ.get("KILN_PLUGINS", "").split(",") if m])
 
 # Keep CPU work predictable on the 2-core machines tests run on.
 SUBPROCESS_ENV = {

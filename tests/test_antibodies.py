@@ -1,8 +1,11 @@
-"""The three rules, each on every registered model and on a deliberately broken one."""
+"""The three rules and the device diagnosis, on every registered model paired with every dataset
+whose inputs it accepts (a model added tomorrow is tested by this same code, with no edit), and on
+deliberately broken models that each rule must catch, in the suite and in train.py."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import numpy as np
@@ -10,69 +13,183 @@ import pytest
 import torch
 from torch import nn
 
+from kiln.cli.paths import CONF_DIR
 from kiln.data import build_data
-from kiln.data.spec import DataSpec
+from kiln.engine.loss import build_criterion
 from kiln.engine.trainer import NonFiniteLossError
-from kiln.guards import ShapeContractError, check_train_eval_agreement
-from kiln.guards.input_sizes import ShapeInferenceError, check_sizes_follow_inputs
+from kiln.guards import (
+    DeviceMismatchError,
+    LossBranchError,
+    ShapeContractError,
+    ShapeInferenceError,
+    check_sizes_follow_inputs,
+    check_train_eval_agreement,
+)
+from kiln.guards.contract import check_device_diagnosis, check_rule1, check_rule2, check_rule3
+from kiln.guards.rules import DEVICES, RULE_1, RULE_2, RULE_3
 from kiln.models import build_model
-from kiln.registry import MODELS
+from kiln.registry import MODELS, compatible_pairs, dataset_provides
 
-from .conftest import compose_config
-from .test_engine import make_trainer, one_step
+from .broken_models import BROKEN, Broken
+from .conftest import compose_config, train_in_process
+from .test_engine import make_trainer
 
-IMAGE_MODELS = ["mlp", "resnet18", "resnet50"]
-TEXT_MODELS = ["text_bow", "text_transformer"]
+# Smaller than the options' defaults, for speed only: a dataset missing here runs as configured.
+SMALL = {
+    "synthetic_images": ("data.num_train=32", "data.num_val=16", "data.num_classes=7"),
+    "shapes_detection": (
+        "data.num_train=8",
+        "data.num_val=4",
+        "data.image_size=64",
+        "data.min_image_size=40",
+    ),  # fmt: skip
+}
+PAIRS = compatible_pairs()
+IDS = [f"{model}-on-{data}" for model, data in PAIRS]
+ERRORS = {RULE_1: ShapeInferenceError, RULE_2: LossBranchError, RULE_3: ShapeContractError,
+          DEVICES: DeviceMismatchError}  # fmt: skip
 
-
-def image_spec(side: int, channels: int = 3) -> DataSpec:
-    return DataSpec("classification", "image", 5, tuple("abcde"), channels, (side, side))
-
-
-TEXT_SPEC = DataSpec("classification", "tokens", 4, tuple("abcd"), vocab_size=50, max_length=32)
-
-
-def test_every_registered_model_is_covered_by_rule_one():
-    assert set(MODELS.names()) == {*IMAGE_MODELS, *TEXT_MODELS, "detector"}
-
-
-@pytest.mark.parametrize("name", IMAGE_MODELS)
-@pytest.mark.parametrize(("side", "channels"), [(8, 1), (20, 3)])
-def test_rule1_image_models_follow_size_channels_and_batch(name, side, channels):
-    model_cfg = compose_config(f"model={name}").model
-    spec = image_spec(side, channels)
-    cases = [
-        (f"batch {n} at {side}x{side}x{channels}", torch.randn(n, channels, side, side))
-        for n in (1, 3)
-    ]
-    if name != "mlp":  # BatchNorm in train mode cannot normalise a single value per channel
-        cases = [(label, x) for label, x in cases if x.shape[0] > 1 or side > 8]
-    check_sizes_follow_inputs(lambda: build_model(spec, model_cfg), cases)
+_bundles: dict[str, object] = {}
 
 
-@pytest.mark.parametrize("name", TEXT_MODELS)
-def test_rule1_text_models_follow_sequence_length_and_batch(name):
-    model_cfg = compose_config(f"model={name}", "data=csv_text").model
-    cases = [
-        (f"batch {n} of length {length}", torch.randint(1, 50, (n, length)))
-        for n in (1, 3)
-        for length in (5, 29)
-    ]
-    check_sizes_follow_inputs(lambda: build_model(TEXT_SPEC, model_cfg), cases)
+def bundle_for(data: str):
+    if data not in _bundles:
+        fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
+        model = fits[dataset_provides(data)]
+        cfg = compose_config(f"data={data}", f"model={model}", *SMALL.get(data, ()))
+        _bundles[data] = build_data(cfg.data)
+    return _bundles[data]
 
 
-def test_rule1_detector_takes_mixed_image_sizes():
-    cfg = compose_config("model=detector", "data=shapes_detection")
-    spec = build_data(cfg.data).spec
-    images = [torch.rand(3, 96, 128), torch.rand(3, 128, 100), torch.rand(3, 112, 112)]
-    targets = [
-        {"boxes": torch.tensor([[10.0, 12.0, 50.0, 60.0]]), "labels": torch.tensor([1])}
-        for _ in images
-    ]
-    cases = [("batch 1 at 96x128", (images[:1], targets[:1])), ("batch 3 mixed", (images, targets))]
-    check_sizes_follow_inputs(
-        lambda: build_model(spec, cfg.model), cases, call=lambda model, batch: model(*batch)
+def model_config(model: str, data: str):
+    """The option's YAML values where kiln's conf/ has it, else its schema's defaults (a plugin's
+    model, whose YAML lives in the user's own folder)."""
+    if (CONF_DIR / "model" / f"{model}.yaml").is_file():
+        return compose_config(f"data={data}", f"model={model}", *SMALL.get(data, ())).model
+    return MODELS.entry(model).config(name=model)
+
+
+def parts(model: str, data: str, *overrides: str):
+    """(build, criterion, bundle) as the engine makes them, for `model` on `data`."""
+    fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
+    base = fits[dataset_provides(data)]
+    cfg = compose_config(f"data={data}", f"model={base}", *SMALL.get(data, ()), *overrides)
+    cfg.model = model_config(model, data)
+    aux = cfg.loss.force_all_branches or cfg.loss.aux_head
+
+    def build(spec) -> nn.Module:
+        torch.manual_seed(0)
+        return build_model(spec, cfg.model, aux_head=aux).to("cpu")
+
+    bundle = bundle_for(data)
+    return build, build_criterion(build(bundle.spec), cfg.loss), bundle
+
+
+def test_every_registered_model_has_a_dataset_to_be_tested_on():
+    assert {model for model, _ in PAIRS} == set(MODELS.names())
+
+
+@pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
+def test_rule1_sizes_follow_inputs(model, data):
+    check_rule1(*parts(model, data))
+
+
+@pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
+def test_rule2_every_branch_on_gives_finite_nonzero_terms_that_reach_the_weights(model, data):
+    terms = check_rule2(*parts(model, data, "loss.force_all_branches=true"))
+    classifier = bundle_for(data).spec.task == "classification"
+    if classifier:
+        assert set(terms) == {"main", "label_smoothing", "z_loss", "confidence_penalty", "aux_head"}
+
+
+@pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
+def test_rule3_train_and_eval_agree(model, data):
+    check_rule3(*parts(model, data))
+
+
+@pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
+def test_devices_a_layer_left_behind_is_named(model, data):
+    message = check_device_diagnosis(*parts(model, data))
+    assert message.startswith(f"{DEVICES}: device mismatch in ")
+
+
+# ---------------------------------------------------------------------------------------------
+# The broken models: caught by the same checks, each with its rule's message
+
+
+@pytest.fixture
+def registered():
+    """Register broken models for one test; unregistered after it."""
+    added = []
+
+    def register(broken: Broken) -> None:
+        MODELS.register(broken.name, config=broken.config, inputs=broken.inputs)(broken.builder)
+        added.append(broken.name)
+
+    yield register
+    for name in added:
+        del MODELS._entries[name]
+
+
+def broken_parts(broken: Broken, *overrides: str):
+    schema_option = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
+    base = schema_option[broken.inputs[0]]
+    cfg = compose_config(f"data={broken.data}", f"model={base}", *SMALL.get(broken.data, ()),
+                         *overrides)  # fmt: skip
+    cfg.model = dataclasses.replace(cfg.model, name=broken.name)
+    return cfg
+
+
+CHECKS = {"rule1": check_rule1, "rule2": check_rule2, "rule3": check_rule3}
+
+
+@pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
+def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
+    registered(broken)
+    cfg = broken_parts(broken, "loss.force_all_branches=true")
+    aux = broken.check == "rule2"
+
+    def build(spec):
+        return build_model(spec, cfg.model, aux_head=aux).to("cpu")
+
+    bundle = bundle_for(broken.data)
+    criterion = build_criterion(build(bundle.spec), cfg.loss)
+    with pytest.raises(ERRORS[broken.rule]) as info:
+        CHECKS[broken.check](build, criterion, bundle)
+    message = str(info.value)
+    assert message.startswith(broken.rule), message
+    assert broken.needle in message, message
+
+
+@pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
+def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_path):
+    """train() with the default settings (rule-2 models with every branch on, as the suite
+    runs them): the rule's error before the first optimizer step."""
+    registered(broken)
+    overrides = ["env.progress_bar=false", "logger=none", "trainer.max_epochs=1"]
+    if broken.check == "rule2":
+        overrides.append("loss.force_all_branches=true")
+    cfg = broken_parts(broken, *overrides)
+    from kiln.engine.run import train
+
+    expected = NonFiniteLossError if broken.name == "nan_aux" else ERRORS[broken.rule]
+    with pytest.raises(expected) as info:
+        train(cfg, tmp_path / "run")
+    message = str(info.value)
+    assert message.startswith(broken.rule), message
+    summary = (tmp_path / "run" / "summary.json").read_text()
+    assert '"steps": 0' in summary or '"steps": 1' in summary  # at the first step at the latest
+
+
+def test_a_correct_model_passes_every_check_at_train_time(tmp_path):
+    summary = train_in_process(
+        tmp_path / "run", "trainer.max_steps=2", "env.progress_bar=false", "logger=none"
     )
+    assert summary["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks themselves
 
 
 class LiteralShapeNet(nn.Module):
@@ -87,7 +204,7 @@ class LiteralShapeNet(nn.Module):
         return self.fc(x.reshape(x.shape[0], 3 * h * w))
 
 
-def test_rule1_catches_a_literal_shape_in_forward():
+def test_rule1_check_names_the_case_the_module_and_the_shapes():
     cases = [
         ("batch 3 at 16x16", torch.randn(3, 3, 16, 16)),
         ("batch 3 at 24x24", torch.randn(3, 3, 24, 24)),
@@ -95,44 +212,8 @@ def test_rule1_catches_a_literal_shape_in_forward():
     with pytest.raises(ShapeInferenceError) as info:
         check_sizes_follow_inputs(LiteralShapeNet, cases)
     message = str(info.value)
-    assert "LiteralShapeNet failed on batch 3 at 24x24" in message
+    assert message.startswith(f"{RULE_1}: LiteralShapeNet failed on batch 3 at 24x24")
     assert "(3, 3, 24, 24)" in message and "never written as literals" in message
-
-
-BRANCH_CASES = {
-    "mlp": ("data=digits",),
-    "resnet18": ("data=synthetic_images", "data.image_size=12", "data.num_train=16"),
-    "resnet50": ("data=synthetic_images", "data.image_size=12", "data.num_train=16"),
-    "text_bow": ("data=csv_text",),
-    "text_transformer": ("data=csv_text",),
-    "detector": ("data=shapes_detection", "data.num_train=4", "data.num_val=2"),
-}
-
-
-@pytest.mark.parametrize("name", sorted(BRANCH_CASES))
-def test_rule2_all_branches_on_give_finite_nonzero_terms_and_grads(tmp_path, name):
-    trainer, _ = make_trainer(
-        tmp_path,
-        f"model={name}",
-        *BRANCH_CASES[name],
-        "loss.force_all_branches=true",
-        "data.batch_size=4",
-        *(() if name == "detector" else ("model.dropout=0.0",)),  # the detector has no dropout
-    )
-    grads = {}
-    for pname, param in trainer.raw_model.named_parameters():
-        param.register_hook(lambda g, pname=pname: grads.setdefault(pname, g.clone()))
-    result = one_step(trainer, window=1)
-    expected = (
-        {"loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"}
-        if name == "detector"
-        else {"main", "label_smoothing", "z_loss", "confidence_penalty", "aux_head"}
-    )
-    assert set(result.terms) == expected
-    for term, value in result.terms.items():
-        assert torch.isfinite(value) and float(value) != 0.0, f"{term} = {value}"
-    assert grads and all(torch.isfinite(g).all() for g in grads.values())
-    assert result.stepped and torch.isfinite(result.grad_norm)
 
 
 def test_rule2_branches_default_off():
@@ -142,71 +223,8 @@ def test_rule2_branches_default_off():
     assert not any(getattr(cfg.loss, flag) for flag in flags)
 
 
-class NaNAuxHead(nn.Module):
-    """Broken on purpose: the auxiliary head's logits are NaN."""
-
-    def __init__(self, spec, cfg, *, aux_head=False):
-        super().__init__()
-        self.fc = nn.Linear(64, spec.num_classes)
-
-    def forward(self, x):
-        logits = self.fc(x.flatten(1))
-        return {"logits": logits, "aux_logits": logits * float("nan")}
-
-
-def test_rule2_a_nan_branch_is_named_in_the_error(tmp_path, temporary_model):
-    cfg = temporary_model("nan_aux", NaNAuxHead, "loss.aux_head=true")
-    trainer, _ = make_trainer(tmp_path, cfg=cfg)
-    with pytest.raises(
-        NonFiniteLossError, match=r"loss NaN @ step 1 \(non-finite terms: aux_head\)"
-    ):
-        one_step(trainer, window=1)
-
-
-class ModeDependentHead(nn.Module):
-    """Broken on purpose: eval mode adds an extra 'unknown' class column."""
-
-    def __init__(self, spec=None, cfg=None, *, aux_head=False):
-        super().__init__()
-        self.fc = nn.Linear(64, 10)
-
-    def forward(self, x):
-        logits = self.fc(x.flatten(1))
-        if not self.training:
-            logits = torch.cat([logits, logits.mean(dim=1, keepdim=True)], dim=1)
-        return {"logits": logits}
-
-
-class ModeDependentStructure(ModeDependentHead):
-    def forward(self, x):
-        logits = self.fc(x.flatten(1))
-        return {"logits": logits} if self.training else logits
-
-
 def forward_inputs(model, batch, train_mode):
     return model(batch[0])
-
-
-def test_rule3_shape_change_in_eval_names_the_path_and_both_shapes():
-    batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
-    with pytest.raises(ShapeContractError) as info:
-        check_train_eval_agreement(ModeDependentHead(), batch, forward_inputs)
-    message = str(info.value)
-    assert "output['logits']: shape differs: train (4, 10) vs eval (4, 11)" in message
-
-
-def test_rule3_structure_change_in_eval_is_reported():
-    batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
-    with pytest.raises(ShapeContractError, match="structure differs"):
-        check_train_eval_agreement(ModeDependentStructure(), batch, forward_inputs)
-
-
-def test_rule3_training_stops_before_the_first_step(tmp_path, temporary_model):
-    cfg = temporary_model("mode_dependent", ModeDependentHead)
-    trainer, recorder = make_trainer(tmp_path, cfg=cfg)
-    with pytest.raises(ShapeContractError):
-        trainer.fit()
-    assert trainer.state.global_step == 0 and not recorder
 
 
 def test_rule3_check_leaves_no_trace(tmp_path):
@@ -230,7 +248,8 @@ def test_rule3_check_leaves_no_trace(tmp_path):
     assert not torch.equal(probe.net.bn1.running_mean, model.net.bn1.running_mean)
 
     rng = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
-    trainer.check_shapes()
+    trainer.run_probes()  # rule 1 and rule 3 before the first step
+    trainer.check_shapes()  # rule 3 before an evaluation
     assert model.training and all(m.training for m in model.modules())
     for name, value in model.named_buffers():
         assert torch.equal(value, buffers[name]), f"{name} changed"
@@ -239,32 +258,6 @@ def test_rule3_check_leaves_no_trace(tmp_path):
     assert random.getstate() == rng[0]
     assert np.array_equal(np.random.get_state()[1], rng[1])
     assert torch.equal(torch.get_rng_state(), rng[2])
-
-
-class LeakyNorm(nn.Module):
-    """Broken on purpose: its BatchNorm is forced into train mode, so evaluation moves the
-    running statistics."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(64, 10)
-        self.norm = nn.BatchNorm1d(10)
-
-    def forward(self, x):
-        self.norm.train()
-        return self.norm(self.fc(x.flatten(1)))
-
-
-def test_rule3_bn_statistics_leaking_in_eval_mode_are_reported():
-    batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
-    model = LeakyNorm()
-    before = model.norm.running_mean.clone()
-    with pytest.raises(ShapeContractError) as info:
-        check_train_eval_agreement(model, batch, forward_inputs)
-    assert "eval-mode forward changed buffers norm.running_mean, norm.running_var" in str(
-        info.value
-    )
-    assert torch.equal(model.norm.running_mean, before)  # and the check itself left no trace
 
 
 def test_rule3_detector_is_checked_against_its_per_mode_contract(tmp_path):
@@ -288,3 +281,15 @@ def test_rule3_detector_is_checked_against_its_per_mode_contract(tmp_path):
     trainer.raw_model.__class__ = EvalDropsScores
     with pytest.raises(ShapeContractError, match="eval mode: .*scores"):
         trainer.check_shapes()
+
+
+def test_rule3_eval_only_crash_names_the_mode_module_and_shapes():
+    from .broken_models import EvalOnlyHead
+
+    model = nn.Sequential(nn.Flatten(), EvalOnlyHead(64, 10))
+    batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ShapeContractError) as info:
+        check_train_eval_agreement(model, batch, forward_inputs)
+    message = str(info.value)
+    assert message.startswith(f"{RULE_3}: the eval-mode forward raised RuntimeError in 1.fc")
+    assert "with inputs ((8, 32),)" in message

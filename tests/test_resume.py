@@ -146,7 +146,11 @@ def test_nonfinite_loss_fails_with_one_greppable_line(tmp_path):
     pattern = r"^\[FAIL\] digits-mlp \| single \| amp=False \| loss (NaN|Inf) @ step (\d+)$"
     lines = [line for line in result.stderr.splitlines() if line.startswith("[FAIL]")]
     assert len(lines) == 1 and re.match(pattern, lines[0]), result.stderr[-2000:]
-    assert (tmp_path / "outputs" / "failures.log").read_text().splitlines() == lines
+    logged = (tmp_path / "outputs" / "failures.log").read_text().splitlines()
+    assert logged[0] == lines[0] and logged[1].startswith("  non-finite terms: main")
+    after = result.stderr.split(lines[0], 1)[1].splitlines()
+    assert after[1].startswith("  non-finite terms:") and after[2] == f"run directory: {run_dir}"
+    assert "Traceback" in (run_dir / "train.log").read_text()  # the detail goes to the log
     summary = read_summary(run_dir)
     assert summary["status"] == "failed" and "@ step" in summary["error"]
     stats = (run_dir / "nan_batch_stats.json").read_text()
@@ -154,20 +158,43 @@ def test_nonfinite_loss_fails_with_one_greppable_line(tmp_path):
     assert len(list((tmp_path / "outputs" / "failures").glob("*.json"))) == 1
 
 
-def test_nan_policy_skip_finishes_and_counts(tmp_path):
+def test_nan_policy_skip_finishes_and_counts_without_logging_a_zero_loss(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = train_in_process(
+        run_dir,
+        *DIVERGING,
+        "trainer.nan_policy=skip",
+        "trainer.max_skipped_steps=-1",
+        "trainer.max_epochs=1",
+        "trainer.log_every_n_steps=1",
+        "env.progress_bar=false",
+        f"output_root={tmp_path}/outputs",
+    )
+    assert summary["status"] == "ok" and summary["nonfinite_skipped"] > 0
+    assert not (tmp_path / "outputs" / "failures.log").exists()
+    losses = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+    assert 0.0 not in losses  # a skipped step has no loss: logged as NaN, never as 0.0
+
+
+def test_nan_policy_skip_fails_past_max_skipped_steps_with_its_own_line(tmp_path):
     run_dir = tmp_path / "run"
     result = run_train(
         run_dir,
         *DIVERGING,
         "trainer.nan_policy=skip",
+        "trainer.max_skipped_steps=5",
         "trainer.max_epochs=1",
         "env.progress_bar=false",
         f"output_root={tmp_path}/outputs",
     )
-    assert result.returncode == 0, result.stderr[-2000:]
-    summary = read_summary(run_dir)
-    assert summary["status"] == "ok" and summary["nonfinite_skipped"] > 0
-    assert not (tmp_path / "outputs" / "failures.log").exists()
+    assert result.returncode == 1
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("[FAIL]")]
+    assert re.match(
+        r"^\[FAIL\] digits-mlp \| single \| amp=False \| 6 non-finite steps skipped \(limit 5\) "
+        r"@ step \d+$",
+        line,
+    ), line
+    assert read_summary(run_dir)["status"] == "failed"
 
 
 def make_run(outputs, rel, name, checkpoint_age_s):

@@ -17,7 +17,7 @@ import difflib
 import importlib
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,9 @@ class Entry:
     name: str
     target: Callable | str | None  # the builder, or "module:attribute" imported on first use
     config: type | None  # the option's typed schema (a dataclass), if it has one
+    # What the entry declares about itself, e.g. a model's accepted input kinds
+    # (inputs=("image",)) or the input kind a dataset provides (provides="tokens").
+    meta: dict = field(default_factory=dict)
 
     def load(self) -> Callable:
         if not isinstance(self.target, str):
@@ -57,18 +60,18 @@ class Registry:
         self.group = group  # the config group whose options these are, if any
         self._entries: dict[str, Entry] = {}
 
-    def register(self, name: str, *, config: type | None = None) -> Callable:
+    def register(self, name: str, *, config: type | None = None, **meta) -> Callable:
         """Decorator: register a builder (a function or class) under `name`."""
 
         def decorator(fn):
-            self._add(Entry(name, fn, config))
+            self._add(Entry(name, fn, config, meta))
             return fn
 
         return decorator
 
-    def declare(self, name: str, target: str, *, config: type | None = None) -> None:
+    def declare(self, name: str, target: str, *, config: type | None = None, **meta) -> None:
         """Register a builder by its import path, loaded when first used."""
-        self._add(Entry(name, target, config))
+        self._add(Entry(name, target, config, meta))
 
     def _add(self, entry: Entry) -> None:
         if entry.name in self._entries:
@@ -112,6 +115,29 @@ EVALUATORS = Registry("evaluator")  # one per task, chosen by the dataset's task
 
 # Config groups whose options are registry entries: each option's schema comes from its entry.
 GROUP_REGISTRIES = {r.group: r for r in (DATASETS, MODELS, OPTIMIZERS, SCHEDULERS, PRECISIONS)}
+
+INPUT_KINDS = ("image", "tokens", "image_list")  # what DataSpec.input_kind can say
+
+
+def model_inputs(name: str) -> tuple[str, ...]:
+    """The input kinds a registered model declares it accepts (default: images)."""
+    return tuple(MODELS.entry(name).meta.get("inputs", ("image",)))
+
+
+def dataset_provides(name: str) -> str:
+    """The input kind a registered dataset declares it provides (default: images)."""
+    return DATASETS.entry(name).meta.get("provides", "image")
+
+
+def compatible_pairs() -> list[tuple[str, str]]:
+    """(model, dataset) for every registered model and every dataset whose inputs it accepts."""
+    return [
+        (model, data)
+        for model in MODELS.names()
+        for data in DATASETS.names()
+        if dataset_provides(data) in model_inputs(model)
+    ]
+
 
 register_model = MODELS.register
 register_dataset = DATASETS.register

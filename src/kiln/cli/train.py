@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import sys
-from datetime import datetime
 from pathlib import Path
 
 import hydra
@@ -16,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from kiln.cli.failures import record_failure
 from kiln.cli.paths import (
     CONF_DIR,
     config_overrides,
@@ -34,36 +34,6 @@ EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: requeue me (with resume=auto)
 HELP_FLAGS = ("-h", "--help", "--describe")
-
-
-def fail_line(cfg, distributed: bool, kind: str, step: int) -> str:
-    mixed = cfg.precision.name != "fp32"
-    mode = "DDP" if distributed else "single"
-    return f"[FAIL] {cfg.name} | {mode} | amp={mixed} | loss {kind} @ step {step}"
-
-
-def record_nonfinite(cfg, run_dir: Path, err, distributed: bool) -> None:
-    """The [FAIL] line on stderr and in outputs/failures.log, the batch statistics beside it."""
-    line = fail_line(cfg, distributed, err.kind, err.step)
-    print(line, file=sys.stderr, flush=True)
-    root = Path(cfg.output_root)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / "failures.log", "a") as f:
-        f.write(line + "\n")
-    stats = {
-        "failure": line,
-        "run_dir": str(run_dir),
-        "nonfinite_terms": err.bad_terms,
-        "batch": err.batch_stats,
-    }
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    stats_dir = root / "failures"
-    stats_dir.mkdir(exist_ok=True)
-    for path in (
-        run_dir / "nan_batch_stats.json",
-        stats_dir / f"{stamp}-{cfg.name}-step{err.step}.json",
-    ):
-        path.write_text(json.dumps(stats, indent=2) + "\n")
 
 
 def record_oom(run_dir: Path) -> None:
@@ -97,7 +67,6 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     from kiln.engine.distributed import env_dist_info, teardown
     from kiln.engine.preemption import Preempted
     from kiln.engine.run import train
-    from kiln.engine.trainer import NonFiniteLossError
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
@@ -107,12 +76,6 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
         if cfg.env.quiet:
             quiet_console()
         summary = train(cfg, run_dir)
-    except NonFiniteLossError as err:
-        if dist.is_main:
-            record_nonfinite(cfg, run_dir, err, dist.enabled)
-        if multirun:
-            raise  # Hydra records the failed job and the sweep goes on
-        raise SystemExit(EXIT_FAILED) from None
     except Preempted as err:
         log.warning("%s", err)
         raise SystemExit(EXIT_PREEMPTED) from None
@@ -120,9 +83,14 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
         if multirun:
             raise
         raise user_error(err) from None
-    except torch.cuda.OutOfMemoryError:
-        record_oom(run_dir)
-        raise
+    except Exception as err:  # the run died: one [FAIL] line, whatever killed it
+        if isinstance(err, torch.cuda.OutOfMemoryError):
+            record_oom(run_dir)
+        if dist.is_main:
+            record_failure(cfg, run_dir, err, dist.enabled)
+        if multirun:
+            raise  # Hydra records the failed job and the sweep goes on
+        raise SystemExit(EXIT_FAILED) from None
     finally:
         teardown()
     if dist.is_main:

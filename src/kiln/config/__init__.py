@@ -90,6 +90,7 @@ def to_typed(cfg: DictConfig) -> KilnConfig:
         key = getattr(err, "full_key", "") or ""
         raise ConfigError("invalid value", key, _first_line(err)) from None
     check_option_names(typed)
+    check_pairing(typed)
     check_tree(typed)
     return typed
 
@@ -147,6 +148,21 @@ def check_option_names(cfg: KilnConfig) -> None:
                 f"{group}.name",
                 f"choose the option with {group}={node.name} instead of setting {group}.name",
             )
+
+
+def check_pairing(cfg: KilnConfig) -> None:
+    """The model accepts the dataset's inputs (both declare them in their registry entries)."""
+    from kiln.registry import compatible_pairs, dataset_provides, model_inputs
+
+    provides, accepts = dataset_provides(cfg.data.name), model_inputs(cfg.model.name)
+    if provides not in accepts:
+        fits = sorted({m for m, d in compatible_pairs() if d == cfg.data.name})
+        raise ConfigError(
+            f"model={cfg.model.name} takes {' or '.join(accepts)} inputs but data={cfg.data.name} "
+            f"gives {provides}",
+            "model",
+            f"models for data={cfg.data.name}: {', '.join(fits) or 'none registered'}",
+        )
 
 
 def unknown_key_error(key: str, schema: type, option: str | None) -> ConfigError:

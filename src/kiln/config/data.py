@@ -105,15 +105,22 @@ class ShapesDetectionConfig(DataConfig):
             )
 
 
-DATASETS.declare("digits", "kiln.data.digits:build_digits", config=DigitsConfig)
+# provides: the DataSpec.input_kind the dataset's batches have.
+DATASETS.declare("digits", "kiln.data.digits:build_digits", config=DigitsConfig, provides="image")
 DATASETS.declare(
-    "synthetic_images", "kiln.data.synthetic:build_synthetic_images", config=SyntheticImagesConfig
+    "synthetic_images",
+    "kiln.data.synthetic:build_synthetic_images",
+    config=SyntheticImagesConfig,
+    provides="image",
 )
-DATASETS.declare("csv_text", "kiln.data.csv_text:build_csv_text", config=CsvTextConfig)
+DATASETS.declare(
+    "csv_text", "kiln.data.csv_text:build_csv_text", config=CsvTextConfig, provides="tokens"
+)
 DATASETS.declare(
     "shapes_detection",
     "kiln.data.shapes_detection:build_shapes_detection",
     config=ShapesDetectionConfig,
+    provides="image_list",
 )
 # How a dataset's task is evaluated (DataSpec.task picks the entry).
 EVALUATORS.declare("classification", "kiln.engine.evaluators:ClassificationEvaluator")

@@ -96,11 +96,24 @@ class DetectorConfig(ModelConfig):
     """torchvision Faster R-CNN, MobileNetV3-Large FPN backbone (weights=None), CPU-sized."""
 
 
-MODELS.declare("mlp", "kiln.models.mlp:build_mlp", config=MlpConfig)
-MODELS.declare("resnet18", "kiln.models.resnet:build_resnet18", config=ResNetConfig)
-MODELS.declare("resnet50", "kiln.models.resnet:build_resnet50", config=ResNetConfig)
-MODELS.declare("text_bow", "kiln.models.text:build_text_bow", config=TextBowConfig)
+# inputs: the DataSpec.input_kind values a model accepts (the suite pairs it with every dataset
+# that provides one of them; train.py refuses other pairings at start-up).
+MODELS.declare("mlp", "kiln.models.mlp:build_mlp", config=MlpConfig, inputs=("image",))
 MODELS.declare(
-    "text_transformer", "kiln.models.text:build_text_transformer", config=TextTransformerConfig
+    "resnet18", "kiln.models.resnet:build_resnet18", config=ResNetConfig, inputs=("image",)
 )
-MODELS.declare("detector", "kiln.models.detector:build_detector", config=DetectorConfig)
+MODELS.declare(
+    "resnet50", "kiln.models.resnet:build_resnet50", config=ResNetConfig, inputs=("image",)
+)
+MODELS.declare(
+    "text_bow", "kiln.models.text:build_text_bow", config=TextBowConfig, inputs=("tokens",)
+)
+MODELS.declare(
+    "text_transformer",
+    "kiln.models.text:build_text_transformer",
+    config=TextTransformerConfig,
+    inputs=("tokens",),
+)
+MODELS.declare(
+    "detector", "kiln.models.detector:build_detector", config=DetectorConfig, inputs=("image_list",)
+)

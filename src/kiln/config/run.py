@@ -54,6 +54,8 @@ class TrainerConfig:
     nan_policy: NanPolicy = NanPolicy.fail  # on a NaN/Inf loss: fail | skip
     check_inputs: bool = False  # raise on NaN/Inf in a batch, naming the tensor
     shape_check: bool = True  # rule 3 before the first step and before every evaluation
+    probe_sizes: bool = True  # rule 1 before the first step: other batch and input sizes
+    max_skipped_steps: int = 20  # nan_policy=skip fails the run past this many (-1: no limit)
     checkpoint_every_n_steps: int = 0  # also save last.pt every N optimizer steps (0: off)
     checkpoint_every_epoch: bool = True  # keep an epoch-N.pt at every epoch end
     keep_last_k: int = 2  # epoch-N.pt files kept besides last.pt and best.pt (0: none)
@@ -80,6 +82,7 @@ class TrainerConfig:
         limit_or_all(self.limit_train_batches, f"{key}.limit_train_batches")
         limit_or_all(self.limit_val_batches, f"{key}.limit_val_batches")
         at_least(self.overfit_batches, 0, f"{key}.overfit_batches")
+        at_least(self.max_skipped_steps, -1, f"{key}.max_skipped_steps", "-1: no limit")
 
 
 class WandbMode(StrEnum):

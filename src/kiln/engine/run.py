@@ -34,6 +34,7 @@ from kiln.engine.preemption import Preempted
 from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge, map_position
 from kiln.engine.seeding import seed_everything, set_deterministic
 from kiln.engine.trainer import Trainer, TrainingParts, batches_per_epoch
+from kiln.guards.probes import probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import summarize, write_json, write_summary
 from kiln.models import build_model
@@ -56,10 +57,13 @@ def build_trainer(
 ) -> Trainer:
     seed_everything(cfg.seed)  # the same initial weights on every rank and in single runs
     bundle = load_data(cfg)
-    criterion_cfg = cfg.loss
-    want_aux = getattr(cfg.model, "aux_head", False) or criterion_cfg.aux_head
-    want_aux = want_aux or criterion_cfg.force_all_branches
-    model = build_model(bundle.spec, cfg.model, aux_head=want_aux).to(device)
+    want_aux = getattr(cfg.model, "aux_head", False) or cfg.loss.aux_head
+    want_aux = want_aux or cfg.loss.force_all_branches
+
+    def build_fresh(spec) -> torch.nn.Module:  # also what rule 1's probes build
+        return build_model(spec, cfg.model, aux_head=want_aux).to(device)
+
+    model = build_fresh(bundle.spec)
     if cfg.trainer.log_activations:
         from kiln.guards.activations import ActivationMonitor
 
@@ -85,6 +89,12 @@ def build_trainer(
         device_ids = [device.index] if device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids)
     evaluator = build_evaluator(bundle.spec.task, precision=precision, device=device, dist=dist)
+    batch_size = cfg.data.batch_size
+    probe_sizes = probe_batch_sizes(batch_size, train_loader.sampler.num_samples)
+    if cfg.trainer.limit_train_batches > 0:  # then the epoch's last batch is a full one
+        probe_sizes = [n for n in probe_sizes if n in (1, 3, 5)]
+    mode_probe_size = min(batch_size, PROBE_BATCH_SIZE)
+    pool = max([mode_probe_size, *probe_sizes])
     parts = TrainingParts(
         model=wrapped,
         raw_model=model,
@@ -96,10 +106,11 @@ def build_trainer(
         evaluator=evaluator,
         train_loader=train_loader,
         val_loader=val_loader,
-        probe_batch=move_to(
-            example_batch(bundle, min(cfg.data.batch_size, PROBE_BATCH_SIZE), seed=cfg.seed),
-            device,
-        ),
+        probe_batch=move_to(example_batch(bundle, pool, seed=cfg.seed), device),
+        spec=bundle.spec,
+        build_fresh=build_fresh,
+        probe_batch_sizes=tuple(probe_sizes),
+        mode_probe_size=mode_probe_size,
         batch_metrics=bundle.batch_metrics,
     )
     if bundle.report is not None and dist.is_main:
@@ -217,6 +228,8 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
             summary.update(check_overfit(recorder.history))
         return summary
     except BaseException as err:
+        if trainer is not None and not hasattr(err, "step"):
+            err.kiln_step = trainer.current_step  # where the failure line says it happened
         status = "preempted" if isinstance(err, Preempted) else "failed"
         last_eval = trainer.last_eval if trainer is not None else {}
         summary = summarize(trainer, last_eval, status=status, error=f"{type(err).__name__}: {err}")

@@ -26,14 +26,11 @@ from kiln.engine.metrics import MetricWindow
 from kiln.engine.precision import Precision
 from kiln.engine.preemption import Preempted, PreemptionFlag
 from kiln.engine.seeding import rng_state, set_rng_state
-from kiln.guards import (
-    DeviceMismatchError,
-    assert_finite_inputs,
-    check_train_eval_agreement,
-    explain_device_mismatch,
-    tensor_stats,
-)
-from kiln.guards.devices import is_device_mismatch
+from kiln.guards import assert_finite_inputs, check_train_eval_agreement, tensor_stats
+from kiln.guards.devices import diagnose, is_device_mismatch
+from kiln.guards.input_sizes import take
+from kiln.guards.probes import run_probes
+from kiln.guards.rules import RULE_2
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +39,23 @@ class NonFiniteLossError(RuntimeError):
     """The loss was NaN/Inf under trainer.nan_policy=fail."""
 
     def __init__(self, kind: str, step: int, batch_stats: dict, bad_terms: list[str]):
+        branches = [t for t in bad_terms if t != "main"]
+        rule = f"{RULE_2}: " if branches else ""  # an optional branch broke it
         detail = f" (non-finite terms: {', '.join(bad_terms)})" if bad_terms else ""
-        super().__init__(f"loss {kind} @ step {step}{detail}")
+        super().__init__(f"{rule}loss {kind} @ step {step}{detail}")
         self.kind, self.step, self.batch_stats, self.bad_terms = kind, step, batch_stats, bad_terms
+
+
+class TooManySkippedSteps(RuntimeError):
+    """nan_policy=skip skipped more steps than trainer.max_skipped_steps allows."""
+
+    def __init__(self, skipped: int, limit: int, step: int):
+        super().__init__(
+            f"{skipped} steps had a non-finite loss and were skipped, more than "
+            f"trainer.max_skipped_steps={limit}; lower optimizer.lr or set "
+            "trainer.gradient_clip_val (kiln triage <run dir> ranks the causes)"
+        )
+        self.skipped, self.limit, self.step = skipped, limit, step
 
 
 @dataclass
@@ -82,7 +93,11 @@ class TrainingParts:
     evaluator: Callable[[nn.Module, Any], dict]  # kiln.engine.evaluators, per task
     train_loader: Any
     val_loader: Any
-    probe_batch: Any  # one real training batch on the device, for rule 3
+    probe_batch: Any  # real training samples on the device, for the pre-step probes
+    spec: Any = None  # the DataSpec the model was built from
+    build_fresh: Callable[[Any], nn.Module] | None = None  # a new model for a spec (rule 1)
+    probe_batch_sizes: tuple[int, ...] = ()  # batch sizes rule 1 probes besides the training one
+    mode_probe_size: int = 8  # samples rule 3 probes with
     batch_metrics: Callable[[Any], dict[str, torch.Tensor]] | None = None  # from the dataset
 
 
@@ -129,12 +144,14 @@ class Trainer:
         self.window = MetricWindow(device, dist.world_size)
         self.preemption = PreemptionFlag(dist, device)
         self.last_eval: dict = {}
+        self.probe_time_s = 0.0
+        self.current_step = 0  # the step in progress: failures are reported "@ step N"
 
     # ----------------------------------------------------------------------------- the loop
     def fit(self) -> dict:
         """Train until max_epochs or max_steps; returns the last evaluation's metrics."""
         with self.preemption:
-            self.check_shapes()
+            self.run_probes()
             while self.state.epoch < self.cfg.max_epochs and not self.reached_max_steps():
                 self.train_epoch()
                 if self.reached_max_steps() and self.state.batch_in_epoch < self.batches_per_epoch:
@@ -160,6 +177,7 @@ class Trainer:
                 window = min(
                     self.cfg.accumulate_grad_batches, self.batches_per_epoch - s.batch_in_epoch
                 )
+                self.current_step = s.global_step + 1
                 result = self.train_step(batches, window)
                 s.batch_in_epoch += window
                 s.global_step += 1
@@ -185,6 +203,8 @@ class Trainer:
             with contextlib.nullcontext() if sync else model.no_sync():
                 with self.precision.autocast():
                     loss, terms = self.compute_loss(batch)
+                if self.state.global_step == 0 and micro == 0:
+                    check_terms_reach_the_model(terms)  # rule 2, once: cheap
                 finite = self.check_loss(loss, terms, batch) and finite  # raises if nan=fail
                 # Divide by the window so k micro-batches of b equal one batch of k*b.
                 scaler.scale(loss / window).backward()
@@ -232,9 +252,10 @@ class Trainer:
         try:
             return self.criterion(self.model, batch)
         except RuntimeError as err:
-            if is_device_mismatch(err):
-                explained = explain_device_mismatch(err, self.raw_model, batch)
-                raise DeviceMismatchError(explained) from err
+            if is_device_mismatch(err):  # re-run the forward under hooks to name the module
+                with torch.no_grad():
+                    rerun = lambda: self.criterion.forward(self.raw_model, batch, True)  # noqa: E731
+                    raise diagnose(err, self.raw_model, rerun, batch) from err
             raise
 
     def check_loss(self, loss: torch.Tensor, terms: dict, batch: Any) -> bool:
@@ -250,11 +271,31 @@ class Trainer:
         bad_terms = [name for name, term in terms.items() if not torch.isfinite(term).all()]
         raise NonFiniteLossError("NaN" if nan else "Inf", step, tensor_stats(batch), bad_terms)
 
+    def run_probes(self) -> None:
+        """Before the first step: rule 1 at other batch and input sizes, rule 3 in both modes."""
+        parts = self.parts
+        self.current_step = self.state.global_step
+        self.probe_time_s = run_probes(
+            model=self.raw_model,
+            build=parts.build_fresh,
+            forward=self.criterion.forward,
+            batch=parts.probe_batch,
+            spec=parts.spec,
+            batch_sizes=parts.probe_batch_sizes,
+            mode_batch_size=parts.mode_probe_size,
+            sizes=self.cfg.probe_sizes and parts.build_fresh is not None,
+            modes=self.cfg.shape_check,
+        )
+        if self.dist.is_main and (self.cfg.probe_sizes or self.cfg.shape_check):
+            log.info("pre-step probes (rules 1 and 3) took %.2f s", self.probe_time_s)
+
     def check_shapes(self) -> None:
         """Rule 3 on one real batch: train and eval mode agree on the output."""
         if self.cfg.shape_check:
             check_train_eval_agreement(
-                self.raw_model, self.parts.probe_batch, self.criterion.forward
+                self.raw_model,
+                take(self.parts.probe_batch, self.parts.mode_probe_size),
+                self.criterion.forward,
             )
 
     # ---------------------------------------------------------------- logging & checkpoints
@@ -268,6 +309,9 @@ class Trainer:
             bar.update(1)
         if self.should_log():
             self.log_window(result.lr, bar)
+        limit = self.cfg.max_skipped_steps
+        if 0 <= limit < s.nonfinite_skipped:
+            raise TooManySkippedSteps(s.nonfinite_skipped, limit, s.global_step)
         if self.checkpointer.should_save_step(s.global_step):
             self.checkpointer.save("last.pt", self.state_dict())
         if self.preemption.agreed():
@@ -308,6 +352,7 @@ class Trainer:
         return 0 < self.cfg.max_steps <= self.state.global_step
 
     def evaluate_and_checkpoint(self, epoch_end: bool) -> None:
+        self.current_step = self.state.global_step
         self.last_eval = self.evaluate()
         s = self.state
         if self.dist.is_main:
@@ -390,6 +435,18 @@ class Trainer:
         bar = tqdm(total=steps, desc=f"epoch {self.state.epoch}", unit="step", leave=False)
         with logging_redirect_tqdm(), bar:
             yield bar
+
+
+def check_terms_reach_the_model(terms: dict[str, torch.Tensor]) -> None:
+    """Rule 2 at train time: a loss term that needs no gradient changes nothing but the log."""
+    from kiln.guards import LossBranchError
+
+    for name, term in terms.items():
+        if not term.requires_grad:
+            raise LossBranchError(
+                f"{RULE_2}: the {name!r} term reaches no parameter (computed from detached "
+                "tensors or under no_grad?); its flag would change nothing but the logged loss"
+            )
 
 
 def batches_per_epoch(train_loader, limit_train_batches: int) -> int:

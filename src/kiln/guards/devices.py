@@ -1,12 +1,16 @@
-"""Turn PyTorch's terse 'tensors on different devices' error into a table of who sits where."""
+"""Device mismatches, diagnosed: re-run the failing forward with hooks that record each module's
+parameter, buffer, input and output devices, and name the first module where devices mix,
+including a tensor created inside a module's forward on another device."""
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
+from kiln.guards.rules import DEVICES
+from kiln.guards.trace import Call, failing_call
 from kiln.guards.tree import iter_tensors
 
 MISMATCH_MARKERS = (
@@ -17,30 +21,54 @@ MISMATCH_MARKERS = (
 
 
 class DeviceMismatchError(RuntimeError):
-    """Tensors of one step live on different devices; the message tables them."""
+    """Tensors of one step live on different devices; the message names the module."""
+
+    def __init__(self, message: str, module: str = ""):
+        super().__init__(message)
+        self.module = module  # the module path where devices first mix
 
 
 def is_device_mismatch(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(m in str(err) for m in MISMATCH_MARKERS)
 
 
-def _group(named) -> dict[str, list[str]]:
-    by_device: dict[str, list[str]] = defaultdict(list)
-    for name, tensor in named:
-        by_device[str(tensor.device)].append(name)
-    return by_device
+def _culprit(calls: list[Call], innermost: Call | None) -> tuple[Call | None, str]:
+    """The first call where devices mix, and why."""
+    for call in calls:
+        if len(call.input_devices | call.own_devices) > 1:
+            own = ", ".join(sorted(call.own_devices)) or "none"
+            given = ", ".join(sorted(call.input_devices)) or "none"
+            return call, f"its parameters/buffers are on {own}, its inputs on {given}"
+        known = call.input_devices | call.own_devices
+        if call.output_devices and known and not call.output_devices <= known:
+            made = ", ".join(sorted(call.output_devices - known))
+            return call, (
+                f"its parameters, buffers and inputs are on {', '.join(sorted(known))} but it "
+                f"returned a tensor on {made}: a tensor created inside its forward"
+            )
+    if innermost is not None:
+        on = ", ".join(sorted(innermost.input_devices | innermost.own_devices)) or "one device"
+        return innermost, (
+            f"its parameters, buffers and inputs are all on {on}, so a tensor created inside its "
+            "forward is on another device (create tensors with device=x.device)"
+        )
+    return None, "no module call mixed devices"
 
 
-def explain_device_mismatch(err: BaseException, model: nn.Module, batch: Any) -> str:
-    sections = {
-        "parameters": _group(model.named_parameters()),
-        "buffers": _group(model.named_buffers()),
-        "batch tensors": _group(iter_tensors(batch)),
-    }
-    lines = [f"tensors on different devices: {err}", "", f"{'device':<10} {'kind':<14} names"]
-    for kind, by_device in sections.items():
-        for device, names in sorted(by_device.items()):
-            shown = ", ".join(names[:6]) + (f", ... (+{len(names) - 6})" if len(names) > 6 else "")
-            lines.append(f"{device:<10} {kind:<14} {shown}")
-    lines.append("Move the model and every batch tensor to the one training device.")
-    return "\n".join(lines)
+def diagnose(err: BaseException, model: nn.Module, run: Callable[[], Any], batch: Any):
+    """A DeviceMismatchError naming the module where devices first mix. `run` repeats the
+    failing forward."""
+    _, trace = failing_call(model, run)
+    call, why = _culprit(trace.calls, trace.innermost_open)
+    batch_devices = sorted({str(t.device) for _, t in iter_tensors(batch)})
+    where = call.where if call is not None else "the model"
+    lines = [
+        f"{DEVICES}: device mismatch in {where}: {why}.",
+        f"  PyTorch said: {err}",
+        f"  the batch is on {', '.join(batch_devices) or 'no device'}; "
+        f"the model's parameters are on "
+        f"{', '.join(sorted({str(p.device) for p in model.parameters()})) or 'no device'}.",
+        "  Move the model and every tensor it creates to the training device "
+        "(model.to(device); torch.zeros(..., device=x.device)).",
+    ]
+    return DeviceMismatchError("\n".join(lines), call.path if call is not None else "")

@@ -1,25 +1,53 @@
-"""Rule 1: shapes come from inputs, never from literals in `forward`. `check_sizes_follow_inputs`
-runs a model on batches of several sizes, forward and backward, and says what to fix."""
+"""Rule 1: shapes come from inputs, never from literals in `forward`.
+
+`check_sizes_follow_inputs` runs a model built for each case on batches of several sizes, forward
+and backward. At train time `size_probes` derives the cases from one real batch: batch sizes that
+differ from the training batch (1, an odd size, the epoch's last partial batch) and a second input
+size where the data kind allows one (image side, sequence length, mixed detection sizes)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from kiln.guards.shape_check import describe
-from kiln.guards.tree import iter_tensors
+from kiln.guards.rules import RULE_1
+from kiln.guards.trace import failing_call
+from kiln.guards.tree import describe, iter_tensors
+
+BN_SINGLE_SAMPLE = "Expected more than 1 value per channel when training"
 
 
 class ShapeInferenceError(RuntimeError):
     """A model failed on an input size it should handle: a shape is hard-coded somewhere."""
 
 
+@dataclass
+class SizeProbe:
+    label: str  # "batch 1", "the epoch's last batch (29)", "images 12x12", ...
+    spec: Any  # the DataSpec to build the model for
+    batch: Any  # (inputs, targets), collated as the loader would
+    new_size: bool = False  # a second input size: a model is built for it, and backward runs
+
+
 def _scalar_objective(output: Any) -> torch.Tensor:
     tensors = [t for _, t in iter_tensors(output, "output") if t.is_floating_point()]
     return sum(t.float().sum() for t in tensors)
+
+
+def _failure(model: nn.Module, label: str, inputs: Any, err: BaseException, trace) -> str:
+    call = trace.innermost_open if trace is not None else None
+    where = f" in {call.where} (its inputs {call.inputs})" if call else ""
+    return (
+        f"{RULE_1}: {type(model).__name__} failed on {label} (input shapes {describe(inputs)})"
+        f"{where}: {err}. Sizes must be read from the input (x.shape) or the data spec, never "
+        "written as literals in forward."
+    )
 
 
 def check_sizes_follow_inputs(
@@ -32,16 +60,130 @@ def check_sizes_follow_inputs(
     for label, inputs in cases:
         model = build()
         model.train()
-        try:
-            output = call(model, inputs)
-            _scalar_objective(output).backward()
-        except (RuntimeError, ValueError, IndexError) as err:
-            shapes = describe(inputs)
-            raise ShapeInferenceError(
-                f"{type(model).__name__} failed on {label} (input shapes {shapes}): {err}. "
-                "Sizes must be read from the input (x.shape) or the data spec, never written "
-                "as literals in forward."
-            ) from err
+        err, trace = failing_call(
+            model, lambda m=model, x=inputs: _scalar_objective(call(m, x)).backward()
+        )
+        if err is not None:
+            raise ShapeInferenceError(_failure(model, label, inputs, err, trace)) from err
         for name, param in model.named_parameters():
             if param.grad is not None and not torch.isfinite(param.grad).all():
-                raise ShapeInferenceError(f"{label}: non-finite gradient in {name}")
+                raise ShapeInferenceError(f"{RULE_1}: {label}: non-finite gradient in {name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Probe batches derived from one real batch
+
+
+def take(batch: Any, n: int) -> Any:
+    """The first n samples of a collated (inputs, targets) batch, repeating samples when it has
+    fewer."""
+    size = len(batch[0])
+    index = [i % size for i in range(n)]
+    return type(batch)(_index(part, index, size) for part in batch)
+
+
+def _index(obj: Any, index: list[int], size: int) -> Any:
+    if isinstance(obj, torch.Tensor) and obj.dim() and obj.shape[0] == size:
+        return obj[index]
+    if isinstance(obj, list) and len(obj) == size:  # one entry per sample (images, targets)
+        return [obj[i] for i in index]
+    if isinstance(obj, tuple):
+        return tuple(_index(o, index, size) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _index(v, index, size) for k, v in obj.items()}
+    return obj
+
+
+def resized(batch: Any, spec: Any) -> tuple[Any, Any, str] | None:
+    """The batch at a second input size, with the spec a model for it is built from, and a
+    label; None where the data kind has no second size."""
+    inputs, targets = batch
+    if spec.input_kind == "image" and inputs.dim() == 4:
+        height, width = inputs.shape[-2:]
+        new = (height + max(2, height // 2), width + max(2, width // 2))
+        images = F.interpolate(inputs.float(), size=new, mode="bilinear", align_corners=False)
+        return (
+            (images.to(inputs.dtype), targets),
+            dataclasses.replace(spec, image_size=new),
+            (f"images {new[0]}x{new[1]} (trained at {height}x{width})"),
+        )
+    if spec.input_kind == "tokens" and inputs.dim() == 2 and inputs.shape[1] > 1:
+        length = inputs.shape[1]
+        shorter = inputs[:, : max(1, length // 2)].clone()
+        shorter[:, 0] = torch.where(shorter[:, 0] == spec.pad_id, inputs[:, 0], shorter[:, 0])
+        return (shorter, targets), spec, f"sequences of {shorter.shape[1]} tokens (not {length})"
+    if spec.input_kind == "image_list" and isinstance(inputs, list):
+        scaled_images, scaled_targets = [], []
+        for i, (image, target) in enumerate(zip(inputs, targets, strict=True)):
+            factor = 0.75 if i % 2 == 0 else 1.0  # keep the sizes mixed
+            size = [max(16, round(s * factor)) for s in image.shape[-2:]]
+            scaled_images.append(F.interpolate(image[None], size=size, mode="bilinear")[0])
+            scale = torch.tensor([size[1] / image.shape[-1], size[0] / image.shape[-2]] * 2)
+            scaled_targets.append({**target, "boxes": target["boxes"] * scale.to(image.device)})
+        return (scaled_images, scaled_targets), spec, "a batch of mixed, rescaled images"
+    return None
+
+
+def size_probes(batch: Any, spec: Any, batch_sizes: Iterable[int]) -> list[SizeProbe]:
+    """Probes from one real batch: each batch size at the data's size, then a second size."""
+    probes = []
+    for n in sorted(set(batch_sizes)):
+        probes.append(SizeProbe(f"batch {n}", spec, take(batch, n)))
+    second = resized(take(batch, 2), spec)
+    if second is not None:
+        other_batch, other_spec, label = second
+        probes.append(SizeProbe(f"batch 2 of {label}", other_spec, other_batch, new_size=True))
+    return probes
+
+
+def run_size_probe(
+    model: nn.Module,
+    probe: SizeProbe,
+    forward: Callable[[nn.Module, Any, bool], Any],
+    check_output: Callable[[nn.Module, Any, int, Any], list[str]],
+) -> None:
+    """`model` (built for the probe's spec, and free to be changed) runs a train-mode forward on
+    the probe's batch, and backward too at a new input size; its output must fit the batch.
+    BatchNorm cannot train on a single sample, so such a batch runs in eval mode only."""
+    size = len(probe.batch[0])
+    model.train()
+    outputs = []
+
+    def step() -> None:
+        with torch.set_grad_enabled(probe.new_size):
+            output = forward(model, probe.batch, True)
+        outputs.append(output)
+        if probe.new_size:
+            _scalar_objective(output).backward()
+
+    err, trace = failing_call(model, step)
+    if err is not None and BN_SINGLE_SAMPLE in str(err):
+        model.eval()
+        outputs.clear()
+        with torch.no_grad():
+            err, trace = failing_call(
+                model, lambda: outputs.append(forward(model, probe.batch, False))
+            )
+        if err is not None and BN_SINGLE_SAMPLE in str(err):
+            from kiln.guards.rules import RULE_3
+            from kiln.guards.shape_check import ShapeContractError
+
+            call = trace.innermost_open
+            where = call.where if call else "a module"
+            raise ShapeContractError(
+                f"{RULE_3}: in eval mode {where} still normalises with the batch's own "
+                "statistics (it fails on a single sample): a module is forced into train mode; "
+                "check for .train() calls in forward or a train() override"
+            ) from err
+    if err is not None:
+        from kiln.guards.devices import diagnose, is_device_mismatch
+
+        if is_device_mismatch(err):
+            raise diagnose(err, model, lambda: forward(model, probe.batch, True), probe.batch)
+        raise ShapeInferenceError(_failure(model, probe.label, probe.batch[0], err, trace)) from err
+    problems = check_output(model, outputs[0], size, probe.spec) if model.training else []
+    if problems:
+        raise ShapeInferenceError(
+            f"{RULE_1}: {type(model).__name__} on {probe.label}: " + "; ".join(problems) + ". "
+            "Output sizes must follow the batch and the data spec, never literals."
+        )

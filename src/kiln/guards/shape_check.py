@@ -1,6 +1,7 @@
-"""Rule 3: before evaluation, a no-grad forward in train mode and in eval mode must agree on the
-output's structure and shapes. Models whose outputs differ by design between modes (detectors)
-declare a contract per mode via `check_output(mode, output) -> list[str]` instead.
+"""Rule 3: before the first step and before every evaluation, a no-grad forward in train mode and
+in eval mode must agree on the output's structure and shapes. Models whose outputs differ by
+design between modes (detectors) declare a contract per mode via
+`check_output(mode, output) -> list[str]` instead.
 
 An eval-mode forward must not change any buffer (BatchNorm statistics leaking in eval mode).
 The check leaves no trace: parameters' gradients (no-grad forward), BatchNorm running statistics
@@ -16,20 +17,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from kiln.guards.rules import RULE_3
+from kiln.guards.tree import describe
+
 
 class ShapeContractError(RuntimeError):
     """Train-mode and eval-mode outputs disagree, or an output breaks its declared contract."""
-
-
-def describe(obj: Any) -> Any:
-    """The structure of an output with shapes in place of tensors."""
-    if isinstance(obj, torch.Tensor):
-        return tuple(obj.shape)
-    if isinstance(obj, dict):
-        return {key: describe(value) for key, value in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(describe(value) for value in obj)
-    return type(obj).__name__
 
 
 def first_difference(train: Any, eval_: Any, path: str = "output") -> str | None:
@@ -90,6 +83,30 @@ def _changed_buffers(model: nn.Module, before: dict[str, torch.Tensor]) -> list[
     return [name for name, b in model.named_buffers() if not torch.equal(b, before[name])]
 
 
+def run_mode(model: nn.Module, batch: Any, forward, train_mode: bool) -> Any:
+    """One no-grad forward in a mode; an exception becomes a rule-3 error naming the mode, the
+    module that raised and the shapes going into it (a device mismatch is diagnosed instead)."""
+    from kiln.guards.devices import diagnose, is_device_mismatch
+    from kiln.guards.trace import failing_call
+
+    mode = "train" if train_mode else "eval"
+    model.train(train_mode)
+    outputs = []
+    err, trace = failing_call(model, lambda: outputs.append(forward(model, batch, train_mode)))
+    if err is None:
+        return outputs[0]
+    if is_device_mismatch(err):
+        model.train(train_mode)
+        raise diagnose(err, model, lambda: forward(model, batch, train_mode), batch) from err
+    call = trace.innermost_open
+    where = f"in {call.where} with inputs {call.inputs}" if call else "before any module ran"
+    raise ShapeContractError(
+        f"{RULE_3}: the {mode}-mode forward raised {type(err).__name__} {where}: {err}. Both "
+        "modes must run on the same batch; look for code that only runs in one mode "
+        "(branches on self.training)."
+    ) from err
+
+
 def check_train_eval_agreement(
     model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any, bool], Any]
 ) -> None:
@@ -98,19 +115,17 @@ def check_train_eval_agreement(
     name = type(model).__name__
     try:
         with torch.no_grad():
-            model.train(True)
-            outputs = {"train": forward(model, batch, True)}
+            outputs = {"train": run_mode(model, batch, forward, True)}
             _restore(model, snapshot)
-            model.eval()
-            outputs["eval"] = forward(model, batch, False)
+            outputs["eval"] = run_mode(model, batch, forward, False)
             changed = _changed_buffers(model, snapshot[0])
     finally:
         _restore(model, snapshot)
     if changed:
         raise ShapeContractError(
-            f"{name}: an eval-mode forward changed buffers {', '.join(changed)}. Statistics "
-            "leak in eval mode: a BatchNorm (or similar) layer is still updating its running "
-            "statistics; check for modules forced into train mode or a train() override."
+            f"{RULE_3}: {name}: an eval-mode forward changed buffers {', '.join(changed)}. "
+            "Statistics leak in eval mode: a BatchNorm (or similar) layer is still updating its "
+            "running statistics; check for modules forced into train mode or a train() override."
         )
     if hasattr(model, "check_output"):
         problems = [
@@ -118,13 +133,14 @@ def check_train_eval_agreement(
         ]
         if problems:
             raise ShapeContractError(
-                f"{name} breaks its declared output contract:\n  " + "\n  ".join(problems)
+                f"{RULE_3}: {name} breaks its declared output contract:\n  " + "\n  ".join(problems)
             )
         return
     difference = first_difference(describe(outputs["train"]), describe(outputs["eval"]))
     if difference:
         raise ShapeContractError(
-            f"{name}: train-mode and eval-mode outputs disagree at {difference}. A model must "
-            "return the same structure and shapes in both modes (or declare check_output for "
-            "outputs that differ by design); look for branches on self.training in forward."
+            f"{RULE_3}: {name}: train-mode and eval-mode outputs disagree at {difference}. A "
+            "model must return the same structure and shapes in both modes (or declare "
+            "check_output for outputs that differ by design); look for branches on "
+            "self.training in forward."
         )

@@ -17,3 +17,14 @@ def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, torch.Ten
     elif isinstance(obj, list | tuple):
         for i, value in enumerate(obj):
             yield from iter_tensors(value, f"{path}[{i}]")
+
+
+def describe(obj: Any) -> Any:
+    """The structure of an output with shapes in place of tensors."""
+    if isinstance(obj, torch.Tensor):
+        return tuple(obj.shape)
+    if isinstance(obj, dict):
+        return {key: describe(value) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(describe(value) for value in obj)
+    return type(obj).__name__

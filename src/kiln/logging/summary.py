@@ -37,6 +37,8 @@ def summarize(trainer, final: dict[str, Any], *, status: str, error: str | None)
         "data_time_frac": trainer.data_time_frac if trainer else None,
         "nonfinite_skipped": s.nonfinite_skipped if s else 0,
         "scaler_skipped": s.scaler_skipped if s else 0,
+        "probe_time_s": trainer.probe_time_s if trainer else None,  # rules 1 and 3, pre-step
+        "train_time_s": s.step_time_s if s else None,
         "error": error,
     }
 

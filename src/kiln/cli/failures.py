@@ -1,0 +1,90 @@
+"""How a run that dies says so: one greppable line on stderr, the same grammar for every way to
+die, appended to outputs/failures.log with its detail on the next line, and the traceback in
+train.log.
+
+    [FAIL] <name> | <single|DDP> | amp=<True|False> | <what> @ step <N>
+      <detail: non-finite branches and batch statistics, the module where devices mix, ...>
+    run directory: <path>
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import datetime
+from pathlib import Path
+
+log = logging.getLogger("kiln")
+
+
+def what_failed(err: BaseException) -> tuple[str, str]:
+    """(the line's <what>, a one-line detail) for an exception that ended a run."""
+    from kiln.engine.trainer import NonFiniteLossError, TooManySkippedSteps
+    from kiln.guards import DeviceMismatchError
+
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if isinstance(err, NonFiniteLossError):
+        terms = ", ".join(err.bad_terms) or "none"
+        return f"loss {err.kind}", f"non-finite terms: {terms}"
+    if isinstance(err, DeviceMismatchError):
+        return f"device mismatch in {err.module or 'the model'}", first_line
+    if isinstance(err, TooManySkippedSteps):
+        return f"{err.skipped} non-finite steps skipped (limit {err.limit})", first_line
+    if type(err).__name__ == "OutOfMemoryError":
+        return "OOM", first_line
+    return type(err).__name__, first_line
+
+
+def fail_line(name: str, distributed: bool, precision: str, what: str, step: int) -> str:
+    mode = "DDP" if distributed else "single"
+    return f"[FAIL] {name} | {mode} | amp={precision != 'fp32'} | {what} @ step {step}"
+
+
+def log_to_file(message: str, err: BaseException) -> None:
+    """The traceback into train.log only: the console shows the one line."""
+    record = log.makeRecord(
+        log.name, logging.ERROR, __file__, 0, message, (), (type(err), err, err.__traceback__)
+    )
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def record_failure(cfg, run_dir: Path, err: BaseException, distributed: bool) -> str:
+    """Print and file the failure; returns the [FAIL] line."""
+    what, detail = what_failed(err)
+    step = getattr(err, "step", None)
+    step = getattr(err, "kiln_step", 0) if step is None else step
+    line = fail_line(cfg.name, distributed, cfg.precision.name, what, step)
+    stats_path = None
+    if hasattr(err, "batch_stats"):
+        stats_path = write_batch_stats(cfg, run_dir, err, line)
+        detail += f"; batch statistics: {stats_path}"
+    print(f"{line}\n  {detail}\nrun directory: {run_dir}", file=sys.stderr, flush=True)
+    root = Path(cfg.output_root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "failures.log", "a") as f:
+        f.write(f"{line}\n  {detail}\n")
+    log_to_file(f"{line}\n  {detail}", err)
+    return line
+
+
+def write_batch_stats(cfg, run_dir: Path, err, line: str) -> Path:
+    """The offending batch's statistics beside the run and under outputs/failures/."""
+    stats = {
+        "failure": line,
+        "run_dir": str(run_dir),
+        "nonfinite_terms": err.bad_terms,
+        "batch": err.batch_stats,
+    }
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    stats_dir = Path(cfg.output_root) / "failures"
+    stats_dir.mkdir(parents=True, exist_ok=True)
+    paths = (
+        run_dir / "nan_batch_stats.json",
+        stats_dir / f"{stamp}-{cfg.name}-step{err.step}.json",
+    )
+    for path in paths:
+        path.write_text(json.dumps(stats, indent=2) + "\n")
+    return paths[0]

@@ -1,0 +1,82 @@
+"""The model contract as one set of checks any registered model can be put through (the test
+suite runs it over every registered model and every dataset whose inputs it accepts; use it for
+your own): rule 1 at other batch and input sizes, rule 2 with every loss branch on, rule 3 in both
+modes, and device diagnosis with one layer left on another device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.data import DataBundle, example_batch
+from kiln.guards.branches import check_loss_branches
+from kiln.guards.devices import DeviceMismatchError, diagnose, is_device_mismatch
+from kiln.guards.input_sizes import run_size_probe, size_probes
+from kiln.guards.probes import classifier_output_problems
+from kiln.guards.shape_check import check_train_eval_agreement
+
+Build = Callable[[Any], nn.Module]  # DataSpec -> a fresh model
+
+
+def _batch(bundle: DataBundle, size: int) -> Any:
+    return example_batch(bundle, size, seed=0)
+
+
+def check_rule1(build: Build, criterion, bundle: DataBundle, batch_sizes=(1, 3)) -> None:
+    """Forward and backward at each batch size and at a second input size, each on a new
+    model built for its spec; outputs must fit the batch and the spec."""
+    for probe in size_probes(_batch(bundle, 4), bundle.spec, batch_sizes):
+        probe.new_size = True  # the suite runs backward on every probe
+        run_size_probe(build(probe.spec), probe, criterion.forward, classifier_output_problems)
+
+
+def check_rule2(build: Build, criterion, bundle: DataBundle) -> dict[str, torch.Tensor]:
+    """One step with the criterion's branches (build it with force_all_branches=True)."""
+    return check_loss_branches(build(bundle.spec), criterion, _batch(bundle, 4))
+
+
+def check_rule3(build: Build, criterion, bundle: DataBundle) -> None:
+    check_train_eval_agreement(build(bundle.spec), _batch(bundle, 4), criterion.forward)
+
+
+def last_layer_with_weights(model: nn.Module) -> str:
+    """The head, usually. (On CPU a convolution with `meta` weights quietly returns a CPU
+    tensor, so the first layer, often a convolution, would not stand in for another device.)"""
+    names = [name for name, m in model.named_modules() if list(m.parameters(recurse=False))]
+    return names[-1]
+
+
+def check_device_diagnosis(build: Build, criterion, bundle: DataBundle) -> str:
+    """With one layer left on the `meta` device (standing in for a second device), the forward
+    must fail with a diagnosis naming that layer. Returns the message."""
+    model = build(bundle.spec)
+    layer = last_layer_with_weights(model)
+    model.get_submodule(layer).to("meta")
+    batch = _batch(bundle, 2)
+    model.train()
+    try:
+        with torch.no_grad():
+            criterion(model, batch)  # the loss too: a meta tensor may flow until it meets one
+    except RuntimeError as err:
+        if not is_device_mismatch(err):
+            raise
+        found = diagnose(err, model, lambda: criterion(model, batch), batch)
+        if found.module != layer:
+            raise AssertionError(
+                f"devices: the diagnosis named {found.module!r}, not the layer left on meta "
+                f"({layer!r}):\n{found}"
+            ) from None
+        return str(found)
+    raise AssertionError(f"{layer} on meta and the batch on CPU: the forward did not fail")
+
+
+__all__ = [
+    "DeviceMismatchError",
+    "check_device_diagnosis",
+    "check_rule1",
+    "check_rule2",
+    "check_rule3",
+]

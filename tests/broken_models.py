@@ -1,0 +1,290 @@
+"""Deliberately broken models, each breaking one rule the way real models do. The suite must
+catch every one with that rule's message, through the same contract checks it runs on every
+registered model, and train.py must stop each before it trains."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kiln.config.model import DetectorConfig, MlpConfig, TextBowConfig
+from kiln.guards.rules import DEVICES, RULE_1, RULE_2, RULE_3
+
+
+def features(spec) -> int:
+    return spec.channels * math.prod(spec.image_size)
+
+
+class ViewTo3x32x32(nn.Module):
+    """Flattens with a literal image size: fine on 32x32x3 data, wrong anywhere else."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.fc = nn.Linear(3 * 32 * 32, spec.num_classes)
+
+    def forward(self, x):
+        return self.fc(x.view(-1, 3 * 32 * 32))
+
+
+class LiteralBatchReshape(nn.Module):
+    """Reshapes with the batch size it was debugged at (8)."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.fc = nn.Linear(features(spec), spec.num_classes)
+
+    def forward(self, x):
+        return self.fc(x.reshape(8, -1))
+
+
+class LiteralNumClasses(nn.Module):
+    """Ten output classes whatever the data has."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.fc = nn.Linear(features(spec), 10)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+
+class LiteralSequenceLength(nn.Module):
+    """Flattens token embeddings assuming every batch is max_length long."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.length = spec.max_length
+        self.embed = nn.Embedding(spec.vocab_size, 8, padding_idx=spec.pad_id)
+        self.fc = nn.Linear(8 * spec.max_length, spec.num_classes)
+
+    def forward(self, ids):
+        return self.fc(self.embed(ids).reshape(ids.shape[0], 8 * self.length))
+
+
+class EvalExtraColumn(nn.Module):
+    """Eval mode appends an 'unknown' class column."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.fc = nn.Linear(features(spec), spec.num_classes)
+
+    def forward(self, x):
+        logits = self.fc(x.flatten(1))
+        if not self.training:
+            logits = torch.cat([logits, logits.mean(dim=1, keepdim=True)], dim=1)
+        return logits
+
+
+class EvalReturnsAnotherStructure(nn.Module):
+    """A dict in train mode, a bare tensor in eval mode."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.fc = nn.Linear(features(spec), spec.num_classes)
+
+    def forward(self, x):
+        logits = self.fc(x.flatten(1))
+        return {"logits": logits} if self.training else logits
+
+
+class EvalOnlyHead(nn.Module):
+    def __init__(self, width, classes):
+        super().__init__()
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, h):
+        if not self.training:  # a code path only evaluation takes, with a shape bug
+            h = h.reshape(h.shape[0] * 2, -1)
+        return self.fc(h)
+
+
+class EvalOnlyCrash(nn.Module):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.head = EvalOnlyHead(features(spec), spec.num_classes)
+
+    def forward(self, x):
+        return self.head(x.flatten(1))
+
+
+class BatchNormForcedTrain(nn.Module):
+    """Its BatchNorm is forced back into train mode, so evaluation moves its statistics."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.fc = nn.Linear(features(spec), spec.num_classes)
+        self.norm = nn.BatchNorm1d(spec.num_classes)
+
+    def forward(self, x):
+        self.norm.train()
+        return self.norm(self.fc(x.flatten(1)))
+
+
+class EvalUpdatesBuffer(nn.Module):
+    """Counts calls in a buffer, in every mode."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.fc = nn.Linear(features(spec), spec.num_classes)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x.flatten(1))
+
+
+class NaNAuxBranch(nn.Module):
+    """The auxiliary head's logits are NaN."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.fc = nn.Linear(features(spec), spec.num_classes)
+        self.aux = nn.Linear(features(spec), spec.num_classes) if aux_head else None
+
+    def forward(self, x):
+        logits = self.fc(x.flatten(1))
+        if self.aux is None:
+            return logits
+        return {"logits": logits, "aux_logits": self.aux(x.flatten(1)) * float("nan")}
+
+
+class DetachedAuxBranch(nn.Module):
+    """The auxiliary 'head' is computed from detached logits: its loss reaches no weight."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.aux_head = aux_head
+        self.fc = nn.Linear(features(spec), spec.num_classes)
+
+    def forward(self, x):
+        logits = self.fc(x.flatten(1))
+        if not self.aux_head:
+            return logits
+        return {"logits": logits, "aux_logits": logits.detach().flip(-1)}
+
+
+class StackingDetector(nn.Module):
+    """A 'detector' that stacks its List[Tensor] input: fine while every image has one size."""
+
+    computes_own_loss = True
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, images, targets=None):
+        x = torch.stack(images)
+        score = self.conv(x).mean(dim=(1, 2, 3))
+        if self.training:
+            return {"loss_objectness": score.mean()}
+        return [
+            {
+                "boxes": torch.zeros(0, 4),
+                "labels": torch.zeros(0, dtype=torch.long),
+                "scores": s.reshape(0),
+            }  # fmt: skip
+            for s in score
+        ]
+
+
+class LayerLeftOnMeta(nn.Module):
+    """model.to(device) leaves its head behind (on `meta`, standing in for another device)."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 16)
+        self.head = nn.Linear(16, spec.num_classes)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.head.to("meta")
+        return self
+
+    def forward(self, x):
+        return self.head(self.body(x.flatten(1)).relu())
+
+
+class Mixer(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, h):
+        bias = torch.zeros(h.shape[-1], device="meta")  # created on the wrong device
+        return h * self.scale + bias
+
+
+class TensorCreatedOnAnotherDevice(nn.Module):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 16)
+        self.mix = Mixer(16)
+        self.head = nn.Linear(16, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.mix(self.body(x.flatten(1))))
+
+
+@dataclass(frozen=True)
+class Broken:
+    name: str
+    builder: type
+    data: str  # a dataset whose inputs it takes (where the breakage shows)
+    rule: str  # the rule whose message must name it
+    check: str  # which contract check catches it: rule1 | rule2 | rule3 (any forward)
+    needle: str  # a fragment the message must hold
+    config: type = MlpConfig
+    inputs: tuple[str, ...] = ("image",)
+
+
+BROKEN = [
+    Broken("view_3x32x32", ViewTo3x32x32, "synthetic_images", RULE_1, "rule1", "failed on"),
+    Broken("literal_batch", LiteralBatchReshape, "digits", RULE_1, "rule1", "failed on batch"),
+    Broken("literal_classes", LiteralNumClasses, "synthetic_images", RULE_1, "rule1", "expected"),
+    Broken(
+        "literal_length",
+        LiteralSequenceLength,
+        "csv_text",
+        RULE_1,
+        "rule1",
+        "failed on",
+        TextBowConfig,
+        ("tokens",),
+    ),  # fmt: skip
+    Broken("eval_extra_column", EvalExtraColumn, "digits", RULE_3, "rule3", "shape differs"),
+    Broken(
+        "eval_structure",
+        EvalReturnsAnotherStructure,
+        "digits",
+        RULE_3,
+        "rule3",
+        "structure differs",
+    ),  # fmt: skip
+    Broken("eval_only_crash", EvalOnlyCrash, "digits", RULE_3, "rule3", "eval-mode forward raised"),
+    Broken("bn_forced_train", BatchNormForcedTrain, "digits", RULE_3, "rule3", "changed buffers"),
+    Broken("eval_buffer", EvalUpdatesBuffer, "digits", RULE_3, "rule3", "changed buffers calls"),
+    Broken("nan_aux", NaNAuxBranch, "digits", RULE_2, "rule2", "'aux_head' term is nan"),
+    Broken("detached_aux", DetachedAuxBranch, "digits", RULE_2, "rule2", "reaches no parameter"),
+    Broken(
+        "stacking_detector",
+        StackingDetector,
+        "shapes_detection",
+        RULE_1,
+        "rule1",
+        "stack expects each tensor to be equal size",
+        DetectorConfig,
+        ("image_list",),
+    ),  # fmt: skip
+    Broken("layer_on_meta", LayerLeftOnMeta, "digits", DEVICES, "rule3", "device mismatch in head"),
+    Broken(
+        "tensor_made_on_meta",
+        TensorCreatedOnAnotherDevice,
+        "digits",
+        DEVICES,
+        "rule3",
+        "device mismatch in mix (Mixer)",
+    ),  # fmt: skip
+]

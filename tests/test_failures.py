@@ -1,0 +1,149 @@
+"""How a run dies: through the real train.py, a broken model is stopped by its rule with one
+[FAIL] line of the contract's grammar, its detail, the run directory, failures.log and the
+traceback in train.log; and a model a user registers joins the registry-wide tests unedited."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kiln.cli.paths import REPO_ROOT
+
+from .conftest import SUBPROCESS_ENV, read_summary
+
+REGISTER_BROKEN = """
+from tests.broken_models import BROKEN
+from kiln.registry import MODELS
+for broken in BROKEN:
+    MODELS.register(broken.name, config=broken.config, inputs=broken.inputs)(broken.builder)
+"""
+
+
+@pytest.fixture
+def broken_project(tmp_path):
+    (tmp_path / "broken_parts.py").write_text(REGISTER_BROKEN)
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    for name in ("eval_only_crash", "layer_on_meta"):
+        (tmp_path / "conf" / "model" / f"{name}.yaml").write_text("dropout: 0.0\n")
+    return tmp_path
+
+
+def train_py(cwd, *args):
+    env = {**SUBPROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(cwd)])}
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "what", "detail"),
+    [
+        ("eval_only_crash", "ShapeContractError", "rule 3 (train and eval must agree): the eval"),
+        ("layer_on_meta", "device mismatch in head", "devices (one model, one device): device"),
+    ],
+)
+def test_a_broken_model_dies_with_one_fail_line_its_detail_and_the_run_dir(
+    broken_project, model, what, detail
+):
+    run_dir = broken_project / "run"
+    result = train_py(
+        broken_project,
+        "plugins=[broken_parts]",
+        f"hydra.searchpath=[file://{broken_project}/conf]",
+        f"model={model}",
+        "hydra.run.dir=run",
+        "env.progress_bar=false",
+        "output_root=outs",
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    fail = [i for i, line in enumerate(lines) if line.startswith("[FAIL]")]
+    assert len(fail) == 1, result.stderr
+    i = fail[0]
+    assert lines[i] == f"[FAIL] digits-{model} | single | amp=False | {what} @ step 0"
+    assert lines[i + 1].startswith(f"  {detail}") and lines[i + 2] == f"run directory: {run_dir}"
+    logged = (broken_project / "outs" / "failures.log").read_text().splitlines()
+    assert logged == lines[i : i + 2]
+    train_log = (run_dir / "train.log").read_text()
+    assert lines[i] in train_log and "Traceback" in train_log
+    assert read_summary(run_dir)["status"] == "failed"
+
+
+PLUGIN = """
+import math
+from torch import nn
+from kiln.config.model import MlpConfig
+from kiln.registry import register_model
+
+
+@register_model("tiny_ok", config=MlpConfig)
+def build_ok(spec, cfg, *, aux_head=False):
+    return Classifier(spec, aux_head)
+
+
+@register_model("tiny_view", config=MlpConfig)
+def build_view(spec, cfg, *, aux_head=False):
+    return Classifier(spec, aux_head, literal=True)
+
+
+class Classifier(nn.Module):
+    def __init__(self, spec, aux_head, literal=False):
+        super().__init__()
+        self.literal = literal
+        self.fc = nn.Linear(spec.channels * math.prod(spec.image_size), spec.num_classes)
+        self.aux = nn.Linear(spec.channels * math.prod(spec.image_size), spec.num_classes) \\
+            if aux_head else None
+
+    def forward(self, x):
+        h = x.view(-1, 64) if self.literal else x.flatten(1)  # 64: digits' 1x8x8, a literal
+        logits = self.fc(h)
+        return logits if self.aux is None else {"logits": logits, "aux_logits": self.aux(h)}
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_users_models_join_the_registry_wide_tests_without_any_test_edit(tmp_path):
+    (tmp_path / "user_models.py").write_text(textwrap.dedent(PLUGIN))
+    env = {
+        **SUBPROCESS_ENV,
+        "KILN_PLUGINS": "user_models",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)]),
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rA",
+            "-k",
+            "tiny",
+            "tests/test_antibodies.py",
+        ],  # fmt: skip
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = result.stdout
+    passed = re.findall(r"^PASSED tests/test_antibodies.py::(\S+)", out, flags=re.MULTILINE)
+    failed = re.findall(r"^FAILED tests/test_antibodies.py::(\S+)", out, flags=re.MULTILINE)
+    # The correct model: every rule and the device check, on both image datasets.
+    ok = {p for p in passed if "tiny_ok-on-" in p}
+    assert len(ok) == 8, out[-3000:]
+    # The literal view: rule 1 fails, on the data where 64 is not the input size.
+    assert "test_rule1_sizes_follow_inputs[tiny_view-on-synthetic_images]" in failed, out[-3000:]
+    assert "rule 1 (shapes come from inputs)" in out
