@@ -8,7 +8,7 @@ ARGS   ?=
 JOBS   ?= 2
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-all lint format sweep export serve bench doctor lock clean
+.PHONY: help install train test test-all lint format sweep export serve bench matrix doctor lock clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-10s %s\n", $$1, $$2}'
@@ -48,6 +48,9 @@ sweep: install ## a short multirun sweep over num_workers x accumulation x preci
 
 bench: install ## engine vs a hand-written loop (samples/s and ratio)
 	$(PY) scripts/bench_engine.py $(ARGS)
+
+matrix: install ## every model x dataset x {single, DDP} x {amp off, on}, a few steps each
+	$(PY) scripts/matrix.py $(ARGS)
 
 doctor: install ## explain the Python / torch / CUDA / cuDNN / driver / ONNX Runtime stack
 	$(PY) -m kiln.doctor
