@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Subset
 
@@ -216,6 +217,10 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
     device = resolve_device(str(cfg.device), int(os.environ.get("LOCAL_RANK", 0)))
     dist = init_distributed(cfg.trainer.distributed, str(cfg.trainer.backend), device)
     trainer, recorder, summary = None, None, None
+    if dist.is_main and not (run_dir / ".hydra" / "config.yaml").is_file():
+        # Hydra writes this for train.py runs; in-process runs leave the same record.
+        (run_dir / ".hydra").mkdir(exist_ok=True)
+        OmegaConf.save(OmegaConf.create(to_plain(cfg)), run_dir / ".hydra" / "config.yaml")
     try:
         recorder = RunRecorder(
             cfg.logger, run_dir, run_name=cfg.name, config=to_plain(cfg), is_main=dist.is_main

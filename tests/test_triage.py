@@ -1,0 +1,192 @@
+"""kiln triage on runs made to show each cause: the right cause ranks first, with its evidence
+and the override to try."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from kiln.cli.failures import record_failure
+from kiln.config.data import DigitsConfig
+from kiln.data import build_data
+from kiln.engine.distributed import DistInfo
+from kiln.engine.run import build_trainer, train
+from kiln.logging.recorder import RunRecorder
+from kiln.logging.summary import summarize, write_summary
+from kiln.registry import DATASETS, MODELS
+from kiln.triage import triage
+
+from .broken_models import BROKEN
+from .conftest import SUBPROCESS_ENV, compose_config
+
+QUIET = ("env.progress_bar=false", "logger=none", "trainer.log_every_n_steps=1")
+
+
+def top_cause(run_dir):
+    _, causes = triage(run_dir)
+    assert causes, "triage found nothing"
+    return causes[0]
+
+
+@pytest.fixture
+def dataset():
+    """Register a dataset derived from digits for one test."""
+    added = []
+
+    def register(name, change):
+        def build(cfg):
+            bundle = build_data(DigitsConfig(name="digits", batch_size=cfg.batch_size))
+            return change(bundle)
+
+        DATASETS.register(name, config=DigitsConfig, provides="image")(build)
+        added.append(name)
+
+    yield register
+    for name in added:
+        del DATASETS._entries[name]
+
+
+def config_with_data(name, *overrides):
+    cfg = compose_config(*QUIET, *overrides)
+    cfg.data = dataclasses.replace(cfg.data, name=name)
+    return cfg
+
+
+def test_exploding_gradients_before_a_nan(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = compose_config(
+        *QUIET, "optimizer=sgd", "optimizer.lr=10", "scheduler=none", "trainer.max_epochs=1"
+    )
+    with pytest.raises(RuntimeError, match="loss (NaN|Inf)"):
+        train(cfg, run_dir)
+    cause = top_cause(run_dir)
+    assert cause.title.startswith("exploding gradients")
+    assert "grad norm rose from" in cause.evidence
+    assert cause.try_ == "optimizer.lr=1 trainer.gradient_clip_val=1.0"
+
+
+def test_fp16_overflow_shows_as_growing_scaler_skips(tmp_path):
+    """Gradients that overflow (to inf, as fp16 gradients do) under a GradScaler for the first
+    steps: the scaler skips those steps and backs off."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = compose_config(*QUIET, "trainer.max_steps=20", "scheduler=none")
+    recorder = RunRecorder(cfg.logger, run_dir, run_name=cfg.name, config={}, is_main=True)
+    trainer = build_trainer(cfg, run_dir, DistInfo(), torch.device("cpu"), recorder)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=True)
+    overflowing = iter(range(6))
+
+    def overflow(grad):
+        return torch.full_like(grad, float("inf")) if next(overflowing, None) is not None else grad
+
+    trainer.raw_model.head.weight.register_hook(overflow)
+    final = trainer.fit()
+    recorder.close()
+    write_summary(run_dir, summarize(trainer, final, status="ok", error=None))
+    cause = top_cause(run_dir)
+    assert cause.title.startswith("fp16 overflow") and "precision=bf16" in cause.try_
+
+
+def test_nonfinite_inputs_from_the_batch_statistics(tmp_path, dataset):
+    def poison(bundle):
+        x, y = bundle.train.tensors
+        x = x.clone()
+        x[::3] = float("nan")
+        bundle.train = TensorDataset(x, y)
+        return bundle
+
+    dataset("digits_with_nans", poison)
+    run_dir = tmp_path / "run"
+    cfg = config_with_data("digits_with_nans", "trainer.max_epochs=1", f"output_root={tmp_path}")
+    with pytest.raises(RuntimeError) as info:
+        train(cfg, run_dir)
+    record_failure(cfg, run_dir, info.value, distributed=False)  # what train.py does
+    cause = top_cause(run_dir)
+    assert cause.title == "non-finite values in the input batch"
+    assert "batch[0]" in cause.evidence and "NaN" in cause.evidence
+
+
+class SlowDataset(Dataset):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        time.sleep(0.002)
+        return self.inner[i]
+
+
+def test_a_data_bottleneck(tmp_path, dataset):
+    def slow(bundle):
+        bundle.train = SlowDataset(bundle.train)
+        return bundle
+
+    dataset("slow_digits", slow)
+    run_dir = tmp_path / "run"
+    train(config_with_data("slow_digits", "trainer.max_steps=4"), run_dir)
+    cause = top_cause(run_dir)
+    assert cause.title == "data loading is the bottleneck" and "data.num_workers=2" in cause.try_
+
+
+def test_train_eval_disagreement(tmp_path):
+    broken = next(b for b in BROKEN if b.name == "eval_structure")
+    MODELS.register(broken.name, config=broken.config)(broken.builder)
+    try:
+        cfg = compose_config(*QUIET, "trainer.max_epochs=1")
+        cfg.model = dataclasses.replace(cfg.model, name=broken.name)
+        with pytest.raises(RuntimeError):
+            train(cfg, tmp_path / "run")
+    finally:
+        del MODELS._entries[broken.name]
+    assert top_cause(tmp_path / "run").title.startswith("the model's train and eval modes")
+
+
+def test_a_flat_loss(tmp_path):
+    run_dir = tmp_path / "run"
+    train(compose_config(*QUIET, "optimizer.lr=1e-9", "scheduler=none", "trainer.max_steps=12"),
+          run_dir)  # fmt: skip
+    cause = top_cause(run_dir)
+    assert cause.title == "the loss is flat from the first step" and "optimizer.lr=1e-07" in (
+        cause.try_
+    )
+
+
+def test_validation_far_below_training(tmp_path, dataset):
+    def shuffled_val_labels(bundle):
+        x, y = bundle.val.tensors
+        bundle.val = TensorDataset(x, y[torch.randperm(len(y), generator=torch.Generator())])
+        return bundle
+
+    dataset("digits_bad_val", shuffled_val_labels)
+    run_dir = tmp_path / "run"
+    train(config_with_data("digits_bad_val", "trainer.max_epochs=4"), run_dir)
+    cause = top_cause(run_dir)
+    assert cause.title == "validation far below training" and "leakage" in cause.try_
+
+
+def test_the_command_prints_the_ranked_causes(tmp_path):
+    run_dir = tmp_path / "run"
+    train(compose_config(*QUIET, "optimizer.lr=1e-9", "scheduler=none", "trainer.max_steps=12"),
+          run_dir)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln.cli.main", "triage", str(run_dir)],
+        capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"triage of {run_dir}: status ok")
+    assert lines[1] == "1. the loss is flat from the first step"
+    assert lines[2].startswith("   evidence: loss ") and lines[3].startswith("   try: ")
+    missing = subprocess.run(
+        [sys.executable, "-m", "kiln.cli.main", "triage", str(tmp_path)],
+        capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=120,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "not a run directory" in missing.stderr
