@@ -176,8 +176,10 @@ def test_nan_policy_fail_raises_with_batch_statistics(tmp_path):
     trainer, _ = make_trainer(tmp_path, *DETERMINISTIC_MLP)
     with torch.no_grad():
         trainer.raw_model.head.bias.fill_(float("nan"))
+    result = one_step(trainer, window=1)  # flags the step on the device, skips its update
+    trainer.state.global_step += 1
     with pytest.raises(NonFiniteLossError) as info:
-        one_step(trainer, window=1)
+        trainer.after_step(result, None)  # the log line reads the flag
     assert info.value.kind == "NaN" and info.value.step == 1
     inputs = info.value.batch_stats["batch[0]"]
     assert inputs["shape"] == [64, 1, 8, 8] and inputs["nan"] == 0
@@ -189,8 +191,12 @@ def test_nan_policy_skip_counts_and_leaves_weights_untouched(tmp_path):
         trainer.raw_model.head.bias.fill_(float("nan"))
     weight = trainer.raw_model.head.weight.detach().clone()
     result = one_step(trainer, window=2)
-    assert not result.stepped and trainer.state.nonfinite_skipped == 1
-    assert torch.equal(weight, trainer.raw_model.head.weight)
+    assert bool(result.bad)
+    trainer.state.global_step += 1
+    trainer.window.add(result)
+    trainer.log_window()
+    assert trainer.state.nonfinite_skipped == 1
+    assert torch.equal(weight, trainer.raw_model.head.weight)  # skipped on the device
     assert all(p.grad is None for p in trainer.raw_model.parameters())
 
 
@@ -271,9 +277,12 @@ def test_steps_gradscaler_skips_for_inf_gradients_are_counted(tmp_path):
     handle = head.weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
     result = one_step(trainer, window=1)
     handle.remove()
-    assert result.stepped and not math.isfinite(float(result.grad_norm))
+    assert not bool(result.bad) and not math.isfinite(float(result.grad_norm))
+    trainer.window.add(result)
+    trainer.log_window()
     assert trainer.state.scaler_skipped == 1 and trainer.state.nonfinite_skipped == 0
     assert torch.equal(weight, head.weight)  # the scaler skipped optimizer.step
     assert trainer.scaler.get_scale() == 2.0**7
-    one_step(trainer, window=1)  # a clean step goes through and is not counted
+    trainer.window.add(one_step(trainer, window=1))  # a clean step goes through, not counted
+    trainer.log_window()
     assert trainer.state.scaler_skipped == 1 and not torch.equal(weight, head.weight)

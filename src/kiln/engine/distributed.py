@@ -59,3 +59,12 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """The largest value over ranks (a device collective; no host read)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    as_int = tensor.to(torch.int32)
+    dist.all_reduce(as_int, op=dist.ReduceOp.MAX)
+    return as_int.to(tensor.dtype)

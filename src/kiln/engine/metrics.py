@@ -1,9 +1,12 @@
-"""MetricWindow: what happened between two log lines. Losses, loss terms and the largest grad
-norm are summed on the device, step after step; `read` makes the one host transfer (and, under
-DDP, the one all-reduce) per log line."""
+"""MetricWindow: what happened between two log lines, kept on the device. Losses, loss terms, the
+largest grad norm, the dataset's batch metrics, and the non-finite record (how many steps had a
+NaN/Inf loss, the first of them, its terms and, under nan_policy=fail, its batch) are summed with
+device ops step after step; `read` makes the one host transfer (and, under DDP, the one
+all-reduce) per log line. Nothing in a step waits for the device."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -11,23 +14,42 @@ import torch
 from kiln.engine.distributed import all_reduce_sum
 
 
+@dataclass
+class NonFinite:
+    """What read() found about non-finite losses in the window."""
+
+    skipped: int = 0  # steps whose loss was NaN/Inf (their update was skipped on the device)
+    first_step: int | None = None
+    kind: str = "NaN"  # of the first: NaN or Inf
+    bad_terms: list[str] = field(default_factory=list)  # non-finite terms at the first
+    batch: Any = None  # the first non-finite micro-batch, when batches are kept
+    scaler_skipped: int = 0  # steps GradScaler skipped although the loss was finite
+
+
 class MetricWindow:
-    def __init__(self, device: torch.device, world_size: int):
+    def __init__(self, device: torch.device, world_size: int, keep_batches: bool = False):
         self.device, self.world_size = device, world_size
+        self.keep_batches = keep_batches  # nan_policy=fail reports the offending batch
         self.reset()
 
     def reset(self) -> None:
+        zeros = lambda dtype=torch.float32: torch.zeros((), device=self.device, dtype=dtype)  # noqa: E731
         self.steps = 0
-        self.finite_steps = 0  # steps whose loss counts towards the mean
         self.samples = 0  # over all ranks
         self.data_time_s = 0.0
         self.step_time_s = 0.0
-        self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        self.finite_steps = zeros()
+        self.loss_sum = zeros()
         self.terms: dict[str, torch.Tensor] = {}
-        self.grad_norm_max: torch.Tensor | None = None  # every step's norm counts
-        self.grad_norm: torch.Tensor | None = None  # the last step's
-        self.batch_sums: dict[str, torch.Tensor] = {}  # the dataset's batch metrics, summed
-        self.micro_batches = 0
+        self.grad_norm = zeros()  # the last finite step's
+        self.grad_norm_max = zeros()
+        self.batch_sums: dict[str, torch.Tensor] = {}
+        self.bad_steps = zeros()
+        self.scaler_skips = zeros()
+        self.first_bad = torch.full((), -1.0, device=self.device)
+        self.first_nan = zeros(torch.bool)
+        self.first_bad_terms: dict[str, torch.Tensor] = {}
+        self.kept: list[tuple[int, list, list[torch.Tensor]]] = []  # (step, batches, bad flags)
 
     def add(self, result) -> None:
         """One optimizer step's StepResult."""
@@ -37,41 +59,79 @@ class MetricWindow:
         self.step_time_s += result.step_time_s
         for name, value in result.batch_metrics.items():
             self.batch_sums[name] = self.batch_sums.get(name, 0.0) + value
-        if not result.stepped:
-            return
-        self.finite_steps += 1
-        self.loss_sum += result.loss.float()
+        bad = result.bad
+        finite = (~bad).float()
+        self.finite_steps += finite
+        self.bad_steps += bad.float()
+        self.loss_sum += torch.where(bad, 0.0, result.loss.float())
         for name, value in result.terms.items():
-            self.terms[name] = self.terms.get(name, 0.0) + value.float()
-        norm = result.grad_norm.detach().float()
-        self.grad_norm = norm
-        self.grad_norm_max = (
-            norm if self.grad_norm_max is None else torch.maximum(self.grad_norm_max, norm)
-        )
+            kept = torch.where(bad, 0.0, value.float())
+            self.terms[name] = self.terms.get(name, 0.0) + kept
+        if result.grad_norm is not None:
+            norm = result.grad_norm.detach().float()
+            self.grad_norm = torch.where(bad, self.grad_norm, norm)
+            self.grad_norm_max = torch.where(
+                bad, self.grad_norm_max, self.grad_norm_max.maximum(norm)
+            )
+        if result.scaler_found_inf is not None:
+            self.scaler_skips += (result.scaler_found_inf & ~bad).float()
+        is_first = bad & (self.first_bad < 0)
+        self.first_bad = torch.where(is_first, float(result.step), self.first_bad)
+        self.first_nan = torch.where(is_first, result.loss.isnan(), self.first_nan)
+        for name, value in result.terms.items():
+            stored = self.first_bad_terms.get(
+                name, torch.zeros((), dtype=torch.bool, device=bad.device)
+            )
+            self.first_bad_terms[name] = torch.where(is_first, ~value.isfinite(), stored)
+        if self.keep_batches:
+            self.kept.append((result.step, result.batches, result.micro_bad))
 
-    def read(self) -> dict[str, Any]:
-        """The window's means, all ranks averaged: one device-to-host copy. A window whose every
-        step was skipped (nan_policy=skip) has no loss to report: NaN, never 0.0."""
-        names, extra = list(self.terms), list(self.batch_sums)
-        stacked = [self.loss_sum, *(self.terms[n] for n in names)]
-        stacked += [torch.as_tensor(self.batch_sums[n], device=self.device).float() for n in extra]
-        sums = all_reduce_sum(torch.stack(stacked))
-        count = max(1, self.finite_steps) * self.world_size
-        parts = [sums[: 1 + len(names)] / count, sums[1 + len(names) :]]
-        if self.grad_norm is not None:
-            parts.append(torch.stack([self.grad_norm, self.grad_norm_max]))
-        values = torch.cat(parts).tolist()
+    def read(self) -> tuple[dict[str, Any], NonFinite]:
+        """The window's means, all ranks averaged, and its non-finite record: one transfer."""
+        names, extra, flags = list(self.terms), list(self.batch_sums), list(self.first_bad_terms)
+        summed = [self.finite_steps, self.loss_sum, *(self.terms[n] for n in names)]
+        summed += [torch.as_tensor(self.batch_sums[n], device=self.device).float() for n in extra]
+        local = [self.bad_steps, self.scaler_skips, self.first_bad, self.first_nan.float()]
+        local += [self.first_bad_terms[n].float() for n in flags]
+        local += [self.grad_norm, self.grad_norm_max]
+        sums = all_reduce_sum(torch.stack(summed))  # the bad-step flags are already global
+        values = torch.cat([sums, torch.stack(local)]).tolist()
+        finite_steps, loss_sum = values[0], values[1]
+        at = 2
+        term_sums = values[at : at + len(names)]
+        at += len(names)
+        batch_totals = dict(zip(extra, values[at : at + len(extra)], strict=True))
+        at += len(extra)
+        bad, scaler_skips, first, first_nan = values[at : at + 4]
+        at += 4
+        bad_terms = [n for n, v in zip(flags, values[at : at + len(flags)], strict=True) if v]
+        grad_norm, grad_norm_max = values[-2:]
+        count = max(1.0, finite_steps)  # summed over ranks already
         metrics = {
-            "loss": values[0] if self.finite_steps else float("nan"),
+            "loss": loss_sum / count if finite_steps else float("nan"),
             "samples_per_s": self.samples / max(self.step_time_s, 1e-9),
             "data_time_frac": self.data_time_s / max(self.step_time_s, 1e-9),
         }
-        metrics.update(
-            {f"loss/{n}": v for n, v in zip(names, values[1 : 1 + len(names)], strict=True)}
+        metrics.update({f"loss/{n}": v / count for n, v in zip(names, term_sums, strict=True)})
+        metrics.update(batch_rates(batch_totals, self.steps * self.world_size, self.step_time_s))
+        if finite_steps:
+            metrics["grad_norm"], metrics["grad_norm_max"] = grad_norm, grad_norm_max
+        record = NonFinite(
+            skipped=int(bad),
+            first_step=int(first) if first >= 0 else None,
+            kind="NaN" if first_nan else "Inf",
+            bad_terms=bad_terms,
+            batch=self._first_bad_batch(int(first)) if bad else None,
+            scaler_skipped=int(scaler_skips),
         )
-        if self.grad_norm is not None:
-            metrics["grad_norm"], metrics["grad_norm_max"] = values[-2:]
-        return metrics
+        return metrics, record
+
+    def _first_bad_batch(self, step: int) -> Any:
+        for kept_step, batches, flags in self.kept:
+            if kept_step == step:
+                micro = [bool(flag) for flag in flags]  # a failure path: reading is fine here
+                return batches[micro.index(True)] if any(micro) else batches[0]
+        return None
 
 
 def batch_rates(totals: dict[str, float], steps: int, seconds: float) -> dict[str, float]:

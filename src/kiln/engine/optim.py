@@ -30,19 +30,33 @@ def build_scheduler(optimizer, cfg: SchedulerConfig, total_steps: int) -> LRSche
     return SCHEDULERS.get(cfg.name)(optimizer, cfg, total_steps)
 
 
+def fused_where_supported(params: list) -> bool:
+    """The fused kernels (one per step, CPU and CUDA) also skip an update on the device when
+    the trainer flags a non-finite loss, without waiting for the device."""
+    devices = {p.device.type for p in params}
+    return bool(params) and devices <= {"cpu", "cuda"}
+
+
 def build_adamw(params, cfg: AdamWConfig) -> torch.optim.Optimizer:
+    params = list(params)
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        params,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        weight_decay=cfg.weight_decay,
+        fused=fused_where_supported(params),
     )
 
 
 def build_sgd(params, cfg: SGDConfig) -> torch.optim.Optimizer:
+    params = list(params)
     return torch.optim.SGD(
         params,
         lr=cfg.lr,
         momentum=cfg.momentum,
         nesterov=cfg.nesterov and cfg.momentum > 0,
         weight_decay=cfg.weight_decay,
+        fused=fused_where_supported(params),
     )
 
 

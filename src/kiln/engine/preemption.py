@@ -43,10 +43,13 @@ class PreemptionFlag:
         log.warning("received signal %d: checkpointing at the next step boundary", signum)
         self.requested = True
 
-    def agreed(self) -> bool:
+    def agreed(self, every_step: bool = True) -> bool:
         """True when any rank was asked to stop: the signal may reach ranks at different steps,
-        so they stop together or not at all."""
+        so they stop together or not at all. Under DDP agreeing is a collective and a host read,
+        so the loop asks only at log lines (every_step=False in between)."""
         if not self.dist.enabled:
             return self.requested
+        if not every_step:
+            return False
         flag = torch.tensor(float(self.requested), device=self.device)
         return bool(all_reduce_sum(flag) > 0)

@@ -21,7 +21,7 @@ from torch import nn
 from kiln.config.run import NanPolicy, TrainerConfig
 from kiln.engine.batches import batch_size_of, move_to
 from kiln.engine.checkpointer import Checkpointer
-from kiln.engine.distributed import DistInfo, all_reduce_sum
+from kiln.engine.distributed import DistInfo, all_reduce_max
 from kiln.engine.metrics import MetricWindow
 from kiln.engine.precision import Precision
 from kiln.engine.preemption import Preempted, PreemptionFlag
@@ -103,15 +103,21 @@ class TrainingParts:
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor
+    """One optimizer step, as device tensors where the device computed it (no host sync)."""
+
+    step: int
+    loss: torch.Tensor  # the mean over the window's micro-batches
     terms: dict[str, torch.Tensor]
     grad_norm: torch.Tensor | None
+    bad: torch.Tensor  # bool: the loss was NaN/Inf on some rank; the update was skipped
     samples: int
     data_time_s: float
     step_time_s: float
     lr: float  # the learning rate this step used
-    stepped: bool = True
+    scaler_found_inf: torch.Tensor | None = None  # GradScaler skipped the update
     batch_metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # summed over the window
+    batches: list = field(default_factory=list)  # kept under nan_policy=fail, for the report
+    micro_bad: list = field(default_factory=list)  # per micro-batch: its loss was NaN/Inf
 
 
 class Trainer:
@@ -141,7 +147,10 @@ class Trainer:
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
         self.non_blocking = bool(getattr(self.train_loader, "pin_memory", False))
         self.batches_per_epoch = batches_per_epoch(self.train_loader, cfg.limit_train_batches)
-        self.window = MetricWindow(device, dist.world_size)
+        fail = cfg.nan_policy == NanPolicy.fail
+        self.window = MetricWindow(device, dist.world_size, keep_batches=fail)
+        # Fused optimizers skip an update on the device when told a flag (as under GradScaler).
+        self.skips_on_device = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
         self.preemption = PreemptionFlag(dist, device)
         self.last_eval: dict = {}
         self.probe_time_s = 0.0
@@ -186,17 +195,20 @@ class Trainer:
                     return
 
     def train_step(self, batches: Iterator, window: int) -> StepResult:
-        """One optimizer step over `window` micro-batches (gradient accumulation)."""
+        """One optimizer step over `window` micro-batches (gradient accumulation). Nothing here
+        waits for the device: a NaN/Inf loss sets a device flag that skips the update on the
+        device; the flag is read with the metrics at the next log line."""
         model, optimizer, scaler = self.model, self.optimizer, self.scaler
         model.train()
         start, data_time, samples = time.perf_counter(), 0.0, 0
-        loss_sum, terms_sum, finite = torch.zeros((), device=self.device), {}, True
-        batch_sums: dict[str, torch.Tensor] = {}
+        loss_sum, terms_sum, batch_sums = torch.zeros((), device=self.device), {}, {}
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        kept, micro_bad = [], []
         for micro in range(window):
             fetch_start = time.perf_counter()
             batch = move_to(next(batches), self.device, self.non_blocking)
             data_time += time.perf_counter() - fetch_start
-            if self.cfg.check_inputs:
+            if self.cfg.check_inputs:  # reads the batch on the host: opt-in
                 assert_finite_inputs(batch)
             # Under DDP only the window's last backward all-reduces gradients.
             sync = micro == window - 1 or not self.dist.enabled
@@ -205,9 +217,10 @@ class Trainer:
                     loss, terms = self.compute_loss(batch)
                 if self.state.global_step == 0 and micro == 0:
                     check_terms_reach_the_model(terms)  # rule 2, once: cheap
-                finite = self.check_loss(loss, terms, batch) and finite  # raises if nan=fail
                 # Divide by the window so k micro-batches of b equal one batch of k*b.
                 scaler.scale(loss / window).backward()
+            micro_nonfinite = ~torch.isfinite(loss.detach())
+            bad |= micro_nonfinite
             loss_sum += loss.detach()
             for name, term in terms.items():
                 terms_sum[name] = terms_sum.get(name, 0.0) + term.detach()
@@ -215,37 +228,52 @@ class Trainer:
             if self.parts.batch_metrics is not None:
                 for name, value in self.parts.batch_metrics(batch).items():
                     batch_sums[name] = batch_sums.get(name, 0.0) + value
-        if not finite:  # nan_policy=skip: drop this step's gradients
-            optimizer.zero_grad(set_to_none=True)
-            self.state.nonfinite_skipped += 1
-            grad_norm, stepped = None, False
-        else:
-            scaler.unscale_(optimizer)  # true-scale gradients before the norm and clipping
-            max_norm = self.cfg.gradient_clip_val or math.inf  # inf: measure, never clip
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-            scale_before = scaler.get_scale()
-            scaler.step(optimizer)  # GradScaler skips the step when gradients hold inf/NaN
-            scaler.update()
-            if scaler.is_enabled() and scaler.get_scale() < scale_before:
-                self.state.scaler_skipped += 1
-            optimizer.zero_grad(set_to_none=True)
-            stepped = True
+            if self.window.keep_batches:
+                kept.append(batch)
+                micro_bad.append(micro_nonfinite)
+        bad = all_reduce_max(bad)  # every rank skips the same steps
+        scaler.unscale_(optimizer)  # true-scale gradients before the norm and clipping
+        max_norm = self.cfg.gradient_clip_val or math.inf  # inf: measure, never clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        scaler_found_inf = self.optimizer_step(bad)
+        optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]
         if self.scheduler is not None:
             self.scheduler.step()  # per optimizer step, skipped steps too: the curve stays aligned
-        terms = {name: value / window for name, value in terms_sum.items()}
-        elapsed = time.perf_counter() - start
         return StepResult(
-            loss_sum / window,
-            terms,
-            grad_norm,
-            samples,
-            data_time,
-            elapsed,
-            lr,
-            stepped,
-            batch_sums,
+            step=self.state.global_step + 1,
+            loss=loss_sum / window,
+            terms={name: value / window for name, value in terms_sum.items()},
+            grad_norm=grad_norm,
+            bad=bad,
+            samples=samples,
+            data_time_s=data_time,
+            step_time_s=time.perf_counter() - start,
+            lr=lr,
+            scaler_found_inf=scaler_found_inf,
+            batch_metrics=batch_sums,
+            batches=kept,
+            micro_bad=micro_bad,
         )
+
+    def optimizer_step(self, bad: torch.Tensor) -> torch.Tensor | None:
+        """Apply the update unless `bad` (or GradScaler) says skip, deciding on the device where
+        the optimizer can; returns GradScaler's found-inf flag when it runs."""
+        optimizer, scaler = self.optimizer, self.scaler
+        if scaler.is_enabled():
+            found_inf = sum(scaler._found_inf_per_device(optimizer).values()) > 0
+            scaler.step(optimizer)  # skips when gradients hold inf/NaN (a NaN loss makes them)
+            scaler.update()
+            return found_inf
+        if self.skips_on_device:
+            optimizer.found_inf, optimizer.grad_scale = bad.float(), None
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf, optimizer.grad_scale
+        elif not bool(bad):  # this optimizer cannot skip on the device: one read per step
+            optimizer.step()
+        return None
 
     # ------------------------------------------------------------------------- loss & guards
     def compute_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -257,19 +285,6 @@ class Trainer:
                     rerun = lambda: self.criterion.forward(self.raw_model, batch, True)  # noqa: E731
                     raise diagnose(err, self.raw_model, rerun, batch) from err
             raise
-
-    def check_loss(self, loss: torch.Tensor, terms: dict, batch: Any) -> bool:
-        """False (skip) or NonFiniteLossError (fail) when the loss is NaN/Inf on any rank."""
-        flags = torch.stack([torch.isnan(loss.detach()), torch.isinf(loss.detach())]).float()
-        nan, inf = all_reduce_sum(flags).tolist()
-        if not (nan or inf):
-            return True
-        step = self.state.global_step + 1
-        if self.cfg.nan_policy == NanPolicy.skip:
-            log.warning("non-finite loss @ step %d skipped (nan_policy=skip)", step)
-            return False
-        bad_terms = [name for name, term in terms.items() if not torch.isfinite(term).all()]
-        raise NonFiniteLossError("NaN" if nan else "Inf", step, tensor_stats(batch), bad_terms)
 
     def run_probes(self) -> None:
         """Before the first step: rule 1 at other batch and input sizes, rule 3 in both modes."""
@@ -307,28 +322,48 @@ class Trainer:
         self.window.add(result)
         if bar is not None:
             bar.update(1)
-        if self.should_log():
+        due = self.checkpointer.should_save_step(s.global_step)
+        if self.should_log() or due:
             self.log_window(result.lr, bar)
-        limit = self.cfg.max_skipped_steps
-        if 0 <= limit < s.nonfinite_skipped:
-            raise TooManySkippedSteps(s.nonfinite_skipped, limit, s.global_step)
-        if self.checkpointer.should_save_step(s.global_step):
+        if due:
             self.checkpointer.save("last.pt", self.state_dict())
-        if self.preemption.agreed():
+        if self.preemption.agreed(every_step=not self.dist.enabled or self.should_log()):
+            self.log_window(result.lr, bar)
             self.checkpointer.save("last.pt", self.state_dict())
             raise Preempted(f"preempted at step {s.global_step}; resume with resume=auto")
 
-    def log_window(self, lr: float, bar) -> None:
+    def log_window(self, lr: float | None = None, bar=None) -> None:
+        """One host read of the window: its metrics become a log line, its non-finite record
+        fails the run (nan_policy=fail) or counts towards max_skipped_steps."""
+        if not self.window.steps:
+            return
         s = self.state
+        metrics, nonfinite = self.window.read()
+        self.window.reset()
+        s.nonfinite_skipped += nonfinite.skipped
+        s.scaler_skipped += nonfinite.scaler_skipped
+        if nonfinite.skipped and self.cfg.nan_policy == NanPolicy.fail:
+            stats = tensor_stats(nonfinite.batch) if nonfinite.batch is not None else {}
+            raise NonFiniteLossError(
+                nonfinite.kind, nonfinite.first_step, stats, nonfinite.bad_terms
+            )
+        if nonfinite.skipped:
+            log.warning(
+                "%d step(s) with a non-finite loss skipped (nan_policy=skip), the first @ step %d",
+                nonfinite.skipped,
+                nonfinite.first_step,
+            )
+        limit = self.cfg.max_skipped_steps
+        if 0 <= limit < s.nonfinite_skipped:
+            raise TooManySkippedSteps(s.nonfinite_skipped, limit, s.global_step)
         metrics = {
             "epoch": s.epoch,
-            **self.window.read(),
-            "lr": lr,
+            **metrics,
+            "lr": self.optimizer.param_groups[0]["lr"] if lr is None else lr,
             "memory_mb": memory_mb(self.device),
             "nonfinite_skipped": s.nonfinite_skipped,
             "scaler_skipped": s.scaler_skipped,
         }
-        self.window.reset()
         if bar is not None:
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", sps=f"{metrics['samples_per_s']:.0f}")
         if self.dist.is_main:
@@ -337,7 +372,7 @@ class Trainer:
                 s.epoch,
                 s.global_step,
                 metrics["loss"],
-                lr,
+                metrics["lr"],
                 metrics.get("grad_norm", float("nan")),
                 metrics["samples_per_s"],
                 100 * metrics["data_time_frac"],
@@ -352,6 +387,7 @@ class Trainer:
         return 0 < self.cfg.max_steps <= self.state.global_step
 
     def evaluate_and_checkpoint(self, epoch_end: bool) -> None:
+        self.log_window()  # the steps since the last log line: read before anything is saved
         self.current_step = self.state.global_step
         self.last_eval = self.evaluate()
         s = self.state
