@@ -32,8 +32,47 @@ def what_failed(err: BaseException) -> tuple[str, str]:
     if isinstance(err, TooManySkippedSteps):
         return f"{err.skipped} non-finite steps skipped (limit {err.limit})", first_line
     if type(err).__name__ == "OutOfMemoryError":
-        return "OOM", first_line
+        return "OOM", "out of memory; " + oom_advice(cfg_of(err))
     return type(err).__name__, first_line
+
+
+def cfg_of(err: BaseException):
+    return getattr(err, "kiln_cfg", None)
+
+
+def oom_advice(cfg) -> str:
+    """What to try, keeping the global batch where the config allows."""
+    if cfg is None:
+        return "try a smaller data.batch_size, precision=bf16 or amp"
+    batch, accumulate = cfg.data.batch_size, cfg.trainer.accumulate_grad_batches
+    tips = []
+    if batch > 1:
+        tips.append(
+            f"data.batch_size={batch // 2} trainer.accumulate_grad_batches={accumulate * 2} "
+            "(the same global batch)"
+        )
+    if cfg.precision.name == "fp32":
+        tips.append("precision=bf16 (or amp)")
+    if hasattr(cfg.data, "max_length"):
+        tips.append(f"shorter sequences (data.max_length={max(1, cfg.data.max_length // 2)})")
+    tips.append("trainer.find_batch_size=true finds the largest batch that fits")
+    return "try " + "; or ".join(tips)
+
+
+def write_oom_report(run_dir: Path, err: BaseException, cfg) -> Path:
+    """The batch's shapes, the advice and CUDA's memory summary beside the run."""
+    import torch
+
+    report = {
+        "batch_shapes": getattr(err, "batch_shapes", None),
+        "advice": oom_advice(cfg),
+        "error": str(err),
+    }
+    path = run_dir / "oom.json"
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if torch.cuda.is_available():
+        (run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary())
+    return path
 
 
 def fail_line(name: str, distributed: bool, precision: str, what: str, step: int) -> str:
@@ -53,7 +92,10 @@ def log_to_file(message: str, err: BaseException) -> None:
 
 def record_failure(cfg, run_dir: Path, err: BaseException, distributed: bool) -> str:
     """Print and file the failure; returns the [FAIL] line."""
+    err.kiln_cfg = cfg
     what, detail = what_failed(err)
+    if what == "OOM":
+        detail += f"; report: {write_oom_report(run_dir, err, cfg)}"
     step = getattr(err, "step", None)
     step = getattr(err, "kiln_step", 0) if step is None else step
     line = fail_line(cfg.name, distributed, cfg.precision.name, what, step)

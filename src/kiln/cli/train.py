@@ -36,13 +36,6 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: requeue me (with resume=auto)
 HELP_FLAGS = ("-h", "--help", "--describe")
 
 
-def record_oom(run_dir: Path) -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        (run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary())
-
-
 def quiet_console() -> None:
     """Only warnings on the console; train.log keeps every line."""
     for handler in logging.getLogger().handlers:
@@ -62,7 +55,6 @@ def user_error(err: BaseException) -> SystemExit:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_main(raw_cfg: DictConfig) -> float | None:
-    import torch
 
     from kiln.engine.distributed import env_dist_info, teardown
     from kiln.engine.preemption import Preempted
@@ -84,8 +76,6 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
             raise
         raise user_error(err) from None
     except Exception as err:  # the run died: one [FAIL] line, whatever killed it
-        if isinstance(err, torch.cuda.OutOfMemoryError):
-            record_oom(run_dir)
         if dist.is_main:
             record_failure(cfg, run_dir, err, dist.enabled)
         if multirun:

@@ -34,6 +34,19 @@ class Backend(StrEnum):
     nccl = "nccl"
 
 
+class CompileMode(StrEnum):
+    default = "default"
+    reduce_overhead = "reduce-overhead"  # CUDA graphs: small batches, launch-bound models
+    max_autotune = "max-autotune"
+    max_autotune_no_cudagraphs = "max-autotune-no-cudagraphs"
+
+
+class MatmulPrecision(StrEnum):
+    highest = "highest"  # full fp32 matmuls
+    high = "high"  # TF32 on Ampere and newer GPUs
+    medium = "medium"  # bf16 inside fp32 matmuls where supported
+
+
 class MonitorMode(StrEnum):
     max = "max"
     min = "min"
@@ -66,6 +79,12 @@ class TrainerConfig:
     limit_val_batches: int = -1  # validation batches, at most (-1: all)
     overfit_batches: int = 0  # train and validate on the first N batches only (0: off)
     log_activations: bool = False  # per-layer output mean/std in the metrics
+    compile: bool = False  # torch.compile the model (checkpoints and guards see the eager one)
+    compile_mode: CompileMode = CompileMode.default  # torch.compile's mode
+    channels_last: bool = False  # NHWC memory format for 4-D image batches and the model
+    matmul_precision: MatmulPrecision = MatmulPrecision.highest  # high: TF32 matmuls on GPUs
+    peak_tflops: float | None = None  # the device's peak for MFU (null: known GPUs' table)
+    find_batch_size: bool = False  # the largest data.batch_size that fits, found on real steps
 
     def check(self, key: str) -> None:
         at_least(self.max_epochs, 1, f"{key}.max_epochs")
@@ -83,6 +102,8 @@ class TrainerConfig:
         limit_or_all(self.limit_val_batches, f"{key}.limit_val_batches")
         at_least(self.overfit_batches, 0, f"{key}.overfit_batches")
         at_least(self.max_skipped_steps, -1, f"{key}.max_skipped_steps", "-1: no limit")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise invalid(f"{key}.peak_tflops", f"must be > 0 or null, got {self.peak_tflops}")
 
 
 class WandbMode(StrEnum):

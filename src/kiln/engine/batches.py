@@ -21,3 +21,16 @@ def batch_size_of(batch: Any) -> int:
     """Samples in an (inputs, targets) batch: inputs are a tensor or a list (one per sample)."""
     inputs = batch[0]
     return len(inputs) if isinstance(inputs, list | tuple) else inputs.shape[0]
+
+
+def to_channels_last(obj: Any) -> Any:
+    """4-D float tensors (image batches) in NHWC memory format; everything else as it is."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 4 and obj.is_floating_point():
+            return obj.contiguous(memory_format=torch.channels_last)
+        return obj
+    if isinstance(obj, dict):
+        return {k: to_channels_last(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_channels_last(v) for v in obj)
+    return obj

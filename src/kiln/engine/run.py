@@ -18,7 +18,7 @@ import kiln
 from kiln.config import KilnConfig, to_plain
 from kiln.data import DataBundle, build_data, build_dataloaders, example_batch
 from kiln.device import resolve_device
-from kiln.engine.batches import move_to
+from kiln.engine.batches import move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer, ResumeError
 from kiln.engine.distributed import DistInfo, init_distributed
 from kiln.engine.evaluators import build_evaluator
@@ -34,6 +34,7 @@ from kiln.engine.precision import resolve_precision
 from kiln.engine.preemption import Preempted
 from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge, map_position
 from kiln.engine.seeding import seed_everything, set_deterministic
+from kiln.engine.throughput import peak_flops
 from kiln.engine.trainer import Trainer, TrainingParts, batches_per_epoch
 from kiln.guards.probes import probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
@@ -65,10 +66,15 @@ def build_trainer(
         return build_model(spec, cfg.model, aux_head=want_aux).to(device)
 
     model = build_fresh(bundle.spec)
+    if cfg.trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     if cfg.trainer.log_activations:
         from kiln.guards.activations import ActivationMonitor
 
         recorder.activations = ActivationMonitor(model)
+    precision = resolve_precision(cfg.precision.name, device)
+    if cfg.trainer.find_batch_size:
+        cfg.data.batch_size = find_batch_size(cfg, bundle, model, precision, dist, device)
     train_loader, val_loader = build_dataloaders(
         bundle,
         cfg.data,
@@ -84,11 +90,12 @@ def build_trainer(
         cfg.trainer.max_steps,
     )
     optimizer = build_optimizer(model.parameters(), cfg.optimizer)
-    precision = resolve_precision(cfg.precision.name, device)
     wrapped = model
     if dist.enabled:
         device_ids = [device.index] if device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids)
+    if cfg.trainer.compile:  # the loop calls the compiled module; checkpoints and guards the eager
+        wrapped = torch.compile(wrapped, mode=str(cfg.trainer.compile_mode))
     evaluator = build_evaluator(bundle.spec.task, precision=precision, device=device, dist=dist)
     batch_size = cfg.data.batch_size
     probe_sizes = probe_batch_sizes(batch_size, train_loader.sampler.num_samples)
@@ -96,6 +103,9 @@ def build_trainer(
         probe_sizes = [n for n in probe_sizes if n in (1, 3, 5)]
     mode_probe_size = min(batch_size, PROBE_BATCH_SIZE)
     pool = max([mode_probe_size, *probe_sizes])
+    probe_batch = move_to(example_batch(bundle, pool, seed=cfg.seed), device)
+    if cfg.trainer.channels_last:
+        probe_batch = to_channels_last(probe_batch)
     parts = TrainingParts(
         model=wrapped,
         raw_model=model,
@@ -107,12 +117,13 @@ def build_trainer(
         evaluator=evaluator,
         train_loader=train_loader,
         val_loader=val_loader,
-        probe_batch=move_to(example_batch(bundle, pool, seed=cfg.seed), device),
+        probe_batch=probe_batch,
         spec=bundle.spec,
         build_fresh=build_fresh,
         probe_batch_sizes=tuple(probe_sizes),
         mode_probe_size=mode_probe_size,
         batch_metrics=bundle.batch_metrics,
+        peak_flops=peak_flops(device, precision, cfg.trainer.peak_tflops),
     )
     if bundle.report is not None and dist.is_main:
         write_json(run_dir / "data_report.json", bundle.report)
@@ -162,6 +173,28 @@ def checkpoint_record(cfg: KilnConfig, bundle: DataBundle) -> dict[str, Any]:
         "model_name": cfg.model.name,
         "kiln_version": kiln.__version__,
     }
+
+
+def find_batch_size(cfg: KilnConfig, bundle, model, precision, dist, device) -> int:
+    """The largest per-device batch that fits (trainer.find_batch_size), on real steps."""
+    from kiln.engine.batch_size import largest_that_fits, trial_step
+
+    if cfg.resume is not None:
+        log.info("find_batch_size: resuming, so data.batch_size=%d stays", cfg.data.batch_size)
+        return cfg.data.batch_size
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+    criterion = build_criterion(model, cfg.loss)
+    limit = len(bundle.train)
+    fits = trial_step(
+        model, optimizer, criterion, lambda n: move_to(example_batch(bundle, n), device), precision
+    )
+    found = largest_that_fits(fits, start=cfg.data.batch_size, limit=limit)
+    if dist.enabled:  # every rank trains with the same batch: the smallest any rank fits
+        found_t = torch.tensor(found, device=device)
+        torch.distributed.all_reduce(found_t, op=torch.distributed.ReduceOp.MIN)
+        found = int(found_t)
+    log.info("find_batch_size: data.batch_size=%d fits (searched up to %d)", found, limit)
+    return found
 
 
 def resume_if_asked(trainer: Trainer, cfg: KilnConfig) -> Path | None:
@@ -214,6 +247,8 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     set_deterministic(cfg.trainer.deterministic)
+    torch.set_float32_matmul_precision(str(cfg.trainer.matmul_precision))
+    torch.backends.cudnn.allow_tf32 = str(cfg.trainer.matmul_precision) != "highest"
     device = resolve_device(str(cfg.device), int(os.environ.get("LOCAL_RANK", 0)))
     dist = init_distributed(cfg.trainer.distributed, str(cfg.trainer.backend), device)
     trainer, recorder, summary = None, None, None

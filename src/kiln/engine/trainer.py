@@ -19,14 +19,15 @@ import torch
 from torch import nn
 
 from kiln.config.run import NanPolicy, TrainerConfig
-from kiln.engine.batches import batch_size_of, move_to
+from kiln.engine.batches import batch_size_of, move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer
 from kiln.engine.distributed import DistInfo, all_reduce_max
 from kiln.engine.metrics import MetricWindow
 from kiln.engine.precision import Precision
 from kiln.engine.preemption import Preempted, PreemptionFlag
 from kiln.engine.seeding import rng_state, set_rng_state
-from kiln.guards import assert_finite_inputs, check_train_eval_agreement, tensor_stats
+from kiln.engine.throughput import flops_per_sample
+from kiln.guards import assert_finite_inputs, check_train_eval_agreement, describe, tensor_stats
 from kiln.guards.devices import diagnose, is_device_mismatch
 from kiln.guards.input_sizes import take
 from kiln.guards.probes import run_probes
@@ -98,6 +99,7 @@ class TrainingParts:
     build_fresh: Callable[[Any], nn.Module] | None = None  # a new model for a spec (rule 1)
     probe_batch_sizes: tuple[int, ...] = ()  # batch sizes rule 1 probes besides the training one
     mode_probe_size: int = 8  # samples rule 3 probes with
+    peak_flops: float | None = None  # the device's peak FLOP/s in the run's dtype, if known
     batch_metrics: Callable[[Any], dict[str, torch.Tensor]] | None = None  # from the dataset
 
 
@@ -154,6 +156,7 @@ class Trainer:
         self.preemption = PreemptionFlag(dist, device)
         self.last_eval: dict = {}
         self.probe_time_s = 0.0
+        self.flops_per_sample: float | None = None  # model FLOPs of a training step, per sample
         self.current_step = 0  # the step in progress: failures are reported "@ step N"
 
     # ----------------------------------------------------------------------------- the loop
@@ -207,6 +210,8 @@ class Trainer:
         for micro in range(window):
             fetch_start = time.perf_counter()
             batch = move_to(next(batches), self.device, self.non_blocking)
+            if self.cfg.channels_last:
+                batch = to_channels_last(batch)
             data_time += time.perf_counter() - fetch_start
             if self.cfg.check_inputs:  # reads the batch on the host: opt-in
                 assert_finite_inputs(batch)
@@ -279,6 +284,9 @@ class Trainer:
     def compute_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         try:
             return self.criterion(self.model, batch)
+        except torch.OutOfMemoryError as err:
+            err.batch_shapes = describe(batch)  # for the OOM report beside the run
+            raise
         except RuntimeError as err:
             if is_device_mismatch(err):  # re-run the forward under hooks to name the module
                 with torch.no_grad():
@@ -303,6 +311,11 @@ class Trainer:
         )
         if self.dist.is_main and (self.cfg.probe_sizes or self.cfg.shape_check):
             log.info("pre-step probes (rules 1 and 3) took %.2f s", self.probe_time_s)
+        if self.flops_per_sample is None:
+            size = parts.mode_probe_size
+            self.flops_per_sample = flops_per_sample(
+                self.raw_model, self.criterion.forward, take(parts.probe_batch, size), size
+            )
 
     def check_shapes(self) -> None:
         """Rule 3 on one real batch: train and eval mode agree on the output."""
@@ -359,6 +372,7 @@ class Trainer:
         metrics = {
             "epoch": s.epoch,
             **metrics,
+            **self.utilisation(metrics["samples_per_s"]),
             "lr": self.optimizer.param_groups[0]["lr"] if lr is None else lr,
             "memory_mb": memory_mb(self.device),
             "nonfinite_skipped": s.nonfinite_skipped,
@@ -378,6 +392,16 @@ class Trainer:
                 100 * metrics["data_time_frac"],
             )
         self.on_metrics(metrics, s.global_step)
+
+    def utilisation(self, samples_per_s: float) -> dict[str, float]:
+        """Achieved model TFLOP/s and MFU (against the device's peak, when known)."""
+        if not self.flops_per_sample:
+            return {}
+        achieved = self.flops_per_sample * samples_per_s
+        out = {"model_tflops_per_s": achieved / 1e12}
+        if self.parts.peak_flops:
+            out["mfu"] = achieved / self.parts.peak_flops
+        return out
 
     def should_log(self) -> bool:
         step = self.state.global_step
@@ -408,7 +432,8 @@ class Trainer:
         for i, batch in enumerate(self.val_loader):
             if 0 <= limit <= i:
                 return
-            yield move_to(batch, self.device, self.non_blocking)
+            batch = move_to(batch, self.device, self.non_blocking)
+            yield to_channels_last(batch) if self.cfg.channels_last else batch
 
     # ----------------------------------------------------------------------- state & resume
     def state_dict(self) -> dict:

@@ -38,6 +38,8 @@ def summarize(trainer, final: dict[str, Any], *, status: str, error: str | None)
         "nonfinite_skipped": s.nonfinite_skipped if s else 0,
         "scaler_skipped": s.scaler_skipped if s else 0,
         "probe_time_s": trainer.probe_time_s if trainer else None,  # rules 1 and 3, pre-step
+        "model_flops_per_sample": trainer.flops_per_sample if trainer else None,
+        **(trainer.utilisation(trainer.samples_per_s) if trainer else {}),
         "train_time_s": s.step_time_s if s else None,
         "error": error,
     }
