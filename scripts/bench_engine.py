@@ -1,21 +1,23 @@
-"""Benchmark the kiln engine against a minimal hand-written PyTorch loop, in one process.
+"""Benchmark the kiln engine against a minimal hand-written PyTorch loop, step by step, in one
+process.
 
-Both sides train the same model (a fresh copy with the same initial weights), on the same
-DataLoader's batches in the same order, with the same batch size, optimizer, LR schedule and
-precision. The engine side is `Trainer.train_epoch` (what `fit` runs per epoch, minus evaluation
-and checkpoints): every per-step check it really does is timed (loss finiteness, grad norm,
-scaler, scheduler, the bookkeeping in `after_step`). The baseline is the textbook loop:
+Both sides train the same model (a fresh copy with the same initial weights), on the same batches,
+with the same batch size, optimizer, LR schedule and precision. The engine side is one
+`Trainer.train_step` plus its `after_step` bookkeeping (device-side metric sums, the non-finite
+flag, the scheduler); the baseline is the textbook loop:
 
-    for x, y in batches:
-        opt.zero_grad(); with autocast: loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); sched.step()
+    opt.zero_grad(); with autocast: loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); sched.step()
 
-Each repeat times the engine then the baseline, and then the other order, so drift in machine load
-hits both sides alike; the medians give samples/s for each and ratio = engine / baseline. The
-engine's overhead budget is 3% (ratio >= 0.97). Speed is reported, never asserted, unless --check.
+The two sides are interleaved step by step (alternating which goes first), so a neighbour's load
+hits both alike; each pair gives a ratio (baseline time / engine time, i.e. engine throughput over
+baseline throughput). The report is the median of the paired ratios with a distribution-free 95%
+confidence interval (order statistics of the binomial), and a verdict against the overhead budget
+(ratio >= 0.97): within, over, or inconclusive when the interval straddles it. With --compile both
+sides are also compared with torch.compile. Speed is reported, never asserted, unless --check.
 
     python scripts/bench_engine.py                       # resnet18, synthetic 32x32, fp32, 1 thread
-    python scripts/bench_engine.py --precision bf16 --steps 30 --out bench.json
+    python scripts/bench_engine.py --compile both --steps 60 --out bench.json
     python scripts/bench_engine.py --model mlp --image-size 8 optimizer=sgd  # extra Hydra overrides
 """
 
@@ -30,9 +32,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ from kiln.engine.seeding import set_deterministic
 from kiln.engine.trainer import Trainer
 from kiln.models import build_model, logits_of
 
-THRESHOLD = 0.97  # engine samples/s over baseline samples/s: at most 3% overhead
+THRESHOLD = 0.97  # engine throughput over baseline throughput: at most 3% overhead
 
 
 @dataclass
@@ -77,31 +78,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=32, help="synthetic image side (px)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "amp", "bf16"])
-    # The defaults finish in a few minutes on 2 busy CPU cores (resnet18, batch 64: ~2-5 s/step).
-    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
-    parser.add_argument(
-        "--repeats", type=int, default=3, help="rounds; each times both orders (A,B then B,A)"
-    )
+    parser.add_argument("--steps", type=int, default=30, help="timed step pairs")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side first")
     parser.add_argument(
         "--threads",
         type=int,
         default=1,
-        # One thread by default: on a small shared CPU, two threads stall each other and the
-        # run-to-run spread (~10%) swamps a 3% budget; the same setting holds for both sides.
+        # One thread by default: on a small shared CPU, two threads stall each other; the same
+        # setting holds for both sides.
         help="torch intra-op threads, the same for both sides (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=["off", "on", "both"],
+        default="off",
+        help="compare eager sides, compiled sides (torch.compile), or both",
     )
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON")
+    parser.add_argument("--threshold", type=float, default=THRESHOLD, help="the budget")
     parser.add_argument(
-        "--threshold", type=float, default=THRESHOLD, help="the budget: %(default)s"
-    )
-    parser.add_argument(
-        "--check", action="store_true", help="exit 1 when the ratio is below the threshold"
+        "--check", action="store_true", help="exit 1 unless every comparison is within budget"
     )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. optimizer=sgd")
     args = parser.parse_args(argv)
-    for name in ("steps", "repeats", "batch_size", "image_size", "threads"):
+    for name in ("steps", "batch_size", "image_size", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
@@ -109,11 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def hydra_overrides(args: argparse.Namespace) -> list[str]:
+def hydra_overrides(args: argparse.Namespace, compiled: bool) -> list[str]:
     """The benchmark's settings as Hydra overrides; an extra override of the same key wins."""
-    # Enough epochs that the LR schedule covers warm-up plus every timed run (OneCycleLR raises
-    # when stepped past its total), with one timed run per epoch (limit_train_batches).
-    epochs = 2 * args.repeats + math.ceil(args.warmup / args.steps) + 1
     ours = {
         "data": args.data,
         "model": args.model,
@@ -121,14 +119,15 @@ def hydra_overrides(args: argparse.Namespace) -> list[str]:
         "logger": "none",
         "device": args.device,
         "data.batch_size": str(args.batch_size),
-        "trainer.limit_train_batches": str(args.steps),
-        "trainer.max_epochs": str(epochs),
+        "trainer.max_epochs": "1",
+        "trainer.log_every_n_steps": str(10**6),  # no log line inside the timed steps
+        "trainer.compile": str(compiled).lower(),
         "env.progress_bar": "false",
     }
     if args.data == "synthetic_images":
         ours["data.image_size"] = str(args.image_size)
-        # Full batches for every timed step of a run (one run is one epoch).
-        ours["data.num_train"] = str(max(2048, args.steps * args.batch_size))
+        # Full batches for every warm-up and timed step of both sides.
+        ours["data.num_train"] = str(2 * (args.steps + args.warmup + 1) * args.batch_size)
     extra_keys = {item.split("=", 1)[0].lstrip("+~") for item in args.overrides}
     kept = [f"{key}={value}" for key, value in ours.items() if key not in extra_keys]
     return kept + list(args.overrides)
@@ -144,7 +143,7 @@ def check_comparable(cfg, trainer: Trainer) -> None:
         raise ValueError("run the benchmark in one process (no trainer=ddp, no torchrun)")
 
 
-def build_baseline(cfg, trainer: Trainer) -> Baseline:
+def build_baseline(cfg, trainer: Trainer, compiled: bool) -> Baseline:
     """A fresh model built the way build_trainer builds it, with the engine's initial weights."""
     spec = build_data(cfg.data).spec
     aux_head = any(name.startswith("aux.") for name in trainer.raw_model.state_dict())
@@ -154,96 +153,102 @@ def build_baseline(cfg, trainer: Trainer) -> Baseline:
     optimizer = build_optimizer(model.parameters(), cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.scheduler, trainer.state.planned_steps)
     scaler = torch.amp.GradScaler(trainer.device.type, enabled=trainer.precision.use_grad_scaler)
+    if compiled:
+        model = torch.compile(model)
     return Baseline(model, optimizer, scheduler, scaler, trainer.precision, trainer.device)
 
 
-def baseline_steps(b: Baseline, batches: Iterable) -> int:
-    """The minimal loop. Returns the number of samples trained on."""
-    model, optimizer, scheduler, scaler = b.model, b.optimizer, b.scheduler, b.scaler
+def baseline_step(b: Baseline, batch) -> int:
+    """The minimal loop's step. Returns the number of samples trained on."""
+    inputs, targets = move_to(batch, b.device, non_blocking=True)
     dtype = b.precision.autocast_dtype
-    model.train()
-    samples = 0
-    for inputs, targets in batches:
-        if isinstance(inputs, torch.Tensor):
-            inputs = inputs.to(b.device, non_blocking=True)
-        else:  # token dicts / lists of tensors
-            inputs = move_to(inputs, b.device, non_blocking=True)
-        targets = targets.to(b.device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        autocast = torch.autocast(b.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-        with autocast:
-            loss = F.cross_entropy(logits_of(model(inputs)), targets)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        if scheduler is not None:
-            scheduler.step()
-        samples += len(targets)
-    return samples
-
-
-def endless(loader: Iterable) -> Iterator:
-    while True:
-        yield from loader
+    b.model.train()
+    b.optimizer.zero_grad(set_to_none=True)
+    autocast = torch.autocast(b.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+    with autocast:
+        loss = F.cross_entropy(logits_of(b.model(inputs)), targets)
+    b.scaler.scale(loss).backward()
+    b.scaler.step(b.optimizer)
+    b.scaler.update()
+    if b.scheduler is not None:
+        b.scheduler.step()
+    return len(targets)
 
 
 def timed(fn: Callable[[], int], device: torch.device) -> float:
-    """samples/s of one call of `fn` (which returns the samples it trained on)."""
+    """Seconds of one call of `fn`, the device drained before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    samples = fn()
+    fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return samples / (time.perf_counter() - start)
+    return time.perf_counter() - start
 
 
-def benchmark(args: argparse.Namespace, cfg) -> dict:
+def median_ci(ratios: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """Median and a distribution-free ~95% interval for it (binomial order statistics)."""
+    ordered = sorted(ratios)
+    n = len(ordered)
+    k = max(0, math.floor((n - 1 - z * math.sqrt(n)) / 2))
+    return statistics.median(ordered), ordered[k], ordered[n - 1 - k]
+
+
+def verdict(low: float, high: float, threshold: float) -> str:
+    if low >= threshold:
+        return "within budget"
+    if high < threshold:
+        return "over budget"
+    return (
+        f"inconclusive: the interval straddles {threshold}; run more --steps on a quieter machine"
+    )
+
+
+def compare(args: argparse.Namespace, compiled: bool) -> dict:
+    cfg = load_config(hydra_overrides(args, compiled))
     set_deterministic(cfg.trainer.deterministic)  # as train() does (cudnn.benchmark)
     device = resolve_device(str(cfg.device))
+    label = "compiled" if compiled else "eager"
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as run_dir:
         trainer = build_trainer(cfg, Path(run_dir), DistInfo(), device, lambda metrics, step: None)
         check_comparable(cfg, trainer)
-        baseline = build_baseline(cfg, trainer)
+        baseline = build_baseline(cfg, trainer, compiled)
         loader = trainer.train_loader
-        steps = trainer.batches_per_epoch  # = --steps unless the dataset is smaller
+        loader.sampler.set_epoch(0)
+        engine_batches: Iterator = iter(loader)
+        baseline_batches: Iterator = iter(loader)  # the same batches, in the same order
 
-        def engine_run() -> int:
-            # One epoch of train_epoch, limited to `steps` batches by limit_train_batches; the
-            # epoch index stays 0 so both sides see the same batches in the same order.
-            trainer.state.batch_in_epoch = 0
-            before = trainer.state.samples_seen
-            trainer.train_epoch()
-            return trainer.state.samples_seen - before
+        def engine_step() -> int:
+            result = trainer.train_step(engine_batches, 1)
+            trainer.state.global_step += 1
+            trainer.after_step(result, None)
+            return result.samples
 
-        def baseline_run() -> int:
-            loader.sampler.set_epoch(trainer.state.epoch)  # what train_epoch does first
-            loader.generator.manual_seed(trainer.seed * 1000 + trainer.state.epoch)
-            return baseline_steps(baseline, islice(loader, steps))
+        def base_step() -> int:
+            return baseline_step(baseline, next(baseline_batches))
 
-        if args.warmup:  # first-call allocations, kernel choice, optimizer state
-            engine_batches = endless(loader)
-            for _ in range(args.warmup):
-                trainer.train_step(engine_batches, window=1)
-            baseline_steps(baseline, islice(endless(loader), args.warmup))
-        runs: dict[str, list[float]] = {"engine": [], "baseline": []}
-        sides = {"engine": engine_run, "baseline": baseline_run}
-        for _ in range(args.repeats):
-            for order in (("engine", "baseline"), ("baseline", "engine")):
-                for side in order:
-                    runs[side].append(timed(sides[side], device))
-    engine, base = statistics.median(runs["engine"]), statistics.median(runs["baseline"])
-    ratio = engine / base
-    threshold = args.threshold
+        for _ in range(args.warmup):  # allocations, kernel choice, compilation, optimizer state
+            engine_step()
+            base_step()
+        ratios, engine_s, baseline_s = [], [], []
+        for i in range(args.steps):
+            sides = [("engine", engine_step), ("baseline", base_step)]
+            times = dict((name, timed(fn, device)) for name, fn in sides[:: 1 if i % 2 else -1])
+            engine_s.append(times["engine"])
+            baseline_s.append(times["baseline"])
+            ratios.append(times["baseline"] / times["engine"])
+            if (i + 1) % max(1, args.steps // 5) == 0:
+                print(f"  {label}: {i + 1}/{args.steps} step pairs", flush=True)
+    median, low, high = median_ci(ratios)
     return {
-        "engine_samples_per_s": engine,
-        "baseline_samples_per_s": base,
-        "ratio": ratio,
-        "threshold": threshold,
-        "within_budget": ratio >= threshold,
-        "engine_runs": runs["engine"],
-        "baseline_runs": runs["baseline"],
-        "paired_ratios": [e / b for e, b in zip(runs["engine"], runs["baseline"], strict=True)],
+        "mode": label,
+        "ratio_median": median,
+        "ratio_ci95": [low, high],
+        "verdict": verdict(low, high, args.threshold),
+        "within_budget": low >= args.threshold,
+        "engine_samples_per_s": args.batch_size / statistics.median(engine_s),
+        "baseline_samples_per_s": args.batch_size / statistics.median(baseline_s),
+        "paired_ratios": ratios,
         "model": cfg.model.name,
         "data": cfg.data.name,
         "image_size": getattr(cfg.data, "image_size", None),
@@ -251,9 +256,9 @@ def benchmark(args: argparse.Namespace, cfg) -> dict:
         "precision": cfg.precision.name,
         "optimizer": cfg.optimizer.name,
         "scheduler": cfg.scheduler.name,
-        "steps": steps,
+        "steps": args.steps,
         "warmup": args.warmup,
-        "repeats": args.repeats,
+        "threshold": args.threshold,
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
@@ -261,38 +266,37 @@ def benchmark(args: argparse.Namespace, cfg) -> dict:
     }
 
 
-def print_table(result: dict) -> None:
-    r = result
+def print_table(results: list[dict]) -> None:
+    r = results[0]
     print(
         f"{r['model']} on {r['data']} {r['image_size']}px, batch {r['batch_size']}, "
         f"{r['precision']}, {r['optimizer']}+{r['scheduler']}, {r['device']} "
-        f"({r['torch_threads']} threads): {r['steps']} steps x {len(r['engine_runs'])} runs "
-        f"per side (both orders), after {r['warmup']} warm-up steps"
+        f"({r['torch_threads']} threads): {r['steps']} interleaved step pairs after "
+        f"{r['warmup']} warm-up steps a side"
     )
-    rows = [
-        ("engine samples/s", f"{r['engine_samples_per_s']:.1f}"),
-        ("baseline samples/s", f"{r['baseline_samples_per_s']:.1f}"),
-        ("ratio engine/baseline", f"{r['ratio']:.3f}"),
-        (f"ratio >= {r['threshold']}", "yes" if r["within_budget"] else "NO"),
-    ]
-    for label, value in rows:
-        print(f"  {label:<24}{value:>10}")
-    runs = ", ".join(
-        f"{e:.1f}/{b:.1f}" for e, b in zip(r["engine_runs"], r["baseline_runs"], strict=True)
-    )
-    print(f"  runs (engine/baseline): {runs}")
+    print(f"  {'mode':<9}{'engine/s':>10}{'base/s':>10}{'ratio':>8}  {'95% CI':<15} verdict")
+    for r in results:
+        low, high = r["ratio_ci95"]
+        engine, base = r["engine_samples_per_s"], r["baseline_samples_per_s"]
+        print(
+            f"  {r['mode']:<9}{engine:>10.1f}{base:>10.1f}{r['ratio_median']:>8.3f}  "
+            f"[{low:.3f}, {high:.3f}]  {r['verdict']}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = load_config(hydra_overrides(args))
-    result = benchmark(args, cfg)
-    print_table(result)
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    results = []
+    for compiled in modes:
+        print(f"benchmarking {'compiled' if compiled else 'eager'} sides ...", flush=True)
+        results.append(compare(args, compiled))
+    print_table(results)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return 1 if args.check and not result["within_budget"] else 0
+        args.out.write_text(json.dumps({"comparisons": results}, indent=2) + "\n")
+    return 1 if args.check and not all(r["within_budget"] for r in results) else 0
 
 
 if __name__ == "__main__":
