@@ -136,7 +136,7 @@ def test_onnx_backend_refuses_export_of_another_checkpoint(digits_ckpt, digits_e
 
 def test_text_model_predict_and_export_two_lengths(text_ckpt):
     ckpt, summary = text_ckpt
-    cfg = compose_config("data=csv_text").data
+    cfg = compose_config("data=csv_text", "model=text_bow").data
     texts, labels = demo_corpus()
     _, _, val_texts, val_labels = _split(texts, labels, cfg.val_fraction, cfg.split_seed)
     predictor = Predictor.from_checkpoint(ckpt)

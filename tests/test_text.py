@@ -26,7 +26,7 @@ TEXT_MODELS = ["text_bow", "text_transformer"]
 
 def data_cfg(**overrides):
     """data=csv_text as composed, with `overrides` applied and checked as the CLI would."""
-    cfg = dataclasses.replace(compose_config("data=csv_text").data, **overrides)
+    cfg = dataclasses.replace(compose_config("data=csv_text", "model=text_bow").data, **overrides)
     cfg.check("data")
     return cfg
 

@@ -102,15 +102,22 @@ def candidates(checkpoint_dir: Path) -> list[Path]:
     return [p for p in ordered if p.is_file()]
 
 
-def load_newest_valid(checkpoint_dir: Path, map_location="cpu") -> tuple[Path, dict[str, Any]]:
-    """The newest checkpoint that loads; each unusable one is reported and skipped."""
+def load_newest_valid(
+    checkpoint_dir: Path, map_location="cpu", accept=lambda checkpoint: True
+) -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint that loads (and that `accept` takes); each unusable one is reported
+    and skipped."""
     problems = []
     for path in candidates(checkpoint_dir):
         try:
-            return path, load_checkpoint(path, map_location)
+            checkpoint = load_checkpoint(path, map_location)
         except CheckpointError as err:
             log.warning("skipping unusable checkpoint: %s", err)
             problems.append(str(err))
+            continue
+        if accept(checkpoint):
+            return path, checkpoint
+        problems.append(f"{path.name} cannot be resumed (weights only)")
     detail = "; ".join(problems) or "no *.pt files"
     raise CheckpointError(f"no usable checkpoint in {checkpoint_dir}: {detail}")
 

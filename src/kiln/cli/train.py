@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from kiln.cli import report
 from kiln.cli.failures import record_failure
 from kiln.cli.paths import (
     CONF_DIR,
@@ -43,6 +44,21 @@ def quiet_console() -> None:
             handler.setLevel(logging.WARNING)
 
 
+class KilnOnConsole(logging.Filter):
+    """Other libraries' notes (compilers, tracers, deprecations) stay out of the console below
+    ERROR; train.log keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith(("kiln", "__main__")) or record.levelno >= logging.ERROR
+
+
+def tidy_console() -> None:
+    logging.captureWarnings(True)  # Python warnings become log records: to train.log
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, logging.FileHandler):
+            handler.addFilter(KilnOnConsole())
+
+
 def user_error(err: BaseException) -> SystemExit:
     """One line on stderr; the traceback only when asked for (HYDRA_FULL_ERROR=1)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
@@ -60,9 +76,12 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     from kiln.engine.preemption import Preempted
     from kiln.engine.run import train
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    hydra = HydraConfig.get()
+    run_dir = Path(hydra.runtime.output_dir)
+    multirun = hydra.mode == RunMode.MULTIRUN
+    overrides = list(hydra.overrides.task)
     dist = env_dist_info()
+    tidy_console()
     try:
         cfg = to_typed(raw_cfg)
         if cfg.env.quiet:
@@ -70,6 +89,8 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
         summary = train(cfg, run_dir)
     except Preempted as err:
         log.warning("%s", err)
+        if dist.is_main:
+            print(report.preempted(run_dir, overrides), flush=True)
         raise SystemExit(EXIT_PREEMPTED) from None
     except UserError as err:
         if multirun:
@@ -78,14 +99,16 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     except Exception as err:  # the run died: one [FAIL] line, whatever killed it
         if dist.is_main:
             record_failure(cfg, run_dir, err, dist.enabled)
+            print(report.failed(run_dir), file=sys.stderr, flush=True)
         if multirun:
             raise  # Hydra records the failed job and the sweep goes on
         raise SystemExit(EXIT_FAILED) from None
     finally:
         teardown()
     if dist.is_main:
-        print(f"run directory: {run_dir}", flush=True)
-        log.info("summary: %s", json.dumps(summary))
+        link = None if multirun else report.link_latest(cfg.output_root, run_dir)
+        print(report.finished(summary, run_dir, link, overrides), flush=True)
+        log.debug("summary: %s", json.dumps(summary))
     value = summary.get(summary.get("monitor") or "", None)
     return float(value) if value is not None else None  # what Optuna optimises
 
@@ -101,9 +124,16 @@ def plugin_modules(argv: list[str]) -> list[str]:
     return [str(v) for v in (value if isinstance(value, list) else [value])]
 
 
+def with_env_overrides(argv: list[str]) -> list[str]:
+    """KILN_OVERRIDES="trainer.max_steps=2 ..." is appended to every command line: shortens
+    runs in CI and in the README's own test without editing a command."""
+    extra = os.environ.get("KILN_OVERRIDES", "").split()
+    return [*argv, *extra] if extra and not any(a in HELP_FLAGS for a in argv) else argv
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    argv = with_env_profile(argv)
+    argv = with_env_overrides(with_env_profile(argv))
     try:
         load_plugins(plugin_modules(argv))
         if any(arg in HELP_FLAGS for arg in argv):

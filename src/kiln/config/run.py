@@ -47,6 +47,11 @@ class MatmulPrecision(StrEnum):
     medium = "medium"  # bf16 inside fp32 matmuls where supported
 
 
+class BestCheckpoint(StrEnum):
+    weights = "weights"  # what inference needs: weights, config, preprocessing (a third the size)
+    full = "full"  # also the optimizer, scheduler and RNG states: resumable
+
+
 class MonitorMode(StrEnum):
     max = "max"
     min = "min"
@@ -72,6 +77,7 @@ class TrainerConfig:
     checkpoint_every_n_steps: int = 0  # also save last.pt every N optimizer steps (0: off)
     checkpoint_every_epoch: bool = True  # keep an epoch-N.pt at every epoch end
     keep_last_k: int = 2  # epoch-N.pt files kept besides last.pt and best.pt (0: none)
+    best_checkpoint: BestCheckpoint = BestCheckpoint.weights  # best.pt: weights | full
     monitor: str = "auto"  # metric that picks best.pt (auto: the evaluator's, e.g. val_acc)
     monitor_mode: MonitorMode = MonitorMode.max  # whether a larger monitor value is better
     log_every_n_steps: int = 10  # optimizer steps between log lines

@@ -20,6 +20,15 @@ class ResumeError(UserError, ValueError):
     """The checkpoint cannot be continued with this config; the message says what differs."""
 
 
+# What inference needs from a checkpoint; a weights-only best.pt holds just these.
+INFERENCE_KEYS = ("model", "config", "preprocessing", "data_spec", "model_name", "kiln_version",
+                  "state", "contract")  # fmt: skip
+
+
+def resumable(checkpoint: dict) -> bool:
+    return "optimizer" in checkpoint
+
+
 class Checkpointer:
     def __init__(
         self, directory: Path, cfg: TrainerConfig, *, monitor: str, monitor_mode: str, is_main: bool
@@ -55,7 +64,9 @@ class Checkpointer:
         snapshot = state_dict()
         self.save("last.pt", snapshot)
         if improved:
-            self.save("best.pt", snapshot)
+            full = str(self.cfg.best_checkpoint) == "full"
+            best = snapshot if full else {k: snapshot[k] for k in INFERENCE_KEYS if k in snapshot}
+            self.save("best.pt", best)
         if epoch_end and self.cfg.checkpoint_every_epoch:
             self.save(f"epoch-{state.epoch}.pt", snapshot)
             if self.is_main:
@@ -70,5 +81,11 @@ class Checkpointer:
             if not files.candidates(self.directory):
                 log.info("resume=auto: no checkpoint in %s, starting fresh", self.directory)
                 return None
-            return files.load_newest_valid(self.directory)
-        return Path(resume), files.load_checkpoint(Path(resume))
+            return files.load_newest_valid(self.directory, accept=resumable)
+        checkpoint = files.load_checkpoint(Path(resume))
+        if not resumable(checkpoint):
+            raise ResumeError(
+                f"{resume} holds the weights only (trainer.best_checkpoint=weights writes best.pt "
+                "for inference); resume from last.pt or an epoch-N.pt of that run"
+            )
+        return Path(resume), checkpoint

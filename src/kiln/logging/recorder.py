@@ -23,6 +23,9 @@ class RunRecorder:
         self.activations = None  # an ActivationMonitor when trainer.log_activations is on
         if not self.enabled:
             return
+        from kiln.logging.curves import CurvesFile
+
+        self.curves = CurvesFile(run_dir / "curves.png", title=f"{run_name}: {run_dir.name}")
         self.jsonl = JsonlWriter(run_dir / "metrics.jsonl")
         wandb_id_file = run_dir / WANDB_ID_FILE
         self.loggers = build_loggers(
@@ -47,10 +50,16 @@ class RunRecorder:
         if self.enabled:
             self.jsonl.write({"step": step, **metrics})
             self.loggers.log_metrics(metrics, step)
+            if any(key.startswith("val_") for key in metrics):  # an evaluation: redraw
+                self.curves.update(self.history)
 
     def close(self) -> None:
         if self.activations is not None:
             self.activations.close()
         if self.enabled:
+            try:
+                self.curves.update(self.history, force=True)
+            except Exception:  # a picture must never be why a run fails
+                log.warning("could not draw %s", self.curves.path, exc_info=True)
             self.loggers.close()
             self.jsonl.close()
