@@ -37,8 +37,10 @@ HELP_FLAGS = ("-h", "--help", "--describe")
 
 
 def fail_line(cfg, distributed: bool, kind: str, step: int) -> str:
+    from kiln.engine.distributed import run_mode
+
     mixed = cfg.precision.name != "fp32"
-    mode = "DDP" if distributed else "single"
+    mode = run_mode(cfg.trainer, distributed)  # single | DDP | FSDP
     return f"[FAIL] {cfg.name} | {mode} | amp={mixed} | loss {kind} @ step {step}"
 
 

@@ -8,10 +8,14 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln import checkpoint as files
 from kiln.config.run import TrainerConfig
 from kiln.errors import UserError
+
+if TYPE_CHECKING:
+    from kiln.engine.sharded_checkpoint import ShardedWriter
 
 log = logging.getLogger(__name__)
 
@@ -22,15 +26,25 @@ class ResumeError(UserError, ValueError):
 
 class Checkpointer:
     def __init__(
-        self, directory: Path, cfg: TrainerConfig, *, monitor: str, monitor_mode: str, is_main: bool
+        self,
+        directory: Path,
+        cfg: TrainerConfig,
+        *,
+        monitor: str,
+        monitor_mode: str,
+        is_main: bool,
+        sharded: ShardedWriter | None = None,
     ):
         self.directory = Path(directory)
         self.cfg = cfg
         self.monitor, self.monitor_mode = monitor, str(monitor_mode)
-        self.is_main = is_main  # only the main rank writes
+        self.is_main = is_main  # only the main rank writes (but each rank its shards)
+        self.sharded = sharded  # trainer=fsdp: every rank writes its shards through it
 
     def save(self, name: str, state: dict) -> None:
-        if self.is_main:
+        if self.sharded is not None:
+            self.sharded.save(self.directory / name, state)
+        elif self.is_main:
             files.atomic_save(state, self.directory / name)
 
     def should_save_step(self, step: int) -> bool:
@@ -70,8 +84,8 @@ class Checkpointer:
             if not files.candidates(self.directory):
                 log.info("resume=auto: no checkpoint in %s, starting fresh", self.directory)
                 return None
-            return files.load_newest_valid(self.directory)
-        return Path(resume), files.load_checkpoint(Path(resume))
+            return files.load_newest_valid(self.directory, consolidate=False)
+        return Path(resume), files.load_checkpoint(Path(resume), consolidate=False)
 
 
 def check_schedule(saved_planned_steps: int, planned_steps: int, has_schedule: bool) -> None:

@@ -21,11 +21,12 @@ from torch import nn
 from kiln.config.run import NanPolicy, TrainerConfig
 from kiln.engine.batches import batch_size_of, move_to
 from kiln.engine.checkpointer import Checkpointer, check_schedule
-from kiln.engine.distributed import DistInfo, all_reduce_sum
+from kiln.engine.distributed import DistInfo, all_reduce_sum, clip_grad_norm, skip_gradient_sync
 from kiln.engine.metrics import MetricWindow
 from kiln.engine.precision import Precision
 from kiln.engine.preemption import Preempted, PreemptionFlag
 from kiln.engine.seeding import rng_state, set_rng_state
+from kiln.engine.sharded_checkpoint import load_model_and_optimizer, model_and_optimizer_state
 from kiln.guards import (
     DeviceMismatchError,
     assert_finite_inputs,
@@ -70,7 +71,7 @@ class TrainState:
 class TrainingParts:
     """What the loop runs, built by kiln.engine.run from the config."""
 
-    model: nn.Module  # what the loop calls (DDP-wrapped under DDP)
+    model: nn.Module  # what the loop calls (DDP-wrapped under DDP, sharded in place under FSDP)
     raw_model: nn.Module  # unwrapped: checkpoints and guards see plain parameter names
     optimizer: torch.optim.Optimizer
     scheduler: Any  # an LRScheduler or None
@@ -180,9 +181,9 @@ class Trainer:
             data_time += time.perf_counter() - fetch_start
             if self.cfg.check_inputs:
                 assert_finite_inputs(batch)
-            # Under DDP only the window's last backward all-reduces gradients.
+            # Under DDP and FSDP only the window's last backward reduces gradients.
             sync = micro == window - 1 or not self.dist.enabled
-            with contextlib.nullcontext() if sync else model.no_sync():
+            with contextlib.nullcontext() if sync else skip_gradient_sync(model):
                 with self.precision.autocast():
                     loss, terms = self.compute_loss(batch)
                 finite = self.check_loss(loss, terms, batch) and finite  # raises if nan=fail
@@ -202,7 +203,7 @@ class Trainer:
         else:
             scaler.unscale_(optimizer)  # true-scale gradients before the norm and clipping
             max_norm = self.cfg.gradient_clip_val or math.inf  # inf: measure, never clip
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            grad_norm = clip_grad_norm(self.params, max_norm)  # of all ranks' shards
             scale_before = scaler.get_scale()
             scaler.step(optimizer)  # GradScaler skips the step when gradients hold inf/NaN
             scaler.update()
@@ -332,8 +333,7 @@ class Trainer:
     # ----------------------------------------------------------------------- state & resume
     def state_dict(self) -> dict:
         return {
-            "model": self.raw_model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **model_and_optimizer_state(self.raw_model, self.optimizer),  # sharded under FSDP
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict(),
             "state": self.state.as_dict(),
@@ -344,8 +344,7 @@ class Trainer:
     def load_state_dict(self, checkpoint: dict) -> None:
         saved = TrainState(**checkpoint["state"])
         check_schedule(saved.planned_steps, self.state.planned_steps, self.scheduler is not None)
-        self.raw_model.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        load_model_and_optimizer(self.raw_model, self.optimizer, checkpoint)
         if self.scheduler is not None and checkpoint.get("scheduler") is not None:
             self.scheduler.load_state_dict(checkpoint["scheduler"])
         self.scaler.load_state_dict(checkpoint["scaler"])
