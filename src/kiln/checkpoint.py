@@ -142,6 +142,17 @@ def named_shard_folders(checkpoint_dir: Path) -> list[Path]:
     return folders
 
 
+def remove_unnamed_shard_folders(checkpoint_dir: Path) -> None:
+    """Shard folders no checkpoint file names: replaced, pruned, or left by a killed save."""
+    shards = Path(checkpoint_dir) / SHARDS_DIR
+    if not shards.is_dir():
+        return
+    named = {folder.resolve() for folder in named_shard_folders(checkpoint_dir)}
+    for folder in shards.iterdir():
+        if folder.resolve() not in named:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _load_shard_folder(folder: Path, consolidate: bool) -> dict[str, Any]:
     record_file = folder / RECORD_FILE
     if not record_file.is_file():
@@ -223,3 +234,4 @@ def prune_epoch_checkpoints(checkpoint_dir: Path, keep_last_k: int) -> None:
     )
     for stale in epochs[: max(0, len(epochs) - keep_last_k)]:
         stale.unlink(missing_ok=True)
+    remove_unnamed_shard_folders(checkpoint_dir)  # a pruned sharded checkpoint's folder too

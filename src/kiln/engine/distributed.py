@@ -68,7 +68,18 @@ def init_distributed(requested: bool, backend: str, device: torch.device) -> Dis
     if dist.is_initialized():
         return info
     if "MASTER_ADDR" in os.environ:  # torchrun's rendezvous (or a launcher that exports it)
-        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=COLLECTIVE_TIMEOUT))
+        # torchrun keeps one store for every restart of the group: without a key space per
+        # attempt, a restarted rank can read the addresses its dead predecessor published there
+        # (gloo then fails with "connectFullMesh ... Connection refused").
+        store = dist.PrefixStore(f"kiln/attempt-{restart_count()}", store)
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
     else:
         # A plain `python train.py trainer=fsdp`: a group of one, so the sharded code paths and
         # checkpoints are the same as under torchrun (and resume on any number of ranks).

@@ -11,7 +11,6 @@ N ranks resumes on any number of ranks."""
 from __future__ import annotations
 
 import secrets
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +82,7 @@ class ShardedWriter:
         if self.is_main:
             pointer = files.sharded_record(self._record(state), folder, path.parent)
             files.atomic_save(pointer, path)  # the commit
-            self._remove_unnamed_folders()
+            files.remove_unnamed_shard_folders(self.directory)
 
     @staticmethod
     def _record(state: dict[str, Any]) -> dict[str, Any]:
@@ -103,10 +102,3 @@ class ShardedWriter:
         name = [f"step-{step:08d}-{secrets.token_hex(4)}" if self.is_main else None]
         dist.broadcast_object_list(name, src=0)
         return name[0]
-
-    def _remove_unnamed_folders(self) -> None:
-        """Shard folders no checkpoint file names: replaced, pruned, or left by a killed save."""
-        named = {folder.resolve() for folder in files.named_shard_folders(self.directory)}
-        for folder in (self.directory / files.SHARDS_DIR).iterdir():
-            if folder.resolve() not in named:
-                shutil.rmtree(folder, ignore_errors=True)
