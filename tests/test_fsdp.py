@@ -360,8 +360,10 @@ def test_sigterm_to_one_rank_checkpoints_every_shard_and_exits_75(tmp_path):
     (rank1,) = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1"]
     rank1.send_signal(signal.SIGTERM)  # only one rank hears it; the decision is collective
     _, stderr = proc.communicate(timeout=300)
-    assert stderr.count("exitcode  : 75") == 2, stderr[-3000:]  # torchrun's report, both ranks
+    # torchrun reports the first rank to exit (with 75) and stops the other, often before it exits.
+    assert "exitcode  : 75" in stderr, stderr[-3000:]
 
+    # Rank 0 heard no signal, yet stopped at the same step: summary.json is its own.
     summary = read_summary(run_dir)
     assert summary["status"] == "preempted" and "resume=auto" in summary["error"]
     last = load_checkpoint(run_dir / "checkpoints" / "last.pt", consolidate=False)
