@@ -390,3 +390,19 @@ def test_nonfinite_loss_under_fsdp_stops_every_rank_with_one_fail_line(tmp_path)
     assert len(fails) == 1 and re.match(pattern, fails[0]), result.stderr[-2000:]
     assert (tmp_path / "outputs" / "failures.log").read_text().splitlines() == fails
     assert read_summary(run_dir)["status"] == "failed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_memory_script_reports_half_the_parameter_and_optimizer_bytes_on_two_ranks():
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "fsdp_memory.py")]
+        + ["--width", "256", "--blocks", "2"],
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ratio = re.search(r"FSDP / DDP per-rank params\+optimizer: ([\d.]+)", result.stdout)
+    assert ratio and float(ratio.group(1)) == pytest.approx(0.5, abs=0.01), result.stdout

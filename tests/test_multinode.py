@@ -164,3 +164,26 @@ def test_a_rank_killed_mid_epoch_is_restarted_and_the_run_continues_from_its_che
         assert torch.equal(actual[name], expected[name]), f"{name} differs after the restart"
     steps = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
     assert sorted(set(steps)) == list(range(1, saved["state"]["global_step"] + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_slurm_recipe_runs_torchrun_inside_a_submitit_job(tmp_path):
+    """scripts/slurm_torchrun.py on submitit's local executor (one node, two ranks): the job runs
+    torchrun, whose ranks train into outputs/slurm/<job id>."""
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "slurm_torchrun.py")]
+        + ["--cluster", "local", "--procs-per-node", "2", "--wait", "--"]
+        + ["trainer=ddp", "trainer.max_steps=3", "env.progress_bar=false"],
+        cwd=tmp_path,
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = Path(result.stdout.split("finished: ")[1].strip())
+    assert run_dir.parent == tmp_path / "outputs" / "slurm"
+    summary = read_summary(run_dir)
+    assert summary["status"] == "ok" and summary["steps"] == 3
+    assert "resume=auto: no checkpoint" in (run_dir / "train.log").read_text()  # a first attempt

@@ -83,6 +83,7 @@ def init_distributed(requested: bool, backend: str, device: torch.device) -> Dis
     else:
         # A plain `python train.py trainer=fsdp`: a group of one, so the sharded code paths and
         # checkpoints are the same as under torchrun (and resume on any number of ranks).
+        log.warning("not launched by torchrun: training as one rank (a process group of one)")
         dist.init_process_group(
             backend=backend,
             store=dist.HashStore(),
