@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
 
 from kiln.checkpoint import load_checkpoint
+from kiln.engine.distributed import teardown
 
-from .conftest import DIVERGING, read_summary, run_train
+from .conftest import DIVERGING, read_summary, run_train, train_in_process
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # fp32, no dropout, no shuffle-dependent padding: 5 steps stay clear of the epoch's end.
@@ -74,3 +76,16 @@ def test_nonfinite_loss_under_ddp_stops_every_rank_with_one_fail_line(tmp_path):
     fails = [line for line in result.stderr.splitlines() if line.startswith("[FAIL]")]
     assert len(fails) == 1 and "| DDP | amp=False | loss" in fails[0], result.stderr[-2000:]
     assert read_summary(run_dir)["status"] == "failed"
+
+
+def test_trainer_ddp_without_torchrun_trains_as_one_rank(tmp_path, caplog):
+    """A plain `python train.py trainer=ddp` runs as a process group of one (it used to fail on a
+    missing MASTER_ADDR), and says so."""
+    settings = ("trainer=ddp", "trainer.max_steps=2", "env.progress_bar=false", "logger=none")
+    try:
+        with caplog.at_level(logging.WARNING):
+            summary = train_in_process(tmp_path / "run", *settings)
+    finally:
+        teardown()
+    assert summary["status"] == "ok" and summary["steps"] == 2
+    assert "not launched by torchrun: training as one rank" in caplog.text

@@ -2,7 +2,13 @@
 A leaf module: the engine, inference and the CLI all read and write checkpoints through it.
 
 A kill at any moment leaves the previous file intact: we write a temp file in the same directory,
-fsync it, rename it over the target (atomic on POSIX) and fsync the directory."""
+fsync it, rename it over the target (atomic on POSIX) and fsync the directory.
+
+A sharded (trainer=fsdp) checkpoint is the same file without the model and optimizer, naming the
+folder (checkpoints/sharded/<step>-<token>/) where torch.distributed.checkpoint wrote them, one
+file per rank. `load_checkpoint` consolidates the model from it, so inference and export read a
+sharded checkpoint like any other; the engine reads the shards itself (kiln.engine.
+sharded_checkpoint), resharded to its own ranks."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import pickle
 import re
 import shutil
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,9 @@ from kiln.errors import UserError
 log = logging.getLogger(__name__)
 
 EPOCH_FILE = re.compile(r"epoch-(\d+)\.pt$")
+SHARDS_DIR = "sharded"  # under checkpoints/: one folder of DCP shards per sharded checkpoint
+RECORD_FILE = "record.pt"  # in a shard folder: the checkpoint minus its model and optimizer
+DCP_METADATA = ".metadata"  # DCP writes it last, once every rank's shards are on disk
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -64,20 +74,33 @@ def _write_failure(path: Path, err: BaseException) -> str:
     return f"could not write checkpoint {path} ({free} on its disk; {kept}): {err}"
 
 
-def load_checkpoint(path: Path, map_location="cpu") -> dict[str, Any]:
-    """Load with weights_only=True; anything that would need unpickling code is refused."""
-    import torch
-
+def load_checkpoint(path: Path, map_location="cpu", *, consolidate: bool = True) -> dict[str, Any]:
+    """Load with weights_only=True; anything that would need unpickling code is refused. A sharded
+    checkpoint (its file or its shard folder) comes back with its full model consolidated from
+    the shards, unless `consolidate` is false (the engine loads the shards itself)."""
     path = Path(path)
+    if path.is_dir():
+        return _load_shard_folder(path, consolidate)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    ckpt = _load_weights_only(path, map_location)
+    if not isinstance(ckpt, dict) or not ("model" in ckpt or is_sharded(ckpt)):
+        raise CheckpointError(f"{path} is not a kiln checkpoint (no 'model' entry)")
+    if is_sharded(ckpt):
+        return _with_shards(ckpt, path.parent / ckpt["sharded"]["folder"], path, consolidate)
+    return ckpt
+
+
+def _load_weights_only(path: Path, map_location) -> Any:
+    import torch
+
     if not zipfile.is_zipfile(path):
         raise CheckpointError(
             f"checkpoint {path} is truncated or corrupt, or not a checkpoint at all (it is not "
             "the zip archive torch.save writes)"
         )
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(
             f"refusing {path}: it cannot be loaded with weights_only=True (it holds Python "
@@ -85,9 +108,95 @@ def load_checkpoint(path: Path, map_location="cpu") -> dict[str, Any]:
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as err:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {err}") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt:
-        raise CheckpointError(f"{path} is not a kiln checkpoint (no 'model' entry)")
+
+
+# ---------------------------------------------------------------------- sharded checkpoints
+
+
+def is_sharded(ckpt: dict[str, Any]) -> bool:
+    return "sharded" in ckpt
+
+
+def sharded_record(record: dict[str, Any], folder: Path, checkpoint_dir: Path) -> dict[str, Any]:
+    """The checkpoint file of a sharded checkpoint: `record` (everything but the model and
+    optimizer) naming its shard folder, relative, so a run directory can be moved."""
+    relative = os.path.relpath(folder, checkpoint_dir)
+    return {**record, "sharded": {"folder": relative, "format": "torch.distributed.checkpoint"}}
+
+
+def shards_folder(ckpt: dict[str, Any]) -> Path:
+    """The shard folder of a checkpoint returned by load_checkpoint (an absolute path)."""
+    return Path(ckpt["sharded"]["folder"])
+
+
+def named_shard_folders(checkpoint_dir: Path) -> list[Path]:
+    """The shard folders that the checkpoint files in `checkpoint_dir` name."""
+    folders = []
+    for path in Path(checkpoint_dir).glob("*.pt"):
+        try:
+            ckpt = _load_weights_only(path, "cpu")
+        except CheckpointError:
+            continue
+        if isinstance(ckpt, dict) and is_sharded(ckpt):
+            folders.append(path.parent / ckpt["sharded"]["folder"])
+    return folders
+
+
+def remove_unnamed_shard_folders(checkpoint_dir: Path) -> None:
+    """Shard folders no checkpoint file names: replaced, pruned, or left by a killed save."""
+    shards = Path(checkpoint_dir) / SHARDS_DIR
+    if not shards.is_dir():
+        return
+    named = {folder.resolve() for folder in named_shard_folders(checkpoint_dir)}
+    for folder in shards.iterdir():
+        if folder.resolve() not in named:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _load_shard_folder(folder: Path, consolidate: bool) -> dict[str, Any]:
+    record_file = folder / RECORD_FILE
+    if not record_file.is_file():
+        raise CheckpointError(
+            f"{folder} is a directory but not a kiln shard folder (no {RECORD_FILE}); pass a "
+            "checkpoint file (checkpoints/best.pt) or a folder under checkpoints/sharded/"
+        )
+    record = _load_weights_only(record_file, "cpu")
+    return _with_shards({**record, "sharded": {"folder": str(folder)}}, folder, folder, consolidate)
+
+
+def _with_shards(ckpt: dict, folder: Path, source: Path, consolidate: bool) -> dict[str, Any]:
+    if not (folder / DCP_METADATA).is_file():
+        raise CheckpointError(
+            f"checkpoint {source} names the shard folder {folder}, which is missing or was never "
+            f"completed (no {DCP_METADATA})"
+        )
+    ckpt["sharded"] = {**ckpt["sharded"], "folder": str(folder.resolve())}
+    if consolidate:
+        ckpt["model"] = consolidated_model(folder)
     return ckpt
+
+
+def consolidated_model(folder: Path) -> dict[str, Any]:
+    """The full model state dict from a shard folder, read in this one process (no process group):
+    every parameter's shards land in one tensor of its full size."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(folder)
+    try:
+        entries = reader.read_metadata().state_dict_metadata
+        model = {
+            key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+            for key, entry in entries.items()
+            if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+        }
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+    except (RuntimeError, OSError, ValueError, EOFError, pickle.UnpicklingError) as err:
+        raise CheckpointError(f"the shards in {folder} are truncated or corrupt: {err}") from None
+    return model
 
 
 def candidates(checkpoint_dir: Path) -> list[Path]:
@@ -103,14 +212,18 @@ def candidates(checkpoint_dir: Path) -> list[Path]:
 
 
 def load_newest_valid(
-    checkpoint_dir: Path, map_location="cpu", accept=lambda checkpoint: True
+    checkpoint_dir: Path,
+    map_location="cpu",
+    *,
+    consolidate: bool = True,
+    accept=lambda checkpoint: True,
 ) -> tuple[Path, dict[str, Any]]:
     """The newest checkpoint that loads (and that `accept` takes); each unusable one is reported
     and skipped."""
     problems = []
     for path in candidates(checkpoint_dir):
         try:
-            checkpoint = load_checkpoint(path, map_location)
+            checkpoint = load_checkpoint(path, map_location, consolidate=consolidate)
         except CheckpointError as err:
             log.warning("skipping unusable checkpoint: %s", err)
             problems.append(str(err))
@@ -130,3 +243,4 @@ def prune_epoch_checkpoints(checkpoint_dir: Path, keep_last_k: int) -> None:
     )
     for stale in epochs[: max(0, len(epochs) - keep_last_k)]:
         stale.unlink(missing_ok=True)
+    remove_unnamed_shard_folders(checkpoint_dir)  # a pruned sharded checkpoint's folder too

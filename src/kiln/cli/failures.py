@@ -75,8 +75,7 @@ def write_oom_report(run_dir: Path, err: BaseException, cfg) -> Path:
     return path
 
 
-def fail_line(name: str, distributed: bool, precision: str, what: str, step: int) -> str:
-    mode = "DDP" if distributed else "single"
+def fail_line(name: str, mode: str, precision: str, what: str, step: int) -> str:
     return f"[FAIL] {name} | {mode} | amp={precision != 'fp32'} | {what} @ step {step}"
 
 
@@ -98,7 +97,10 @@ def record_failure(cfg, run_dir: Path, err: BaseException, distributed: bool) ->
         detail += f"; report: {write_oom_report(run_dir, err, cfg)}"
     step = getattr(err, "step", None)
     step = getattr(err, "kiln_step", 0) if step is None else step
-    line = fail_line(cfg.name, distributed, cfg.precision.name, what, step)
+    from kiln.engine.distributed import run_mode
+
+    mode = run_mode(cfg.trainer, distributed)  # single | DDP | FSDP
+    line = fail_line(cfg.name, mode, cfg.precision.name, what, step)
     stats_path = None
     if hasattr(err, "batch_stats"):
         stats_path = write_batch_stats(cfg, run_dir, err, line)

@@ -3,6 +3,7 @@ KilnConfig that holds one option of every group."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -57,13 +58,33 @@ class MonitorMode(StrEnum):
     min = "min"
 
 
+class Strategy(StrEnum):
+    ddp = "ddp"  # every rank holds the whole model; gradients are all-reduced
+    fsdp = "fsdp"  # parameters, gradients and optimizer state sharded over the ranks (FSDP2)
+
+
+@dataclass
+class FsdpConfig:
+    """trainer.strategy=fsdp: how the model is cut into blocks, each sharded on its own."""
+
+    # Size policy: a submodule with this many parameters outside smaller blocks is one block.
+    # A model with an `fsdp_blocks()` method names its blocks itself and this is not used.
+    min_block_params: int = 1_000_000  # parameters per block, at least (size policy)
+    reshard_after_forward: bool = True  # free gathered parameters after each block's forward
+
+    def check(self, key: str) -> None:
+        at_least(self.min_block_params, 1, f"{key}.min_block_params")
+
+
 @dataclass
 class TrainerConfig:
     """The training loop: length, accumulation, clipping, checkpoints, guards, logging."""
 
-    name: str = MISSING  # the trainer option (default | ddp)
+    name: str = MISSING  # the trainer option (default | ddp | fsdp)
     distributed: bool = False  # torch.distributed data parallel; run under torchrun
     backend: Backend = Backend.auto  # process-group backend: auto | gloo | nccl
+    strategy: Strategy = Strategy.ddp  # with distributed: ddp (replicate) | fsdp (shard)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)  # blocks and resharding (strategy=fsdp)
     max_epochs: int = 10  # epochs to train
     max_steps: int = -1  # optimizer steps, at most (-1: no limit)
     accumulate_grad_batches: int = 1  # micro-batches per optimizer step
@@ -110,6 +131,16 @@ class TrainerConfig:
         at_least(self.max_skipped_steps, -1, f"{key}.max_skipped_steps", "-1: no limit")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise invalid(f"{key}.peak_tflops", f"must be > 0 or null, got {self.peak_tflops}")
+        if self.strategy == Strategy.fsdp and not self.distributed:
+            raise invalid(
+                f"{key}.strategy",
+                "strategy=fsdp shards over torch.distributed ranks: use trainer=fsdp "
+                "(or set trainer.distributed=true)",
+            )
+        if self.strategy != Strategy.fsdp and self.fsdp != FsdpConfig():
+            warnings.warn(
+                f"{key}.fsdp is ignored unless {key}.strategy=fsdp (use trainer=fsdp)", stacklevel=2
+            )
 
 
 class WandbMode(StrEnum):

@@ -8,10 +8,14 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln import checkpoint as files
 from kiln.config.run import TrainerConfig
 from kiln.errors import UserError
+
+if TYPE_CHECKING:
+    from kiln.engine.sharded_checkpoint import ShardedWriter
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +35,25 @@ def resumable(checkpoint: dict) -> bool:
 
 class Checkpointer:
     def __init__(
-        self, directory: Path, cfg: TrainerConfig, *, monitor: str, monitor_mode: str, is_main: bool
+        self,
+        directory: Path,
+        cfg: TrainerConfig,
+        *,
+        monitor: str,
+        monitor_mode: str,
+        is_main: bool,
+        sharded: ShardedWriter | None = None,
     ):
         self.directory = Path(directory)
         self.cfg = cfg
         self.monitor, self.monitor_mode = monitor, str(monitor_mode)
-        self.is_main = is_main  # only the main rank writes
+        self.is_main = is_main  # only the main rank writes (but each rank its shards)
+        self.sharded = sharded  # trainer=fsdp: every rank writes its shards through it
 
     def save(self, name: str, state: dict) -> None:
-        if self.is_main:
+        if self.sharded is not None:
+            self.sharded.save(self.directory / name, state)
+        elif self.is_main:
             files.atomic_save(state, self.directory / name)
 
     def should_save_step(self, step: int) -> bool:
@@ -64,7 +78,8 @@ class Checkpointer:
         snapshot = state_dict()
         self.save("last.pt", snapshot)
         if improved:
-            full = str(self.cfg.best_checkpoint) == "full"
+            # Sharded checkpoints name one shard folder: best.pt is that same (full) snapshot.
+            full = str(self.cfg.best_checkpoint) == "full" or self.sharded is not None
             best = snapshot if full else {k: snapshot[k] for k in INFERENCE_KEYS if k in snapshot}
             self.save("best.pt", best)
         if epoch_end and self.cfg.checkpoint_every_epoch:
@@ -81,8 +96,8 @@ class Checkpointer:
             if not files.candidates(self.directory):
                 log.info("resume=auto: no checkpoint in %s, starting fresh", self.directory)
                 return None
-            return files.load_newest_valid(self.directory, accept=resumable)
-        checkpoint = files.load_checkpoint(Path(resume))
+            return files.load_newest_valid(self.directory, consolidate=False, accept=resumable)
+        checkpoint = files.load_checkpoint(Path(resume), consolidate=False)
         if not resumable(checkpoint):
             raise ResumeError(
                 f"{resume} holds the weights only (trainer.best_checkpoint=weights writes best.pt "

@@ -1,13 +1,34 @@
-"""torch.distributed set-up and teardown. torchrun sets RANK, LOCAL_RANK and WORLD_SIZE."""
+"""torch.distributed set-up and teardown, and how ranks share the model. torchrun sets RANK,
+LOCAL_RANK and WORLD_SIZE; on several nodes its c10d rendezvous assigns them, so nothing here
+knows about nodes. After a rank dies, `torchrun --max-restarts=N` starts every rank again with
+TORCHELASTIC_RESTART_COUNT > 0, and the run continues from its own newest checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from kiln.checkpoint import candidates
+from kiln.config.run import Strategy, TrainerConfig
+from kiln.engine.precision import Precision
+
+log = logging.getLogger(__name__)
+
+# If a peer dies, the survivors fail within this time instead of hanging for 30 minutes.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -39,14 +60,37 @@ def init_distributed(requested: bool, backend: str, device: torch.device) -> Dis
         if info.enabled:
             raise ValueError(
                 f"launched with WORLD_SIZE={info.world_size} but trainer.distributed is false; "
-                "add trainer=ddp"
+                "add trainer=ddp or trainer=fsdp"
             )
         return DistInfo()
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        # A short timeout: if a peer dies, the survivors fail instead of hanging for 30 min.
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=5))
+    if dist.is_initialized():
+        return info
+    if "MASTER_ADDR" in os.environ:  # torchrun's rendezvous (or a launcher that exports it)
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=COLLECTIVE_TIMEOUT))
+        # torchrun keeps one store for every restart of the group: without a key space per
+        # attempt, a restarted rank can read the addresses its dead predecessor published there
+        # (gloo then fails with "connectFullMesh ... Connection refused").
+        store = dist.PrefixStore(f"kiln/attempt-{restart_count()}", store)
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+    else:
+        # A plain `python train.py trainer=fsdp`: a group of one, so the sharded code paths and
+        # checkpoints are the same as under torchrun (and resume on any number of ranks).
+        log.warning("not launched by torchrun: training as one rank (a process group of one)")
+        dist.init_process_group(
+            backend=backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
     return info
 
 
@@ -68,3 +112,94 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     as_int = tensor.to(torch.int32)
     dist.all_reduce(as_int, op=dist.ReduceOp.MAX)
     return as_int.to(tensor.dtype)
+
+
+# --------------------------------------------------------------------- sharing the model
+
+
+def is_sharded(trainer: TrainerConfig) -> bool:
+    return trainer.distributed and trainer.strategy == Strategy.fsdp
+
+
+def wrap_model(
+    model: nn.Module,
+    trainer: TrainerConfig,
+    info: DistInfo,
+    device: torch.device,
+    precision: Precision,
+) -> nn.Module:
+    """What the loop calls. FSDP shards `model` in place (it stays the same object, so build the
+    optimizer afterwards, from its sharded parameters); DDP wraps it; one process runs it as is."""
+    if is_sharded(trainer):
+        from kiln.engine.fsdp import shard_model
+
+        return shard_model(model, trainer.fsdp, precision, device)
+    if info.enabled:
+        device_ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    return model
+
+
+def grad_scaler(trainer: TrainerConfig, device: torch.device, precision: Precision):
+    """fp16 loss scaling. Sharded, each rank checks only its own gradient shards for inf/NaN, so
+    ShardedGradScaler all-reduces the finding and every rank skips the same steps."""
+    if is_sharded(trainer):
+        return ShardedGradScaler(device.type, enabled=precision.use_grad_scaler)
+    return torch.amp.GradScaler(device.type, enabled=precision.use_grad_scaler)
+
+
+@contextlib.contextmanager
+def skip_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """For the micro-batches before the last of an accumulation window: gradients accumulate on
+    each rank and are reduced once, by the window's last backward."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_, also over sharded (DTensor) gradients: the total norm is
+    that of the whole model, all ranks' shards together, and the same number on every rank."""
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(total_norm, DTensor):  # each rank holds a partial norm: reduce it
+        total_norm = total_norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    return total_norm
+
+
+def run_mode(trainer: TrainerConfig, multi_rank: bool) -> str:
+    """The mode word of the [FAIL] line: FSDP (on any number of ranks), DDP or single."""
+    if is_sharded(trainer):
+        return "FSDP"
+    return "DDP" if multi_rank else "single"
+
+
+# ------------------------------------------------------------------------- elastic restarts
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted the group (--max-restarts); 0 on the first attempt."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def resume_after_restart(resume: str | None, checkpoint_dir: Path) -> str | None:
+    """After torchrun restarted the group, continue from this run's newest checkpoint
+    (resume=auto), not from the start nor from the checkpoint the first attempt began with."""
+    if restart_count() == 0 or not candidates(checkpoint_dir):
+        return resume
+    log.warning(
+        "torchrun restart %d: continuing from the newest checkpoint in %s (resume=auto)",
+        restart_count(),
+        checkpoint_dir,
+    )
+    return "auto"

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Subset
 
 import kiln
@@ -20,7 +19,14 @@ from kiln.data import DataBundle, build_data, build_dataloaders, example_batch
 from kiln.device import resolve_device
 from kiln.engine.batches import move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer, ResumeError
-from kiln.engine.distributed import DistInfo, init_distributed
+from kiln.engine.distributed import (
+    DistInfo,
+    grad_scaler,
+    init_distributed,
+    is_sharded,
+    resume_after_restart,
+    wrap_model,
+)
 from kiln.engine.evaluators import build_evaluator
 from kiln.engine.loss import build_criterion
 from kiln.engine.optim import (
@@ -34,6 +40,7 @@ from kiln.engine.precision import resolve_precision
 from kiln.engine.preemption import Preempted
 from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge, map_position
 from kiln.engine.seeding import seed_everything, set_deterministic
+from kiln.engine.sharded_checkpoint import ShardedWriter
 from kiln.engine.throughput import peak_flops
 from kiln.engine.trainer import Trainer, TrainingParts, batches_per_epoch
 from kiln.guards.probes import probe_batch_sizes
@@ -89,11 +96,8 @@ def build_trainer(
         cfg.trainer.accumulate_grad_batches,
         cfg.trainer.max_steps,
     )
-    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
-    wrapped = model
-    if dist.enabled:
-        device_ids = [device.index] if device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=device_ids)
+    wrapped = wrap_model(model, cfg.trainer, dist, device, precision)  # FSDP shards in place
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer)  # of the sharded parameters
     if cfg.trainer.compile:  # the loop calls the compiled module; checkpoints and guards the eager
         wrapped = torch.compile(wrapped, mode=str(cfg.trainer.compile_mode))
     evaluator = build_evaluator(bundle.spec.task, precision=precision, device=device, dist=dist)
@@ -111,7 +115,7 @@ def build_trainer(
         raw_model=model,
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, cfg.scheduler, planned_steps),
-        scaler=torch.amp.GradScaler(device.type, enabled=precision.use_grad_scaler),
+        scaler=grad_scaler(cfg.trainer, device, precision),
         precision=precision,
         criterion=build_criterion(model, cfg.loss),
         evaluator=evaluator,
@@ -134,6 +138,7 @@ def build_trainer(
         monitor=monitor,
         monitor_mode=cfg.trainer.monitor_mode,
         is_main=dist.is_main,
+        sharded=sharded_writer(cfg, run_dir, dist),
     )
     contract = Contract(
         config=flatten(to_plain(cfg)),
@@ -161,6 +166,13 @@ def build_trainer(
     trainer.state.planned_steps = planned_steps
     trainer.contract = contract
     return trainer
+
+
+def sharded_writer(cfg: KilnConfig, run_dir: Path, dist: DistInfo) -> ShardedWriter | None:
+    """Under trainer=fsdp every rank writes its shards of each checkpoint (DCP)."""
+    if not is_sharded(cfg.trainer):
+        return None
+    return ShardedWriter(run_dir / "checkpoints", is_main=dist.is_main)
 
 
 def checkpoint_record(cfg: KilnConfig, bundle: DataBundle) -> dict[str, Any]:
@@ -261,6 +273,7 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
             cfg.logger, run_dir, run_name=cfg.name, config=to_plain(cfg), is_main=dist.is_main
         )
         trainer = build_trainer(cfg, run_dir, dist, device, recorder)
+        cfg.resume = resume_after_restart(cfg.resume, run_dir / "checkpoints")
         resume_if_asked(trainer, cfg)
         final = trainer.fit()
         summary = summarize(trainer, final, status="ok", error=None)

@@ -21,11 +21,12 @@ from torch import nn
 from kiln.config.run import NanPolicy, TrainerConfig
 from kiln.engine.batches import batch_size_of, move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer
-from kiln.engine.distributed import DistInfo, all_reduce_max
+from kiln.engine.distributed import DistInfo, all_reduce_max, clip_grad_norm, skip_gradient_sync
 from kiln.engine.metrics import MetricWindow
 from kiln.engine.precision import Precision
 from kiln.engine.preemption import Preempted, PreemptionFlag
 from kiln.engine.seeding import rng_state, set_rng_state
+from kiln.engine.sharded_checkpoint import load_model_and_optimizer, model_and_optimizer_state
 from kiln.engine.throughput import flops_per_sample
 from kiln.guards import assert_finite_inputs, check_train_eval_agreement, describe, tensor_stats
 from kiln.guards.devices import diagnose, is_device_mismatch
@@ -82,7 +83,7 @@ class TrainState:
 class TrainingParts:
     """What the loop runs, built by kiln.engine.run from the config."""
 
-    model: nn.Module  # what the loop calls (DDP-wrapped under DDP)
+    model: nn.Module  # what the loop calls (DDP-wrapped under DDP, sharded in place under FSDP)
     raw_model: nn.Module  # unwrapped: checkpoints and guards see plain parameter names
     optimizer: torch.optim.Optimizer
     scheduler: Any  # an LRScheduler or None
@@ -215,9 +216,9 @@ class Trainer:
             data_time += time.perf_counter() - fetch_start
             if self.cfg.check_inputs:  # reads the batch on the host: opt-in
                 assert_finite_inputs(batch)
-            # Under DDP only the window's last backward all-reduces gradients.
+            # Under DDP and FSDP only the window's last backward reduces gradients.
             sync = micro == window - 1 or not self.dist.enabled
-            with contextlib.nullcontext() if sync else model.no_sync():
+            with contextlib.nullcontext() if sync else skip_gradient_sync(model):
                 with self.precision.autocast():
                     loss, terms = self.compute_loss(batch)
                 if self.state.global_step == 0 and micro == 0:
@@ -239,7 +240,7 @@ class Trainer:
         bad = all_reduce_max(bad)  # every rank skips the same steps
         scaler.unscale_(optimizer)  # true-scale gradients before the norm and clipping
         max_norm = self.cfg.gradient_clip_val or math.inf  # inf: measure, never clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        grad_norm = clip_grad_norm(self.params, max_norm)  # of all ranks' shards under FSDP
         scaler_found_inf = self.optimizer_step(bad)
         optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]
@@ -438,8 +439,7 @@ class Trainer:
     # ----------------------------------------------------------------------- state & resume
     def state_dict(self) -> dict:
         return {
-            "model": self.raw_model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **model_and_optimizer_state(self.raw_model, self.optimizer),  # sharded under FSDP
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict(),
             "state": self.state.as_dict(),
@@ -450,8 +450,7 @@ class Trainer:
     def load_state_dict(self, checkpoint: dict) -> None:
         """Restore an exact training state (kiln.engine.resume judged the config first)."""
         planned = self.state.planned_steps
-        self.raw_model.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        load_model_and_optimizer(self.raw_model, self.optimizer, checkpoint)
         if self.scheduler is not None and checkpoint.get("scheduler") is not None:
             self.scheduler.load_state_dict(checkpoint["scheduler"])
         if checkpoint["scaler"] and self.scaler.is_enabled():  # empty when it was disabled
