@@ -30,7 +30,8 @@ INFERENCE_KEYS = ("model", "config", "preprocessing", "data_spec", "model_name",
 
 
 def resumable(checkpoint: dict) -> bool:
-    return "optimizer" in checkpoint
+    """A full training state: the optimizer's in the file, or in the shards it names."""
+    return "optimizer" in checkpoint or files.is_sharded(checkpoint)
 
 
 class Checkpointer:

@@ -31,7 +31,7 @@ from kiln.engine.throughput import flops_per_sample
 from kiln.guards import assert_finite_inputs, check_train_eval_agreement, describe, tensor_stats
 from kiln.guards.devices import diagnose, is_device_mismatch
 from kiln.guards.input_sizes import take
-from kiln.guards.probes import run_probes
+from kiln.guards.probes import copy_or_build, run_probes
 from kiln.guards.rules import RULE_2
 
 log = logging.getLogger(__name__)
@@ -312,10 +312,11 @@ class Trainer:
         )
         if self.dist.is_main and (self.cfg.probe_sizes or self.cfg.shape_check):
             log.info("pre-step probes (rules 1 and 3) took %.2f s", self.probe_time_s)
-        if self.flops_per_sample is None:
+        if self.flops_per_sample is None and parts.build_fresh is not None:
             size = parts.mode_probe_size
+            counted = copy_or_build(self.raw_model, parts.build_fresh, parts.spec)
             self.flops_per_sample = flops_per_sample(
-                self.raw_model, self.criterion.forward, take(parts.probe_batch, size), size
+                counted, self.criterion.forward, take(parts.probe_batch, size), size
             )
 
     def check_shapes(self) -> None:

@@ -38,6 +38,16 @@ def classifier_output_problems(model: nn.Module, output: Any, size: int, spec: A
     return problems
 
 
+def copy_or_build(model: nn.Module, build: Callable[[Any], nn.Module], spec: Any) -> nn.Module:
+    """A throw-away model to probe: a copy, or (for a sharded FSDP model, which cannot be
+    copied) a new unsharded build of the same architecture."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return build(spec)
+    return copy.deepcopy(model)
+
+
 def probe_batch_sizes(batch_size: int, samples_per_rank: int) -> list[int]:
     """1, an odd size other than the batch size, and the epoch's last partial batch."""
     odd = 3 if batch_size != 3 else 5
@@ -64,7 +74,7 @@ def run_probes(
         if sizes:
             for probe in size_probes(batch, spec, batch_sizes):
                 # Another batch size runs a copy of the model; another input size a new build.
-                subject = build(probe.spec) if probe.new_size else copy.deepcopy(model)
+                subject = build(probe.spec) if probe.new_size else copy_or_build(model, build, spec)
                 run_size_probe(subject, probe, forward, classifier_output_problems)
         if modes:
             check_train_eval_agreement(model, take(batch, mode_batch_size), forward)
