@@ -51,11 +51,9 @@ format: install ## apply ruff's fixes and formatting
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-sweep: install ## a short multirun sweep over num_workers x accumulation x precision, then its summary
-	dir=multirun/sweep_$$(date +%Y%m%d_%H%M%S); \
-	$(PY) train.py -m hydra.sweep.dir=$$dir data.num_workers=0,2 \
-		trainer.accumulate_grad_batches=1,4 precision=fp32,amp trainer.max_epochs=1 $(ARGS); \
-	status=$$?; $(PY) scripts/summarize_sweep.py $$dir && exit $$status
+sweep: install ## a short multirun over num_workers x accumulation x precision; writes its summary
+	$(PY) train.py -m data.num_workers=0,2 trainer.accumulate_grad_batches=1,4 \
+		precision=fp32,amp trainer.max_epochs=1 $(ARGS)
 
 bench: install ## engine vs a hand-written loop (samples/s and ratio)
 	$(PY) scripts/bench_engine.py $(ARGS)

@@ -12,6 +12,7 @@ trainer.max_epochs=1 that `make sweep` passes to all) are not swept and are left
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -98,12 +99,23 @@ def swept_columns(frame: pd.DataFrame) -> list[str]:
     return list(frame.columns[1 : frame.columns.get_loc("status")])
 
 
+def _short(value: Any) -> str:
+    """A setting as a label: numbers to 4 significant digits (1e-03 not 0.0010000000000000002)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return f"{number:.4g}"
+
+
 def run_labels(frame: pd.DataFrame) -> list[str]:
     """A short label per run: its swept settings, or its directory when nothing was swept."""
     swept = swept_columns(frame)
     labels = []
     for _, row in frame.iterrows():
-        parts = [f"{key.rsplit('.', 1)[-1]}={row[key]}" for key in swept if pd.notna(row[key])]
+        parts = [
+            f"{key.rsplit('.', 1)[-1]}={_short(row[key])}" for key in swept if pd.notna(row[key])
+        ]
         labels.append(", ".join(parts) or str(row["run"]))
     return labels
 
@@ -115,8 +127,31 @@ def final_metric(frame: pd.DataFrame) -> str | None:
     return None
 
 
+def best_index(frame: pd.DataFrame, metric: str | None) -> int | None:
+    """The row of the best finished run (loss-like metrics: the smallest)."""
+    if metric is None:
+        return None
+    values = pd.to_numeric(frame[metric], errors="coerce").where(frame["status"] == "ok")
+    if values.notna().sum() == 0:
+        return None
+    return int(values.idxmin() if metric.endswith("loss") else values.idxmax())
+
+
+def _axis_range(values: pd.Series) -> tuple[float, float] | None:
+    """Limits that show the differences: not from 0 when the values sit close together."""
+    finite = values.dropna()
+    if finite.empty:
+        return None
+    low, high = float(finite.min()), float(finite.max())
+    spread = high - low or abs(high) * 0.05 or 1.0
+    if low >= 0 and low < 0.5 * high:  # far apart: 0 is an honest origin
+        return 0.0, high + 0.15 * spread
+    return low - 0.6 * spread, high + 0.35 * spread
+
+
 def plot_summary(frame: pd.DataFrame, path: Path) -> None:
-    """Horizontal bars per run: throughput, data-time fraction and the final metric."""
+    """Horizontal bars per run: throughput, data-time fraction and the final metric, with each
+    value written on its bar and the best run (by the final metric) marked."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on servers
@@ -126,24 +161,74 @@ def plot_summary(frame: pd.DataFrame, path: Path) -> None:
     panels = [("samples_per_s", "samples/s"), ("data_time_frac", "data-time fraction")]
     if metric:
         panels.append((metric, metric))
-    labels = run_labels(frame)
+    best = best_index(frame, metric)
+    labels = [("★ " if i == best else "") + label for i, label in enumerate(run_labels(frame))]
     failed = frame["status"] != "ok"
-    height = max(2.5, 0.45 * len(frame) + 1.2)
-    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), height), sharey=True)
-    for axis, (column, title) in zip(axes, panels, strict=True):
+    height = max(2.8, 0.5 * len(frame) + 1.4)
+    figure, axes = plt.subplots(
+        1, len(panels), figsize=(5.2 * len(panels), height), sharey=True, squeeze=False
+    )
+    for axis, (column, title) in zip(axes[0], panels, strict=True):
         values = pd.to_numeric(frame[column], errors="coerce")
-        colours = ["tab:red" if bad else "tab:blue" for bad in failed]
-        axis.barh(range(len(frame)), values.fillna(0.0), color=colours)
+        colours = [
+            "tab:red" if bad else ("tab:green" if i == best else "tab:blue")
+            for i, bad in enumerate(failed)
+        ]
+        limits = _axis_range(values)
+        base = limits[0] if limits else 0.0
+        axis.barh(range(len(frame)), (values - base).fillna(0.0), left=base, color=colours)
         for y, (value, bad) in enumerate(zip(values, failed, strict=True)):
-            if bad and pd.isna(value):
-                axis.text(0, y, " failed", va="center", color="tab:red")
-        axis.set_title(title)
+            if pd.isna(value):
+                axis.text(base, y, " failed" if bad else " n/a", va="center", color="tab:red")
+            else:
+                axis.text(value, y, f" {value:.4g}", va="center", fontsize=9)
+        if limits:
+            axis.set_xlim(limits[0], limits[1] + 0.12 * (limits[1] - limits[0]))
+        axis.set_title(title + (" (★ best)" if column == metric and best is not None else ""))
         axis.grid(axis="x", alpha=0.3)
-    axes[0].set_yticks(range(len(frame)), labels)
-    axes[0].invert_yaxis()  # first run on top, as in the table
+    axes[0][0].set_yticks(range(len(frame)), labels)
+    axes[0][0].invert_yaxis()  # first run on top, as in the table
+    figure.tight_layout()
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
+    figure.savefig(tmp, dpi=100)
+    plt.close(figure)
+    tmp.replace(path)
+
+
+def plot_history(frame: pd.DataFrame, path: Path, direction: str = "maximize") -> Path | None:
+    """A search's optimisation history: each trial's value in the order it ran, and the best so
+    far."""
+    metric = final_metric(frame)
+    if metric is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = pd.to_numeric(frame[metric], errors="coerce").where(frame["status"] == "ok")
+    trials = list(range(len(frame)))
+    best = values.cummax() if direction == "maximize" else values.cummin()
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot(trials, values, "o", label=f"trial {metric}")
+    axis.plot(trials, best.ffill(), "-", color="tab:green", label="best so far")
+    for trial, value in zip(trials, values, strict=True):
+        if pd.notna(value):
+            axis.annotate(f"{value:.4g}", (trial, value), textcoords="offset points",
+                          xytext=(0, 6), ha="center", fontsize=8)  # fmt: skip
+    limits = _axis_range(values)
+    if limits:
+        axis.set_ylim(*limits)
+    axis.set_xlabel("trial")
+    axis.set_ylabel(metric)
+    axis.set_title(f"optimisation history ({direction} {metric})")
+    axis.xaxis.get_major_locator().set_params(integer=True)
+    axis.grid(alpha=0.3)
+    axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+    return path
 
 
 def write_summary(frame: pd.DataFrame, sweep_dir: str | Path) -> tuple[Path, Path]:
@@ -151,7 +236,13 @@ def write_summary(frame: pd.DataFrame, sweep_dir: str | Path) -> tuple[Path, Pat
     sweep_dir = Path(sweep_dir)
     markdown_path, png_path = sweep_dir / "summary.md", sweep_dir / "summary.png"
     num_failed = int((frame["status"] != "ok").sum())
-    header = f"# Sweep summary: {sweep_dir}\n\n{len(frame)} runs, {num_failed} failed.\n\n"
-    markdown_path.write_text(header + to_markdown(frame))
+    metric = final_metric(frame)
+    best = best_index(frame, metric)
+    header = f"# Sweep summary: {sweep_dir}\n\n{len(frame)} runs, {num_failed} failed."
+    if best is not None:
+        header += f" Best {metric}: {frame[metric].iloc[best]:.4g} ({frame['run'].iloc[best]})."
+    tmp = markdown_path.with_name(f".{markdown_path.name}.{os.getpid()}.tmp")
+    tmp.write_text(header + "\n\n" + to_markdown(frame))
+    tmp.replace(markdown_path)  # jobs of a parallel sweep may write it at the same time
     plot_summary(frame, png_path)
     return markdown_path, png_path
