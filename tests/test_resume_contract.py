@@ -100,7 +100,7 @@ def test_mid_epoch_resume_with_another_batch_size_maps_samples_exactly_or_is_ref
         resume(run_dir, *settings, f"data.batch_size={batch}")
     override = (f"data.batch_size={batch}", "resume_override=[data.batch_size]")
     if not mapped:  # 320 samples are not a whole number of batches of 128
-        with pytest.raises(ResumeError, match="320 samples into the epoch"):
+        with pytest.raises(ResumeError, match="is 320 samples into the epoch"):
             resume(run_dir, *settings, *override)
         return
     summary = resume(run_dir, *settings, *override)

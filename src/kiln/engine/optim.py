@@ -30,11 +30,15 @@ def build_scheduler(optimizer, cfg: SchedulerConfig, total_steps: int) -> LRSche
     return SCHEDULERS.get(cfg.name)(optimizer, cfg, total_steps)
 
 
-def fused_where_supported(params: list) -> bool:
+def fused_where_supported(params: list, sharded_ok: bool = True) -> bool:
     """The fused kernels (one per step, CPU and CUDA) also skip an update on the device when
-    the trainer flags a non-finite loss, without waiting for the device."""
+    the trainer flags a non-finite loss, without waiting for the device. Sharded (DTensor)
+    parameters have a fused kernel for Adam(W) only."""
+    from torch.distributed.tensor import DTensor
+
     devices = {p.device.type for p in params}
-    return bool(params) and devices <= {"cpu", "cuda"}
+    sharded = any(isinstance(p, DTensor) for p in params)
+    return bool(params) and devices <= {"cpu", "cuda"} and (sharded_ok or not sharded)
 
 
 def build_adamw(params, cfg: AdamWConfig) -> torch.optim.Optimizer:
@@ -56,7 +60,7 @@ def build_sgd(params, cfg: SGDConfig) -> torch.optim.Optimizer:
         momentum=cfg.momentum,
         nesterov=cfg.nesterov and cfg.momentum > 0,
         weight_decay=cfg.weight_decay,
-        fused=fused_where_supported(params),
+        fused=fused_where_supported(params, sharded_ok=False),
     )
 
 

@@ -139,7 +139,7 @@ def rule_for(key: str) -> str:
     return RULES[max(matches, key=len)] if matches else CHANGES_RUN
 
 
-def judge(saved: Contract, now: Contract, overrides: list[str], mid_epoch: bool) -> Judgement:
+def judge(saved: Contract, now: Contract, overrides: list[str]) -> Judgement:
     judgement = Judgement()
 
     def add(key: str, old: Any, new: Any, verdict: str) -> None:
@@ -168,8 +168,6 @@ def judge(saved: Contract, now: Contract, overrides: list[str], mid_epoch: bool)
         add("<planned optimizer steps>", saved.planned_steps, now.planned_steps, INCOMPATIBLE)
     if not same_global_batch:
         add("<global batch>", saved.global_batch, now.global_batch, CHANGES_RUN)
-    if mid_epoch and saved.world_size != now.world_size:
-        add("<world size, mid-epoch>", saved.world_size, now.world_size, INCOMPATIBLE)
     return judgement
 
 
@@ -207,15 +205,21 @@ def check(judgement: Judgement, source: str) -> None:
         )
 
 
-def map_position(batch_in_epoch: int, saved_batch: int, batch: int, source: str) -> int:
-    """The position inside an epoch in batches of the new size: the samples already consumed
-    must be a whole number of new batches, or the resume is refused (never skipped or repeated)."""
-    samples = batch_in_epoch * saved_batch
-    if samples % batch:
+def map_position(batch_in_epoch: int, saved: Contract, now: Contract, source: str) -> int:
+    """The position inside an epoch in this run's batches, when the batch size or the number of
+    ranks changed. Every epoch's order is one permutation, dealt to the ranks in turn, so what W
+    ranks consumed after k batches of B is its first k*B*W samples: resumed on W' ranks with
+    batches of B', each rank skips k*B*W / W' samples, which must be a whole number of B'
+    batches, or the resume is refused (never a sample skipped or repeated)."""
+    samples = batch_in_epoch * saved.batch_size * saved.world_size
+    per_batch = now.batch_size * now.world_size
+    if samples % per_batch:
         raise ResumeError(
-            f"cannot resume {source} mid-epoch with data.batch_size={batch}: the checkpoint is "
-            f"{samples} samples into the epoch (batch {batch_in_epoch} of {saved_batch}), which "
-            f"is not a whole number of batches of {batch}; use a batch size that divides "
-            f"{samples}, or resume from an epoch-N.pt checkpoint"
+            f"cannot resume {source} mid-epoch with {now.world_size} rank(s) x data.batch_size="
+            f"{now.batch_size}: the checkpoint is {samples} samples into the epoch "
+            f"({batch_in_epoch} batches of {saved.batch_size} on {saved.world_size} rank(s)), "
+            "which is not a whole "
+            f"number of batches of {per_batch} in all; use a batch size and rank count whose "
+            f"product divides {samples}, or resume from an epoch-N.pt checkpoint"
         )
-    return samples // batch
+    return samples // per_batch

@@ -219,8 +219,7 @@ def resume_if_asked(trainer: Trainer, cfg: KilnConfig) -> Path | None:
     if "contract" not in checkpoint:
         raise ResumeError(f"{path} has no resume contract (an older kiln wrote it); start anew")
     saved = Contract.from_dict(checkpoint["contract"])
-    mid_epoch = checkpoint["state"]["batch_in_epoch"] > 0
-    judgement = judge(saved, trainer.contract, list(cfg.resume_override), mid_epoch)
+    judgement = judge(saved, trainer.contract, list(cfg.resume_override))
     check(judgement, str(path))
     trainer.load_state_dict(checkpoint)
     if any(d.key.startswith(("optimizer.", "scheduler.")) for d in judgement.changes):
@@ -228,9 +227,10 @@ def resume_if_asked(trainer: Trainer, cfg: KilnConfig) -> Path | None:
         trainer.scheduler = schedule_at(
             trainer.optimizer, cfg.scheduler, trainer.state.planned_steps, trainer.state.global_step
         )
-    if saved.batch_size != cfg.data.batch_size and trainer.state.batch_in_epoch:
+    moved = (saved.batch_size, saved.world_size) != (cfg.data.batch_size, trainer.dist.world_size)
+    if moved and trainer.state.batch_in_epoch:
         trainer.state.batch_in_epoch = map_position(
-            trainer.state.batch_in_epoch, saved.batch_size, cfg.data.batch_size, str(path)
+            trainer.state.batch_in_epoch, saved, trainer.contract, str(path)
         )
     s = trainer.state
     log.info(

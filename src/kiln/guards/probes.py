@@ -44,7 +44,8 @@ def copy_or_build(model: nn.Module, build: Callable[[Any], nn.Module], spec: Any
     from torch.distributed.fsdp import FSDPModule
 
     if any(isinstance(m, FSDPModule) for m in model.modules()):
-        return build(spec)
+        with torch.random.fork_rng():  # initialising weights draws random numbers: not ours
+            return build(spec)
     return copy.deepcopy(model)
 
 
