@@ -128,3 +128,15 @@ def temporary_model():
     yield register
     for name in added:
         del MODELS._entries[name]
+
+
+def start_process(cmd: list[str], cwd: Path) -> subprocess.Popen:
+    """A real process the test will signal or kill, its output captured."""
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=SUBPROCESS_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )

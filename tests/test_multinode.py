@@ -16,17 +16,15 @@ import torch
 from kiln.checkpoint import load_checkpoint
 from kiln.cli.paths import REPO_ROOT
 
-from .conftest import SUBPROCESS_ENV, read_metrics, read_summary, run_train, train_in_process
-
-# The DDP test's settings: fp32, no dropout, 5 steps well inside the first epoch.
-SAME_RUN = (
-    "model.dropout=0.0",
-    "trainer.max_steps=5",
-    "trainer.log_every_n_steps=1",
-    "env.progress_bar=false",
-    "scheduler=none",
-    "optimizer=sgd",
+from .conftest import (
+    SUBPROCESS_ENV,
+    read_metrics,
+    read_summary,
+    run_train,
+    start_process,
+    train_in_process,
 )
+from .test_ddp import SAME_RUN  # the DDP test's settings: 5 steps well inside the first epoch
 
 
 def free_port() -> int:
@@ -109,14 +107,7 @@ ELASTIC = [
 
 def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     cmd = [*ELASTIC, str(REPO_ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.Popen(
-        cmd,
-        cwd=run_dir.parent,
-        env=SUBPROCESS_ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_process(cmd, run_dir.parent)
 
 
 def worker(agent: subprocess.Popen, rank: int):

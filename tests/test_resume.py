@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import re
 import signal
-import subprocess
 import sys
 import time
 
@@ -19,10 +18,10 @@ from kiln.engine.checkpointer import ResumeError
 
 from .conftest import (
     DIVERGING,
-    SUBPROCESS_ENV,
     read_metrics,
     read_summary,
     run_train,
+    start_process,
     train_in_process,
 )
 
@@ -41,14 +40,7 @@ RESUMABLE = (
 
 def start_train(run_dir, *overrides):
     cmd = [sys.executable, str(REPO_ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.Popen(
-        cmd,
-        cwd=run_dir.parent,
-        env=SUBPROCESS_ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_process(cmd, run_dir.parent)
 
 
 def wait_for(path, proc, timeout=180.0):
