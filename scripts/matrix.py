@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     parser.add_argument("overrides", nargs="*", help="extra overrides for every cell")
     args = parser.parse_args(argv)
+    if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: the reduced matrix
+        args.reduced = True
     out = args.out or Path("outputs/matrix") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,7 @@ def finished(summary: dict, run_dir: Path, link: Path | None, overrides: list[st
 
 
 def resume_command(overrides: list[str]) -> str:
-    kept = [o for o in overrides if not o.startswith(("resume=", "hydra."))]
+    kept = [o for o in overrides if not o.startswith(("resume=", "hydra.run.", "hydra.sweep."))]
     return " ".join(shlex.quote(o) for o in [*kept, "resume=auto"])
 
 
