@@ -163,11 +163,12 @@ def parse_infer_request(
     header_length: str | None,
     inputs: dict[str, TensorSpec],
     outputs: dict[str, TensorSpec],
-    max_elements: int,
+    max_inputs: int,
+    max_elements_per_input: int,
 ) -> InferRequest:
-    """A v2 inference request, checked against the model's signature. `max_elements` bounds the
-    element count of an input (the server's input limit times one input's elements), so a lying
-    shape cannot make us allocate."""
+    """A v2 inference request, checked against the model's signature: at most `max_inputs`
+    along the batch axis, each of at most `max_elements_per_input` values (so a lying shape
+    cannot make us allocate)."""
     obj, binary = split_body(body, header_length)
     _check_keys(obj, REQUEST_KEYS, "the request")
     request_id = obj.get("id")
@@ -183,8 +184,9 @@ def parse_infer_request(
     decoded, offset = [], 0
     for i, tensor in enumerate(tensors_in):
         where = f"inputs[{i}] ({tensor['name']!r})"
+        limits = (max_inputs, max_elements_per_input)
         tensor_obj, used = _decode_input(
-            tensor, inputs[tensor["name"]], binary[offset:], where, max_elements
+            tensor, inputs[tensor["name"]], binary[offset:], where, limits
         )
         decoded.append(tensor_obj)
         offset += used
@@ -198,7 +200,7 @@ def parse_infer_request(
 
 
 def _decode_input(
-    tensor: dict, spec: TensorSpec, binary: bytes, where: str, max_elements: int
+    tensor: dict, spec: TensorSpec, binary: bytes, where: str, limits: tuple[int, int]
 ) -> tuple[Tensor, int]:
     """(the tensor, how many bytes of `binary` it used)."""
     _check_keys(tensor, INPUT_KEYS, where)
@@ -216,8 +218,16 @@ def _decode_input(
         and all(want in (-1, got) for want, got in zip(spec.shape, shape, strict=True)),
         f"{where}: shape must be {list(spec.shape)} (-1: any size), got {shape}",
     )
+    max_inputs, max_per_input = limits
+    _require(
+        shape[0] <= max_inputs,
+        f"{shape[0]} inputs in one request; server.max_inputs_per_request is {max_inputs}",
+    )
     count = math.prod(shape)
-    _require(count <= max_elements, f"{where}: shape {shape} holds more than {max_elements} values")
+    _require(
+        count <= shape[0] * max_per_input,
+        f"{where}: shape {shape} holds more than {max_per_input} values per input",
+    )
     parameters = _parameters(tensor.get("parameters"), {"binary_data_size": int}, where)
     size = parameters.get("binary_data_size")
     _require(

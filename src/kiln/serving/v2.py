@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 import kiln
 from kiln.inference import Predictor
 from kiln.preprocessing import InputError
-from kiln.serving.errors import BadRequest, ServingError
+from kiln.serving.errors import ServingError
 from kiln.serving.oip import (
     HEADER_LENGTH,
     OutputTensor,
@@ -159,17 +159,14 @@ def add_v2_routes(app: FastAPI, state: ServingState) -> None:
     predictor, config = state.predictor, state.config
     inputs, outputs = signature(predictor)
     (input_spec,) = inputs.values()
-    max_elements = config.max_inputs_per_request * max_elements_per_input(predictor)
+    per_input = max_elements_per_input(predictor)
 
     def parse_and_convert(body: bytes, header_length: str | None):
-        request = parse_infer_request(body, header_length, inputs, outputs, max_elements)
+        request = parse_infer_request(
+            body, header_length, inputs, outputs, config.max_inputs_per_request, per_input
+        )
         tensor = request.inputs[0]
         count = tensor.shape[0]
-        if count > config.max_inputs_per_request:
-            raise BadRequest(
-                f"{count} inputs in one request; server.max_inputs_per_request is "
-                f"{config.max_inputs_per_request}"
-            )
         if input_spec.datatype == "BYTES":
             items = predictor.convert(tensor.data)
         else:
