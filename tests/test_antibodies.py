@@ -16,6 +16,7 @@ from kiln.engine.trainer import NonFiniteLossError
 from kiln.guards import ShapeContractError, check_train_eval_agreement
 from kiln.guards.input_sizes import ShapeInferenceError, check_sizes_follow_inputs
 from kiln.models import build_model
+from kiln.models.detector import LOSS_KEYS as DETECTOR_LOSS_KEYS
 from kiln.registry import MODELS
 
 from .conftest import compose_config
@@ -124,7 +125,7 @@ def test_rule2_all_branches_on_give_finite_nonzero_terms_and_grads(tmp_path, nam
         param.register_hook(lambda g, pname=pname: grads.setdefault(pname, g.clone()))
     result = one_step(trainer, window=1)
     expected = (
-        {"loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"}
+        set(DETECTOR_LOSS_KEYS)
         if name == "detector"
         else {"main", "label_smoothing", "z_loss", "confidence_penalty", "aux_head"}
     )
