@@ -106,6 +106,9 @@ class Graph:
     difference: Callable[[nn.Module, Any, Tensor], float] | None = None
     tolerance: float = PROBS_TOLERANCE
     unit: str = "prob"
+    # Output dims after the batch axis that are constant although the tracer could not tell
+    # (a detector's K): written into the graph so Triton's config can say them.
+    output_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def graph_for(record: ModelRecord, model: nn.Module, *, raw_pixels: bool = False) -> Graph:
@@ -114,6 +117,7 @@ def graph_for(record: ModelRecord, model: nn.Module, *, raw_pixels: bool = False
     spec = record.spec
     if spec.task == "detection":
         threshold = float(getattr(model, "score_threshold", 0.0))
+        k = model.detections_per_image
         return Graph(
             DetectionHead(model).eval(),
             DETECTION_OUTPUTS,
@@ -123,6 +127,7 @@ def graph_for(record: ModelRecord, model: nn.Module, *, raw_pixels: bool = False
             ),
             tolerance=BOX_TOLERANCE_PX,
             unit="box",
+            output_dims={"boxes": (k, 4), "scores": (k,), "labels": (k,)},
         )
     if spec.input_kind == "tokens":
         return Graph(
@@ -266,6 +271,7 @@ def export_checked(
     for name in EXPORTERS:
         try:
             export_graph(name, graph, example, onnx_path)
+            declare_output_dims(onnx_path, graph.output_dims)
             onnx.checker.check_model(str(onnx_path))
             return name, check_parity(graph, onnx_path, batches, device)
         except Exception as err:  # any failure of one exporter: try the next, report all
@@ -275,6 +281,21 @@ def export_checked(
     raise ExportParityError(
         f"no ONNX export of {onnx_path} agreed with torch: " + "; ".join(failures)
     )
+
+
+def declare_output_dims(onnx_path: Path, output_dims: dict[str, tuple[int, ...]]) -> None:
+    import onnx
+
+    if not output_dims:
+        return
+    model = onnx.load(str(onnx_path))
+    for output in model.graph.output:
+        if output.name in output_dims:
+            dims = output.type.tensor_type.shape.dim
+            for dim, size in zip(dims[1:], output_dims[output.name], strict=True):
+                dim.Clear()
+                dim.dim_value = size
+    onnx.save(model, str(onnx_path))
 
 
 def write_sidecar(record: ModelRecord, onnx_path: Path) -> Path:

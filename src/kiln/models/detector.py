@@ -190,7 +190,7 @@ class KilnDetector(nn.Module):
         prob = heatmap.sigmoid()
         # A peak is a cell no neighbour outscores: CenterNet's replacement for NMS.
         peaks = prob * (F.max_pool2d(prob, 3, stride=1, padding=1) == prob).float()
-        k = min(self.max_detections, classes * height * width)
+        k = self.detections_per_image
         scores, index = peaks.reshape(n, -1).topk(k, dim=1)
         labels = torch.div(index, height * width, rounding_mode="floor") + 1
         cell = index % (height * width)
@@ -224,6 +224,12 @@ class KilnDetector(nn.Module):
         heights = torch.full((n,), height, dtype=torch.float32, device=x.device)
         widths = torch.full((n,), width, dtype=torch.float32, device=x.device)
         return self._decode(heatmap, size, offset, heights, widths)
+
+    @property
+    def detections_per_image(self) -> int:
+        """K of `detect`: from the fixed side, not a map's shape, so an exported graph keeps it
+        constant."""
+        return min(self.max_detections, self.num_classes * (self.side // STRIDE) ** 2)
 
     # --- the engine's calling convention --------------------------------------------------------
 
