@@ -94,6 +94,8 @@ class ImagePreprocessor:
                 f"expected a tensor of shape (N, {', '.join(map(str, self.shape))}){grey}, "
                 f"got {describe_shape(array.shape)}"
             )
+        if len(array) == 0:
+            return array
         flat = array.reshape(len(array), -1)
         bad = ~np.isfinite(flat).all(axis=1)
         if self.value_range is not None and flat.size:

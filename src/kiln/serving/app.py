@@ -10,7 +10,8 @@ import dataclasses
 import logging
 import time
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from kiln.inference import Predictor
 from kiln.inference.config import ServerConfig, validate_server
@@ -25,6 +26,14 @@ from kiln.serving.v2 import add_v2_routes
 log = logging.getLogger(__name__)
 
 WARMUP_TIMEOUT_S = 600.0  # the first model call may compile kernels; it must not hang forever
+
+
+async def _internal_error(request: Request, err: Exception) -> JSONResponse:
+    """A bug, not a user mistake: logged with its traceback, answered 500 in the API's error
+    body (never the bare text page), and counted like every other answer."""
+    log.error("unhandled error on %s", request.url.path, exc_info=err)
+    key = "error" if request.url.path.startswith("/v2") else "detail"
+    return JSONResponse({key: f"internal error: {type(err).__name__}"}, status_code=500)
 
 
 def create_app(predictor: Predictor, config: ServerConfig | None = None, **overrides) -> FastAPI:
@@ -67,6 +76,7 @@ def create_app(predictor: Predictor, config: ServerConfig | None = None, **overr
         redoc_url=None,
     )
     app.state.kiln = state
+    app.add_exception_handler(Exception, _internal_error)
     add_v1_routes(app, state)
     add_v2_routes(app, state)
     document = openapi_document(predictor, config)

@@ -121,7 +121,10 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """JSON Schema's integer: also a number with no fractional part (2.0), never a boolean."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
 
 
 def _check_keys(obj: Any, allowed: set[str], where: str) -> None:
@@ -130,16 +133,18 @@ def _check_keys(obj: Any, allowed: set[str], where: str) -> None:
     _require(not unknown, f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
 
 
-def _parameters(obj: Any, allowed: dict[str, type], where: str) -> dict[str, Any]:
-    if obj is None:
+def _parameters(container: dict, allowed: dict[str, type], where: str) -> dict[str, Any]:
+    """container["parameters"], checked; {} when absent (null is not absent: refused)."""
+    if "parameters" not in container:
         return {}
+    obj = container["parameters"]
     _check_keys(obj, set(allowed), f"{where}.parameters")
     for key, value in obj.items():
         kind = allowed[key]
         ok = isinstance(value, bool) if kind is bool else _is_int(value) and value >= 0
         wanted = "a boolean" if kind is bool else "a non-negative integer"
         _require(ok, f"{where}.parameters.{key} must be {wanted}")
-    return obj
+    return {k: v if isinstance(v, bool) else int(v) for k, v in obj.items()}
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
@@ -172,13 +177,13 @@ def parse_infer_request(
     obj, binary = split_body(body, header_length)
     _check_keys(obj, REQUEST_KEYS, "the request")
     request_id = obj.get("id")
-    _require(request_id is None or isinstance(request_id, str), "id must be a string")
-    parameters = _parameters(obj.get("parameters"), REQUEST_PARAMETERS, "the request")
+    _require("id" not in obj or isinstance(request_id, str), "id must be a string")
+    parameters = _parameters(obj, REQUEST_PARAMETERS, "the request")
     tensors_in = obj.get("inputs")
     _require(isinstance(tensors_in, list), "inputs must be a list of tensors")
     names = [t.get("name") if isinstance(t, dict) else None for t in tensors_in]
     _require(
-        sorted(map(str, names)) == sorted(inputs),
+        all(isinstance(n, str) for n in names) and sorted(names) == sorted(inputs),
         f"this model takes exactly the input(s) {sorted(inputs)}; the request has {names}",
     )
     decoded, offset = [], 0
@@ -195,7 +200,9 @@ def parse_infer_request(
         f"the body holds {len(binary) - offset} bytes after the tensors' binary data "
         f"(binary_data_size of the inputs add up to {offset})",
     )
-    wanted = _wanted_outputs(obj.get("outputs"), outputs, parameters.get("binary_data_output"))
+    requested = obj.get("outputs")
+    _require("outputs" not in obj or isinstance(requested, list), "outputs must be a list")
+    wanted = _wanted_outputs(requested, outputs, parameters.get("binary_data_output"))
     return InferRequest(request_id, decoded, wanted, parameters.get("timeout"))
 
 
@@ -213,6 +220,7 @@ def _decode_input(
         isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape),
         f"{where}: shape must be a list of non-negative integers, got {shape!r}",
     )
+    shape = [int(d) for d in shape]
     _require(
         len(shape) == len(spec.shape)
         and all(want in (-1, got) for want, got in zip(spec.shape, shape, strict=True)),
@@ -228,7 +236,7 @@ def _decode_input(
         count <= shape[0] * max_per_input,
         f"{where}: shape {shape} holds more than {max_per_input} values per input",
     )
-    parameters = _parameters(tensor.get("parameters"), {"binary_data_size": int}, where)
+    parameters = _parameters(tensor, {"binary_data_size": int}, where)
     size = parameters.get("binary_data_size")
     _require(
         (size is None) != ("data" not in tensor),
@@ -336,17 +344,15 @@ def _wanted_outputs(
     if requested is None:
         return [WantedOutput(name, binary_default) for name in outputs]
     _require(isinstance(requested, list), "outputs must be a list")
-    wanted, seen = [], set()
+    wanted = []  # a name asked twice is answered twice (the schema cannot forbid it)
     for i, output in enumerate(requested):
         _check_keys(output, OUTPUT_KEYS, f"outputs[{i}]")
         name = output.get("name")
         _require(
-            name in outputs,
+            isinstance(name, str) and name in outputs,
             f"outputs[{i}]: unknown output {name!r}; this model has {sorted(outputs)}",
         )
-        _require(name not in seen, f"outputs[{i}]: {name!r} is requested twice")
-        seen.add(name)
-        parameters = _parameters(output.get("parameters"), OUTPUT_PARAMETERS, f"outputs[{i}]")
+        parameters = _parameters(output, OUTPUT_PARAMETERS, f"outputs[{i}]")
         class_count = parameters.get("classification")
         if class_count is not None:
             _require(
@@ -367,7 +373,7 @@ def _wanted_outputs(
 def classification_strings(scores: np.ndarray, k: int, labels: list[str]) -> OutputTensor:
     """Triton's classification extension: per row the top k as "score:index:label"."""
     k = min(k, scores.shape[1])
-    top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :k].reshape(len(scores), k)
     rows = [f"{scores[r, c]:f}:{c}:{labels[c]}" for r in range(len(scores)) for c in top[r]]
     return OutputTensor("", "BYTES", (len(scores), k), rows)
 
@@ -386,11 +392,23 @@ def _json_values(tensor: OutputTensor) -> list:
     return np.asarray(tensor.data).ravel().tolist()
 
 
+def answer_tensors(
+    tensors: list[OutputTensor], wanted: list[WantedOutput], labels: list[str]
+) -> list[tuple[WantedOutput, OutputTensor]]:
+    """Each output asked for with its tensor; class scores asked with `classification` become
+    Triton's top-k strings."""
+    by_name = {tensor.name: tensor for tensor in tensors}
+    pairs = []
+    for want in wanted:
+        tensor = by_name[want.name]
+        if want.class_count:
+            tensor = classification_strings(np.asarray(tensor.data), want.class_count, labels)
+        pairs.append((want, tensor))
+    return pairs
+
+
 def encode_response(
-    model_name: str,
-    request_id: str | None,
-    tensors: list[OutputTensor],
-    wanted: list[WantedOutput],
+    model_name: str, request_id: str | None, answers: list[tuple[WantedOutput, OutputTensor]]
 ) -> Encoded:
     """The response object for the outputs asked for, in the order asked; binary outputs
     appended after the JSON, which the Inference-Header-Content-Length header then measures."""
@@ -398,9 +416,7 @@ def encode_response(
     if request_id is not None:
         response["id"] = request_id
     entries, payloads = [], []
-    by_name = {tensor.name: tensor for tensor in tensors}
-    for want in wanted:
-        tensor = by_name[want.name]
+    for want, tensor in answers:
         entry: dict[str, Any] = {"name": want.name, "datatype": tensor.datatype}
         entry["shape"] = list(tensor.shape)
         if want.binary:

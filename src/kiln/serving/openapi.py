@@ -307,18 +307,19 @@ def _errors(error: str, bad_request: int) -> dict[str, dict]:
     }
 
 
-def _name_params(versioned: bool) -> list[dict]:
-    params = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
+def _name_params(config: ServerConfig, versioned: bool) -> list[dict]:
+    """The one model this server serves (any other name or version: 404)."""
+    name = {"type": "string", "enum": [config.model_name]}
+    params = [{"name": "name", "in": "path", "required": True, "schema": name}]
     if versioned:
-        params.append(
-            {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
-        )
+        version = {"type": "string", "enum": [VERSION]}
+        params.append({"name": "version", "in": "path", "required": True, "schema": version})
     return params
 
 
 def _v2_model_paths(config: ServerConfig, versioned: bool) -> dict[str, dict]:
     base = "/v2/models/{name}" + ("/versions/{version}" if versioned else "")
-    params = _name_params(versioned)
+    params = _name_params(config, versioned)
     missing = _json(_ref("V2Error"), "no such model (or version)")
     ready = {
         "type": "object",

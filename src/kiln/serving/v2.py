@@ -33,7 +33,7 @@ from kiln.serving.oip import (
     HEADER_LENGTH,
     OutputTensor,
     TensorSpec,
-    classification_strings,
+    answer_tensors,
     encode_response,
     parse_infer_request,
 )
@@ -175,13 +175,8 @@ def add_v2_routes(app: FastAPI, state: ServingState) -> None:
 
     def render(request, results) -> tuple[bytes, dict[str, str], str]:
         tensors = output_tensors(predictor, results)
-        for want in request.outputs:
-            if want.class_count:
-                probs = next(t for t in tensors if t.name == want.name)
-                ranked = classification_strings(probs.data, want.class_count, predictor.class_names)
-                ranked.name = want.name
-                tensors = [ranked if t.name == want.name else t for t in tensors]
-        encoded = encode_response(state.model_name, request.id, tensors, request.outputs)
+        answers = answer_tensors(tensors, request.outputs, predictor.class_names)
+        encoded = encode_response(state.model_name, request.id, answers)
         return encoded.body, encoded.headers, encoded.media_type
 
     async def infer(request: Request, name: str, version: str | None):
