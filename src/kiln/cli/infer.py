@@ -13,7 +13,7 @@ import logging
 import sys
 
 from kiln.checkpoint import CheckpointError
-from kiln.inference.config import ArgumentError, InferConfig, parse_args, usage
+from kiln.inference.config import ArgumentError, InferConfig, model_threads, parse_args, usage
 from kiln.inference.errors import InferenceError, InputError
 
 EXIT_USER_ERROR = 2
@@ -66,7 +66,8 @@ def run_serve(cfg: InferConfig) -> None:
     from kiln.inference import Predictor
     from kiln.serving import serve  # only this mode pulls in the web stack
 
-    predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8)
+    threads = model_threads(cfg.server.model_threads)
+    predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8, threads)
     serve(predictor, cfg.server)
 
 

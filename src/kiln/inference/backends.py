@@ -108,21 +108,26 @@ def ort_providers(device: torch.device | str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
-def ort_session(onnx_path: Path, device: torch.device | str = "cpu"):
+def ort_session(onnx_path: Path, device: torch.device | str = "cpu", threads: int | None = None):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     # Fatal only: errors reach us as exceptions, and its warnings (unused providers) are noise.
     options.log_severity_level = 4
+    if threads:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        # Idle threads sleep instead of spinning: a server shares its cores with HTTP.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(onnx_path), options, providers=ort_providers(device))
 
 
 class OnnxBackend:
     platform = "onnxruntime_onnx"
 
-    def __init__(self, onnx_path: Path, device: torch.device):
+    def __init__(self, onnx_path: Path, device: torch.device, threads: int | None = None):
         self.path = onnx_path
-        self.session = ort_session(onnx_path, device)
+        self.session = ort_session(onnx_path, device, threads)
 
     def probs(self, batch: Tensor) -> np.ndarray:
         (probs,) = self.session.run(["probs"], {ONNX_INPUT: batch.cpu().numpy()})
@@ -134,9 +139,9 @@ class OnnxDetectionBackend:
 
     platform = "onnxruntime_onnx"
 
-    def __init__(self, onnx_path: Path, device: torch.device, score_threshold: float):
+    def __init__(self, onnx_path: Path, device: torch.device, score_threshold: float, threads=None):
         self.path = onnx_path
-        self.session = ort_session(onnx_path, device)
+        self.session = ort_session(onnx_path, device, threads)
         self.score_threshold = score_threshold
 
     def detect(self, images: list[Tensor]) -> list[Detections]:

@@ -35,6 +35,7 @@ class ServerConfig:
     max_body_bytes: int = 32 * MIB  # a larger body (after decompression): 413, unparsed
     timeout_ms: float = 10_000.0  # per-request deadline: 504 past it; unrun inputs leave the queue
     drain_grace_s: float = 30.0  # on SIGTERM: time to answer accepted requests, then 503 the rest
+    model_threads: int = 0  # CPU threads per model call (0: all cores but one, kept for HTTP)
     model_name: str = "kiln"  # the <name> in /v2/models/<name> (and the Triton model's folder)
 
 
@@ -146,6 +147,7 @@ def validate_server(s: ServerConfig) -> None:
     _at_least("server.max_queue_size", s.max_queue_size, 1)
     _at_least("server.max_inputs_per_request", s.max_inputs_per_request, 1)
     _at_least("server.max_body_bytes", s.max_body_bytes, 1024)
+    _at_least("server.model_threads", s.model_threads, 0)
     if s.timeout_ms <= 0:
         raise ArgumentError(f"server.timeout_ms={s.timeout_ms:g}: must be > 0")
     if s.drain_grace_s <= 0:
@@ -168,3 +170,11 @@ def validate_server(s: ServerConfig) -> None:
         raise ArgumentError(
             f"server.model_name={s.model_name!r}: use letters, digits, '_', '.' or '-' only"
         )
+
+
+def model_threads(setting: int) -> int:
+    """server.model_threads resolved: 0 means every core but one (at least one). A serving
+    process also parses and answers HTTP; model threads that take every core spin against it."""
+    import os
+
+    return setting or max(1, (os.cpu_count() or 2) - 1)

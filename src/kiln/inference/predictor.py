@@ -71,9 +71,19 @@ class Predictor:
 
     @classmethod
     def from_checkpoint(
-        cls, path: str | Path, backend: str = "torch", device: str = "cpu", int8: bool = False
+        cls,
+        path: str | Path,
+        backend: str = "torch",
+        device: str = "cpu",
+        int8: bool = False,
+        threads: int | None = None,
     ) -> Predictor:
+        """threads: CPU threads per model call (None: the library's default, all cores)."""
         path = Path(path)
+        if threads and backend == "torch":
+            import torch
+
+            torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
         if not path.is_file():
@@ -96,8 +106,9 @@ class Predictor:
         record = read_sidecar(onnx_path)
         if record.spec.task == "detection":
             threshold = record.config["model"].get("score_threshold", DEFAULT_SCORE_THRESHOLD)
-            return cls(OnnxDetectionBackend(onnx_path, torch_device, threshold), record, onnx_path)
-        return cls(OnnxBackend(onnx_path, torch_device), record, onnx_path)
+            backend_ = OnnxDetectionBackend(onnx_path, torch_device, threshold, threads)
+            return cls(backend_, record, onnx_path)
+        return cls(OnnxBackend(onnx_path, torch_device, threads), record, onnx_path)
 
     @property
     def spec(self) -> DataSpec:
