@@ -159,6 +159,17 @@ def test_text_model_predict_and_export_two_lengths(text_ckpt):
         predictor.predict(["fine", 3])
 
 
+def test_text_transformer_export_keeps_batch_and_length_dynamic(tmp_path_factory, tmp_path):
+    """nn.MultiheadAttention: the legacy exporter bakes the batch size in (parity fails), and
+    the dynamo exporter must be traced on a batch of two, or it specialises the batch to 1."""
+    run_dir, _ = trained_run(
+        tmp_path_factory, "infer_transformer", "data=csv_text", "model=text_transformer"
+    )
+    report = export(run_dir / "checkpoints" / "best.pt", tmp_path / "model.onnx")
+    assert report.exporter == "dynamo"
+    assert len(report.parity) == 3 and all(c.max_abs_diff <= PROBS_TOLERANCE for c in report.parity)
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoint policy and unsupported checkpoints
 

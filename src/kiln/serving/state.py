@@ -2,7 +2,7 @@
 (loading -> ready -> draining). Inference routes go through `admitted` and `infer`:
 
     async with state.admitted() as deadline:        # 503 while loading or draining
-        body = await read_body(request, state.config.max_body_bytes)   # 413 past the limit
+        body = await state.read_body(request, deadline)      # 413 past the limit, 504 too late
         items = await state.offload(size, parse_and_convert, body)     # 4xx naming the item
         outputs = await state.infer(request, items, count, deadline)   # 503, 504, 499"""
 
@@ -22,7 +22,14 @@ from starlette.requests import Request
 from kiln.inference import Predictor
 from kiln.inference.config import ServerConfig
 from kiln.serving.batcher import DynamicBatcher
-from kiln.serving.errors import BadRequest, BatcherClosed, ClientGone, PayloadTooLarge, Unavailable
+from kiln.serving.errors import (
+    BadRequest,
+    BatcherClosed,
+    ClientGone,
+    DeadlineExceeded,
+    PayloadTooLarge,
+    Unavailable,
+)
 from kiln.serving.metrics import ServingMetrics
 
 OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
@@ -80,6 +87,15 @@ class ServingState:
         """Until no admitted request is left unanswered."""
         if self.inflight:
             await self._idle.wait()
+
+    async def read_body(self, request: Request, deadline: float) -> bytes:
+        """The body (see `read_body`), which must arrive before the request's deadline: a
+        client trickling it in cannot hold a place, or a drain, for ever."""
+        try:
+            async with asyncio.timeout(deadline - time.monotonic()):
+                return await read_body(request, self.config.max_body_bytes)
+        except TimeoutError:
+            raise DeadlineExceeded("the body did not arrive within server.timeout_ms") from None
 
     async def offload(self, size: int, fn, *args) -> Any:
         """fn(*args) here for small work, in the parsing thread for large bodies, so the event

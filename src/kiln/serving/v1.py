@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kiln.preprocessing import InputError
 from kiln.serving.errors import ServingError
 from kiln.serving.oip import loads_json
-from kiln.serving.state import ServingState, read_body
+from kiln.serving.state import ServingState
 
 PER_INPUT_BYTES = 1024  # a rough answer size per input: decides whether rendering is offloaded
 
@@ -61,7 +61,7 @@ def add_v1_routes(app: FastAPI, state: ServingState) -> None:
     async def predict(request: Request):
         try:
             async with state.admitted() as deadline:
-                body = await read_body(request, config.max_body_bytes)
+                body = await state.read_body(request, deadline)
                 items, count = await state.offload(len(body), parse_and_convert, body)
                 outputs = await state.infer(request, items, count, deadline)
                 answer = await state.offload(count * PER_INPUT_BYTES, render, outputs)

@@ -37,7 +37,7 @@ from kiln.serving.oip import (
     encode_response,
     parse_infer_request,
 )
-from kiln.serving.state import ServingState, read_body
+from kiln.serving.state import ServingState
 
 VERSION = "1"
 EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration"]
@@ -185,7 +185,7 @@ def add_v2_routes(app: FastAPI, state: ServingState) -> None:
             return missing
         try:
             async with state.admitted() as deadline:
-                body = await read_body(request, config.max_body_bytes)
+                body = await state.read_body(request, deadline)
                 header_length = request.headers.get(HEADER_LENGTH)
                 parsed, items, count = await state.offload(
                     len(body), parse_and_convert, body, header_length
