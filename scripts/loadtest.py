@@ -1,12 +1,13 @@
 """Load test of kiln's server: an async client at several concurrencies against the real server
-(`python infer.py mode=serve`, one process per setting) in three modes on the same stack --
+(`python infer.py mode=serve`, one process per mode) in three modes on the same stack --
 batching on, `server.max_batch_size=1`, and `backend=echo` (no model: the HTTP stack's ceiling)
 -- over the Open Inference Protocol v2 in JSON and over its binary tensor data extension. Every
 answer is checked against offline predictions of the same checkpoint (echo: against its fixed
 answer); a wrong or failed answer makes the exit status 1.
 
-Reported per (model, mode, format, concurrency): requests/s, p50/p95/p99 latency, the server's
-mean batch compute; then the floors, each a ratio measured in this run:
+Reported per (model, mode, format, concurrency): requests/s (the median of rounds that take the
+modes in turn, so a change in the machine's load hits them alike), p50/p95/p99 latency, the
+server's mean batch compute; then the floors, each a ratio measured in this run:
 
     batched >= 3x unbatched throughput at concurrency 32      (image models, e.g. resnet18 32x32)
     a tiny model >= 0.8 of the echo ceiling                    (e.g. the digits mlp)
@@ -238,29 +239,85 @@ def quantile_ms(latencies: list[float], q: int) -> float:
     return statistics.quantiles(latencies, n=100)[q - 1] * 1000
 
 
-def measure(server, name, mode, fmt, requests, expected, concurrency, count) -> Row:
+@dataclass
+class Round:
+    """One measurement of one setting: throughput and the latencies behind it."""
+
+    latencies: list[float]
+    seconds: float
+    errors: int
+    mismatches: int
+    model_calls: float
+    model_seconds: float
+    inputs: float
+
+
+def measure_round(server, requests, expected, concurrency: int, count: int) -> Round:
     asyncio.run(load(server.url, requests, expected, concurrency, min(count, 2 * concurrency)))
     before = server.batch_stats()
     latencies, seconds, errors, mismatches = asyncio.run(
         load(server.url, requests, expected, concurrency, count)
     )
     calls, model_s, inputs = (a - b for a, b in zip(server.batch_stats(), before, strict=True))
+    return Round(latencies, seconds, errors, mismatches, calls, model_s, inputs)
+
+
+def summarise(model: str, mode: str, fmt: str, concurrency: int, rounds: list[Round]) -> Row:
+    """Throughput: the median round's; latency quantiles: over every request of every round."""
+    latencies = [t for r in rounds for t in r.latencies]
+    calls = sum(r.model_calls for r in rounds)
     return Row(
-        model=name,
+        model=model,
         mode=mode,
         format=fmt,
         concurrency=concurrency,
-        requests=count,
-        seconds=seconds,
-        requests_per_s=count / seconds,
+        requests=len(latencies),
+        seconds=sum(r.seconds for r in rounds),
+        requests_per_s=statistics.median(len(r.latencies) / r.seconds for r in rounds),
         p50_ms=quantile_ms(latencies, 50),
         p95_ms=quantile_ms(latencies, 95),
         p99_ms=quantile_ms(latencies, 99),
-        errors=errors,
-        mismatches=mismatches,
-        batch_ms=1000 * model_s / calls if calls else math.nan,
-        mean_batch_size=inputs / calls if calls else math.nan,
+        errors=sum(r.errors for r in rounds),
+        mismatches=sum(r.mismatches for r in rounds),
+        batch_ms=1000 * sum(r.model_seconds for r in rounds) / calls if calls else math.nan,
+        mean_batch_size=sum(r.inputs for r in rounds) / calls if calls else math.nan,
     )
+
+
+def measure_model(name: str, ckpt: Path, args, modes, formats, concurrencies) -> list[Row]:
+    """Every mode's server up at once; each (format, concurrency) measured in rounds that take
+    the modes in turn, so a change in the machine's load hits every mode alike."""
+    from kiln.inference import Predictor
+
+    reference = Predictor.from_checkpoint(args.reference or ckpt)
+    pool = input_pool(reference, POOL_SIZE)
+    offline = reference.predict_probs(pool)
+    expected = {m: np.full_like(offline, 1 / offline.shape[1]) if m == "echo" else offline
+                for m in modes}  # fmt: skip
+    servers = {}
+    try:
+        for mode in modes:
+            settings = [f"server.max_batch_size={args.max_batch_size}"]
+            settings += [f"server.max_delay_ms={args.max_delay_ms}", *MODES[mode]]
+            servers[mode] = Server(ckpt, settings)
+        rows = []
+        for fmt in formats:
+            requests = [encode(pixels, fmt) for pixels in pool]
+            for c in concurrencies:
+                count = max(1, args.requests // args.rounds)
+                rounds = {mode: [] for mode in modes}
+                for _ in range(args.rounds):
+                    for mode in modes:
+                        rounds[mode].append(
+                            measure_round(servers[mode], requests, expected[mode], c, count)
+                        )
+                for mode in modes:
+                    rows.append(summarise(name, mode, fmt, c, rounds[mode]))
+                    print_rows(rows[-1:])
+        return rows
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +404,8 @@ def parse_args(argv=None):
     )  # fmt: skip
     parser.add_argument("--reference", default=None, help="check answers against this .pt")
     parser.add_argument("--concurrency", default="1,8,32,64")
-    parser.add_argument("--requests", type=int, default=400, help="per measurement")
+    parser.add_argument("--requests", type=int, default=400, help="per setting, all rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="modes measured in turn, R times")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--max-batch-size", type=int, default=32)
@@ -363,8 +421,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from kiln.inference import Predictor
-
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     modes, formats = args.modes.split(","), args.formats.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -372,25 +428,7 @@ def main(argv=None) -> int:
         ckpts = {k: Path(v) for k, v in ckpts.items()} or train_tiny(list(TINY_RUNS), Path(tmp))
         rows: list[Row] = []
         for name, ckpt in ckpts.items():
-            reference = Predictor.from_checkpoint(args.reference or ckpt)
-            pool = input_pool(reference, POOL_SIZE)
-            offline = reference.predict_probs(pool)
-            uniform = np.full_like(offline, 1 / offline.shape[1])
-            for mode in modes:
-                expected = uniform if mode == "echo" else offline
-                settings = [f"server.max_batch_size={args.max_batch_size}"]
-                settings += [f"server.max_delay_ms={args.max_delay_ms}", *MODES[mode]]
-                server = Server(ckpt, settings)
-                try:
-                    for fmt in formats:
-                        requests = [encode(pixels, fmt) for pixels in pool]
-                        for c in concurrencies:
-                            rows.append(measure(
-                                server, name, mode, fmt, requests, expected, c, args.requests
-                            ))  # fmt: skip
-                            print_rows(rows[-1:])
-                finally:
-                    server.stop()
+            rows += measure_model(name, ckpt, args, modes, formats, concurrencies)
     print()
     print_rows(rows)
     checked = floors(rows, args)

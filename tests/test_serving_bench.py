@@ -36,7 +36,7 @@ def test_loadtest_checks_every_answer_and_reports_the_floors(digits_ckpt, tmp_pa
     out = tmp_path / "load.json"
     done = run_script(
         "loadtest.py", "--ckpt", f"mlp={digits_ckpt}", "--modes", "batched,echo",
-        "--concurrency", "1,4", "--requests", "16", "--floor-concurrency", "4",
+        "--concurrency", "1,4", "--requests", "16", "--rounds", "2", "--floor-concurrency", "4",
         "--out", str(out), "--check", "--min-ceiling-ratio", "1e9",  # a floor nobody meets
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr  # --check: the floor was not met
