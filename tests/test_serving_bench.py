@@ -57,6 +57,7 @@ def test_loadtest_checks_every_answer_and_reports_the_floors(digits_ckpt, tmp_pa
     assert "NOT met" in done.stdout
 
 
+@pytest.mark.slow  # a server process of its own; --check already shows the script can fail
 def test_loadtest_fails_on_a_wrong_answer(digits_ckpt, tmp_path):
     """Answers are checked against offline predictions: served from one checkpoint and checked
     against another, every answer is wrong and the exit status says so."""
