@@ -72,12 +72,9 @@ def test_schemathesis_short_run_finds_nothing(digits_server, tmp_path):
 
 @pytest.mark.slow  # several minutes: every phase, 100 examples per operation, two models
 def test_schemathesis_full_run_finds_nothing(digits_server, tmp_path_factory, tmp_path):
-    assert_nothing_found(
-        schemathesis_run(digits_server.url, tmp_path / "digits", "--max-examples", "100")
-    )
+    options = ("--max-examples", "100", "--seed", "7")  # fixed: a failure replays
+    assert_nothing_found(schemathesis_run(digits_server.url, tmp_path / "digits", *options))
     run_dir, _ = text_run(tmp_path_factory)
     predictor = Predictor.from_checkpoint(run_dir / "checkpoints" / "best.pt")
     with live_server(create_app(predictor, max_delay_ms=1)) as server:
-        assert_nothing_found(
-            schemathesis_run(server.url, tmp_path / "text", "--max-examples", "100")
-        )
+        assert_nothing_found(schemathesis_run(server.url, tmp_path / "text", *options))

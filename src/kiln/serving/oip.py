@@ -244,7 +244,7 @@ def _decode_input(
         + ("both" if size is not None else "neither"),
     )
     if size is None:
-        data = _json_data(tensor["data"], datatype, count, where)
+        data = _json_data(tensor["data"], datatype, shape, where)
         return Tensor(spec.name, datatype, tuple(shape), data), 0
     _require(
         size <= len(binary),
@@ -254,19 +254,35 @@ def _decode_input(
     return Tensor(spec.name, datatype, tuple(shape), data), size
 
 
-def _flatten(data: Any, where: str) -> list:
-    """Nested JSON lists -> one flat list, row-major."""
+def _flatten(data: Any, shape: list[int], where: str) -> list:
+    """Flat data as it is; nested data must nest exactly as `shape` (then flattened row-major)."""
     _require(isinstance(data, list), f"{where}: data must be a list")
-    if not data or not isinstance(data[0], list):
+    if not any(isinstance(x, list) for x in data):
         return data
     flat: list = []
-    for row in data:
-        flat += _flatten(row, where)
+
+    def walk(node: Any, depth: int) -> None:
+        _require(
+            isinstance(node, list) and len(node) == shape[depth],
+            f"{where}: nested data must nest exactly as shape {shape}",
+        )
+        if depth == len(shape) - 1:
+            _require(
+                not any(isinstance(x, list) for x in node),
+                f"{where}: nested data is deeper than shape {shape}",
+            )
+            flat.extend(node)
+            return
+        for child in node:
+            walk(child, depth + 1)
+
+    walk(data, 0)
     return flat
 
 
-def _json_data(data: Any, datatype: str, count: int, where: str) -> np.ndarray | list[str]:
-    flat = _flatten(data, where)
+def _json_data(data: Any, datatype: str, shape: list[int], where: str) -> np.ndarray | list[str]:
+    count = math.prod(shape)
+    flat = _flatten(data, shape, where)
     _require(
         len(flat) == count,
         f"{where}: shape holds {count} values, data has {len(flat)}",
