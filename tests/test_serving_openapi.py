@@ -25,6 +25,7 @@ ST = Path(sys.executable).with_name("st")
 
 
 def schemathesis_run(url: str, tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     env = {
         **SUBPROCESS_ENV,
         "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks",
@@ -32,7 +33,8 @@ def schemathesis_run(url: str, tmp_path: Path, *options: str) -> subprocess.Comp
     }
     cmd = [str(ST), "run", f"{url}/openapi.json", "--checks", "all", "--workers", "1"]
     cmd += ["--no-color", "--report-dir", str(tmp_path), *options]
-    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=3000)
+    # In tmp_path: schemathesis keeps a cache (.schemathesis/) in its working directory.
+    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=3000)
 
 
 def assert_nothing_found(run: subprocess.CompletedProcess) -> None:
