@@ -152,7 +152,8 @@ def test_the_server_returns_boxes_over_v1_and_v2(predictor):
         assert outputs["labels"]["data"] == [names[k - 1] for k in found["labels"]]
 
 
-@pytest.mark.slow  # the whole experiment: about 10 minutes of 2 CPU cores
+@pytest.mark.slow  # the whole experiment: about 5 minutes of 2 idle CPU cores
+@pytest.mark.timeout(3600)
 def test_detection_learns(tmp_path):
     """The README's detection experiment reaches mAP@0.5 >= 0.7 on shapes_detection."""
     run_dir = tmp_path / "run"

@@ -73,6 +73,7 @@ def test_schemathesis_short_run_finds_nothing(digits_server, tmp_path):
 
 
 @pytest.mark.slow  # several minutes: every phase, 100 examples per operation, two models
+@pytest.mark.timeout(3600)
 def test_schemathesis_full_run_finds_nothing(digits_server, tmp_path_factory, tmp_path):
     options = ("--max-examples", "100", "--seed", "7")  # fixed: a failure replays
     assert_nothing_found(schemathesis_run(digits_server.url, tmp_path / "digits", *options))

@@ -100,7 +100,6 @@ class DynamicBatcher:
         self.seconds_per_input = SECONDS_PER_INPUT_PRIOR
         self._queue: collections.deque[Job] = collections.deque()
         self._queued_inputs = 0  # inputs of queued jobs not yet taken into a batch
-        self._running: list[Slice] = []
         self._arrived = asyncio.Event()
         self._executor: ThreadPoolExecutor | None = None
         self._loop_task: asyncio.Task | None = None
@@ -131,10 +130,6 @@ class DynamicBatcher:
         self._queued_inputs = 0
         self._update_depth()
         return cut
-
-    def busy(self) -> bool:
-        """Whether any job is queued or running."""
-        return bool(self._queue) or bool(self._running)
 
     async def stop(self) -> None:
         self.close()
@@ -239,7 +234,9 @@ class DynamicBatcher:
             job = self._queue.popleft()
             if job.finished or job.deadline <= now:
                 self._queued_inputs -= job.count - job.taken
-                job.fail(DeadlineExceeded("deadline exceeded while queued"))
+                if not job.finished:
+                    self.metrics.deadline_exceeded.inc()
+                    job.fail(DeadlineExceeded("deadline exceeded while queued"))
                 continue
             jobs.append(job)
         return jobs
@@ -277,15 +274,12 @@ class DynamicBatcher:
         for piece in batch:
             if piece.start == 0:
                 self.metrics.queue_wait.observe(started - piece.job.enqueued_at)
-        self._running = batch
         try:
             await self._run_isolated(batch)
         except asyncio.CancelledError:  # stop(): no request is left without an answer
             for piece in batch:
                 piece.job.fail(BatcherClosed("the server shut down while running it"))
             raise
-        finally:
-            self._running = []
 
     async def _call(self, slices: list[Slice]) -> Any:
         """One model call in the worker thread over these slices' items."""
