@@ -1,19 +1,43 @@
-"""Tiny trained checkpoints shared by test_inference.py and test_serving.py: each is trained once
-per pytest session, in-process, from the real config shrunk to one epoch."""
+"""Shared by the inference and serving tests: tiny trained checkpoints (each trained once per
+pytest session, in-process, from the real config shrunk), raw validation inputs as a user would
+send them, and the real server -- uvicorn on 127.0.0.1, in a thread or as `python infer.py
+mode=serve` in its own process."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
+import uvicorn
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
+from kiln.cli.paths import REPO_ROOT
 from kiln.engine.run import train
 
-from .conftest import compose_config
+from .conftest import SUBPROCESS_ENV, compose_config
 
 TINY = ("trainer.max_epochs=1", "env.progress_bar=false", "logger=none", "device=cpu")
+# A detector trained for a few steps on small images: enough to exercise every inference path.
+TINY_DETECTION = (
+    "data=shapes_detection",
+    "model=detector",
+    "data.num_train=8",
+    "data.num_val=4",
+    "data.image_size=64",
+    "data.min_image_size=40",
+    "data.batch_size=4",
+    "model.width=8",
+    "trainer.max_steps=2",
+)
+STARTUP_TIMEOUT_S = 60
 _RUNS: dict[str, tuple[Path, dict]] = {}
 
 
@@ -30,6 +54,14 @@ def digits_run(tmp_path_factory) -> tuple[Path, dict]:
     return trained_run(tmp_path_factory, "infer_digits", "data=digits", "model=mlp")
 
 
+def text_run(tmp_path_factory) -> tuple[Path, dict]:
+    return trained_run(tmp_path_factory, "infer_text", "data=csv_text", "model=text_bow")
+
+
+def detector_run(tmp_path_factory) -> tuple[Path, dict]:
+    return trained_run(tmp_path_factory, "infer_detector", *TINY_DETECTION)
+
+
 def raw_digits_val(val_fraction: float = 0.2, split_seed: int = 0):
     """The digits validation split as raw pixels (N, 8, 8) in 0..16, as a user would send them:
     the same split kiln.data.digits makes, before normalisation."""
@@ -42,3 +74,90 @@ def raw_digits_val(val_fraction: float = 0.2, split_seed: int = 0):
         stratify=raw.target,
     )
     return x_val, y_val
+
+
+def mixed_size_images(count: int = 4, seed: int = 0) -> list[np.ndarray]:
+    """Raw (3, H, W) images in [0, 1], each its own size, drawn like shapes_detection's."""
+    from kiln.data.shapes_detection import make_image
+
+    rng = np.random.default_rng(seed)
+    sizes = [(40 + 7 * i, 64 - 5 * i) for i in range(count)]
+    return [
+        make_image(rng, h, w, max_objects=3, num_classes=2)[0].numpy().astype(np.float32)
+        for h, w in sizes
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn in a thread on a socket bound here, so the port is ours before it starts."""
+
+    def __init__(self, app):
+        self.app = app
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
+
+    def start(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self.server.started:
+            assert self.thread.is_alive(), "the server thread died during start-up"
+            assert time.monotonic() < deadline, "the server did not start in time"
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+    @property
+    def state(self):
+        return self.app.state.kiln
+
+
+@contextlib.contextmanager
+def live_server(app):
+    server = LiveServer(app).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def serve_process(ckpt: Path, *overrides: str):
+    """`python infer.py mode=serve ckpt=...` as a user starts it; yields (Popen, url) once
+    /readyz says ready. The caller stops it (or it is killed on the way out)."""
+    port = free_port()
+    cmd = [sys.executable, str(REPO_ROOT / "infer.py"), "mode=serve", f"ckpt={ckpt}"]
+    cmd += [f"server.port={port}", *overrides]
+    proc = subprocess.Popen(
+        cmd, env=SUBPROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S * 2
+        while True:
+            assert proc.poll() is None, f"the server exited during start-up:\n{proc.stdout.read()}"
+            assert time.monotonic() < deadline, "the server was not ready in time"
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)

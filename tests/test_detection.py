@@ -14,10 +14,11 @@ from kiln.data.shapes_detection import collate_image_list
 from kiln.data.spec import DataSpec
 from kiln.engine.detection_eval import mean_average_precision
 from kiln.models import build_model
+from kiln.models.detector import LOSS_KEYS as DETECTOR_LOSS_KEYS
 
 from .conftest import compose_config
 
-LOSS_KEYS = {"loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"}
+LOSS_KEYS = set(DETECTOR_LOSS_KEYS)
 
 
 def data_cfg(**overrides):
@@ -215,13 +216,13 @@ def test_check_output_finds_wrong_train_outputs(detector):
     good = {key: torch.tensor(1.0) for key in LOSS_KEYS}
     assert detector.check_output("train", good) == []
 
-    per_image = dict(good, loss_classifier=torch.ones(2))
+    per_image = dict(good, loss_heatmap=torch.ones(2))
     assert detector.check_output("train", per_image) == [
-        "output['loss_classifier']: expected (), got (2,)"
+        "output['loss_heatmap']: expected (), got (2,)"
     ]
 
-    incomplete = {key: value for key, value in good.items() if key != "loss_box_reg"}
-    assert "missing keys ['loss_box_reg']" in detector.check_output("train", incomplete)[0]
+    incomplete = {key: value for key, value in good.items() if key != "loss_size"}
+    assert "missing keys ['loss_size']" in detector.check_output("train", incomplete)[0]
     assert detector.check_output("train", torch.tensor(1.0))  # a bare tensor is not the dict
 
 

@@ -85,7 +85,10 @@ def test_predict_returns_labels_and_probs(digits_ckpt):
         (np.zeros((8, 7)), "got (8, 7)"),
         (np.full((8, 8), 255.0), "outside the training data's raw range [0, 16]"),
         (np.full((8, 8), np.nan), "item 1: contains NaN or Inf"),
-        ("a picture", "item 1: not a numeric array"),
+        (
+            "a picture",
+            "item 1: expected an image of shape (C, H, W) = (1, 8, 8) or (8, 8), made of",
+        ),
     ],
 )
 def test_bad_image_inputs_name_item_and_expected_shape(digits_ckpt, bad_item, expected):
@@ -156,6 +159,17 @@ def test_text_model_predict_and_export_two_lengths(text_ckpt):
         predictor.predict(["fine", 3])
 
 
+def test_text_transformer_export_keeps_batch_and_length_dynamic(tmp_path_factory, tmp_path):
+    """nn.MultiheadAttention: the legacy exporter bakes the batch size in (parity fails), and
+    the dynamo exporter must be traced on a batch of two, or it specialises the batch to 1."""
+    run_dir, _ = trained_run(
+        tmp_path_factory, "infer_transformer", "data=csv_text", "model=text_transformer"
+    )
+    report = export(run_dir / "checkpoints" / "best.pt", tmp_path / "model.onnx")
+    assert report.exporter == "dynamo"
+    assert len(report.parity) == 3 and all(c.max_abs_diff <= PROBS_TOLERANCE for c in report.parity)
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoint policy and unsupported checkpoints
 
@@ -179,12 +193,12 @@ def test_production_profile_refuses_anything_but_best(digits_ckpt, tmp_path):
     assert Predictor.from_checkpoint(best).predict([np.zeros((8, 8))])
 
 
-def test_detection_checkpoint_says_not_supported(digits_ckpt, tmp_path):
-    def detection(c):
-        c["data_spec"]["task"] = "detection"
+def test_a_task_inference_does_not_know_says_not_supported(digits_ckpt, tmp_path):
+    def segmentation(c):
+        c["data_spec"]["task"] = "segmentation"
 
-    ckpt = _altered_copy(digits_ckpt[0], tmp_path / "best.pt", detection)
-    with pytest.raises(UnsupportedCheckpointError, match="detection inference is not supported"):
+    ckpt = _altered_copy(digits_ckpt[0], tmp_path / "best.pt", segmentation)
+    with pytest.raises(UnsupportedCheckpointError, match="supports classification and detection"):
         Predictor.from_checkpoint(ckpt)
 
 

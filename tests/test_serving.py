@@ -1,55 +1,29 @@
 """A real uvicorn server on 127.0.0.1 (free port, in a thread) serving a tiny digits checkpoint:
 v1 and Open Inference Protocol v2 routes, health, metrics, dynamic batching under concurrent
-load, clear 4xx errors, and a clean shutdown. The batcher's failure handling is tested directly."""
+load, clear 4xx errors, and a clean shutdown. The batcher's failure isolation and fairness are
+also tested on their own, with plain functions standing in for the model."""
 
 from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
-from kiln.inference import Predictor
+from kiln.inference import InputError, Predictor
+from kiln.inference.predictor import join
 from kiln.serving import create_app
-from kiln.serving.batcher import BatcherClosed, BatchFailed, DynamicBatcher
+from kiln.serving.batcher import DynamicBatcher
+from kiln.serving.errors import BatcherClosed, DeadlineExceeded, ModelFailed, QueueFull
 from kiln.serving.metrics import ServingMetrics
 
-from .inference_helpers import digits_run, raw_digits_val
+from .inference_helpers import LiveServer, digits_run, raw_digits_val
 
 NUM_CONCURRENT = 20
-STARTUP_TIMEOUT_S = 30
-
-
-class LiveServer:
-    """uvicorn in a thread on a socket bound here, so the port is ours before it starts."""
-
-    def __init__(self, app):
-        self.app = app
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
-
-    def start(self) -> None:
-        self.thread.start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not self.server.started:
-            assert self.thread.is_alive(), "the server thread died during start-up"
-            assert time.monotonic() < deadline, "the server did not start in time"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +34,7 @@ def predictor(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(predictor):
-    live = LiveServer(create_app(predictor, max_batch_size=8, max_delay_ms=10))
-    live.start()
+    live = LiveServer(create_app(predictor, max_batch_size=8, max_delay_ms=10)).start()
     yield live
     live.stop()
 
@@ -129,11 +102,15 @@ def test_metrics_exposes_requests_errors_and_timings(client):
     text = client.get("/metrics").text
     for name in (
         'kiln_requests_total{endpoint="/v1/predict",status="200"}',
+        'kiln_requests_total{endpoint="/v1/predict",status="422"}',
         'kiln_errors_total{endpoint="/v1/predict"}',
         "kiln_batch_size_bucket",
         "kiln_queue_wait_seconds_bucket",
         'kiln_request_latency_seconds_bucket{endpoint="/v1/predict"',
         "kiln_inference_seconds_count",
+        "kiln_queue_depth",
+        "kiln_abandoned_requests_total",
+        "kiln_deadline_exceeded_total",
     ):
         assert name in text, name
 
@@ -144,7 +121,32 @@ def test_bad_input_is_422_naming_the_item(client):
     assert response.status_code == 422
     detail = response.json()["detail"]
     assert "item 2" in detail and "(1, 8, 8)" in detail and "got (3, 8)" in detail
-    assert client.post("/v1/predict", json={"images": []}).status_code == 422
+    response = client.post("/v1/predict", json={"images": []})
+    assert response.status_code == 422 and "images" in response.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("pixel", "expected"),
+    [
+        ('"1.5"', "not strings, booleans or null"),
+        ("true", "not strings, booleans or null"),
+        ("null", "not strings, booleans or null"),
+        ("1" + "0" * 400, "not strings, booleans or null"),  # an integer beyond any float
+        ("1e39", "beyond float32"),  # a float beyond float32
+        ("NaN", "not valid JSON"),  # Python's json would read it; JSON has no NaN
+    ],
+)
+def test_v1_pixels_must_be_numbers_in_range(client, pixel, expected):
+    """Numeric strings, booleans and numbers beyond float32 were silently coerced or gave 500."""
+    row = "[" + ", ".join(["0"] * 7 + [pixel]) + "]"
+    image = "[" + ", ".join([row] * 8) + "]"
+    good = "[" + ", ".join(["[" + ", ".join(["0"] * 8) + "]"] * 8) + "]"
+    body = '{"inputs": [' + good + ", " + image + "]}"
+    response = client.post("/v1/predict", content=body)
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert expected in detail
+    assert "item 1" in detail or "JSON" in detail
 
 
 def test_v2_metadata_and_infer(client, predictor, images):
@@ -173,18 +175,20 @@ def test_v2_errors(client):
     assert client.post("/v2/models/resnet/infer", json=body).status_code == 404
     body["inputs"][0]["shape"] = [1, 1, 4, 16]
     response = client.post("/v2/models/kiln/infer", json=body)
-    assert response.status_code == 400 and "item 0" in response.json()["error"]
+    assert response.status_code == 400 and "shape must be [-1, 1, 8, 8]" in response.json()["error"]
     body["inputs"][0]["shape"] = [2, 1, 8, 8]
     response = client.post("/v2/models/kiln/infer", json=body)
-    assert (
-        response.status_code == 400 and "holds 128 values, data has 64" in response.json()["error"]
-    )
+    assert response.status_code == 400
+    assert "holds 128 values, data has 64" in response.json()["error"]
+    body["inputs"][0]["shape"] = [1, 1, 8, 8]
+    body["inputs"][0]["data"] = [17.0] * 64  # outside digits' raw range 0..16
+    response = client.post("/v2/models/kiln/infer", json=body)
+    assert response.status_code == 400 and "item 0: pixel values span" in response.json()["error"]
 
 
 def test_server_shuts_down_cleanly(predictor):
     app = create_app(predictor, model_name="other")
-    live = LiveServer(app)
-    live.start()
+    live = LiveServer(app).start()
     with httpx.Client(base_url=live.url) as c:
         assert c.get("/v2/models/other/ready").json() == {"name": "other", "ready": True}
     live.stop()
@@ -192,55 +196,119 @@ def test_server_shuts_down_cleanly(predictor):
     assert app.state.kiln.ready is False
 
 
+def test_server_settings_are_checked_naming_the_key(predictor):
+    from kiln.inference.config import ArgumentError
+
+    for key, value, message in [
+        ("port", 70000, "server.port=70000: must be in 1..65535"),
+        ("max_queue_size", 0, "server.max_queue_size=0: must be >= 1"),
+        ("max_inputs_per_request", 9000, "larger than server.max_queue_size=8192"),
+        ("timeout_ms", 60_000, "server.drain_grace_s=30 must be longer than server.timeout_ms"),
+        ("model_name", "a/b", "server.model_name='a/b'"),
+    ]:
+        with pytest.raises(ArgumentError, match=re.escape(message)):
+            create_app(predictor, **{key: value})
+
+
 # ---------------------------------------------------------------------------------------------
-# The batcher on its own: failures stay within their batch, nothing is dropped
+# The batcher on its own: failures stay with their request, big requests share, nothing is lost
 
 
-def _predict_or_fail(inputs):
+def _upper_or_fail(inputs):
     if "boom" in inputs:
         raise RuntimeError("model exploded")
+    if "bad" in inputs:
+        raise InputError("not a word")
     return [x.upper() for x in inputs]
 
 
+def _batcher(run=_upper_or_fail, **limits) -> DynamicBatcher:
+    settings = {"max_batch_size": 4, "max_delay_ms": 20, "max_queue_size": 100, **limits}
+    return DynamicBatcher(run, join, metrics=ServingMetrics(), **settings)
+
+
+async def _submit(batcher, items, timeout_s: float = 30):
+    return await batcher.submit(items, len(items), time.monotonic() + timeout_s)
+
+
 async def _submit_all(batcher, requests):
-    return await asyncio.gather(*(batcher.submit(r) for r in requests), return_exceptions=True)
+    return await asyncio.gather(*(_submit(batcher, r) for r in requests), return_exceptions=True)
 
 
-def test_failing_batch_fails_only_its_requests():
+def test_a_failing_input_fails_only_its_own_request():
+    """[a, boom, c, bad] share one model call, which raises: it is split and retried until
+    only the requests holding 'boom' (500) and 'bad' (4xx) fail; a and c get their answers."""
+
     async def scenario():
-        batcher = DynamicBatcher(
-            _predict_or_fail, max_batch_size=2, max_delay_ms=50, max_queue_size=10,
-            metrics=ServingMetrics(),
-        )  # fmt: skip
+        batcher = _batcher()
         await batcher.start()
-        # Batches of two inputs, oldest first: [a, boom] fails together, [c, d] succeeds.
-        results = await _submit_all(batcher, [["a"], ["boom"], ["c"], ["d"]])
-        after = await batcher.submit(["e"])
+        results = await _submit_all(batcher, [["a"], ["boom"], ["c"], ["x", "bad"]])
+        after = await _submit(batcher, ["e"])  # the loop carries on
         await batcher.stop()
-        return results, after
+        return results, after, batcher.metrics
 
-    results, after = asyncio.run(scenario())
-    assert isinstance(results[0], BatchFailed) and isinstance(results[1], BatchFailed)
-    assert "model exploded" in str(results[1])
-    assert results[2:] == [["C"], ["D"]] and after == ["E"]
+    results, after, metrics = asyncio.run(scenario())
+    assert results[0] == ["A"] and results[2] == ["C"] and after == ["E"]
+    assert isinstance(results[1], ModelFailed) and "model exploded" in str(results[1])
+    assert isinstance(results[3], InputError) and "item 1" in str(results[3])
+    assert metrics.batch_splits._value.get() >= 1
 
 
-def test_large_request_is_split_and_stop_fails_waiting_requests():
+def test_a_large_request_is_split_and_small_ones_ride_along():
+    calls = []
+
+    def record(inputs):
+        calls.append(list(inputs))
+        time.sleep(0.01)
+        return [x.upper() for x in inputs]
+
     async def scenario():
-        batcher = DynamicBatcher(
-            _predict_or_fail, max_batch_size=2, max_delay_ms=10_000, max_queue_size=10,
-            metrics=ServingMetrics(),
-        )  # fmt: skip
+        batcher = _batcher(record, max_batch_size=4, max_delay_ms=0)
         await batcher.start()
-        big = await batcher.submit(["a", "b", "c", "d", "e"])  # > max_batch_size: one request
-        waiting = asyncio.ensure_future(batcher.submit(["x"]))  # waits for a 10 s deadline
-        await asyncio.sleep(0.05)
+        big = asyncio.ensure_future(_submit(batcher, [f"b{i}" for i in range(40)]))
+        await asyncio.sleep(0.03)  # the big one is running
+        small = await _submit(batcher, ["s"])
+        small_done_while_big_ran = not big.done()
+        result = await big
         await batcher.stop()
-        return big, await asyncio.gather(waiting, return_exceptions=True)
+        return result, small, small_done_while_big_ran
 
-    big, (waiting,) = asyncio.run(scenario())
-    assert big == ["A", "B", "C", "D", "E"]
-    assert isinstance(waiting, BatcherClosed)
+    big, small, fair = asyncio.run(scenario())
+    assert big == [f"B{i}" for i in range(40)] and small == ["S"]
+    assert fair, "the small request waited for the whole large one"
+    assert max(len(c) for c in calls) <= 4
+    small_call = next(i for i, c in enumerate(calls) if "s" in c)
+    assert small_call < len(calls) - 2  # it did not go last
+
+
+def test_queue_full_deadline_and_stop_answer_every_request():
+    def slow(inputs):
+        time.sleep(0.2)
+        return list(inputs)
+
+    async def scenario():
+        batcher = _batcher(slow, max_batch_size=1, max_delay_ms=0, max_queue_size=3)
+        await batcher.start()
+        first = asyncio.ensure_future(_submit(batcher, ["a"]))
+        await asyncio.sleep(0.05)  # "a" is running; the queue is empty again
+        queued = [asyncio.ensure_future(_submit(batcher, [x])) for x in "bc"]
+        expiring = asyncio.ensure_future(_submit(batcher, ["d"], timeout_s=0.1))
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        full = (await asyncio.gather(_submit(batcher, ["e"]), return_exceptions=True))[0]
+        refused_in_s = time.monotonic() - started
+        (expired,) = await asyncio.gather(expiring, return_exceptions=True)
+        answered = await asyncio.gather(first, queued[0], return_exceptions=True)
+        await batcher.stop()  # "c" is still queued or running
+        (stopped,) = await asyncio.gather(queued[1], return_exceptions=True)
+        return full, refused_in_s, expired, answered, stopped
+
+    full, refused_in_s, expired, answered, stopped = asyncio.run(scenario())
+    assert isinstance(full, QueueFull) and full.status == 503, full
+    assert int(full.headers["Retry-After"]) >= 1 and refused_in_s < 0.05  # at once
+    assert isinstance(expired, DeadlineExceeded) and expired.status == 504
+    assert answered == [["a"], ["b"]]
+    assert stopped == ["c"] or isinstance(stopped, BatcherClosed)  # answered either way
 
 
 def test_serving_a_checkpoint_imports_no_training_data_stack(tmp_path_factory):

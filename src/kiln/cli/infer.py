@@ -1,7 +1,7 @@
 """`python infer.py key=value ...` / `kiln-infer`: predict a file, export to ONNX, or serve.
 
     python infer.py ckpt=run/checkpoints/best.pt input=x.npy output=preds.csv [backend=onnx]
-    python infer.py mode=export ckpt=run/checkpoints/best.pt [int8=true]
+    python infer.py mode=export ckpt=run/checkpoints/best.pt [int8=true | format=triton]
     python infer.py mode=serve ckpt=run/checkpoints/best.pt [server.port=8000 ...]
 
 A user mistake (missing file, bad shape, unknown key or mode, a refused checkpoint) ends with one
@@ -13,7 +13,7 @@ import logging
 import sys
 
 from kiln.errors import UserError
-from kiln.inference.config import ArgumentError, InferConfig, parse_args, usage
+from kiln.inference.config import ArgumentError, InferConfig, model_threads, parse_args, usage
 from kiln.inference.errors import InputError
 
 EXIT_USER_ERROR = 2
@@ -22,22 +22,43 @@ USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, ValueError)
 
 def run_predict(cfg: InferConfig) -> None:
     from kiln.inference import Predictor
-    from kiln.inference.files import read_inputs, write_predictions
+    from kiln.inference.files import read_inputs, write_detections, write_predictions
 
     predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8)
     inputs = read_inputs(cfg.input, predictor.preprocess, cfg.text_column)
+    sources = None
+    if predictor.task == "detection":
+        sources, inputs = [name for name, _ in inputs], [image for _, image in inputs]
     try:
-        probs = predictor.predict_probs(inputs, batch_size=cfg.batch_size)
+        outputs = predictor.run_in_chunks(inputs, batch_size=cfg.batch_size)
     except InputError as err:
-        raise InputError(f"{cfg.input}: {err}", err.index) from None
-    path = write_predictions(probs, predictor.class_names, cfg.output)
-    print(f"wrote {len(probs)} predictions to {path} ({cfg.backend} backend)", flush=True)
+        where = f" ({sources[err.index]})" if sources and err.index is not None else ""
+        raise InputError(f"{cfg.input}{where}: {err}", err.index) from None
+    if sources is not None:
+        path = write_detections(outputs, sources, predictor.class_names, cfg.output)
+        found = sum(len(d["boxes"]) for d in outputs)
+        print(f"wrote {found} boxes for {len(outputs)} images to {path} ({cfg.backend} backend)")
+        return
+    path = write_predictions(outputs, predictor.class_names, cfg.output)
+    print(f"wrote {len(outputs)} predictions to {path} ({cfg.backend} backend)", flush=True)
 
 
 def run_export(cfg: InferConfig) -> None:
-    from kiln.inference import export
+    if cfg.format == "triton":
+        from kiln.inference.triton import export_triton
 
-    report = export(cfg.ckpt, int8=cfg.int8, device=cfg.device)
+        report = export_triton(
+            cfg.ckpt,
+            cfg.export_dir,
+            model_name=cfg.server.model_name,
+            max_batch_size=cfg.server.max_batch_size,
+            max_delay_ms=cfg.server.max_delay_ms,
+            device=cfg.device,
+        )
+    else:
+        from kiln.inference import export
+
+        report = export(cfg.ckpt, int8=cfg.int8, device=cfg.device)
     print("\n".join(report.lines()), flush=True)
 
 
@@ -45,17 +66,9 @@ def run_serve(cfg: InferConfig) -> None:
     from kiln.inference import Predictor
     from kiln.serving import serve  # only this mode pulls in the web stack
 
-    predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8)
-    s = cfg.server
-    serve(
-        predictor,
-        host=s.host,
-        port=s.port,
-        max_batch_size=s.max_batch_size,
-        max_delay_ms=s.max_delay_ms,
-        max_queue_size=s.max_queue_size,
-        model_name=s.model_name,
-    )
+    threads = model_threads(cfg.server.model_threads)
+    predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8, threads)
+    serve(predictor, cfg.server)
 
 
 RUNNERS = {"predict": run_predict, "export": run_export, "serve": run_serve}

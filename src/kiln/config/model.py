@@ -93,7 +93,16 @@ class TextTransformerConfig(ClassifierConfig):
 
 @dataclass
 class DetectorConfig(ModelConfig):
-    """torchvision Faster R-CNN, MobileNetV3-Large FPN backbone (weights=None), CPU-sized."""
+    """A small CenterNet (anchor-free, GroupNorm) trained from scratch; CPU-sized."""
+
+    width: int = 32  # channels of the first stage (later stages: 2x and 4x)
+    score_threshold: float = 0.05  # detections scoring below this are not returned
+    max_detections: int = 50  # per image, at most (also the fixed K of the ONNX outputs)
+
+    def check(self, key: str) -> None:
+        at_least(self.width, 1, f"{key}.width")
+        in_range(self.score_threshold, 0, 1, f"{key}.score_threshold", open_high=True)
+        at_least(self.max_detections, 1, f"{key}.max_detections")
 
 
 # inputs: the DataSpec.input_kind values a model accepts (the suite pairs it with every dataset

@@ -5,45 +5,59 @@ wrong type is an error naming the key, the valid keys and the closest match."""
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
+from kiln.errors import UserError
+
 MODES = ("predict", "export", "serve")
+BACKENDS = ("torch", "onnx", "echo")
+EXPORT_FORMATS = ("onnx", "triton")
+MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")  # safe in a URL path and a folder name
+MIB = 1024 * 1024
 
 
-class ArgumentError(ValueError):
+class ArgumentError(UserError, ValueError):
     """A command-line mistake; the message says which argument and what is valid."""
 
 
 @dataclass(kw_only=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise (0.0.0.0 exposes it to the network)
-    port: int = 8000
-    max_batch_size: int = 32  # inputs per model call; requests are gathered up to this
-    max_delay_ms: float = 5.0  # how long the first queued request waits for others to join it
-    max_queue_size: int = 1024  # requests waiting at most; beyond it the server answers 503
-    model_name: str = "kiln"  # the <name> in /v2/models/<name>
+    port: int = 8000  # 1..65535
+    max_batch_size: int = 32  # inputs per model call; requests are gathered (and split) to this
+    max_delay_ms: float = 5.0  # how long the first queued input waits for others to join it
+    max_queue_size: int = 8192  # inputs waiting, all requests together; beyond it: 503 at once
+    max_inputs_per_request: int = 4096  # more inputs in one request: 413
+    max_body_bytes: int = 32 * MIB  # a larger body (after decompression): 413, unparsed
+    timeout_ms: float = 10_000.0  # per-request deadline: 504 past it; unrun inputs leave the queue
+    drain_grace_s: float = 30.0  # on SIGTERM: time to answer accepted requests, then 503 the rest
+    model_threads: int = 0  # CPU threads per model call (0: all cores but one, kept for HTTP)
+    model_name: str = "kiln"  # the <name> in /v2/models/<name> (and the Triton model's folder)
 
 
 @dataclass(kw_only=True)
 class InferConfig:
     mode: str = "predict"  # predict | export | serve
     ckpt: str | None = None  # a training checkpoint (.pt), or an exported .onnx for backend=onnx
-    input: str | None = None  # predict: .npy (N, C, H, W) / (N, H, W) raw pixels, or .csv
-    output: str = "preds.csv"  # predict: CSV with index, label and one prob_<class> per class
+    input: str | None = None  # predict: .npy/.npz raw pixels, a folder of images, or a .csv
+    output: str = "preds.csv"  # predict: CSV of predictions (detection: one row per box)
     text_column: str = "text"  # predict, text models: the CSV column holding the texts
-    backend: str = "torch"  # torch | onnx (onnx: run `mode=export` first)
+    backend: str = "torch"  # torch | onnx (after `mode=export`) | echo (no model: a ceiling)
     device: str = "cpu"  # cpu | cuda | auto
     int8: bool = False  # backend=onnx: use model.int8.onnx; mode=export: also write it
+    format: str = "onnx"  # export: onnx (model.onnx beside the checkpoint) | triton (a repository)
+    export_dir: str | None = None  # format=triton: the repository (null: triton/ beside ckpt)
     batch_size: int = 256  # predict: inputs per model call
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
 USAGE = """usage: python infer.py [mode=predict|export|serve] ckpt=<path> [key=value ...]
   predict: python infer.py ckpt=run/checkpoints/best.pt input=x.npy output=preds.csv [backend=onnx]
-  export:  python infer.py mode=export ckpt=run/checkpoints/best.pt [int8=true]
+  export:  python infer.py mode=export ckpt=run/checkpoints/best.pt [int8=true] [format=triton]
   serve:   python infer.py mode=serve ckpt=run/checkpoints/best.pt [server.port=8000 ...]
 keys: """
 
@@ -110,8 +124,57 @@ def validate(cfg: InferConfig) -> None:
     if cfg.ckpt is None:
         raise ArgumentError(f"mode={cfg.mode} needs ckpt=<path to a checkpoint .pt>")
     if cfg.mode == "predict" and cfg.input is None:
-        raise ArgumentError("mode=predict needs input=<.npy or .csv file>")
-    if cfg.batch_size < 1 or cfg.server.max_batch_size < 1:
-        raise ArgumentError("batch_size and server.max_batch_size must be >= 1")
-    if cfg.server.max_delay_ms < 0:
-        raise ArgumentError(f"server.max_delay_ms must be >= 0, got {cfg.server.max_delay_ms}")
+        raise ArgumentError("mode=predict needs input=<.npy, .npz, .csv file or a folder>")
+    if cfg.backend not in BACKENDS:
+        raise ArgumentError(f"backend={cfg.backend!r}: choose one of {', '.join(BACKENDS)}")
+    if cfg.format not in EXPORT_FORMATS:
+        raise ArgumentError(f"format={cfg.format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
+    _at_least("batch_size", cfg.batch_size, 1)
+    validate_server(cfg.server)
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+    if value < low:
+        raise ArgumentError(f"{key}={value:g}: must be >= {low:g}")
+
+
+def validate_server(s: ServerConfig) -> None:
+    """Every server key checked at start-up, each error naming its key (server.<key>)."""
+    if not 1 <= s.port <= 65535:
+        raise ArgumentError(f"server.port={s.port}: must be in 1..65535")
+    _at_least("server.max_batch_size", s.max_batch_size, 1)
+    _at_least("server.max_delay_ms", s.max_delay_ms, 0)
+    _at_least("server.max_queue_size", s.max_queue_size, 1)
+    _at_least("server.max_inputs_per_request", s.max_inputs_per_request, 1)
+    _at_least("server.max_body_bytes", s.max_body_bytes, 1024)
+    _at_least("server.model_threads", s.model_threads, 0)
+    if s.timeout_ms <= 0:
+        raise ArgumentError(f"server.timeout_ms={s.timeout_ms:g}: must be > 0")
+    if s.drain_grace_s <= 0:
+        raise ArgumentError(f"server.drain_grace_s={s.drain_grace_s:g}: must be > 0")
+    if s.max_inputs_per_request > s.max_queue_size:
+        raise ArgumentError(
+            f"server.max_inputs_per_request={s.max_inputs_per_request} is larger than "
+            f"server.max_queue_size={s.max_queue_size}: such a request could never be queued; "
+            "raise server.max_queue_size or lower server.max_inputs_per_request"
+        )
+    # Every accepted request is answered by its deadline (504 at worst), so a grace longer than
+    # the deadline answers every accepted request before the process exits.
+    if s.drain_grace_s * 1000 <= s.timeout_ms:
+        raise ArgumentError(
+            f"server.drain_grace_s={s.drain_grace_s:g} must be longer than server.timeout_ms="
+            f"{s.timeout_ms:g} ms, so a shutdown answers every accepted request; raise "
+            "server.drain_grace_s or lower server.timeout_ms"
+        )
+    if not MODEL_NAME_PATTERN.fullmatch(s.model_name):
+        raise ArgumentError(
+            f"server.model_name={s.model_name!r}: use letters, digits, '_', '.' or '-' only"
+        )
+
+
+def model_threads(setting: int) -> int:
+    """server.model_threads resolved: 0 means every core but one (at least one). A serving
+    process also parses and answers HTTP; model threads that take every core spin against it."""
+    import os
+
+    return setting or max(1, (os.cpu_count() or 2) - 1)

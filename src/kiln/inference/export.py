@@ -1,9 +1,15 @@
-"""Export a checkpoint to ONNX (dynamic batch, and sequence length for token models), prove the
-graph agrees with torch on real validation examples, and write the preprocessing beside it.
+"""Export a checkpoint to ONNX (dynamic batch; sequence length for token models; height and width
+for detectors), prove the graph agrees with torch on real validation examples, and write the
+preprocessing beside it.
 
-    model.onnx            inputs: input (N, C, H, W) float32 | (N, L) int64; outputs: logits, probs
+    model.onnx            classifiers: input (N, C, H, W) float32 standardised | (N, L) int64
+                          -> logits, probs; detectors: input (N, 3, H, W) raw pixels
+                          -> boxes (N, K, 4), scores (N, K), labels (N, K)
     model.onnx.json       data spec, preprocessing, config and the source .pt's sha256
-    model.int8.onnx(.json)  with int8=True: dynamically quantised weights, looser agreement check
+    model.int8.onnx(.json)  int8=True (classifiers): dynamically quantised weights, looser check
+
+`graph_for` names what is exported for each kind of model; kiln.inference.triton exports the same
+graphs (with an image classifier's normalisation folded in) into a Triton model repository.
 """
 
 from __future__ import annotations
@@ -13,15 +19,24 @@ import json
 import logging
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from kiln.data.spec import DataSpec
-from kiln.inference.backends import ONNX_INPUT, ONNX_OUTPUTS, ProbabilityHead, ort_session
+from kiln.inference.backends import (
+    DETECTION_OUTPUTS,
+    ONNX_INPUT,
+    ONNX_OUTPUTS,
+    DetectionHead,
+    ProbabilityHead,
+    RawImageHead,
+    ort_session,
+)
 from kiln.inference.errors import InferenceError
 from kiln.inference.record import ModelRecord, read_checkpoint, rebuild_model, sidecar_path
 
@@ -30,8 +45,10 @@ log = logging.getLogger(__name__)
 OPSET = 17
 DYNAMO_OPSET = 18  # the dynamo exporter's lowest supported opset
 PROBS_TOLERANCE = 1e-4  # max |p_onnx - p_torch| over every class of every example
+BOX_TOLERANCE_PX = 1e-2  # max |box_onnx - box_torch| in pixels, over every detection kept
 INT8_MIN_AGREEMENT = 0.95  # share of examples where the int8 model's argmax matches torch's
 NUM_PARITY_EXAMPLES = 64
+NUM_DETECTION_EXAMPLES = 8  # detectors: images of mixed sizes, one call per size
 NUM_INT8_EXAMPLES = 512
 
 
@@ -41,8 +58,9 @@ class ExportParityError(InferenceError):
 
 @dataclass
 class ParityCheck:
-    name: str  # which batch: "batch=1", "batch=64, length=12", ...
-    max_abs_diff: float  # on probabilities
+    name: str  # which batch: "batch=1", "batch=64, length=12", "batch=1, 96x120"...
+    max_abs_diff: float  # probabilities, or box corners in pixels for detectors
+    unit: str = "prob"
 
 
 @dataclass
@@ -58,7 +76,11 @@ class ExportReport:
     def lines(self) -> list[str]:
         sidecar = sidecar_path(self.onnx_path).name
         out = [f"wrote {self.onnx_path} (+ {sidecar}; {self.exporter} exporter)"]
-        out += [f"  parity {c.name}: max |dprob| = {c.max_abs_diff:.2e}" for c in self.parity]
+        out += [
+            f"  parity {c.name}: max |d{c.unit}| = {c.max_abs_diff:.2e}"
+            + (" px" if c.unit == "box" else "")
+            for c in self.parity
+        ]
         out.append(f"  examples: {self.examples_source}")
         if self.int8_path is not None:
             out.append(
@@ -69,12 +91,66 @@ class ExportReport:
 
 
 # ---------------------------------------------------------------------------------------------
+# What is exported
+
+
+@dataclass
+class Graph:
+    """A module to export with its input/output names and which input axes vary."""
+
+    net: nn.Module
+    outputs: tuple[str, ...]
+    dynamic_axes: dict[int, str]  # input axis -> name, e.g. {0: "batch", 1: "sequence"}
+    axis_max: dict[str, int] = field(default_factory=dict)  # bounds for the dynamo exporter
+    # (net, onnx session, batch) -> the largest difference, and its unit
+    difference: Callable[[nn.Module, Any, Tensor], float] | None = None
+    tolerance: float = PROBS_TOLERANCE
+    unit: str = "prob"
+    # Output dims after the batch axis that are constant although the tracer could not tell
+    # (a detector's K): written into the graph so Triton's config can say them.
+    output_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def graph_for(record: ModelRecord, model: nn.Module, *, raw_pixels: bool = False) -> Graph:
+    """The exported graph of a model. raw_pixels=True folds an image classifier's normalisation
+    into the graph (its input is then raw pixels, as kiln's clients send them)."""
+    spec = record.spec
+    if spec.task == "detection":
+        threshold = float(getattr(model, "score_threshold", 0.0))
+        k = model.detections_per_image
+        return Graph(
+            DetectionHead(model).eval(),
+            DETECTION_OUTPUTS,
+            {0: "batch", 2: "height", 3: "width"},
+            difference=lambda net, session, batch: detection_difference(
+                net, session, batch, threshold
+            ),
+            tolerance=BOX_TOLERANCE_PX,
+            unit="box",
+            output_dims={"boxes": (k, 4), "scores": (k,), "labels": (k,)},
+        )
+    if spec.input_kind == "tokens":
+        return Graph(
+            ProbabilityHead(model).eval(),
+            ONNX_OUTPUTS,
+            {0: "batch", 1: "sequence"},
+            axis_max={"sequence": spec.max_length},
+            difference=probs_difference,
+        )
+    net = ProbabilityHead(model)
+    if raw_pixels:
+        net = RawImageHead(model, list(record.recipe.mean), list(record.recipe.std))
+    return Graph(net.eval(), ONNX_OUTPUTS, {0: "batch"}, difference=probs_difference)
+
+
+# ---------------------------------------------------------------------------------------------
 # Examples to check parity on
 
 
-def validation_examples(record: ModelRecord, limit: int) -> tuple[Tensor, str]:
-    """Up to `limit` preprocessed validation inputs, rebuilt from the run's data config. If the
-    data is not reachable here (a CSV on another machine), random valid inputs instead."""
+def validation_examples(record: ModelRecord, limit: int) -> tuple[Any, str]:
+    """Up to `limit` model inputs from the validation split, rebuilt from the run's data config
+    (standardised tensors for classifiers, a list of raw images for detectors). If the data is
+    not reachable here (a CSV on another machine), random valid inputs instead."""
     from kiln.config import option_from_dict
     from kiln.data import build_data
 
@@ -91,7 +167,7 @@ def validation_examples(record: ModelRecord, limit: int) -> tuple[Tensor, str]:
     return inputs, f"{len(items)} validation examples of data={record.config['data']['name']}"
 
 
-def random_examples(record: ModelRecord, limit: int) -> Tensor:
+def random_examples(record: ModelRecord, limit: int) -> Any:
     gen = torch.Generator().manual_seed(0)
     spec = record.spec
     if spec.input_kind == "tokens":
@@ -100,12 +176,34 @@ def random_examples(record: ModelRecord, limit: int) -> Tensor:
         )
     preprocess = record.recipe.preprocessor()
     low, high = preprocess.value_range or (-1.0, 1.0)
+    if spec.input_kind == "image_list":
+        height, width = spec.image_size
+        sizes = [(height - 7 * i % 29, width - 5 * i % 23) for i in range(limit)]
+        return [low + (high - low) * torch.rand((3, h, w), generator=gen) for h, w in sizes]
     raw = low + (high - low) * torch.rand((limit, *preprocess.shape), generator=gen)
     return preprocess(raw.numpy())
 
 
-def parity_batches(examples: Tensor, input_kind: str) -> dict[str, Tensor]:
-    """Two batch sizes; token models also at two sequence lengths."""
+def raw_pixels_of(record: ModelRecord, standardised: Tensor) -> Tensor:
+    """Undo the training normalisation: the raw pixels a client would send."""
+    mean = torch.tensor(record.recipe.mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(record.recipe.std, dtype=torch.float32).view(1, -1, 1, 1)
+    return standardised * std + mean
+
+
+def parity_batches(examples: Any, input_kind: str) -> dict[str, Tensor]:
+    """Two batch sizes; token models also at two sequence lengths; detectors: single images of
+    different sizes, and a batch of images cut to one size."""
+    if input_kind == "image_list":
+        batches = {}
+        for image in examples[:3]:
+            batches[f"batch=1, {image.shape[1]}x{image.shape[2]}"] = image[None]
+        height = min(image.shape[1] for image in examples)
+        width = min(image.shape[2] for image in examples)
+        batches[f"batch={len(examples)}, {height}x{width}"] = torch.stack(
+            [image[:, :height, :width] for image in examples]
+        )
+        return batches
     n = len(examples)
     batches = {"batch=1": examples[:1], f"batch={n}": examples}
     if input_kind == "tokens":
@@ -123,19 +221,19 @@ def parity_batches(examples: Tensor, input_kind: str) -> dict[str, Tensor]:
 # Export and checks
 
 
-def exporter_options(name: str, spec: DataSpec) -> dict:
+def exporter_options(name: str, graph: Graph) -> dict:
     """torch.onnx.export's arguments for each exporter. legacy (TorchScript-based) is fast and
     simple but bakes some shapes (e.g. the batch size inside nn.MultiheadAttention) into the
     graph, which the parity check catches; dynamo (torch.export-based) keeps batch and sequence
     sizes symbolic all the way through."""
-    tokens = spec.input_kind == "tokens"
     if name == "legacy":
-        dims = {0: "batch", 1: "sequence"} if tokens else {0: "batch"}
-        axes = {ONNX_INPUT: dims, "logits": {0: "batch"}, "probs": {0: "batch"}}
+        axes = {ONNX_INPUT: dict(graph.dynamic_axes)}
+        axes.update({output: {0: "batch"} for output in graph.outputs})
         return {"dynamic_axes": axes, "opset_version": OPSET, "dynamo": False}
-    dims = {0: torch.export.Dim("batch")}
-    if tokens:
-        dims[1] = torch.export.Dim("sequence", max=spec.max_length)
+    dims = {}
+    for axis, label in graph.dynamic_axes.items():
+        bound = graph.axis_max.get(label)
+        dims[axis] = torch.export.Dim(label, max=bound) if bound else torch.export.Dim(label)
     return {
         "dynamic_shapes": (dims,),
         "opset_version": DYNAMO_OPSET,
@@ -145,18 +243,16 @@ def exporter_options(name: str, spec: DataSpec) -> dict:
     }
 
 
-def export_graph(
-    name: str, net: ProbabilityHead, example: Tensor, out_path: Path, spec: DataSpec
-) -> None:
+def export_graph(name: str, graph: Graph, example: Tensor, out_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecation and tracer notices
         torch.onnx.export(
-            net,
+            graph.net,
             (example,),
             str(out_path),
             input_names=[ONNX_INPUT],
-            output_names=list(ONNX_OUTPUTS),
-            **exporter_options(name, spec),
+            output_names=list(graph.outputs),
+            **exporter_options(name, graph),
         )
 
 
@@ -164,19 +260,22 @@ EXPORTERS = ("legacy", "dynamo")  # tried in this order
 
 
 def export_checked(
-    net: ProbabilityHead, examples: Tensor, onnx_path: Path, spec: DataSpec, device: str
+    graph: Graph, batches: dict[str, Tensor], onnx_path: Path, device: str
 ) -> tuple[str, list[ParityCheck]]:
     """The first exporter whose graph runs and agrees with torch: (its name, parity checks)."""
     import onnx
 
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
-    batches = parity_batches(examples[:NUM_PARITY_EXAMPLES], spec.input_kind)
+    # Two rows of the largest batch: a batch of one would let torch.export specialise the batch
+    # axis to 1 (its 0/1 rule), and a graph traced on it would take nothing else.
+    example = max(batches.values(), key=len)[:2]
     failures = []
     for name in EXPORTERS:
         try:
-            export_graph(name, net, examples[:2], onnx_path, spec)
+            export_graph(name, graph, example, onnx_path)
+            declare_output_dims(onnx_path, graph.output_dims)
             onnx.checker.check_model(str(onnx_path))
-            return name, check_parity(net, onnx_path, batches, device)
+            return name, check_parity(graph, onnx_path, batches, device)
         except Exception as err:  # any failure of one exporter: try the next, report all
             log.info("the %s ONNX exporter did not work: %s", name, err)
             failures.append(f"{name} exporter: {type(err).__name__}: {str(err)[:300]}")
@@ -186,6 +285,21 @@ def export_checked(
     )
 
 
+def declare_output_dims(onnx_path: Path, output_dims: dict[str, tuple[int, ...]]) -> None:
+    import onnx
+
+    if not output_dims:
+        return
+    model = onnx.load(str(onnx_path))
+    for output in model.graph.output:
+        if output.name in output_dims:
+            dims = output.type.tensor_type.shape.dim
+            for dim, size in zip(dims[1:], output_dims[output.name], strict=True):
+                dim.Clear()
+                dim.dim_value = size
+    onnx.save(model, str(onnx_path))
+
+
 def write_sidecar(record: ModelRecord, onnx_path: Path) -> Path:
     path = sidecar_path(onnx_path)
     path.write_text(json.dumps(record.to_json(), indent=1) + "\n")
@@ -193,7 +307,7 @@ def write_sidecar(record: ModelRecord, onnx_path: Path) -> Path:
 
 
 @torch.inference_mode()
-def torch_probs(net: ProbabilityHead, batch: Tensor) -> np.ndarray:
+def torch_probs(net: nn.Module, batch: Tensor) -> np.ndarray:
     return net(batch)[1].numpy()
 
 
@@ -201,16 +315,46 @@ def onnx_probs(session, batch: Tensor) -> np.ndarray:
     return session.run(["probs"], {ONNX_INPUT: batch.numpy()})[0]
 
 
-def check_parity(net: ProbabilityHead, onnx_path: Path, batches: dict[str, Tensor], device: str):
+def probs_difference(net: nn.Module, session, batch: Tensor) -> float:
+    return float(np.abs(onnx_probs(session, batch) - torch_probs(net, batch)).max())
+
+
+@torch.inference_mode()
+def detection_difference(net: nn.Module, session, batch: Tensor, threshold: float) -> float:
+    """Largest box-corner difference (pixels) between each detection torch keeps and the ONNX
+    detection of the same class nearest to it; a score that moved by more than PROBS_TOLERANCE
+    counts as infinitely far. Detections are matched rather than compared by rank, because two
+    equal scores may come out of top-k in either order."""
+    torch_out = [t.numpy() for t in net(batch)]
+    onnx_out = session.run(list(DETECTION_OUTPUTS), {ONNX_INPUT: batch.numpy()})
+    worst = 0.0
+    for (boxes, scores, labels), (o_boxes, o_scores, o_labels) in zip(
+        zip(*torch_out, strict=True), zip(*onnx_out, strict=True), strict=True
+    ):
+        for box, score, label in zip(boxes, scores, labels, strict=True):
+            if score < threshold:
+                continue
+            same = o_labels == label
+            if not same.any():
+                return float("inf")
+            distance = np.abs(o_boxes[same] - box).max(axis=1)
+            nearest = int(distance.argmin())
+            if abs(o_scores[same][nearest] - score) > PROBS_TOLERANCE:
+                return float("inf")
+            worst = max(worst, float(distance[nearest]))
+    return worst
+
+
+def check_parity(graph: Graph, onnx_path: Path, batches: dict[str, Tensor], device: str):
     session = ort_session(onnx_path, device)
     checks = []
     for name, batch in batches.items():
-        diff = float(np.abs(onnx_probs(session, batch) - torch_probs(net, batch)).max())
-        checks.append(ParityCheck(name, diff))
-        if not diff <= PROBS_TOLERANCE:  # also catches NaN
+        diff = graph.difference(graph.net, session, batch)
+        checks.append(ParityCheck(name, diff, graph.unit))
+        if not diff <= graph.tolerance:  # also catches NaN
             raise ExportParityError(
-                f"{onnx_path}: ONNX Runtime and torch disagree on {name}: max |dprob| = "
-                f"{diff:.3g} > {PROBS_TOLERANCE:g}; the export is not trustworthy"
+                f"{onnx_path}: ONNX Runtime and torch disagree on {name}: max |d{graph.unit}| = "
+                f"{diff:.3g} > {graph.tolerance:g}; the export is not trustworthy"
             )
     return checks
 
@@ -245,7 +389,7 @@ def quantize_int8(onnx_path: Path) -> Path:
     return int8_path
 
 
-def check_int8(net: ProbabilityHead, int8_path: Path, examples: Tensor, device: str) -> float:
+def check_int8(net: nn.Module, int8_path: Path, examples: Tensor, device: str) -> float:
     session = ort_session(int8_path, device)
     agree = onnx_probs(session, examples).argmax(1) == torch_probs(net, examples).argmax(1)
     agreement = float(agree.mean())
@@ -268,18 +412,29 @@ def export(
     """Export, check parity (raises ExportParityError), write the sidecar JSON; optionally int8."""
     ckpt_path = Path(ckpt_path)
     record, state_dict = read_checkpoint(ckpt_path)
+    detection = record.spec.task == "detection"
+    if int8 and detection:
+        raise InferenceError(
+            "int8=true quantises classifiers only; export the detector without it (fp32)"
+        )
     onnx_path = Path(out_path) if out_path is not None else ckpt_path.with_name("model.onnx")
-    net = ProbabilityHead(rebuild_model(record, state_dict)).eval()
-    limit = NUM_INT8_EXAMPLES if int8 else NUM_PARITY_EXAMPLES
-    examples, source = validation_examples(record, limit)
-    exporter, parity = export_checked(net, examples, onnx_path, record.spec, device)
+    graph = graph_for(record, rebuild_model(record, state_dict))
+    limit = NUM_DETECTION_EXAMPLES if detection else NUM_INT8_EXAMPLES if int8 else None
+    examples, source = validation_examples(record, limit or NUM_PARITY_EXAMPLES)
+    batches = parity_batches(
+        examples if detection else examples[:NUM_PARITY_EXAMPLES], record.spec.input_kind
+    )
+    exporter, parity = export_checked(graph, batches, onnx_path, device)
     report = ExportReport(onnx_path, parity, exporter=exporter, examples_source=source)
     write_sidecar(record, onnx_path)
     if int8:
         report.int8_path = quantize_int8(onnx_path)
-        report.int8_agreement = check_int8(net, report.int8_path, examples, device)
+        report.int8_agreement = check_int8(graph.net, report.int8_path, examples, device)
         report.int8_num_examples = len(examples)
         write_sidecar(record, report.int8_path)
     for line in report.lines():
         log.info(line)
     return report
+
+
+__all__ = ["ExportParityError", "ExportReport", "export", "graph_for"]

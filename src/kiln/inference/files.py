@@ -1,5 +1,5 @@
-"""Batch prediction files: raw inputs from .npy / .csv, predictions to CSV. Errors name the file,
-what shape was expected and what arrived."""
+"""Batch prediction files: raw inputs from .npy / .npz / .csv or a folder of images, predictions to
+CSV. Errors name the file, what shape was expected and what arrived."""
 
 from __future__ import annotations
 
@@ -10,13 +10,24 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kiln.preprocessing import ImagePreprocessor, InputError, Preprocessor, describe_shape
+from kiln.preprocessing import (
+    ImageListPreprocessor,
+    ImagePreprocessor,
+    InputError,
+    Preprocessor,
+    describe_shape,
+)
+
+IMAGE_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 
 
 def read_inputs(path: str | Path, preprocess: Preprocessor, text_column: str = "text") -> Any:
     """Image models: .npy (N, C, H, W) -- or (N, H, W) for one channel -- or a .csv with one
-    image per row as C*H*W pixel columns. Text models: a .csv with a text column."""
+    image per row as C*H*W pixel columns. Text models: a .csv with a text column. Detectors:
+    images of any sizes, see `read_images`."""
     path = Path(path)
+    if isinstance(preprocess, ImageListPreprocessor):
+        return read_images(path)
     if not path.is_file():
         raise FileNotFoundError(f"input file {path} does not exist")
     suffix = path.suffix.lower()
@@ -31,11 +42,55 @@ def read_inputs(path: str | Path, preprocess: Preprocessor, text_column: str = "
     return _texts_from_csv(path, text_column)
 
 
-def _images_from_npy(path: Path, preprocess: ImagePreprocessor) -> np.ndarray:
+def read_images(path: Path) -> list[tuple[str, np.ndarray]]:
+    """Images of mixed sizes, named: a folder of image files (.png/.jpg, pixels scaled from
+    0..255 to 0..1) and .npy arrays (C, H, W), sorted by name; a .npz of (C, H, W) arrays (one
+    per key); or a .npy (N, C, H, W) of same-size images."""
+    if path.is_dir():
+        files = sorted(
+            p for p in path.iterdir() if p.suffix.lower() in (*IMAGE_FILE_SUFFIXES, ".npy")
+        )
+        if not files:
+            raise InputError(f"{path}: no image files (.png, .jpg, .npy) in this folder")
+        return [(p.name, _image_file(p)) for p in files]
+    if not path.is_file():
+        raise FileNotFoundError(f"input {path} does not exist (a file or a folder of images)")
+    suffix = path.suffix.lower()
+    if suffix == ".npz":
+        with np.load(path, allow_pickle=False) as arrays:
+            return [(key, arrays[key]) for key in arrays.files]
+    if suffix == ".npy":
+        array = _load_npy(path)
+        if array.ndim != 4:
+            raise InputError(
+                f"{path}: expected an array of shape (N, C, H, W), got "
+                f"{describe_shape(array.shape)}; for images of mixed sizes use a .npz or a folder"
+            )
+        return [(f"{path.name}[{i}]", image) for i, image in enumerate(array)]
+    if suffix in IMAGE_FILE_SUFFIXES:
+        return [(path.name, _image_file(path))]
+    raise InputError(f"{path}: detectors read a folder of images, a .npz or a .npy file")
+
+
+def _image_file(path: Path) -> np.ndarray:
+    if path.suffix.lower() == ".npy":
+        return _load_npy(path)
+    from PIL import Image
+
+    with Image.open(path) as image:
+        pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    return pixels.transpose(2, 0, 1)  # (H, W, 3) -> (3, H, W)
+
+
+def _load_npy(path: Path) -> np.ndarray:
     try:
-        array = np.load(path, allow_pickle=False)  # never unpickle user files
+        return np.load(path, allow_pickle=False)  # never unpickle user files
     except ValueError as err:
         raise InputError(f"{path}: not a plain numeric .npy array ({err})") from None
+
+
+def _images_from_npy(path: Path, preprocess: ImagePreprocessor) -> np.ndarray:
+    array = _load_npy(path)
     shape = preprocess.shape
     if preprocess.channels == 1 and array.ndim == 3:
         array = array[:, None]
@@ -81,4 +136,26 @@ def write_predictions(probs: np.ndarray, class_names: list[str], path: str | Pat
     frame.insert(0, "label", [class_names[i] for i in probs.argmax(axis=1)])
     frame.insert(0, "index", np.arange(len(probs)))
     frame.to_csv(path, index=False)
+    return path
+
+
+DETECTION_COLUMNS = ["index", "source", "x1", "y1", "x2", "y2", "label", "score"]
+
+
+def write_detections(
+    detections: list[dict], sources: list[str], class_names: list[str], path: str | Path
+) -> Path:
+    """CSV, one row per box: index, source, x1, y1, x2, y2 (pixels of that image), label, score.
+    An image with no box still gets one row (empty box, label and score), so every input shows."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for index, (found, source) in enumerate(zip(detections, sources, strict=True)):
+        for box, label, score in zip(found["boxes"], found["labels"], found["scores"], strict=True):
+            rows.append(
+                [index, source, *map(float, box), class_names[int(label) - 1], float(score)]
+            )
+        if len(found["boxes"]) == 0:
+            rows.append([index, source, None, None, None, None, None, None])
+    pd.DataFrame(rows, columns=DETECTION_COLUMNS).to_csv(path, index=False)
     return path

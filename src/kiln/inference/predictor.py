@@ -1,13 +1,20 @@
 """`Predictor`: a checkpoint (or its ONNX export) plus the training preprocessing, turning raw
-inputs (pixel arrays, texts) into labelled probabilities.
+inputs (pixel arrays, texts, images of any size) into labelled predictions.
 
     predictor = Predictor.from_checkpoint("run/checkpoints/best.pt")             # torch
     predictor = Predictor.from_checkpoint("run/checkpoints/best.pt", backend="onnx")
     predictor.predict([image_a, image_b])  # [{"label": "3", "probs": [...]}, ...]
+    detector.predict([image])              # [{"boxes": [[x1, y1, x2, y2]], "labels": [...],
+                                           #   "scores": [...]}]
 
 backend="onnx" runs `model.onnx` beside the checkpoint (`model.int8.onnx` with int8=True), made
 by `python infer.py mode=export`; the preprocessing comes from the JSON written beside it, so an
-.onnx path works without the .pt too. Given a .pt, the export must come from that very file."""
+.onnx path works without the .pt too. Given a .pt, the export must come from that very file.
+backend="echo" runs no model at all (a fixed answer): the serving stack's ceiling.
+
+The steps are separate so a server can check each request on its own before batching:
+`convert` (raw -> validated items, InputError naming the item) -> `run` (items -> outputs: probs
+(N, K) or one Detections dict per image) -> `answers` (outputs -> JSON-ready dicts)."""
 
 from __future__ import annotations
 
@@ -20,7 +27,14 @@ import numpy as np
 
 from kiln.data.spec import DataSpec
 from kiln.device import resolve_device
-from kiln.inference.backends import OnnxBackend, TorchBackend
+from kiln.inference.backends import (
+    Detections,
+    EchoBackend,
+    OnnxBackend,
+    OnnxDetectionBackend,
+    TorchBackend,
+    TorchDetectionBackend,
+)
 from kiln.inference.record import (
     ModelRecord,
     file_sha256,
@@ -32,16 +46,24 @@ from kiln.preprocessing import Preprocessor
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("torch", "onnx")
+BACKENDS = ("torch", "onnx", "echo")
 ONNX_NAME, ONNX_INT8_NAME = "model.onnx", "model.int8.onnx"
+DEFAULT_SCORE_THRESHOLD = 0.05
 
 
 def onnx_path_for(ckpt_path: Path, int8: bool = False) -> Path:
     return ckpt_path.with_name(ONNX_INT8_NAME if int8 else ONNX_NAME)
 
 
+def join(parts: Sequence[Any]) -> Any:
+    """Items or outputs of several chunks as one: arrays are concatenated, lists chained."""
+    if parts and isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    return [x for part in parts for x in part]
+
+
 class Predictor:
-    def __init__(self, backend: TorchBackend | OnnxBackend, record: ModelRecord, source: Path):
+    def __init__(self, backend, record: ModelRecord, source: Path):
         self.backend = backend
         self.record = record
         self.source = source
@@ -49,51 +71,124 @@ class Predictor:
 
     @classmethod
     def from_checkpoint(
-        cls, path: str | Path, backend: str = "torch", device: str = "cpu", int8: bool = False
+        cls,
+        path: str | Path,
+        backend: str = "torch",
+        device: str = "cpu",
+        int8: bool = False,
+        threads: int | None = None,
     ) -> Predictor:
+        """threads: CPU threads per model call (None: the library's default, all cores)."""
         path = Path(path)
+        if threads and backend == "torch":
+            import torch
+
+            torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} does not exist")
         torch_device = resolve_device(device)
-        if backend == "torch" and path.suffix == ".onnx":
+        if backend in ("torch", "echo") and path.suffix == ".onnx":
             raise ValueError(f"{path} is an ONNX export; use backend=onnx (or pass the .pt)")
+        if int8 and backend != "onnx":
+            raise ValueError("int8=true needs backend=onnx (the int8 model is an ONNX export)")
+        if backend == "echo":
+            record, _ = read_checkpoint(path)
+            return cls(EchoBackend(record.spec), record, path)
         if backend == "torch":
-            if int8:
-                raise ValueError("int8=true needs backend=onnx (the int8 model is an ONNX export)")
             record, state_dict = read_checkpoint(path)
             model = rebuild_model(record, state_dict)
+            if record.spec.task == "detection":
+                return cls(TorchDetectionBackend(model, torch_device), record, path)
             return cls(TorchBackend(model, torch_device), record, path)
         onnx_path = path if path.suffix == ".onnx" else _checked_export(path, int8)
-        return cls(OnnxBackend(onnx_path, torch_device), read_sidecar(onnx_path), onnx_path)
+        record = read_sidecar(onnx_path)
+        if record.spec.task == "detection":
+            threshold = record.config["model"].get("score_threshold", DEFAULT_SCORE_THRESHOLD)
+            backend_ = OnnxDetectionBackend(onnx_path, torch_device, threshold, threads)
+            return cls(backend_, record, onnx_path)
+        return cls(OnnxBackend(onnx_path, torch_device, threads), record, onnx_path)
 
     @property
     def spec(self) -> DataSpec:
         return self.record.spec
 
     @property
+    def task(self) -> str:
+        return self.spec.task
+
+    @property
     def class_names(self) -> list[str]:
         return list(self.spec.class_names)
+
+    # --- the steps --------------------------------------------------------------------------
 
     def validate(self, raw_inputs: Sequence[Any]) -> None:
         """Raises InputError naming the first bad item; converts nothing."""
         self.preprocess.validate(raw_inputs)
 
-    def predict_probs(self, raw_inputs: Sequence[Any], batch_size: int = 256) -> np.ndarray:
-        """Probabilities (N, num_classes), float32, in chunks of batch_size inputs."""
+    def convert(self, raw_inputs: Sequence[Any]) -> Any:
+        """Raw inputs, each validated on its own -> items `run` takes (a float32 array of raw
+        pixels, a list of texts, a list of images). InputError names the first bad item."""
+        return self.preprocess.convert(raw_inputs)
+
+    def convert_tensor(self, array: np.ndarray) -> Any:
+        """A numeric (N, ...) array of raw images, validated item by item."""
+        return self.preprocess.check_batch(array)
+
+    def run(self, items: Any) -> Any:
+        """Validated items -> probabilities (N, K) float32, or one Detections dict per image."""
+        kind = self.preprocess.input_kind
+        if kind == "image_list":
+            return self.backend.detect(self.preprocess.to_tensors(items))
+        if kind == "image":
+            return self.backend.probs(self.preprocess.normalise(items))
+        return self.backend.probs(self.preprocess.recipe.encode(items))
+
+    def answers(self, outputs: Any) -> list[dict[str, Any]]:
+        """Outputs of `run` -> one JSON-ready dict per input."""
+        names = self.class_names
+        if self.task == "detection":
+            return [
+                {
+                    "boxes": d["boxes"].tolist(),
+                    "labels": [names[int(k) - 1] for k in d["labels"]],
+                    "scores": d["scores"].tolist(),
+                }
+                for d in outputs
+            ]
+        return [{"label": names[int(row.argmax())], "probs": row.tolist()} for row in outputs]
+
+    def empty_outputs(self) -> Any:
+        """What `run` returns for no inputs, without running the model."""
+        if self.task == "detection":
+            return []
+        return np.zeros((0, self.spec.num_classes), dtype=np.float32)
+
+    # --- whole-file conveniences ------------------------------------------------------------
+
+    def run_in_chunks(self, raw_inputs: Sequence[Any], batch_size: int = 256) -> Any:
         chunks = [
-            self.backend.probs(self.preprocess(raw_inputs[start : start + batch_size]))
+            self.run(self.convert(raw_inputs[start : start + batch_size]))
             for start in range(0, len(raw_inputs), batch_size)
         ]
-        if not chunks:
-            return np.zeros((0, self.spec.num_classes), dtype=np.float32)
-        return np.concatenate(chunks)
+        return join(chunks) if chunks else self.empty_outputs()
+
+    def predict_probs(self, raw_inputs: Sequence[Any], batch_size: int = 256) -> np.ndarray:
+        """Probabilities (N, num_classes), float32, in chunks of batch_size inputs."""
+        if self.task == "detection":
+            raise ValueError("a detector has no class probabilities; use detect() or predict()")
+        return self.run_in_chunks(raw_inputs, batch_size)
+
+    def detect(self, raw_inputs: Sequence[Any], batch_size: int = 256) -> list[Detections]:
+        """One Detections dict per image (boxes in that image's own pixels)."""
+        if self.task != "detection":
+            raise ValueError(f"a {self.task} model detects nothing; use predict_probs()")
+        return self.run_in_chunks(raw_inputs, batch_size)
 
     def predict(self, raw_inputs: Sequence[Any]) -> list[dict[str, Any]]:
-        probs = self.predict_probs(raw_inputs)
-        names = self.class_names
-        return [{"label": names[int(row.argmax())], "probs": row.tolist()} for row in probs]
+        return self.answers(self.run_in_chunks(raw_inputs))
 
     def example_input(self) -> Any:
         """One valid raw input, for warm-up."""

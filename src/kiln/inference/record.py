@@ -58,11 +58,14 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+SUPPORTED_TASKS = ("classification", "detection")
+
+
 def check_supported(record: ModelRecord, source: Path) -> None:
-    if record.spec.task != "classification":
+    if record.spec.task not in SUPPORTED_TASKS:
         raise UnsupportedCheckpointError(
             f"{source}: a {record.spec.task} checkpoint (model {record.model_name}); kiln "
-            "inference supports classification only -- detection inference is not supported yet"
+            f"inference supports {' and '.join(SUPPORTED_TASKS)} only"
         )
 
 

@@ -9,11 +9,11 @@ from typing import Any
 
 from kiln.preprocessing.errors import InputError, describe_shape
 from kiln.preprocessing.image import ImagePreprocessor, ImageRecipe, normalise
-from kiln.preprocessing.image_list import ImageListRecipe
+from kiln.preprocessing.image_list import ImageListPreprocessor, ImageListRecipe
 from kiln.preprocessing.text import TokenPreprocessor, TokenRecipe
 
 Recipe = ImageRecipe | TokenRecipe | ImageListRecipe
-Preprocessor = ImagePreprocessor | TokenPreprocessor
+Preprocessor = ImagePreprocessor | TokenPreprocessor | ImageListPreprocessor
 RECIPES: dict[str, type] = {r.kind: r for r in (ImageRecipe, TokenRecipe, ImageListRecipe)}
 
 
@@ -27,6 +27,7 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
 
 
 __all__ = [
+    "ImageListPreprocessor",
     "ImageListRecipe",
     "ImagePreprocessor",
     "ImageRecipe",

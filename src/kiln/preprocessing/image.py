@@ -58,13 +58,7 @@ class ImagePreprocessor:
 
     def item_array(self, item: Any, index: int) -> np.ndarray:
         """One raw item -> float32 (C, H, W); InputError naming `index` if it does not fit."""
-        try:
-            array = np.asarray(item, dtype=np.float32)
-        except (ValueError, TypeError, OverflowError):
-            raise InputError(
-                f"item {index}: not a numeric array; expected an image of shape {self.expected}",
-                index,
-            ) from None
+        array = numeric_array(item, index, f"an image of shape {self.expected}")
         if self.channels == 1 and array.shape == self.shape[1:]:
             array = array[None]
         if array.shape != self.shape:
@@ -73,39 +67,110 @@ class ImagePreprocessor:
                 f"got {describe_shape(array.shape)}",
                 index,
             )
-        self._check_values(array, index)
+        check_values(array, index, self.value_range)
         return array
-
-    def _check_values(self, array: np.ndarray, index: int) -> None:
-        if not np.isfinite(array).all():
-            raise InputError(f"item {index}: contains NaN or Inf pixel values", index)
-        if self.value_range is None:
-            return
-        low, high = self.value_range
-        seen_low, seen_high = float(array.min()), float(array.max())
-        # A common mistake is sending 0..255 (or 0..1) pixels to a model trained on another range.
-        if seen_low < low or seen_high > high:
-            raise InputError(
-                f"item {index}: pixel values span [{seen_low:g}, {seen_high:g}], outside the "
-                f"training data's raw range [{low:g}, {high:g}]; send raw pixels in that range",
-                index,
-            )
 
     def validate(self, raw_inputs: Sequence[Any]) -> None:
         for index, item in enumerate(raw_inputs):
             self.item_array(item, index)
 
+    def convert(self, raw_inputs: Sequence[Any]) -> np.ndarray:
+        """Raw items, each validated on its own -> float32 (N, C, H, W) raw pixels."""
+        if isinstance(raw_inputs, np.ndarray) and raw_inputs.dtype.kind in "fiu":
+            with np.errstate(over="ignore"):
+                return self.check_batch(raw_inputs.astype(np.float32, copy=False))
+        if len(raw_inputs) == 0:
+            return np.zeros((0, *self.shape), dtype=np.float32)
+        return np.stack([self.item_array(item, i) for i, item in enumerate(raw_inputs)])
+
+    def check_batch(self, array: np.ndarray) -> np.ndarray:
+        """A float32 (N, C, H, W) -- or (N, H, W) for one channel -- array, validated item by
+        item with array operations; the first bad item is named as `item_array` would."""
+        if self.channels == 1 and array.ndim == 3:
+            array = array[:, None]
+        if array.ndim != 4 or tuple(array.shape[1:]) != self.shape:
+            grey = f" or (N, {self.shape[1]}, {self.shape[2]})" if self.channels == 1 else ""
+            raise InputError(
+                f"expected a tensor of shape (N, {', '.join(map(str, self.shape))}){grey}, "
+                f"got {describe_shape(array.shape)}"
+            )
+        if len(array) == 0:
+            return array
+        flat = array.reshape(len(array), -1)
+        bad = ~np.isfinite(flat).all(axis=1)
+        if self.value_range is not None and flat.size:
+            low, high = self.value_range
+            with np.errstate(invalid="ignore"):
+                bad |= (flat.min(axis=1) < low) | (flat.max(axis=1) > high)
+        if bad.any():
+            index = int(bad.argmax())
+            check_values(array[index], index, self.value_range)  # raises, naming the item
+        return array
+
+    def normalise(self, array: np.ndarray) -> torch.Tensor:
+        """Validated raw pixels (N, C, H, W) -> the standardised tensor the model takes."""
+        return normalise(array, list(self.recipe.mean), list(self.recipe.std))
+
     def __call__(self, raw_inputs: Sequence[Any] | np.ndarray) -> torch.Tensor:
         """Raw items -> standardised float32 tensor (N, C, H, W)."""
-        if len(raw_inputs) == 0:
-            return torch.zeros((0, *self.shape), dtype=torch.float32)
-        batch = np.stack([self.item_array(item, i) for i, item in enumerate(raw_inputs)])
-        return normalise(batch, list(self.recipe.mean), list(self.recipe.std))
+        return self.normalise(self.convert(raw_inputs))
 
     def example(self) -> np.ndarray:
         """A valid raw input (mid-range grey), for warm-up requests."""
         low, high = self.value_range or (0.0, 1.0)
         return np.full(self.shape, (low + high) / 2, dtype=np.float32)
+
+
+def numeric_array(item: Any, index: int, expected: str) -> np.ndarray:
+    """A nested list (or array) of numbers -> float32 array. Strings, booleans, None and integers
+    beyond any float are refused, never coerced (numpy alone reads "1.5" and True as numbers)."""
+    refusal = InputError(
+        f"item {index}: expected {expected}, made of numbers (not strings, booleans or null)",
+        index,
+    )
+    if isinstance(item, np.ndarray):
+        if item.dtype.kind not in "fiu":
+            raise refusal
+        array = item
+    else:
+        try:
+            array = np.asarray(item)
+        except (ValueError, TypeError, OverflowError):
+            raise refusal from None  # ragged nesting, or an integer too large for a float
+        if array.dtype.kind not in "fiu" or _has_bool(item):
+            raise refusal
+    with np.errstate(over="ignore"):  # beyond float32: inf, which check_values refuses
+        return array.astype(np.float32, copy=False)
+
+
+def _has_bool(item: Any) -> bool:
+    """Whether a (nested) list holds a bool: numpy turns [1.0, True] into [1.0, 1.0]."""
+    if isinstance(item, bool):
+        return True
+    if not isinstance(item, list | tuple) or not item:
+        return False
+    if isinstance(item[0], list | tuple):
+        return any(_has_bool(sub) for sub in item)
+    return bool in set(map(type, item))
+
+
+def check_values(array: np.ndarray, index: int, value_range) -> None:
+    """Finite pixels inside the training data's raw range, or InputError naming the item."""
+    if not np.isfinite(array).all():
+        raise InputError(
+            f"item {index}: contains NaN or Inf pixel values (or numbers beyond float32)", index
+        )
+    if value_range is None or array.size == 0:
+        return
+    low, high = value_range
+    seen_low, seen_high = float(array.min()), float(array.max())
+    # A common mistake is sending 0..255 (or 0..1) pixels to a model trained on another range.
+    if seen_low < low or seen_high > high:
+        raise InputError(
+            f"item {index}: pixel values span [{seen_low:g}, {seen_high:g}], outside the "
+            f"training data's raw range [{low:g}, {high:g}]; send raw pixels in that range",
+            index,
+        )
 
 
 def _lists(d: dict[str, Any]) -> dict[str, Any]:

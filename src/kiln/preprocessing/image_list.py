@@ -1,12 +1,21 @@
 """Images of mixed sizes for detection: (3, H_i, W_i) in the data's value range, one box list
-each. The model (torchvision's detector) resizes and normalises internally."""
+each. The model resizes and normalises internally, so preprocessing only checks each image and
+turns it into a tensor."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kiln.preprocessing.image import _lists
+import numpy as np
+import torch
+
+from kiln.preprocessing.errors import InputError, describe_shape
+from kiln.preprocessing.image import _lists, check_values, numeric_array
+
+MIN_SIDE = 16  # smaller images hold too few pixels for the detector's stride-16 stage
+MAX_SIDE_FACTOR = 8  # sides up to 8x the training data's largest side (bounds memory per input)
 
 
 @dataclass(frozen=True)
@@ -22,5 +31,62 @@ class ImageListRecipe:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **_lists(asdict(self))}
 
-    def preprocessor(self):
-        raise NotImplementedError("detection inference is not supported yet")
+    def preprocessor(self) -> ImageListPreprocessor:
+        return ImageListPreprocessor(self)
+
+
+class ImageListPreprocessor:
+    """Raw images (C, H, W), each its own size, in the data's value range -> a list of float32
+    tensors, the detector's input."""
+
+    input_kind = "image_list"
+
+    def __init__(self, recipe: ImageListRecipe):
+        self.recipe = recipe
+        self.channels = recipe.channels
+        self.value_range = recipe.value_range
+        self.max_side = MAX_SIDE_FACTOR * max(recipe.image_size)
+
+    @property
+    def expected(self) -> str:
+        return f"(C, H, W) = ({self.channels}, H, W) with {MIN_SIDE} <= H, W <= {self.max_side}"
+
+    def item_array(self, item: Any, index: int) -> np.ndarray:
+        array = numeric_array(item, index, f"an image of shape {self.expected}")
+        fits = array.ndim == 3 and array.shape[0] == self.channels
+        if not (fits and all(MIN_SIDE <= side <= self.max_side for side in array.shape[1:])):
+            raise InputError(
+                f"item {index}: expected an image of shape {self.expected}, "
+                f"got {describe_shape(array.shape)}",
+                index,
+            )
+        check_values(array, index, self.value_range)
+        return array
+
+    def validate(self, raw_inputs: Sequence[Any]) -> None:
+        for index, item in enumerate(raw_inputs):
+            self.item_array(item, index)
+
+    def convert(self, raw_inputs: Sequence[Any]) -> list[np.ndarray]:
+        """Raw images, each validated on its own -> float32 (C, H_i, W_i) arrays."""
+        return [self.item_array(item, i) for i, item in enumerate(raw_inputs)]
+
+    def check_batch(self, array: np.ndarray) -> list[np.ndarray]:
+        """A float32 (N, C, H, W) array (one size for all) -> its images, validated."""
+        if array.ndim != 4:
+            raise InputError(
+                f"expected a tensor of shape (N, {self.channels}, H, W), "
+                f"got {describe_shape(array.shape)}"
+            )
+        return [self.item_array(image, i) for i, image in enumerate(array)]
+
+    def to_tensors(self, images: list[np.ndarray]) -> list[torch.Tensor]:
+        return [torch.from_numpy(np.ascontiguousarray(image)) for image in images]
+
+    def __call__(self, raw_inputs: Sequence[Any]) -> list[torch.Tensor]:
+        return self.to_tensors(self.convert(raw_inputs))
+
+    def example(self) -> np.ndarray:
+        """A valid raw input (mid-range grey at the data's largest size), for warm-up."""
+        low, high = self.value_range
+        return np.full((self.channels, *self.recipe.image_size), (low + high) / 2, np.float32)

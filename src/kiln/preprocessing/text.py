@@ -108,6 +108,19 @@ class TokenPreprocessor:
                 raise InputError(
                     f"item {index}: expected a text (string), got {type(item).__name__}", index
                 )
+            try:  # the tokenizer takes Unicode text only; a lone surrogate would fail its batch
+                item.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise InputError(
+                    f"item {index}: not valid Unicode text: a lone surrogate "
+                    f"{item[err.start]!r} at character {err.start}",
+                    index,
+                ) from None
+
+    def convert(self, raw_inputs: Sequence[Any]) -> list[str]:
+        """Texts, each validated on its own."""
+        self.validate(raw_inputs)
+        return list(raw_inputs)
 
     def __call__(self, raw_inputs: Sequence[Any]) -> Tensor:
         self.validate(raw_inputs)

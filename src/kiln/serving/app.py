@@ -1,129 +1,85 @@
-"""The FastAPI app: /v1/predict, health and readiness, Prometheus /metrics, and the Open
-Inference Protocol v2 routes (kiln.serving.v2). Requests go through one DynamicBatcher."""
+"""The FastAPI app: kiln's /v1 routes, the Open Inference Protocol v2 routes, one DynamicBatcher
+behind both, Prometheus metrics counting every answer, and an OpenAPI document
+(kiln.serving.openapi) that describes every status and body the app returns."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
 
-from kiln.inference import InputError, Predictor
-from kiln.serving.batcher import BatcherClosed, BatchFailed, DynamicBatcher, QueueFull
-from kiln.serving.metrics import ServingMetrics
+from kiln.inference import Predictor
+from kiln.inference.config import ServerConfig, validate_server
+from kiln.inference.predictor import join
+from kiln.serving.batcher import DynamicBatcher
+from kiln.serving.metrics import CountStatuses, ServingMetrics
+from kiln.serving.openapi import openapi_document
+from kiln.serving.state import ServingState
+from kiln.serving.v1 import add_v1_routes
+from kiln.serving.v2 import add_v2_routes
 
 log = logging.getLogger(__name__)
 
-
-class PredictRequest(BaseModel):
-    inputs: list[Any]  # images: nested lists (C, H, W) or (H, W); texts: strings
+WARMUP_TIMEOUT_S = 600.0  # the first model call may compile kernels; it must not hang forever
 
 
-@dataclass
-class ServingState:
-    predictor: Predictor
-    batcher: DynamicBatcher
-    metrics: ServingMetrics
-    model_name: str
-    ready: bool = False
-
-    async def predict(self, inputs: list[Any]) -> list[dict[str, Any]]:
-        """Validates first (InputError names the item), then waits for its batch."""
-        self.predictor.validate(inputs)
-        if not inputs:
-            return []
-        return await self.batcher.submit(inputs)
+async def _internal_error(request: Request, err: Exception) -> JSONResponse:
+    """A bug, not a user mistake: logged with its traceback, answered 500 in the API's error
+    body (never the bare text page), and counted like every other answer."""
+    log.error("unhandled error on %s", request.url.path, exc_info=err)
+    key = "error" if request.url.path.startswith("/v2") else "detail"
+    return JSONResponse({key: f"internal error: {type(err).__name__}"}, status_code=500)
 
 
-def error_status(err: Exception) -> int:
-    if isinstance(err, InputError):
-        return 422
-    if isinstance(err, QueueFull | BatcherClosed):
-        return 503
-    return 500
-
-
-def create_app(
-    predictor: Predictor,
-    *,
-    max_batch_size: int = 32,
-    max_delay_ms: float = 5,
-    model_name: str = "kiln",
-    max_queue_size: int = 1024,
-) -> FastAPI:
+def create_app(predictor: Predictor, config: ServerConfig | None = None, **overrides) -> FastAPI:
+    """The app for one predictor. `overrides` replace fields of `config` (e.g. max_batch_size=8);
+    the result is validated as `python infer.py mode=serve` would."""
+    config = dataclasses.replace(config or ServerConfig(), **overrides)
+    validate_server(config)
     metrics = ServingMetrics()
     batcher = DynamicBatcher(
-        predictor.predict,
-        max_batch_size=max_batch_size,
-        max_delay_ms=max_delay_ms,
-        max_queue_size=max_queue_size,
+        predictor.run,
+        join,
+        max_batch_size=config.max_batch_size,
+        max_delay_ms=config.max_delay_ms,
+        max_queue_size=config.max_queue_size,
         metrics=metrics,
     )
-    state = ServingState(predictor, batcher, metrics, model_name)
+    state = ServingState(predictor, batcher, metrics, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
         await batcher.start()
-        # Warm-up: one real predict through the whole path before /readyz says yes.
-        await state.predict([predictor.example_input()])
+        # Warm-up: one real input through the model before readiness says yes.
+        example = predictor.convert([predictor.example_input()])
+        await batcher.submit(example, 1, time.monotonic() + WARMUP_TIMEOUT_S)
         state.ready = True
-        log.info("model %s ready (%s)", model_name, predictor.backend.platform)
+        log.info("model %s ready (%s)", config.model_name, predictor.backend.platform)
         try:
             yield
         finally:
             state.ready = False
             await batcher.stop()
+            state.close()
 
-    app = FastAPI(title=f"kiln: {model_name}", lifespan=lifespan)
+    app = FastAPI(
+        title=f"kiln: {config.model_name}",
+        version="1",
+        lifespan=lifespan,
+        docs_url=None,  # the document itself is at /openapi.json
+        redoc_url=None,
+    )
     app.state.kiln = state
-    _add_metrics_middleware(app, metrics)
-    _add_v1_routes(app, state)
-    from kiln.serving.v2 import add_v2_routes
-
+    app.add_exception_handler(Exception, _internal_error)
+    add_v1_routes(app, state)
     add_v2_routes(app, state)
+    document = openapi_document(predictor, config)
+    app.openapi = lambda: document
+    app.add_middleware(CountStatuses, metrics=metrics)
     return app
-
-
-def _add_metrics_middleware(app: FastAPI, metrics: ServingMetrics) -> None:
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        # The route template (/v2/models/{name}) keeps label cardinality bounded.
-        endpoint = getattr(route, "path", "unmatched")
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        if response.status_code >= 400:
-            metrics.errors.labels(endpoint).inc()
-        metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
-        return response
-
-
-def _add_v1_routes(app: FastAPI, state: ServingState) -> None:
-    @app.post("/v1/predict")
-    async def predict(body: PredictRequest):
-        try:
-            predictions = await state.predict(body.inputs)
-        except (InputError, QueueFull, BatcherClosed, BatchFailed) as err:
-            return JSONResponse({"detail": str(err)}, status_code=error_status(err))
-        return {"predictions": predictions}
-
-    @app.get("/healthz")
-    async def healthz():
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz():
-        if not state.ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        return {"status": "ready", "model": state.model_name}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,102 +1,222 @@
-"""Dynamic batching: requests wait in a queue until `max_batch_size` inputs have gathered or the
-oldest has waited `max_delay_ms`; then one batched predict runs in a worker thread (so the event
-loop keeps accepting requests) and each request gets back exactly its own slice.
+"""Dynamic batching that holds under load and bad input.
 
-A failing model call fails only the requests in that batch, with the error; nothing queued is
-dropped silently -- on shutdown whatever is still waiting is failed with BatcherClosed."""
+Requests arrive already validated and converted, one `Job` each (its items: an array of raw
+pixels, a list of texts or of images). The loop waits until `max_batch_size` inputs are queued or
+the oldest has waited `max_delay_ms`, then fills one batch fairly: every waiting job gets a share
+before any job gets more, and a job with inputs left goes to the back of the queue. So a request
+of 20,000 inputs is split across many model calls and a small request that arrives meanwhile
+rides in the next one. The model runs in one worker thread; the event loop keeps serving.
+
+Failures stay with their request. If a batched call raises, the batch is split in halves and
+each half retried, down to single inputs: only the request whose input fails gets the error
+(its InputError, or ModelFailed), everyone else their answer. The loop itself never stops: an
+error in it is logged and counted, and the next batch runs.
+
+Limits: a job that would take the queue past `max_queue_size` inputs is refused at once
+(QueueFull: 503 with Retry-After). A job past its deadline, or whose client went away, leaves
+the queue: its inputs not yet run are never run. On shutdown, `close` refuses new jobs and
+`cut` answers the waiting ones with BatcherClosed (503), never leaving one unanswered."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.preprocessing import InputError
+from kiln.serving.errors import (
+    BatcherClosed,
+    ClientGone,
+    DeadlineExceeded,
+    ModelFailed,
+    QueueFull,
+    ServingError,
+)
 from kiln.serving.metrics import ServingMetrics
 
+log = logging.getLogger(__name__)
 
-class BatcherClosed(RuntimeError):
-    """The server is shutting down (or not started); the request was not run."""
-
-
-class QueueFull(RuntimeError):
-    """Too many requests are waiting; the client should retry later."""
+SECONDS_PER_INPUT_PRIOR = 1e-3  # the Retry-After estimate before the first batch is timed
+EMA_WEIGHT = 0.2  # how fast the per-input time estimate follows new batches
 
 
-class BatchFailed(RuntimeError):
-    """The model call for this request's batch raised."""
+@dataclass(eq=False)
+class Job:
+    """One request's inputs on their way through the batches."""
+
+    items: Any  # validated inputs: sliceable (an array or a list), len(items) == count
+    count: int
+    deadline: float  # time.monotonic() by which the answer must be ready
+    future: asyncio.Future
+    enqueued_at: float = field(default_factory=time.monotonic)
+    taken: int = 0  # inputs already handed to a batch (items[:taken])
+    pieces: dict[int, Any] = field(default_factory=dict)  # start index -> outputs of that slice
+    done: int = 0  # inputs answered
+
+    @property
+    def finished(self) -> bool:
+        return self.future.done()
+
+    def fail(self, error: Exception) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
 
 
 @dataclass
-class _Request:
-    inputs: Sequence[Any]
-    future: asyncio.Future
-    enqueued_at: float = field(default_factory=time.perf_counter)
+class Slice:
+    """items[start:stop] of one job, inside a batch."""
+
+    job: Job
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
 
 
 class DynamicBatcher:
     def __init__(
         self,
-        predict_fn: Callable[[list[Any]], list[Any]],
+        run: Callable[[Any], Any],
+        join: Callable[[list[Any]], Any],
         *,
         max_batch_size: int,
         max_delay_ms: float,
         max_queue_size: int,
         metrics: ServingMetrics,
     ):
-        self.predict_fn = predict_fn  # one output per input, in order
+        self.run = run  # validated items -> outputs, one per item, in order
+        self.join = join  # [items or outputs of several slices] -> one
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_ms / 1000
-        self.max_queue_size = max_queue_size
+        self.max_queue_size = max_queue_size  # inputs, all waiting jobs together
         self.metrics = metrics
-        self._waiting: collections.deque[_Request] = collections.deque()
+        self.seconds_per_input = SECONDS_PER_INPUT_PRIOR
+        self._queue: collections.deque[Job] = collections.deque()
+        self._queued_inputs = 0  # inputs of queued jobs not yet taken into a batch
         self._arrived = asyncio.Event()
         self._executor: ThreadPoolExecutor | None = None
         self._loop_task: asyncio.Task | None = None
+        self._open = False
+
+    # --- life cycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
         # One worker thread: model calls never overlap, so batching (not threads) gives throughput.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-predict")
         self._loop_task = asyncio.create_task(self._batch_loop(), name="kiln-batcher")
+        self._open = True
 
-    async def submit(self, inputs: Sequence[Any]) -> list[Any]:
-        """Predictions for `inputs`, computed in some batch together with other requests."""
-        if self._loop_task is None or self._loop_task.done():
-            raise BatcherClosed("the model is not running (server starting up or shutting down)")
-        if len(self._waiting) >= self.max_queue_size:
-            raise QueueFull(f"{len(self._waiting)} requests already waiting; retry later")
-        request = _Request(inputs, asyncio.get_running_loop().create_future())
-        self._waiting.append(request)
-        self.metrics.queue_depth.set(len(self._waiting))
-        self._arrived.set()
-        return await request.future
+    def close(self) -> None:
+        """Refuse new jobs (503); queued and running ones carry on."""
+        self._open = False
+
+    def cut(self, reason: str) -> int:
+        """Answer every queued job not yet finished with BatcherClosed (503); returns how many.
+        Inputs already in a running model call finish, and their jobs keep those answers only
+        if every input of theirs is done."""
+        cut = 0
+        while self._queue:
+            job = self._queue.popleft()
+            if not job.finished:
+                job.fail(BatcherClosed(reason, self.retry_after_s()))
+                cut += 1
+        self._queued_inputs = 0
+        self._update_depth()
+        return cut
 
     async def stop(self) -> None:
+        self.close()
+        self.cut("the server shut down before running it")
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        while self._waiting:
-            _fail(self._waiting.popleft(), BatcherClosed("the server shut down before running it"))
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
-    # -----------------------------------------------------------------------------------------
+    # --- submitting --------------------------------------------------------------------------
 
-    def _num_waiting_inputs(self) -> int:
-        return sum(len(r.inputs) for r in self._waiting)
+    def retry_after_s(self) -> float:
+        """How long the inputs queued now take to run, by the recent per-input time."""
+        return self._queued_inputs * self.seconds_per_input
+
+    async def submit(self, items: Any, count: int, deadline: float) -> Any:
+        """The outputs for `items` (count inputs), computed in batches with other requests.
+        Raises QueueFull / BatcherClosed (503), DeadlineExceeded (504), InputError or
+        ModelFailed (this request's inputs failed on their own)."""
+        if not self._open or self._loop_task is None or self._loop_task.done():
+            raise BatcherClosed("the model is not taking requests (starting up or shutting down)")
+        if self._queued_inputs + count > self.max_queue_size:
+            raise QueueFull(
+                f"{self._queued_inputs} inputs already waiting (server.max_queue_size="
+                f"{self.max_queue_size}); retry later",
+                self.retry_after_s(),
+            )
+        job = Job(items, count, deadline, asyncio.get_running_loop().create_future())
+        self._queue.append(job)
+        self._queued_inputs += count
+        self._update_depth()
+        self._arrived.set()
+        try:
+            done, _ = await asyncio.wait({job.future}, timeout=deadline - time.monotonic())
+        except asyncio.CancelledError:  # the handler was cancelled: the client went away
+            self._abandon(job, ClientGone("the client closed the connection"))
+            self.metrics.abandoned.inc()
+            raise
+        if not done:
+            self._abandon(job, DeadlineExceeded("deadline exceeded"))
+            self.metrics.deadline_exceeded.inc()
+            raise DeadlineExceeded(
+                f"no answer within the request's deadline ({count} inputs; "
+                f"{job.done} were done, {job.count - job.taken} never ran)"
+            )
+        return job.future.result()
+
+    def _abandon(self, job: Job, error: ServingError) -> None:
+        """Out of the queue: its inputs not yet taken are never run."""
+        if job in self._queue:
+            self._queue.remove(job)
+            self._queued_inputs -= job.count - job.taken
+            self._update_depth()
+        job.fail(error)
+        if not job.future.cancelled() and job.future.done():
+            job.future.exception()  # retrieved: no "exception was never retrieved" warning
+
+    def _update_depth(self) -> None:
+        self.metrics.queue_depth.set(self._queued_inputs)
+        self.metrics.queued_requests.set(len(self._queue))
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    async def _batch_loop(self) -> None:
+        while True:
+            try:
+                await self._gather()
+                batch = self._take_batch()
+                if batch:
+                    await self._run_batch(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not stop serving: log it, run the next batch
+                log.exception("error in the batching loop; it carries on")
+                self.metrics.loop_errors.inc()
+                await asyncio.sleep(0)
 
     async def _gather(self) -> None:
-        """Return once the queue is non-empty and either full enough or old enough."""
-        while not self._waiting:
+        """Return once the queue holds a full batch, or its oldest job has waited long enough."""
+        while not self._queue:
             self._arrived.clear()
             await self._arrived.wait()
-        deadline = self._waiting[0].enqueued_at + self.max_delay_s
-        while self._num_waiting_inputs() < self.max_batch_size:
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
+        deadline = self._queue[0].enqueued_at + self.max_delay_s
+        while self._queued_inputs < self.max_batch_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._queue:
                 return
             self._arrived.clear()
             try:
@@ -105,60 +225,138 @@ class DynamicBatcher:
             except TimeoutError:
                 return
 
-    def _take_batch(self) -> list[_Request]:
-        """Whole requests, oldest first, up to max_batch_size inputs (always at least one
-        request; one larger than max_batch_size is split into model calls by _run)."""
-        batch = [self._waiting.popleft()]
-        count = len(batch[0].inputs)
-        while self._waiting and count + len(self._waiting[0].inputs) <= self.max_batch_size:
-            count += len(self._waiting[0].inputs)
-            batch.append(self._waiting.popleft())
-        self.metrics.queue_depth.set(len(self._waiting))
+    def _candidates(self) -> list[Job]:
+        """The oldest live jobs, at most max_batch_size of them (popped from the queue). Jobs
+        past their deadline leave here if their waiter has not removed them yet."""
+        now = time.monotonic()
+        jobs: list[Job] = []
+        while self._queue and len(jobs) < self.max_batch_size:
+            job = self._queue.popleft()
+            if job.finished or job.deadline <= now:
+                self._queued_inputs -= job.count - job.taken
+                if not job.finished:
+                    self.metrics.deadline_exceeded.inc()
+                    job.fail(DeadlineExceeded("deadline exceeded while queued"))
+                continue
+            jobs.append(job)
+        return jobs
+
+    def _take_batch(self) -> list[Slice]:
+        """Up to max_batch_size inputs, shared fairly: first each waiting job (oldest first)
+        gets an equal share, then leftover room goes oldest first. A job with inputs left moves
+        behind all the others (round robin), so no request waits behind a large one."""
+        jobs = self._candidates()
+        room = self.max_batch_size
+        share = max(1, room // max(len(jobs), 1))
+        taking = [0] * len(jobs)
+        for i, job in enumerate(jobs):  # pass 1: an equal share each
+            taking[i] = min(share, job.count - job.taken, room)
+            room -= taking[i]
+        for i, job in enumerate(jobs):  # pass 2: what is left, oldest first
+            extra = min(room, job.count - job.taken - taking[i])
+            taking[i] += extra
+            room -= extra
+        batch, untouched, moved = [], [], []
+        for job, n in zip(jobs, taking, strict=True):
+            if n:
+                batch.append(Slice(job, job.taken, job.taken + n))
+                job.taken += n
+                self._queued_inputs -= n
+            if job.taken < job.count:
+                (moved if n else untouched).append(job)
+        self._queue.extendleft(reversed(untouched))
+        self._queue.extend(moved)
+        self._update_depth()
         return batch
 
-    async def _batch_loop(self) -> None:
-        while True:
-            await self._gather()
-            batch = self._take_batch()
-            try:
-                await self._run(batch)
-            except asyncio.CancelledError:
-                for request in batch:
-                    _fail(request, BatcherClosed("the server shut down while running it"))
-                raise
-
-    async def _run(self, batch: list[_Request]) -> None:
-        started = time.perf_counter()
-        for request in batch:
-            self.metrics.queue_wait.observe(started - request.enqueued_at)
-        inputs = [x for request in batch for x in request.inputs]
+    async def _run_batch(self, batch: list[Slice]) -> None:
+        started = time.monotonic()
+        for piece in batch:
+            if piece.start == 0:
+                self.metrics.queue_wait.observe(started - piece.job.enqueued_at)
         try:
-            outputs = await self._predict_in_chunks(inputs)
-        except Exception as err:  # fail this batch's requests, keep serving the next ones
-            self.metrics.failed_batches.inc()
-            for request in batch:
-                _fail(request, BatchFailed(f"prediction failed: {type(err).__name__}: {err}"))
-            return
-        start = 0
-        for request in batch:
-            end = start + len(request.inputs)
-            if not request.future.done():  # a client that went away cancelled its future
-                request.future.set_result(outputs[start:end])
-            start = end
+            await self._run_isolated(batch)
+        except asyncio.CancelledError:  # stop(): no request is left without an answer
+            for piece in batch:
+                piece.job.fail(BatcherClosed("the server shut down while running it"))
+            raise
 
-    async def _predict_in_chunks(self, inputs: list[Any]) -> list[Any]:
-        loop = asyncio.get_running_loop()
-        outputs: list[Any] = []
-        for start in range(0, len(inputs), self.max_batch_size):
-            chunk = inputs[start : start + self.max_batch_size]
-            self.metrics.batch_size.observe(len(chunk))
+    async def _call(self, slices: list[Slice]) -> Any:
+        """One model call in the worker thread over these slices' items."""
+        items = self.join([piece.job.items[piece.start : piece.stop] for piece in slices])
+        count = sum(piece.size for piece in slices)
+        self.metrics.batch_size.observe(count)
+        started = time.perf_counter()
+        try:
             with self.metrics.inference.time():
-                outputs += await loop.run_in_executor(self._executor, self.predict_fn, chunk)
-        if len(outputs) != len(inputs):
-            raise AssertionError(f"predict returned {len(outputs)} outputs for {len(inputs)}")
-        return outputs
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self._executor, self.run, items)
+        finally:
+            per_input = (time.perf_counter() - started) / count
+            self.seconds_per_input += EMA_WEIGHT * (per_input - self.seconds_per_input)
+
+    async def _run_isolated(self, slices: list[Slice]) -> None:
+        """Run these slices together; if the call raises, split in halves and retry each, so
+        only the input that fails on its own takes its request down."""
+        slices = [piece for piece in slices if not piece.job.finished]
+        count = sum(piece.size for piece in slices)
+        if count == 0:
+            return
+        try:
+            outputs = await self._call(slices)
+            if len(outputs) != count:
+                raise AssertionError(f"the model returned {len(outputs)} outputs for {count}")
+        except Exception as err:
+            self.metrics.failed_batches.inc()
+            if count == 1:
+                self._fail_alone(slices[0], err)
+                return
+            self.metrics.batch_splits.inc()
+            first, second = _split(slices, count // 2)
+            await self._run_isolated(first)
+            await self._run_isolated(second)
+            return
+        offset = 0
+        for piece in slices:
+            self._deliver(piece, outputs[offset : offset + piece.size])
+            offset += piece.size
+
+    def _fail_alone(self, piece: Slice, err: Exception) -> None:
+        index = piece.start  # the input's position in its own request
+        if isinstance(err, InputError):
+            piece.job.fail(InputError(f"item {index}: the model refused it: {err}", index))
+            return
+        log.error("the model failed on one input alone: %s: %s", type(err).__name__, err)
+        piece.job.fail(
+            ModelFailed(
+                f"the model failed on item {index} of this request (the other requests in its "
+                f"batch were answered): {type(err).__name__}: {err}"
+            )
+        )
+
+    def _deliver(self, piece: Slice, outputs: Any) -> None:
+        job = piece.job
+        if job.finished:  # failed, timed out or abandoned meanwhile: the outputs are dropped
+            return
+        job.pieces[piece.start] = outputs
+        job.done += piece.size
+        if job.done == job.count:
+            job.future.set_result(self.join([job.pieces[k] for k in sorted(job.pieces)]))
 
 
-def _fail(request: _Request, error: Exception) -> None:
-    if not request.future.done():
-        request.future.set_exception(error)
+def _split(slices: list[Slice], at: int) -> tuple[list[Slice], list[Slice]]:
+    """Slices covering inputs [0, at) and [at, n) of the concatenation."""
+    first: list[Slice] = []
+    second: list[Slice] = []
+    seen = 0
+    for piece in slices:
+        if seen + piece.size <= at:
+            first.append(piece)
+        elif seen >= at:
+            second.append(piece)
+        else:
+            cut = piece.start + (at - seen)
+            first.append(Slice(piece.job, piece.start, cut))
+            second.append(Slice(piece.job, cut, piece.stop))
+        seen += piece.size
+    return first, second

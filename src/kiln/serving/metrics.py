@@ -1,12 +1,15 @@
-"""Prometheus metrics for one app. Each app owns its registry, so several apps (tests, the
-benchmark) can live in one process without their counters colliding."""
+"""Prometheus metrics for one app, and the middleware that counts every answer by status. Each
+app owns its registry, so several apps (tests, the benchmark) can live in one process without
+their counters colliding."""
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class ServingMetrics:
@@ -14,7 +17,10 @@ class ServingMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "kiln_requests", "HTTP requests answered", ["endpoint", "status"], registry=r
+            "kiln_requests",
+            "HTTP requests answered, by route and status (499: the client left first)",
+            ["endpoint", "status"],
+            registry=r,
         )
         self.errors = Counter(
             "kiln_errors", "HTTP requests answered with status >= 400", ["endpoint"], registry=r
@@ -31,7 +37,7 @@ class ServingMetrics:
         )
         self.queue_wait = Histogram(
             "kiln_queue_wait_seconds",
-            "Time a request waits in the batching queue before its model call starts",
+            "Time a request waits in the batching queue before its first model call starts",
             buckets=SECONDS_BUCKETS,
             registry=r,
         )
@@ -41,8 +47,71 @@ class ServingMetrics:
             buckets=SECONDS_BUCKETS,
             registry=r,
         )
-        self.queue_depth = Gauge("kiln_queue_depth", "Requests waiting to be batched", registry=r)
+        self.queue_depth = Gauge("kiln_queue_depth", "Inputs waiting to be batched", registry=r)
+        self.queued_requests = Gauge(
+            "kiln_queued_requests", "Requests with inputs waiting to be batched", registry=r
+        )
         self.failed_batches = Counter("kiln_failed_batches", "Model calls that raised", registry=r)
+        self.batch_splits = Counter(
+            "kiln_batch_splits",
+            "Failed model calls split in halves and retried (to find the failing input)",
+            registry=r,
+        )
+        self.loop_errors = Counter(
+            "kiln_batcher_loop_errors",
+            "Errors inside the batching loop (it carried on)",
+            registry=r,
+        )
+        self.abandoned = Counter(
+            "kiln_abandoned_requests",
+            "Requests whose client left before the answer; their unrun inputs left the queue",
+            registry=r,
+        )
+        self.deadline_exceeded = Counter(
+            "kiln_deadline_exceeded",
+            "Requests past their deadline (504); their unrun inputs left the queue",
+            registry=r,
+        )
+        self.draining = Gauge("kiln_draining", "1 while shutting down (SIGTERM seen)", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class CountStatuses:
+    """ASGI middleware: every HTTP answer counted by route template and status -- including
+    those other middleware sends (413) and 500 from an exception no handler caught."""
+
+    def __init__(self, app, metrics: ServingMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = None
+
+        async def send_counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        except Exception:
+            status = status or 500  # the server-error middleware outside answers 500
+            raise
+        finally:
+            self.record(scope, status or 500, time.perf_counter() - started)
+
+    def record(self, scope, status: int, seconds: float) -> None:
+        route = scope.get("route")
+        # The route template (/v2/models/{name}) keeps label cardinality bounded.
+        endpoint = getattr(route, "path", "unmatched")
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        if status >= 400:
+            self.metrics.errors.labels(endpoint).inc()
+        self.metrics.latency.labels(endpoint).observe(seconds)

@@ -1,121 +1,208 @@
-"""Open Inference Protocol v2 (KServe / Triton), JSON flavour:
+"""Open Inference Protocol v2 routes (KServe / Triton); kiln.serving.oip holds the wire format.
 
-    GET  /v2/health/live, /v2/health/ready, /v2/models/{name}, /v2/models/{name}/ready
-    POST /v2/models/{name}/infer
-         {"inputs": [{"name": "input", "shape": [N, C, H, W], "datatype": "FP32", "data": [...]}]}
-      -> {"model_name", "outputs": [{"name": "probs", ...}, {"name": "label", ...}]}
+    GET  /v2                                       server metadata
+    GET  /v2/health/live, /v2/health/ready
+    GET  /v2/models/{name}[/versions/1]            model metadata
+    GET  /v2/models/{name}[/versions/1]/ready
+    GET  /v2/models/{name}[/versions/1]/config     Triton's model configuration extension
+    POST /v2/models/{name}[/versions/1]/infer      JSON or binary tensor data, any content type
 
-Image models take one FP32 (any numeric type) tensor of raw pixels, flat or nested data; text
-models take a BYTES tensor of shape [N] holding the texts. Errors: {"error": "..."}."""
+The model's one input is `input`: FP32 raw pixels [N, C, H, W] for image classifiers, BYTES [N]
+texts for text models, FP32 [N, 3, H, W] for detectors (any H, W; one size per request).
+Outputs: `probs` FP32 [N, K] and `label` BYTES [N] (classifiers; `probs` also answers Triton's
+classification extension); `boxes` FP32 [M, 4], `scores` FP32 [M], `labels` BYTES [M] and
+`num_detections` INT64 [N] (detectors: M boxes over the N images, image by image).
+Errors are {"error": "..."}: 400 for a bad request or input, 404, 413, 415, 499, 500, 503 (with
+Retry-After), 504."""
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import numpy as np
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 
-from kiln.inference import InputError
-from kiln.serving.batcher import BatcherClosed, BatchFailed, QueueFull
+import kiln
+from kiln.inference import Predictor
+from kiln.preprocessing import InputError
+from kiln.serving.errors import ServingError
+from kiln.serving.oip import (
+    HEADER_LENGTH,
+    OutputTensor,
+    TensorSpec,
+    answer_tensors,
+    encode_response,
+    parse_infer_request,
+)
+from kiln.serving.state import ServingState
 
-INPUT_NAME = "input"
-NUMERIC_TYPES = ("FP32", "FP64", "FP16", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16")
-
-
-class TensorIn(BaseModel):
-    name: str
-    shape: list[int]
-    datatype: str
-    data: list[Any]
-    parameters: dict[str, Any] | None = None
-
-
-class RequestedOutput(BaseModel):
-    name: str
-
-
-class InferRequest(BaseModel):
-    id: str | None = None
-    inputs: list[TensorIn]
-    outputs: list[RequestedOutput] | None = None
-    parameters: dict[str, Any] | None = None
+VERSION = "1"
+EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration"]
+MAX_DETECTION_SIDE_ELEMENTS = 3  # channels of a detector's input
 
 
-def _error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
-
-
-def model_metadata(state) -> dict[str, Any]:
-    spec = state.predictor.spec
-    if spec.input_kind == "image":
-        tensor_in = {
-            "name": INPUT_NAME,
-            "datatype": "FP32",
-            "shape": [-1, spec.channels, *spec.image_size],
-        }
+def signature(predictor: Predictor) -> tuple[dict[str, TensorSpec], dict[str, TensorSpec]]:
+    """The model's inputs and outputs as v2 metadata describes them."""
+    spec = predictor.spec
+    kind = predictor.preprocess.input_kind
+    if kind == "tokens":
+        inputs = [TensorSpec("input", "BYTES", (-1,))]
+    elif kind == "image_list":
+        inputs = [TensorSpec("input", "FP32", (-1, spec.channels, -1, -1))]
     else:
-        tensor_in = {"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}
+        inputs = [TensorSpec("input", "FP32", (-1, spec.channels, *spec.image_size))]
+    if predictor.task == "detection":
+        outputs = [
+            TensorSpec("boxes", "FP32", (-1, 4)),
+            TensorSpec("scores", "FP32", (-1,)),
+            TensorSpec("labels", "BYTES", (-1,)),
+            TensorSpec("num_detections", "INT64", (-1,)),
+        ]
+    else:
+        outputs = [
+            TensorSpec("probs", "FP32", (-1, spec.num_classes)),
+            TensorSpec("label", "BYTES", (-1,)),
+        ]
+    return {t.name: t for t in inputs}, {t.name: t for t in outputs}
+
+
+def max_elements_per_input(predictor: Predictor) -> int:
+    """The most values one input may hold (bounds what a request's shape may claim)."""
+    kind = predictor.preprocess.input_kind
+    if kind == "tokens":
+        return 1
+    if kind == "image_list":
+        return MAX_DETECTION_SIDE_ELEMENTS * predictor.preprocess.max_side**2
+    return math.prod(predictor.preprocess.shape)
+
+
+def output_tensors(predictor: Predictor, outputs: Any) -> list[OutputTensor]:
+    names = predictor.class_names
+    if predictor.task == "detection":
+        boxes = [d["boxes"] for d in outputs]
+        labels = [names[int(k) - 1] for d in outputs for k in d["labels"]]
+        total = len(labels)
+        return [
+            OutputTensor(
+                "boxes", "FP32", (total, 4), np.concatenate(boxes) if boxes else np.zeros((0, 4))
+            ),
+            OutputTensor(
+                "scores",
+                "FP32",
+                (total,),
+                np.concatenate([d["scores"] for d in outputs]) if outputs else np.zeros(0),
+            ),
+            OutputTensor("labels", "BYTES", (total,), labels),
+            OutputTensor(
+                "num_detections", "INT64", (len(outputs),), np.array([len(b) for b in boxes])
+            ),
+        ]
+    probs = np.asarray(outputs, dtype=np.float32)
+    labels = [names[int(i)] for i in probs.argmax(axis=1)] if len(probs) else []
+    return [
+        OutputTensor("probs", "FP32", probs.shape, probs),
+        OutputTensor("label", "BYTES", (len(probs),), labels),
+    ]
+
+
+def model_metadata(state: ServingState) -> dict[str, Any]:
+    inputs, outputs = signature(state.predictor)
     return {
         "name": state.model_name,
-        "versions": ["1"],
+        "versions": [VERSION],
         "platform": state.predictor.backend.platform,
-        "inputs": [tensor_in],
-        "outputs": [
-            {"name": "probs", "datatype": "FP32", "shape": [-1, spec.num_classes]},
-            {"name": "label", "datatype": "BYTES", "shape": [-1]},
-        ],
-        "parameters": {"class_names": list(spec.class_names)},
+        "inputs": [t.metadata() for t in inputs.values()],
+        "outputs": [t.metadata() for t in outputs.values()],
     }
 
 
-def _items(tensor: TensorIn, input_kind: str) -> list[Any]:
-    """The request tensor split into one raw input per batch row."""
-    if tensor.name != INPUT_NAME:
-        raise InputError(f"unknown input {tensor.name!r}; this model has one input, {INPUT_NAME!r}")
-    if not tensor.shape or any(d < 0 for d in tensor.shape):
-        raise InputError(f"input shape {tensor.shape} must be non-empty, with sizes >= 0")
-    if input_kind == "tokens":
-        if tensor.datatype != "BYTES" or len(tensor.shape) != 1:
-            raise InputError(
-                f"expected datatype BYTES with shape [N] (texts), got {tensor.datatype} "
-                f"{tensor.shape}"
-            )
-        if len(tensor.data) != tensor.shape[0]:
-            raise InputError(
-                f"shape {tensor.shape} holds {tensor.shape[0]} texts, data has {len(tensor.data)}"
-            )
-        return list(tensor.data)
-    if tensor.datatype not in NUMERIC_TYPES:
-        raise InputError(f"datatype {tensor.datatype} is not numeric; send FP32 pixels")
-    try:
-        array = np.asarray(tensor.data, dtype=np.float32)
-    except (ValueError, TypeError):
-        raise InputError("data must be numbers (flat, or nested to match shape)") from None
-    if array.size != int(np.prod(tensor.shape)):
-        raise InputError(
-            f"shape {tensor.shape} holds {int(np.prod(tensor.shape))} values, data has {array.size}"
+def model_config(state: ServingState) -> dict[str, Any]:
+    """Triton's model configuration (the JSON form of config.pbtxt) for this model."""
+    inputs, outputs = signature(state.predictor)
+
+    def entry(t: TensorSpec) -> dict[str, Any]:
+        data_type = "TYPE_STRING" if t.datatype == "BYTES" else f"TYPE_{t.datatype}"
+        return {"name": t.name, "data_type": data_type, "dims": list(t.shape[1:])}
+
+    return {
+        "name": state.model_name,
+        "platform": state.predictor.backend.platform,
+        "max_batch_size": state.config.max_batch_size,
+        "input": [entry(t) for t in inputs.values()],
+        "output": [entry(t) for t in outputs.values()],
+        "dynamic_batching": {
+            "max_queue_delay_microseconds": round(state.config.max_delay_ms * 1000)
+        },
+    }
+
+
+def v2_error(err: Exception) -> JSONResponse:
+    if isinstance(err, InputError):
+        return JSONResponse({"error": str(err)}, status_code=400)
+    return JSONResponse({"error": str(err)}, status_code=err.status, headers=err.headers)
+
+
+def not_found(name: str, version: str | None, state: ServingState) -> JSONResponse | None:
+    if name != state.model_name:
+        message = f"unknown model {name!r}; this server serves {state.model_name!r}"
+        return JSONResponse({"error": message}, status_code=404)
+    if version is not None and version != VERSION:
+        message = f"model {name!r} has no version {version!r}; versions: [{VERSION!r}]"
+        return JSONResponse({"error": message}, status_code=404)
+    return None
+
+
+def add_v2_routes(app: FastAPI, state: ServingState) -> None:
+    predictor, config = state.predictor, state.config
+    inputs, outputs = signature(predictor)
+    (input_spec,) = inputs.values()
+    per_input = max_elements_per_input(predictor)
+
+    def parse_and_convert(body: bytes, header_length: str | None):
+        request = parse_infer_request(
+            body, header_length, inputs, outputs, config.max_inputs_per_request, per_input
         )
-    return list(array.reshape(tensor.shape))
+        tensor = request.inputs[0]
+        count = tensor.shape[0]
+        if input_spec.datatype == "BYTES":
+            items = predictor.convert(tensor.data)
+        else:
+            items = predictor.convert_tensor(np.asarray(tensor.data).reshape(tensor.shape))
+        return request, items, count
 
+    def render(request, results) -> tuple[bytes, dict[str, str], str]:
+        tensors = output_tensors(predictor, results)
+        answers = answer_tensors(tensors, request.outputs, predictor.class_names)
+        encoded = encode_response(state.model_name, request.id, answers)
+        return encoded.body, encoded.headers, encoded.media_type
 
-def _outputs(predictions: list[dict[str, Any]], num_classes: int, wanted: set[str] | None):
-    n = len(predictions)
-    probs = [p for pred in predictions for p in pred["probs"]]
-    labels = [pred["label"] for pred in predictions]
-    outputs = [
-        {"name": "probs", "datatype": "FP32", "shape": [n, num_classes], "data": probs},
-        {"name": "label", "datatype": "BYTES", "shape": [n], "data": labels},
-    ]
-    return [o for o in outputs if wanted is None or o["name"] in wanted]
+    async def infer(request: Request, name: str, version: str | None):
+        missing = not_found(name, version, state)
+        if missing:
+            return missing
+        try:
+            async with state.admitted() as deadline:
+                body = await state.read_body(request, deadline)
+                header_length = request.headers.get(HEADER_LENGTH)
+                parsed, items, count = await state.offload(
+                    len(body), parse_and_convert, body, header_length
+                )
+                if parsed.timeout_us is not None:  # the client's own deadline, if sooner
+                    deadline = min(deadline, time.monotonic() + parsed.timeout_us / 1e6)
+                results = await state.infer(request, items, count, deadline)
+                answer, headers, media_type = await state.offload(
+                    len(body), render, parsed, results
+                )
+        except (InputError, ServingError) as err:
+            return v2_error(err)
+        return Response(answer, headers=headers, media_type=media_type)
 
-
-def add_v2_routes(app: FastAPI, state) -> None:
-    def unknown(name: str) -> JSONResponse | None:
-        if name != state.model_name:
-            return _error(f"unknown model {name!r}; this server serves {state.model_name!r}", 404)
-        return None
+    @app.get("/v2")
+    async def server_metadata():
+        return {"name": "kiln", "version": kiln.__version__, "extensions": EXTENSIONS}
 
     @app.get("/v2/health/live")
     async def live():
@@ -123,46 +210,45 @@ def add_v2_routes(app: FastAPI, state) -> None:
 
     @app.get("/v2/health/ready")
     async def ready():
-        return JSONResponse({"ready": state.ready}, status_code=200 if state.ready else 503)
+        is_ready = state.ready and not state.draining
+        return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
     @app.get("/v2/models/{name}")
     async def metadata(name: str):
-        return unknown(name) or model_metadata(state)
+        return not_found(name, None, state) or model_metadata(state)
+
+    @app.get("/v2/models/{name}/versions/{version}")
+    async def version_metadata(name: str, version: str):
+        return not_found(name, version, state) or model_metadata(state)
+
+    async def readiness(name: str, version: str | None):
+        missing = not_found(name, version, state)
+        if missing:
+            return missing
+        is_ready = state.ready and not state.draining
+        body = {"name": name, "ready": is_ready}
+        return JSONResponse(body, status_code=200 if is_ready else 503)
 
     @app.get("/v2/models/{name}/ready")
     async def model_ready(name: str):
-        missing = unknown(name)
-        if missing:
-            return missing
-        return JSONResponse(
-            {"name": name, "ready": state.ready}, status_code=200 if state.ready else 503
-        )
+        return await readiness(name, None)
+
+    @app.get("/v2/models/{name}/versions/{version}/ready")
+    async def version_ready(name: str, version: str):
+        return await readiness(name, version)
+
+    @app.get("/v2/models/{name}/config")
+    async def config_route(name: str):
+        return not_found(name, None, state) or model_config(state)
+
+    @app.get("/v2/models/{name}/versions/{version}/config")
+    async def version_config(name: str, version: str):
+        return not_found(name, version, state) or model_config(state)
 
     @app.post("/v2/models/{name}/infer")
-    async def infer(name: str, body: InferRequest):
-        missing = unknown(name)
-        if missing:
-            return missing
-        if len(body.inputs) != 1:
-            return _error(
-                f"expected exactly one input tensor ({INPUT_NAME!r}), got {len(body.inputs)}"
-            )
-        try:
-            predictions = await state.predict(
-                _items(body.inputs[0], state.predictor.spec.input_kind)
-            )
-        except InputError as err:
-            return _error(str(err), 400)
-        except (QueueFull, BatcherClosed) as err:
-            return _error(str(err), 503)
-        except BatchFailed as err:
-            return _error(str(err), 500)
-        wanted = {o.name for o in body.outputs} if body.outputs else None
-        response = {
-            "model_name": name,
-            "model_version": "1",
-            "outputs": _outputs(predictions, state.predictor.spec.num_classes, wanted),
-        }
-        if body.id is not None:
-            response["id"] = body.id
-        return response
+    async def infer_route(name: str, request: Request):
+        return await infer(request, name, None)
+
+    @app.post("/v2/models/{name}/versions/{version}/infer")
+    async def version_infer(name: str, version: str, request: Request):
+        return await infer(request, name, version)

@@ -1,0 +1,174 @@
+"""What every route shares: the predictor, the batcher, the limits, and the server's life cycle
+(loading -> ready -> draining). Inference routes go through `admitted` and `infer`:
+
+    async with state.admitted() as deadline:        # 503 while loading or draining
+        body = await state.read_body(request, deadline)      # 413 past the limit, 504 too late
+        items = await state.offload(size, parse_and_convert, body)     # 4xx naming the item
+        outputs = await state.infer(request, items, count, deadline)   # 503, 504, 499"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from kiln.inference import Predictor
+from kiln.inference.config import ServerConfig
+from kiln.serving.batcher import DynamicBatcher
+from kiln.serving.errors import (
+    BadRequest,
+    BatcherClosed,
+    ClientGone,
+    DeadlineExceeded,
+    PayloadTooLarge,
+    Unavailable,
+)
+from kiln.serving.metrics import ServingMetrics
+
+OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
+DRAIN_RETRY_AFTER_S = 5.0  # what a client is told to wait while this server drains
+
+
+class UnsupportedEncoding(BadRequest):
+    status = 415
+
+
+@dataclass
+class ServingState:
+    predictor: Predictor
+    batcher: DynamicBatcher
+    metrics: ServingMetrics
+    config: ServerConfig
+    ready: bool = False
+    draining: bool = False
+    inflight: int = 0  # inference requests admitted and not yet answered
+    loop: asyncio.AbstractEventLoop | None = None  # the serving loop (signals hand work to it)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    _parser: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-parse")
+    )
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @contextlib.asynccontextmanager
+    async def admitted(self):
+        """An inference request's admission; yields its deadline (time.monotonic())."""
+        if self.draining:
+            raise BatcherClosed(
+                "the server is shutting down; retry on another", DRAIN_RETRY_AFTER_S
+            )
+        if not self.ready:
+            raise Unavailable("the model is loading; retry shortly")
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            yield time.monotonic() + self.config.timeout_ms / 1000
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    def begin_drain(self) -> None:
+        """From now on readiness says 503 and new inference requests get 503; those admitted
+        before carry on to their answers."""
+        self.draining = True
+        self.metrics.draining.set(1)
+
+    async def idle(self) -> None:
+        """Until no admitted request is left unanswered."""
+        if self.inflight:
+            await self._idle.wait()
+
+    async def read_body(self, request: Request, deadline: float) -> bytes:
+        """The body (see `read_body`), which must arrive before the request's deadline: a
+        client trickling it in cannot hold a place, or a drain, for ever."""
+        try:
+            async with asyncio.timeout(deadline - time.monotonic()):
+                return await read_body(request, self.config.max_body_bytes)
+        except TimeoutError:
+            raise DeadlineExceeded("the body did not arrive within server.timeout_ms") from None
+
+    async def offload(self, size: int, fn, *args) -> Any:
+        """fn(*args) here for small work, in the parsing thread for large bodies, so the event
+        loop keeps answering other requests meanwhile."""
+        if size < OFFLOAD_BYTES:
+            return fn(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._parser, functools.partial(fn, *args))
+
+    async def infer(self, request: Request, items: Any, count: int, deadline: float) -> Any:
+        """The outputs for `items` from the batcher; ClientGone if the client leaves first (its
+        inputs leave the queue)."""
+        if count == 0:
+            return self.predictor.empty_outputs()
+        work = asyncio.ensure_future(self.batcher.submit(items, count, deadline))
+        gone = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if work in done:
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise ClientGone("the client closed the connection before its answer")
+
+    def close(self) -> None:
+        self._parser.shutdown(wait=False)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `limit` bytes: at once from its
+    Content-Length, or while it streams in; then inflated if gzip/deflate-encoded (the inflated
+    size is held to the same limit)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(
+            f"the body is {declared} bytes; server.max_body_bytes is {limit}",
+            {"Connection": "close"},
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(
+                f"the body passed server.max_body_bytes={limit}", {"Connection": "close"}
+            )
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise UnsupportedEncoding(
+            f"Content-Encoding {encoding!r} is not supported; send identity, gzip or deflate"
+        )
+    return _inflate(body, encoding, limit)
+
+
+def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as err:
+        raise BadRequest(f"the body is not valid {encoding} data ({err})") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise PayloadTooLarge(
+            f"the {encoding} body inflates past server.max_body_bytes={limit}",
+            {"Connection": "close"},
+        )
+    return out

@@ -1,0 +1,86 @@
+"""kiln's own API: POST /v1/predict {"inputs": [...]} -> {"predictions": [...]}, plus /healthz,
+/readyz and /metrics. Errors are {"detail": "<what, where, what was expected>"}: 422 for a bad
+request or input, 413, 499, 500, 503 (with Retry-After) and 504 as the limits say."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kiln.preprocessing import InputError
+from kiln.serving.errors import ServingError
+from kiln.serving.oip import loads_json
+from kiln.serving.state import ServingState
+
+PER_INPUT_BYTES = 1024  # a rough answer size per input: decides whether rendering is offloaded
+
+
+def v1_error(err: Exception) -> JSONResponse:
+    if isinstance(err, InputError):
+        return JSONResponse({"detail": str(err)}, status_code=422)
+    status = err.status if err.status != 400 else 422  # v1 answers a bad request with 422
+    return JSONResponse({"detail": str(err)}, status_code=status, headers=err.headers)
+
+
+def parse_inputs(body: bytes, max_inputs: int) -> list:
+    request = loads_json(body)
+    expected = 'send a JSON object {"inputs": [<one input>, ...]}'
+    if not isinstance(request, dict):
+        raise InputError(f"the body is a JSON {type(request).__name__}; {expected}")
+    if "inputs" not in request:
+        raise InputError(f"the body has no 'inputs' (it has {sorted(request)}); {expected}")
+    unknown = sorted(set(request) - {"inputs"})
+    if unknown:
+        raise InputError(f"unknown field(s) {unknown}; the body holds only 'inputs'")
+    inputs = request["inputs"]
+    if not isinstance(inputs, list):
+        raise InputError(f"inputs must be a list, got {type(inputs).__name__}")
+    if len(inputs) > max_inputs:
+        raise InputError(
+            f"{len(inputs)} inputs in one request; server.max_inputs_per_request is {max_inputs}"
+        )
+    return inputs
+
+
+def add_v1_routes(app: FastAPI, state: ServingState) -> None:
+    predictor = state.predictor
+    config = state.config
+
+    def parse_and_convert(body: bytes):
+        inputs = parse_inputs(body, config.max_inputs_per_request)
+        return predictor.convert(inputs), len(inputs)
+
+    def render(outputs) -> bytes:
+        answers = predictor.answers(outputs)
+        return json.dumps({"predictions": answers}, separators=(",", ":")).encode()
+
+    @app.post("/v1/predict")
+    async def predict(request: Request):
+        try:
+            async with state.admitted() as deadline:
+                body = await state.read_body(request, deadline)
+                items, count = await state.offload(len(body), parse_and_convert, body)
+                outputs = await state.infer(request, items, count, deadline)
+                answer = await state.offload(count * PER_INPUT_BYTES, render, outputs)
+        except (InputError, ServingError) as err:
+            return v1_error(err)
+        return Response(answer, media_type="application/json")
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not state.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ready", "model": state.model_name}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

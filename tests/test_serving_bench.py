@@ -1,0 +1,116 @@
+"""scripts/loadtest.py and scripts/bench_infer.py run end to end on tiny checkpoints, and fail
+when they should: a wrong answer from the server, a floor not met under --check, ONNX Runtime
+disagreeing with torch. Speed is reported, never asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import SUBPROCESS_ENV
+from .inference_helpers import digits_run, text_run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "scripts" / name), *args]
+    return subprocess.run(
+        cmd, cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def digits_ckpt(tmp_path_factory) -> Path:
+    run_dir, _ = digits_run(tmp_path_factory)
+    return run_dir / "checkpoints" / "best.pt"
+
+
+def test_loadtest_checks_every_answer_and_reports_the_floors(digits_ckpt, tmp_path):
+    out = tmp_path / "load.json"
+    done = run_script(
+        "loadtest.py", "--ckpt", f"mlp={digits_ckpt}", "--modes", "batched,echo",
+        "--concurrency", "1,4", "--requests", "16", "--rounds", "2", "--floor-concurrency", "4",
+        "--out", str(out), "--check", "--min-ceiling-ratio", "1e9",  # a floor nobody meets
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr  # --check: the floor was not met
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert len(rows) == 2 * 2 * 2  # modes x formats x concurrencies
+    assert result["wrong_answers"] == 0
+    assert all(r["errors"] == 0 and r["mismatches"] == 0 and r["requests"] == 16 for r in rows)
+    assert all(r["requests_per_s"] > 0 and r["p50_ms"] <= r["p99_ms"] for r in rows)
+    floors = {f["name"]: f for f in result["floors"]}
+    ceiling = floors["mlp binary: batched / echo ceiling at concurrency 4"]
+    by = {(r["mode"], r["format"], r["concurrency"]): r for r in rows}
+    expected = (
+        by["batched", "binary", 4]["requests_per_s"] / by["echo", "binary", 4]["requests_per_s"]
+    )
+    assert math.isclose(ceiling["value"], expected) and ceiling["met"] is False
+    assert "mlp: binary / JSON throughput at concurrency 4" in floors
+    assert "NOT met" in done.stdout
+
+
+@pytest.mark.slow  # a server process of its own; --check already shows the script can fail
+def test_loadtest_fails_on_a_wrong_answer(digits_ckpt, tmp_path):
+    """Answers are checked against offline predictions: served from one checkpoint and checked
+    against another, every answer is wrong and the exit status says so."""
+    checkpoint = torch.load(digits_ckpt, weights_only=True)
+    checkpoint["model"] = {k: torch.randn_like(v) for k, v in checkpoint["model"].items()}
+    other = tmp_path / "other.pt"
+    torch.save(checkpoint, other)
+    done = run_script(
+        "loadtest.py", "--ckpt", f"mlp={digits_ckpt}", "--reference", str(other),
+        "--modes", "batched", "--formats", "binary", "--concurrency", "2", "--requests", "8",
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "differed from the offline predictions" in done.stdout
+
+
+@pytest.mark.slow  # three server processes, both formats, four concurrencies
+def test_loadtest_all_modes(digits_ckpt, tmp_path):
+    out = tmp_path / "load.json"
+    done = run_script(
+        "loadtest.py", "--ckpt", f"mlp={digits_ckpt}", "--requests", "64", "--out", str(out)
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert len(result["rows"]) == 3 * 2 * 4 and result["wrong_answers"] == 0
+
+
+def test_bench_infer_compares_eager_fp32_and_int8(digits_ckpt, tmp_path_factory, tmp_path):
+    text_dir, _ = text_run(tmp_path_factory)
+    out = tmp_path / "bench.json"
+    done = run_script(
+        "bench_infer.py", "--ckpt", f"mlp={digits_ckpt}",
+        "--ckpt", f"text_bow={text_dir / 'checkpoints' / 'best.pt'}",
+        "--repeats", "3", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())
+    assert {(r["model"], r["backend"], r["batch_size"]) for r in rows} == {
+        (m, b, n)
+        for m in ("mlp", "text_bow")
+        for b in ("eager", "onnx_fp32", "onnx_int8")
+        for n in (1, 32)
+    }
+    for r in rows:
+        eager = next(
+            e for e in rows
+            if e["model"] == r["model"] and e["batch_size"] == r["batch_size"]
+            and e["backend"] == "eager"
+        )  # fmt: skip
+        assert math.isclose(r["ratio_to_eager"], eager["median_ms"] / r["median_ms"])
+        if r["backend"] == "onnx_fp32":
+            assert r["agreement"] <= 1e-4
+    impossible = run_script(
+        "bench_infer.py", "--ckpt", f"mlp={digits_ckpt}", "--repeats", "2",
+        "--check", "--min-ratio", "1e9",
+    )  # fmt: skip
+    assert impossible.returncode == 1 and "below 1e+09x eager" in impossible.stdout
