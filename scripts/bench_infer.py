@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -166,6 +167,8 @@ def parse_args(argv=None):
     parser.add_argument("--min-ratio", type=float, default=1.0, help="fp32 at the largest batch")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
+    if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: proves the path, quickly
+        args.repeats, args.warmup, args.batch_sizes = 3, 1, "1,4"
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     return args
 

@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import socket
 import statistics
 import subprocess
@@ -421,6 +422,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: proves the path, quickly
+        args.concurrency, args.requests, args.rounds, args.formats = "1,8", 24, 1, "json,binary"
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     modes, formats = args.modes.split(","), args.formats.split(",")
     with tempfile.TemporaryDirectory() as tmp:

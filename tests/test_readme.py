@@ -37,7 +37,8 @@ NOT_RUN = {
 SERVERS = {"mode=serve": 8000, "make serve": 8000, "tensorboard ": 6006}
 SMOKE = "trainer.max_steps=5 trainer.limit_val_batches=2"
 LINKED = ("train.py", "infer.py", "Makefile", "conf", "src", "scripts", "examples",
-          "pyproject.toml", "requirements.in", "requirements.lock", "README.md", ".venv")  # fmt: skip
+          "pyproject.toml", "requirements.in", "requirements.lock", "README.md",
+          ".venv")  # fmt: skip
 
 
 @dataclass
