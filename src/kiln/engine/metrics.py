@@ -37,6 +37,7 @@ class MetricWindow:
         self.step_time_s += result.step_time_s
         for name, value in result.batch_metrics.items():
             self.batch_sums[name] = self.batch_sums.get(name, 0.0) + value
+        self.micro_batches += result.micro_batches
         if not result.stepped:
             return
         self.finite_steps += 1
@@ -71,12 +72,18 @@ class MetricWindow:
         )
         if self.grad_norm is not None:
             metrics["grad_norm"], metrics["grad_norm_max"] = values[-2:]
+        first = 1 + len(names)
+        batch_totals = dict(zip(extra, values[first : first + len(extra)], strict=True))
+        metrics.update(
+            batch_rates(batch_totals, self.micro_batches * self.world_size, self.step_time_s)
+        )
         return metrics
 
 
 def batch_rates(totals: dict[str, float], steps: int, seconds: float) -> dict[str, float]:
     """The dataset's batch metrics over a window: counts (names without "_frac") become rates
-    per second ("tokens" -> "tokens_per_s"), fractions become their mean per step."""
+    per second ("tokens" -> "tokens_per_s"), fractions become their mean per batch (`steps`:
+    the batches summed, micro-batches on every rank)."""
     rates = {}
     for name, total in totals.items():
         if name.endswith("_frac"):

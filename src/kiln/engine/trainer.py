@@ -97,6 +97,7 @@ class StepResult:
     lr: float  # the learning rate this step used
     stepped: bool = True
     batch_metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # summed over the window
+    micro_batches: int = 1  # batches in this step (the accumulation window)
 
 
 class Trainer:
@@ -225,6 +226,7 @@ class Trainer:
             lr,
             stepped,
             batch_sums,
+            window,
         )
 
     # ------------------------------------------------------------------------- loss & guards
