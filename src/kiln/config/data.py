@@ -72,7 +72,7 @@ class UnicodeForm(StrEnum):
 @dataclass
 class CsvTextConfig(DataConfig):
     """Text classification from a CSV with a text and a label column: read in chunks, cleaned,
-    tokenized (WordPiece) into a token cache on disk. A first run on tens of thousands of rows
+    tokenized (BPE) into a token cache on disk. A first run on tens of thousands of rows
     is good with these defaults."""
 
     batch_size: int = 64

@@ -5,7 +5,7 @@ The data path, each step in its own module:
 1. read the CSV in chunks and account for every row (kiln.data.csv_reader): kept, or dropped for
    a named reason, never silently;
 2. clean each kept text (kiln.preprocessing.cleaning), spooling the cleaned texts to disk;
-3. train a WordPiece tokenizer on the training rows, streamed from the spool, and encode every
+3. train a BPE tokenizer on the training rows, streamed from the spool, and encode every
    row with the Rust tokenizer's batch encoding into a memory-mapped token store
    (kiln.data.token_store), cached by the files' contents and every setting that changes ids.
 

@@ -86,9 +86,12 @@ class BucketedSampler(Sampler[int]):
             ]
         )
         num_full = len(order) // global_batch
-        full = order[: num_full * global_batch].reshape(num_full, self.num_replicas, -1)
+        full = order[: num_full * global_batch].reshape(
+            num_full, self.num_replicas, self.batch_size
+        )
         full = full[rng.permutation(num_full)]  # buckets in random order, not short to long
-        tail = order[num_full * global_batch :].reshape(self.num_replicas, -1)  # last, smaller
+        tail = order[num_full * global_batch :]  # the last, smaller batch of each rank
+        tail = tail.reshape(self.num_replicas, len(tail) // self.num_replicas)
         return np.concatenate([full[:, self.rank].reshape(-1), tail[self.rank]])
 
     def __iter__(self):

@@ -1,11 +1,13 @@
-"""Texts: the WordPiece tokenizer a text dataset trains on its training split, the recipe that
-carries it and the cleaning settings in every checkpoint (as plain data), and the encoding that
-repeats training exactly: clean_text, then the tokenizer, then padding.
+"""Texts: the BPE tokenizer a text dataset trains on its training split, the recipe that carries
+it and the cleaning settings in every checkpoint (as plain data), and the encoding that repeats
+training exactly: clean_text, then the tokenizer, then padding.
 
 The tokenizer has no normalizer of its own: `clean_text` (kiln.preprocessing.cleaning) is the one
-place text is normalised, and the tokenizer is split on whitespace and punctuation (BERT's
-pre-tokenizer) followed by WordPiece -- small enough to repeat in pure Python (the reference
-implementation the tests compare against)."""
+place text is normalised. It splits on whitespace and punctuation (BERT's pre-tokenizer), then
+applies byte-pair-encoding merges within each word -- small enough to repeat in plain Python (the
+reference implementation the tests hold it to). BPE rather than WordPiece: the `tokenizers`
+WordPiece trainer gives a different vocabulary from run to run on the same texts
+(huggingface/tokenizers#1794), its BPE trainer the same one every time."""
 
 from __future__ import annotations
 
@@ -33,20 +35,18 @@ def train_tokenizer(
     max_length: int,
     num_texts: int | None = None,
 ):
-    """A WordPiece tokenizer with [PAD]=0 and [UNK], truncating to max_length, trained on
-    already-cleaned texts. `text_batches` is consumed once, batch by batch, so the texts never
-    need to be in memory together (the trainer keeps word counts, not texts)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A BPE tokenizer with [PAD]=0 and [UNK], truncating to max_length, trained on already-
+    cleaned texts. `text_batches` is consumed once, batch by batch, so the texts never need to
+    be in memory together (the trainer keeps word counts, not texts)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    tokenizer = Tokenizer(models.WordPiece(unk_token=UNK_TOKEN))
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(
+    trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
-        # Each alphabet letter costs two entries (x and ##x); cap it so rare characters cannot
-        # push the vocabulary past vocab_size.
-        limit_alphabet=max(1, (vocab_size - len(SPECIAL_TOKENS)) // 4),
+        # Rare characters each cost an entry; keep at least half the vocabulary for merges.
+        limit_alphabet=max(1, (vocab_size - len(SPECIAL_TOKENS)) // 2),
         show_progress=False,
     )
     tokenizer.train_from_iterator(text_batches, trainer=trainer, length=num_texts)
