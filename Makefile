@@ -48,6 +48,7 @@ sweep: install ## a short multirun sweep over num_workers x accumulation x preci
 
 bench: install ## engine vs a hand-written loop (samples/s and ratio)
 	$(PY) scripts/bench_engine.py $(ARGS)
+	$(PY) scripts/bench_text.py
 
 doctor: install ## explain the Python / torch / CUDA / cuDNN / driver / ONNX Runtime stack
 	$(PY) -m kiln.doctor
