@@ -172,6 +172,7 @@ def build_entry(
 ) -> None:
     """Writes a token store into `directory`: read + clean (chunks) -> spool -> tokenizer trained
     on the training rows -> ids. `val_chunks(class_names)` reads a validation file."""
+    clock = time.perf_counter()
     spool = TextSpool(directory / "texts.utf8")
     names: dict[str, int] = {}
     codes = _spool(train_chunks, spool, names)
@@ -189,16 +190,22 @@ def build_entry(
         if not len(val_rows):
             raise CsvTextError(f"{cfg.val_path}: no usable rows ({logs['val_file'].summary()})")
 
+    timings = {"read_clean_s": time.perf_counter() - clock}
+
+    clock = time.perf_counter()
     is_train = np.zeros(len(labels), dtype=bool)
     is_train[train_rows] = True
     tokenizer = train_tokenizer(
         spool.batches(ENCODE_BATCH, keep=is_train), cfg.vocab_size, cfg.max_length, len(train_rows)
     )
+    timings["tokenizer_s"] = time.perf_counter() - clock
+    clock = time.perf_counter()
     writer = IdsWriter(directory)
     for texts in spool.batches(ENCODE_BATCH):
         writer.append(encode_ids(tokenizer, texts))
     offsets = writer.finish()
     spool.path.unlink()  # the cleaned texts were only needed until now
+    timings["encode_s"] = time.perf_counter() - clock
 
     lengths = np.diff(offsets)
     report = {
@@ -222,6 +229,7 @@ def build_entry(
             "rows_at_max_length": int((lengths >= cfg.max_length).sum()),
         },
         "cleaning": cleaning_of(cfg).to_dict(),
+        "build_timings_s": timings,  # when the store was built: read + clean, tokenizer, encode
     }
     meta = {"class_names": class_names, "vocab_size": tokenizer.get_vocab_size(), "report": report}
     save_entry(directory, offsets, labels, train_rows, val_rows, tokenizer.to_str(), meta)

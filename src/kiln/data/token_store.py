@@ -21,7 +21,6 @@ import fcntl
 import hashlib
 import itertools
 import json
-import mmap
 import os
 import shutil
 import tempfile
@@ -80,18 +79,23 @@ class TextSpool:
         return int(sum(len(s) for s in self._sizes))
 
     def batches(self, batch_size: int, keep: np.ndarray | None = None) -> Iterator[list[str]]:
-        """The texts in order, `batch_size` at a time; only rows where keep[i] if given."""
+        """The texts in order, `batch_size` at a time; only rows where keep[i] if given. Each
+        batch is one read of the bytes it spans: nothing stays mapped or cached in memory."""
         sizes = np.concatenate(self._sizes) if self._sizes else np.zeros(0, dtype=np.int64)
-        ends = np.cumsum(sizes).tolist()
-        starts = (np.cumsum(sizes) - sizes).tolist()
-        rows = range(len(sizes)) if keep is None else np.flatnonzero(keep).tolist()
-        if not rows:
-            return
-        with self.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        rows = np.arange(len(sizes)) if keep is None else np.flatnonzero(keep)
+        with self.path.open("rb") as f:
             for first in range(0, len(rows), batch_size):
+                chosen = rows[first : first + batch_size]
+                base = int(starts[chosen[0]])
+                f.seek(base)
+                data = f.read(int(ends[chosen[-1]]) - base)
                 yield [
-                    data[starts[i] : ends[i]].decode("utf-8", "surrogatepass")
-                    for i in rows[first : first + batch_size]
+                    data[start - base : end - base].decode("utf-8", "surrogatepass")
+                    for start, end in zip(
+                        starts[chosen].tolist(), ends[chosen].tolist(), strict=True
+                    )
                 ]
 
 
