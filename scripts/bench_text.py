@@ -57,13 +57,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--csv", help="a CSV with text and label columns (default: generated)")
     parser.add_argument("--rows", type=int, default=30_000, help="rows of the generated CSV")
     parser.add_argument("--epochs", type=int, default=3, help="training epochs of each model")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    # One thread, as bench_engine: on a shared 2-core machine two intra-op threads wait on each
+    # other and the timings swing by 5x.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's)")
     parser.add_argument("--skip-models", action="store_true", help="only the data sections")
     parser.add_argument("--prepare-rows", type=int, default=0, help="1M-row style memory test")
     parser.add_argument("--workdir", help="where CSVs, caches and runs go (default: a temp dir)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--check", action="store_true", help="exit 1 when a floor is missed")
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for data=csv_text")
+    parser.add_argument(
+        "overrides", nargs="*", help="extra Hydra overrides of both models' runs (data.*, ...)"
+    )
     args = parser.parse_args(argv)
     if args.rows < 10 or args.epochs < 1 or args.threads < 0 or args.prepare_rows < 0:
         parser.error("--rows >= 10, --epochs >= 1, --threads >= 0, --prepare-rows >= 0")

@@ -286,3 +286,27 @@ def test_bad_rows_error_is_one_line_from_the_command_line(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr
     assert lines[0].startswith(f"error: {path}: row 4 (line 5) has a quoted field in column 'text'")
+
+
+def test_the_readme_command_trains_on_the_shipped_sample(tmp_path):
+    """`python train.py data=csv_text data.train_path=examples/reviews.csv model=text_bow`, as
+    typed in the repo root (one epoch, to keep it short); its two bad rows are reported."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "train.py", "data=csv_text", "data.train_path=examples/reviews.csv"]
+        + ["model=text_bow", "trainer.max_epochs=1", f"hydra.run.dir={run_dir}"],
+        cwd=REPO_ROOT,
+        env={**SUBPROCESS_ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((run_dir / "data_report.json").read_text())["train_file"]
+    assert (report["rows_read"], report["rows_kept"]) == (300, 298)
+    assert report["dropped"]["missing_text"]["first"] == [{"row": 43, "line": 51, "column": "text"}]
+    assert report["dropped"]["missing_label"]["count"] == 1
+    assert (
+        "298 kept, 2 dropped (missing_text 1, missing_label 1"
+        in (run_dir / "train.log").read_text()
+    )

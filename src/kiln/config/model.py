@@ -64,7 +64,7 @@ class TextBowConfig(ClassifierConfig):
     dropout: float = 0.3
     embed_dim: int = 32  # embedding width
     ngrams: int = 2  # longest token n-gram embedded (1: tokens only; 2: plus bigrams; ...)
-    num_buckets: int = 131072  # hash buckets shared by all n-grams (2**17)
+    num_buckets: int = 65536  # hash buckets shared by all n-grams (2**16)
 
     def check(self, key: str) -> None:
         super().check(key)

@@ -6,8 +6,8 @@ Rows are numbered from 1 after the header (row 1 is the first data row); lines a
 physical lines (the header is line 1), so a quoted field that spans lines moves every later row's
 line. What counts as a bad row (`BAD_ROW_REASONS`):
 
-- empty_row: no text and no label (a blank line, or a row of empty fields);
 - wrong_field_count: more fields than the header (an unquoted delimiter inside a text);
+- empty_row: no text and no label (a blank line, or a row of empty fields);
 - undecodable: bytes that are not valid in data.encoding;
 - merged_rows: a quoted field swallowed line breaks and what look like whole rows (lines ending
   in `<delimiter><a label of this file>`): an unbalanced quote merged them;
@@ -35,8 +35,8 @@ from kiln.errors import UserError
 from kiln.preprocessing.cleaning import TextCleaning, clean_text
 
 BAD_ROW_REASONS = (
-    "empty_row",
     "wrong_field_count",
+    "empty_row",
     "undecodable",
     "merged_rows",
     "missing_text",
@@ -50,6 +50,7 @@ DELIMITER = ","
 
 _SURROGATE = re.compile("[\udc80-\udcff]")  # undecodable bytes, as surrogateescape maps them
 _SKIPPED = re.compile(r"Skipping line (\d+): expected \d+ fields, saw (\d+)")
+QUOTE_HINT = '(an unquoted delimiter inside a text? quote such a field: "a, b")'
 
 
 class CsvTextError(UserError, ValueError):
@@ -191,74 +192,73 @@ class _Checker:
                     if sep and head in self.labels_seen]  # fmt: skip
         return (len(hits), hits[0]) if hits else None
 
-    def check(self, text: str, label: str, extra: bool, row: int, line: int, span: int):
-        """A BadRow, or None and the cleaned text."""
+    def problem(self, text: str, label: str, extra: bool, line: int, span: int):
+        """(reason, column, what is wrong) of a row's first problem, or None: the checks run in
+        the order of BAD_ROW_REASONS."""
         s = self.settings
-        text_col, label_col = repr(s.text_column), repr(s.label_column)
-        if self.missing(text) and self.missing(label) and not extra:
-            return BadRow("empty_row", row, line, None, "is empty"), None
         if extra:
-            return BadRow(
-                "wrong_field_count",
-                row,
-                line,
-                None,
-                "has more fields than the header (an unquoted delimiter inside a text? "
-                'quote such fields: "a, b")',
-            ), None
+            return "wrong_field_count", None, f"has more fields than the header {QUOTE_HINT}"
+        if self.missing(text) and self.missing(label):
+            return "empty_row", None, "is empty"
         for value, column in ((text, s.text_column), (label, s.label_column)):
             if not value.isascii() and _SURROGATE.search(value):
-                return BadRow(
+                return (
                     "undecodable",
-                    row,
-                    line,
                     column,
-                    f"has bytes that are not valid {s.encoding} in column {column!r}; set "
-                    "data.encoding to the file's encoding (e.g. latin-1 or cp1252)",
-                ), None
-        if span > 1:
-            for value, column in ((text, s.text_column), (label, s.label_column)):
-                swallowed = "\n" in value and self.swallowed_rows(value)
-                if swallowed:
-                    count, example = swallowed
-                    return BadRow(
-                        "merged_rows",
-                        row,
-                        line,
-                        column,
+                    (
+                        f"has bytes that are not valid {s.encoding} in column {column!r}; set "
+                        "data.encoding to the file's encoding (e.g. latin-1 or cp1252)"
+                    ),
+                )
+            swallowed = span > 1 and "\n" in value and self.swallowed_rows(value)
+            if swallowed:
+                count, example = swallowed
+                return (
+                    "merged_rows",
+                    column,
+                    (
                         f"has a quoted field in column {column!r} spanning lines {line}-"
-                        f"{line + span - 1} with {count} line(s) that look like rows of their "
-                        f"own (ending in {example!r}): an unbalanced quote merged them; fix "
-                        "the quote",
-                        last_line=line + span - 1,
-                    ), None
+                        f"{line + span - 1} with {count} line(s) that look like rows of their own "
+                        f"(ending in {example!r}): an unbalanced quote merged them; fix the quote"
+                    ),
+                )
         if self.missing(text):
-            return BadRow("missing_text", row, line, s.text_column,
-                          f"has an empty text in column {text_col}"), None  # fmt: skip
-        label = label.strip()
+            return "missing_text", s.text_column, f"has an empty text in column {s.text_column!r}"
         if self.missing(label):
-            return BadRow("missing_label", row, line, s.label_column,
-                          f"has a missing label in column {label_col}"), None  # fmt: skip
-        if self.classes is not None and label not in self.classes:
-            return BadRow(
-                "unseen_label",
-                row,
-                line,
+            return (
+                "missing_label",
                 s.label_column,
-                f"has a label not in the training data ({label!r}) in column {label_col}; "
-                f"training classes: {', '.join(sorted(self.classes))}",
-            ), None
-        cleaned = clean_text(text, s.cleaning)
-        if not cleaned:
-            return BadRow(
+                (f"has a missing label in column {s.label_column!r}"),
+            )
+        if self.classes is not None and label.strip() not in self.classes:
+            return (
+                "unseen_label",
+                s.label_column,
+                (
+                    f"has a label not in the training data ({label.strip()!r}) in column "
+                    f"{s.label_column!r}; training classes: {', '.join(sorted(self.classes))}"
+                ),
+            )
+        return None
+
+    def check(self, text: str, label: str, extra: bool, row: int, line: int, span: int):
+        """(BadRow or None, the cleaned text or None)."""
+        found = self.problem(text, label, extra, line, span)
+        cleaned = None if found else clean_text(text, self.settings.cleaning)
+        if found is None and not cleaned:
+            found = (
                 "empty_after_cleaning",
-                row,
-                line,
-                s.text_column,
-                f"has a text that is empty after cleaning in column {text_col} "
-                "(only markup or spaces)",
-            ), None
-        self.labels_seen.add(label)
+                self.settings.text_column,
+                (
+                    f"has a text that is empty after cleaning in column "
+                    f"{self.settings.text_column!r} (only markup or spaces)"
+                ),
+            )
+        if found is not None:
+            reason, column, what = found
+            last_line = line + span - 1 if reason == "merged_rows" else None
+            return BadRow(reason, row, line, column, what, last_line), None
+        self.labels_seen.add(label.strip())
         return None, cleaned
 
 
@@ -354,14 +354,8 @@ def read_labelled_rows(
 
 
 def _wrong_fields(row: int, line: int, fields: int) -> BadRow:
-    return BadRow(
-        "wrong_field_count",
-        row,
-        line,
-        None,
-        f"has {fields} fields, more than the header (an unquoted delimiter inside a text? "
-        'quote such fields: "a, b")',
-    )
+    what = f"has {fields} fields, more than the header {QUOTE_HINT}"
+    return BadRow("wrong_field_count", row, line, None, what)
 
 
 def _account(log: BadRowLog, settings: CsvSettings, path: Path, bad: BadRow | None) -> None:
@@ -371,8 +365,8 @@ def _account(log: BadRowLog, settings: CsvSettings, path: Path, bad: BadRow | No
         return
     if settings.bad_rows == "error":
         raise CsvTextError(
-            f"{path}: row {bad.row} (line {bad.line}) {bad.what}; or set data.bad_rows=drop to "
-            "skip such rows (they are counted in data_report.json)"
+            f"{path}: row {bad.row} (line {bad.line}) {bad.what} (data.bad_rows=drop skips "
+            "such rows, counting them in data_report.json)"
         )
     log.add(bad)
 

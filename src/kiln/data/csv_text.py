@@ -16,6 +16,7 @@ generated in code (built in memory, not cached), so the dataset works offline.""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -162,6 +163,66 @@ def _class_names(names: dict[str, int], source: str) -> list[str]:
     return class_names
 
 
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], name: str):
+    start = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - start
+
+
+def _read_into_spool(spool, train_chunks, val_chunks, source: str):
+    """Reads the training (then validation) chunks into the spool: (labels as class indices,
+    class names). Classes are the training file's labels."""
+    names: dict[str, int] = {}
+    codes = _spool(train_chunks, spool, names)
+    class_names = _class_names(names, source)
+    if val_chunks is not None:
+        codes = np.concatenate([codes, _spool(val_chunks(class_names), spool, names)])
+    spool.close()
+    by_name = {name: i for i, name in enumerate(class_names)}
+    return np.array([by_name[name] for name in names], dtype=np.int64)[codes], class_names
+
+
+def _train_val_rows(cfg: CsvTextConfig, labels: np.ndarray, logs: dict[str, BadRowLog]):
+    if cfg.val_path is None:
+        return split_rows(labels, cfg.val_fraction, cfg.split_seed)
+    num_train = logs["train_file"].rows_kept
+    if num_train == len(labels):
+        raise CsvTextError(f"{cfg.val_path}: no usable rows ({logs['val_file'].summary()})")
+    return np.arange(num_train), np.arange(num_train, len(labels))
+
+
+def _encode_spool(spool: TextSpool, tokenizer, directory: Path) -> np.ndarray:
+    """Every spooled text's ids into the store's ids file; returns the offsets."""
+    writer = IdsWriter(directory)
+    for texts in spool.batches(ENCODE_BATCH):
+        writer.append(encode_ids(tokenizer, texts))
+    spool.path.unlink()  # the cleaned texts were only needed until now
+    return writer.finish()
+
+
+def _store_report(cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets):
+    lengths = np.diff(offsets)
+
+    def counts(rows):
+        per_class = np.bincount(labels[rows], minlength=len(class_names)).tolist()
+        return dict(zip(class_names, per_class, strict=True))
+
+    return {
+        **{name: entry.to_dict() for name, entry in logs.items()},
+        "classes": class_names,
+        "rows": {"train": int(len(train_rows)), "val": int(len(val_rows))},
+        "class_counts": {"train": counts(train_rows), "val": counts(val_rows)},
+        "tokens": {
+            "vocab_size": tokenizer.get_vocab_size(),
+            "max_length": cfg.max_length,
+            "mean_length": float(lengths.mean()),
+            "rows_at_max_length": int((lengths >= cfg.max_length).sum()),
+        },
+        "cleaning": cleaning_of(cfg).to_dict(),
+    }
+
+
 def build_entry(
     directory: Path,
     cfg: CsvTextConfig,
@@ -170,67 +231,23 @@ def build_entry(
     logs: dict[str, BadRowLog],
     source: str,
 ) -> None:
-    """Writes a token store into `directory`: read + clean (chunks) -> spool -> tokenizer trained
-    on the training rows -> ids. `val_chunks(class_names)` reads a validation file."""
-    clock = time.perf_counter()
+    """Writes a token store into `directory`: read + clean (chunks) -> spool on disk ->
+    tokenizer trained on the training rows of the spool -> every row's ids.
+    `val_chunks(class_names)` reads a validation file."""
+    timings: dict[str, float] = {}
     spool = TextSpool(directory / "texts.utf8")
-    names: dict[str, int] = {}
-    codes = _spool(train_chunks, spool, names)
-    class_names = _class_names(names, source)
-    if val_chunks is not None:
-        codes = np.concatenate([codes, _spool(val_chunks(class_names), spool, names)])
-    spool.close()
-    by_name = {name: i for i, name in enumerate(class_names)}
-    labels = np.array([by_name[name] for name in names], dtype=np.int64)[codes]
-    if val_chunks is None:
-        train_rows, val_rows = split_rows(labels, cfg.val_fraction, cfg.split_seed)
-    else:
-        num_train = logs["train_file"].rows_kept
-        train_rows, val_rows = np.arange(num_train), np.arange(num_train, len(labels))
-        if not len(val_rows):
-            raise CsvTextError(f"{cfg.val_path}: no usable rows ({logs['val_file'].summary()})")
-
-    timings = {"read_clean_s": time.perf_counter() - clock}
-
-    clock = time.perf_counter()
-    is_train = np.zeros(len(labels), dtype=bool)
-    is_train[train_rows] = True
-    tokenizer = train_tokenizer(
-        spool.batches(ENCODE_BATCH, keep=is_train), cfg.vocab_size, cfg.max_length, len(train_rows)
-    )
-    timings["tokenizer_s"] = time.perf_counter() - clock
-    clock = time.perf_counter()
-    writer = IdsWriter(directory)
-    for texts in spool.batches(ENCODE_BATCH):
-        writer.append(encode_ids(tokenizer, texts))
-    offsets = writer.finish()
-    spool.path.unlink()  # the cleaned texts were only needed until now
-    timings["encode_s"] = time.perf_counter() - clock
-
-    lengths = np.diff(offsets)
-    report = {
-        **{name: entry.to_dict() for name, entry in logs.items()},
-        "classes": class_names,
-        "rows": {"train": int(len(train_rows)), "val": int(len(val_rows))},
-        "class_counts": {
-            split: dict(
-                zip(
-                    class_names,
-                    np.bincount(labels[rows], minlength=len(class_names)).tolist(),
-                    strict=True,
-                )
-            )
-            for split, rows in (("train", train_rows), ("val", val_rows))
-        },  # fmt: skip
-        "tokens": {
-            "vocab_size": tokenizer.get_vocab_size(),
-            "max_length": cfg.max_length,
-            "mean_length": float(lengths.mean()),
-            "rows_at_max_length": int((lengths >= cfg.max_length).sum()),
-        },
-        "cleaning": cleaning_of(cfg).to_dict(),
-        "build_timings_s": timings,  # when the store was built: read + clean, tokenizer, encode
-    }
+    with _timed(timings, "read_clean_s"):
+        labels, class_names = _read_into_spool(spool, train_chunks, val_chunks, source)
+    train_rows, val_rows = _train_val_rows(cfg, labels, logs)
+    with _timed(timings, "tokenizer_s"):
+        is_train = np.zeros(len(labels), dtype=bool)
+        is_train[train_rows] = True
+        texts = spool.batches(ENCODE_BATCH, keep=is_train)
+        tokenizer = train_tokenizer(texts, cfg.vocab_size, cfg.max_length, len(train_rows))
+    with _timed(timings, "encode_s"):
+        offsets = _encode_spool(spool, tokenizer, directory)
+    report = _store_report(cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets)
+    report["build_timings_s"] = timings  # read + clean, tokenizer, encode: when it was built
     meta = {"class_names": class_names, "vocab_size": tokenizer.get_vocab_size(), "report": report}
     save_entry(directory, offsets, labels, train_rows, val_rows, tokenizer.to_str(), meta)
 
