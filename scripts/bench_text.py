@@ -45,7 +45,6 @@ from kiln.engine.run import train
 from kiln.preprocessing.text import encode_ids
 
 FLOORS = {"rust_over_python": 10.0, "bucketed_padding": 0.10}
-MODELS = ("text_bow", "text_transformer")
 
 
 def progress(message: str) -> None:
@@ -59,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=3, help="training epochs of each model")
     # One thread, as bench_engine: on a shared 2-core machine two intra-op threads wait on each
     # other and the timings swing by 5x.
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="text_bow runs (seeds 0..N-1): mean accuracy"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's)")
     parser.add_argument("--skip-models", action="store_true", help="only the data sections")
     parser.add_argument("--prepare-rows", type=int, default=0, help="1M-row style memory test")
@@ -69,8 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "overrides", nargs="*", help="extra Hydra overrides of both models' runs (data.*, ...)"
     )
     args = parser.parse_args(argv)
-    if args.rows < 10 or args.epochs < 1 or args.threads < 0 or args.prepare_rows < 0:
-        parser.error("--rows >= 10, --epochs >= 1, --threads >= 0, --prepare-rows >= 0")
+    if min(args.rows - 9, args.epochs, args.seeds, args.threads + 1, args.prepare_rows + 1) < 1:
+        parser.error(
+            "--rows >= 10, --epochs >= 1, --seeds >= 1, --threads >= 0, --prepare-rows >= 0"
+        )
     return args
 
 
@@ -151,15 +155,22 @@ def padding(lengths: np.ndarray, batch_size: int, max_length: int, seed: int = 0
 # 3-4. Quality and throughput
 
 
-def kiln_model(name: str, overrides: list[str], run_dir: Path) -> dict:
-    cfg = load_config(["data=csv_text", f"model={name}", "logger=none", *overrides])
-    start = time.perf_counter()
-    summary = train(cfg, run_dir)
+def kiln_model(name: str, overrides: list[str], run_dir: Path, seeds: int = 1) -> dict:
+    """The model trained through kiln's train() (what train.py runs), once per seed: the mean
+    validation accuracy, the median wall time and samples/s of a run."""
+    runs = []
+    for seed in range(seeds):
+        cfg = load_config(["data=csv_text", f"model={name}", "logger=none", *overrides])
+        cfg.seed = seed
+        start = time.perf_counter()
+        summary = train(cfg, run_dir / f"seed{seed}")
+        runs.append({**summary, "wall_s": time.perf_counter() - start})
     return {
-        "val_acc": summary["val_acc"],
-        "wall_s": time.perf_counter() - start,
-        "samples_per_s": summary["samples_per_s"],
-        "steps": summary["steps"],
+        "val_acc": float(np.mean([r["val_acc"] for r in runs])),
+        "val_acc_runs": [r["val_acc"] for r in runs],
+        "wall_s": float(np.median([r["wall_s"] for r in runs])),
+        "samples_per_s": float(np.median([r["samples_per_s"] for r in runs])),
+        "steps": runs[0]["steps"],
     }
 
 
@@ -269,7 +280,17 @@ def table(result: dict) -> str:
         ]
         for name, row in result["quality"].items():
             speed = f"{row['samples_per_s']:,.0f}" if "samples_per_s" in row else "-"
-            lines.append(f"| {name} | {row['val_acc']:.4f} | {row['wall_s']:.1f} | {speed} |")
+            runs = row.get("val_acc_runs", [])
+            spread = (
+                f" ({min(runs):.4f}-{max(runs):.4f}, {len(runs)} seeds)" if len(runs) > 1 else ""
+            )
+            lines.append(
+                f"| {name} | {row['val_acc']:.4f}{spread} | {row['wall_s']:.1f} | {speed} |"
+            )
+        lines.append(
+            f"(validation: {result['val_rows']} rows; a 95% interval is about "
+            f"+-{1.96 * (0.25 / result['val_rows']) ** 0.5:.3f} at accuracy 0.5, less near 1)"
+        )
         lines.append("")
     if "streaming" in result:
         s = result["streaming"]
@@ -335,7 +356,12 @@ def main(argv=None) -> int:
     cfg = load_config(["data=csv_text", *overrides]).data
     progress("preparing the token store (read, clean, train the tokenizer, encode, cache)")
     entry, report = prepare(cfg)
-    result = {"csv": str(csv_path), "prepare_s": report["prepare_s"], "epochs": args.epochs}
+    result = {
+        "csv": str(csv_path),
+        "prepare_s": report["prepare_s"],
+        "epochs": args.epochs,
+        "val_rows": len(entry.val_rows),
+    }
     progress("data path: Rust vs Python tokenization")
     result["data_path"] = data_path(cfg, entry.tokenizer_json)
     lengths = entry.store.lengths(entry.train_rows)
@@ -343,9 +369,9 @@ def main(argv=None) -> int:
     if not args.skip_models:
         train_args = [*overrides, f"trainer.max_epochs={args.epochs}", "env.progress_bar=false"]
         quality = {}
-        for name in MODELS:
-            progress(f"training {name} for {args.epochs} epochs")
-            quality[name] = kiln_model(name, train_args, workdir / "runs" / name)
+        for name, seeds in (("text_bow", args.seeds), ("text_transformer", 1)):
+            progress(f"training {name} for {args.epochs} epochs ({seeds} seed(s))")
+            quality[name] = kiln_model(name, train_args, workdir / "runs" / name, seeds)
         progress("TF-IDF + logistic regression")
         quality["tfidf_logreg"] = tfidf_baseline(
             cfg, entry.train_rows, entry.val_rows, entry.store.labels

@@ -26,7 +26,7 @@ def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
         writer.writerows((i, text, label) for i, (text, label) in enumerate(ticket_rows(240)))
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--csv", str(path), "--epochs", "1", "--threads", "1"]
+        [sys.executable, str(SCRIPT), "--csv", str(path), "--epochs", "1", "--seeds", "2"]
         + ["--workdir", str(tmp_path / "work"), "--out", str(out)]
         + ["data.text_column=body", "data.label_column=topic", "data.batch_size=16"],
         cwd=REPO,
@@ -47,7 +47,9 @@ def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
     assert set(result["quality"]) == {"text_bow", "text_transformer", "tfidf_logreg"}
     for row in result["quality"].values():
         assert 0 <= row["val_acc"] <= 1 and row["wall_s"] > 0
-    assert result["quality"]["text_bow"]["samples_per_s"] > 0
+    bow = result["quality"]["text_bow"]
+    assert bow["samples_per_s"] > 0 and len(bow["val_acc_runs"]) == 2
+    assert math.isclose(bow["val_acc"], sum(bow["val_acc_runs"]) / 2)
     floors = result["floors"]
     assert floors["bucketed padding < 10%"][1] == (pad["bucketed"] < 0.10)
     assert "| bucketed by length |" in done.stdout and "| tfidf_logreg |" in done.stdout

@@ -84,8 +84,10 @@ class FastText(nn.Module):
         self.scale = math.sqrt(embed_dim)
         rows = vocab_size + (num_buckets if ngrams > 1 else 0)
         self.embed = nn.EmbeddingBag(rows, embed_dim, mode="sum", padding_idx=pad_id)
-        # fastText's initialisation: small uniform vectors, so a text's sum starts near zero.
-        nn.init.uniform_(self.embed.weight, -1.0 / embed_dim, 1.0 / embed_dim)
+        # fastText's initialisation, uniform in +-1/embed_dim once scaled: small vectors, so a
+        # text's sum starts near zero.
+        bound = 1.0 / (embed_dim * self.scale)
+        nn.init.uniform_(self.embed.weight, -bound, bound)
         with torch.no_grad():
             self.embed.weight[pad_id].zero_()
         self.dropout = nn.Dropout(dropout)
