@@ -179,6 +179,21 @@ def test_chunk_size_does_not_change_the_result(tmp_path):
         assert a.labels.tolist() == b.labels.tolist()
 
 
+def test_the_tokenizer_learns_from_a_seeded_sample_of_the_training_rows(tmp_path):
+    path = write_ticket_csv(tmp_path / "t.csv", 200)
+
+    def build(cache: str, **overrides):
+        return build_data(
+            data_cfg(train_path=str(path), cache_dir=str(tmp_path / cache), **overrides)
+        )
+
+    sampled, again, full = build("a", tokenizer_rows=20), build("b", tokenizer_rows=20), build("c")
+    assert sampled.recipe == again.recipe  # the same sample every time
+    assert sampled.spec.vocab_size < full.spec.vocab_size  # learned from 20 rows, not 160
+    assert len(sampled.train) == len(full.train) == 160  # and every row is still encoded
+    assert sampled.report["cache"]["dir"] != full.report["cache"]["dir"]
+
+
 def test_a_second_run_loads_the_cache_without_reading_the_csv(tmp_path, monkeypatch):
     path = write_ticket_csv(tmp_path / "t.csv", 100)
     cfg = data_cfg(train_path=str(path), cache_dir=str(tmp_path / "cache"))

@@ -87,6 +87,7 @@ class CsvTextConfig(DataConfig):
     chunk_rows: int = 100_000  # rows read at a time (pandas chunksize): bounds memory
     cache_dir: str | None = None  # token cache; null: $XDG_CACHE_HOME or ~/.cache, /kiln/text
     vocab_size: int = 16000  # tokenizer vocabulary, at most
+    tokenizer_rows: int = 200_000  # training rows the tokenizer learns from (a seeded sample)
     max_length: int = 256  # tokens per text after truncation
     bucket_by_length: bool = True  # batch texts of similar length (shuffled buckets): less padding
     strip_html: bool = True  # cleaning: drop HTML tags (keeping their text), scripts and comments
@@ -101,6 +102,7 @@ class CsvTextConfig(DataConfig):
         at_least(self.vocab_size, 16, f"{key}.vocab_size", "room for special tokens and letters")
         at_least(self.max_length, 1, f"{key}.max_length")
         at_least(self.chunk_rows, 1, f"{key}.chunk_rows")
+        at_least(self.tokenizer_rows, 1, f"{key}.tokenizer_rows")
         if self.train_path is None and self.val_path is not None:
             raise ConfigError("val_path is set but train_path is null", f"{key}.val_path",
                               "set data.train_path too")  # fmt: skip

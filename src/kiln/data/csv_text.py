@@ -192,6 +192,14 @@ def _train_val_rows(cfg: CsvTextConfig, labels: np.ndarray, logs: dict[str, BadR
     return np.arange(num_train), np.arange(num_train, len(labels))
 
 
+def _tokenizer_sample(train_rows: np.ndarray, size: int, seed: int) -> np.ndarray:
+    """At most `size` training rows, a seeded sample: the merges a tokenizer learns settle long
+    before a million rows, while its memory grows with every distinct word it sees."""
+    if len(train_rows) <= size:
+        return train_rows
+    return np.random.default_rng(seed).choice(train_rows, size=size, replace=False)
+
+
 def _encode_spool(spool: TextSpool, tokenizer, directory: Path) -> np.ndarray:
     """Every spooled text's ids into the store's ids file; returns the offsets."""
     writer = IdsWriter(directory)
@@ -240,10 +248,11 @@ def build_entry(
         labels, class_names = _read_into_spool(spool, train_chunks, val_chunks, source)
     train_rows, val_rows = _train_val_rows(cfg, labels, logs)
     with _timed(timings, "tokenizer_s"):
-        is_train = np.zeros(len(labels), dtype=bool)
-        is_train[train_rows] = True
-        texts = spool.batches(ENCODE_BATCH, keep=is_train)
-        tokenizer = train_tokenizer(texts, cfg.vocab_size, cfg.max_length, len(train_rows))
+        learn_from = _tokenizer_sample(train_rows, cfg.tokenizer_rows, cfg.split_seed)
+        keep = np.zeros(len(labels), dtype=bool)
+        keep[learn_from] = True
+        texts = spool.batches(ENCODE_BATCH, keep=keep)
+        tokenizer = train_tokenizer(texts, cfg.vocab_size, cfg.max_length, len(learn_from))
     with _timed(timings, "encode_s"):
         offsets = _encode_spool(spool, tokenizer, directory)
     report = _store_report(cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets)
@@ -274,6 +283,7 @@ def _key_inputs(cfg: CsvTextConfig) -> dict:
         "bad_rows": settings.bad_rows,
         "cleaning": settings.cleaning.to_dict(),
         "vocab_size": cfg.vocab_size,
+        "tokenizer_rows": cfg.tokenizer_rows,
         "max_length": cfg.max_length,
     }
 
