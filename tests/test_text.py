@@ -1,5 +1,5 @@
 """csv_text (CSV reading, errors, tokenizer, collate, the recipe's encoding) and the text
-models."""
+models. Bad rows, cleaning, the token cache and bucketing have their own files (test_text_*)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,12 @@ VAL_ROWS = [
     {"text": "the dog sat on the ball", "label": "pets"},
     {"text": "zebras quietly market their fees", "label": "money"},  # 'zebras' unseen in train
 ]
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """The token cache of every CSV test lives in the test's own directory, never in ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +131,12 @@ def test_numeric_labels_sort_as_numbers(tmp_path):
 
 def test_tokenizer_is_trained_on_the_training_split_only(csv_bundle):
     unk_id = 1  # [PAD]=0, [UNK]=1
-    zebra_ids = csv_bundle.recipe.encode(["zebras"])[0]
-    assert zebra_ids.tolist() == [unk_id]
-    cat_ids = csv_bundle.recipe.encode(["cat"])[0]
-    assert unk_id not in cat_ids.tolist()
+    # A training word is one token; a word only the validation file has is pieces, and its
+    # letters the training texts never use ('z') are [UNK].
+    assert csv_bundle.recipe.encode(["cat"])[0].tolist() != [unk_id]
+    assert len(csv_bundle.recipe.encode(["cat"])[0]) == 1
+    zebras = csv_bundle.recipe.encode(["zebras"])[0].tolist()
+    assert len(zebras) > 1 and zebras[0] == unk_id
 
 
 def test_texts_are_truncated_to_max_length(tmp_path):
@@ -160,20 +168,20 @@ def test_missing_column_names_the_file_and_the_columns_present(tmp_path):
     assert "columns present: 'sentence', 'label'" in message
 
 
-def test_empty_text_names_the_row(tmp_path):
+def test_empty_text_names_the_row_with_bad_rows_error(tmp_path):
     rows = [dict(r) for r in TRAIN_ROWS]
     rows[3]["text"] = "   "
     path = write_csv(tmp_path / "empty.csv", rows)
     with pytest.raises(CsvTextError, match=r"row 4 \(line 5\) has an empty text in column 'text'"):
-        build_data(data_cfg(train_path=str(path)))
+        build_data(data_cfg(train_path=str(path), bad_rows="error"))
 
 
-def test_nan_label_names_the_row(tmp_path):
+def test_nan_label_names_the_row_with_bad_rows_error(tmp_path):
     rows = [dict(r) for r in TRAIN_ROWS]
     rows[1]["label"] = float("nan")
     path = write_csv(tmp_path / "nan.csv", rows)
     with pytest.raises(CsvTextError, match=r"nan\.csv: row 2 \(line 3\) has a missing"):
-        build_data(data_cfg(train_path=str(path)))
+        build_data(data_cfg(train_path=str(path), bad_rows="error"))
 
 
 def test_nonexistent_path_is_named(tmp_path):
@@ -186,7 +194,13 @@ def test_val_label_unseen_in_training_names_the_row_and_label(tmp_path):
     train = write_csv(tmp_path / "train.csv", TRAIN_ROWS)
     val = write_csv(tmp_path / "val.csv", [*VAL_ROWS, {"text": "rain again", "label": "weather"}])
     with pytest.raises(CsvTextError, match=r"val\.csv: row 3 \(line 4\).*'weather'"):
-        build_data(data_cfg(train_path=str(train), val_path=str(val)))
+        build_data(data_cfg(train_path=str(train), val_path=str(val), bad_rows="error"))
+    dropped = build_data(data_cfg(train_path=str(train), val_path=str(val)))
+    assert len(dropped.val) == len(VAL_ROWS)
+    report = dropped.report["val_file"]
+    assert report["dropped"] == {
+        "unseen_label": {"count": 1, "first": [{"row": 3, "line": 4, "column": "label"}]}
+    }
 
 
 def test_single_class_is_refused(tmp_path):
@@ -295,3 +309,99 @@ def test_text_models_reject_image_data(name):
 def test_transformer_heads_must_divide_embed_dim():
     with pytest.raises(ConfigError, match=r"not divisible by num_heads=4 \(model.num_heads\)"):
         model_cfg("text_transformer", embed_dim=30, num_heads=4)
+
+
+# --- fastText: hashed n-grams from the ids, inside the model ---------------------------------
+
+
+def test_fasttext_hashes_each_bigram_to_one_bucket_wherever_it_occurs():
+    from kiln.models.text import hashed_ngrams
+
+    ids = torch.tensor([[5, 6, 7, 0, 0], [9, 5, 6, 0, 0], [6, 5, 0, 0, 0]])
+    grams = hashed_ngrams(ids, pad_id=0, ngrams=2, num_buckets=1000, offset=50)
+    assert grams.shape == (3, 4)  # L - 1 bigrams per row
+    assert int(grams[0, 0]) == int(grams[1, 1])  # "5 6" in row 0 and row 1: the same bucket
+    assert int(grams[0, 0]) != int(grams[2, 0])  # "6 5" is another bigram
+    real = grams[grams != 0]
+    assert bool(((real >= 50) & (real < 1050)).all())  # after the vocabulary rows
+    # Bigrams touching padding are padding (left out of the EmbeddingBag's sum).
+    assert grams[0, 2:].tolist() == [0, 0] and grams[2, 1:].tolist() == [0, 0, 0]
+    trigrams = hashed_ngrams(ids, pad_id=0, ngrams=3, num_buckets=1000, offset=50)
+    assert trigrams.shape == (3, 4 + 3) and torch.equal(trigrams[:, :4], grams)
+
+
+def test_fasttext_sees_word_order_only_through_its_ngrams(demo_bundle):
+    spec = demo_bundle.spec
+    ids = torch.tensor([[10, 11, 12, 13]])
+    swapped = torch.tensor([[11, 10, 13, 12]])
+    with torch.no_grad():
+        bigrams = build_model(spec, model_cfg("text_bow")).eval()
+        assert not torch.allclose(bigrams(ids), bigrams(swapped))
+        tokens_only = build_model(spec, model_cfg("text_bow", ngrams=1)).eval()
+        torch.testing.assert_close(tokens_only(ids), tokens_only(swapped))
+
+
+# --- text_transformer: fused attention and the nested-tensor fast path -----------------------
+
+
+def test_transformer_attention_runs_through_sdpa_without_weights(demo_bundle, monkeypatch):
+    """Training forward: every layer's attention goes through scaled_dot_product_attention (which
+    never materialises attention weights); nothing asks for the weights."""
+    import torch.nn.functional as F
+
+    calls = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def counting_sdpa(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real_sdpa(*args, **kwargs)
+
+    real_mha = torch.nn.MultiheadAttention.forward
+
+    def mha_forward(self, *args, need_weights=True, **kwargs):
+        assert need_weights is False, "the encoder asked for attention weights"
+        return real_mha(self, *args, need_weights=need_weights, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(torch.nn.MultiheadAttention, "forward", mha_forward)
+    cfg = model_cfg("text_transformer")
+    model = build_model(demo_bundle.spec, cfg).train()
+    model(_token_batch(demo_bundle.spec, 3, 12)).sum().backward()
+    assert len(calls) == cfg.num_layers
+
+
+def test_transformer_eval_takes_the_nested_tensor_fast_path(demo_bundle):
+    """In eval mode under no_grad the encoder packs the batch into a nested tensor and skips the
+    padding: its output there is exactly zero (the slow path computes something there)."""
+    spec = demo_bundle.spec
+    model = build_model(spec, model_cfg("text_transformer"))
+    ids = _token_batch(spec, 3, 16)  # row 0 is padded after position 8
+    padding = ids == spec.pad_id
+
+    def encoder_output():
+        x = model.embed(ids) + model.position[: ids.shape[1]]
+        return model.encoder(x, src_key_padding_mask=padding)
+
+    with torch.no_grad():
+        model.eval()
+        assert torch.count_nonzero(encoder_output()[padding]) == 0
+        model.train()
+        assert torch.count_nonzero(encoder_output()[padding]) > 0
+
+
+def test_text_transformer_exports_to_onnx_with_parity(tmp_path):
+    """test_inference exports text_bow; the transformer (nested-tensor fast path in eval) too."""
+    from kiln.inference import Predictor, export
+    from kiln.inference.export import PROBS_TOLERANCE
+
+    from .conftest import FAST, train_in_process
+
+    run = tmp_path / "run"
+    train_in_process(run, "data=csv_text", "model=text_transformer", *FAST)
+    ckpt = run / "checkpoints" / "best.pt"
+    report = export(ckpt)
+    assert len(report.parity) == 3 and all(c.max_abs_diff <= PROBS_TOLERANCE for c in report.parity)
+    texts = ["the striker scored in extra time", "<b>bake the bread</b> until golden"]
+    onnx = Predictor.from_checkpoint(ckpt, backend="onnx").predict_probs(texts)
+    torch_probs = Predictor.from_checkpoint(ckpt).predict_probs(texts)
+    assert abs(onnx - torch_probs).max() <= PROBS_TOLERANCE

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import codecs
+from dataclasses import dataclass, field
+from enum import StrEnum
 
 from omegaconf import MISSING
 
-from kiln.config.base import ConfigError, at_least, in_range
+from kiln.config.base import ConfigError, at_least, in_range, invalid
 from kiln.registry import DATASETS, EVALUATORS
 
 
@@ -56,27 +58,62 @@ class SyntheticImagesConfig(DataConfig):
         at_least(self.num_classes, 2, f"{key}.num_classes")
 
 
+class BadRows(StrEnum):
+    drop = "drop"  # count and skip bad rows (listed in <run>/data_report.json)
+    error = "error"  # stop at the first bad row, naming the file, row, line and column
+
+
+class UnicodeForm(StrEnum):
+    NFC = "NFC"
+    NFKC = "NFKC"  # also folds compatibility forms: ligatures, full-width letters
+    none = "none"
+
+
 @dataclass
 class CsvTextConfig(DataConfig):
-    """Text classification from a CSV with a text and a label column (WordPiece tokenizer)."""
+    """Text classification from a CSV with a text and a label column: read in chunks, cleaned,
+    tokenized (BPE) into a token cache on disk. A first run on tens of thousands of rows
+    is good with these defaults."""
 
-    batch_size: int = 32
+    batch_size: int = 64
     train_path: str | None = None  # the training CSV; null: the bundled demo corpus
     val_path: str | None = None  # a validation CSV; null: split val_fraction off train_path
     val_fraction: float = 0.2  # share held out for validation when val_path is null
     text_column: str = "text"  # CSV column holding the texts
     label_column: str = "label"  # CSV column holding the labels
-    vocab_size: int = 2000  # tokenizer vocabulary, at most
-    max_length: int = 64  # tokens per text after truncation
+    encoding: str = "utf-8"  # the files' text encoding (a Python codec: utf-8, latin-1, cp1252)
+    na_values: list[str] = field(default_factory=list)  # spellings meaning missing (NA is text)
+    bad_rows: BadRows = BadRows.drop  # drop: count and skip bad rows; error: stop at the first
+    chunk_rows: int = 100_000  # rows read at a time (pandas chunksize): bounds memory
+    cache_dir: str | None = None  # token cache; null: $XDG_CACHE_HOME or ~/.cache, /kiln/text
+    vocab_size: int = 16000  # tokenizer vocabulary, at most
+    tokenizer_rows: int = 200_000  # training rows the tokenizer learns from (a seeded sample)
+    max_length: int = 256  # tokens per text after truncation
+    bucket_by_length: bool = True  # batch texts of similar length (shuffled buckets): less padding
+    strip_html: bool = True  # cleaning: drop HTML tags (keeping their text), scripts and comments
+    unescape_entities: bool = True  # cleaning: &amp; -> &, &lt; -> <
+    unicode_form: UnicodeForm = UnicodeForm.NFKC  # cleaning: Unicode normalisation
+    lowercase: bool = True  # cleaning: lower-case every text
+    normalize_whitespace: bool = True  # cleaning: collapse whitespace, drop control characters
 
     def check(self, key: str) -> None:
         super().check(key)
         in_range(self.val_fraction, 0, 1, f"{key}.val_fraction", open_low=True, open_high=True)
         at_least(self.vocab_size, 16, f"{key}.vocab_size", "room for special tokens and letters")
         at_least(self.max_length, 1, f"{key}.max_length")
+        at_least(self.chunk_rows, 1, f"{key}.chunk_rows")
+        at_least(self.tokenizer_rows, 1, f"{key}.tokenizer_rows")
         if self.train_path is None and self.val_path is not None:
             raise ConfigError("val_path is set but train_path is null", f"{key}.val_path",
                               "set data.train_path too")  # fmt: skip
+        try:
+            codecs.lookup(self.encoding)
+        except LookupError:
+            raise invalid(
+                f"{key}.encoding",
+                f"unknown encoding {self.encoding!r}; use a Python codec such as utf-8, "
+                "latin-1 or cp1252",
+            ) from None
 
 
 @dataclass

@@ -59,14 +59,18 @@ class ResNetConfig(ClassifierConfig):
 
 @dataclass
 class TextBowConfig(ClassifierConfig):
-    """Mean of token embeddings (padding masked) -> linear classifier."""
+    """fastText: the mean of token and hashed token n-gram embeddings -> linear classifier."""
 
-    dropout: float = 0.1
-    embed_dim: int = 64  # embedding width
+    dropout: float = 0.3
+    embed_dim: int = 32  # embedding width
+    ngrams: int = 2  # longest token n-gram embedded (1: tokens only; 2: plus bigrams; ...)
+    num_buckets: int = 65536  # hash buckets shared by all n-grams (2**16)
 
     def check(self, key: str) -> None:
         super().check(key)
         at_least(self.embed_dim, 1, f"{key}.embed_dim")
+        at_least(self.ngrams, 1, f"{key}.ngrams")
+        at_least(self.num_buckets, 1, f"{key}.num_buckets")
 
 
 @dataclass

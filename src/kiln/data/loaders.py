@@ -1,16 +1,22 @@
 """DataLoaders with seeded, resumable order: the shuffle of epoch e depends only on (seed, e), and a
-resumed run can start inside an epoch at the next batch."""
+resumed run can start inside an epoch at the next batch. Texts can be batched by length
+(BucketedSampler), with the same guarantees."""
 
 from __future__ import annotations
 
+import logging
+import math
 import random
+from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from kiln.data.spec import DataBundle
+
+log = logging.getLogger(__name__)
 
 
 class ResumableSampler(DistributedSampler):
@@ -28,6 +34,68 @@ class ResumableSampler(DistributedSampler):
     def __iter__(self):
         indices = list(super().__iter__())
         return iter(indices[self.skip :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+class BucketedSampler(Sampler[int]):
+    """Batches of items of similar length, in shuffled order, so little of a padded batch is
+    padding. Per epoch: shuffle every index (seeded by (seed, epoch) only), sort each pool of
+    `pool_batches` global batches by length, cut the pools into global batches of
+    batch_size x num_replicas, shuffle those, and give each rank one contiguous batch_size slice
+    of each. The indices come out batch by batch, so the DataLoader's batching (batch_size,
+    drop_last=False) reproduces the buckets. Like ResumableSampler: DistributedSampler's padding
+    (num_samples per rank, every rank the same count), and `set_epoch(epoch, skip)` to resume
+    after `skip` samples (a multiple of batch_size) inside an epoch."""
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        *,
+        batch_size: int,
+        num_replicas: int,
+        rank: int,
+        seed: int,
+        pool_batches: int = 50,
+    ):
+        self.lengths = np.asarray(lengths)
+        self.batch_size, self.num_replicas, self.rank = batch_size, num_replicas, rank
+        self.seed, self.pool_batches = seed, pool_batches
+        self.num_samples = math.ceil(len(self.lengths) / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip
+
+    def rank_order(self) -> np.ndarray:
+        """This rank's indices for the epoch, batch after batch."""
+        rng = np.random.default_rng([self.seed % 2**32, self.epoch])
+        order = rng.permutation(len(self.lengths))
+        order = np.concatenate([order, order[: self.total_size - len(order)]])  # even shares
+        global_batch = self.batch_size * self.num_replicas
+        pool = global_batch * self.pool_batches
+        # A stable sort keeps the shuffled order among equal lengths.
+        order = np.concatenate(
+            [
+                order[start : start + pool][
+                    np.argsort(self.lengths[order[start : start + pool]], kind="stable")
+                ]
+                for start in range(0, len(order), pool)
+            ]
+        )
+        num_full = len(order) // global_batch
+        full = order[: num_full * global_batch].reshape(
+            num_full, self.num_replicas, self.batch_size
+        )
+        full = full[rng.permutation(num_full)]  # buckets in random order, not short to long
+        tail = order[num_full * global_batch :]  # the last, smaller batch of each rank
+        tail = tail.reshape(self.num_replicas, len(tail) // self.num_replicas)
+        return np.concatenate([full[:, self.rank].reshape(-1), tail[self.rank]])
+
+    def __iter__(self):
+        return iter(self.rank_order()[self.skip :].tolist())
 
     def __len__(self) -> int:
         return self.num_samples - self.skip
@@ -58,14 +126,29 @@ def _loader(dataset, sampler, cfg, *, collate_fn, pin_memory: bool, seed: int) -
     )
 
 
+def train_sampler_for(bundle: DataBundle, batch_size: int, rank: int, world_size: int, seed: int):
+    """BucketedSampler when the dataset gives lengths for its training items, else a shuffling
+    ResumableSampler."""
+    lengths = bundle.bucket_lengths
+    if lengths is not None and len(lengths) != len(bundle.train):
+        log.warning("batches are not bucketed by length: the training set was replaced "
+                    "(trainer.overfit_batches)")  # fmt: skip
+        lengths = None
+    if lengths is None:
+        return ResumableSampler(
+            bundle.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed
+        )
+    return BucketedSampler(
+        lengths, batch_size=batch_size, num_replicas=world_size, rank=rank, seed=seed
+    )
+
+
 def build_dataloaders(
     bundle: DataBundle, cfg, *, seed: int, rank: int, world_size: int, cuda: bool
 ):
     """Returns (train_loader, val_loader). pin_memory is applied only when training on CUDA."""
     pin = bool(cfg.pin_memory and cuda)
-    train_sampler = ResumableSampler(
-        bundle.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed
-    )
+    train_sampler = train_sampler_for(bundle, cfg.batch_size, rank, world_size, seed)
     val_sampler = ResumableSampler(
         bundle.val, num_replicas=world_size, rank=rank, shuffle=False, seed=seed
     )

@@ -3,7 +3,7 @@ preprocessing recipe that inference must repeat exactly (kiln.preprocessing)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -53,3 +53,6 @@ class DataBundle:
     # What building the data found (rows read, kept, dropped per reason...): written to
     # <run>/data_report.json.
     report: dict[str, Any] | None = None
+    # Tokens (or any size) per item of `train`: when set, training batches group items of
+    # similar length (kiln.data.loaders.BucketedSampler), so little of a batch is padding.
+    bucket_lengths: Sequence[int] | None = None

@@ -35,6 +35,7 @@ class MetricWindow:
     def reset(self) -> None:
         zeros = lambda dtype=torch.float32: torch.zeros((), device=self.device, dtype=dtype)  # noqa: E731
         self.steps = 0
+        self.micro_batches = 0  # a fraction among the batch metrics is a mean per micro-batch
         self.samples = 0  # over all ranks
         self.data_time_s = 0.0
         self.step_time_s = 0.0
@@ -59,6 +60,7 @@ class MetricWindow:
         self.step_time_s += result.step_time_s
         for name, value in result.batch_metrics.items():
             self.batch_sums[name] = self.batch_sums.get(name, 0.0) + value
+        self.micro_batches += result.micro_batches
         bad = result.bad
         finite = (~bad).float()
         self.finite_steps += finite
@@ -113,7 +115,9 @@ class MetricWindow:
             "data_time_frac": self.data_time_s / max(self.step_time_s, 1e-9),
         }
         metrics.update({f"loss/{n}": v / count for n, v in zip(names, term_sums, strict=True)})
-        metrics.update(batch_rates(batch_totals, self.steps * self.world_size, self.step_time_s))
+        metrics.update(
+            batch_rates(batch_totals, self.micro_batches * self.world_size, self.step_time_s)
+        )
         if finite_steps:
             metrics["grad_norm"], metrics["grad_norm_max"] = grad_norm, grad_norm_max
         record = NonFinite(
@@ -136,7 +140,8 @@ class MetricWindow:
 
 def batch_rates(totals: dict[str, float], steps: int, seconds: float) -> dict[str, float]:
     """The dataset's batch metrics over a window: counts (names without "_frac") become rates
-    per second ("tokens" -> "tokens_per_s"), fractions become their mean per step."""
+    per second ("tokens" -> "tokens_per_s"), fractions become their mean per batch (`steps`:
+    the batches summed, micro-batches on every rank)."""
     rates = {}
     for name, total in totals.items():
         if name.endswith("_frac"):

@@ -121,6 +121,7 @@ class StepResult:
     batch_metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # summed over the window
     batches: list = field(default_factory=list)  # kept under nan_policy=fail, for the report
     micro_bad: list = field(default_factory=list)  # per micro-batch: its loss was NaN/Inf
+    micro_batches: int = 1  # batches in this step (the accumulation window)
 
 
 class Trainer:
@@ -260,6 +261,7 @@ class Trainer:
             batch_metrics=batch_sums,
             batches=kept,
             micro_bad=micro_bad,
+            micro_batches=window,
         )
 
     def optimizer_step(self, bad: torch.Tensor) -> torch.Tensor | None:

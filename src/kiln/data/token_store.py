@@ -1,0 +1,267 @@
+"""Token ids on disk: every kept row's ids, back to back in one int32 file read through a memory
+map, with the offsets, labels and train/val split beside it. Built once per (file contents,
+cleaning, tokenizer settings) in a cache directory, so a second run skips reading, cleaning and
+tokenizing.
+
+    <cache_dir>/<csv name>-<key>/
+        ids.int32        token ids of every kept row (memory-mapped)
+        offsets.npy      row i's ids are ids[offsets[i]:offsets[i + 1]]
+        labels.npy       class index per row
+        train_index.npy, val_index.npy
+        tokenizer.json
+        meta.json        class names, the data report, the key's inputs
+
+An entry is built in a temporary directory and renamed into place (a reader never sees half of
+one), under a file lock, so ranks of a DDP run or parallel runs build it once."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+STORE_VERSION = 1  # bump when the layout or the meaning of a stored entry changes
+ID_DTYPE = np.int32
+ENCODE_BATCH = 4096  # texts per encode_batch call: bounds the tokenizer's per-call memory
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kiln" / "text"
+
+
+def file_digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def cache_key(inputs: dict[str, Any]) -> str:
+    blob = json.dumps(inputs, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
+# ---------------------------------------------------------------------------------------------
+# Cleaned texts, spooled to disk between the read and the tokenizer
+
+
+class TextSpool:
+    """Cleaned texts appended to a file as UTF-8, read back in batches: the read, the tokenizer
+    training and the encoding each see every text once, and none holds them all."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = path.open("wb")
+        self._sizes: list[np.ndarray] = []
+
+    def append(self, texts: Sequence[str]) -> None:
+        encoded = [t.encode("utf-8", "surrogatepass") for t in texts]
+        self._file.write(b"".join(encoded))
+        self._sizes.append(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __len__(self) -> int:
+        return int(sum(len(s) for s in self._sizes))
+
+    def batches(self, batch_size: int, keep: np.ndarray | None = None) -> Iterator[list[str]]:
+        """The texts in order, `batch_size` at a time; only rows where keep[i] if given. Each
+        batch is one read of the bytes it spans: nothing stays mapped or cached in memory."""
+        sizes = np.concatenate(self._sizes) if self._sizes else np.zeros(0, dtype=np.int64)
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        rows = np.arange(len(sizes)) if keep is None else np.flatnonzero(keep)
+        with self.path.open("rb") as f:
+            for first in range(0, len(rows), batch_size):
+                chosen = rows[first : first + batch_size]
+                base = int(starts[chosen[0]])
+                f.seek(base)
+                data = f.read(int(ends[chosen[-1]]) - base)
+                yield [
+                    data[start - base : end - base].decode("utf-8", "surrogatepass")
+                    for start, end in zip(
+                        starts[chosen].tolist(), ends[chosen].tolist(), strict=True
+                    )
+                ]
+
+
+# ---------------------------------------------------------------------------------------------
+# A built store
+
+
+@dataclass
+class TokenStore:
+    """Token ids of every kept row (a memory map when on disk), their offsets and labels."""
+
+    ids: np.ndarray
+    offsets: np.ndarray  # int64, len = rows + 1
+    labels: np.ndarray  # int64 class index per row
+    directory: Path | None = None  # where ids came from: workers reopen the map from here
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray:
+        return self.offsets[rows + 1] - self.offsets[rows]
+
+    def row_ids(self, row: int) -> np.ndarray:
+        return self.ids[self.offsets[row] : self.offsets[row + 1]]
+
+    def __getstate__(self):
+        # A DataLoader worker (or a spawned process) reopens the memory map instead of copying.
+        state = dict(self.__dict__)
+        if self.directory is not None:
+            state["ids"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.ids is None:
+            self.ids = open_ids(self.directory)
+
+
+def open_ids(directory: Path) -> np.ndarray:
+    path = directory / "ids.int32"
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=ID_DTYPE)
+    return np.memmap(path, dtype=ID_DTYPE, mode="r")
+
+
+class TokenDataset(Dataset):
+    """One split of a TokenStore: item i is (token ids LongTensor (L_i,), label LongTensor ())."""
+
+    def __init__(self, store: TokenStore, rows: np.ndarray):
+        self.store = store
+        self.rows = np.asarray(rows, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        row = self.rows[index]
+        ids = torch.from_numpy(self.store.row_ids(row).astype(np.int64))
+        return ids, torch.tensor(self.store.labels[row], dtype=torch.long)
+
+    @property
+    def labels(self) -> Tensor:
+        return torch.from_numpy(self.store.labels[self.rows].astype(np.int64))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens per item: what the length-bucketed sampler groups by."""
+        return self.store.lengths(self.rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing and reading entries
+
+
+class IdsWriter:
+    """Appends each row's token ids to ids.int32 and remembers the offsets."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / "ids.int32"
+        self._file = self.path.open("wb")
+        self._lengths: list[np.ndarray] = []
+
+    def append(self, rows: list[list[int]]) -> None:
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=ID_DTYPE, count=lengths.sum())
+        self._file.write(flat.tobytes())
+        self._lengths.append(lengths)
+
+    def finish(self) -> np.ndarray:
+        self._file.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+@dataclass
+class StoreEntry:
+    """What a build leaves: the store, the split, the tokenizer and the metadata."""
+
+    store: TokenStore
+    train_rows: np.ndarray
+    val_rows: np.ndarray
+    tokenizer_json: str
+    meta: dict[str, Any]
+
+
+def save_entry(directory: Path, offsets, labels, train_rows, val_rows, tokenizer_json, meta):
+    np.save(directory / "offsets.npy", offsets)
+    np.save(directory / "labels.npy", labels.astype(np.int64))
+    np.save(directory / "train_index.npy", train_rows.astype(np.int64))
+    np.save(directory / "val_index.npy", val_rows.astype(np.int64))
+    (directory / "tokenizer.json").write_text(tokenizer_json)
+    (directory / "meta.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+
+
+def load_entry(directory: Path, *, in_memory: bool = False) -> StoreEntry:
+    ids = open_ids(directory)
+    if in_memory:
+        ids = np.array(ids)
+    store = TokenStore(
+        ids=ids,
+        offsets=np.load(directory / "offsets.npy"),
+        labels=np.load(directory / "labels.npy"),
+        directory=None if in_memory else directory,
+    )
+    return StoreEntry(
+        store=store,
+        train_rows=np.load(directory / "train_index.npy"),
+        val_rows=np.load(directory / "val_index.npy"),
+        tokenizer_json=(directory / "tokenizer.json").read_text(),
+        meta=json.loads((directory / "meta.json").read_text()),
+    )
+
+
+@contextlib.contextmanager
+def locked(lock_path: Path):
+    """An exclusive lock held while one process builds an entry; others wait, then reuse it."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def cached_entry(root: Path, name: str, build) -> tuple[StoreEntry, bool]:
+    """(the entry `name` under `root`, whether it was already there). On a miss `build(tmp)`
+    writes the entry's files into a temporary directory, which is then renamed into place."""
+    final = root / name
+    with locked(root / f"{name}.lock"):
+        if (final / "meta.json").is_file():
+            return load_entry(final), True
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+        try:
+            build(tmp)
+            if final.exists():  # an incomplete entry left by a killed run
+                shutil.rmtree(final)
+            tmp.rename(final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return load_entry(final), False
+
+
+def built_in_memory(build) -> StoreEntry:
+    """An entry built in a temporary directory and held in memory (no cache)."""
+    with tempfile.TemporaryDirectory(prefix="kiln-text-") as tmp:
+        build(Path(tmp))
+        return load_entry(Path(tmp), in_memory=True)

@@ -1,0 +1,140 @@
+"""The length-bucketed sampler: every item once per epoch, batches of similar length, order from
+(seed, epoch) only, DDP shares, exact resume through the trainer; and padding_frac / tokens_per_s
+in the training log."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.data.loaders import BucketedSampler, ResumableSampler
+from kiln.engine.distributed import DistInfo
+from kiln.engine.preemption import Preempted
+from kiln.engine.run import build_trainer, resume_if_asked
+
+from .conftest import FAST, compose_config, read_metrics, train_in_process
+
+LENGTHS = np.random.default_rng(0).integers(3, 120, size=1000)
+
+
+def batches(sampler, batch_size):
+    order = list(sampler)
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def padding_frac(lengths, batch_list):
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batch_list)
+    return 1 - sum(lengths[i] for b in batch_list for i in b) / padded
+
+
+def test_each_epoch_is_a_permutation_in_batches_of_similar_length():
+    sampler = BucketedSampler(LENGTHS, batch_size=32, num_replicas=1, rank=0, seed=7)
+    order = list(sampler)
+    assert sorted(order) == list(range(len(LENGTHS))) and len(sampler) == len(LENGTHS)
+    bucketed = padding_frac(LENGTHS, batches(sampler, 32))
+    shuffled = ResumableSampler(range(len(LENGTHS)), num_replicas=1, rank=0, shuffle=True, seed=7)
+    assert bucketed < 0.05 < 0.3 < padding_frac(LENGTHS, batches(shuffled, 32))
+    # Buckets come in random order, not short to long.
+    maxima = [max(LENGTHS[i] for i in b) for b in batches(sampler, 32)]
+    assert maxima != sorted(maxima)
+
+
+def test_the_order_depends_on_seed_and_epoch_only():
+    def order(seed, epoch):
+        sampler = BucketedSampler(LENGTHS, batch_size=16, num_replicas=1, rank=0, seed=seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    assert order(1, 0) == order(1, 0)
+    assert order(1, 0) != order(1, 1) and order(1, 0) != order(2, 0)
+
+
+def test_skip_resumes_inside_an_epoch_at_the_next_batch():
+    sampler = BucketedSampler(LENGTHS, batch_size=16, num_replicas=1, rank=0, seed=3)
+    sampler.set_epoch(2)
+    full = list(sampler)
+    sampler.set_epoch(2, skip=5 * 16)
+    assert list(sampler) == full[5 * 16 :] and len(sampler) == len(full) - 80
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_get_equal_disjoint_shares_in_batches(world_size):
+    lengths = LENGTHS[:997]  # not a multiple of anything: ranks are padded like DDP's sampler
+    samplers = [
+        BucketedSampler(lengths, batch_size=8, num_replicas=world_size, rank=r, seed=0)
+        for r in range(world_size)
+    ]
+    orders = [list(s) for s in samplers]
+    assert {len(o) for o in orders} == {math.ceil(997 / world_size)}
+    assert {len(s) for s in samplers} == {samplers[0].num_samples}
+    assert set().union(*orders) == set(range(997))
+    padded = sum(len(o) for o in orders) - 997
+    assert len(set().union(*orders)) == sum(len(o) for o in orders) - padded
+    # Step k on every rank draws from one global bucket: similar lengths across ranks too.
+    step_max = [[max(lengths[i] for i in b) for b in batches(s, 8)] for s in samplers]
+    assert all(max(col) - min(col) <= 30 for col in zip(*step_max[:-1], strict=False))
+
+
+# --- through the trainer ---------------------------------------------------------------------
+
+RESUMABLE = (
+    "data=csv_text",
+    "model=text_bow",
+    "data.batch_size=16",
+    "data.bucket_by_length=true",
+    "model.dropout=0.3",  # dropout on: the RNG state must be restored too
+    "trainer.deterministic=true",
+    "trainer.max_epochs=2",
+    "trainer.log_every_n_steps=1",
+    "env.progress_bar=false",
+)
+
+
+def fit_until_preempted(run_dir, step: int):
+    """Train in-process and stop at `step` the way SIGTERM does: the flag is seen at the step
+    boundary, last.pt is saved, Preempted raised."""
+    cfg = compose_config(*RESUMABLE)
+    run_dir.mkdir(parents=True)
+    trainer = None
+
+    def on_metrics(metrics, at_step):
+        if at_step == step and "loss" in metrics:
+            trainer.preemption.requested = True
+
+    trainer = build_trainer(cfg, run_dir, DistInfo(), torch.device("cpu"), on_metrics)
+    assert type(trainer.train_loader.sampler) is BucketedSampler
+    with pytest.raises(Preempted):
+        trainer.fit()
+    return cfg
+
+
+def test_resume_with_the_bucketed_sampler_equals_an_uninterrupted_run(tmp_path):
+    reference = tmp_path / "reference"
+    train_in_process(reference, *RESUMABLE)
+    interrupted = tmp_path / "interrupted"
+    cfg = fit_until_preempted(interrupted, step=7)
+    trainer = build_trainer(cfg, interrupted, DistInfo(), torch.device("cpu"), lambda *a: None)
+    resume_if_asked(trainer, str(interrupted / "checkpoints" / "last.pt"))
+    assert trainer.state.epoch == 0 and trainer.state.batch_in_epoch == 7  # mid-epoch
+    trainer.fit()
+    expected = torch.load(reference / "checkpoints" / "last.pt", weights_only=True)["model"]
+    for name, value in trainer.raw_model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_padding_frac_and_tokens_per_s_are_logged(tmp_path):
+    def logged(bucket: bool):
+        run = tmp_path / f"bucket-{bucket}"
+        train_in_process(
+            run, "data=csv_text", "model=text_bow", f"data.bucket_by_length={bucket}", *FAST
+        )
+        steps = [m for m in read_metrics(run) if "loss" in m]
+        return np.mean([m["padding_frac"] for m in steps]), steps
+
+    bucketed, steps = logged(True)
+    shuffled, _ = logged(False)
+    assert all(m["tokens_per_s"] > 0 and 0 <= m["padding_frac"] < 1 for m in steps)
+    assert bucketed < 0.1 and shuffled > 2 * bucketed
