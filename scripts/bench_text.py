@@ -353,7 +353,7 @@ def main(argv=None) -> int:
         f"data.cache_dir={workdir / 'cache'}",
         *args.overrides,
     ]
-    cfg = load_config(["data=csv_text", *overrides]).data
+    cfg = load_config(["data=csv_text", "model=text_bow", *overrides]).data
     progress("preparing the token store (read, clean, train the tokenizer, encode, cache)")
     entry, report = prepare(cfg)
     result = {

@@ -30,7 +30,7 @@ def _private_cache(tmp_path, monkeypatch):
 
 
 def data_cfg(**overrides):
-    cfg = dataclasses.replace(compose_config("data=csv_text").data, **overrides)
+    cfg = dataclasses.replace(compose_config("data=csv_text", "model=text_bow").data, **overrides)
     cfg.check("data")
     return cfg
 
@@ -159,9 +159,9 @@ def test_an_unclosed_quote_is_one_error_naming_its_row_and_line(tmp_path):
 
 def test_the_config_refuses_an_unknown_encoding():
     with pytest.raises(ConfigError, match=r"\(data.encoding\): unknown encoding 'utf-9'"):
-        compose_config("data=csv_text", "data.encoding=utf-9")
+        compose_config("data=csv_text", "model=text_bow", "data.encoding=utf-9")
     with pytest.raises(ConfigError, match=r"data.chunk_rows"):
-        compose_config("data=csv_text", "data.chunk_rows=0")
+        compose_config("data=csv_text", "model=text_bow", "data.chunk_rows=0")
 
 
 # --- the token cache --------------------------------------------------------------------------

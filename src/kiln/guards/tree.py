@@ -22,6 +22,8 @@ def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, torch.Ten
 def describe(obj: Any) -> Any:
     """The structure of an output with shapes in place of tensors."""
     if isinstance(obj, torch.Tensor):
+        if obj.is_nested:  # ragged: no single shape (the Transformer's eval fast path)
+            return f"nested tensor of {obj.size(0)}"
         return tuple(obj.shape)
     if isinstance(obj, dict):
         return {key: describe(value) for key, value in obj.items()}
