@@ -72,7 +72,7 @@ class HostReads:
             "data.batch_size=16",
         ),  # fmt: skip
         ("trainer.nan_policy=skip", "trainer.max_skipped_steps=-1", "loss.force_all_branches=true"),
-        ("data=csv_text", "model=text_transformer", "scheduler=cosine"),
+        ("data=csv_text", "model=text_transformer", "scheduler=cosine", "data.batch_size=16"),
     ],
     ids=["default", "accumulate-clip-sgd", "skip-branches", "text-cosine"],
 )

@@ -1,7 +1,7 @@
 """A model of your own, outside src/kiln: one file (and conf/model/tiny.yaml for its values).
 
-    cd examples/plugin
-    python ../../train.py plugins=[my_parts] hydra.searchpath=[file://$PWD/conf] model=tiny
+cd examples/plugin
+python ../../train.py plugins=[my_parts] hydra.searchpath=[file://$PWD/conf] model=tiny
 """
 
 import math
