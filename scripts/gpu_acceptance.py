@@ -203,7 +203,7 @@ def onnx_cuda_provider(tmp: Path, steps: int) -> str:
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise Skip(f"onnxruntime has no CUDA provider here ({ort.get_available_providers()})")
-    from kiln.inference import export
+    from kiln.inference.export import export
 
     report = export(trained_checkpoint(tmp), device="cuda")
     worst = max(check.max_abs_diff for check in report.parity)

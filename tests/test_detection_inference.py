@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 
 from kiln.cli.paths import REPO_ROOT
-from kiln.inference import Predictor, export
-from kiln.inference.export import BOX_TOLERANCE_PX
+from kiln.inference import Predictor
+from kiln.inference.export import BOX_TOLERANCE_PX, export
 from kiln.serving import create_app
 
 from .conftest import SUBPROCESS_ENV, read_summary, run_train

@@ -197,7 +197,7 @@ def test_server_shuts_down_cleanly(predictor):
 
 
 def test_server_settings_are_checked_naming_the_key(predictor):
-    from kiln.inference.config import ArgumentError
+    from kiln.config.infer import ArgumentError
 
     for key, value, message in [
         ("port", 70000, "server.port=70000: must be in 1..65535"),

@@ -391,8 +391,8 @@ def test_transformer_eval_takes_the_nested_tensor_fast_path(demo_bundle):
 
 def test_text_transformer_exports_to_onnx_with_parity(tmp_path):
     """test_inference exports text_bow; the transformer (nested-tensor fast path in eval) too."""
-    from kiln.inference import Predictor, export
-    from kiln.inference.export import PROBS_TOLERANCE
+    from kiln.inference import Predictor
+    from kiln.inference.export import PROBS_TOLERANCE, export
 
     from .conftest import FAST, train_in_process
 

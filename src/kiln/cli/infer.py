@@ -12,16 +12,15 @@ from __future__ import annotations
 import logging
 import sys
 
+from kiln.config.infer import ArgumentError, InferConfig, model_threads, parse_args, usage
 from kiln.errors import UserError
-from kiln.inference.config import ArgumentError, InferConfig, model_threads, parse_args, usage
-from kiln.inference.errors import InputError
 
 EXIT_USER_ERROR = 2
 USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, ValueError)
 
 
 def run_predict(cfg: InferConfig) -> None:
-    from kiln.inference import Predictor
+    from kiln.inference import InputError, Predictor
     from kiln.inference.files import read_inputs, write_detections, write_predictions
 
     predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8)
@@ -56,7 +55,7 @@ def run_export(cfg: InferConfig) -> None:
             device=cfg.device,
         )
     else:
-        from kiln.inference import export
+        from kiln.inference.export import export
 
         report = export(cfg.ckpt, int8=cfg.int8, device=cfg.device)
     print("\n".join(report.lines()), flush=True)

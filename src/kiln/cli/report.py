@@ -32,6 +32,14 @@ def short(value) -> str:
     return str(value)
 
 
+def duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 600:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min"
+
+
 def where(run_dir: Path, link: Path | None) -> str:
     return f"{run_dir}" + (f"  (also {link})" if link is not None else "")
 
@@ -42,9 +50,10 @@ def finished(summary: dict, run_dir: Path, link: Path | None, overrides: list[st
     seconds = summary.get("train_time_s") or 0.0
     ckpt = f"{link or run_dir}/checkpoints/best.pt"
     metric = f"{monitor} {short(value)} (best {short(best)})" if monitor else "no evaluation"
+    speed = f"{short(summary.get('samples_per_s') or 0)} samples/s"
     lines = [
         f"run {summary['status']}: {metric}, {summary['steps']} steps, {summary['epochs']} "
-        f"epochs, {seconds:.0f} s training, {short(summary.get('samples_per_s') or 0)} samples/s",
+        f"epochs, {duration(seconds)} training, {speed}",
         f"run directory: {where(run_dir, link)}",
         f"curves: {run_dir / 'curves.png'}",
         "next:",

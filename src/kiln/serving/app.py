@@ -13,8 +13,8 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kiln.config.infer import ServerConfig, validate_server
 from kiln.inference import Predictor
-from kiln.inference.config import ServerConfig, validate_server
 from kiln.inference.predictor import join
 from kiln.serving.batcher import DynamicBatcher
 from kiln.serving.metrics import CountStatuses, ServingMetrics

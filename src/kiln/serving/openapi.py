@@ -12,8 +12,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kiln.config.infer import ServerConfig
 from kiln.inference import Predictor
-from kiln.inference.config import ServerConfig
 from kiln.preprocessing.image_list import MIN_SIDE
 from kiln.serving.v2 import VERSION, signature
 

@@ -18,8 +18,8 @@ import sys
 
 import uvicorn
 
+from kiln.config.infer import ServerConfig
 from kiln.inference import Predictor
-from kiln.inference.config import ServerConfig
 from kiln.serving.app import create_app
 from kiln.serving.state import ServingState
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from starlette.requests import Request
 
+from kiln.config.infer import ServerConfig
 from kiln.inference import Predictor
-from kiln.inference.config import ServerConfig
 from kiln.serving.batcher import DynamicBatcher
 from kiln.serving.errors import (
     BadRequest,

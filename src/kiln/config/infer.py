@@ -9,6 +9,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from kiln.errors import UserError
@@ -131,6 +132,13 @@ def validate(cfg: InferConfig) -> None:
         raise ArgumentError(f"format={cfg.format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     _at_least("batch_size", cfg.batch_size, 1)
     validate_server(cfg.server)
+    # Missing files are reported here, before the model stack (seconds of imports) is loaded.
+    if not Path(cfg.ckpt).exists():
+        raise ArgumentError(f"checkpoint {cfg.ckpt} does not exist (ckpt=)")
+    if cfg.mode == "predict" and not Path(cfg.input).exists():
+        raise ArgumentError(
+            f"input {cfg.input} does not exist (input=): a .npy, .npz, .csv file or a folder"
+        )
 
 
 def _at_least(key: str, value: float, low: float) -> None:

@@ -1,0 +1,61 @@
+"""`--help` and user errors answer at once: they must not import the heavy stacks. Timing a
+command would measure the neighbours on a shared machine, so this checks the cause instead: the
+modules each command imports (`python -X importtime`), as a user types it, from a fresh process.
+
+The regression this guards against was real: Hydra's plugin scan imports every public module
+under `hydra_plugins/`, and one `import optuna` at the top of a sweeper cost every `train.py`
+call 6 s."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kiln.cli.paths import REPO_ROOT
+
+from .conftest import SUBPROCESS_ENV
+
+HEAVY = ("torch", "optuna", "pandas", "sklearn", "onnxruntime", "wandb", "tensorboard", "fastapi")
+
+COMMANDS = {
+    "train --help": (["train.py", "--help"], 0),
+    "train --help GROUP=OPTION": (["train.py", "--help", "model=resnet18"], 0),
+    "train unknown option": (["train.py", "model=resnet19"], 2),
+    "train key of another option": (["train.py", "data=digits", "data.vocab_size=3"], 2),
+    "train value out of range": (["train.py", "trainer.max_steps=0"], 2),
+    "infer --help": (["infer.py", "--help"], 0),
+    "infer unknown mode": (["infer.py", "mode=bogus"], 2),
+    "infer missing checkpoint": (["infer.py", "ckpt=missing.pt", "input=examples/digits.npy"], 2),
+}
+
+
+def imported_modules(importtime_log: str) -> set[str]:
+    modules = set()
+    for line in importtime_log.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            modules.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return modules
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_help_and_user_errors_do_not_import_the_heavy_stacks(name, tmp_path):
+    args, expected_rc = COMMANDS[name]
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", *args, f"hydra.run.dir={tmp_path}"]
+        if args[0] == "train.py" and "--help" not in args
+        else [sys.executable, "-X", "importtime", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=120,
+    )
+    assert result.returncode == expected_rc, result.stderr[-2000:]
+    loaded = imported_modules(result.stderr)
+    assert "kiln" in loaded  # the log is read correctly
+    assert not loaded & set(HEAVY), f"{name} imported {sorted(loaded & set(HEAVY))}"
+    if expected_rc == 2:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1, result.stderr[-2000:]
