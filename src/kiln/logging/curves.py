@@ -55,12 +55,12 @@ def draw(history: list[dict], path: Path, title: str) -> Path | None:
         steps, values = _series(history, name)
         metrics.plot(steps, values, "o-", label=name)
         if values:
-            metrics.annotate(f"{values[-1]:.4g}", (steps[-1], values[-1]),
-                             textcoords="offset points", xytext=(4, 4))  # fmt: skip
+            # Below-left of the last point: inside the axes whatever the scale.
+            metrics.annotate(f"{values[-1]:.4g}", (steps[-1], values[-1]), ha="right",
+                             va="top", textcoords="offset points", xytext=(-4, -6))  # fmt: skip
     metrics.set_title("validation metrics" if val_metrics else "validation metrics (none yet)")
     if val_metrics:
         metrics.legend()
-    metrics.margins(x=0.12)  # room for the last value's label
     for axis in axes.flat:
         axis.set_xlabel("optimizer step")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))

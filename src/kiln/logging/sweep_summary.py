@@ -80,7 +80,18 @@ def _cell(value: Any) -> str:
         if value.is_integer() and abs(value) < 1e15:
             return str(int(value))
         return f"{value:.1f}" if abs(value) >= 100 else f"{value:.4g}"
-    return str(value).replace("|", "\\|").replace("\n", " ")
+    text = str(value)
+    if len(text) > 8 and _is_number(text):  # a sampled 0.0016834549246003507 reads as 0.001683
+        return f"{float(text):.4g}"
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def to_markdown(frame: pd.DataFrame) -> str:
@@ -97,6 +108,11 @@ def to_markdown(frame: pd.DataFrame) -> str:
 def swept_columns(frame: pd.DataFrame) -> list[str]:
     """The swept override keys: collect_runs puts them between `run` and `status`."""
     return list(frame.columns[1 : frame.columns.get_loc("status")])
+
+
+def _bar_value(value: float) -> str:
+    """43,995 rather than 4.399e+04; 0.9694 for metrics."""
+    return f"{value:,.0f}" if abs(value) >= 10_000 else f"{value:.4g}"
 
 
 def _short(value: Any) -> str:
@@ -181,7 +197,7 @@ def plot_summary(frame: pd.DataFrame, path: Path) -> None:
             if pd.isna(value):
                 axis.text(base, y, " failed" if bad else " n/a", va="center", color="tab:red")
             else:
-                axis.text(value, y, f" {value:.4g}", va="center", fontsize=9)
+                axis.text(value, y, f" {_bar_value(value)}", va="center", fontsize=9)
         if limits:
             axis.set_xlim(limits[0], limits[1] + 0.12 * (limits[1] - limits[0]))
         axis.set_title(title + (" (★ best)" if column == metric and best is not None else ""))
