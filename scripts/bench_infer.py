@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tiny_checkpoints import REPO, checkpoints
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 TINY_RUNS = {
@@ -55,18 +54,6 @@ class Row:
     samples_per_s: float
     ratio_to_eager: float  # eager median / this median
     agreement: float  # fp32: max |dprob| vs eager; int8: share of argmax agreeing with eager
-
-
-def train_tiny(names: list[str], workdir: Path) -> dict[str, Path]:
-    ckpts = {}
-    for name in names:
-        run_dir = workdir / name
-        cmd = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}"]
-        cmd += [*TINY_RUNS[name], "logger=none", "env.progress_bar=false", "device=cpu"]
-        print(f"training a tiny {name} checkpoint: {' '.join(cmd[2:])}", flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        ckpts[name] = run_dir / "checkpoints" / "best.pt"
-    return ckpts
 
 
 def model_inputs(record, count: int) -> torch.Tensor:
@@ -179,8 +166,7 @@ def main(argv=None) -> int:
     print(f"{'model':<17} {'backend':<10} {'batch':>5} {'median ms':>9} {'p99 ms':>9} "
           f"{'samples/s':>10} {'x eager':>7}  agreement")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        ckpts = {k: Path(v) for k, v in (spec.split("=", 1) for spec in args.ckpt)}
-        ckpts = ckpts or train_tiny(list(TINY_RUNS), Path(tmp))
+        ckpts = checkpoints(args.ckpt, TINY_RUNS, Path(tmp))
         rows = []
         for name, ckpt in ckpts.items():
             rows += bench_model(name, ckpt, Path(tmp), args)

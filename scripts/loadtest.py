@@ -39,8 +39,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from tiny_checkpoints import REPO, checkpoints
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 MODES = {
@@ -98,18 +98,6 @@ class Floor:
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints, inputs, offline predictions
-
-
-def train_tiny(names: list[str], workdir: Path) -> dict[str, Path]:
-    ckpts = {}
-    for name in names:
-        run_dir = workdir / name
-        cmd = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}"]
-        cmd += [*TINY_RUNS[name], "logger=none", "env.progress_bar=false", "device=cpu"]
-        print(f"training a tiny {name} checkpoint: {' '.join(cmd[2:])}", flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        ckpts[name] = run_dir / "checkpoints" / "best.pt"
-    return ckpts
 
 
 def input_pool(predictor, count: int, seed: int = 0) -> np.ndarray:
@@ -427,8 +415,7 @@ def main(argv=None) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     modes, formats = args.modes.split(","), args.formats.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        ckpts = dict(spec.split("=", 1) for spec in args.ckpt)
-        ckpts = {k: Path(v) for k, v in ckpts.items()} or train_tiny(list(TINY_RUNS), Path(tmp))
+        ckpts = checkpoints(args.ckpt, TINY_RUNS, Path(tmp))
         rows: list[Row] = []
         for name, ckpt in ckpts.items():
             rows += measure_model(name, ckpt, args, modes, formats, concurrencies)
