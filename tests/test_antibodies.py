@@ -108,6 +108,14 @@ def test_rule3_train_and_eval_agree(model, data):
 
 
 @pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
+def test_rule3_holds_under_bf16_autocast_as_amp_runs_on_cpu(model, data):
+    """precision=amp on CPU evaluates under bf16 autocast; the check runs the model's real
+    (hook-free) path there too. text_transformer's fused eval path failed only in this case."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check_rule3(*parts(model, data))
+
+
+@pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
 def test_devices_a_layer_left_behind_is_named(model, data):
     message = check_device_diagnosis(*parts(model, data))
     assert message.startswith(f"{DEVICES}: device mismatch in ")

@@ -98,6 +98,7 @@ def test_concurrent_requests_are_batched_and_answered_correctly(server, predicto
 
 
 def test_metrics_exposes_requests_errors_and_timings(client):
+    assert client.post("/v1/predict", json={"inputs": [np.zeros((8, 8)).tolist()]}).is_success
     client.post("/v1/predict", json={"inputs": [[[0.0] * 3]]})  # one error, at least
     text = client.get("/metrics").text
     for name in (

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
     from hydra_plugins.kiln_optuna_sweeper.sweeper import KilnOptunaSweeper
 
 log = logging.getLogger(__name__)
+# Heartbeats and fail_stale_trials are "experimental" in Optuna 2.10 (the version
+# hydra-optuna-sweeper allows); kiln relies on them knowingly and tests them, so the warning at
+# every search is noise on the console.
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 INTERRUPTED = "kiln_interrupted_trials"  # study attribute: numbers of trials queued again
 STORAGE_ATTEMPTS = 5
@@ -59,6 +64,12 @@ def run_search(sweeper: KilnOptunaSweeper, arguments: list[str]) -> None:
                 optuna.storages.fail_stale_trials(study)  # queued again by `requeue`
             batch = min(search.n_jobs, search.n_trials - counted(study))
             if batch <= 0:
+                if not search.job_idx:
+                    log.info(
+                        "The study already holds hydra.sweeper.n_trials=%d trials: nothing to "
+                        "run (raise n_trials to extend it)",
+                        search.n_trials,
+                    )
                 break
             trials = [study.ask() for _ in range(batch)]
             heartbeats.watch(trials)
@@ -137,6 +148,8 @@ def write_results(study: optuna.Study, sweep_dir: Path, num_directions: int) -> 
         front = [{"params": t.params, "values": t.values} for t in study.best_trials]
         results = {"name": "optuna", "solutions": front}
     results["trials_in_study"] = len(study.get_trials(deepcopy=False))
+    # A worker that found the study already full ran nothing, and Hydra made no directory.
+    sweep_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(results), sweep_dir / "optimization_results.yaml")
 
 

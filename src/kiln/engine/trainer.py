@@ -301,17 +301,20 @@ class Trainer:
         """Before the first step: rule 1 at other batch and input sizes, rule 3 in both modes."""
         parts = self.parts
         self.current_step = self.state.global_step
-        self.probe_time_s = run_probes(
-            model=self.raw_model,
-            build=parts.build_fresh,
-            forward=self.criterion.forward,
-            batch=parts.probe_batch,
-            spec=parts.spec,
-            batch_sizes=parts.probe_batch_sizes,
-            mode_batch_size=parts.mode_probe_size,
-            sizes=self.cfg.probe_sizes and parts.build_fresh is not None,
-            modes=self.cfg.shape_check,
-        )
+        # Under the run's autocast, as training and evaluation run: a path that breaks only in
+        # bf16/fp16 is caught here, not at the first evaluation.
+        with self.precision.autocast():
+            self.probe_time_s = run_probes(
+                model=self.raw_model,
+                build=parts.build_fresh,
+                forward=self.criterion.forward,
+                batch=parts.probe_batch,
+                spec=parts.spec,
+                batch_sizes=parts.probe_batch_sizes,
+                mode_batch_size=parts.mode_probe_size,
+                sizes=self.cfg.probe_sizes and parts.build_fresh is not None,
+                modes=self.cfg.shape_check,
+            )
         if self.dist.is_main and (self.cfg.probe_sizes or self.cfg.shape_check):
             log.info("pre-step probes (rules 1 and 3) took %.2f s", self.probe_time_s)
         if self.flops_per_sample is None and parts.build_fresh is not None:
@@ -324,11 +327,12 @@ class Trainer:
     def check_shapes(self) -> None:
         """Rule 3 on one real batch: train and eval mode agree on the output."""
         if self.cfg.shape_check:
-            check_train_eval_agreement(
-                self.raw_model,
-                take(self.parts.probe_batch, self.parts.mode_probe_size),
-                self.criterion.forward,
-            )
+            with self.precision.autocast():  # as the evaluator runs the model
+                check_train_eval_agreement(
+                    self.raw_model,
+                    take(self.parts.probe_batch, self.parts.mode_probe_size),
+                    self.criterion.forward,
+                )
 
     # ---------------------------------------------------------------- logging & checkpoints
     def after_step(self, result: StepResult, bar) -> None:

@@ -4,13 +4,14 @@ including a tensor created inside a module's forward on another device."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from kiln.guards.rules import DEVICES
-from kiln.guards.trace import Call, failing_call
+from kiln.guards.trace import Call, traced
 from kiln.guards.tree import iter_tensors
 
 MISMATCH_MARKERS = (
@@ -58,7 +59,10 @@ def _culprit(calls: list[Call], innermost: Call | None) -> tuple[Call | None, st
 def diagnose(err: BaseException, model: nn.Module, run: Callable[[], Any], batch: Any):
     """A DeviceMismatchError naming the module where devices first mix. `run` repeats the
     failing forward."""
-    _, trace = failing_call(model, run)
+    # Always traced: the diagnosis reads every call's devices. The failure is `err`; this run
+    # only records them.
+    with traced(model) as trace, contextlib.suppress(Exception):
+        run()
     call, why = _culprit(trace.calls, trace.innermost_open)
     batch_devices = sorted({str(t.device) for _, t in iter_tensors(batch)})
     where = call.where if call is not None else "the model"

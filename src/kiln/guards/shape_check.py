@@ -99,7 +99,13 @@ def run_mode(model: nn.Module, batch: Any, forward, train_mode: bool) -> Any:
         model.train(train_mode)
         raise diagnose(err, model, lambda: forward(model, batch, train_mode), batch) from err
     call = trace.innermost_open
-    where = f"in {call.where} with inputs {call.inputs}" if call else "before any module ran"
+    if trace.fused_only:
+        where = (
+            "in a fused kernel (the same forward runs with module hooks attached, which switch "
+            "fused paths such as the Transformer encoder's eval fast path off)"
+        )
+    else:
+        where = f"in {call.where} with inputs {call.inputs}" if call else "before any module ran"
     raise ShapeContractError(
         f"{RULE_3}: the {mode}-mode forward raised {type(err).__name__} {where}: {err}. Both "
         "modes must run on the same batch; look for code that only runs in one mode "

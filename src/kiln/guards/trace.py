@@ -31,6 +31,7 @@ class Call:
 class Trace:
     calls: list[Call] = field(default_factory=list)  # in call order
     open: list[Call] = field(default_factory=list)  # the stack of unfinished calls
+    fused_only: bool = False  # the failure did not happen with hooks attached (a fused path)
 
     @property
     def innermost_open(self) -> Call | None:
@@ -81,10 +82,21 @@ def traced(model: nn.Module) -> Iterator[Trace]:
 
 
 def failing_call(model: nn.Module, run: Callable[[], Any]) -> tuple[BaseException | None, Trace]:
-    """Run `run()` (which calls `model`) under a trace; returns (the exception or None, trace)."""
+    """Run `run()` (which calls `model`) as training runs it, without hooks: hooks switch fused
+    kernels off (the Transformer encoder's eval fast path among them), so a check under hooks
+    would test another path. Only when it raises is it run again under a trace, to find the
+    module. Returns (the exception or None, the trace: empty when nothing failed, and
+    `fused_only` when the traced run went through)."""
+    try:
+        run()
+    except Exception as err:  # the caller classifies it
+        first = err
+    else:
+        return None, Trace()
     with traced(model) as trace:
         try:
             run()
-        except Exception as err:  # the caller classifies it
+        except Exception as err:
             return err, trace
-    return None, trace
+    trace.fused_only = True
+    return first, trace

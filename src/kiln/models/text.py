@@ -173,9 +173,19 @@ class TextTransformer(nn.Module):
         tokens = self.embed(ids) * keep.unsqueeze(-1)  # (N, L, D), zeros at padding
         neighbours = self.local(tokens.transpose(1, 2)).transpose(1, 2)  # (N, L, D)
         x = self.dropout(tokens + neighbours + self.position[:length])
-        x = self.encoder(x, src_key_padding_mask=~keep)  # (N, L, D)
+        x = self._encode(x, ~keep)  # (N, L, D)
         pooled = masked_mean(x, keep)  # (N, D)
         return _outputs(self.head(pooled), self.aux, masked_mean(tokens, keep))
+
+    def _encode(self, x: Tensor, padding: Tensor) -> Tensor:
+        device = x.device.type
+        if not self.training and device != "cuda" and torch.is_autocast_enabled(device):
+            # The encoder's fused eval path asks only whether CUDA autocast is on; under CPU
+            # autocast it takes bf16 activations with fp32 weights and fails ("expected scalar
+            # type Float but found BFloat16"). Evaluation then runs the encoder in fp32.
+            with torch.autocast(device, enabled=False):
+                return self.encoder(x.float(), src_key_padding_mask=padding)
+        return self.encoder(x, src_key_padding_mask=padding)
 
 
 def _tracing() -> bool:

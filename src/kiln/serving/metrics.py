@@ -91,12 +91,17 @@ class CountStatuses:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        status = None
+        status, counted = None, False
 
         async def send_counted(message):
-            nonlocal status
+            nonlocal status, counted
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                # Counted before the last byte leaves: a client that reads /metrics right after
+                # its answer must find it there (counting after the app returns raced that).
+                counted = True
+                self.record(scope, status, time.perf_counter() - started)
             await send(message)
 
         try:
@@ -105,7 +110,8 @@ class CountStatuses:
             status = status or 500  # the server-error middleware outside answers 500
             raise
         finally:
-            self.record(scope, status or 500, time.perf_counter() - started)
+            if not counted:
+                self.record(scope, status or 500, time.perf_counter() - started)
 
     def record(self, scope, status: int, seconds: float) -> None:
         route = scope.get("route")
