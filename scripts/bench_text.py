@@ -219,7 +219,13 @@ def streaming(rows: int, workdir: Path, overrides: list[str]) -> dict:
         progress(f"writing {rows} rows to {path}")
         write_ticket_csv(path, rows, seed=1)
     cache = workdir / "stream-cache"
-    args = ["data=csv_text", f"data.train_path={path}", f"data.cache_dir={cache}", *overrides]
+    args = [
+        "data=csv_text",
+        "model=text_bow",
+        f"data.train_path={path}",
+        f"data.cache_dir={cache}",
+        *overrides,
+    ]
     runs = []
     for attempt in ("first", "second"):
         progress(f"preparing {path.name} in a fresh process ({attempt} run)")
