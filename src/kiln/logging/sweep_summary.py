@@ -81,17 +81,9 @@ def _cell(value: Any) -> str:
             return str(int(value))
         return f"{value:.1f}" if abs(value) >= 100 else f"{value:.4g}"
     text = str(value)
-    if len(text) > 8 and _is_number(text):  # a sampled 0.0016834549246003507 reads as 0.001683
-        return f"{float(text):.4g}"
+    if len(text) > 8:  # a sampled 0.0016834549246003507 reads as 0.001683; other text stays
+        text = _short(text)
     return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def to_markdown(frame: pd.DataFrame) -> str:
