@@ -142,6 +142,63 @@ class ShapesDetectionConfig(DataConfig):
             )
 
 
+class Augment(StrEnum):
+    none = "none"  # the eval transform (resize + center crop) for training too
+    flip_crop = "flip_crop"  # RandomResizedCrop + horizontal flip
+    trivialaugment = "trivialaugment"  # flip_crop + TrivialAugmentWide
+    randaugment = "randaugment"  # flip_crop + RandAugment
+
+
+class Normalize(StrEnum):
+    auto = "auto"  # the pretrained weights' mean and std, else the dataset's
+    imagenet = "imagenet"  # ImageNet's mean and std
+    dataset = "dataset"  # mean and std of the training split (computed once, cached)
+    none = "none"  # pixels in [0, 1]
+
+
+@dataclass
+class ImageFolderConfig(DataConfig):
+    """Your images in class subfolders (torchvision ImageFolder layout): train_dir/<class>/*.jpg,
+    decoded and augmented with torchvision (decode_image, transforms v2)."""
+
+    batch_size: int = 32
+    train_dir: str | None = None  # folder of class subfolders (required)
+    val_dir: str | None = None  # same layout; null: a stratified val_fraction of train_dir
+    test_dir: str | None = None  # same layout; evaluated at the end (<run>/eval/)
+    val_fraction: float = 0.2  # share of each class held out when val_dir is null
+    channels: int = 3  # every image is converted to this many channels (1 or 3)
+    image_size: int | None = None  # side of the square model input (null: the weights', else 224)
+    crop_pct: float | None = (
+        None  # eval: resize to image_size / crop_pct, center crop (null: weights', else 0.875)
+    )
+    augment: Augment = Augment.flip_crop  # none | flip_crop | trivialaugment | randaugment
+    mixup_alpha: float = 0.0  # MixUp's Beta(alpha, alpha) (0: off); soft targets
+    cutmix_alpha: float = 0.0  # CutMix's Beta(alpha, alpha) (0: off); with mixup, one per batch
+    normalize: Normalize = Normalize.auto  # auto | imagenet | dataset | none
+    bad_rows: BadRows = (
+        BadRows.drop
+    )  # unreadable, empty or truncated images: drop (reported) | error
+    cache_dir: str | None = None  # file checks and dataset statistics; null: ~/.cache/kiln/images
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        if self.train_dir is None:
+            raise ConfigError(
+                "no training images given",
+                f"{key}.train_dir",
+                "set data.train_dir=<folder with one subfolder per class>",
+            )
+        in_range(self.val_fraction, 0, 1, f"{key}.val_fraction", open_low=True, open_high=True)
+        if self.channels not in (1, 3):
+            raise invalid(f"{key}.channels", f"must be 1 or 3, got {self.channels}")
+        if self.image_size is not None:
+            at_least(self.image_size, 8, f"{key}.image_size")
+        if self.crop_pct is not None:
+            in_range(self.crop_pct, 0, 1, f"{key}.crop_pct", open_low=True)
+        at_least(self.mixup_alpha, 0, f"{key}.mixup_alpha")
+        at_least(self.cutmix_alpha, 0, f"{key}.cutmix_alpha")
+
+
 # provides: the DataSpec.input_kind the dataset's batches have.
 DATASETS.declare("digits", "kiln.data.digits:build_digits", config=DigitsConfig, provides="image")
 DATASETS.declare(
@@ -158,6 +215,15 @@ DATASETS.declare(
     "kiln.data.shapes_detection:build_shapes_detection",
     config=ShapesDetectionConfig,
     provides="image_list",
+)
+# uses_pretrained: the builder takes `pretrained=` (a PretrainedInput or None): the model's
+# weights' own preprocessing, for data.normalize=auto and the default input size.
+DATASETS.declare(
+    "image_folder",
+    "kiln.data.image_folder:build_image_folder",
+    config=ImageFolderConfig,
+    provides="image",
+    uses_pretrained=True,
 )
 # How a dataset's task is evaluated (DataSpec.task picks the entry).
 EVALUATORS.declare("classification", "kiln.engine.evaluators:ClassificationEvaluator")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -32,9 +33,19 @@ class ClassifierConfig(ModelConfig):
 
     dropout: float = 0.0  # dropout probability before the classifier head
     aux_head: bool = False  # add an auxiliary classifier head (also switched on by loss.aux_head)
+    freeze: Any = None  # null | backbone (all but the head) | [module-name prefixes] not trained
 
     def check(self, key: str) -> None:
         in_range(self.dropout, 0, 1, f"{key}.dropout", open_high=True)
+        frozen = self.freeze
+        if frozen is None or frozen == "backbone":
+            return
+        if not isinstance(frozen, list | tuple) or not all(isinstance(p, str) for p in frozen):
+            raise ConfigError(
+                f"freeze={frozen!r} is neither 'backbone' nor a list of module-name prefixes",
+                f"{key}.freeze",
+                "use model.freeze=backbone or model.freeze=[layer1,layer2]",
+            )
 
 
 @dataclass
@@ -109,6 +120,37 @@ class DetectorConfig(ModelConfig):
         at_least(self.max_detections, 1, f"{key}.max_detections")
 
 
+@dataclass
+class ZooConfig(ClassifierConfig):
+    """Options every model-zoo entry has: an architecture of the library and its weights."""
+
+    arch: str = MISSING  # the library's architecture name
+    weights: str | None = (
+        None  # null (random) | a weights name or tag | a .pth/.pt/.safetensors file
+    )
+
+
+@dataclass
+class TorchvisionConfig(ZooConfig):
+    """Any classification builder of torchvision.models, head sized from the data's classes and
+    the first convolution adapted to its channels. Weights: torchvision names (DEFAULT,
+    IMAGENET1K_V1, ...) from $TORCH_HOME, or a file."""
+
+    arch: str = "resnet18"  # torchvision.models.list_models(module=torchvision.models)
+
+
+@dataclass
+class TimmConfig(ZooConfig):
+    """Any timm.list_models() architecture (timm.create_model with num_classes and in_chans).
+    Weights: a pretrained tag (a1_in1k for resnet18.a1_in1k; DEFAULT: timm's default tag) from
+    the Hugging Face hub cache, or a file."""
+
+    arch: str = (
+        "resnet18"  # timm.list_models() (python -c "import timm; print(timm.list_models())")
+    )
+    drop_path_rate: float = 0.0  # stochastic depth, for the architectures that have it
+
+
 # inputs: the DataSpec.input_kind values a model accepts (the suite pairs it with every dataset
 # that provides one of them; train.py refuses other pairings at start-up).
 MODELS.declare("mlp", "kiln.models.mlp:build_mlp", config=MlpConfig, inputs=("image",))
@@ -126,6 +168,22 @@ MODELS.declare(
     "kiln.models.text:build_text_transformer",
     config=TextTransformerConfig,
     inputs=("tokens",),
+)
+# preprocessing: a function (model config) -> PretrainedInput | None, run before the data is
+# built and without loading any weights: the weights' own mean, std and input size.
+MODELS.declare(
+    "torchvision",
+    "kiln.models.zoo:build_torchvision",
+    config=TorchvisionConfig,
+    inputs=("image",),
+    preprocessing="kiln.models.zoo:torchvision_preprocessing",
+)
+MODELS.declare(
+    "timm",
+    "kiln.models.zoo:build_timm",
+    config=TimmConfig,
+    inputs=("image",),
+    preprocessing="kiln.models.zoo:timm_preprocessing",
 )
 MODELS.declare(
     "detector", "kiln.models.detector:build_detector", config=DetectorConfig, inputs=("image_list",)

@@ -17,11 +17,14 @@ class OptimizerConfig:
     name: str = MISSING  # the optimizer (set by optimizer=<option>)
     lr: float = 1e-3  # learning rate (the peak for onecycle)
     weight_decay: float = 0.0  # decoupled (adamw) or L2 (sgd) weight decay
+    head_lr_mult: float = 1.0  # the classifier head's lr = lr * this (fine-tuning: e.g. 10)
 
     def check(self, key: str) -> None:
         if not self.lr > 0:
             raise invalid(f"{key}.lr", f"must be > 0, got {self.lr:g}")
         at_least(self.weight_decay, 0, f"{key}.weight_decay")
+        if not self.head_lr_mult > 0:
+            raise invalid(f"{key}.head_lr_mult", f"must be > 0, got {self.head_lr_mult:g}")
 
 
 @dataclass

@@ -112,6 +112,10 @@ class TrainerConfig:
     matmul_precision: MatmulPrecision = MatmulPrecision.highest  # high: TF32 matmuls on GPUs
     peak_tflops: float | None = None  # the device's peak for MFU (null: known GPUs' table)
     find_batch_size: bool = False  # the largest data.batch_size that fits, found on real steps
+    ema_decay: float | None = None  # EMA of the weights, evaluated beside them (null: off; 0.999)
+    unfreeze_at_epoch: int | None = (
+        None  # train model.freeze'd modules from this epoch (null: never)
+    )
 
     def check(self, key: str) -> None:
         at_least(self.max_epochs, 1, f"{key}.max_epochs")
@@ -129,6 +133,10 @@ class TrainerConfig:
         limit_or_all(self.limit_val_batches, f"{key}.limit_val_batches")
         at_least(self.overfit_batches, 0, f"{key}.overfit_batches")
         at_least(self.max_skipped_steps, -1, f"{key}.max_skipped_steps", "-1: no limit")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise invalid(f"{key}.ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
+        if self.unfreeze_at_epoch is not None:
+            at_least(self.unfreeze_at_epoch, 1, f"{key}.unfreeze_at_epoch")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise invalid(f"{key}.peak_tflops", f"must be > 0 or null, got {self.peak_tflops}")
         if self.strategy == Strategy.fsdp and not self.distributed:
@@ -225,6 +233,7 @@ class KilnConfig:
     device: Device = Device.auto  # auto | cpu | cuda
     resume: str | None = None  # null | auto | <path to a .pt>
     resume_override: list[str] = field(default_factory=list)  # keys a resume may change
+    init_from: str | None = None  # weights only (a kiln checkpoint or a state dict): a new run
     output_root: str = "outputs"  # where failures.log and failures/ go
     plugins: list[str] = field(default_factory=list)  # your modules that register entries
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes kept with the run

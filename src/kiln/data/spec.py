@@ -56,3 +56,8 @@ class DataBundle:
     # Tokens (or any size) per item of `train`: when set, training batches group items of
     # similar length (kiln.data.loaders.BucketedSampler), so little of a batch is padding.
     bucket_lengths: Sequence[int] | None = None
+    # A held-out test split, evaluated once at the end of training (<run>/eval/).
+    test: Dataset | None = None
+    # What each item of a split is, for reports (errors.csv): {"val": ["photos/cat/1.jpg", ...]}
+    # or row numbers ("row 17"); a split without an entry is named by its index.
+    sources: dict[str, Sequence[str]] | None = None

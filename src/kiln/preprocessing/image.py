@@ -30,6 +30,12 @@ class ImageRecipe:
     image_size: tuple[int, int]  # (H, W)
     class_names: tuple[str, ...]
     value_range: tuple[float, float] | None = None  # the raw pixels' range; None: unchecked
+    # Encoded image files (PNG, JPEG, ... any format Pillow reads) are accepted too when set:
+    # decoded to `channels`, resized (shorter side) to resize_size with `interpolation`, center
+    # cropped to image_size, scaled to [0, 1] -- the data's eval transform, exactly.
+    resize_size: int | None = None  # None: inputs are pixel arrays at image_size only
+    interpolation: str = "bilinear"
+    pretrained: dict[str, Any] | None = None  # the weights' PretrainedInput.to_dict(), if any
     kind = "image"
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,23 @@
+"""What pretrained weights expect of their inputs (timm's pretrained_cfg, torchvision's
+weights.transforms()): resolved from the model config alone, before the data is built and without
+loading the weights, so data.normalize=auto and the default input size can follow them. It is
+recorded with the checkpoint (in the image recipe) so inference repeats it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PretrainedInput:
+    source: str  # what the numbers come from, e.g. "torchvision ResNet18_Weights.IMAGENET1K_V1"
+    mean: tuple[float, ...]  # per channel (RGB), of pixels in [0, 1]
+    std: tuple[float, ...]
+    image_size: int | None = None  # the side the weights were trained at (the crop)
+    crop_pct: float | None = None  # eval resize = image_size / crop_pct, then center crop
+    interpolation: str = "bilinear"  # bilinear | bicubic | nearest
+    fixed_input_size: bool = False  # the architecture takes only image_size (a ViT's positions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
