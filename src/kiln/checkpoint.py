@@ -91,6 +91,16 @@ def load_checkpoint(path: Path, map_location="cpu", *, consolidate: bool = True)
     return ckpt
 
 
+def load_weights_file(path: Path) -> Any:
+    """Any torch.save file (a kiln checkpoint, a plain state dict), weights_only, on the CPU; a
+    sharded kiln checkpoint comes back consolidated."""
+    path = Path(path)
+    if path.is_dir() or not path.is_file():
+        return load_checkpoint(path)
+    data = _load_weights_only(path, "cpu")
+    return load_checkpoint(path) if isinstance(data, dict) and is_sharded(data) else data
+
+
 def _load_weights_only(path: Path, map_location) -> Any:
     import torch
 

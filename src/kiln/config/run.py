@@ -139,6 +139,12 @@ class TrainerConfig:
             at_least(self.unfreeze_at_epoch, 1, f"{key}.unfreeze_at_epoch")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise invalid(f"{key}.peak_tflops", f"must be > 0 or null, got {self.peak_tflops}")
+        if self.strategy == Strategy.fsdp and (self.ema_decay or self.unfreeze_at_epoch):
+            raise invalid(
+                f"{key}.strategy",
+                "trainer.ema_decay and trainer.unfreeze_at_epoch are not supported with sharded "
+                "parameters (trainer=fsdp): use trainer=ddp, or leave them null",
+            )
         if self.strategy == Strategy.fsdp and not self.distributed:
             raise invalid(
                 f"{key}.strategy",
@@ -249,6 +255,11 @@ class KilnConfig:
                     "resume_override",
                     "list config keys (optimizer.lr) or groups (optimizer) the resume may change",
                 )
+        if self.trainer.unfreeze_at_epoch is not None and not getattr(self.model, "freeze", None):
+            warnings.warn(
+                "trainer.unfreeze_at_epoch is ignored: model.freeze is null (nothing to unfreeze)",
+                stacklevel=2,
+            )
         if self.debug.name != "none" and not self.env.debug_allowed:
             raise ConfigError(
                 f"debug={self.debug.name} is not allowed in env={self.env.name}",

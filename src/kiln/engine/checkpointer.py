@@ -69,9 +69,15 @@ class Checkpointer:
         return value > best if self.monitor_mode == "max" else value < best
 
     def after_evaluation(
-        self, metrics: dict, state, state_dict: Callable[[], dict], epoch_end: bool
+        self,
+        metrics: dict,
+        state,
+        state_dict: Callable[[], dict],
+        epoch_end: bool,
+        best_weights: str = "raw",
     ) -> None:
-        """Updates state.best_metric, then writes last.pt, best.pt and epoch-N.pt as due."""
+        """Updates state.best_metric, then writes last.pt, best.pt and epoch-N.pt as due.
+        best_weights="ema": `metrics` are the EMA weights' and best.pt gets those weights."""
         value = metrics.get(self.monitor)
         improved = self.is_improvement(value, state.best_metric)
         if improved and value is not None and math.isfinite(value):
@@ -82,6 +88,8 @@ class Checkpointer:
             # Sharded checkpoints name one shard folder: best.pt is that same (full) snapshot.
             full = str(self.cfg.best_checkpoint) == "full" or self.sharded is not None
             best = snapshot if full else {k: snapshot[k] for k in INFERENCE_KEYS if k in snapshot}
+            if best_weights == "ema":  # inference reads "model": the better of the two
+                best = {**best, "model": snapshot["ema"], "weights": "ema"}
             self.save("best.pt", best)
         if epoch_end and self.cfg.checkpoint_every_epoch:
             self.save(f"epoch-{state.epoch}.pt", snapshot)

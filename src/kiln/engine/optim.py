@@ -36,6 +36,7 @@ def fused_where_supported(params: list, sharded_ok: bool = True) -> bool:
     parameters have a fused kernel for Adam(W) only."""
     from torch.distributed.tensor import DTensor
 
+    params = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
     devices = {p.device.type for p in params}
     sharded = any(isinstance(p, DTensor) for p in params)
     return bool(params) and devices <= {"cpu", "cuda"} and (sharded_ok or not sharded)
@@ -112,6 +113,8 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig
     template = build_optimizer([torch.zeros(1, requires_grad=True)], cfg).param_groups[0]
     for group in optimizer.param_groups:
         group.update({k: v for k, v in template.items() if k != "params"})
+        if group.get("group") == "head":  # optimizer.head_lr_mult, as the new config says
+            group["lr"], group["lr_mult"] = cfg.lr * cfg.head_lr_mult, cfg.head_lr_mult
         for key in ("initial_lr", "max_lr", "min_lr"):  # set by the schedule being replaced
             group.pop(key, None)
 

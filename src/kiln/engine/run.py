@@ -28,6 +28,7 @@ from kiln.engine.distributed import (
     wrap_model,
 )
 from kiln.engine.evaluators import build_evaluator
+from kiln.engine.finetune import FreezePlan, WeightAverage, frozen_parameter_names, parameter_groups
 from kiln.engine.loss import build_criterion
 from kiln.engine.optim import (
     apply_hyperparameters,
@@ -73,6 +74,15 @@ def build_trainer(
         return build_model(spec, cfg.model, aux_head=want_aux).to(device)
 
     model = build_fresh(bundle.spec)
+    if cfg.init_from is not None and not will_resume(cfg, run_dir):
+        from kiln.models.weights import init_from
+
+        init_from(model, cfg.init_from)  # weights only: a new run from them
+    freeze = FreezePlan(
+        frozen_parameter_names(model, getattr(cfg.model, "freeze", None), cfg.model.name),
+        cfg.trainer.unfreeze_at_epoch,
+    )
+    freeze.apply(model, epoch=0)  # before DDP registers the parameters it reduces
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.trainer.log_activations:
@@ -96,10 +106,16 @@ def build_trainer(
         cfg.trainer.accumulate_grad_batches,
         cfg.trainer.max_steps,
     )
-    wrapped = wrap_model(model, cfg.trainer, dist, device, precision)  # FSDP shards in place
-    optimizer = build_optimizer(model.parameters(), cfg.optimizer)  # of the sharded parameters
-    if cfg.trainer.compile:  # the loop calls the compiled module; checkpoints and guards the eager
-        wrapped = torch.compile(wrapped, mode=str(cfg.trainer.compile_mode))
+
+    def wrap() -> torch.nn.Module:  # again when frozen parameters thaw under DDP
+        wrapped = wrap_model(model, cfg.trainer, dist, device, precision)  # FSDP shards in place
+        if cfg.trainer.compile:  # the loop calls the compiled module; checkpoints, guards the eager
+            wrapped = torch.compile(wrapped, mode=str(cfg.trainer.compile_mode))
+        return wrapped
+
+    wrapped = wrap()
+    groups = parameter_groups(model, cfg.optimizer.lr, cfg.optimizer.head_lr_mult)
+    optimizer = build_optimizer(groups, cfg.optimizer)  # of the sharded parameters
     evaluator = build_evaluator(bundle.spec.task, precision=precision, device=device, dist=dist)
     batch_size = cfg.data.batch_size
     probe_sizes = probe_batch_sizes(batch_size, train_loader.sampler.num_samples)
@@ -128,6 +144,9 @@ def build_trainer(
         mode_probe_size=mode_probe_size,
         batch_metrics=bundle.batch_metrics,
         peak_flops=peak_flops(device, precision, cfg.trainer.peak_tflops),
+        freeze=freeze if freeze.names else None,
+        rewrap=wrap if dist.enabled and freeze.unfreeze_at_epoch is not None else None,
+        ema=WeightAverage(model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None,
     )
     if bundle.report is not None and dist.is_main:
         write_json(run_dir / "data_report.json", bundle.report)
@@ -166,6 +185,16 @@ def build_trainer(
     trainer.state.planned_steps = planned_steps
     trainer.contract = contract
     return trainer
+
+
+def will_resume(cfg: KilnConfig, run_dir: Path) -> bool:
+    """Whether this run continues from a checkpoint (then init_from is not applied: the
+    checkpoint's weights win)."""
+    from kiln.checkpoint import candidates
+
+    if cfg.resume is None:
+        return False
+    return cfg.resume != "auto" or bool(candidates(run_dir / "checkpoints"))
 
 
 def sharded_writer(cfg: KilnConfig, run_dir: Path, dist: DistInfo) -> ShardedWriter | None:
@@ -272,8 +301,8 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
         recorder = RunRecorder(
             cfg.logger, run_dir, run_name=cfg.name, config=to_plain(cfg), is_main=dist.is_main
         )
-        trainer = build_trainer(cfg, run_dir, dist, device, recorder)
         cfg.resume = resume_after_restart(cfg.resume, run_dir / "checkpoints")
+        trainer = build_trainer(cfg, run_dir, dist, device, recorder)
         resume_if_asked(trainer, cfg)
         final = trainer.fit()
         summary = summarize(trainer, final, status="ok", error=None)

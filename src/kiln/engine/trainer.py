@@ -22,6 +22,7 @@ from kiln.config.run import NanPolicy, TrainerConfig
 from kiln.engine.batches import batch_size_of, move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer
 from kiln.engine.distributed import DistInfo, all_reduce_max, clip_grad_norm, skip_gradient_sync
+from kiln.engine.finetune import FreezePlan, WeightAverage
 from kiln.engine.metrics import MetricWindow
 from kiln.engine.precision import Precision
 from kiln.engine.preemption import Preempted, PreemptionFlag
@@ -102,6 +103,9 @@ class TrainingParts:
     mode_probe_size: int = 8  # samples rule 3 probes with
     peak_flops: float | None = None  # the device's peak FLOP/s in the run's dtype, if known
     batch_metrics: Callable[[Any], dict[str, torch.Tensor]] | None = None  # from the dataset
+    freeze: FreezePlan | None = None  # model.freeze until trainer.unfreeze_at_epoch
+    rewrap: Callable[[], nn.Module] | None = None  # a new DDP wrapper once parameters unfreeze
+    ema: WeightAverage | None = None  # trainer.ema_decay: evaluated beside the weights
 
 
 @dataclass
@@ -142,6 +146,7 @@ class Trainer:
         self.model, self.raw_model = parts.model, parts.raw_model
         self.optimizer, self.scheduler, self.scaler = parts.optimizer, parts.scheduler, parts.scaler
         self.precision, self.criterion = parts.precision, parts.criterion
+        self.ema = parts.ema
         self.train_loader, self.val_loader = parts.train_loader, parts.val_loader
         self.checkpointer, self.on_metrics = checkpointer, on_metrics
         self.dist, self.device, self.seed = dist, device, seed
@@ -180,6 +185,7 @@ class Trainer:
 
     def train_epoch(self) -> None:
         s = self.state
+        self.apply_freeze()
         sampler = self.train_loader.sampler
         sampler.set_epoch(s.epoch, skip=s.batch_in_epoch * self.train_loader.batch_size)
         # Worker seeds are drawn from this generator: re-seed it per epoch so a resumed run
@@ -244,6 +250,8 @@ class Trainer:
         grad_norm = clip_grad_norm(self.params, max_norm)  # of all ranks' shards under FSDP
         scaler_found_inf = self.optimizer_step(bad)
         optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.raw_model, step=self.state.global_step + 1)
         lr = optimizer.param_groups[0]["lr"]
         if self.scheduler is not None:
             self.scheduler.step()  # per optimizer step, skipped steps too: the curve stays aligned
@@ -421,19 +429,44 @@ class Trainer:
     def evaluate_and_checkpoint(self, epoch_end: bool) -> None:
         self.log_window()  # the steps since the last log line: read before anything is saved
         self.current_step = self.state.global_step
-        self.last_eval = self.evaluate()
+        raw = self.evaluate()
+        self.last_eval, chosen, use_ema = dict(raw), raw, False
+        if self.ema is not None:  # the average, evaluated beside the weights
+            averaged = self.parts.evaluator(self.ema.module, self._val_batches())
+            self.last_eval.update({f"ema_{k}": v for k, v in averaged.items()})
+            monitor = self.checkpointer.monitor
+            use_ema = self.checkpointer.is_improvement(averaged.get(monitor), raw.get(monitor))
+            chosen = averaged if use_ema else raw
         s = self.state
         if self.dist.is_main:
             shown = " ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items())
             log.info("eval after epoch %d step %d: %s", s.epoch, s.global_step, shown)
+            if self.ema is not None:
+                log.info("best.pt candidate: the %s weights", "EMA" if use_ema else "raw")
         self.on_metrics({"epoch": s.epoch, **self.last_eval}, s.global_step)
-        self.checkpointer.after_evaluation(self.last_eval, s, self.state_dict, epoch_end)
+        self.checkpointer.after_evaluation(
+            chosen, s, self.state_dict, epoch_end, best_weights="ema" if use_ema else "raw"
+        )
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.check_shapes()
         self.model.eval()
         return self.parts.evaluator(self.raw_model, self._val_batches())
+
+    def apply_freeze(self) -> None:
+        """model.freeze for the epoch about to start; DDP is re-wrapped when parameters thaw
+        (it registers only the trainable ones when it is built)."""
+        plan = self.parts.freeze
+        if plan is None or not plan.apply(self.raw_model, self.state.epoch):
+            return
+        self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
+        state = "frozen" if plan.frozen_at(self.state.epoch) else "trainable from now on"
+        if self.dist.is_main:
+            log.info("epoch %d: %d parameter tensors of model.freeze %s",
+                     self.state.epoch, len(plan.names), state)  # fmt: skip
+        if self.parts.rewrap is not None:
+            self.model = self.parts.rewrap()
 
     def _val_batches(self):
         limit = self.cfg.limit_val_batches
@@ -451,6 +484,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "state": self.state.as_dict(),
             "rng": rng_state(),
+            **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
             **self.record,
         }
 
@@ -462,6 +496,11 @@ class Trainer:
             self.scheduler.load_state_dict(checkpoint["scheduler"])
         if checkpoint["scaler"] and self.scaler.is_enabled():  # empty when it was disabled
             self.scaler.load_state_dict(checkpoint["scaler"])
+        if self.ema is not None and "ema" in checkpoint:
+            self.ema.load_state_dict(checkpoint["ema"])
+        elif self.ema is not None:
+            log.warning("the checkpoint holds no EMA weights: the average starts from these")
+            self.ema.load_state_dict(self.raw_model.state_dict())
         self.state = TrainState(**checkpoint["state"])
         self.state.planned_steps = planned
         if self.dist.is_main:

@@ -1,0 +1,139 @@
+"""Weights from a file into a model that may differ from the one that saved them: what
+`init_from=` (fine-tuning, "train this run longer") does. Keys are matched by name and shape;
+the rest is reported, never silently dropped: a head of another size keeps its fresh
+initialisation and is named."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.errors import UserError
+
+log = logging.getLogger(__name__)
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
+STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict")  # where files nest their weights
+
+
+class WeightsError(UserError, ValueError):
+    """A weights file that cannot be read, or that matches nothing in the model."""
+
+
+@dataclass
+class WeightMatch:
+    """How a file's tensors met the model's: loaded, and the three ways not to be."""
+
+    source: str
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # in the model, not in the file
+    unexpected: list[str] = field(default_factory=list)  # in the file, not in the model
+    mismatched: list[tuple[str, tuple, tuple]] = field(default_factory=list)  # (key, file, model)
+
+    def lines(self, shown: int = 6) -> list[str]:
+        def names(keys: list[str]) -> str:
+            more = f", ... (+{len(keys) - shown})" if len(keys) > shown else ""
+            return ", ".join(keys[:shown]) + more
+
+        out = [f"init_from {self.source}: {len(self.loaded)} tensors loaded"]
+        if self.mismatched:
+            shapes = [f"{k} {tuple(f)} in the file vs {tuple(m)}" for k, f, m in self.mismatched]
+            out.append(f"  shape-mismatched, re-initialised ({len(shapes)}): {names(shapes)}")
+        if self.missing:
+            out.append(f"  missing from the file, initialised fresh ({len(self.missing)}): "
+                       f"{names(self.missing)}")  # fmt: skip
+        if self.unexpected:
+            out.append(f"  unexpected in the file, ignored ({len(self.unexpected)}): "
+                       f"{names(self.unexpected)}")  # fmt: skip
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "loaded": len(self.loaded),
+            "missing": self.missing,
+            "unexpected": self.unexpected,
+            "mismatched": [[k, list(f), list(m)] for k, f, m in self.mismatched],
+        }
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """A state dict from a .safetensors file, or a .pt/.pth holding one (a kiln checkpoint, a
+    plain state dict, or one nested under "model"/"state_dict"). Never unpickles code."""
+    path = Path(path)
+    if not path.exists():
+        raise WeightsError(f"weights file {path} does not exist")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise WeightsError(f"{path}: not a readable .safetensors file ({err})") from None
+    from kiln.checkpoint import load_weights_file
+
+    return plain_state_dict(load_weights_file(path), path)
+
+
+def plain_state_dict(data: Any, source: Path | str) -> dict[str, torch.Tensor]:
+    for key in STATE_DICT_KEYS:
+        if isinstance(data, dict) and isinstance(data.get(key), dict):
+            data = data[key]
+            break
+    if not isinstance(data, dict) or not any(isinstance(v, torch.Tensor) for v in data.values()):
+        raise WeightsError(
+            f"{source}: holds no state dict (expected tensors by name, or a dict with one under "
+            f"{' / '.join(STATE_DICT_KEYS)})"
+        )
+    return {_strip(k): v for k, v in data.items() if isinstance(v, torch.Tensor)}
+
+
+def _strip(key: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for prefix in WRAPPER_PREFIXES:
+            if key.startswith(prefix):
+                key, changed = key[len(prefix) :], True
+    return key
+
+
+@torch.no_grad()
+def load_matching(
+    model: nn.Module, state_dict: dict[str, torch.Tensor], source: str
+) -> WeightMatch:
+    """Copy every tensor whose name and shape match into `model` (in place: the optimizer's
+    parameters stay the same objects); report the rest. Nothing matched is an error."""
+    own = model.state_dict()
+    match = WeightMatch(source)
+    for key, value in state_dict.items():
+        if key not in own:
+            match.unexpected.append(key)
+        elif tuple(value.shape) != tuple(own[key].shape):
+            match.mismatched.append((key, tuple(value.shape), tuple(own[key].shape)))
+        else:
+            own[key].copy_(value.to(dtype=own[key].dtype))
+            match.loaded.append(key)
+    seen = set(state_dict)
+    match.missing = [k for k in own if k not in seen]
+    if not match.loaded:
+        close = ", ".join(list(state_dict)[:3])
+        raise WeightsError(
+            f"{source}: no tensor matches the model by name and shape (the file has "
+            f"{close}, ...; the model {', '.join(list(own)[:3])}, ...): init_from needs weights "
+            "of the same architecture"
+        )
+    return match
+
+
+def init_from(model: nn.Module, path: str | Path) -> WeightMatch:
+    """`init_from=<path>`: weights only (no optimizer, schedule or step), non-strict, logged."""
+    match = load_matching(model, read_state_dict(path), str(path))
+    for line in match.lines():
+        log.info(line)
+    return match
