@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -197,6 +198,18 @@ class ImageFolderConfig(DataConfig):
             in_range(self.crop_pct, 0, 1, f"{key}.crop_pct", open_low=True)
         at_least(self.mixup_alpha, 0, f"{key}.mixup_alpha")
         at_least(self.cutmix_alpha, 0, f"{key}.cutmix_alpha")
+
+    def with_all_branches(self) -> ImageFolderConfig:
+        """loss.force_all_branches (rule 2's forced run): MixUp and CutMix on as well, at
+        timm's usual alphas where they are off, so soft targets are part of the forced run."""
+        return dataclasses.replace(
+            self,
+            mixup_alpha=self.mixup_alpha or FORCED_MIXUP_ALPHA,
+            cutmix_alpha=self.cutmix_alpha or FORCED_CUTMIX_ALPHA,
+        )
+
+
+FORCED_MIXUP_ALPHA, FORCED_CUTMIX_ALPHA = 0.2, 1.0
 
 
 # provides: the DataSpec.input_kind the dataset's batches have.
