@@ -169,16 +169,12 @@ class ImageFolderConfig(DataConfig):
     val_fraction: float = 0.2  # share of each class held out when val_dir is null
     channels: int = 3  # every image is converted to this many channels (1 or 3)
     image_size: int | None = None  # side of the square model input (null: the weights', else 224)
-    crop_pct: float | None = (
-        None  # eval: resize to image_size / crop_pct, center crop (null: weights', else 0.875)
-    )
+    crop_pct: float | None = None  # eval: resize to image_size / crop_pct, center crop (0.875)
     augment: Augment = Augment.flip_crop  # none | flip_crop | trivialaugment | randaugment
     mixup_alpha: float = 0.0  # MixUp's Beta(alpha, alpha) (0: off); soft targets
     cutmix_alpha: float = 0.0  # CutMix's Beta(alpha, alpha) (0: off); with mixup, one per batch
     normalize: Normalize = Normalize.auto  # auto | imagenet | dataset | none
-    bad_rows: BadRows = (
-        BadRows.drop
-    )  # unreadable, empty or truncated images: drop (reported) | error
+    bad_rows: BadRows = BadRows.drop  # unreadable, empty or truncated files: drop | error
     cache_dir: str | None = None  # file checks and dataset statistics; null: ~/.cache/kiln/images
 
     def check(self, key: str) -> None:
