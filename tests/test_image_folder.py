@@ -38,7 +38,14 @@ from kiln.preprocessing import recipe_from_dict
 from kiln.preprocessing.image_files import ImageDecodeError, decode
 from kiln.preprocessing.pretrained import PretrainedInput
 
-from .conftest import SUBPROCESS_ENV, compose_config, read_summary, run_train, train_in_process
+from .conftest import (
+    SUBPROCESS_ENV,
+    compose_config,
+    read_metrics,
+    read_summary,
+    run_train,
+    train_in_process,
+)
 from .image_folder_helpers import EXAMPLES, add_class, make_damaged_folder
 from .test_resume import final_weights, start_train, wait_for
 
@@ -297,6 +304,7 @@ def test_normalize_modes(cache):
     assert (recipe.image_size, recipe.resize_size) == ((24, 24), 30)
     assert recipe.interpolation == "bicubic"
     assert recipe.pretrained == weights.to_dict()
+    assert PretrainedInput.from_dict(recipe.pretrained) == weights
     assert recipe_from_dict(recipe.to_dict()) == recipe  # survives the checkpoint
     cfg.data.channels = 1
     grey = build_data(cfg.data, pretrained=weights).recipe
@@ -370,7 +378,7 @@ def test_force_all_branches_switches_mixup_and_cutmix_on(cache):
     assert plain.collate_fn.mix is None
 
 
-def test_training_with_mixup_and_trivialaugment_logs_a_finite_loss(tmp_path, cache):
+def test_training_with_every_branch_forced_on_soft_targets_logs_finite_terms(tmp_path, cache):
     summary = train_in_process(
         tmp_path / "run",
         "data=image_folder",
@@ -378,16 +386,18 @@ def test_training_with_mixup_and_trivialaugment_logs_a_finite_loss(tmp_path, cac
         f"data.cache_dir={cache}",
         *SMALL,
         "data.augment=trivialaugment",
-        "data.mixup_alpha=0.2",
-        "data.cutmix_alpha=1.0",
+        "loss.force_all_branches=true",  # MixUp, CutMix and every loss branch: rule 2's run
         "trainer.max_steps=3",
         "data.batch_size=16",
         "env.progress_bar=false",
-        "logger=none",
     )
     assert summary["status"] == "ok" and summary["steps"] == 3
     assert np.isfinite(summary["val_loss"])
-    assert (tmp_path / "run" / "data_report.json").is_file()
+    report = json.loads((tmp_path / "run" / "data_report.json").read_text())
+    assert (report["input"]["mixup_alpha"], report["input"]["cutmix_alpha"]) == (0.2, 1.0)
+    (logged,) = [m for m in read_metrics(tmp_path / "run") if m.get("step") == 1 and "loss" in m]
+    assert {"loss/main", "loss/label_smoothing", "loss/aux_head"} <= set(logged)
+    assert all(np.isfinite(v) for k, v in logged.items() if k.startswith("loss"))
 
 
 # ---------------------------------------------------------------------------------------------
