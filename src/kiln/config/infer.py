@@ -58,6 +58,7 @@ class InferConfig:
 
 USAGE = """usage: python infer.py [mode=predict|export|serve] ckpt=<path> [key=value ...]
   predict: python infer.py ckpt=run/checkpoints/best.pt input=x.npy output=preds.csv [backend=onnx]
+           python infer.py ckpt=run/checkpoints/best.pt input=photos/test   # image files, a glob
   export:  python infer.py mode=export ckpt=run/checkpoints/best.pt [int8=true] [format=triton]
   serve:   python infer.py mode=serve ckpt=run/checkpoints/best.pt [server.port=8000 ...]
 keys: """
