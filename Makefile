@@ -59,6 +59,7 @@ bench: install ## engine vs a hand-written loop (samples/s and ratio)
 	$(PY) scripts/bench_engine.py $(ARGS)
 	$(PY) scripts/loadtest.py && $(PY) scripts/bench_infer.py
 	$(PY) scripts/bench_text.py
+	$(PY) scripts/bench_image_folder.py
 
 matrix: install ## every model x dataset x {single, DDP} x {amp off, on}, a few steps each
 	$(PY) scripts/matrix.py $(ARGS)

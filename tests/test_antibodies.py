@@ -32,11 +32,13 @@ from kiln.registry import MODELS, compatible_pairs, dataset_provides
 
 from .broken_models import BROKEN, Broken
 from .conftest import compose_config, train_in_process
+from .image_folder_helpers import EXAMPLES
 from .test_engine import make_trainer
 
 # Smaller than the options' defaults, for speed only: a dataset missing here runs as configured.
 SMALL = {
     "synthetic_images": ("data.num_train=32", "data.num_val=16", "data.num_classes=7"),
+    "image_folder": (f"data.train_dir={EXAMPLES / 'train'}", "data.image_size=32"),
     "shapes_detection": (
         "data.num_train=8",
         "data.num_val=4",

@@ -40,6 +40,7 @@ GROUPS = [
 ]
 SMALL_DATA = {
     "synthetic_images": ("data.num_train=32", "data.num_val=16"),
+    "image_folder": (f"data.train_dir={REPO_ROOT / 'examples/photos/train'}", "data.image_size=32"),
     "shapes_detection": ("data.num_train=4", "data.num_val=2"),
 }
 DATA_FOR_MODEL = {"text_bow": "csv_text", "text_transformer": "csv_text"}

@@ -1,6 +1,7 @@
 """`python infer.py key=value ...` / `kiln-infer`: predict a file, export to ONNX, or serve.
 
     python infer.py ckpt=run/checkpoints/best.pt input=x.npy output=preds.csv [backend=onnx]
+    python infer.py ckpt=run/checkpoints/best.pt input=photos/test   # image files, recursively
     python infer.py mode=export ckpt=run/checkpoints/best.pt [int8=true | format=triton]
     python infer.py mode=serve ckpt=run/checkpoints/best.pt [server.port=8000 ...]
 
@@ -21,24 +22,22 @@ USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, ValueError)
 
 def run_predict(cfg: InferConfig) -> None:
     from kiln.inference import InputError, Predictor
-    from kiln.inference.files import read_inputs, write_detections, write_predictions
+    from kiln.inference.files import read_inputs, split_named, write_detections, write_predictions
 
     predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8)
-    inputs = read_inputs(cfg.input, predictor.preprocess, cfg.text_column)
-    sources = None
-    if predictor.task == "detection":
-        sources, inputs = [name for name, _ in inputs], [image for _, image in inputs]
+    # Named inputs (detectors' images, image files): (path, item) pairs.
+    sources, inputs = split_named(read_inputs(cfg.input, predictor.preprocess, cfg.text_column))
     try:
         outputs = predictor.run_in_chunks(inputs, batch_size=cfg.batch_size)
     except InputError as err:
         where = f" ({sources[err.index]})" if sources and err.index is not None else ""
         raise InputError(f"{cfg.input}{where}: {err}", err.index) from None
-    if sources is not None:
+    if predictor.task == "detection":
         path = write_detections(outputs, sources, predictor.class_names, cfg.output)
         found = sum(len(d["boxes"]) for d in outputs)
         print(f"wrote {found} boxes for {len(outputs)} images to {path} ({cfg.backend} backend)")
         return
-    path = write_predictions(outputs, predictor.class_names, cfg.output)
+    path = write_predictions(outputs, predictor.class_names, cfg.output, sources)
     print(f"wrote {len(outputs)} predictions to {path} ({cfg.backend} backend)", flush=True)
 
 

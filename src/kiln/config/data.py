@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -168,16 +169,12 @@ class ImageFolderConfig(DataConfig):
     val_fraction: float = 0.2  # share of each class held out when val_dir is null
     channels: int = 3  # every image is converted to this many channels (1 or 3)
     image_size: int | None = None  # side of the square model input (null: the weights', else 224)
-    crop_pct: float | None = (
-        None  # eval: resize to image_size / crop_pct, center crop (null: weights', else 0.875)
-    )
+    crop_pct: float | None = None  # eval: resize to image_size / crop_pct, center crop (0.875)
     augment: Augment = Augment.flip_crop  # none | flip_crop | trivialaugment | randaugment
     mixup_alpha: float = 0.0  # MixUp's Beta(alpha, alpha) (0: off); soft targets
     cutmix_alpha: float = 0.0  # CutMix's Beta(alpha, alpha) (0: off); with mixup, one per batch
     normalize: Normalize = Normalize.auto  # auto | imagenet | dataset | none
-    bad_rows: BadRows = (
-        BadRows.drop
-    )  # unreadable, empty or truncated images: drop (reported) | error
+    bad_rows: BadRows = BadRows.drop  # unreadable, empty or truncated files: drop | error
     cache_dir: str | None = None  # file checks and dataset statistics; null: ~/.cache/kiln/images
 
     def check(self, key: str) -> None:
@@ -197,6 +194,18 @@ class ImageFolderConfig(DataConfig):
             in_range(self.crop_pct, 0, 1, f"{key}.crop_pct", open_low=True)
         at_least(self.mixup_alpha, 0, f"{key}.mixup_alpha")
         at_least(self.cutmix_alpha, 0, f"{key}.cutmix_alpha")
+
+    def with_all_branches(self) -> ImageFolderConfig:
+        """loss.force_all_branches (rule 2's forced run): MixUp and CutMix on as well, at
+        timm's usual alphas where they are off, so soft targets are part of the forced run."""
+        return dataclasses.replace(
+            self,
+            mixup_alpha=self.mixup_alpha or FORCED_MIXUP_ALPHA,
+            cutmix_alpha=self.cutmix_alpha or FORCED_CUTMIX_ALPHA,
+        )
+
+
+FORCED_MIXUP_ALPHA, FORCED_CUTMIX_ALPHA = 0.2, 1.0
 
 
 # provides: the DataSpec.input_kind the dataset's batches have.

@@ -44,7 +44,7 @@ class ServerConfig:
 class InferConfig:
     mode: str = "predict"  # predict | export | serve
     ckpt: str | None = None  # a training checkpoint (.pt), or an exported .onnx for backend=onnx
-    input: str | None = None  # predict: .npy/.npz raw pixels, a folder of images, or a .csv
+    input: str | None = None  # predict: .npy/.npz/.csv of pixels, image files (file, dir, glob)
     output: str = "preds.csv"  # predict: CSV of predictions (detection: one row per box)
     text_column: str = "text"  # predict, text models: the CSV column holding the texts
     backend: str = "torch"  # torch | onnx (after `mode=export`) | echo (no model: a ceiling)
@@ -58,6 +58,7 @@ class InferConfig:
 
 USAGE = """usage: python infer.py [mode=predict|export|serve] ckpt=<path> [key=value ...]
   predict: python infer.py ckpt=run/checkpoints/best.pt input=x.npy output=preds.csv [backend=onnx]
+           python infer.py ckpt=run/checkpoints/best.pt input=photos/test   # image files, a glob
   export:  python infer.py mode=export ckpt=run/checkpoints/best.pt [int8=true] [format=triton]
   serve:   python infer.py mode=serve ckpt=run/checkpoints/best.pt [server.port=8000 ...]
 keys: """
@@ -135,9 +136,11 @@ def validate(cfg: InferConfig) -> None:
     # Missing files are reported here, before the model stack (seconds of imports) is loaded.
     if not Path(cfg.ckpt).exists():
         raise ArgumentError(f"checkpoint {cfg.ckpt} does not exist (ckpt=)")
-    if cfg.mode == "predict" and not Path(cfg.input).exists():
+    globbed = any(c in cfg.input for c in "*?[") if cfg.mode == "predict" else False
+    if cfg.mode == "predict" and not Path(cfg.input).exists() and not globbed:
         raise ArgumentError(
-            f"input {cfg.input} does not exist (input=): a .npy, .npz, .csv file or a folder"
+            f"input {cfg.input} does not exist (input=): a .npy, .npz, .csv file, an image "
+            "file, a folder or a glob"
         )
 
 

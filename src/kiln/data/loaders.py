@@ -39,6 +39,15 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
+class SeededItemSampler(ResumableSampler):
+    """A ResumableSampler whose keys are (index, seed, epoch): for datasets that seed each
+    item's randomness (augmentation) from these alone (`dataset.seeded_keys`), so an item comes
+    out the same whichever worker loads it, and a resumed epoch equals an uninterrupted one."""
+
+    def __iter__(self):
+        return ((index, self.seed, self.epoch) for index in super().__iter__())
+
+
 class BucketedSampler(Sampler[int]):
     """Batches of items of similar length, in shuffled order, so little of a padded batch is
     padding. Per epoch: shuffle every index (seeded by (seed, epoch) only), sort each pool of
@@ -135,9 +144,9 @@ def train_sampler_for(bundle: DataBundle, batch_size: int, rank: int, world_size
                     "(trainer.overfit_batches)")  # fmt: skip
         lengths = None
     if lengths is None:
-        return ResumableSampler(
-            bundle.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed
-        )
+        seeded = getattr(bundle.train, "seeded_keys", False)  # a Subset (overfit_batches) is not
+        sampler = SeededItemSampler if seeded else ResumableSampler
+        return sampler(bundle.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     return BucketedSampler(
         lengths, batch_size=batch_size, num_replicas=world_size, rank=rank, seed=seed
     )

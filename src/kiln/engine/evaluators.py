@@ -34,7 +34,9 @@ class ClassificationEvaluator:
             with self.precision.autocast():
                 logits = logits_of(model(inputs)).float()
             loss = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
-            correct = (logits.argmax(dim=-1) == targets).sum()
+            # Soft targets (N, C) too: MixUp batches, validated under trainer.overfit_batches.
+            labels = targets.argmax(dim=-1) if targets.dim() == 2 else targets
+            correct = (logits.argmax(dim=-1) == labels).sum()
             count = torch.tensor(len(targets), device=self.device)
             totals += torch.stack([loss.double(), correct.double(), count.double()])
         loss_sum, correct, count = all_reduce_sum(totals).tolist()

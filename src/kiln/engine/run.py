@@ -55,7 +55,10 @@ PROBE_BATCH_SIZE = 8  # rule 3's probe: a real batch of at most this many sample
 
 
 def load_data(cfg: KilnConfig) -> DataBundle:
-    bundle = build_data(cfg.data)
+    data_cfg = cfg.data
+    if cfg.loss.force_all_branches and hasattr(data_cfg, "with_all_branches"):
+        data_cfg = data_cfg.with_all_branches()  # e.g. MixUp and CutMix: the data's branches
+    bundle = build_data(data_cfg)
     if cfg.trainer.overfit_batches:  # the same few batches, for training and validation alike
         count = min(cfg.trainer.overfit_batches * cfg.data.batch_size, len(bundle.train))
         bundle.train = bundle.val = Subset(bundle.train, range(count))

@@ -1,9 +1,13 @@
-"""Batch prediction files: raw inputs from .npy / .npz / .csv or a folder of images, predictions to
-CSV. Errors name the file, what shape was expected and what arrived."""
+"""Batch prediction files: raw inputs from .npy / .npz / .csv, image files (a file, a folder, a
+glob) or a folder of images for detectors; predictions to CSV. Errors name the file, what shape
+was expected and what arrived."""
 
 from __future__ import annotations
 
+import glob
+import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +22,24 @@ from kiln.preprocessing import (
     describe_shape,
 )
 
+log = logging.getLogger(__name__)
+
 IMAGE_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 
 
 def read_inputs(path: str | Path, preprocess: Preprocessor, text_column: str = "text") -> Any:
     """Image models: .npy (N, C, H, W) -- or (N, H, W) for one channel -- or a .csv with one
-    image per row as C*H*W pixel columns. Text models: a .csv with a text column. Detectors:
-    images of any sizes, see `read_images`."""
+    image per row as C*H*W pixel columns; models trained on image files (data=image_folder) also
+    an image file, a folder of them (recursively) or a glob: named (path, bytes) pairs, see
+    `read_image_files`. Text models: a .csv with a text column. Detectors: images of any sizes,
+    see `read_images`."""
+    text = str(path)
     path = Path(path)
     if isinstance(preprocess, ImageListPreprocessor):
         return read_images(path)
+    files = isinstance(preprocess, ImagePreprocessor) and preprocess.takes_files
+    if files and (path.is_dir() or (not path.exists() and is_glob(text))):
+        return read_image_files(text)
     if not path.is_file():
         raise FileNotFoundError(f"input file {path} does not exist")
     suffix = path.suffix.lower()
@@ -36,10 +48,73 @@ def read_inputs(path: str | Path, preprocess: Preprocessor, text_column: str = "
             return _images_from_npy(path, preprocess)
         if suffix == ".csv":
             return _images_from_csv(path, preprocess)
-        raise InputError(f"{path}: image models read .npy or .csv files, not {suffix or 'that'}")
+        if files:
+            return read_image_files(text)
+        raise InputError(
+            f"{path}: this image model reads .npy or .csv files of pixels, not "
+            f"{suffix or 'that'} (its data was not read from image files)"
+        )
     if suffix != ".csv":
         raise InputError(f"{path}: text models read a .csv file with a {text_column!r} column")
     return _texts_from_csv(path, text_column)
+
+
+def is_glob(text: str) -> bool:
+    return any(c in text for c in "*?[")
+
+
+def list_image_files(spec: str) -> tuple[list[Path], int]:
+    """(image files, files skipped) of a file, a folder (recursively: class subfolders are
+    fine) or a glob, in natural order. Hidden files and folders and names without an image
+    extension are skipped (a file named on its own is always read)."""
+    from kiln.preprocessing.image_files import is_image_name
+    from kiln.sorting import natural_key
+
+    path = Path(spec)
+    if path.is_file():
+        return [path], 0
+    if path.is_dir():
+        found, skipped = [], 0
+        for dirpath, dirnames, filenames in os.walk(path, followlinks=True):
+            skipped += sum(d.startswith(".") for d in dirnames)
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                if is_image_name(name):
+                    found.append(Path(dirpath) / name)
+                else:
+                    skipped += 1
+        order = lambda p: natural_key(p.relative_to(path).as_posix())  # noqa: E731
+        where = f"{path}: no image files in this folder or below"
+    else:
+        matches = [Path(m) for m in glob.glob(spec, recursive=True)]
+        files = [m for m in matches if m.is_file() and not _hidden(m)]
+        found = [m for m in files if is_image_name(m.name)]
+        skipped = len(matches) - len(found)
+        order = lambda p: natural_key(p.as_posix())  # noqa: E731
+        where = f"{spec}: no image files match"
+    if not found:
+        raise InputError(f"{where} ({skipped} other files skipped)")
+    return sorted(found, key=order), skipped
+
+
+def _hidden(path: Path) -> bool:
+    return any(part.startswith(".") and part not in (".", "..") for part in path.parts)
+
+
+def read_image_files(spec: str) -> list[tuple[str, bytes]]:
+    """(path, the file's bytes) of every image file `spec` names (see list_image_files); each
+    is decoded by the model's preprocessing, as the training data was."""
+    files, skipped = list_image_files(spec)
+    if skipped:
+        log.info("%s: %d files skipped (hidden, or not image files)", spec, skipped)
+    return [(str(p), p.read_bytes()) for p in files]
+
+
+def split_named(inputs: Any) -> tuple[list[str] | None, Any]:
+    """(sources, items) of named (source, item) pairs; (None, inputs) for anything else."""
+    if isinstance(inputs, list) and inputs and isinstance(inputs[0], tuple):
+        return [name for name, _ in inputs], [item for _, item in inputs]
+    return None, inputs
 
 
 def read_images(path: Path) -> list[tuple[str, np.ndarray]]:
@@ -128,12 +203,17 @@ def _texts_from_csv(path: Path, text_column: str) -> list[str]:
     return frame[text_column].tolist()
 
 
-def write_predictions(probs: np.ndarray, class_names: list[str], path: str | Path) -> Path:
-    """CSV: index, label, then prob_<class name> for every class."""
+def write_predictions(
+    probs: np.ndarray, class_names: list[str], path: str | Path, sources: list[str] | None = None
+) -> Path:
+    """CSV: index, source (the input file, when inputs were files), label, then
+    prob_<class name> for every class."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     frame = pd.DataFrame(probs, columns=[f"prob_{name}" for name in class_names])
     frame.insert(0, "label", [class_names[i] for i in probs.argmax(axis=1)])
+    if sources is not None:
+        frame.insert(0, "source", sources)
     frame.insert(0, "index", np.arange(len(probs)))
     frame.to_csv(path, index=False)
     return path

@@ -42,7 +42,7 @@ from kiln.inference.record import (
     read_sidecar,
     rebuild_model,
 )
-from kiln.preprocessing import Preprocessor
+from kiln.preprocessing import InputError, Preprocessor
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +169,13 @@ class Predictor:
     # --- whole-file conveniences ------------------------------------------------------------
 
     def run_in_chunks(self, raw_inputs: Sequence[Any], batch_size: int = 256) -> Any:
-        chunks = [
-            self.run(self.convert(raw_inputs[start : start + batch_size]))
-            for start in range(0, len(raw_inputs), batch_size)
-        ]
+        chunks = []
+        for start in range(0, len(raw_inputs), batch_size):
+            try:
+                items = self.convert(raw_inputs[start : start + batch_size])
+            except InputError as err:
+                raise _in_whole(err, start) from None
+            chunks.append(self.run(items))
         return join(chunks) if chunks else self.empty_outputs()
 
     def predict_probs(self, raw_inputs: Sequence[Any], batch_size: int = 256) -> np.ndarray:
@@ -193,6 +196,17 @@ class Predictor:
     def example_input(self) -> Any:
         """One valid raw input, for warm-up."""
         return self.preprocess.example()
+
+
+def _in_whole(err: InputError, start: int) -> InputError:
+    """An InputError about item i of a chunk starting at `start`, about item start + i."""
+    if err.index is None or not start:
+        return err
+    prefix = f"item {err.index}:"
+    message = str(err)
+    if message.startswith(prefix):
+        message = f"item {start + err.index}:" + message[len(prefix) :]
+    return InputError(message, start + err.index)
 
 
 def _checked_export(ckpt_path: Path, int8: bool) -> Path:

@@ -45,9 +45,15 @@ class ImageRecipe:
         return ImagePreprocessor(self)
 
 
+ENCODED = (bytes, bytearray, memoryview)
+
+
 class ImagePreprocessor:
     """Raw pixel arrays (C, H, W) -- or (H, W) for one-channel data -- in the data's value range
-    -> the standardised (N, C, H, W) tensor the model was trained on."""
+    -> the standardised (N, C, H, W) tensor the model was trained on. With `recipe.resize_size`
+    (image-folder data) an item may also be the bytes of an image file (PNG, JPEG, ... any
+    format the dataset reads): decoded and eval-transformed by the dataset's own function
+    (kiln.preprocessing.image_files) to float32 (C, H, W) in [0, 1]."""
 
     input_kind = "image"
 
@@ -56,20 +62,42 @@ class ImagePreprocessor:
         self.channels = recipe.channels
         self.shape = (recipe.channels, *recipe.image_size)
         self.value_range = recipe.value_range
+        self.takes_files = recipe.resize_size is not None
+        self._loader = None  # the decoder + eval transform, built on the first file
 
     @property
     def expected(self) -> str:
         grey = f" or {describe_shape(self.shape[1:])}" if self.channels == 1 else ""
         return f"(C, H, W) = {describe_shape(self.shape)}{grey}"
 
+    def file_item(self, item: bytes | bytearray | memoryview, index: int) -> np.ndarray:
+        """An encoded image file -> float32 (C, H, W) in [0, 1]; InputError naming `index`."""
+        if not self.takes_files:
+            raise InputError(
+                f"item {index}: got the bytes of a file; this model takes pixel arrays of shape "
+                f"{self.expected} (its data was not read from image files)",
+                index,
+            )
+        from kiln.preprocessing.image_files import EncodedImageLoader, ImageDecodeError
+
+        if self._loader is None:
+            self._loader = EncodedImageLoader.for_recipe(self.recipe)
+        try:
+            return self._loader(item).numpy()
+        except ImageDecodeError as err:
+            raise InputError(f"item {index}: not a readable image ({err})", index) from None
+
     def item_array(self, item: Any, index: int) -> np.ndarray:
         """One raw item -> float32 (C, H, W); InputError naming `index` if it does not fit."""
-        array = numeric_array(item, index, f"an image of shape {self.expected}")
+        if isinstance(item, ENCODED):
+            return self.file_item(item, index)
+        files = " (or the bytes of an image file)" if self.takes_files else ""
+        array = numeric_array(item, index, f"an image of shape {self.expected}{files}")
         if self.channels == 1 and array.shape == self.shape[1:]:
             array = array[None]
         if array.shape != self.shape:
             raise InputError(
-                f"item {index}: expected an image of shape {self.expected}, "
+                f"item {index}: expected an image of shape {self.expected}{files}, "
                 f"got {describe_shape(array.shape)}",
                 index,
             )

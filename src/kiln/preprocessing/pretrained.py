@@ -21,3 +21,9 @@ class PretrainedInput:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PretrainedInput:
+        """What `to_dict` wrote (a checkpoint's recipe.pretrained): to rebuild a run's data
+        exactly, e.g. build_data(cfg.data, pretrained=PretrainedInput.from_dict(...))."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})

@@ -1,0 +1,497 @@
+"""Your images in class folders (torchvision's ImageFolder layout), `data=image_folder`:
+
+    train_dir/<class>/<image files>     (val_dir, test_dir: the same layout, optional)
+
+1. every file is accounted for (kiln.data.image_scan): kept, skipped (hidden, not an image) or
+   dropped for a named reason (empty, truncated, unreadable) after a full decode, with the
+   verdicts cached; classes are the training folder's subfolders with at least two good images,
+   in natural order; without val_dir a stratified data.val_fraction of train_dir is held out;
+2. items are decoded by the shared kiln.preprocessing.image_files (torchvision's decode_image,
+   Pillow for the other formats) and transformed with torchvision transforms v2: the eval
+   transform (resize + center crop) for validation and test, data.augment for training; then
+   scaled to [0, 1] and normalised (data.normalize);
+3. MixUp / CutMix run in the collate function on training batches: soft targets (N, classes).
+
+Exact resume: a training item's randomness is seeded from (run seed, epoch, index), which the
+training sampler sends as the item's key (kiln.data.loaders.SeededItemSampler), and a batch's
+MixUp from its items' seeds, so an item is augmented the same whichever worker loads it, and a
+run resumed mid-epoch sees the very batches an uninterrupted one did.
+
+The recipe saved with every checkpoint is the eval transform (resize_size, image_size,
+interpolation, mean, std), so `infer.py` and the server prepare image files exactly so."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from kiln.config.data import Augment, ImageFolderConfig, Normalize
+from kiln.data.image_scan import (
+    FolderImages,
+    ImageFolderError,
+    default_cache_dir,
+    read_folder,
+)
+from kiln.data.spec import DataBundle, DataSpec
+from kiln.preprocessing import ImageRecipe
+from kiln.preprocessing.image_files import (
+    DEFAULT_CROP_PCT,
+    DEFAULT_IMAGE_SIZE,
+    decode,
+    eval_transform,
+    interpolation_mode,
+    resize_size_for,
+    to_unit,
+)
+from kiln.preprocessing.pretrained import PretrainedInput
+from kiln.sorting import natural_key
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ImageCollate", "ImageFiles", "ImageFolderError", "build_image_folder"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+STATS_VERSION = 1  # bump when the statistics' meaning changes
+
+
+# ---------------------------------------------------------------------------------------------
+# Input size and transforms
+
+
+@dataclass(frozen=True)
+class InputSize:
+    """The eval geometry: resize the shorter side to resize_size, center crop image_size."""
+
+    image_size: int
+    crop_pct: float
+    resize_size: int
+    interpolation: str
+
+    @classmethod
+    def resolve(cls, cfg: ImageFolderConfig, pretrained: PretrainedInput | None) -> InputSize:
+        """data.* where set, else the pretrained weights' own, else 224 / 0.875 / bilinear."""
+        weights = pretrained or PretrainedInput(source="none", mean=(), std=())
+        size = cfg.image_size or weights.image_size or DEFAULT_IMAGE_SIZE
+        crop_pct = cfg.crop_pct or weights.crop_pct or DEFAULT_CROP_PCT
+        interpolation = weights.interpolation if pretrained is not None else "bilinear"
+        return cls(size, crop_pct, resize_size_for(size, crop_pct), interpolation)
+
+
+def train_transform(augment: Augment, size: InputSize):
+    """uint8 (C, H, W) -> uint8 (C, S, S), per data.augment; the randomness is torch's global
+    RNG, which ImageFiles seeds per item."""
+    from torchvision.transforms import v2
+
+    if augment == Augment.none:
+        return eval_transform(size.image_size, size.resize_size, size.interpolation)
+    mode = interpolation_mode(size.interpolation)
+    steps = [
+        v2.RandomResizedCrop(size.image_size, interpolation=mode, antialias=True),
+        v2.RandomHorizontalFlip(),
+    ]
+    if augment == Augment.trivialaugment:
+        steps.append(v2.TrivialAugmentWide(interpolation=mode))
+    elif augment == Augment.randaugment:
+        steps.append(v2.RandAugment(interpolation=mode))
+    return v2.Compose(steps)
+
+
+def finish_transform(mean: Sequence[float], std: Sequence[float]):
+    """uint8 -> float32 in [0, 1] -> normalised."""
+    from torchvision.transforms import v2
+
+    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
+
+
+def item_seed(seed: int, epoch: int, index: int) -> int:
+    """A 63-bit seed for one item's augmentation, from the run's seed, the epoch and its index
+    only (never from which worker or process loads it)."""
+    words = np.random.SeedSequence([seed % 2**64, epoch, index]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
+def batch_seed(item_seeds: Sequence[int]) -> int:
+    words = np.random.SeedSequence(list(item_seeds)).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
+class _seeded:
+    """torch's CPU RNG seeded for a block and restored after it (the training RNG is not ours)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def __enter__(self):
+        self.fork = torch.random.fork_rng(devices=[])
+        self.fork.__enter__()
+        torch.default_generator.manual_seed(self.seed)
+
+    def __exit__(self, *exc):
+        return self.fork.__exit__(*exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset and batches
+
+
+class ImageFiles(Dataset):
+    """Image files with class indices. Eval items: (image (C, S, S) float32, label). Training
+    items (train=True) also carry their augmentation seed: (image, label, seed); the key is an
+    index or, from the training sampler, (index, run seed, epoch)."""
+
+    def __init__(
+        self, paths: Sequence[str], labels: Sequence[int], *, channels: int, transform, finish,
+        train: bool,
+    ):  # fmt: skip
+        self.paths = list(paths)
+        self.labels = [int(y) for y in labels]
+        self.channels, self.transform, self.finish = channels, transform, finish
+        self.train = train
+        self.seeded_keys = train  # kiln.data.loaders: send (index, seed, epoch) keys
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def load(self, index: int) -> torch.Tensor:
+        """The decoded uint8 image (C, H, W) of item `index`."""
+        path = self.paths[index]
+        try:
+            return decode(Path(path).read_bytes(), self.channels)
+        except (OSError, ValueError) as err:  # changed or removed since the scan
+            raise ImageFolderError(
+                f"{path}: {err} (the file changed since it was checked)"
+            ) from None
+
+    def __getitem__(self, key: int | tuple[int, int, int]):
+        index, seed, epoch = key if isinstance(key, tuple) else (key, 0, 0)
+        image, label = self.load(index), self.labels[index]
+        if not self.train:
+            return self.finish(self.transform(image)), label
+        sample_seed = item_seed(seed, epoch, index)
+        with _seeded(sample_seed):
+            pixels = self.transform(image)
+        return self.finish(pixels), label, sample_seed
+
+
+class ImageCollate:
+    """Items -> (images (N, C, S, S), labels (N,)). Training items (with their seed) go through
+    MixUp / CutMix when either alpha is > 0 (one of the two per batch when both are), seeded
+    from the items' seeds: labels become soft targets (N, num_classes). Module-level and plain,
+    so DataLoader workers can pickle it."""
+
+    def __init__(self, num_classes: int, mixup_alpha: float, cutmix_alpha: float):
+        self.num_classes = num_classes
+        self.mixup_alpha, self.cutmix_alpha = mixup_alpha, cutmix_alpha
+        self.mix = self._mixer()
+
+    def _mixer(self):
+        from torchvision.transforms import v2
+
+        mixers = []
+        if self.mixup_alpha > 0:
+            mixers.append(v2.MixUp(alpha=self.mixup_alpha, num_classes=self.num_classes))
+        if self.cutmix_alpha > 0:
+            mixers.append(v2.CutMix(alpha=self.cutmix_alpha, num_classes=self.num_classes))
+        if len(mixers) == 2:
+            return v2.RandomChoice(mixers)
+        return mixers[0] if mixers else None
+
+    def __call__(self, items: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+        images = torch.stack([item[0] for item in items])
+        labels = torch.tensor([item[1] for item in items], dtype=torch.int64)
+        if self.mix is None or len(items[0]) < 3:  # validation and test: never mixed
+            return images, labels
+        with _seeded(batch_seed([item[2] for item in items])):
+            mixed, soft = self.mix(images, labels)
+        return mixed, soft
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation
+
+
+def _channel_stats(values: Sequence[float], channels: int) -> tuple[float, ...]:
+    """RGB statistics for one-channel data: their mean (the grey a weights' model expects)."""
+    values = tuple(float(v) for v in values)
+    return values if len(values) == channels else (sum(values) / len(values),) * channels
+
+
+def dataset_stats(
+    paths: Sequence[str], channels: int, size: InputSize, cache_dir: Path
+) -> tuple[tuple[float, ...], tuple[float, ...], bool]:
+    """(mean, std, cache hit) of the pixels in [0, 1] of these files through the eval
+    transform; cached by the files (path, size, mtime) and the settings."""
+    stamps = [(os.path.abspath(p), *_stamp(p)) for p in paths]
+    key_inputs = {"version": STATS_VERSION, "files": stamps, "channels": channels,
+                  "size": [size.image_size, size.resize_size, size.interpolation]}  # fmt: skip
+    key = hashlib.sha256(json.dumps(key_inputs).encode()).hexdigest()[:24]
+    cached = cache_dir / f"stats-{key}.json"
+    try:
+        stored = json.loads(cached.read_text())
+        return tuple(stored["mean"]), tuple(stored["std"]), True
+    except (OSError, ValueError, KeyError):
+        pass
+    transform = eval_transform(size.image_size, size.resize_size, size.interpolation)
+
+    def sums(path: str) -> torch.Tensor:
+        pixels = to_unit(transform(decode(Path(path).read_bytes(), channels))).double()
+        flat = pixels.reshape(channels, -1)
+        return torch.stack([flat.sum(1), flat.square().sum(1)])
+
+    with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, 8))) as pool:
+        total = sum(pool.map(sums, paths))
+    count = len(paths) * size.image_size**2
+    mean = total[0] / count
+    std = (total[1] / count - mean.square()).clamp_min(0).sqrt().clamp_min(1e-6)
+    mean_t, std_t = tuple(mean.tolist()), tuple(std.tolist())
+    _write_json_atomic(cached, {"mean": mean_t, "std": std_t, "images": len(paths)})
+    return mean_t, std_t, False
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def normalisation(
+    cfg: ImageFolderConfig,
+    pretrained: PretrainedInput | None,
+    train_paths: Sequence[str],
+    size: InputSize,
+    cache_dir: Path,
+) -> tuple[tuple[float, ...], tuple[float, ...], dict]:
+    """(mean, std, what the report says about them) per data.normalize."""
+    mode, channels = cfg.normalize, cfg.channels
+    if mode == Normalize.auto:
+        mode = Normalize.dataset if pretrained is None else None
+    if mode is None:
+        mean = _channel_stats(pretrained.mean, channels)
+        std = _channel_stats(pretrained.std, channels)
+        source = f"pretrained weights ({pretrained.source})"
+    elif mode == Normalize.imagenet:
+        mean, std = _channel_stats(IMAGENET_MEAN, channels), _channel_stats(IMAGENET_STD, channels)
+        source = "imagenet"
+    elif mode == Normalize.none:
+        mean, std, source = (0.0,) * channels, (1.0,) * channels, "none (pixels in [0, 1])"
+    else:
+        mean, std, hit = dataset_stats(train_paths, channels, size, cache_dir)
+        source = f"the training split's pixels ({'cached' if hit else 'computed'})"
+    return mean, std, {"mode": str(cfg.normalize), "source": source, "mean": mean, "std": std}
+
+
+# ---------------------------------------------------------------------------------------------
+# The split
+
+
+def split_files(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, ...]:
+    """(train, val) positions: round(n * val_fraction) for validation, stratified by class
+    where every class can be in both splits, seeded by data.split_seed."""
+    from sklearn.model_selection import train_test_split
+
+    n = len(labels)
+    num_val = round(n * val_fraction)
+    if num_val < 1 or num_val >= n:
+        raise ImageFolderError(
+            f"data.val_fraction={val_fraction} of {n} images leaves an empty split "
+            "(data.val_fraction): use more images, another val_fraction, or data.val_dir"
+        )
+    counts = np.bincount(labels)
+    counts = counts[counts > 0]
+    can_stratify = counts.min() >= 2 and len(counts) <= num_val <= n - len(counts)
+    train, val = train_test_split(
+        np.arange(n), test_size=num_val, random_state=seed,
+        stratify=labels if can_stratify else None,
+    )  # fmt: skip
+    return np.sort(train), np.sort(val)
+
+
+# ---------------------------------------------------------------------------------------------
+# The bundle
+
+
+def _read(cfg: ImageFolderConfig, key: str, cache_dir: Path, classes=None) -> FolderImages:
+    return read_folder(
+        getattr(cfg, key),
+        key,
+        channels=cfg.channels,
+        bad_rows=str(cfg.bad_rows),
+        cache_dir=cache_dir,
+        classes=classes,
+    )
+
+
+def _class_names(train: FolderImages) -> list[str]:
+    names = sorted(set(train.labels), key=natural_key)
+    if len(names) < 2:
+        found = f"only class {names[0]!r} has" if names else "no class has"
+        raise ImageFolderError(
+            f"{train.log.path}: {found} two or more good images (data.train_dir): "
+            "classification needs at least two classes (see data_report.json)"
+        )
+    return names
+
+
+def log_report(report: dict) -> None:
+    for key in ("train_dir", "val_dir", "test_dir"):
+        folder = report.get(key)
+        if folder is None:
+            continue
+        bad = folder["images_dropped"] or folder["skipped"]
+        (log.warning if bad else log.info)("data: %s%s", _folder_line(folder),
+                                           " (see data_report.json)" if bad else "")  # fmt: skip
+        for name, why in folder.get("classes_dropped", {}).items():
+            holds = "no good image" if why["reason"] == "empty" else "a single good image"
+            log.warning(
+                "data: class folder %r of %s holds %s, so it is not a class (a class needs two "
+                "or more images)",
+                name,
+                folder["path"],
+                holds,
+            )
+        for name, count in folder.get("unknown_classes", {}).items():
+            log.warning(
+                "data: class folder %r of %s is not a class of data.train_dir; its %d image(s) "
+                "are not used",
+                name,
+                folder["path"],
+                count,
+            )
+    images, size = report["images"], report["input"]
+    log.info(
+        "data: %d classes, %s images at %dx%d (resize %d, %s), normalised by %s; prepared in "
+        "%.1f s",
+        len(report["classes"]),
+        " / ".join(f"{n} {split}" for split, n in images.items()),
+        size["image_size"],
+        size["image_size"],
+        size["resize_size"],
+        size["interpolation"],
+        report["normalize"]["source"],
+        report["prepare_s"],
+    )
+
+
+def _folder_line(folder: dict) -> str:
+    dropped = ", ".join(f"{r} {d['count']}" for r, d in folder["dropped"].items())
+    skipped = ", ".join(f"{r} {n}" for r, n in folder["skipped"].items())
+    line = (
+        f"{folder['path']}: {folder['files']} files, {folder['images_kept']} images kept, "
+        f"{folder['images_dropped']} dropped" + (f" ({dropped})" if dropped else "")
+    )
+    return line + (f", skipped {skipped}" if skipped else "")
+
+
+def build_image_folder(
+    cfg: ImageFolderConfig, *, pretrained: PretrainedInput | None = None
+) -> DataBundle:
+    """The bundle for data=image_folder. `pretrained`: the model's weights' own preprocessing
+    (mean/std for data.normalize=auto, the default image size, crop_pct and interpolation)."""
+    start = time.perf_counter()
+    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    size = InputSize.resolve(cfg, pretrained)
+    train = _read(cfg, "train_dir", cache_dir)
+    class_names = _class_names(train)
+    index = {name: i for i, name in enumerate(class_names)}
+    folders = {"train_dir": train}
+    labels = np.array([index[y] for y in train.labels], dtype=np.int64)
+    paths = {"train": train.paths}
+    targets = {"train": labels}
+    if cfg.val_dir is not None:
+        val = folders["val_dir"] = _read(cfg, "val_dir", cache_dir, class_names)
+        if not val.paths:
+            raise ImageFolderError(
+                f"{cfg.val_dir}: no usable images (data.val_dir): {val.log.summary()}"
+            )
+        paths["val"], targets["val"] = val.paths, np.array([index[y] for y in val.labels])
+    else:
+        train_at, val_at = split_files(labels, cfg.val_fraction, cfg.split_seed)
+        paths["val"], targets["val"] = [train.paths[i] for i in val_at], labels[val_at]
+        paths["train"], targets["train"] = [train.paths[i] for i in train_at], labels[train_at]
+    if cfg.test_dir is not None:
+        test = folders["test_dir"] = _read(cfg, "test_dir", cache_dir, class_names)
+        paths["test"], targets["test"] = test.paths, np.array([index[y] for y in test.labels])
+    mean, std, norm = normalisation(cfg, pretrained, paths["train"], size, cache_dir)
+    finish = finish_transform(mean, std)
+    evaluate = eval_transform(size.image_size, size.resize_size, size.interpolation)
+
+    def dataset(split: str, transform, train_mode: bool) -> ImageFiles:
+        return ImageFiles(paths[split], targets[split], channels=cfg.channels,
+                          transform=transform, finish=finish, train=train_mode)  # fmt: skip
+
+    train_set = dataset("train", train_transform(cfg.augment, size), True)
+    side = size.image_size
+    spec = DataSpec(
+        "classification", "image", len(class_names), tuple(class_names),
+        channels=cfg.channels, image_size=(side, side),
+    )  # fmt: skip
+    recipe = ImageRecipe(
+        mean=tuple(mean),
+        std=tuple(std),
+        channels=cfg.channels,
+        image_size=(side, side),
+        class_names=tuple(class_names),
+        value_range=(0.0, 1.0),
+        resize_size=size.resize_size,
+        interpolation=size.interpolation,
+        pretrained=pretrained.to_dict() if pretrained is not None else None,
+    )
+    report = {
+        **{key: folder.log.to_dict() for key, folder in folders.items()},
+        "classes": class_names,
+        "images": {split: len(p) for split, p in paths.items()},
+        "class_counts": {
+            split: dict(
+                zip(class_names, np.bincount(y, minlength=len(class_names)).tolist(), strict=True)
+            )
+            for split, y in targets.items()
+        },  # fmt: skip
+        "split": "data.val_dir"
+        if cfg.val_dir
+        else {"val_fraction": cfg.val_fraction, "split_seed": cfg.split_seed},  # fmt: skip
+        "input": {
+            "channels": cfg.channels,
+            "image_size": side,
+            "crop_pct": size.crop_pct,
+            "resize_size": size.resize_size,
+            "interpolation": size.interpolation,
+            "augment": str(cfg.augment),
+            "mixup_alpha": cfg.mixup_alpha,
+            "cutmix_alpha": cfg.cutmix_alpha,
+        },
+        "normalize": norm,
+        "cache": {"dir": str(cache_dir), **{k: f.cache for k, f in folders.items()}},
+        "prepare_s": time.perf_counter() - start,
+    }
+    log_report(report)
+    return DataBundle(
+        spec=spec,
+        train=train_set,
+        val=dataset("val", evaluate, False),
+        test=dataset("test", evaluate, False) if "test" in paths else None,
+        recipe=recipe,
+        collate_fn=ImageCollate(len(class_names), cfg.mixup_alpha, cfg.cutmix_alpha),
+        report=report,
+        sources={split: list(p) for split, p in paths.items()},
+    )
