@@ -113,9 +113,7 @@ class TrainerConfig:
     peak_tflops: float | None = None  # the device's peak for MFU (null: known GPUs' table)
     find_batch_size: bool = False  # the largest data.batch_size that fits, found on real steps
     ema_decay: float | None = None  # EMA of the weights, evaluated beside them (null: off; 0.999)
-    unfreeze_at_epoch: int | None = (
-        None  # train model.freeze'd modules from this epoch (null: never)
-    )
+    unfreeze_at_epoch: int | None = None  # epoch from which model.freeze'd modules train
 
     def check(self, key: str) -> None:
         at_least(self.max_epochs, 1, f"{key}.max_epochs")
