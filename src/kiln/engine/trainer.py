@@ -69,6 +69,9 @@ class TrainState:
     batch_in_epoch: int = 0  # batches of `epoch` already consumed
     planned_steps: int = 0  # optimizer steps the run plans (the LR schedule's length)
     best_metric: float | None = None
+    # val_loss of the evaluation best.pt came from: breaks ties on best_metric (None in
+    # checkpoints written before it was kept: any finite loss then wins the next tie).
+    best_tiebreak: float | None = None
     nonfinite_skipped: int = 0  # steps skipped under nan_policy=skip
     scaler_skipped: int = 0  # steps GradScaler skipped for inf/NaN gradients
     samples_seen: int = 0
@@ -102,6 +105,7 @@ class TrainingParts:
     mode_probe_size: int = 8  # samples rule 3 probes with
     peak_flops: float | None = None  # the device's peak FLOP/s in the run's dtype, if known
     batch_metrics: Callable[[Any], dict[str, torch.Tensor]] | None = None  # from the dataset
+    data: Any = None  # the DataBundle: its test split is evaluated when training ends (run.py)
 
 
 @dataclass
