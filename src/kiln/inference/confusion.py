@@ -43,7 +43,9 @@ def confusion_figure(counts: np.ndarray, class_names: list[str], title: str):
     figure, axis = plt.subplots(figsize=(side + 1.2, side), dpi=DPI, layout="constrained")
     totals = counts.sum(axis=1, keepdims=True)
     shares = np.divide(counts, totals, out=np.zeros(counts.shape, float), where=totals > 0)
-    image = axis.imshow(shares, cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
+    image = axis.imshow(
+        shares, cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto"
+    )
     bar = figure.colorbar(image, ax=axis, fraction=0.04, pad=0.02)
     bar.set_label("share of the true class (row)")
     names = [short_name(n) for n in class_names]
