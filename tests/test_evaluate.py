@@ -17,11 +17,8 @@ from torch.utils.data import TensorDataset
 
 from kiln.cli.infer import main as infer_main
 from kiln.inference.confusion import confusion_figure, font_sizes, write_confusion_matrix
-from kiln.inference.evaluate import (
-    classification_metrics,
-    detection_metrics,
-    write_classification_report,
-)
+from kiln.inference.detection_report import detection_metrics, match_image
+from kiln.inference.evaluate import classification_metrics, write_classification_report
 
 from .conftest import compose_config, read_summary
 from .inference_helpers import detector_run, digits_run, raw_digits_val, text_run
@@ -368,6 +365,25 @@ def test_detection_metrics_per_class_on_known_answers():
     assert result["per_class"]["square"]["ap50"] == pytest.approx(1.0)
     assert result["per_class"]["ring"]["ap50"] == 0.0
     assert result["map_50"] == pytest.approx(0.5)
+
+
+def test_detection_errors_match_boxes_by_class_and_iou():
+    truth = {
+        "boxes": np.array([[0, 0, 10, 10], [20, 20, 40, 40]], np.float32),
+        "labels": np.array([1, 2]),
+    }
+    found = {
+        "boxes": np.array(
+            [[0, 0, 10, 11], [0, 0, 10, 10], [21, 21, 40, 40], [60, 60, 70, 70]], np.float32
+        ),
+        "labels": np.array([1, 1, 1, 2]),
+        "scores": np.array([0.9, 0.8, 0.95, 0.3], np.float32),
+    }
+    labels, matched, found_true = match_image(found, truth)
+    # Highest score first; the 0.3 box is below the threshold; the second box on the square
+    # is a duplicate (false); the class-1 box on the class-2 object matches nothing.
+    assert labels.tolist() == [1, 1, 1] and matched.tolist() == [False, True, False]
+    assert found_true.tolist() == [True, False]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,8 +40,6 @@ METRICS_FILE, CONFUSION_FILE = "metrics.json", "confusion_matrix.png"
 ERRORS_FILE, PREDICTIONS_FILE = "errors.csv", "predictions.csv"
 DEFAULT_NUM_ERRORS = 100
 TOP_K = 5
-DETECTION_SCORE_THRESHOLD = 0.5  # errors.csv: a box at this score or above counts as predicted
-DETECTION_MATCH_IOU = 0.5  # ... and matches a true box of its class at this IoU or above
 
 
 class EvaluateError(UserError, ValueError):
@@ -73,7 +71,7 @@ class Report:
     def lines(self) -> list[str]:
         m = self.metrics
         if m["task"] == "detection":
-            numbers = f"mAP {m['map']:.4f}, mAP@0.5 {m['map_50']:.4f}"
+            numbers = f"mAP {_number(m['map'])}, mAP@0.5 {_number(m['map_50'])}"
         else:
             top5 = f", top-5 {m['top5_accuracy']:.4f}" if "top5_accuracy" in m else ""
             numbers = f"accuracy {m['accuracy']:.4f}{top5}, macro-F1 {m['macro_f1']:.4f}"
@@ -210,121 +208,7 @@ def write_classification_report(
 
 
 # ---------------------------------------------------------------------------------------------
-# Detection
-
-
-def detection_metrics(detections: list[dict], targets: list[dict], class_names: Sequence[str]):
-    """mAP@[.5:.95], mAP@.5, mAP@.75 and per class AP / AP@.5 (null for a class with no true
-    box), with true and predicted box counts per class. Labels are 1..K (0: background)."""
-    import torch
-    from torchmetrics.detection import MeanAveragePrecision
-
-    preds = [{k: torch.as_tensor(d[k]) for k in ("boxes", "scores", "labels")} for d in detections]
-    truth = [{k: torch.as_tensor(t[k]) for k in ("boxes", "labels")} for t in targets]
-    results = []
-    for thresholds in (None, [0.5]):  # COCO's ten IoU thresholds, then 0.5 alone
-        metric = MeanAveragePrecision(
-            iou_type="bbox", iou_thresholds=thresholds, class_metrics=True
-        )
-        metric.update(preds, truth)
-        results.append(metric.compute())
-    coco, at50 = results
-
-    def per_class(result) -> dict[int, float | None]:
-        values = torch.atleast_1d(result["map_per_class"]).tolist()
-        classes = torch.atleast_1d(result["classes"]).tolist()
-        return {int(c): (v if v >= 0 else None) for c, v in zip(classes, values, strict=True)}
-
-    ap, ap50 = per_class(coco), per_class(at50)
-    true_counts = np.bincount(
-        np.concatenate([np.asarray(t["labels"]) for t in targets] or [[]]).astype(np.int64),
-        minlength=len(class_names) + 1,
-    )
-    pred_counts = np.bincount(
-        np.concatenate([np.asarray(d["labels"]) for d in detections] or [[]]).astype(np.int64),
-        minlength=len(class_names) + 1,
-    )
-
-    def nonneg(x) -> float | None:  # COCO's -1 means "undefined" (no true box anywhere)
-        x = float(x)
-        return x if x >= 0 else None
-
-    return {
-        "map": nonneg(coco["map"]),
-        "map_50": nonneg(coco["map_50"]),
-        "map_75": nonneg(coco["map_75"]),
-        "count": len(targets),
-        "num_classes": len(class_names),
-        "per_class": {
-            name: {
-                "ap": ap.get(k),
-                "ap50": ap50.get(k),
-                "true_boxes": int(true_counts[k]),
-                "predicted_boxes": int(pred_counts[k]),
-            }
-            for k, name in enumerate(class_names, start=1)
-        },
-    }
-
-
-def detection_errors(detections, targets, sources, class_names, limit: int):
-    """Per image with a mistake: its true boxes, the boxes predicted at score >=
-    DETECTION_SCORE_THRESHOLD, how many matched a true box of their class at IoU >=
-    DETECTION_MATCH_IOU (greedily, highest score first), the missed and the false ones by class;
-    most mistakes first."""
-    import pandas as pd
-    import torch
-    from torchvision.ops import box_iou
-
-    names = list(class_names)
-    rows = []
-    for index, (found, truth) in enumerate(zip(detections, targets, strict=True)):
-        keep = np.asarray(found["scores"]) >= DETECTION_SCORE_THRESHOLD
-        boxes, labels = np.asarray(found["boxes"])[keep], np.asarray(found["labels"])[keep]
-        true_boxes, true_labels = np.asarray(truth["boxes"]), np.asarray(truth["labels"])
-        ious = box_iou(
-            torch.as_tensor(boxes).reshape(-1, 4).float(),
-            torch.as_tensor(true_boxes).reshape(-1, 4).float(),
-        ).numpy()
-        taken = np.zeros(len(true_labels), dtype=bool)
-        false = []
-        for i, label in enumerate(labels):  # the predictor returns boxes highest score first
-            fits = (true_labels == label) & ~taken & (ious[i] >= DETECTION_MATCH_IOU)
-            if fits.any():
-                taken[int(np.argmax(np.where(fits, ious[i], -1.0)))] = True
-            else:
-                false.append(names[int(label) - 1])
-        missed = [names[int(label) - 1] for label in true_labels[~taken]]
-        if missed or false:
-            rows.append(
-                {
-                    "source": sources[index],
-                    "true_boxes": len(true_labels),
-                    "predicted_boxes": int(keep.sum()),
-                    "matched": int(taken.sum()),
-                    "missed": len(missed),
-                    "false_positives": len(false),
-                    "missed_classes": " ".join(missed),
-                    "false_classes": " ".join(false),
-                }
-            )
-    frame = pd.DataFrame(
-        rows,
-        columns=[
-            "source",
-            "true_boxes",
-            "predicted_boxes",
-            "matched",
-            "missed",
-            "false_positives",
-            "missed_classes",
-            "false_classes",
-        ],
-    )
-    if frame.empty:
-        return frame
-    mistakes = frame["missed"] + frame["false_positives"]
-    return frame.iloc[np.argsort(-mistakes.to_numpy(), kind="stable")][:limit]
+# Detection (the numbers: kiln.inference.detection_report)
 
 
 def write_detection_report(
@@ -336,6 +220,13 @@ def write_detection_report(
     about,
     num_errors: int = DEFAULT_NUM_ERRORS,
 ) -> Report:
+    from kiln.inference.detection_report import (
+        DETECTION_MATCH_IOU,
+        DETECTION_SCORE_THRESHOLD,
+        detection_errors,
+        detection_metrics,
+    )
+
     _check_lengths(len(detections), targets, sources)
     metrics = {"task": "detection", **about, **detection_metrics(detections, targets, class_names)}
     metrics["errors_listing"] = {
@@ -578,6 +469,10 @@ def split_sources(sources: Sequence[str] | None, split: str, count: int) -> Sequ
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _number(value: float | None) -> str:
+    return "undefined (no true box)" if value is None else f"{value:.4f}"
 
 
 def _about(predictor: Predictor, data: dict[str, Any]) -> dict[str, Any]:
