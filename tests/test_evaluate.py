@@ -219,7 +219,7 @@ def test_evaluate_on_a_folder_equals_predict_on_the_same_images(digits, tmp_path
     out_dir = tmp_path / "report"
     code, out, err = run_infer(capsys, "mode=evaluate", ckpt, f"data={folder}", f"output={out_dir}")
     assert code == 0, err
-    assert "1 hidden" in out and "1 not_an_image" in out
+    assert "1 hidden" in out and "1 not_an_image (first: " in out
     code, _, err = run_infer(
         capsys, ckpt, f"input={tmp_path / 'same.npy'}", f"output={tmp_path / 'preds.csv'}"
     )
@@ -231,7 +231,10 @@ def test_evaluate_on_a_folder_equals_predict_on_the_same_images(digits, tmp_path
     assert ours["true"].tolist() == [labels[i] for i in order]
     assert ours["source"].tolist()[0].endswith(f"img{order[0]}.npy")
     metrics = json.loads((out_dir / "metrics.json").read_text())
-    assert metrics["data"]["skipped"] == {"hidden": 1, "not_an_image": 1}
+    assert metrics["data"]["skipped"] == {
+        "hidden": {"count": 1, "first": [str(folder / "3" / ".DS_Store")]},
+        "not_an_image": {"count": 1, "first": [str(folder / "3" / "notes.txt")]},
+    }
     assert metrics["accuracy"] == pytest.approx((ours["label"] == ours["true"]).mean(), abs=1e-6)
 
 
@@ -274,6 +277,34 @@ def test_evaluate_text_on_a_csv_equals_predict_and_names_rows(text, tmp_path, ca
     assert len(errors) == metrics["errors"] > 0
     for source, true in zip(errors["source"], errors["true"], strict=True):
         assert given[int(source.rsplit(" ", 1)[1]) - 1] == true
+
+
+def test_rows_without_a_label_are_skipped_and_named(text, tmp_path, capsys):
+    run_dir, _ = text
+    csv = _write_csv(
+        tmp_path / "some.csv",
+        {
+            "text": ["the match", "rain today", "a new phone"],
+            "label": ["sports", " ", "technology"],
+        },
+    )
+    code, out, err = run_infer(
+        capsys,
+        "mode=evaluate",
+        f"ckpt={run_dir}/checkpoints/best.pt",
+        f"data={csv}",
+        f"output={tmp_path / 'report'}",
+    )
+    assert code == 0, err
+    assert "1 missing_label (first: some.csv row 2)" in out
+    metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
+    assert metrics["count"] == 2
+    assert metrics["data"]["skipped"] == {
+        "missing_label": {"count": 1, "first": ["some.csv row 2"]}
+    }
+    predictions = pd.read_csv(tmp_path / "report" / "predictions.csv")
+    assert predictions["source"].tolist() == ["some.csv row 1", "some.csv row 3"]
+    assert predictions["true"].tolist() == ["sports", "technology"]
 
 
 def test_evaluate_text_without_data_names_the_csv_rows(text, tmp_path, capsys):
@@ -505,7 +536,10 @@ def test_evaluate_argument_errors_are_one_line(digits, text, detector, tmp_path,
         ([digits_ckpt, f"data={png_folder}"], "takes pixel arrays, not image files"),
         ([digits_ckpt, f"data={bad_labels}"], "not a file"),
         ([text_ckpt, f"data={unknown_class}"], "a .csv file with a text and a label column"),
-        ([text_ckpt, f"data={bad_labels}"], "label 'nope' (3 rows: 1, 3, 4); an empty label"),
+        (
+            [text_ckpt, f"data={bad_labels}"],
+            "3 row(s) have label 'nope' (3 rows: 1, 3, 4), not among",
+        ),
         ([text_ckpt, f"data={no_label}"], "no 'label' column; columns present"),
         ([detector_ckpt, f"data={unknown_class}"], "a detector is evaluated on its own data"),
     ]

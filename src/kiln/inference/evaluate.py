@@ -79,8 +79,11 @@ class Report:
         what = data.get("path") or f"the {data['split']} split of data={data.get('dataset')}"
         lines = [f"evaluated {m['count']} inputs ({what}): {numbers}"]
         if data.get("skipped"):
-            skipped = ", ".join(f"{n} {reason}" for reason, n in data["skipped"].items())
-            lines.append(f"skipped (not evaluated): {skipped}")
+            skipped = "; ".join(
+                f"{d['count']} {reason} (first: {d['first'][0]})"
+                for reason, d in data["skipped"].items()
+            )
+            lines.append(f"skipped, not evaluated: {skipped}; all listed in metrics.json")
         lines.append(f"wrote {self.directory}/: {', '.join(m['files'])}")
         return lines
 

@@ -5,16 +5,18 @@ ones, so the report's predictions are predict's:
   files (every format Pillow opens, extensions in any case) are read as encoded bytes, which the
   Predictor decodes with the checkpoint's own eval transform; `.npy` files are raw pixel arrays
   (C, H, W), for models trained on arrays (data=digits). Hidden files and other files are
-  skipped and counted.
+  skipped, counted and named.
 - text models: a CSV with the training run's text and label columns, read as predict reads a
-  CSV (every value a string, "NA" is text).
+  CSV (every value a string, "NA" is text). A row without a label cannot be scored: skipped,
+  counted and named (as training drops it, `missing_label`); its text is still predicted by
+  `infer.py` predict, whose rows keep their numbers here too.
 
 A label the checkpoint does not know is an error naming the folders or rows, not a silent
 exclusion: the numbers would otherwise describe a different set than the one given."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from kiln.errors import UserError
 from kiln.sorting import natural_key
 
 ROWS_NAMED = 5  # an unknown label's error names this many of its rows
+FIRST_SKIPPED = 10  # the report names this many skipped inputs per reason, then counts
 
 
 class LabelledDataError(UserError, ValueError):
@@ -38,7 +41,16 @@ class LabelledInputs:
     inputs: list[Any]
     targets: np.ndarray  # int64 (N,), indices into the checkpoint's class names
     sources: list[str]  # a file path or "<file> row N", per input
-    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
+    # reason -> {"count": n, "first": [the first FIRST_SKIPPED sources]}, as data_report.json
+    skipped: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _skipped(found: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    return {
+        reason: {"count": len(where), "first": where[:FIRST_SKIPPED]}
+        for reason, where in found.items()
+        if where
+    }
 
 
 def image_suffixes() -> frozenset[str]:
@@ -69,15 +81,17 @@ def read_labelled_folder(
     inputs: list[Any] = []
     targets: list[int] = []
     sources: list[str] = []
-    skipped: Counter[str] = Counter()
-    skipped["top_level_file"] = sum(1 for f in path.iterdir() if f.is_file() and not _hidden(f))
+    skipped: dict[str, list[str]] = defaultdict(list)
+    skipped["top_level_file"] = [
+        str(f) for f in sorted(path.iterdir()) if f.is_file() and not _hidden(f)
+    ]
     for target, folder in ((class_names.index(d.name), d) for d in folders):
         for file in sorted(folder.rglob("*"), key=lambda f: natural_key(str(f))):
             if not file.is_file():
                 continue
             suffix = file.suffix.lower()
             if any(part.startswith(".") for part in file.relative_to(folder).parts):
-                skipped["hidden"] += 1  # .DS_Store, .ipynb_checkpoints/, ...
+                skipped["hidden"].append(str(file))  # .DS_Store, .ipynb_checkpoints/, ...
                 continue
             if suffix == ".npy":
                 inputs.append(_load_npy(file))
@@ -89,7 +103,7 @@ def read_labelled_folder(
                     "was trained on arrays); put .npy arrays (C, H, W) in the class folders"
                 )
             else:
-                skipped["not_an_image"] += 1
+                skipped["not_an_image"].append(str(file))
                 continue
             targets.append(target)
             sources.append(str(file))
@@ -102,7 +116,7 @@ def read_labelled_folder(
         inputs,
         np.asarray(targets, dtype=np.int64),
         sources,
-        skipped={reason: count for reason, count in skipped.items() if count},
+        skipped=_skipped(skipped),
     )
 
 
@@ -130,18 +144,24 @@ def read_labelled_csv(
         raise LabelledDataError(f"{path}: has a header but no rows to evaluate")
     labels = frame[label_column].str.strip().tolist()  # as the training reader strips labels
     index = {name: i for i, name in enumerate(class_names)}
-    unknown = [(row, label) for row, label in enumerate(labels, start=1) if label not in index]
+    rows = [row for row, label in enumerate(labels, start=1) if label]
+    name = path.name
+    missing = [f"{name} row {row}" for row, label in enumerate(labels, start=1) if not label]
+    unknown = [(row, labels[row - 1]) for row in rows if labels[row - 1] not in index]
     if unknown:
         raise LabelledDataError(
             f"{path}: {_unknown_rows(unknown)} not among the checkpoint's classes "
             f"({_some(class_names)}) in column {label_column!r}; remove those rows, or "
             "evaluate a checkpoint trained with those classes"
         )
-    name = path.name
+    if not rows:
+        raise LabelledDataError(f"{path}: no row has a label in column {label_column!r}")
+    texts = frame[text_column].tolist()
     return LabelledInputs(
-        inputs=frame[text_column].tolist(),
-        targets=np.asarray([index[label] for label in labels], dtype=np.int64),
-        sources=[f"{name} row {row}" for row in range(1, len(frame) + 1)],
+        inputs=[texts[row - 1] for row in rows],
+        targets=np.asarray([index[labels[row - 1]] for row in rows], dtype=np.int64),
+        sources=[f"{name} row {row}" for row in rows],
+        skipped=_skipped({"missing_label": missing}),
     )
 
 
@@ -156,15 +176,14 @@ def _check_classes(path: Path, folders: list[str], class_names: list[str]) -> No
 
 
 def _unknown_rows(unknown: list[tuple[int, str]]) -> str:
-    """'label "x" (rows 3, 9) and "" (row 4)' for the first few rows of each unknown label."""
+    """ "label 'x' (2 rows: 3, 9); label 'y' (1 row: 4)", the first few rows of each label."""
     by_label: dict[str, list[int]] = {}
     for row, label in unknown:
         by_label.setdefault(label, []).append(row)
     parts = []
     for label, rows in by_label.items():
         shown = ", ".join(map(str, rows[:ROWS_NAMED])) + (" ..." if len(rows) > ROWS_NAMED else "")
-        what = "an empty label" if not label else f"label {label!r}"
-        parts.append(f"{what} ({len(rows)} row{'s' if len(rows) > 1 else ''}: {shown})")
+        parts.append(f"label {label!r} ({len(rows)} row{'s' if len(rows) > 1 else ''}: {shown})")
     return f"{len(unknown)} row(s) have " + "; ".join(parts) + ","
 
 
