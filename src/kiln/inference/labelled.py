@@ -17,6 +17,7 @@ exclusion: the numbers would otherwise describe a different set than the one giv
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ class LabelledDataError(UserError, ValueError):
 class LabelledInputs:
     """Raw inputs (what `Predictor.convert` takes), their class indices and what each one is."""
 
-    inputs: list[Any]
+    inputs: Sequence[Any]
     targets: np.ndarray  # int64 (N,), indices into the checkpoint's class names
     sources: list[str]  # a file path or "<file> row N", per input
     # reason -> {"count": n, "first": [the first FIRST_SKIPPED sources]}, as data_report.json
@@ -51,6 +52,26 @@ def _skipped(found: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
         for reason, where in found.items()
         if where
     }
+
+
+class FileInputs(Sequence[Any]):
+    """Files read when their chunk is predicted, so a large folder is never all in memory:
+    `.npy` as a pixel array, any other file as its encoded bytes."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [_read_file(f) for f in self.files[index]]
+        return _read_file(self.files[index])
+
+
+def _read_file(path: Path) -> Any:
+    return _load_npy(path) if path.suffix.lower() == ".npy" else path.read_bytes()
 
 
 def image_suffixes() -> frozenset[str]:
@@ -78,7 +99,7 @@ def read_labelled_folder(
         )
     _check_classes(path, [d.name for d in folders], class_names)
     suffixes = image_suffixes()
-    inputs: list[Any] = []
+    files: list[Path] = []
     targets: list[int] = []
     sources: list[str] = []
     skipped: dict[str, list[str]] = defaultdict(list)
@@ -93,27 +114,24 @@ def read_labelled_folder(
             if any(part.startswith(".") for part in file.relative_to(folder).parts):
                 skipped["hidden"].append(str(file))  # .DS_Store, .ipynb_checkpoints/, ...
                 continue
-            if suffix == ".npy":
-                inputs.append(_load_npy(file))
-            elif suffix in suffixes and takes_encoded:
-                inputs.append(file.read_bytes())
-            elif suffix in suffixes:
+            if suffix in suffixes and not takes_encoded:
                 raise LabelledDataError(
                     f"{file}: this checkpoint's model takes pixel arrays, not image files (it "
                     "was trained on arrays); put .npy arrays (C, H, W) in the class folders"
                 )
-            else:
+            if suffix != ".npy" and suffix not in suffixes:
                 skipped["not_an_image"].append(str(file))
                 continue
+            files.append(file)
             targets.append(target)
             sources.append(str(file))
-    if not inputs:
+    if not files:
         raise LabelledDataError(
             f"{path}: no image files (or .npy arrays) in its class subfolders "
             f"({', '.join(d.name for d in folders)})"
         )
     return LabelledInputs(
-        inputs,
+        FileInputs(files),
         np.asarray(targets, dtype=np.int64),
         sources,
         skipped=_skipped(skipped),
