@@ -16,7 +16,7 @@ from sklearn.metrics import classification_report, confusion_matrix, top_k_accur
 from torch.utils.data import TensorDataset
 
 from kiln.cli.infer import main as infer_main
-from kiln.inference.confusion import confusion_figure, font_sizes, write_confusion_matrix
+from kiln.inference.confusion import DPI, confusion_figure, font_sizes
 from kiln.inference.detection_report import detection_metrics, match_image
 from kiln.inference.evaluate import classification_metrics, write_classification_report
 
@@ -158,7 +158,8 @@ def test_confusion_matrix_is_readable_and_scales_with_the_classes(tmp_path, k):
     texts = {t.get_text() for t in axis.texts}
     assert {str(c) for c in counts[counts > 0]} <= texts
     assert min(t.get_fontsize() for t in axis.texts) >= font_sizes(k)[1] >= 7
-    path = write_confusion_matrix(counts, names, tmp_path / "cm.png", "t")
+    path = tmp_path / "cm.png"
+    figure.savefig(path, dpi=DPI)  # as write_confusion_matrix saves it
     from PIL import Image
 
     with Image.open(path) as image:
