@@ -4,6 +4,7 @@
     python infer.py ckpt=run/checkpoints/best.pt input=photos/test   # image files, recursively
     python infer.py mode=export ckpt=run/checkpoints/best.pt [int8=true | format=triton]
     python infer.py mode=serve ckpt=run/checkpoints/best.pt [server.port=8000 ...]
+    python infer.py mode=evaluate ckpt=run/checkpoints/best.pt [data=<folder or .csv>]
 
 A user mistake (missing file, bad shape, unknown key or mode, a refused checkpoint) ends with one
 `error: ...` line on stderr and exit status 2."""
@@ -24,6 +25,7 @@ def run_predict(cfg: InferConfig) -> None:
     from kiln.inference import InputError, Predictor
     from kiln.inference.files import read_inputs, split_named, write_detections, write_predictions
 
+    output = cfg.output or "preds.csv"
     predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8)
     # Named inputs (detectors' images, image files): (path, item) pairs.
     sources, inputs = split_named(read_inputs(cfg.input, predictor.preprocess, cfg.text_column))
@@ -33,11 +35,11 @@ def run_predict(cfg: InferConfig) -> None:
         where = f" ({sources[err.index]})" if sources and err.index is not None else ""
         raise InputError(f"{cfg.input}{where}: {err}", err.index) from None
     if predictor.task == "detection":
-        path = write_detections(outputs, sources, predictor.class_names, cfg.output)
+        path = write_detections(outputs, sources, predictor.class_names, output)
         found = sum(len(d["boxes"]) for d in outputs)
         print(f"wrote {found} boxes for {len(outputs)} images to {path} ({cfg.backend} backend)")
         return
-    path = write_predictions(outputs, predictor.class_names, cfg.output, sources)
+    path = write_predictions(outputs, predictor.class_names, output, sources)
     print(f"wrote {len(outputs)} predictions to {path} ({cfg.backend} backend)", flush=True)
 
 
@@ -69,7 +71,28 @@ def run_serve(cfg: InferConfig) -> None:
     serve(predictor, cfg.server)
 
 
-RUNNERS = {"predict": run_predict, "export": run_export, "serve": run_serve}
+def run_evaluate(cfg: InferConfig) -> None:
+    from kiln.inference.evaluate import evaluate_checkpoint
+
+    report = evaluate_checkpoint(
+        cfg.ckpt,
+        data=cfg.data,
+        output=cfg.output,
+        split=cfg.split,
+        backend=cfg.backend,
+        device=cfg.device,
+        batch_size=cfg.batch_size,
+        num_errors=cfg.num_errors,
+    )
+    print("\n".join(report.lines()), flush=True)
+
+
+RUNNERS = {
+    "predict": run_predict,
+    "export": run_export,
+    "serve": run_serve,
+    "evaluate": run_evaluate,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

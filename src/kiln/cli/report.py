@@ -56,13 +56,35 @@ def finished(summary: dict, run_dir: Path, link: Path | None, overrides: list[st
         f"epochs, {duration(seconds)} training, {speed}",
         f"run directory: {where(run_dir, link)}",
         f"curves: {run_dir / 'curves.png'}",
+        *test_report(summary),
         "next:",
         f"  python infer.py ckpt={ckpt} input=<.npy or .csv>   # predict",
+        f"  python infer.py mode=evaluate ckpt={ckpt} data=<labelled folder or .csv>   # report",
         f"  python infer.py mode=export ckpt={ckpt}            # ONNX, parity-checked",
         f"  python infer.py mode=serve ckpt={ckpt}             # HTTP on 127.0.0.1:8000",
         f"  python train.py {resume_command(overrides)}   # continue it",
     ]
     return "\n".join(lines)
+
+
+def test_report(summary: dict) -> list[str]:
+    """The test split's headline numbers and where its report is (or why there is none)."""
+    if summary.get("test_eval_error"):
+        return [f"test report failed (the training result stands): {summary['test_eval_error']}"]
+    if "test_eval_dir" not in summary:
+        return []
+    names = {
+        "test_acc": "accuracy",
+        "test_top5_acc": "top-5",
+        "test_macro_f1": "macro-F1",
+        "test_map": "mAP",
+        "test_map50": "mAP@0.5",
+    }
+    numbers = ", ".join(f"{name} {short(summary[k])}" for k, name in names.items() if k in summary)
+    return [
+        f"test split ({summary.get('test_count')} inputs): {numbers}; report: "
+        f"{summary['test_eval_dir']}/"
+    ]
 
 
 def resume_command(overrides: list[str]) -> str:

@@ -14,7 +14,8 @@ from typing import Any
 
 from kiln.errors import UserError
 
-MODES = ("predict", "export", "serve")
+MODES = ("predict", "export", "serve", "evaluate")
+SPLITS = ("val", "test")
 BACKENDS = ("torch", "onnx", "echo")
 EXPORT_FORMATS = ("onnx", "triton")
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")  # safe in a URL path and a folder name
@@ -42,10 +43,13 @@ class ServerConfig:
 
 @dataclass(kw_only=True)
 class InferConfig:
-    mode: str = "predict"  # predict | export | serve
+    mode: str = "predict"  # predict | export | serve | evaluate
     ckpt: str | None = None  # a training checkpoint (.pt), or an exported .onnx for backend=onnx
     input: str | None = None  # predict: .npy/.npz/.csv of pixels, image files (file, dir, glob)
-    output: str = "preds.csv"  # predict: CSV of predictions (detection: one row per box)
+    output: str | None = None  # predict: CSV (null: preds.csv); evaluate: folder (null: <run>/eval)
+    data: str | None = None  # evaluate: class subfolders or a labelled .csv (null: ckpt's own data)
+    split: str | None = None  # evaluate, no data=: test | val (null: test if the data has one)
+    num_errors: int = 100  # evaluate: rows of errors.csv, the most confidently wrong first
     text_column: str = "text"  # predict, text models: the CSV column holding the texts
     backend: str = "torch"  # torch | onnx (after `mode=export`) | echo (no model: a ceiling)
     device: str = "cpu"  # cpu | cuda | auto
@@ -61,6 +65,7 @@ USAGE = """usage: python infer.py [mode=predict|export|serve] ckpt=<path> [key=v
            python infer.py ckpt=run/checkpoints/best.pt input=photos/test   # image files, a glob
   export:  python infer.py mode=export ckpt=run/checkpoints/best.pt [int8=true] [format=triton]
   serve:   python infer.py mode=serve ckpt=run/checkpoints/best.pt [server.port=8000 ...]
+  evaluate: python infer.py mode=evaluate ckpt=run/checkpoints/best.pt [data=<folder or .csv>]
 keys: """
 
 
@@ -133,6 +138,8 @@ def validate(cfg: InferConfig) -> None:
         raise ArgumentError(f"format={cfg.format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     _at_least("batch_size", cfg.batch_size, 1)
     validate_server(cfg.server)
+    if cfg.mode == "evaluate":
+        validate_evaluate(cfg)
     # Missing files are reported here, before the model stack (seconds of imports) is loaded.
     if not Path(cfg.ckpt).exists():
         raise ArgumentError(f"checkpoint {cfg.ckpt} does not exist (ckpt=)")
@@ -142,6 +149,29 @@ def validate(cfg: InferConfig) -> None:
             f"input {cfg.input} does not exist (input=): a .npy, .npz, .csv file, an image "
             "file, a folder or a glob"
         )
+
+
+def validate_evaluate(cfg: InferConfig) -> None:
+    _at_least("num_errors", cfg.num_errors, 0)
+    if cfg.split is not None and cfg.split not in SPLITS:
+        raise ArgumentError(f"split={cfg.split!r}: choose one of {', '.join(SPLITS)}")
+    if cfg.split is not None and cfg.data is not None:
+        raise ArgumentError(
+            f"split={cfg.split} picks a split of the checkpoint's own data, but data={cfg.data} "
+            "is given (all of it is evaluated); leave out one of them"
+        )
+    if cfg.input is not None:
+        raise ArgumentError(
+            f"mode=evaluate takes labelled data=<folder of class subfolders or .csv>, not "
+            f"input={cfg.input} (that is predict's)"
+        )
+    if cfg.data is not None and not Path(cfg.data).exists():
+        raise ArgumentError(
+            f"data {cfg.data} does not exist (data=): a folder with one subfolder per class, "
+            "or a .csv with the training run's text and label columns"
+        )
+    if cfg.output is not None and Path(cfg.output).is_file():
+        raise ArgumentError(f"output={cfg.output} is a file; evaluate writes a folder there")
 
 
 def _at_least(key: str, value: float, low: float) -> None:

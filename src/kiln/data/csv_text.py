@@ -36,7 +36,7 @@ from kiln.data.csv_reader import (
     RowChunk,
     read_labelled_rows,
 )
-from kiln.data.spec import DataBundle, DataSpec
+from kiln.data.spec import DataBundle, DataSpec, SourceNames
 from kiln.data.text_corpus import demo_corpus
 from kiln.data.token_store import (
     ENCODE_BATCH,
@@ -145,12 +145,15 @@ def _split(texts: list[str], labels: list[str], val_fraction: float, seed: int):
 # Building a token store
 
 
-def _spool(chunks: Iterable[RowChunk], spool: TextSpool, names: dict[str, int]) -> np.ndarray:
-    """Appends the chunks' cleaned texts to the spool; their labels as codes in `names`
-    (first-seen order, extended as new labels appear)."""
+def _spool(
+    chunks: Iterable[RowChunk], spool: TextSpool, names: dict[str, int], rows: list[np.ndarray]
+) -> np.ndarray:
+    """Appends the chunks' cleaned texts to the spool, their CSV row numbers to `rows`; returns
+    their labels as codes in `names` (first-seen order, extended as new labels appear)."""
     codes = []
     for chunk in chunks:
         spool.append(chunk.texts)
+        rows.append(np.asarray(chunk.rows, dtype=np.int64))
         codes.append(np.array([names.setdefault(y, len(names)) for y in chunk.labels]))
     return np.concatenate(codes) if codes else np.zeros(0, dtype=np.int64)
 
@@ -172,15 +175,17 @@ def _timed(timings: dict[str, float], name: str):
 
 def _read_into_spool(spool, train_chunks, val_chunks, source: str):
     """Reads the training (then validation) chunks into the spool: (labels as class indices,
-    class names). Classes are the training file's labels."""
+    class names, each row's number in its CSV). Classes are the training file's labels."""
     names: dict[str, int] = {}
-    codes = _spool(train_chunks, spool, names)
+    rows: list[np.ndarray] = []
+    codes = _spool(train_chunks, spool, names, rows)
     class_names = _class_names(names, source)
     if val_chunks is not None:
-        codes = np.concatenate([codes, _spool(val_chunks(class_names), spool, names)])
+        codes = np.concatenate([codes, _spool(val_chunks(class_names), spool, names, rows)])
     spool.close()
     by_name = {name: i for i, name in enumerate(class_names)}
-    return np.array([by_name[name] for name in names], dtype=np.int64)[codes], class_names
+    labels = np.array([by_name[name] for name in names], dtype=np.int64)[codes]
+    return labels, class_names, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
 
 
 def _train_val_rows(cfg: CsvTextConfig, labels: np.ndarray, logs: dict[str, BadRowLog]):
@@ -245,7 +250,7 @@ def build_entry(
     timings: dict[str, float] = {}
     spool = TextSpool(directory / "texts.utf8")
     with _timed(timings, "read_clean_s"):
-        labels, class_names = _read_into_spool(spool, train_chunks, val_chunks, source)
+        labels, class_names, source_rows = _read_into_spool(spool, train_chunks, val_chunks, source)
     train_rows, val_rows = _train_val_rows(cfg, labels, logs)
     with _timed(timings, "tokenizer_s"):
         learn_from = _tokenizer_sample(train_rows, cfg.tokenizer_rows, cfg.split_seed)
@@ -258,7 +263,9 @@ def build_entry(
     report = _store_report(cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets)
     report["build_timings_s"] = timings  # read + clean, tokenizer, encode: when it was built
     meta = {"class_names": class_names, "vocab_size": tokenizer.get_vocab_size(), "report": report}
-    save_entry(directory, offsets, labels, train_rows, val_rows, tokenizer.to_str(), meta)
+    save_entry(
+        directory, offsets, labels, train_rows, val_rows, tokenizer.to_str(), meta, source_rows
+    )
 
 
 def _demo_chunks(cfg: CsvTextConfig, log_: BadRowLog) -> list[RowChunk]:
@@ -378,4 +385,13 @@ def build_csv_text(cfg: CsvTextConfig) -> DataBundle:
         batch_metrics=token_batch_metrics,
         report=report,
         bucket_lengths=train.lengths if cfg.bucket_by_length else None,
+        sources={"val": val_sources(cfg, entry)},
     )
+
+
+def val_sources(cfg: CsvTextConfig, entry: StoreEntry) -> SourceNames:
+    """ "<file> row N" per validation item: rows of data.val_path, or of the training file the
+    split came from (numbered from 1 after the header, as data_report.json numbers them)."""
+    path = cfg.val_path or cfg.train_path
+    name = Path(path).name if path is not None else "demo corpus"
+    return SourceNames(f"{name} row {{}}", entry.source_rows[entry.val_rows])

@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from kiln.config.data import ShapesDetectionConfig
-from kiln.data.spec import DataBundle, DataSpec
+from kiln.data.spec import DataBundle, DataSpec, SourceNames
 from kiln.preprocessing import ImageListRecipe
 
 SHAPE_NAMES = ("rectangle", "ellipse", "triangle", "diamond")
@@ -154,4 +154,5 @@ def build_shapes_detection(cfg: ShapesDetectionConfig) -> DataBundle:
             image_size=(max_side, max_side),
             min_image_size=min_side,
         ),
+        sources={"val": SourceNames("val[{}]", range(cfg.num_val))},  # regenerated from the seed
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, overload
 
 from torch.utils.data import Dataset
 
@@ -61,3 +61,24 @@ class DataBundle:
     # What each item of a split is, for reports (errors.csv): {"val": ["photos/cat/1.jpg", ...]}
     # or row numbers ("row 17"); a split without an entry is named by its index.
     sources: dict[str, Sequence[str]] | None = None
+
+
+class SourceNames(Sequence[str]):
+    """A split's sources made on demand, `template.format(value)` per item -- e.g.
+    SourceNames("reviews.csv row {}", rows) -- so a large split keeps one array, not a string per
+    item."""
+
+    def __init__(self, template: str, values: Sequence[Any]):
+        self.template, self.values = template, values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.template.format(v) for v in self.values[index]]
+        return self.template.format(self.values[index])

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from kiln.config.data import SyntheticImagesConfig
-from kiln.data.spec import DataBundle, DataSpec
+from kiln.data.spec import DataBundle, DataSpec, SourceNames
 from kiln.preprocessing import ImageRecipe
 
 
@@ -38,4 +38,10 @@ def build_synthetic_images(cfg: SyntheticImagesConfig) -> DataBundle:
         image_size=(size, size),
         class_names=class_names,
     )
-    return DataBundle(spec, TensorDataset(*train), TensorDataset(*val), recipe)
+    return DataBundle(
+        spec,
+        TensorDataset(*train),
+        TensorDataset(*val),
+        recipe,
+        sources={"val": SourceNames("val[{}]", range(cfg.num_val))},  # regenerated from the seed
+    )

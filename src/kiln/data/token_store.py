@@ -8,6 +8,7 @@ tokenizing.
         offsets.npy      row i's ids are ids[offsets[i]:offsets[i + 1]]
         labels.npy       class index per row
         train_index.npy, val_index.npy
+        source_rows.npy  the CSV row number (from 1 after the header) of each stored row
         tokenizer.json
         meta.json        class names, the data report, the key's inputs
 
@@ -34,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-STORE_VERSION = 1  # bump when the layout or the meaning of a stored entry changes
+STORE_VERSION = 2  # bump when the layout or the meaning of a stored entry changes
 ID_DTYPE = np.int32
 ENCODE_BATCH = 4096  # texts per encode_batch call: bounds the tokenizer's per-call memory
 
@@ -199,9 +200,13 @@ class StoreEntry:
     val_rows: np.ndarray
     tokenizer_json: str
     meta: dict[str, Any]
+    source_rows: np.ndarray | None = None  # CSV row number per stored row (its file's)
 
 
-def save_entry(directory: Path, offsets, labels, train_rows, val_rows, tokenizer_json, meta):
+def save_entry(
+    directory: Path, offsets, labels, train_rows, val_rows, tokenizer_json, meta, source_rows
+):
+    np.save(directory / "source_rows.npy", np.asarray(source_rows, dtype=np.int64))
     np.save(directory / "offsets.npy", offsets)
     np.save(directory / "labels.npy", labels.astype(np.int64))
     np.save(directory / "train_index.npy", train_rows.astype(np.int64))
@@ -226,6 +231,7 @@ def load_entry(directory: Path, *, in_memory: bool = False) -> StoreEntry:
         val_rows=np.load(directory / "val_index.npy"),
         tokenizer_json=(directory / "tokenizer.json").read_text(),
         meta=json.loads((directory / "meta.json").read_text()),
+        source_rows=np.load(directory / "source_rows.npy"),
     )
 
 

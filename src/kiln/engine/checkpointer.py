@@ -29,6 +29,15 @@ INFERENCE_KEYS = ("model", "config", "preprocessing", "data_spec", "model_name",
                   "state", "contract")  # fmt: skip
 
 
+# The metric that breaks ties on the monitored one (lower is better); its value at the best
+# evaluation is TrainState.best_tiebreak, saved with the training state.
+TIEBREAK = "val_loss"
+
+
+def _loss_or_inf(value: float | None) -> float:
+    return value if value is not None and math.isfinite(value) else math.inf
+
+
 def resumable(checkpoint: dict) -> bool:
     """A full training state: the optimizer's in the file, or in the shards it names."""
     return "optimizer" in checkpoint or files.is_sharded(checkpoint)
@@ -61,11 +70,23 @@ class Checkpointer:
         every = self.cfg.checkpoint_every_n_steps
         return every > 0 and step % every == 0
 
-    def is_improvement(self, value: float | None, best: float | None) -> bool:
+    def is_improvement(
+        self,
+        value: float | None,
+        best: float | None,
+        tiebreak: float | None = None,
+        best_tiebreak: float | None = None,
+    ) -> bool:
+        """Whether `value` of the monitored metric beats `best`. A tie is broken by the
+        validation loss (`tiebreak` against `best_tiebreak`, lower wins): a val_acc of 1.0 reached
+        at epoch 1 must not keep that barely trained checkpoint over a later one that fits better.
+        A missing or non-finite loss never wins a tie."""
         if value is None or not math.isfinite(value):
             return best is None  # keep a best.pt even without the metric
         if best is None:
             return True
+        if value == best:
+            return _loss_or_inf(tiebreak) < _loss_or_inf(best_tiebreak)
         return value > best if self.monitor_mode == "max" else value < best
 
     def after_evaluation(
@@ -78,10 +99,14 @@ class Checkpointer:
     ) -> None:
         """Updates state.best_metric, then writes last.pt, best.pt and epoch-N.pt as due.
         best_weights="ema": `metrics` are the EMA weights' and best.pt gets those weights."""
-        value = metrics.get(self.monitor)
-        improved = self.is_improvement(value, state.best_metric)
+        value, loss = metrics.get(self.monitor), metrics.get(TIEBREAK)
+        tied = value is not None and value == state.best_metric
+        improved = self.is_improvement(value, state.best_metric, loss, state.best_tiebreak)
         if improved and value is not None and math.isfinite(value):
-            state.best_metric = value
+            state.best_metric, state.best_tiebreak = value, loss
+            if tied and self.is_main:
+                log.info("best.pt: %s %.4g tied, %s %.4g is lower: this checkpoint replaces it",
+                         self.monitor, value, TIEBREAK, loss)  # fmt: skip
         snapshot = state_dict()
         self.save("last.pt", snapshot)
         if improved:

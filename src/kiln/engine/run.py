@@ -150,6 +150,7 @@ def build_trainer(
         freeze=freeze if freeze.names else None,
         rewrap=wrap if dist.enabled and freeze.unfreeze_at_epoch is not None else None,
         ema=WeightAverage(model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None,
+        data=bundle,
     )
     if bundle.report is not None and dist.is_main:
         write_json(run_dir / "data_report.json", bundle.report)
@@ -285,6 +286,44 @@ def check_overfit(history: list[dict]) -> dict:
     return {"overfit_loss_first": losses[0], "overfit_loss_last": losses[-1]}
 
 
+def report_test_split(
+    trainer: Trainer, cfg: KilnConfig, run_dir: Path, device: torch.device
+) -> dict[str, Any]:
+    """When the data has a test split: the evaluation report of best.pt on it (<run>/eval/),
+    written by the main rank; returns the headline numbers for summary.json (test_acc,
+    test_macro_f1, ...). The training result stands whatever happens here: a failure is logged
+    and recorded as summary.json's test_eval_error, and the run still ends ok."""
+    bundle = trainer.parts.data
+    if bundle is None or bundle.test is None or not trainer.dist.is_main:
+        return {}
+    from kiln.inference.evaluate import EVAL_DIR, evaluate_split
+
+    try:
+        report = evaluate_split(
+            run_dir / "checkpoints" / "best.pt",
+            bundle.test,
+            split="test",
+            directory=run_dir / EVAL_DIR,
+            data={"dataset": cfg.data.name},
+            sources=(bundle.sources or {}).get("test"),
+            collate_fn=bundle.collate_fn,
+            device=device.type,
+            batch_size=cfg.data.batch_size,
+            num_workers=cfg.data.num_workers,
+        )
+    except Exception as err:  # noqa: BLE001 -- reported, never raised: training succeeded
+        log.error(
+            "the test-split report failed (training itself finished): %s: %s",
+            type(err).__name__,
+            err,
+            exc_info=True,
+        )
+        return {"test_eval_error": f"{type(err).__name__}: {err}"}
+    for line in report.lines():
+        log.info("test split: %s", line)
+    return report.headline("test_")
+
+
 def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
     """Train per `cfg` (typed: kiln.config.load_config) in `run_dir`. summary.json is written on
     every exit, failures included."""
@@ -309,6 +348,7 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
         resume_if_asked(trainer, cfg)
         final = trainer.fit()
         summary = summarize(trainer, final, status="ok", error=None)
+        summary.update(report_test_split(trainer, cfg, run_dir, device))
         if cfg.trainer.overfit_batches:
             summary.update(check_overfit(recorder.history))
         return summary

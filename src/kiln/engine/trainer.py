@@ -70,6 +70,9 @@ class TrainState:
     batch_in_epoch: int = 0  # batches of `epoch` already consumed
     planned_steps: int = 0  # optimizer steps the run plans (the LR schedule's length)
     best_metric: float | None = None
+    # val_loss of the evaluation best.pt came from: breaks ties on best_metric (None in
+    # checkpoints written before it was kept: any finite loss then wins the next tie).
+    best_tiebreak: float | None = None
     nonfinite_skipped: int = 0  # steps skipped under nan_policy=skip
     scaler_skipped: int = 0  # steps GradScaler skipped for inf/NaN gradients
     samples_seen: int = 0
@@ -106,6 +109,7 @@ class TrainingParts:
     freeze: FreezePlan | None = None  # model.freeze until trainer.unfreeze_at_epoch
     rewrap: Callable[[], nn.Module] | None = None  # a new DDP wrapper once parameters unfreeze
     ema: WeightAverage | None = None  # trainer.ema_decay: evaluated beside the weights
+    data: Any = None  # the DataBundle: its test split is evaluated when training ends (run.py)
 
 
 @dataclass

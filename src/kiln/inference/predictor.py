@@ -146,6 +146,15 @@ class Predictor:
             return self.backend.probs(self.preprocess.normalise(items))
         return self.backend.probs(self.preprocess.recipe.encode(items))
 
+    def run_prepared(self, model_inputs: Any) -> Any:
+        """Inputs a dataset already prepared the way training fed them (a collated batch of a
+        DataBundle split: standardised pixels, padded token ids, a list of images) -> what `run`
+        returns. `convert` + `run` on the raw inputs give the same (the dataset's transform is
+        the recipe's); this skips repeating it for data that is already prepared."""
+        if self.preprocess.input_kind == "image_list":
+            return self.backend.detect(list(model_inputs))
+        return self.backend.probs(model_inputs)
+
     def answers(self, outputs: Any) -> list[dict[str, Any]]:
         """Outputs of `run` -> one JSON-ready dict per input."""
         names = self.class_names

@@ -1,0 +1,525 @@
+"""The evaluation report: a checkpoint's predictions over labelled data, measured and written to
+an `eval/` folder. Shared by `python infer.py mode=evaluate` and the end of training (a data
+test split), so both say the same thing about a model.
+
+    eval/metrics.json          the numbers (below), the checkpoint and the data they came from
+    eval/confusion_matrix.png  classification: counts, coloured by share of the true class
+    eval/errors.csv            the most confidently wrong inputs (detection: the worst images)
+    eval/predictions.csv       every input: source, true, label (predicted), prob_<class> ...
+
+Classification metrics are torchmetrics' (accuracy, top-5 accuracy when there are more than 5
+classes, macro-F1 over the classes present in the labels or the predictions, per-class
+precision / recall / F1 / support, the confusion matrix). Detection is torchmetrics'
+MeanAveragePrecision (COCO's evaluation through pycocotools), the same computation as the
+training log's val_map50, so the report and the log agree: mAP@[.5:.95], mAP@.5 and per class.
+
+Predictions go through the `Predictor` that `infer.py` predict and the server use: raw inputs
+(files, texts) through `convert` + `run`, exactly as predict; a dataset split that is already
+prepared (the end of training, or no data= given) through `run_prepared`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.errors import UserError
+from kiln.inference.labelled import LabelledInputs, read_labelled_csv, read_labelled_folder
+from kiln.inference.predictor import Predictor
+from kiln.preprocessing import InputError
+
+log = logging.getLogger(__name__)
+
+EVAL_DIR = "eval"
+METRICS_FILE, CONFUSION_FILE = "metrics.json", "confusion_matrix.png"
+ERRORS_FILE, PREDICTIONS_FILE = "errors.csv", "predictions.csv"
+DEFAULT_NUM_ERRORS = 100
+TOP_K = 5
+
+
+class EvaluateError(UserError, ValueError):
+    """Evaluate was asked for something it cannot do; the message says what instead."""
+
+
+@dataclass
+class Report:
+    """What was written, and where."""
+
+    directory: Path
+    metrics: dict[str, Any]
+
+    def headline(self, prefix: str = "test_") -> dict[str, Any]:
+        """The numbers a summary carries: test_acc, test_top5_acc, test_macro_f1, test_count (or
+        test_map, test_map50 for detection), with the report's folder."""
+        m = self.metrics
+        keys = {
+            "accuracy": "acc",
+            "top5_accuracy": "top5_acc",
+            "macro_f1": "macro_f1",
+            "map": "map",
+            "map_50": "map50",
+            "count": "count",
+        }
+        out = {f"{prefix}{short}": m[key] for key, short in keys.items() if key in m}
+        return {**out, f"{prefix}eval_dir": str(self.directory)}
+
+    def lines(self) -> list[str]:
+        m = self.metrics
+        if m["task"] == "detection":
+            numbers = f"mAP {_number(m['map'])}, mAP@0.5 {_number(m['map_50'])}"
+        else:
+            top5 = f", top-5 {m['top5_accuracy']:.4f}" if "top5_accuracy" in m else ""
+            numbers = f"accuracy {m['accuracy']:.4f}{top5}, macro-F1 {m['macro_f1']:.4f}"
+        data = m["data"]
+        what = data.get("path") or f"the {data['split']} split of data={data.get('dataset')}"
+        lines = [f"evaluated {m['count']} inputs ({what}): {numbers}"]
+        if data.get("skipped"):
+            skipped = "; ".join(
+                f"{d['count']} {reason} (first: {d['first'][0]})"
+                for reason, d in data["skipped"].items()
+            )
+            lines.append(f"skipped, not evaluated: {skipped}; all listed in metrics.json")
+        lines.append(f"wrote {self.directory}/: {', '.join(m['files'])}")
+        return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Classification
+
+
+def classification_metrics(
+    probs: np.ndarray, targets: np.ndarray, class_names: Sequence[str]
+) -> dict[str, Any]:
+    """The numbers of metrics.json from probabilities (N, K) and true class indices (N,)."""
+    import torch
+    from torchmetrics.classification import (
+        MulticlassAccuracy,
+        MulticlassConfusionMatrix,
+        MulticlassF1Score,
+        MulticlassPrecision,
+        MulticlassRecall,
+    )
+
+    k = len(class_names)
+    preds, target = torch.from_numpy(np.asarray(probs, np.float32)), torch.from_numpy(targets)
+
+    def value(metric) -> Any:
+        return metric(preds, target).tolist()
+
+    counts = np.asarray(value(MulticlassConfusionMatrix(k)), dtype=np.int64)  # rows: true
+    precision = value(MulticlassPrecision(k, average=None))
+    recall = value(MulticlassRecall(k, average=None))
+    f1 = value(MulticlassF1Score(k, average=None))
+    out = {"accuracy": value(MulticlassAccuracy(k, average="micro"))}
+    if k > TOP_K:
+        out["top5_accuracy"] = value(MulticlassAccuracy(k, top_k=TOP_K, average="micro"))
+    out |= {
+        # Macro averages over the classes present in the labels or predictions (a class absent
+        # from both would only add a meaningless 0): torchmetrics' and scikit-learn's default.
+        "macro_f1": value(MulticlassF1Score(k, average="macro")),
+        "macro_precision": value(MulticlassPrecision(k, average="macro")),
+        "macro_recall": value(MulticlassRecall(k, average="macro")),
+        "count": int(len(targets)),
+        "errors": int(len(targets) - np.trace(counts)),
+        "num_classes": k,
+        "per_class": {
+            name: {
+                "precision": precision[i],
+                "recall": recall[i],
+                "f1": f1[i],
+                "support": int(counts[i].sum()),
+            }
+            for i, name in enumerate(class_names)
+        },
+        "confusion_matrix": counts.tolist(),  # rows: true class, columns: predicted
+    }
+    return out
+
+
+def predictions_frame(probs, targets, sources, class_names):
+    """Every input: index, source, true, label (predicted), prob_<class>... (predict's columns)."""
+    import pandas as pd
+
+    names = list(class_names)
+    frame = pd.DataFrame(probs, columns=[f"prob_{name}" for name in names])
+    frame.insert(0, "label", [names[i] for i in probs.argmax(axis=1)])
+    frame.insert(0, "true", [names[i] for i in targets])
+    frame.insert(0, "source", list(sources))
+    frame.insert(0, "index", np.arange(len(probs)))
+    return frame
+
+
+def most_confident_errors(probs, targets, sources, class_names, limit: int):
+    """The wrong predictions, highest probability of the (wrong) prediction first; ties keep
+    the inputs' order. Columns: source, true, predicted, prob_predicted, prob_true."""
+    import pandas as pd
+
+    predicted = probs.argmax(axis=1)
+    wrong = np.flatnonzero(predicted != targets)
+    confidence = probs[wrong, predicted[wrong]]
+    order = wrong[np.argsort(-confidence, kind="stable")][:limit]
+    names = list(class_names)
+    return pd.DataFrame(
+        {
+            "source": [sources[i] for i in order],
+            "true": [names[targets[i]] for i in order],
+            "predicted": [names[predicted[i]] for i in order],
+            "prob_predicted": probs[order, predicted[order]],
+            "prob_true": probs[order, targets[order]],
+        }
+    )
+
+
+def write_classification_report(
+    directory: Path,
+    probs: np.ndarray,
+    targets: np.ndarray,
+    sources: Sequence[str],
+    class_names: Sequence[str],
+    about: dict[str, Any],
+    num_errors: int = DEFAULT_NUM_ERRORS,
+) -> Report:
+    """metrics.json, confusion_matrix.png, errors.csv and predictions.csv into `directory`."""
+    from kiln.inference.confusion import write_confusion_matrix
+
+    _check_lengths(len(probs), targets, sources)
+    metrics = {
+        "task": "classification",
+        **about,
+        **classification_metrics(probs, targets, class_names),
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    title = (
+        f"{metrics['count']} inputs, accuracy {metrics['accuracy']:.4f}, macro-F1 "
+        f"{metrics['macro_f1']:.4f}"
+    )
+    counts = np.asarray(metrics["confusion_matrix"])
+    write_confusion_matrix(counts, list(class_names), directory / CONFUSION_FILE, title)
+    errors = most_confident_errors(probs, targets, sources, class_names, num_errors)
+    _write_csv(errors, directory / ERRORS_FILE)
+    _write_csv(
+        predictions_frame(probs, targets, sources, class_names), directory / PREDICTIONS_FILE
+    )
+    metrics["files"] = [METRICS_FILE, CONFUSION_FILE, ERRORS_FILE, PREDICTIONS_FILE]
+    _write_json(directory / METRICS_FILE, metrics)
+    return Report(directory, metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection (the numbers: kiln.inference.detection_report)
+
+
+def write_detection_report(
+    directory,
+    detections,
+    targets,
+    sources,
+    class_names,
+    about,
+    num_errors: int = DEFAULT_NUM_ERRORS,
+) -> Report:
+    from kiln.inference.detection_report import (
+        DETECTION_MATCH_IOU,
+        DETECTION_SCORE_THRESHOLD,
+        detection_errors,
+        detection_metrics,
+    )
+
+    _check_lengths(len(detections), targets, sources)
+    metrics = {"task": "detection", **about, **detection_metrics(detections, targets, class_names)}
+    metrics["errors_listing"] = {
+        "score_threshold": DETECTION_SCORE_THRESHOLD,
+        "match_iou": DETECTION_MATCH_IOU,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    errors = detection_errors(detections, targets, sources, class_names, num_errors)
+    _write_csv(errors, directory / ERRORS_FILE)
+    metrics["files"] = [METRICS_FILE, ERRORS_FILE]
+    _write_json(directory / METRICS_FILE, metrics)
+    return Report(directory, metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# Predictions
+
+
+def predict_split(
+    predictor: Predictor, dataset, *, collate_fn=None, batch_size: int = 256, num_workers: int = 0
+) -> tuple[Any, Any]:
+    """(outputs, targets) over a prepared dataset split, in its order: probabilities (N, K) and
+    class indices (N,), or per-image Detections and target dicts."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+    )
+    outputs, targets = [], []
+    for inputs, batch_targets in loader:
+        outputs.append(predictor.run_prepared(inputs))
+        targets.append(batch_targets)
+    if predictor.task == "detection":
+        flat = [{k: np.asarray(v) for k, v in t.items()} for part in targets for t in part]
+        return [d for part in outputs for d in part], flat
+    if not outputs:
+        return predictor.empty_outputs(), np.zeros(0, dtype=np.int64)
+    return np.concatenate(outputs), np.concatenate([np.asarray(t) for t in targets])
+
+
+def predict_labelled(predictor: Predictor, labelled: LabelledInputs, batch_size: int) -> Any:
+    """Raw inputs through `convert` + `run`, in chunks as `infer.py` predict runs them; a bad
+    input is named by its source."""
+    chunks = []
+    for start in range(0, len(labelled.inputs), batch_size):
+        try:
+            chunks.append(
+                predictor.run(predictor.convert(labelled.inputs[start : start + batch_size]))
+            )
+        except InputError as err:
+            where = labelled.sources[start + err.index] if err.index is not None else "an input"
+            raise InputError(f"{where}: {err}", None) from None
+    return np.concatenate(chunks)
+
+
+def write_report(
+    predictor: Predictor,
+    outputs,
+    targets,
+    sources,
+    directory: Path,
+    about,
+    num_errors: int = DEFAULT_NUM_ERRORS,
+) -> Report:
+    if predictor.task == "detection":
+        return write_detection_report(
+            directory, outputs, targets, sources, predictor.class_names, about, num_errors
+        )
+    return write_classification_report(
+        directory, outputs, targets, sources, predictor.class_names, about, num_errors
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def evaluate_split(
+    ckpt: str | Path,
+    dataset,
+    *,
+    split: str,
+    directory: Path,
+    data: dict[str, Any],
+    sources: Sequence[str] | None = None,
+    collate_fn=None,
+    device: str = "cpu",
+    batch_size: int = 256,
+    num_workers: int = 0,
+    num_errors: int = DEFAULT_NUM_ERRORS,
+) -> Report:
+    """The report of checkpoint `ckpt` on a prepared split (`dataset`: a DataBundle's val or
+    test), e.g. at the end of training. `data`: what the split is, for metrics.json."""
+    predictor = Predictor.from_checkpoint(ckpt, "torch", device)
+    outputs, targets = predict_split(
+        predictor, dataset, collate_fn=collate_fn, batch_size=batch_size, num_workers=num_workers
+    )
+    about = _about(predictor, {"split": split, **data})
+    return write_report(
+        predictor,
+        outputs,
+        targets,
+        split_sources(sources, split, len(targets)),
+        directory,
+        about,
+        num_errors,
+    )
+
+
+def evaluate_checkpoint(
+    ckpt: str | Path,
+    *,
+    data: str | Path | None = None,
+    output: str | Path | None = None,
+    split: str | None = None,
+    backend: str = "torch",
+    device: str = "cpu",
+    batch_size: int = 256,
+    num_errors: int = DEFAULT_NUM_ERRORS,
+) -> Report:
+    """`python infer.py mode=evaluate`: on a labelled folder or CSV (`data`), else on the
+    checkpoint's own recorded data, rebuilt (its test split when it has one, else val)."""
+    predictor = Predictor.from_checkpoint(ckpt, backend, device)
+    directory = Path(output) if output is not None else default_directory(Path(ckpt))
+    if data is None:
+        dataset, collate_fn, sources, described = rebuild_split(predictor, split)
+        outputs, targets = predict_split(
+            predictor, dataset, collate_fn=collate_fn, batch_size=batch_size
+        )
+        sources = split_sources(sources, described["split"], len(targets))
+    else:
+        labelled, described = read_labelled(predictor, Path(data))
+        outputs, targets, sources = (
+            predict_labelled(predictor, labelled, batch_size),
+            labelled.targets,
+            labelled.sources,
+        )
+    return write_report(
+        predictor, outputs, targets, sources, directory, _about(predictor, described), num_errors
+    )
+
+
+def default_directory(ckpt: Path) -> Path:
+    """<run>/eval for <run>/checkpoints/<file>; else eval/ beside the checkpoint."""
+    parent = ckpt.resolve().parent
+    return (parent.parent if parent.name == "checkpoints" else parent) / EVAL_DIR
+
+
+def read_labelled(predictor: Predictor, path: Path) -> tuple[LabelledInputs, dict[str, Any]]:
+    kind = predictor.preprocess.input_kind
+    names = predictor.class_names
+    if kind == "image_list":
+        raise EvaluateError(
+            f"data={path}: a detector is evaluated on its own data's split (kiln reads no "
+            "labelled detection files); leave out data= to evaluate the checkpoint's recorded data"
+        )
+    if kind == "image":
+        if not path.is_dir():
+            raise EvaluateError(
+                f"data={path}: an image model is evaluated on a folder with one "
+                "subfolder per class, not a file"
+            )
+        takes_encoded = getattr(predictor.preprocess.recipe, "resize_size", None) is not None
+        labelled = read_labelled_folder(path, names, takes_encoded=takes_encoded)
+        described = {"path": str(path.resolve()), "layout": "class subfolders"}
+    else:
+        if path.is_dir() or path.suffix.lower() != ".csv":
+            raise EvaluateError(
+                f"data={path}: a text model is evaluated on a .csv file with a "
+                "text and a label column"
+            )
+        columns = predictor.record.config.get("data", {})
+        labelled = read_labelled_csv(
+            path,
+            names,
+            text_column=columns.get("text_column", "text"),
+            label_column=columns.get("label_column", "label"),
+        )
+        described = {"path": str(path.resolve()), "layout": "csv"}
+    return labelled, {**described, "skipped": labelled.skipped}
+
+
+def rebuild_split(predictor: Predictor, split: str | None):
+    """The checkpoint's recorded data config, built again with kiln.data.build_data: (dataset,
+    collate_fn, sources, what it is). Refused when the rebuilt preprocessing differs from the
+    checkpoint's (the files changed since training): the model would be fed other inputs."""
+    from kiln.config import option_from_dict
+    from kiln.data import build_data
+
+    config = predictor.record.config
+    data_config = config.get("data", {})
+    name = data_config.get("name")
+    try:
+        bundle = build_data(
+            option_from_dict("data", data_config), pretrained=_pretrained(predictor)
+        )
+    except (UserError, FileNotFoundError) as err:
+        raise EvaluateError(
+            f"rebuilding this checkpoint's data (data={name}) failed: {err}; pass "
+            "data=<a labelled folder or CSV> to evaluate on other data"
+        ) from None
+    differs = _recipe_differences(bundle.recipe.to_dict(), predictor.record.recipe.to_dict())
+    if differs:
+        raise EvaluateError(
+            f"the checkpoint's data (data={name}) now builds a different preprocessing than it "
+            f"was trained with ({', '.join(differs)} changed: the files changed since?); pass "
+            "data=<a labelled folder or CSV> to evaluate on them as they are now"
+        )
+    chosen = split or ("test" if bundle.test is not None else "val")
+    if chosen == "test" and bundle.test is None:
+        raise EvaluateError(
+            f"split=test: data={name} as this checkpoint recorded it has no test "
+            "split; use split=val or data=<path>"
+        )
+    dataset = bundle.test if chosen == "test" else bundle.val
+    sources = (bundle.sources or {}).get(chosen)
+    return (
+        dataset,
+        bundle.collate_fn,
+        sources,
+        {"split": chosen, "dataset": name, "config": data_config},
+    )
+
+
+def split_sources(sources: Sequence[str] | None, split: str, count: int) -> Sequence[str]:
+    """A split's sources as the dataset named them, else `<split>[i]`."""
+    if sources is None:
+        return [f"{split}[{i}]" for i in range(count)]
+    if len(sources) != count:
+        raise ValueError(
+            f"the dataset names {len(sources)} sources for its {split} split of "
+            f"{count} items (DataBundle.sources[{split!r}])"
+        )
+    return sources
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _number(value: float | None) -> str:
+    return "undefined (no true box)" if value is None else f"{value:.4f}"
+
+
+def _about(predictor: Predictor, data: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "checkpoint": str(Path(predictor.source).resolve()),
+        "checkpoint_sha256": predictor.record.checkpoint_sha256,
+        "model": predictor.record.model_name,
+        "backend": type(predictor.backend).__name__,
+        "data": data,
+    }
+
+
+def _pretrained(predictor: Predictor):
+    """The weights' PretrainedInput the checkpoint's recipe recorded (zoo models), or None."""
+    recorded = getattr(predictor.record.recipe, "pretrained", None)
+    if not recorded:
+        return None
+    from kiln.preprocessing.pretrained import PretrainedInput
+
+    return PretrainedInput(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()}
+    )
+
+
+def _recipe_differences(rebuilt: dict, recorded: dict) -> list[str]:
+    plain = lambda d: json.loads(json.dumps(d, default=str))  # noqa: E731  tuples -> lists
+    a, b = plain(rebuilt), plain(recorded)
+    return [key for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
+
+
+def _check_lengths(count: int, targets, sources) -> None:
+    if count == 0:
+        raise EvaluateError("nothing to evaluate: the data has no inputs")
+    if not len(targets) == len(sources) == count:
+        raise ValueError(f"{count} predictions, {len(targets)} labels, {len(sources)} sources")
+
+
+def _write_csv(frame, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    frame.to_csv(tmp, index=False)
+    tmp.replace(path)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)

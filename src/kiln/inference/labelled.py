@@ -1,0 +1,221 @@
+"""Labelled inputs for the evaluation report, read the way `infer.py` predict reads unlabelled
+ones, so the report's predictions are predict's:
+
+- image models: a folder with one subfolder per class (torchvision's ImageFolder layout). Image
+  files (every format Pillow opens, extensions in any case) are read as encoded bytes, which the
+  Predictor decodes with the checkpoint's own eval transform; `.npy` files are raw pixel arrays
+  (C, H, W), for models trained on arrays (data=digits). Hidden files and other files are
+  skipped, counted and named.
+- text models: a CSV with the training run's text and label columns, read as predict reads a
+  CSV (every value a string, "NA" is text). A row without a label cannot be scored: skipped,
+  counted and named (as training drops it, `missing_label`); its text is still predicted by
+  `infer.py` predict, whose rows keep their numbers here too.
+
+A label the checkpoint does not know is an error naming the folders or rows, not a silent
+exclusion: the numbers would otherwise describe a different set than the one given."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.errors import UserError
+from kiln.sorting import natural_key
+
+ROWS_NAMED = 5  # an unknown label's error names this many of its rows
+FIRST_SKIPPED = 10  # the report names this many skipped inputs per reason, then counts
+
+
+class LabelledDataError(UserError, ValueError):
+    """A labelled folder or CSV that cannot be evaluated; the message names the place."""
+
+
+@dataclass
+class LabelledInputs:
+    """Raw inputs (what `Predictor.convert` takes), their class indices and what each one is."""
+
+    inputs: Sequence[Any]
+    targets: np.ndarray  # int64 (N,), indices into the checkpoint's class names
+    sources: list[str]  # a file path or "<file> row N", per input
+    # reason -> {"count": n, "first": [the first FIRST_SKIPPED sources]}, as data_report.json
+    skipped: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _skipped(found: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    return {
+        reason: {"count": len(where), "first": where[:FIRST_SKIPPED]}
+        for reason, where in found.items()
+        if where
+    }
+
+
+class FileInputs(Sequence[Any]):
+    """Files read when their chunk is predicted, so a large folder is never all in memory:
+    `.npy` as a pixel array, any other file as its encoded bytes."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [_read_file(f) for f in self.files[index]]
+        return _read_file(self.files[index])
+
+
+def _read_file(path: Path) -> Any:
+    return _load_npy(path) if path.suffix.lower() == ".npy" else path.read_bytes()
+
+
+def image_suffixes() -> frozenset[str]:
+    """Extensions of every format Pillow can open (lower case, with the dot)."""
+    from PIL import Image
+
+    Image.init()
+    return frozenset(ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN)
+
+
+def read_labelled_folder(
+    path: Path, class_names: list[str], *, takes_encoded: bool
+) -> LabelledInputs:
+    """<path>/<class>/<file>: image files as bytes, .npy files as arrays, in natural order.
+    `takes_encoded`: the model's recipe decodes image files (else only .npy arrays fit)."""
+    path = Path(path)
+    folders = sorted(
+        (d for d in path.iterdir() if d.is_dir() and not _hidden(d)),
+        key=lambda d: natural_key(d.name),
+    )
+    if not folders:
+        raise LabelledDataError(
+            f"{path}: no class subfolders; evaluate reads <folder>/<class name>/<image files> "
+            f"with the checkpoint's class names ({_some(class_names)})"
+        )
+    _check_classes(path, [d.name for d in folders], class_names)
+    suffixes = image_suffixes()
+    files: list[Path] = []
+    targets: list[int] = []
+    sources: list[str] = []
+    skipped: dict[str, list[str]] = defaultdict(list)
+    skipped["top_level_file"] = [
+        str(f) for f in sorted(path.iterdir()) if f.is_file() and not _hidden(f)
+    ]
+    for target, folder in ((class_names.index(d.name), d) for d in folders):
+        for file in sorted(folder.rglob("*"), key=lambda f: natural_key(str(f))):
+            if not file.is_file():
+                continue
+            suffix = file.suffix.lower()
+            if any(part.startswith(".") for part in file.relative_to(folder).parts):
+                skipped["hidden"].append(str(file))  # .DS_Store, .ipynb_checkpoints/, ...
+                continue
+            if suffix in suffixes and not takes_encoded:
+                raise LabelledDataError(
+                    f"{file}: this checkpoint's model takes pixel arrays, not image files (it "
+                    "was trained on arrays); put .npy arrays (C, H, W) in the class folders"
+                )
+            if suffix != ".npy" and suffix not in suffixes:
+                skipped["not_an_image"].append(str(file))
+                continue
+            files.append(file)
+            targets.append(target)
+            sources.append(str(file))
+    if not files:
+        raise LabelledDataError(
+            f"{path}: no image files (or .npy arrays) in its class subfolders "
+            f"({', '.join(d.name for d in folders)})"
+        )
+    return LabelledInputs(
+        FileInputs(files),
+        np.asarray(targets, dtype=np.int64),
+        sources,
+        skipped=_skipped(skipped),
+    )
+
+
+def read_labelled_csv(
+    path: Path, class_names: list[str], *, text_column: str, label_column: str
+) -> LabelledInputs:
+    """The texts and labels of a CSV, as `infer.py` predict reads a CSV (kiln.inference.files);
+    rows are numbered from 1 after the header, as the training data report numbers them."""
+    import pandas as pd
+
+    path = Path(path)
+    try:
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
+        message = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise LabelledDataError(f"{path}: cannot be read as CSV: {message}") from None
+    missing = [c for c in (text_column, label_column) if c not in frame.columns]
+    if missing:
+        raise LabelledDataError(
+            f"{path}: no {' or '.join(map(repr, missing))} column; columns present: "
+            f"{', '.join(map(repr, frame.columns))} (evaluate reads the training run's "
+            f"data.text_column={text_column!r} and data.label_column={label_column!r})"
+        )
+    if frame.empty:
+        raise LabelledDataError(f"{path}: has a header but no rows to evaluate")
+    labels = frame[label_column].str.strip().tolist()  # as the training reader strips labels
+    index = {name: i for i, name in enumerate(class_names)}
+    rows = [row for row, label in enumerate(labels, start=1) if label]
+    name = path.name
+    missing = [f"{name} row {row}" for row, label in enumerate(labels, start=1) if not label]
+    unknown = [(row, labels[row - 1]) for row in rows if labels[row - 1] not in index]
+    if unknown:
+        raise LabelledDataError(
+            f"{path}: {_unknown_rows(unknown)} not among the checkpoint's classes "
+            f"({_some(class_names)}) in column {label_column!r}; remove those rows, or "
+            "evaluate a checkpoint trained with those classes"
+        )
+    if not rows:
+        raise LabelledDataError(f"{path}: no row has a label in column {label_column!r}")
+    texts = frame[text_column].tolist()
+    return LabelledInputs(
+        inputs=[texts[row - 1] for row in rows],
+        targets=np.asarray([index[labels[row - 1]] for row in rows], dtype=np.int64),
+        sources=[f"{name} row {row}" for row in rows],
+        skipped=_skipped({"missing_label": missing}),
+    )
+
+
+def _check_classes(path: Path, folders: list[str], class_names: list[str]) -> None:
+    unknown = [name for name in folders if name not in set(class_names)]
+    if unknown:
+        raise LabelledDataError(
+            f"{path}: class folder(s) {', '.join(map(repr, unknown))} are not among the "
+            f"checkpoint's classes ({_some(class_names)}); remove or rename them, or evaluate "
+            "a checkpoint trained with those classes"
+        )
+
+
+def _unknown_rows(unknown: list[tuple[int, str]]) -> str:
+    """ "label 'x' (2 rows: 3, 9); label 'y' (1 row: 4)", the first few rows of each label."""
+    by_label: dict[str, list[int]] = {}
+    for row, label in unknown:
+        by_label.setdefault(label, []).append(row)
+    parts = []
+    for label, rows in by_label.items():
+        shown = ", ".join(map(str, rows[:ROWS_NAMED])) + (" ..." if len(rows) > ROWS_NAMED else "")
+        parts.append(f"label {label!r} ({len(rows)} row{'s' if len(rows) > 1 else ''}: {shown})")
+    return f"{len(unknown)} row(s) have " + "; ".join(parts) + ","
+
+
+def _some(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... {len(names)} in all" if len(names) > limit else "")
+
+
+def _hidden(path: Path) -> bool:
+    return path.name.startswith(".")
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)  # never unpickle user files
+    except ValueError as err:
+        raise LabelledDataError(f"{path}: not a plain numeric .npy array ({err})") from None
