@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import UserError
+from kiln.preprocessing.image_files import image_extensions
 from kiln.sorting import natural_key
 
 ROWS_NAMED = 5  # an unknown label's error names this many of its rows
@@ -74,14 +75,6 @@ def _read_file(path: Path) -> Any:
     return _load_npy(path) if path.suffix.lower() == ".npy" else path.read_bytes()
 
 
-def image_suffixes() -> frozenset[str]:
-    """Extensions of every format Pillow can open (lower case, with the dot)."""
-    from PIL import Image
-
-    Image.init()
-    return frozenset(ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN)
-
-
 def read_labelled_folder(
     path: Path, class_names: list[str], *, takes_encoded: bool
 ) -> LabelledInputs:
@@ -98,7 +91,7 @@ def read_labelled_folder(
             f"with the checkpoint's class names ({_some(class_names)})"
         )
     _check_classes(path, [d.name for d in folders], class_names)
-    suffixes = image_suffixes()
+    suffixes = image_extensions()
     files: list[Path] = []
     targets: list[int] = []
     sources: list[str] = []
