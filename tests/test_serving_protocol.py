@@ -214,3 +214,60 @@ def test_binary_bytes_must_be_utf8_text(texts):
     )
     assert response.status_code == 400
     assert "BYTES element 1 is not UTF-8 text" in response.json()["error"]
+
+
+# --- KServe's own client -----------------------------------------------------------------------
+
+
+def _kserve_infer(server, images: np.ndarray, binary: bool, **request):
+    """kserve.InferenceRESTClient (v2), unchanged: its InferRequest always sends model_name."""
+    import asyncio
+
+    from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
+    from kserve.protocol.infer_type import RequestedOutput
+
+    tensor = InferInput("input", list(images.shape), "FP32")
+    tensor.set_data_from_numpy(images, binary_data=binary)
+    outputs = [RequestedOutput(name, {"binary_data": binary}) for name in ("probs", "label")]
+    body = InferRequest("kiln", [tensor], request_outputs=outputs, **request)
+
+    async def call():
+        client = InferenceRESTClient(RESTConfig(protocol="v2", timeout=30))
+        try:
+            return await client.infer(server.url, body, model_name="kiln")
+        finally:
+            await client.close()
+
+    return asyncio.run(call())
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_kserve_client_image_model(digits, binary):
+    """Today: 400 on every inference -- "unknown field(s) ['model_name']"."""
+    predictor, server = digits
+    images = raw_digits_val()[0][:5][:, None]
+    result = _kserve_infer(server, images, binary, request_id="k-1", model_version="1")
+    outputs = {output.name: output for output in result.outputs}
+    np.testing.assert_allclose(
+        outputs["probs"].as_numpy(), predictor.predict_probs(images), atol=1e-6
+    )
+    labels = [x.decode() if isinstance(x, bytes) else x for x in outputs["label"].as_numpy()]
+    assert labels == [p["label"] for p in predictor.predict(images)]
+    assert result.id == "k-1" and result.model_name == "kiln"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("model_name", "other", "model_name 'other' in the body does not match the model 'kiln'"),
+        ("model_version", "2", "model_version '2' in the body does not match the version '1'"),
+        ("model_name", None, "model_name None in the body does not match the model 'kiln'"),
+    ],
+)
+def test_body_model_fields_must_match_the_path(digits, field, value, message):
+    _, server = digits
+    body = _v2_body(np.zeros((1, 1, 8, 8), dtype=np.float32), **{field: value})
+    response = httpx.post(f"{server.url}/v2/models/kiln/versions/1/infer", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error and "/v2/models/kiln/versions/1/infer" in error

@@ -55,7 +55,7 @@ def add_v1_routes(app: FastAPI, state: ServingState) -> None:
 
     def render(outputs) -> bytes:
         answers = predictor.answers(outputs)
-        return json.dumps({"predictions": answers}, separators=(",", ":")).encode()
+        return json.dumps({"predictions": answers}, separators=(",", ":"), allow_nan=False).encode()
 
     @app.post("/v1/predict")
     async def predict(request: Request):
