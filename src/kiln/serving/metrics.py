@@ -72,6 +72,12 @@ class ServingMetrics:
             "Requests past their deadline (504); their unrun inputs left the queue",
             registry=r,
         )
+        self.header_timeouts = Counter(
+            "kiln_header_timeouts",
+            "Connections closed because a request's headers did not arrive within "
+            "server.header_timeout_s",
+            registry=r,
+        )
         self.draining = Gauge("kiln_draining", "1 while shutting down (SIGTERM seen)", registry=r)
 
     def render(self) -> bytes:
