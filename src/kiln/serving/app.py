@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import time
 
@@ -73,6 +74,7 @@ def create_app(predictor: Predictor, config: ServerConfig | None = None, **overr
         metrics=metrics,
     )
     state = ServingState(predictor, batcher, metrics, config)
+    batcher.more_coming = lambda: bool(state.arriving)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -81,6 +83,11 @@ def create_app(predictor: Predictor, config: ServerConfig | None = None, **overr
         # Warm-up: one real input through the model before readiness says yes.
         example = predictor.convert([predictor.example_input()])
         await batcher.submit(example, 1, time.monotonic() + WARMUP_TIMEOUT_S)
+        # The objects of start-up (torch, the model, the web stack: millions) never become
+        # garbage: frozen, the collector stops re-scanning them, which was a pause of tens of
+        # milliseconds that every request in flight waited out (the p99).
+        gc.collect()
+        gc.freeze()
         state.ready = True
         log.info("model %s ready (%s)", config.model_name, predictor.backend.platform)
         try:

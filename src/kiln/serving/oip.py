@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from kiln.serving.errors import BadRequest
 
@@ -106,7 +107,14 @@ class Encoded:
 
 
 def loads_json(text: bytes) -> Any:
-    """Strict JSON: NaN and Infinity literals (which Python's json accepts) are refused."""
+    """Strict JSON: NaN and Infinity literals (which Python's json accepts) are refused. orjson
+    parses (several times faster on a body of numbers); what it refuses -- integers beyond 64
+    bits, a lone surrogate, and invalid JSON -- is parsed again by Python's json, so those keep
+    their exact messages (an integer too large is out of range, not invalid JSON)."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        pass
 
     def refuse(constant: str):
         raise ValueError(f"{constant} is not valid JSON")

@@ -53,6 +53,9 @@ class ServingState:
     ready: bool = False
     draining: bool = False
     inflight: int = 0  # inference requests admitted and not yet answered
+    # The tasks of admitted requests not yet in the batcher's queue: while there are some, a
+    # batch waits for them (up to server.max_delay_ms); when there are none, it goes at once.
+    arriving: set = field(default_factory=set)
     loop: asyncio.AbstractEventLoop | None = None  # the serving loop (signals hand work to it)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _parser: ThreadPoolExecutor = field(
@@ -74,12 +77,21 @@ class ServingState:
             raise Unavailable("the model is loading; retry shortly")
         self.inflight += 1
         self._idle.clear()
+        task = asyncio.current_task()
+        self.arriving.add(task)
         try:
             yield time.monotonic() + self.config.timeout_ms / 1000
         finally:
             self.inflight -= 1
             if self.inflight == 0:
                 self._idle.set()
+            self._queued(task)
+
+    def _queued(self, task) -> None:
+        """This request is no longer on its way to the queue (queued, refused or failed)."""
+        if task in self.arriving:
+            self.arriving.discard(task)
+            self.batcher.wake()
 
     def begin_drain(self) -> None:
         """From now on readiness says 503 and new inference requests get 503; those admitted
@@ -118,6 +130,8 @@ class ServingState:
         if count == 0:
             return self.predictor.empty_outputs()
         work = asyncio.ensure_future(self.batcher.submit(items, count, deadline))
+        await asyncio.sleep(0)  # submit() queues the job before its first await
+        self._queued(asyncio.current_task())
         gone = asyncio.ensure_future(_until_disconnected(request))
         try:
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

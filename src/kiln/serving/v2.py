@@ -29,6 +29,7 @@ import kiln
 from kiln.inference import Predictor
 from kiln.preprocessing import InputError
 from kiln.serving.errors import ServingError
+from kiln.serving.metrics import add_plain_route
 from kiln.serving.oip import (
     HEADER_LENGTH,
     ModelPath,
@@ -247,10 +248,12 @@ def add_v2_routes(app: FastAPI, state: ServingState) -> None:
     async def version_config(name: str, version: str):
         return not_found(name, version, state) or model_config(state)
 
-    @app.post("/v2/models/{name}/infer")
-    async def infer_route(name: str, request: Request):
-        return await infer(request, name, None)
+    async def infer_route(request: Request) -> Response:
+        return await infer(request, request.path_params["name"], None)
 
-    @app.post("/v2/models/{name}/versions/{version}/infer")
-    async def version_infer(name: str, version: str, request: Request):
-        return await infer(request, name, version)
+    async def version_infer(request: Request) -> Response:
+        params = request.path_params
+        return await infer(request, params["name"], params["version"])
+
+    add_plain_route(app, "/v2/models/{name}/infer", infer_route, ["POST"])
+    add_plain_route(app, "/v2/models/{name}/versions/{version}/infer", version_infer, ["POST"])
