@@ -5,7 +5,8 @@ checkpoint, the same preprocessing and the same request body as kiln's /v1/predi
     POST /predict {"inputs": [<one input>, ...]} -> {"predictions": [{"label", "probs"}, ...]}
 
 LitServe as its documentation sets it up: one inference worker process beside its HTTP server,
-torch's default threads, and its own batching when --max-batch-size > 1.
+with --threads torch threads (loadtest.py gives kiln's default), and its own batching when
+--max-batch-size > 1.
 
     .bench/litserve/bin/python scripts/litserve_app.py --ckpt run/checkpoints/best.pt --port 8001
 """
@@ -18,14 +19,14 @@ import litserve as ls
 
 
 class KilnCheckpointAPI(ls.LitAPI):
-    def __init__(self, ckpt: str, **options):
+    def __init__(self, ckpt: str, threads: int | None, **options):
         super().__init__(**options)
-        self.ckpt = ckpt
+        self.ckpt, self.threads = ckpt, threads
 
     def setup(self, device):
         from kiln.inference import Predictor
 
-        self.predictor = Predictor.from_checkpoint(self.ckpt)
+        self.predictor = Predictor.from_checkpoint(self.ckpt, threads=self.threads)
 
     def decode_request(self, request):
         return self.predictor.convert(request["inputs"])
@@ -51,9 +52,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-batch-size", type=int, default=1)
     parser.add_argument("--batch-timeout-s", type=float, default=0.0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (None: all)")
     args = parser.parse_args()
     api = KilnCheckpointAPI(
-        args.ckpt, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout_s
+        args.ckpt,
+        args.threads,
+        max_batch_size=args.max_batch_size,
+        batch_timeout=args.batch_timeout_s,
     )
     server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60)
     server.run(host="127.0.0.1", port=args.port, generate_client_file=False, log_level="warning")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -168,10 +169,14 @@ def kiln_server(ckpt: Path, settings: list[str]) -> Process:
 
 
 def litserve_server(ckpt: Path, max_batch_size: int, batch_timeout_s: float) -> Process:
+    """LitServe with kiln's default model threads (every core but one), so the two run the
+    model alike: with torch's default (every core) its worker's threads fought the HTTP side
+    and the load generator, and resnet18 fell below 1 req/s on a loaded machine."""
     port = free_port()
+    threads = max(1, (os.cpu_count() or 2) - 1)
     cmd = [str(litserve_python()), str(REPO / "scripts" / "litserve_app.py"), "--ckpt", str(ckpt)]
     cmd += ["--port", str(port), "--max-batch-size", str(max_batch_size)]
-    cmd += ["--batch-timeout-s", str(batch_timeout_s)]
+    cmd += ["--batch-timeout-s", str(batch_timeout_s), "--threads", str(threads)]
     return Process("litserve", cmd, port, "/predict", "/health")
 
 
@@ -292,12 +297,17 @@ def summary(rounds: list[PeerRound]) -> list[dict]:
                 "peer_p50_ms": statistics.median(r.p50_ms for r in theirs),
                 "kiln_p99_ms": statistics.median(r.p99_ms for r in mine),
                 "peer_p99_ms": statistics.median(r.p99_ms for r in theirs),
-                "rps_ratios": [k.requests_per_s / p.requests_per_s for k, p in pairs],
-                "p99_ratios": [p.p99_ms / k.p99_ms for k, p in pairs],
+                "rps_ratios": [_ratio(k.requests_per_s, p.requests_per_s) for k, p in pairs],
+                "p99_ratios": [_ratio(p.p99_ms, k.p99_ms) for k, p in pairs],
                 "errors": sum(r.errors for r in mine + theirs),
                 "load_avg_1m": [round(r.load_avg_1m, 2) for r in mine + theirs],
             })  # fmt: skip
     return out
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b; a peer that answered nothing in a round (0 req/s) is infinitely slower."""
+    return a / b if b else math.inf
 
 
 def print_summary(rows: list[dict]) -> None:

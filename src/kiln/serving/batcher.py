@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 
 SECONDS_PER_INPUT_PRIOR = 1e-3  # the Retry-After estimate before the first batch is timed
 EMA_WEIGHT = 0.2  # how fast the per-input time estimate follows new batches
+SECONDS_PER_CALL_PRIOR = 1.0  # before the first call is timed: as if slow (the thread)
+# A model call shorter than this runs on the event loop (it blocks other requests for at most
+# about this long): for a tiny model the thread hand-off was most of a request's time.
+INLINE_CALL_S = 0.0005
 
 
 @dataclass(eq=False)
@@ -104,6 +108,7 @@ class DynamicBatcher:
         self.metrics = metrics
         self.more_coming = more_coming  # admitted requests not yet queued? (default: assume so)
         self.seconds_per_input = SECONDS_PER_INPUT_PRIOR
+        self.seconds_per_call = SECONDS_PER_CALL_PRIOR  # in the thread until measured faster
         self._queue: collections.deque[Job] = collections.deque()
         self._queued_inputs = 0  # inputs of queued jobs not yet taken into a batch
         self._arrived = asyncio.Event()
@@ -293,18 +298,24 @@ class DynamicBatcher:
             raise
 
     async def _call(self, slices: list[Slice]) -> Any:
-        """One model call in the worker thread over these slices' items."""
+        """One model call over these slices' items: in the worker thread, or -- for a model
+        whose calls take less than INLINE_CALL_S -- right here, where handing the call to the
+        thread and its answer back (two thread wake-ups, each waiting for a core on a busy
+        machine) cost more than the call itself."""
         items = self.join([piece.job.items[piece.start : piece.stop] for piece in slices])
         count = sum(piece.size for piece in slices)
         self.metrics.batch_size.observe(count)
         started = time.perf_counter()
         try:
             with self.metrics.inference.time():
+                if self.seconds_per_call < INLINE_CALL_S:
+                    return self.run(items)
                 loop = asyncio.get_running_loop()
                 return await loop.run_in_executor(self._executor, self.run, items)
         finally:
-            per_input = (time.perf_counter() - started) / count
-            self.seconds_per_input += EMA_WEIGHT * (per_input - self.seconds_per_input)
+            seconds = time.perf_counter() - started
+            self.seconds_per_input += EMA_WEIGHT * (seconds / count - self.seconds_per_input)
+            self.seconds_per_call += EMA_WEIGHT * (seconds - self.seconds_per_call)
 
     async def _run_isolated(self, slices: list[Slice]) -> None:
         """Run these slices together; if the call raises, split in halves and retry each, so
