@@ -18,6 +18,10 @@ Speed is reported, never asserted, unless --check asks (then a floor not met exi
 
     python scripts/loadtest.py                      # trains tiny digits-mlp and resnet18 32x32
     python scripts/loadtest.py --ckpt mlp=outputs/<run>/checkpoints/best.pt --requests 400
+    python scripts/loadtest.py --peers litserve     # kiln vs LitServe under wrk, per-round ratios
+
+`--peers litserve` measures instead kiln beside LitServe on the same checkpoints, driven by wrk
+(scripts/loadtest_peers.py says how; LitServe lives in a bench-only venv the script makes).
 """
 
 from __future__ import annotations
