@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 
 import httpx
 import numpy as np
@@ -17,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 from kiln.inference import Predictor
 from kiln.serving import create_app
 
+from .conftest import SUBPROCESS_ENV
 from .inference_helpers import digits_run, live_server, raw_digits_val, text_run
 
 TEXTS = ["the home team won the final", "stir the sauce and add garlic", "new phone chip"]
@@ -219,26 +222,49 @@ def test_binary_bytes_must_be_utf8_text(texts):
 # --- KServe's own client -----------------------------------------------------------------------
 
 
-def _kserve_infer(server, images: np.ndarray, binary: bool, **request):
-    """kserve.InferenceRESTClient (v2), unchanged: its InferRequest always sends model_name."""
-    import asyncio
+KSERVE_CLIENT = """
+import asyncio, json, sys
+import numpy as np
+from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
+from kserve.protocol.infer_type import RequestedOutput
 
-    from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
-    from kserve.protocol.infer_type import RequestedOutput
+url, binary = sys.argv[1], sys.argv[2] == "binary"
+images = np.asarray(json.loads(sys.stdin.read()), dtype=np.float32)
+tensor = InferInput("input", list(images.shape), "FP32")
+tensor.set_data_from_numpy(images, binary_data=binary)
+outputs = [RequestedOutput(name, {"binary_data": binary}) for name in ("probs", "label")]
+body = InferRequest("kiln", [tensor], request_id="k-1", request_outputs=outputs,
+                    model_version="1")
 
-    tensor = InferInput("input", list(images.shape), "FP32")
-    tensor.set_data_from_numpy(images, binary_data=binary)
-    outputs = [RequestedOutput(name, {"binary_data": binary}) for name in ("probs", "label")]
-    body = InferRequest("kiln", [tensor], request_outputs=outputs, **request)
+async def call():
+    client = InferenceRESTClient(RESTConfig(protocol="v2", timeout=30))
+    try:
+        return await client.infer(url, body, model_name="kiln")
+    finally:
+        await client.close()
 
-    async def call():
-        client = InferenceRESTClient(RESTConfig(protocol="v2", timeout=30))
-        try:
-            return await client.infer(server.url, body, model_name="kiln")
-        finally:
-            await client.close()
+result = asyncio.run(call())
+found = {o.name: o.as_numpy() for o in result.outputs}
+labels = [x.decode() if isinstance(x, bytes) else x for x in found["label"].tolist()]
+print(json.dumps({"id": result.id, "model_name": result.model_name,
+                  "probs": found["probs"].tolist(), "labels": labels}))
+"""
 
-    return asyncio.run(call())
+
+def _kserve_infer(server, images: np.ndarray, binary: bool) -> dict:
+    """kserve.InferenceRESTClient (v2), unchanged -- its InferRequest always sends model_name --
+    in a process of its own: kserve's and tritonclient.grpc's protobufs both define the
+    package `inference`, and cannot be loaded into one process."""
+    done = subprocess.run(
+        [sys.executable, "-c", KSERVE_CLIENT, server.url, "binary" if binary else "json"],
+        input=json.dumps(images.tolist()),
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
@@ -246,14 +272,10 @@ def test_kserve_client_image_model(digits, binary):
     """Today: 400 on every inference -- "unknown field(s) ['model_name']"."""
     predictor, server = digits
     images = raw_digits_val()[0][:5][:, None]
-    result = _kserve_infer(server, images, binary, request_id="k-1", model_version="1")
-    outputs = {output.name: output for output in result.outputs}
-    np.testing.assert_allclose(
-        outputs["probs"].as_numpy(), predictor.predict_probs(images), atol=1e-6
-    )
-    labels = [x.decode() if isinstance(x, bytes) else x for x in outputs["label"].as_numpy()]
-    assert labels == [p["label"] for p in predictor.predict(images)]
-    assert result.id == "k-1" and result.model_name == "kiln"
+    result = _kserve_infer(server, images, binary)
+    np.testing.assert_allclose(result["probs"], predictor.predict_probs(images), atol=1e-6)
+    assert result["labels"] == [p["label"] for p in predictor.predict(images)]
+    assert result["id"] == "k-1" and result["model_name"] == "kiln"
 
 
 @pytest.mark.parametrize(
