@@ -18,6 +18,10 @@ Speed is reported, never asserted, unless --check asks (then a floor not met exi
 
     python scripts/loadtest.py                      # trains tiny digits-mlp and resnet18 32x32
     python scripts/loadtest.py --ckpt mlp=outputs/<run>/checkpoints/best.pt --requests 400
+    python scripts/loadtest.py --peers litserve     # kiln vs LitServe under wrk, per-round ratios
+
+`--peers litserve` measures instead kiln beside LitServe on the same checkpoints, driven by wrk
+(scripts/loadtest_peers.py says how; LitServe lives in a bench-only venv the script makes).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+import loadtest_peers as peers
 import numpy as np
 from tiny_checkpoints import REPO, checkpoints
 
@@ -404,14 +409,51 @@ def parse_args(argv=None):
     parser.add_argument("--min-ceiling-ratio", type=float, default=0.8)
     parser.add_argument("--min-binary-gain", type=float, default=3.0)
     parser.add_argument("--check", action="store_true", help="exit 1 when a floor is not met")
+    parser.add_argument(
+        "--peers", default="", help="compare with these servers instead (litserve), under wrk"
+    )
+    parser.add_argument("--peer-concurrency", default="1,32")
+    parser.add_argument("--peer-rounds", type=int, default=5, help="the servers in turn, R times")
+    parser.add_argument("--peer-seconds", type=float, default=5.0, help="one wrk run")
+    parser.add_argument("--litserve-max-batch-size", type=int, default=1)
+    parser.add_argument("--litserve-batch-timeout-s", type=float, default=0.0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     return parser.parse_args(argv)
+
+
+def compare_peers(args) -> int:
+    """kiln against other servers of the same checkpoints (scripts/loadtest_peers.py)."""
+    from kiln.inference import Predictor
+
+    rounds, wrong = [], 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, ckpt in checkpoints(args.ckpt, TINY_RUNS, Path(tmp)).items():
+            reference = Predictor.from_checkpoint(args.reference or ckpt)
+            pool = input_pool(reference, POOL_SIZE)
+            offline = reference.predict_probs(pool)
+            model_rounds, model_wrong = peers.measure_peers(name, ckpt, args, pool, offline)
+            rounds += model_rounds
+            wrong += model_wrong
+    rows = peers.summary(rounds)
+    peers.print_summary(rows)
+    errors = sum(r.errors for r in rounds)
+    if args.out:
+        args.out.write_text(json.dumps({
+            "peer_rounds": [asdict(r) for r in rounds], "peers": rows,
+            "wrong_answers": wrong, "errors": errors,
+        }, indent=1))  # fmt: skip
+    if wrong or errors:
+        print(f"\n{wrong} inputs answered differently, {errors} load errors")
+        return 1
+    return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: proves the path, quickly
         args.concurrency, args.requests, args.rounds, args.formats = "1,8", 24, 1, "json,binary"
+    if args.peers:
+        return compare_peers(args)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     modes, formats = args.modes.split(","), args.formats.split(",")
     with tempfile.TemporaryDirectory() as tmp:

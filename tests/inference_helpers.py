@@ -21,6 +21,7 @@ from sklearn.model_selection import train_test_split
 
 from kiln.cli.paths import REPO_ROOT
 from kiln.engine.run import train
+from kiln.serving.server import uvicorn_config
 
 from .conftest import SUBPROCESS_ENV, compose_config
 
@@ -102,7 +103,8 @@ class LiveServer:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        # The stack `python infer.py mode=serve` runs: uvloop, the guarded httptools protocol.
+        config = uvicorn_config(app, app.state.kiln.config, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
 

@@ -132,7 +132,8 @@ def test_bad_input_is_422_naming_the_item(client):
         ('"1.5"', "not strings, booleans or null"),
         ("true", "not strings, booleans or null"),
         ("null", "not strings, booleans or null"),
-        ("1" + "0" * 400, "not strings, booleans or null"),  # an integer beyond any float
+        ("1" + "0" * 400, "is out of range (beyond float32"),  # an integer beyond any float
+        (str(2**70), "outside the training data's raw range"),  # beyond int64, not a float's
         ("1e39", "beyond float32"),  # a float beyond float32
         ("NaN", "not valid JSON"),  # Python's json would read it; JSON has no NaN
     ],

@@ -114,3 +114,20 @@ def test_bench_infer_compares_eager_fp32_and_int8(digits_ckpt, tmp_path_factory,
         "--check", "--min-ratio", "1e9",
     )  # fmt: skip
     assert impossible.returncode == 1 and "below 1e+09x eager" in impossible.stdout
+
+
+def test_peer_ratios_are_per_round_and_against_kiln():
+    """loadtest.py --peers: each round's ratio pairs kiln with the peer of the same round (the
+    LitServe venv and wrk themselves are exercised by `make bench`, not here: they install)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from loadtest_peers import PeerRound, summary
+
+    def round_(server, r, rps, p99):
+        return PeerRound("mlp", server, 32, r, int(rps), rps, p99 / 2, p99, 0, 1.5)
+
+    rounds = [round_("kiln", 0, 200, 10), round_("litserve", 0, 100, 20)]
+    rounds += [round_("litserve", 1, 150, 15), round_("kiln", 1, 300, 30)]
+    (row,) = summary(rounds)
+    assert row["rps_ratios"] == [2.0, 2.0] and row["p99_ratios"] == [2.0, 0.5]
+    assert row["kiln_requests_per_s"] == 250 and row["peer_requests_per_s"] == 125
+    assert row["peer"] == "litserve" and row["load_avg_1m"] == [1.5] * 4

@@ -13,7 +13,9 @@ import asyncio
 import copy
 import gzip
 import json
+import logging
 import re
+import socket
 import threading
 import time
 from collections import Counter
@@ -129,7 +131,19 @@ def test_a_huge_integer_pixel_is_refused_not_500(digits):
             f'"data": [{flat}]}}]}}',
         )
     assert v1.status_code == 422 and "item 0" in v1.json()["detail"]
+    assert "1.000e+400 is out of range" in v1.json()["detail"]
     assert v2.status_code == 400 and "element 0 is beyond FP32's range" in v2.json()["error"]
+
+
+def test_an_integer_beyond_int64_is_out_of_range_not_not_a_number(digits):
+    """Today: v1 said an input of 2**70 was "not made of numbers"."""
+    row = "[" + ", ".join(["0"] * 7 + [str(2**70)]) + "]"
+    image = "[" + ", ".join([row] * 8) + "]"
+    with live_server(create_app(digits)) as server:
+        v1 = httpx.post(f"{server.url}/v1/predict", content='{"inputs": [' + image + "]}")
+    assert v1.status_code == 422
+    detail = v1.json()["detail"]
+    assert "item 0" in detail and "outside the training data's raw range" in detail, detail
 
 
 def test_a_model_failure_on_one_input_splits_the_batch(digits):
@@ -155,6 +169,35 @@ def test_a_model_failure_on_one_input_splits_the_batch(digits):
     )
     assert metric(text, "kiln_batch_splits_total") >= 1
     assert metric(text, "kiln_requests_total", endpoint="/v1/predict", status="500") == 1
+
+
+def test_nonfinite_outputs_are_never_a_number_in_json(digits):
+    """A model whose outputs overflow for one input: that request is a 500 in valid JSON
+    (today v1 answered a bare NaN, which is not JSON, and v2 a 500 from a failed render)."""
+    other = copy.copy(digits)
+
+    def run(items):
+        probs = digits.run(items)
+        probs[items[:, 0, 0, 0] == POISON] = np.nan
+        return probs
+
+    other.run = run
+    poisoned = images(1)
+    poisoned[0, 0, 0] = POISON
+    tensor = {"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32"}
+    with live_server(create_app(other)) as server:
+        v1 = httpx.post(
+            f"{server.url}/v1/predict", json=v1_body(np.stack([images(1)[0], poisoned[0]]))
+        )
+        v2 = httpx.post(
+            f"{server.url}/v2/models/kiln/infer",
+            json={"inputs": [{**tensor, "data": poisoned.ravel().tolist()}]},
+        )
+        fine = httpx.post(f"{server.url}/v1/predict", json=v1_body(images(2)))
+    assert v1.status_code == 500 and "item 1" in json.loads(v1.text)["detail"]
+    assert "NaN or Inf" in v1.json()["detail"]
+    assert v2.status_code == 500 and "item 0" in json.loads(v2.text)["error"]
+    assert fine.status_code == 200
 
 
 # --- limits ------------------------------------------------------------------------------------
@@ -240,6 +283,37 @@ def test_a_client_that_leaves_takes_its_inputs_out_of_the_queue(digits):
     assert metric(text, "kiln_abandoned_requests_total") == 1
     assert metric(text, "kiln_requests_total", endpoint="/v1/predict", status="499") == 1
     assert metric(text, "kiln_queue_depth") == 0
+
+
+def _hang_up_mid_body(url: str, path: str) -> None:
+    """Headers promising a 10,000-byte body, a tenth of it, then the connection closed."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 10000\r\n\r\n"
+        sock.sendall(head.encode() + b'{"inputs": [' + b"0, " * 300)
+        time.sleep(0.05)  # the server has started reading the body
+
+
+@pytest.mark.parametrize("path", ["/v1/predict", "/v2/models/kiln/infer"])
+def test_a_client_that_hangs_up_mid_body_is_499_with_one_log_line(digits, path, caplog):
+    """Today: counted as a 500, with ~116 log lines per client (ClientDisconnect's traceback,
+    "Exception in ASGI application")."""
+    endpoint = "/v1/predict" if path.startswith("/v1") else "/v2/models/{name}/infer"
+    with live_server(create_app(digits)) as server, caplog.at_level(logging.INFO):
+        _hang_up_mid_body(server.url, path)
+        deadline = time.monotonic() + 10
+        while not metric(httpx.get(f"{server.url}/metrics").text, "kiln_requests_total",
+                         endpoint=endpoint, status="499"):  # fmt: skip
+            assert time.monotonic() < deadline, "the server never counted the client"
+            time.sleep(0.02)
+        text = httpx.get(f"{server.url}/metrics").text
+        ok = httpx.post(f"{server.url}/v1/predict", json=v1_body(images(1)))
+    assert ok.status_code == 200
+    assert metric(text, "kiln_errors_total", endpoint=endpoint) == 1  # the 499, no 500
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"499 POST {path} from 127.0.0.1:")
+    assert "before sending its whole body" in lines[0]
 
 
 def test_a_full_queue_answers_503_with_retry_after_at_once(digits):

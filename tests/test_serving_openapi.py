@@ -6,6 +6,7 @@ the text model too) runs with `make test-all`."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -62,6 +63,26 @@ def test_the_document_lists_the_answers_the_review_found_missing(digits_server):
     }
     assert "text/plain" in document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert "Retry-After" in infer["503"]["headers"]
+
+
+def test_the_document_states_that_data_must_match_the_shape(digits_server):
+    """schemathesis found schema-valid requests refused for a data count that does not match
+    the shape: the document now says so, in descriptions and in an example the server takes."""
+    url = digits_server.url
+    schemas = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]
+    request = schemas["InferRequest"]
+    tensor = request["properties"]["inputs"]["items"]
+    for described in (request, tensor, tensor["properties"]["data"]):
+        assert "exactly prod(shape) values" in described["description"]
+    (example,) = request["examples"]
+    (example_tensor,) = example["inputs"]
+    assert tensor["examples"] == [example_tensor]
+    assert len(example_tensor["data"]) == math.prod(example_tensor["shape"]) == 64
+    assert request["properties"]["model_name"] == {"const": "kiln"}
+    assert httpx.post(f"{url}/v2/models/kiln/infer", json=example).status_code == 200
+    short = {**example_tensor, "data": example_tensor["data"][:-1]}
+    refused = httpx.post(f"{url}/v2/models/kiln/infer", json={"inputs": [short]})
+    assert refused.status_code == 400 and "shape holds 64 values, data has 63" in refused.text
 
 
 def test_schemathesis_short_run_finds_nothing(digits_server, tmp_path):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 
 import httpx
 import numpy as np
@@ -17,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 from kiln.inference import Predictor
 from kiln.serving import create_app
 
+from .conftest import SUBPROCESS_ENV
 from .inference_helpers import digits_run, live_server, raw_digits_val, text_run
 
 TEXTS = ["the home team won the final", "stir the sauce and add garlic", "new phone chip"]
@@ -214,3 +217,79 @@ def test_binary_bytes_must_be_utf8_text(texts):
     )
     assert response.status_code == 400
     assert "BYTES element 1 is not UTF-8 text" in response.json()["error"]
+
+
+# --- KServe's own client -----------------------------------------------------------------------
+
+
+KSERVE_CLIENT = """
+import asyncio, json, sys
+import numpy as np
+from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
+from kserve.protocol.infer_type import RequestedOutput
+
+url, binary = sys.argv[1], sys.argv[2] == "binary"
+images = np.asarray(json.loads(sys.stdin.read()), dtype=np.float32)
+tensor = InferInput("input", list(images.shape), "FP32")
+tensor.set_data_from_numpy(images, binary_data=binary)
+outputs = [RequestedOutput(name, {"binary_data": binary}) for name in ("probs", "label")]
+body = InferRequest("kiln", [tensor], request_id="k-1", request_outputs=outputs,
+                    model_version="1")
+
+async def call():
+    client = InferenceRESTClient(RESTConfig(protocol="v2", timeout=30))
+    try:
+        return await client.infer(url, body, model_name="kiln")
+    finally:
+        await client.close()
+
+result = asyncio.run(call())
+found = {o.name: o.as_numpy() for o in result.outputs}
+labels = [x.decode() if isinstance(x, bytes) else x for x in found["label"].tolist()]
+print(json.dumps({"id": result.id, "model_name": result.model_name,
+                  "probs": found["probs"].tolist(), "labels": labels}))
+"""
+
+
+def _kserve_infer(server, images: np.ndarray, binary: bool) -> dict:
+    """kserve.InferenceRESTClient (v2), unchanged -- its InferRequest always sends model_name --
+    in a process of its own: kserve's and tritonclient.grpc's protobufs both define the
+    package `inference`, and cannot be loaded into one process."""
+    done = subprocess.run(
+        [sys.executable, "-c", KSERVE_CLIENT, server.url, "binary" if binary else "json"],
+        input=json.dumps(images.tolist()),
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_kserve_client_image_model(digits, binary):
+    """Today: 400 on every inference -- "unknown field(s) ['model_name']"."""
+    predictor, server = digits
+    images = raw_digits_val()[0][:5][:, None]
+    result = _kserve_infer(server, images, binary)
+    np.testing.assert_allclose(result["probs"], predictor.predict_probs(images), atol=1e-6)
+    assert result["labels"] == [p["label"] for p in predictor.predict(images)]
+    assert result["id"] == "k-1" and result["model_name"] == "kiln"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("model_name", "other", "model_name 'other' in the body does not match the model 'kiln'"),
+        ("model_version", "2", "model_version '2' in the body does not match the version '1'"),
+        ("model_name", None, "model_name None in the body does not match the model 'kiln'"),
+    ],
+)
+def test_body_model_fields_must_match_the_path(digits, field, value, message):
+    _, server = digits
+    body = _v2_body(np.zeros((1, 1, 8, 8), dtype=np.float32), **{field: value})
+    response = httpx.post(f"{server.url}/v2/models/kiln/versions/1/infer", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error and "/v2/models/kiln/versions/1/infer" in error

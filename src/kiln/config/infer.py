@@ -37,6 +37,7 @@ class ServerConfig:
     max_body_bytes: int = 32 * MIB  # a larger body (after decompression): 413, unparsed
     timeout_ms: float = 10_000.0  # per-request deadline: 504 past it; unrun inputs leave the queue
     drain_grace_s: float = 30.0  # on SIGTERM: time to answer accepted requests, then 503 the rest
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this, or it is closed
     model_threads: int = 0  # CPU threads per model call (0: all cores but one, kept for HTTP)
     model_name: str = "kiln"  # the <name> in /v2/models/<name> (and the Triton model's folder)
 
@@ -193,6 +194,8 @@ def validate_server(s: ServerConfig) -> None:
         raise ArgumentError(f"server.timeout_ms={s.timeout_ms:g}: must be > 0")
     if s.drain_grace_s <= 0:
         raise ArgumentError(f"server.drain_grace_s={s.drain_grace_s:g}: must be > 0")
+    if s.header_timeout_s <= 0:
+        raise ArgumentError(f"server.header_timeout_s={s.header_timeout_s:g}: must be > 0")
     if s.max_inputs_per_request > s.max_queue_size:
         raise ArgumentError(
             f"server.max_inputs_per_request={s.max_inputs_per_request} is larger than "

@@ -17,3 +17,12 @@ class UnsupportedCheckpointError(InferenceError):
 
 class CheckpointPolicyError(InferenceError):
     """A checkpoint refused by the run's env profile (env.require_best_checkpoint)."""
+
+
+class CheckpointMismatchError(InferenceError):
+    """The weights in a checkpoint do not fit the model its config records (a key missing or
+    unexpected, a tensor of another shape)."""
+
+
+class NonFiniteWeightsError(InferenceError):
+    """A checkpoint whose weights hold NaN or Inf: every answer from it would be garbage."""

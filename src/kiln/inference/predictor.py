@@ -169,6 +169,17 @@ class Predictor:
             ]
         return [{"label": names[int(row.argmax())], "probs": row.tolist()} for row in outputs]
 
+    def first_nonfinite(self, outputs: Any) -> int | None:
+        """The index of the first input whose outputs hold NaN or Inf (None: all finite)."""
+        if self.task == "detection":
+            rows = [
+                bool(np.isfinite(d["boxes"]).all() and np.isfinite(d["scores"]).all())
+                for d in outputs
+            ]
+            return next((i for i, ok in enumerate(rows) if not ok), None)
+        finite = np.isfinite(np.asarray(outputs)).reshape(len(outputs), -1).all(axis=1)
+        return None if finite.all() else int(finite.argmin())
+
     def empty_outputs(self) -> Any:
         """What `run` returns for no inputs, without running the model."""
         if self.task == "detection":

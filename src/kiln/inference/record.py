@@ -10,12 +10,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from kiln.checkpoint import load_checkpoint
 from kiln.config import option_from_dict
 from kiln.data.spec import DataSpec
-from kiln.inference.errors import CheckpointPolicyError, UnsupportedCheckpointError
+from kiln.inference.errors import (
+    CheckpointMismatchError,
+    CheckpointPolicyError,
+    NonFiniteWeightsError,
+    UnsupportedCheckpointError,
+)
 from kiln.models import build_model
 from kiln.preprocessing import Recipe, recipe_from_dict
 from kiln.registry import load_plugins
@@ -94,7 +100,59 @@ def read_checkpoint(path: str | Path) -> tuple[ModelRecord, dict[str, Any]]:
     )
     check_supported(record, path)
     check_policy(record, path)
+    check_finite(ckpt["model"], path)
     return record, ckpt["model"]
+
+
+def check_finite(state_dict: dict[str, Any], source: Path) -> None:
+    """Refuse weights (or buffers) holding NaN or Inf, naming the first such tensor."""
+    bad = [
+        key
+        for key, value in state_dict.items()
+        if isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and not bool(value.isfinite().all())
+    ]
+    if bad:
+        first = state_dict[bad[0]]
+        count = int((~first.isfinite()).sum())
+        raise NonFiniteWeightsError(
+            f"{source}: {len(bad)} weight tensor(s) hold NaN or Inf, first {bad[0]!r} "
+            f"({count} of {first.numel()} values); the run that wrote it diverged -- use an "
+            "earlier checkpoint, or retrain"
+        )
+
+
+MAX_KEYS_NAMED = 3  # mismatched keys named per kind in the error
+
+
+def check_weights_fit(model: nn.Module, state_dict: dict[str, Any], source: str) -> None:
+    """The checkpoint's weights against the model rebuilt from its config: the first keys
+    missing, unexpected or of another shape are named (load_state_dict's own error is a
+    multi-line dump that the CLI cannot show as one line)."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    resized = [
+        f"{k} (checkpoint {list(state_dict[k].shape)}, model {list(v.shape)})"
+        for k, v in expected.items()
+        if k in state_dict and tuple(getattr(state_dict[k], "shape", ())) != tuple(v.shape)
+    ]
+    problems = [
+        f"{what} {', '.join(keys[:MAX_KEYS_NAMED])}"
+        + (f" (+{len(keys) - MAX_KEYS_NAMED} more)" if len(keys) > MAX_KEYS_NAMED else "")
+        for what, keys in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("size mismatch", resized),
+        )
+        if keys
+    ]
+    if problems:
+        raise CheckpointMismatchError(
+            f"checkpoint {source}: its weights do not fit the model its config records: "
+            f"{'; '.join(problems)}; use the checkpoint as its training run wrote it"
+        )
 
 
 def read_sidecar(onnx_path: Path) -> ModelRecord:
@@ -122,5 +180,6 @@ def rebuild_model(record: ModelRecord, state_dict: dict[str, Any]) -> nn.Module:
     aux_head = any(key.startswith("aux.") for key in state_dict)
     model_cfg = option_from_dict("model", record.config["model"])
     model = build_model(record.spec, model_cfg, aux_head=aux_head)
+    check_weights_fit(model, state_dict, f"{record.checkpoint_name} ({record.model_name})")
     model.load_state_dict(state_dict)
     return model.eval()

@@ -12,6 +12,9 @@ import torch
 
 from kiln.preprocessing.errors import InputError, describe_shape
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT64_MAX = float(np.finfo(np.float64).max)
+
 
 def normalise(images: np.ndarray | torch.Tensor, mean: list[float], std: list[float]):
     """(N, C, H, W) float images -> standardised float32 tensor, per channel."""
@@ -170,11 +173,48 @@ def numeric_array(item: Any, index: int, expected: str) -> np.ndarray:
         try:
             array = np.asarray(item)
         except (ValueError, TypeError, OverflowError):
-            raise refusal from None  # ragged nesting, or an integer too large for a float
+            raise refusal from None  # ragged nesting
+        if array.dtype == object:  # integers beyond int64 (2**70) hold numpy's objects
+            array = _big_integers(array, index, refusal)
         if array.dtype.kind not in "fiu" or _has_bool(item):
             raise refusal
+    if array.dtype.kind == "f" and array.dtype.itemsize > 4:
+        _check_float32_range(array, index)
     with np.errstate(over="ignore"):  # beyond float32: inf, which check_values refuses
         return array.astype(np.float32, copy=False)
+
+
+def _big_integers(array: np.ndarray, index: int, refusal: InputError) -> np.ndarray:
+    """An object array of plain numbers (some integers too large for int64) as float64, so the
+    range check can say what is wrong; anything else in it is refused as not a number."""
+    values = array.ravel()
+    if not all(type(v) in (int, float) for v in values):
+        raise refusal
+    try:
+        return np.asarray(values.tolist(), dtype=np.float64).reshape(array.shape)
+    except OverflowError:
+        big = next(v for v in values if isinstance(v, int) and abs(v) > FLOAT64_MAX)
+        raise InputError(
+            f"item {index}: the pixel value {_short_int(big)} is out of range (beyond float32, "
+            f"|x| <= {FLOAT32_MAX:.4g})",
+            index,
+        ) from None
+
+
+def _check_float32_range(array: np.ndarray, index: int) -> None:
+    with np.errstate(invalid="ignore"):
+        beyond = np.isfinite(array) & (np.abs(array) > FLOAT32_MAX)
+    if beyond.any():
+        raise InputError(
+            f"item {index}: the pixel value {float(array[beyond][0]):.4g} is out of range "
+            f"(beyond float32, |x| <= {FLOAT32_MAX:.4g})",
+            index,
+        )
+
+
+def _short_int(value: int) -> str:
+    digits = str(abs(value))
+    return f"{'-' if value < 0 else ''}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
 
 
 def _has_bool(item: Any) -> bool:

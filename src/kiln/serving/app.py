@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import time
 
@@ -36,6 +37,28 @@ async def _internal_error(request: Request, err: Exception) -> JSONResponse:
     return JSONResponse({key: f"internal error: {type(err).__name__}"}, status_code=500)
 
 
+class CloseWhenDraining:
+    """ASGI middleware: once the server drains, every answer says Connection: close, so a
+    kept-alive client opens no further request on a connection that is about to close."""
+
+    def __init__(self, app, state: ServingState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_closing(message):
+            if message["type"] == "http.response.start" and self.state.draining:
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_closing)
+
+
 def create_app(predictor: Predictor, config: ServerConfig | None = None, **overrides) -> FastAPI:
     """The app for one predictor. `overrides` replace fields of `config` (e.g. max_batch_size=8);
     the result is validated as `python infer.py mode=serve` would."""
@@ -51,6 +74,7 @@ def create_app(predictor: Predictor, config: ServerConfig | None = None, **overr
         metrics=metrics,
     )
     state = ServingState(predictor, batcher, metrics, config)
+    batcher.more_coming = lambda: bool(state.arriving)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,6 +83,11 @@ def create_app(predictor: Predictor, config: ServerConfig | None = None, **overr
         # Warm-up: one real input through the model before readiness says yes.
         example = predictor.convert([predictor.example_input()])
         await batcher.submit(example, 1, time.monotonic() + WARMUP_TIMEOUT_S)
+        # The objects of start-up (torch, the model, the web stack: millions) never become
+        # garbage: frozen, the collector stops re-scanning them, which was a pause of tens of
+        # milliseconds that every request in flight waited out (the p99).
+        gc.collect()
+        gc.freeze()
         state.ready = True
         log.info("model %s ready (%s)", config.model_name, predictor.backend.platform)
         try:
@@ -82,4 +111,5 @@ def create_app(predictor: Predictor, config: ServerConfig | None = None, **overr
     document = openapi_document(predictor, config)
     app.openapi = lambda: document
     app.add_middleware(CountStatuses, metrics=metrics)
+    app.add_middleware(CloseWhenDraining, state=state)
     return app

@@ -1,11 +1,15 @@
 """Dynamic batching that holds under load and bad input.
 
 Requests arrive already validated and converted, one `Job` each (its items: an array of raw
-pixels, a list of texts or of images). The loop waits until `max_batch_size` inputs are queued or
-the oldest has waited `max_delay_ms`, then fills one batch fairly: every waiting job gets a share
-before any job gets more, and a job with inputs left goes to the back of the queue. So a request
-of 20,000 inputs is split across many model calls and a small request that arrives meanwhile
-rides in the next one. The model runs in one worker thread; the event loop keeps serving.
+pixels, a list of texts or of images). When the model is free the loop takes what is queued at
+once -- unless requests the server has already admitted are still on their way to the queue
+(their bodies being read or parsed: `more_coming`), for which it waits until `max_batch_size`
+inputs are queued or the oldest has waited `max_delay_ms`. So a lone request never waits out the
+window, and a burst still rides in one model call. It then fills one batch fairly: every
+waiting job gets a share before any job gets more, and a job with inputs left goes to the back
+of the queue. So a request of 20,000 inputs is split across many model calls and a small
+request that arrives meanwhile rides in the next one. The model runs in one worker thread; the
+event loop keeps serving.
 
 Failures stay with their request. If a batched call raises, the batch is split in halves and
 each half retried, down to single inputs: only the request whose input fails gets the error
@@ -43,6 +47,10 @@ log = logging.getLogger(__name__)
 
 SECONDS_PER_INPUT_PRIOR = 1e-3  # the Retry-After estimate before the first batch is timed
 EMA_WEIGHT = 0.2  # how fast the per-input time estimate follows new batches
+SECONDS_PER_CALL_PRIOR = 1.0  # before the first call is timed: as if slow (the thread)
+# A model call shorter than this runs on the event loop (it blocks other requests for at most
+# about this long): for a tiny model the thread hand-off was most of a request's time.
+INLINE_CALL_S = 0.0005
 
 
 @dataclass(eq=False)
@@ -90,6 +98,7 @@ class DynamicBatcher:
         max_delay_ms: float,
         max_queue_size: int,
         metrics: ServingMetrics,
+        more_coming: Callable[[], bool] = lambda: True,
     ):
         self.run = run  # validated items -> outputs, one per item, in order
         self.join = join  # [items or outputs of several slices] -> one
@@ -97,7 +106,9 @@ class DynamicBatcher:
         self.max_delay_s = max_delay_ms / 1000
         self.max_queue_size = max_queue_size  # inputs, all waiting jobs together
         self.metrics = metrics
+        self.more_coming = more_coming  # admitted requests not yet queued? (default: assume so)
         self.seconds_per_input = SECONDS_PER_INPUT_PRIOR
+        self.seconds_per_call = SECONDS_PER_CALL_PRIOR  # in the thread until measured faster
         self._queue: collections.deque[Job] = collections.deque()
         self._queued_inputs = 0  # inputs of queued jobs not yet taken into a batch
         self._arrived = asyncio.Event()
@@ -208,13 +219,18 @@ class DynamicBatcher:
                 self.metrics.loop_errors.inc()
                 await asyncio.sleep(0)
 
+    def wake(self) -> None:
+        """Something the gathering waits on changed (e.g. an admitted request will not come)."""
+        self._arrived.set()
+
     async def _gather(self) -> None:
-        """Return once the queue holds a full batch, or its oldest job has waited long enough."""
+        """Return once the queue holds a full batch, or nothing more is on its way, or its
+        oldest job has waited long enough."""
         while not self._queue:
             self._arrived.clear()
             await self._arrived.wait()
         deadline = self._queue[0].enqueued_at + self.max_delay_s
-        while self._queued_inputs < self.max_batch_size:
+        while self._queued_inputs < self.max_batch_size and self.more_coming():
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._queue:
                 return
@@ -282,18 +298,24 @@ class DynamicBatcher:
             raise
 
     async def _call(self, slices: list[Slice]) -> Any:
-        """One model call in the worker thread over these slices' items."""
+        """One model call over these slices' items: in the worker thread, or -- for a model
+        whose calls take less than INLINE_CALL_S -- right here, where handing the call to the
+        thread and its answer back (two thread wake-ups, each waiting for a core on a busy
+        machine) cost more than the call itself."""
         items = self.join([piece.job.items[piece.start : piece.stop] for piece in slices])
         count = sum(piece.size for piece in slices)
         self.metrics.batch_size.observe(count)
         started = time.perf_counter()
         try:
             with self.metrics.inference.time():
+                if self.seconds_per_call < INLINE_CALL_S:
+                    return self.run(items)
                 loop = asyncio.get_running_loop()
                 return await loop.run_in_executor(self._executor, self.run, items)
         finally:
-            per_input = (time.perf_counter() - started) / count
-            self.seconds_per_input += EMA_WEIGHT * (per_input - self.seconds_per_input)
+            seconds = time.perf_counter() - started
+            self.seconds_per_input += EMA_WEIGHT * (seconds / count - self.seconds_per_input)
+            self.seconds_per_call += EMA_WEIGHT * (seconds - self.seconds_per_call)
 
     async def _run_isolated(self, slices: list[Slice]) -> None:
         """Run these slices together; if the call raises, split in halves and retry each, so

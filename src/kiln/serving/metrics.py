@@ -72,10 +72,32 @@ class ServingMetrics:
             "Requests past their deadline (504); their unrun inputs left the queue",
             registry=r,
         )
+        self.header_timeouts = Counter(
+            "kiln_header_timeouts",
+            "Connections closed because a request's headers did not arrive within "
+            "server.header_timeout_s",
+            registry=r,
+        )
         self.draining = Gauge("kiln_draining", "1 while shutting down (SIGTERM seen)", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+ENDPOINT_KEY = "kiln.endpoint"  # the scope's route template, for routes FastAPI does not label
+
+
+def add_plain_route(app, path: str, endpoint, methods: list[str]) -> None:
+    """`endpoint(request)` as a plain Starlette route: no FastAPI dependency solving per
+    request (a share of every inference request; kiln.serving.openapi documents the route).
+    FastAPI does not put such a route in the scope, so its template is put there for
+    CountStatuses' label."""
+
+    async def labelled(request):
+        request.scope[ENDPOINT_KEY] = path
+        return await endpoint(request)
+
+    app.add_route(path, labelled, methods=methods)
 
 
 class CountStatuses:
@@ -114,9 +136,8 @@ class CountStatuses:
                 self.record(scope, status or 500, time.perf_counter() - started)
 
     def record(self, scope, status: int, seconds: float) -> None:
-        route = scope.get("route")
         # The route template (/v2/models/{name}) keeps label cardinality bounded.
-        endpoint = getattr(route, "path", "unmatched")
+        endpoint = scope.get(ENDPOINT_KEY) or getattr(scope.get("route"), "path", "unmatched")
         self.metrics.requests.labels(endpoint, str(status)).inc()
         if status >= 400:
             self.metrics.errors.labels(endpoint).inc()

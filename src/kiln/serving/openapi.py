@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.config.infer import ServerConfig
@@ -18,6 +19,11 @@ from kiln.preprocessing.image_list import MIN_SIDE
 from kiln.serving.v2 import VERSION, signature
 
 FLOAT32_MAX = 3.4028234663852886e38
+MAX_EXAMPLE_VALUES = 4096  # an example image larger than this is left out of the document
+DATA_MATCHES_SHAPE = (
+    "data holds exactly prod(shape) values -- a shape [2, C, H, W] takes 2*C*H*W numbers -- "
+    "flat in row-major order or nested exactly as shape; any other count is answered 400"
+)
 JSON = "application/json"
 
 
@@ -102,6 +108,23 @@ def _v2_data(predictor: Predictor) -> dict:
     return {"anyOf": [flat, nested]}
 
 
+def _v2_examples(predictor: Predictor) -> list[dict]:
+    """A valid request of one input (the warm-up input, a detector's at its smallest size):
+    its data count is prod(shape). None for images too large to print in a document."""
+    (spec,) = signature(predictor)[0].values()
+    if spec.datatype == "BYTES":
+        shape, data = [1], [str(predictor.example_input())]
+    else:
+        example = np.asarray(predictor.example_input())
+        if predictor.preprocess.input_kind == "image_list":
+            example = example[:, :MIN_SIDE, :MIN_SIDE]
+        if example.size > MAX_EXAMPLE_VALUES:
+            return []
+        shape, data = [1, *example.shape], example.ravel().tolist()
+    tensor = {"name": spec.name, "shape": shape, "datatype": spec.datatype, "data": data}
+    return [{"inputs": [tensor]}]
+
+
 def _v2_input(predictor: Predictor, config: ServerConfig) -> dict:
     (spec,) = signature(predictor)[0].values()
     batch = {"type": "integer", "minimum": 0, "maximum": config.max_inputs_per_request}
@@ -115,6 +138,8 @@ def _v2_input(predictor: Predictor, config: ServerConfig) -> dict:
         "type": "object",
         "required": ["name", "shape", "datatype", "data"],
         "additionalProperties": False,
+        "description": DATA_MATCHES_SHAPE,
+        "examples": [example["inputs"][0] for example in _v2_examples(predictor)],
         "properties": {
             "name": {"const": spec.name},
             "datatype": {"const": spec.datatype},
@@ -125,10 +150,7 @@ def _v2_input(predictor: Predictor, config: ServerConfig) -> dict:
                 "minItems": len(dims),
                 "maxItems": len(dims),
             },
-            "data": {
-                **_v2_data(predictor),
-                "description": "exactly prod(shape) values, flat or nested as shape, row-major",
-            },
+            "data": {**_v2_data(predictor), "description": DATA_MATCHES_SHAPE},
         },
     }
 
@@ -232,8 +254,15 @@ def _schemas(predictor: Predictor, config: ServerConfig) -> dict[str, Any]:
             "type": "object",
             "required": ["inputs"],
             "additionalProperties": False,
+            "description": (
+                "A tensor's data holds exactly prod(shape) values, flat or nested as shape; "
+                "model_name and model_version, when sent, name the path's model and version."
+            ),
+            "examples": _v2_examples(predictor),
             "properties": {
                 "id": string,
+                "model_name": {"const": config.model_name},
+                "model_version": {"const": VERSION},
                 "parameters": {
                     "type": "object",
                     "additionalProperties": False,

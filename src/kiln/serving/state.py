@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from kiln.config.infer import ServerConfig
 from kiln.inference import Predictor
@@ -27,10 +28,13 @@ from kiln.serving.errors import (
     BatcherClosed,
     ClientGone,
     DeadlineExceeded,
+    ModelFailed,
     PayloadTooLarge,
     Unavailable,
 )
 from kiln.serving.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
 
 OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
 DRAIN_RETRY_AFTER_S = 5.0  # what a client is told to wait while this server drains
@@ -49,6 +53,9 @@ class ServingState:
     ready: bool = False
     draining: bool = False
     inflight: int = 0  # inference requests admitted and not yet answered
+    # The tasks of admitted requests not yet in the batcher's queue: while there are some, a
+    # batch waits for them (up to server.max_delay_ms); when there are none, it goes at once.
+    arriving: set = field(default_factory=set)
     loop: asyncio.AbstractEventLoop | None = None  # the serving loop (signals hand work to it)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _parser: ThreadPoolExecutor = field(
@@ -70,12 +77,21 @@ class ServingState:
             raise Unavailable("the model is loading; retry shortly")
         self.inflight += 1
         self._idle.clear()
+        task = asyncio.current_task()
+        self.arriving.add(task)
         try:
             yield time.monotonic() + self.config.timeout_ms / 1000
         finally:
             self.inflight -= 1
             if self.inflight == 0:
                 self._idle.set()
+            self._queued(task)
+
+    def _queued(self, task) -> None:
+        """This request is no longer on its way to the queue (queued, refused or failed)."""
+        if task in self.arriving:
+            self.arriving.discard(task)
+            self.batcher.wake()
 
     def begin_drain(self) -> None:
         """From now on readiness says 503 and new inference requests get 503; those admitted
@@ -90,12 +106,15 @@ class ServingState:
 
     async def read_body(self, request: Request, deadline: float) -> bytes:
         """The body (see `read_body`), which must arrive before the request's deadline: a
-        client trickling it in cannot hold a place, or a drain, for ever."""
+        client trickling it in cannot hold a place, or a drain, for ever. A client that leaves
+        before its body is all here is ClientGone (499), like one that leaves later."""
         try:
             async with asyncio.timeout(deadline - time.monotonic()):
                 return await read_body(request, self.config.max_body_bytes)
         except TimeoutError:
             raise DeadlineExceeded("the body did not arrive within server.timeout_ms") from None
+        except ClientDisconnect:
+            raise client_gone(request, "before sending its whole body") from None
 
     async def offload(self, size: int, fn, *args) -> Any:
         """fn(*args) here for small work, in the parsing thread for large bodies, so the event
@@ -111,19 +130,42 @@ class ServingState:
         if count == 0:
             return self.predictor.empty_outputs()
         work = asyncio.ensure_future(self.batcher.submit(items, count, deadline))
+        await asyncio.sleep(0)  # submit() queues the job before its first await
+        self._queued(asyncio.current_task())
         gone = asyncio.ensure_future(_until_disconnected(request))
         try:
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
         if work in done:
-            return work.result()
+            return self._finite(work.result())
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
-        raise ClientGone("the client closed the connection before its answer")
+        raise client_gone(request, "before its answer")
+
+    def _finite(self, outputs: Any) -> Any:
+        """JSON has no NaN or Inf, and a probability that is one is no answer: such outputs
+        are the model failing on that input (500), never a number in the body."""
+        index = self.predictor.first_nonfinite(outputs)
+        if index is not None:
+            log.error("the model's outputs for one input hold NaN or Inf")
+            raise ModelFailed(
+                f"the model's outputs for item {index} hold NaN or Inf (finite weights, valid "
+                "input: a numerical overflow in the model)"
+            )
+        return outputs
 
     def close(self) -> None:
         self._parser.shutdown(wait=False)
+
+
+def client_gone(request: Request, when: str) -> ClientGone:
+    """ClientGone (counted as 499; nothing can be sent), and its one log line: a client that
+    hangs up is not a server error, and must not flood the log."""
+    client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+    message = f"the client closed the connection {when}"
+    log.warning("499 %s %s from %s: %s", request.method, request.url.path, client, message)
+    return ClientGone(message)
 
 
 async def _until_disconnected(request: Request) -> None:

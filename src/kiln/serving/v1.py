@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.preprocessing import InputError
 from kiln.serving.errors import ServingError
+from kiln.serving.metrics import add_plain_route
 from kiln.serving.oip import loads_json
 from kiln.serving.state import ServingState
 
@@ -55,10 +56,9 @@ def add_v1_routes(app: FastAPI, state: ServingState) -> None:
 
     def render(outputs) -> bytes:
         answers = predictor.answers(outputs)
-        return json.dumps({"predictions": answers}, separators=(",", ":")).encode()
+        return json.dumps({"predictions": answers}, separators=(",", ":"), allow_nan=False).encode()
 
-    @app.post("/v1/predict")
-    async def predict(request: Request):
+    async def predict(request: Request) -> Response:
         try:
             async with state.admitted() as deadline:
                 body = await state.read_body(request, deadline)
@@ -68,6 +68,8 @@ def add_v1_routes(app: FastAPI, state: ServingState) -> None:
         except (InputError, ServingError) as err:
             return v1_error(err)
         return Response(answer, media_type="application/json")
+
+    add_plain_route(app, "/v1/predict", predict, ["POST"])
 
     @app.get("/healthz")
     async def healthz():

@@ -29,8 +29,10 @@ import kiln
 from kiln.inference import Predictor
 from kiln.preprocessing import InputError
 from kiln.serving.errors import ServingError
+from kiln.serving.metrics import add_plain_route
 from kiln.serving.oip import (
     HEADER_LENGTH,
+    ModelPath,
     OutputTensor,
     TensorSpec,
     answer_tensors,
@@ -161,9 +163,9 @@ def add_v2_routes(app: FastAPI, state: ServingState) -> None:
     (input_spec,) = inputs.values()
     per_input = max_elements_per_input(predictor)
 
-    def parse_and_convert(body: bytes, header_length: str | None):
+    def parse_and_convert(body: bytes, header_length: str | None, model: ModelPath):
         request = parse_infer_request(
-            body, header_length, inputs, outputs, config.max_inputs_per_request, per_input
+            body, header_length, model, inputs, outputs, config.max_inputs_per_request, per_input
         )
         tensor = request.inputs[0]
         count = tensor.shape[0]
@@ -187,8 +189,9 @@ def add_v2_routes(app: FastAPI, state: ServingState) -> None:
             async with state.admitted() as deadline:
                 body = await state.read_body(request, deadline)
                 header_length = request.headers.get(HEADER_LENGTH)
+                model = ModelPath(name, version, VERSION)
                 parsed, items, count = await state.offload(
-                    len(body), parse_and_convert, body, header_length
+                    len(body), parse_and_convert, body, header_length, model
                 )
                 if parsed.timeout_us is not None:  # the client's own deadline, if sooner
                     deadline = min(deadline, time.monotonic() + parsed.timeout_us / 1e6)
@@ -245,10 +248,12 @@ def add_v2_routes(app: FastAPI, state: ServingState) -> None:
     async def version_config(name: str, version: str):
         return not_found(name, version, state) or model_config(state)
 
-    @app.post("/v2/models/{name}/infer")
-    async def infer_route(name: str, request: Request):
-        return await infer(request, name, None)
+    async def infer_route(request: Request) -> Response:
+        return await infer(request, request.path_params["name"], None)
 
-    @app.post("/v2/models/{name}/versions/{version}/infer")
-    async def version_infer(name: str, version: str, request: Request):
-        return await infer(request, name, version)
+    async def version_infer(request: Request) -> Response:
+        params = request.path_params
+        return await infer(request, params["name"], params["version"])
+
+    add_plain_route(app, "/v2/models/{name}/infer", infer_route, ["POST"])
+    add_plain_route(app, "/v2/models/{name}/versions/{version}/infer", version_infer, ["POST"])
