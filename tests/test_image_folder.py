@@ -610,3 +610,63 @@ def test_make_example_photos_reproduces_the_shipped_folder(tmp_path):
     assert size < 500_000
     for p in made[::10]:  # the same pixels (JPEG encoding is deterministic for one libjpeg)
         assert np.array_equal(_pil(out / p, "RGB"), _pil(EXAMPLES / p, "RGB"))
+
+
+def test_server_takes_image_files_in_v1_base64_and_v2_bytes(photo_run):
+    """The server on the bytes of the test photos (PNG among them) answers what the
+    evaluation's DataLoader computes: v1 base64 strings and {"b64": ...}, v2 BYTES over JSON
+    (base64) and the binary extension (raw bytes), and tritonclient's own BYTES input."""
+    import base64
+    import struct
+
+    import httpx
+    import tritonclient.http as triton
+
+    from kiln.serving import create_app
+
+    from .inference_helpers import live_server
+
+    ckpt, cfg = photo_run
+    sources, expected = _loader_probs(ckpt, cfg)
+    files = [Path(p).read_bytes() for p in sources]
+    encoded = [base64.b64encode(f).decode() for f in files]
+    predictor = Predictor.from_checkpoint(ckpt)
+    with live_server(create_app(predictor, max_batch_size=8, max_delay_ms=2)) as server:
+        v1 = httpx.post(f"{server.url}/v1/predict", json={"inputs": encoded}, timeout=60)
+        assert v1.status_code == 200, v1.text
+        got = np.array([p["probs"] for p in v1.json()["predictions"]])
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+        wrapped = [{"b64": e} for e in encoded[:2]]
+        v1b = httpx.post(f"{server.url}/v1/predict", json={"inputs": wrapped}, timeout=60)
+        np.testing.assert_allclose(
+            [p["probs"] for p in v1b.json()["predictions"]], expected[:2], atol=1e-5
+        )
+        bad = httpx.post(f"{server.url}/v1/predict", json={"inputs": [encoded[0], "bm90IGFu"]})
+        assert bad.status_code == 422 and "item 1: not a readable image" in bad.json()["detail"]
+
+        body = {"inputs": [{"name": "input", "datatype": "BYTES", "shape": [len(encoded)],
+                            "data": encoded}]}  # fmt: skip
+        v2 = httpx.post(f"{server.url}/v2/models/kiln/infer", json=body, timeout=60)
+        assert v2.status_code == 200, v2.text
+        probs = next(o for o in v2.json()["outputs"] if o["name"] == "probs")
+        np.testing.assert_allclose(
+            np.array(probs["data"]).reshape(len(files), -1), expected, atol=1e-5
+        )
+
+        client = triton.InferenceServerClient(server.url.removeprefix("http://"))
+        tensor = triton.InferInput("input", [len(files)], "BYTES")
+        tensor.set_data_from_numpy(np.array(files, dtype=object), binary_data=True)
+        result = client.infer("kiln", [tensor], outputs=[triton.InferRequestedOutput("probs")])
+        np.testing.assert_allclose(result.as_numpy("probs"), expected, atol=1e-5)
+        client.close()
+
+        raw = b"".join(struct.pack("<I", len(f)) + f for f in files[:1])
+        header = json.dumps({"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1],
+                             "parameters": {"binary_data_size": len(raw)}}]}).encode()  # fmt: skip
+        v2b = httpx.post(
+            f"{server.url}/v2/models/kiln/infer",
+            content=header + raw,
+            headers={"Inference-Header-Content-Length": str(len(header))},
+            timeout=60,
+        )
+        assert v2b.status_code == 200, v2b.text

@@ -14,6 +14,8 @@ The content type is not looked at: clients send JSON and binary bodies under man
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import struct
@@ -57,9 +59,15 @@ class TensorSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
+    # Image models trained on image files also take this input as BYTES of shape [N]: the
+    # encoded files (binary extension: raw bytes; JSON: base64 strings).
+    image_files: bool = False
 
     def metadata(self) -> dict[str, Any]:
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+    def files_variant(self) -> TensorSpec:
+        return TensorSpec(self.name, "BYTES", (-1,))
 
 
 @dataclass
@@ -104,6 +112,15 @@ class Encoded:
 
 # ---------------------------------------------------------------------------------------------
 # Requests
+
+
+def base64_file(text: str, where: str) -> bytes:
+    """An encoded file sent as a base64 string in JSON (padding and line breaks tolerated)."""
+    try:
+        return base64.b64decode(text, validate=False)
+    except (binascii.Error, ValueError) as err:
+        message = f"{where}: not base64 ({err}); send the file's bytes base64-encoded"
+        raise BadRequest(message) from None
 
 
 def loads_json(text: bytes) -> Any:
@@ -257,9 +274,14 @@ def _decode_input(
     """(the tensor, how many bytes of `binary` it used)."""
     _check_keys(tensor, INPUT_KEYS, where)
     datatype, shape = tensor.get("datatype"), tensor.get("shape")
+    files = spec.image_files and datatype == "BYTES"
+    if files:
+        spec = spec.files_variant()
     _require(
         datatype == spec.datatype,
-        f"{where}: datatype must be {spec.datatype}, got {datatype!r}",
+        f"{where}: datatype must be {spec.datatype}"
+        + (" (or BYTES: encoded image files)" if spec.image_files else "")
+        + f", got {datatype!r}",
     )
     _require(
         isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape),
@@ -290,12 +312,14 @@ def _decode_input(
     )
     if size is None:
         data = _json_data(tensor["data"], datatype, shape, where)
+        if files:
+            data = [base64_file(text, f"{where} element {i}") for i, text in enumerate(data)]
         return Tensor(spec.name, datatype, tuple(shape), data), 0
     _require(
         size <= len(binary),
         f"{where}: binary_data_size is {size} but only {len(binary)} bytes follow",
     )
-    data = _binary_data(binary[:size], datatype, count, where)
+    data = _binary_data(binary[:size], datatype, count, where, text=not files)
     return Tensor(spec.name, datatype, tuple(shape), data), size
 
 
@@ -367,9 +391,11 @@ def _json_data(data: Any, datatype: str, shape: list[int], where: str) -> np.nda
     return np.asarray(flat, dtype=NUMPY_TYPES[datatype])
 
 
-def _binary_data(raw: bytes, datatype: str, count: int, where: str) -> np.ndarray | list[str]:
+def _binary_data(
+    raw: bytes, datatype: str, count: int, where: str, text: bool = True
+) -> np.ndarray | list[str] | list[bytes]:
     if datatype == "BYTES":
-        return _bytes_elements(raw, count, where)
+        return _bytes_elements(raw, count, where, text)
     dtype = NUMPY_TYPES[datatype]
     _require(
         len(raw) == count * dtype.itemsize,
@@ -379,14 +405,19 @@ def _binary_data(raw: bytes, datatype: str, count: int, where: str) -> np.ndarra
     return np.frombuffer(raw, dtype=dtype)
 
 
-def _bytes_elements(raw: bytes, count: int, where: str) -> list[str]:
-    """BYTES: each element a 4-byte little-endian length then that many bytes (UTF-8 text)."""
+def _bytes_elements(raw: bytes, count: int, where: str, text: bool = True) -> list:
+    """BYTES: each element a 4-byte little-endian length then that many bytes (UTF-8 text, or
+    kept as bytes when not `text`: encoded image files)."""
     texts, offset = [], 0
     for i in range(count):
         _require(offset + 4 <= len(raw), f"{where}: BYTES data ends before element {i}")
         (length,) = struct.unpack_from("<I", raw, offset)
         offset += 4
         _require(offset + length <= len(raw), f"{where}: BYTES element {i} runs past the data")
+        if not text:
+            texts.append(raw[offset : offset + length])
+            offset += length
+            continue
         try:
             texts.append(raw[offset : offset + length].decode("utf-8"))
         except UnicodeDecodeError as err:

@@ -4,6 +4,8 @@ request or input, 413, 499, 500, 503 (with Retry-After) and 504 as the limits sa
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 
 from fastapi import FastAPI, Request, Response
@@ -46,12 +48,31 @@ def parse_inputs(body: bytes, max_inputs: int) -> list:
     return inputs
 
 
+def encoded_file(item, index: int):
+    """A v1 input of an image-file model: a base64 string or {"b64": <base64>} becomes the
+    file's bytes; pixel arrays pass through."""
+    if isinstance(item, dict) and set(item) == {"b64"}:
+        item = item["b64"]
+    if not isinstance(item, str):
+        return item
+    try:
+        return base64.b64decode(item, validate=False)
+    except (binascii.Error, ValueError) as err:
+        raise InputError(
+            f"item {index}: a string input must be an image file, base64-encoded ({err})", index
+        ) from None
+
+
 def add_v1_routes(app: FastAPI, state: ServingState) -> None:
     predictor = state.predictor
     config = state.config
 
+    takes_files = getattr(predictor.preprocess, "takes_files", False)
+
     def parse_and_convert(body: bytes):
         inputs = parse_inputs(body, config.max_inputs_per_request)
+        if takes_files:  # image files as base64 strings (or {"b64": ...}, as TF Serving sends)
+            inputs = [encoded_file(item, i) for i, item in enumerate(inputs)]
         return predictor.convert(inputs), len(inputs)
 
     def render(outputs) -> bytes:

@@ -55,7 +55,8 @@ def signature(predictor: Predictor) -> tuple[dict[str, TensorSpec], dict[str, Te
     elif kind == "image_list":
         inputs = [TensorSpec("input", "FP32", (-1, spec.channels, -1, -1))]
     else:
-        inputs = [TensorSpec("input", "FP32", (-1, spec.channels, *spec.image_size))]
+        files = getattr(predictor.preprocess, "takes_files", False)
+        inputs = [TensorSpec("input", "FP32", (-1, spec.channels, *spec.image_size), files)]
     if predictor.task == "detection":
         outputs = [
             TensorSpec("boxes", "FP32", (-1, 4)),
@@ -169,7 +170,7 @@ def add_v2_routes(app: FastAPI, state: ServingState) -> None:
         )
         tensor = request.inputs[0]
         count = tensor.shape[0]
-        if input_spec.datatype == "BYTES":
+        if tensor.datatype == "BYTES":  # texts, or an image model's encoded files
             items = predictor.convert(tensor.data)
         else:
             items = predictor.convert_tensor(np.asarray(tensor.data).reshape(tensor.shape))
