@@ -26,7 +26,7 @@ class ResumeError(UserError, ValueError):
 
 # What inference needs from a checkpoint; a weights-only best.pt holds just these.
 INFERENCE_KEYS = ("model", "config", "preprocessing", "data_spec", "model_name", "kiln_version",
-                  "state", "contract")  # fmt: skip
+                  "state", "contract", "plugins")  # fmt: skip
 
 
 def resumable(checkpoint: dict) -> bool:
@@ -95,6 +95,21 @@ class Checkpointer:
             self.save(f"epoch-{state.epoch}.pt", snapshot)
             if self.is_main:
                 files.prune_epoch_checkpoints(self.directory, self.cfg.keep_last_k)
+
+    def adopt_best(self, source: Path, state) -> None:
+        """A run resumed into a new directory keeps what a run has: the best.pt beside the
+        checkpoint it resumed (best.pt stays the best of the whole run), or, without one, a
+        best.pt written at its next evaluation."""
+        theirs = Path(source).parent / "best.pt"
+        if self.sharded is None and theirs.is_file():  # a sharded best.pt names its own folder
+            if self.is_main:
+                files.atomic_save(
+                    files.load_checkpoint(theirs, consolidate=False), self.directory / "best.pt"
+                )
+            log.info("resumed into %s: best.pt copied from %s", self.directory, theirs)
+            return
+        state.best_metric = None  # the next evaluation writes this directory's best.pt
+        log.info("resumed into %s: best.pt is written at the next evaluation", self.directory)
 
     def resume_source(self, resume: str | None) -> tuple[Path, dict] | None:
         """(path, checkpoint) to continue from: resume=auto takes the newest valid file in this
