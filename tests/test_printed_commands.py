@@ -22,9 +22,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kiln.checkpoint import load_checkpoint
 from kiln.cli.paths import REPO_ROOT
 
-from .conftest import SUBPROCESS_ENV, train_in_process
+from .conftest import SUBPROCESS_ENV, compose_config, train_in_process
 from .inference_helpers import free_port
 
 SMALL = ("trainer.max_steps=3", "trainer.limit_val_batches=2", "env.progress_bar=false")
@@ -310,7 +311,8 @@ def test_a_run_resumed_into_a_new_folder_has_everything_a_run_has(tmp_path):
     train_in_process(first, *SMALL, "logger=none")
     again = tmp_path / "again"
     train_in_process(again, *SMALL, "logger=none", f"resume={first}/checkpoints/last.pt")
-    assert (again / "checkpoints" / "best.pt").is_file()
+    copied = load_checkpoint(again / "checkpoints" / "best.pt")
+    assert copied["state"] == load_checkpoint(first / "checkpoints" / "best.pt")["state"]
     assert (again / "checkpoints" / "last.pt").is_file()
     assert (again / "curves.png").is_file()  # drawn only from a history with training losses
 
@@ -374,3 +376,21 @@ def test_printed_commands_are_read_back_as_printed():
         "outputs/latest/checkpoints/best.pt", "x.npy", "o/last.pt", "outputs/2026/09"
     }  # fmt: skip
     assert shlex.split(printed_commands(text)[1])[2] == "plugins=[a]"
+
+
+@pytest.mark.parametrize(("best_step", "copied"), [(3, True), (6, False)])
+def test_a_new_folder_takes_the_best_pt_of_its_past_only(tmp_path, best_step, copied):
+    """Resumed from step 3: a best.pt of step 6 belongs to the original run's future."""
+    from kiln import checkpoint as files
+    from kiln.engine.checkpointer import Checkpointer
+    from kiln.engine.trainer import TrainState
+
+    source = tmp_path / "first" / "checkpoints"
+    files.atomic_save({"model": {}, "state": {"global_step": best_step}}, source / "best.pt")
+    state = TrainState(global_step=3, best_metric=0.9)
+    cfg = compose_config().trainer
+    target = Checkpointer(tmp_path / "again" / "checkpoints", cfg, monitor="val_acc",
+                          monitor_mode="max", is_main=True)  # fmt: skip
+    target.adopt_best(source / "last.pt", state)
+    assert (target.directory / "best.pt").is_file() is copied
+    assert state.best_metric == (0.9 if copied else None)
