@@ -37,7 +37,11 @@ install: $(STAMP) ## build .venv from requirements.lock (idempotent)
 train: install ## train the default experiment (extra overrides: make train ARGS="model=resnet18")
 	$(PY) train.py $(ARGS)
 
+# Measured: see README, Tests. A dot per test; each line of dots ends with the share done.
+TEST_TIME := about N minutes on 2 free CPU cores (M on a busy machine)
+
 test: lint ## ruff + the default test suite (everything but `slow`)
+	@echo "make test: the default suite, $(TEST_TIME); one dot per test, the share done at each line's end"
 	$(PY) -m pytest -m "not slow" -n $(JOBS) $(ARGS)
 
 test-all: lint ## ruff + every test, slow ones included

@@ -230,10 +230,15 @@ def test_a_plugin_run_carries_its_plugins_into_the_commands_it_prints(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_a_plugin_runs_printed_commands_all_run_as_printed(tmp_path):
-    """Predict, export, serve and train longer, each as printed, from the user's folder."""
+    """Predict, export, serve and train longer, each as printed, from the user's folder; the
+    printed command with resume=auto instead of init_from= continues the plugin's run."""
     project, searchpath = plugin_project(tmp_path)
     env = environment()
-    run_every_printed_command(plugin_run(project, searchpath, env), project, env)
+    first = plugin_run(project, searchpath, env)
+    run_every_printed_command(first, project, env)
+    (longer,) = [c for c in first.commands if "train.py" in c]
+    resumed = run_as_printed(re.sub(r"init_from=\S+", "resume=auto", longer), project, env)
+    run_every_printed_command(resumed, project, env)
 
 
 ENTRY_POINT_PLUGIN = '''
@@ -394,3 +399,37 @@ def test_a_new_folder_takes_the_best_pt_of_its_past_only(tmp_path, best_step, co
     target.adopt_best(source / "last.pt", state)
     assert (target.directory / "best.pt").is_file() is copied
     assert state.best_metric == (0.9 if copied else None)
+
+
+def test_a_runs_command_is_read_back_from_its_hydra_folder(tmp_path, monkeypatch):
+    """What triage and the sweep summary print: the run's overrides and search path, without
+    its run directory, its resume or the KILN_OVERRIDES the environment appended."""
+    import yaml
+
+    from kiln.cli.report import preempted
+    from kiln.commands import RunCommand
+
+    monkeypatch.setenv("KILN_OVERRIDES", "trainer.max_steps=5")
+    hydra_dir = tmp_path / "run" / ".hydra"
+    hydra_dir.mkdir(parents=True)
+    task = ["plugins=[my_parts]", "model=plain", "resume=auto", "trainer.max_steps=5"]
+    hydra = ["hydra.run.dir=outputs/x", "hydra.searchpath=[file:///home/me/conf]"]
+    (hydra_dir / "overrides.yaml").write_text(yaml.safe_dump(task))
+    (hydra_dir / "hydra.yaml").write_text(
+        yaml.safe_dump({"hydra": {"overrides": {"hydra": hydra}}})
+    )
+    command = RunCommand.of_run(tmp_path / "run")
+    assert command.overrides == ("plugins=[my_parts]", "model=plain", hydra[1])
+    line = command.train("model=plain2", "optimizer.lr=0.1")
+    assert shlex.split(line)[2:] == [
+        "plugins=[my_parts]",
+        hydra[1],
+        "model=plain2",
+        "optimizer.lr=0.1",
+    ]
+    assert (
+        preempted(tmp_path / "run", command)
+        .splitlines()[1]
+        .split("   #")[0]
+        .endswith("'hydra.searchpath=[file:///home/me/conf]' resume=auto")
+    )
