@@ -332,13 +332,16 @@ def test_resumed_runs_printed_commands_run_as_printed(tmp_path):
     small = " ".join(SMALL)
     assert shell(f"python train.py {small}", home, env).rc == 0
     (run_dir,) = run_dirs(home / "outputs")
-    for resume in ("resume=auto", f"resume={run_dir}/checkpoints/last.pt",
-                   f"resume={run_dir}/checkpoints/last.pt hydra.run.dir=elsewhere"):  # fmt: skip
+    for resume, where in (("resume=auto", run_dir),
+                          (f"resume={run_dir}/checkpoints/last.pt", run_dir),
+                          (f"resume={run_dir}/checkpoints/last.pt hydra.run.dir=elsewhere",
+                           home / "elsewhere")):  # fmt: skip
         resumed = shell(f"python train.py {small} {resume}", home, env)
         assert resumed.rc == 0, resumed.text[-3000:]
+        (printed,) = re.findall(r"^run directory: (\S+)", resumed.text, flags=re.MULTILINE)
+        assert Path(printed).resolve() == where.resolve()  # carried on in the run it resumed
         assert_printed_paths_exist(resumed, home)
         run_every_printed_command(resumed, home, env)
-    assert run_dirs(home / "outputs") == [run_dir]
     assert (home / "elsewhere" / "checkpoints" / "best.pt").is_file()
 
 
