@@ -88,13 +88,15 @@ def next_commands(run_dir: Path, link: Path | None, command: RunCommand, config:
             lines.append(
                 commented(
                     infer(ckpt, *example),
-                    "predict: preds.csv, label + class probabilities (input=: your .npy/.csv)",
+                    "predict: writes preds.csv (input= also takes your .npy, .csv, images)",
                 )
             )
         lines += [
-            commented(infer("mode=export", ckpt), "ONNX: model.onnx beside it, parity-checked"),
             commented(
-                infer("mode=serve", ckpt), "HTTP on 127.0.0.1:8000 (GET /v1/example: a body)"
+                infer("mode=export", ckpt), "ONNX: model.onnx beside it, checked against torch"
+            ),
+            commented(
+                infer("mode=serve", ckpt), "HTTP on 127.0.0.1:8000; GET /v1/example: a body to POST"
             ),
         ]
     last = run_dir / "checkpoints" / "last.pt"
