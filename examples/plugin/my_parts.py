@@ -1,16 +1,19 @@
 """A model of your own, outside src/kiln: one file (and conf/model/tiny.yaml for its values).
 
 cd examples/plugin
-python ../../train.py plugins=[my_parts] hydra.searchpath=[file://$PWD/conf] model=tiny
+python ../../train.py plugins=[my_parts] model=tiny
 """
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
 from kiln.config.model import ClassifierConfig
-from kiln.registry import register_model
+from kiln.registry import register_config_dir, register_model
+
+register_config_dir(Path(__file__).parent / "conf")  # where model=tiny's YAML is
 
 
 @dataclass

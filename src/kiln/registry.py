@@ -9,7 +9,10 @@ kiln's own entries are declared with the import path of their builder
 `kiln.config`), so listing options, composing a config or printing `--help` never imports torch;
 the builder's module is imported when the entry is first built. The registries fill themselves
 on first use (`load_builtins`), whatever was imported before, and a user's modules are imported
-by `load_plugins` (config key `plugins`, or the `kiln.plugins` entry-point group)."""
+by `load_plugins` (config key `plugins`, or the `kiln.plugins` entry-point group). A plugin that
+ships option YAMLs declares their folder with `register_config_dir`, so no hydra.searchpath is
+needed; where each plugin was imported from is recorded (`plugin_sources`) so that its
+checkpoints find it again from any working directory."""
 
 from __future__ import annotations
 
@@ -148,6 +151,8 @@ register_logger = LOGGERS.register
 register_evaluator = EVALUATORS.register
 
 _builtins_loaded = False
+_PLUGIN_SOURCES: dict[str, str] = {}  # module -> the sys.path folder it was imported from
+_CONFIG_DIRS: list[str] = []  # search path entries ("file:///...") of plugins' option YAMLs
 
 
 def load_builtins() -> None:
@@ -160,29 +165,75 @@ def load_builtins() -> None:
         importlib.import_module(module)
 
 
-def load_plugins(modules: Iterable[str] = ()) -> list[str]:
+def load_plugins(modules: Iterable[str] = (), sources: dict[str, str] | None = None) -> list[str]:
     """Import the user's modules (which register entries) and those advertised under the
-    `kiln.plugins` entry-point group. The working directory is importable, as with `python -m`.
-    Returns the module names imported."""
+    `kiln.plugins` entry-point group. The working directory is importable, as with `python -m`;
+    `sources` ({module: folder}, what a checkpoint recorded) are tried after it. Returns the
+    module names imported."""
     load_builtins()
     if str(Path.cwd()) not in sys.path:
         sys.path.append(str(Path.cwd()))
     imported = []
     for module in modules:
         if module not in sys.modules:
-            try:
-                importlib.import_module(module)
-            except ModuleNotFoundError as err:
-                raise ImportError(
-                    f"plugins: cannot import {module!r} ({err}); a plugin is a module name "
-                    "importable from the working directory or PYTHONPATH (my_model for "
-                    "./my_model.py)"
-                ) from None
+            _import_plugin(module, (sources or {}).get(module))
+        _PLUGIN_SOURCES.setdefault(module, _source_folder(module))
         imported.append(module)
     for point in entry_points(group=ENTRY_POINT_GROUP):
         point.load()
         imported.append(point.value)
     return imported
+
+
+def _import_plugin(module: str, recorded: str | None) -> None:
+    try:
+        importlib.import_module(module)
+        return
+    except ModuleNotFoundError as err:
+        if recorded is None or err.name != module.split(".")[0]:
+            raise _not_importable(module, err) from None
+    sys.path.append(recorded)  # where the run that wrote the checkpoint found it
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        raise _not_importable(module, err, recorded) from None
+
+
+def _not_importable(module: str, err: Exception, recorded: str | None = None) -> ImportError:
+    where = f", nor from {recorded} where the run found it" if recorded else ""
+    return ImportError(
+        f"plugins: cannot import {module!r} ({err}{where}); a plugin is a module name importable "
+        "from the working directory or PYTHONPATH (my_model for ./my_model.py)"
+    )
+
+
+def _source_folder(module: str) -> str:
+    """The folder to put on sys.path to import `module` again (its top package's parent)."""
+    top = sys.modules[module.split(".")[0]]
+    location = getattr(top, "__file__", None) or next(iter(getattr(top, "__path__", [])), "")
+    path = Path(location).resolve()
+    return str(path.parent.parent if path.name == "__init__.py" else path.parent)
+
+
+def plugin_sources(modules: Iterable[str]) -> dict[str, str]:
+    """{module: the folder it was imported from} for the given plugin modules."""
+    return {m: _PLUGIN_SOURCES.get(m) or _source_folder(m) for m in modules if m in sys.modules}
+
+
+def register_config_dir(path: str | Path) -> None:
+    """Add a folder of option YAMLs (conf/<group>/<option>.yaml) to the config search path, as
+    hydra.searchpath=[file://<path>] would. A plugin module calls it when imported:
+
+        register_config_dir(Path(__file__).parent / "conf")
+    """
+    entry = str(path) if "://" in str(path) else f"file://{Path(path).resolve()}"
+    if entry not in _CONFIG_DIRS:
+        _CONFIG_DIRS.append(entry)
+
+
+def config_dirs() -> list[str]:
+    """The search path entries plugins registered (kiln's Hydra SearchPathPlugin adds them)."""
+    return list(_CONFIG_DIRS)
 
 
 def describe_registries() -> dict[str, Any]:

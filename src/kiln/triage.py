@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,4 +234,21 @@ def report(path: Path) -> str:
             f"   evidence: {cause.evidence}",
             f"   try: {cause.try_}",
         ]
+    fixes = [(rank, found) for rank, c in enumerate(causes, 1) if (found := overrides_in(c.try_))]
+    if fixes:  # the run's own command line (plugins and search path included) with the fix
+        from kiln.commands import RunCommand
+
+        rank, fix = fixes[0]
+        command = RunCommand.of_run(path).train(*fix)
+        lines.append(f"next: {command}   # a new run with the override of cause {rank}")
     return "\n".join(lines)
+
+
+def overrides_in(advice: str) -> list[str]:
+    """The key=value overrides an advice starts with ("optimizer.lr=0.001 (and ...)")."""
+    found = []
+    for word in advice.split():
+        if not re.fullmatch(r"[a-z_][\w.]*=[^\s;,()]+", word):
+            break
+        found.append(word)
+    return found

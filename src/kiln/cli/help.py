@@ -74,7 +74,8 @@ def overview() -> str:
 
 
 def describe(target: str) -> str:
-    """`group` or `group=option` -> its keys with defaults and meanings."""
+    """`group` or `group=option` -> its keys with defaults and meanings (a plugin's options
+    too: their YAML folders are on the search path, kiln.registry.register_config_dir)."""
     group, _, option = target.partition("=")
     if group not in GROUP_ORDER:
         raise KeyError(f"unknown group {group!r}; groups: {', '.join(GROUP_ORDER)}")
@@ -85,7 +86,8 @@ def describe(target: str) -> str:
         node, DictConfig
     ):
         path = CONF_DIR / group / f"{option}.yaml"
-        return f"{group}={option} ({path}):\n" + path.read_text()
+        text = path.read_text() if path.is_file() else OmegaConf.to_yaml(node)
+        return f"{group}={option} ({path if path.is_file() else 'composed'}):\n" + text
     schema = OmegaConf.get_type(node)
     meanings = field_help(schema)
     title = (schema.__doc__ or "").strip().splitlines()[0] if schema.__doc__ else ""

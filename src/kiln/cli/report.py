@@ -1,17 +1,28 @@
-"""The end of a run, for a person: what happened in one line, where it is, and what to type next.
-Printed in every profile (production's quiet console included); summary.json has the rest."""
+"""The end of a run, for a person: what happened in one line, where it is, and what to type next,
+each command with what it does. Every command works as printed (kiln.commands) and every path
+printed exists. Printed in every profile (production's quiet console included); summary.json has
+the rest."""
 
 from __future__ import annotations
 
+import logging
 import os
-import shlex
 from pathlib import Path
 
+from kiln.commands import RunCommand, infer, shown
+
+log = logging.getLogger("kiln")
+
 LATEST = "latest"  # <output_root>/latest: a link to the newest run's directory
+COMMENT_COLUMN = 72  # where the `# what it does` comments line up
 
 
 def link_latest(output_root: str, run_dir: Path) -> Path | None:
-    """Point <output_root>/latest at `run_dir`, so commands can name the newest run."""
+    """Point <output_root>/latest at `run_dir`, so commands can name the newest run. A run
+    without best.pt (it never evaluated) is not linked: the commands printed for the newest run
+    need it."""
+    if not (run_dir / "checkpoints" / "best.pt").is_file():
+        return None
     root = Path(output_root)
     link = root / LATEST
     try:
@@ -44,27 +55,27 @@ def where(run_dir: Path, link: Path | None) -> str:
     return f"{run_dir}" + (f"  (also {link})" if link is not None else "")
 
 
-def finished(summary: dict, run_dir: Path, link: Path | None, overrides: list[str]) -> str:
+def commented(command: str, what: str) -> str:
+    return f"  {command:<{COMMENT_COLUMN}}  # {what}"
+
+
+def finished(
+    summary: dict, run_dir: Path, link: Path | None, command: RunCommand, config: dict
+) -> str:
     monitor = summary.get("monitor")
     value, best = summary.get(monitor), summary.get("best")
     seconds = summary.get("train_time_s") or 0.0
-    ckpt = f"{link or run_dir}/checkpoints/best.pt"
     metric = f"{monitor} {short(value)} (best {short(best)})" if monitor else "no evaluation"
     speed = f"{short(summary.get('samples_per_s') or 0)} samples/s"
     lines = [
         f"run {summary['status']}: {metric}, {summary['steps']} steps, {summary['epochs']} "
         f"epochs, {duration(seconds)} training, {speed}",
         f"run directory: {where(run_dir, link)}",
-        f"curves: {run_dir / 'curves.png'}",
         *test_report(summary),
-        "next:",
-        f"  python infer.py ckpt={ckpt} input=<.npy or .csv>   # predict",
-        f"  python infer.py mode=evaluate ckpt={ckpt} data=<labelled folder or .csv>   # report",
-        f"  python infer.py mode=export ckpt={ckpt}            # ONNX, parity-checked",
-        f"  python infer.py mode=serve ckpt={ckpt}             # HTTP on 127.0.0.1:8000",
-        f"  python train.py {resume_command(overrides)}   # continue it",
     ]
-    return "\n".join(lines)
+    if (run_dir / "curves.png").is_file():
+        lines.append(f"curves: {run_dir / 'curves.png'}")
+    return "\n".join([*lines, "next:", *next_commands(run_dir, link, command, config)])
 
 
 def test_report(summary: dict) -> list[str]:
@@ -87,17 +98,70 @@ def test_report(summary: dict) -> list[str]:
     ]
 
 
-def resume_command(overrides: list[str]) -> str:
-    kept = [o for o in overrides if not o.startswith(("resume=", "hydra.run.", "hydra.sweep."))]
-    return " ".join(shlex.quote(o) for o in [*kept, "resume=auto"])
+def next_commands(run_dir: Path, link: Path | None, command: RunCommand, config: dict) -> list:
+    """Predict, export and serve its best.pt; train longer from its last weights."""
+    lines = []
+    best = Path(link or run_dir) / "checkpoints" / "best.pt"
+    if best.is_file():
+        ckpt = f"ckpt={shown(best)}"
+        example = predict_input(best, run_dir, link, config)
+        if example is not None:
+            lines.append(
+                commented(
+                    infer(ckpt, *example),
+                    "predict: writes preds.csv (input= also takes your .npy, .csv, images)",
+                )
+            )
+        lines += [
+            commented(
+                infer("mode=evaluate", ckpt),
+                "the evaluation report (eval/): its test split, else validation; data= yours",
+            ),
+            commented(
+                infer("mode=export", ckpt), "ONNX: model.onnx beside it, checked against torch"
+            ),
+            commented(
+                infer("mode=serve", ckpt), "HTTP on 127.0.0.1:8000; GET /v1/example: a body to POST"
+            ),
+        ]
+    last = run_dir / "checkpoints" / "last.pt"
+    if last.is_file():
+        lines.append(
+            commented(
+                command.train(f"init_from={shown(last)}"),
+                "train longer: a new run from these weights (new optimizer and schedule)",
+            )
+        )
+    return lines
+
+
+def predict_input(best: Path, run_dir: Path, link: Path | None, config: dict) -> list | None:
+    """input= (and text_column=) for the predict command: the run's own CSV for text data read
+    from one, else an example input of the right shape written into the run directory."""
+    data = config.get("data", {})
+    if data.get("test_dir") and Path(data["test_dir"]).is_dir():  # image folders: its test photos
+        return [f"input={shown(data['test_dir'])}"]
+    train_path = data.get("train_path")
+    if train_path and Path(train_path).is_file():
+        column = data.get("text_column", "text")
+        return [f"input={shown(train_path)}", *([f"text_column={column}"] * (column != "text"))]
+    try:
+        from kiln.inference.examples import write_example_input
+
+        path = write_example_input(best, run_dir)
+    except Exception:  # a convenience: it must never be why a finished run reports failure
+        log.warning("could not write an example input into %s", run_dir, exc_info=True)
+        return None
+    return [f"input={shown(Path(link or run_dir) / path.name)}"]
 
 
 def failed(run_dir: Path) -> str:
-    return f"next: kiln triage {run_dir}   # the likely causes, ranked"
+    triage = f"kiln triage {shown(run_dir)}"
+    return f"next: {triage}   # the likely causes, ranked, each with the override to try"
 
 
-def preempted(run_dir: Path, overrides: list[str]) -> str:
+def preempted(run_dir: Path, command: RunCommand) -> str:
     return (
         f"run preempted; its state is in {run_dir}/checkpoints/last.pt\n"
-        f"next: python train.py {resume_command(overrides)}"
+        f"next: {command.train('resume=auto')}   # continue it from that state, in {run_dir}"
     )

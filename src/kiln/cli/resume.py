@@ -1,4 +1,6 @@
-"""resume=auto: continue the newest run of the same experiment, in its own run directory."""
+"""Where a resumed run goes: it carries on in the run it resumes. resume=auto continues the
+newest run of the same experiment, resume=<run>/checkpoints/<file>.pt that file's run, each in
+its own run directory, unless hydra.run.dir says otherwise."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from kiln.checkpoint import candidates
 from kiln.cli.paths import has_override, is_multirun
 
 log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+RUN_MARKER = Path(".hydra") / "config.yaml"
 
 
 def newest_run_of(name: str, outputs: Path) -> Path | None:
@@ -27,16 +32,45 @@ def newest_run_of(name: str, outputs: Path) -> Path | None:
     return newest
 
 
+def run_of_checkpoint(path: Path) -> Path | None:
+    """The run directory a checkpoint file (or sharded folder) sits in: the parent of the
+    `checkpoints/` folder above it, when that parent is a run (it has .hydra/config.yaml)."""
+    for folder in Path(path).resolve().parents:
+        if folder.name == CHECKPOINTS:
+            return folder.parent if (folder.parent / RUN_MARKER).is_file() else None
+    return None
+
+
+def resume_value(argv: list[str]) -> str | None:
+    found = [a.split("=", 1)[1] for a in argv if has_override([a], "resume")]
+    return found[-1] if found else None
+
+
 def with_resume_run_dir(
     argv: list[str], experiment: str, outputs: Path = Path("outputs")
 ) -> list[str]:
-    """Adds hydra.run.dir=<the newest run of `experiment`> to a resume=auto command line."""
-    if "resume=auto" not in argv or has_override(argv, "hydra.run.dir") or is_multirun(argv):
+    """Adds hydra.run.dir=<the run it resumes> to a resume=auto or resume=<path> command line."""
+    resume = resume_value(argv)
+    if resume in (None, "null") or has_override(argv, "hydra.run.dir") or is_multirun(argv):
         return argv
-    run_dir = newest_run_of(experiment, outputs)
-    if run_dir is None:
-        log.warning(
-            "resume=auto: no earlier run of %r under %s; starting fresh", experiment, outputs
-        )
-        return argv
-    return [*argv, f"hydra.run.dir={run_dir}"]
+    if resume == "auto":
+        run_dir = newest_run_of(experiment, outputs)
+        if run_dir is None:
+            log.warning(
+                "resume=auto: no earlier run of %r under %s; starting fresh", experiment, outputs
+            )
+            return argv
+    else:
+        run_dir = run_of_checkpoint(Path(resume))
+        if run_dir is None:  # a checkpoint outside any run: a new run directory
+            return argv
+    return [*argv, f"hydra.run.dir={_typed(run_dir)}"]
+
+
+def _typed(run_dir: Path) -> str:
+    """The run directory relative to the working directory when inside it (as Hydra's own
+    outputs/<date>/<time> is), so printed paths stay short."""
+    try:
+        return str(run_dir.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(run_dir.resolve())

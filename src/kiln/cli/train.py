@@ -20,14 +20,16 @@ from kiln.cli.failures import record_failure
 from kiln.cli.paths import (
     CONF_DIR,
     config_overrides,
+    has_override,
     is_multirun,
     with_ddp_run_dir,
     with_env_profile,
 )
 from kiln.cli.resume import with_resume_run_dir
-from kiln.config import load_config, register_configs, to_typed
+from kiln.commands import RunCommand
+from kiln.config import load_config, register_configs, to_plain, to_typed
 from kiln.errors import UserError
-from kiln.registry import load_plugins
+from kiln.registry import load_plugins, register_config_dir
 
 log = logging.getLogger("kiln")
 
@@ -35,6 +37,7 @@ EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: requeue me (with resume=auto)
 HELP_FLAGS = ("-h", "--help", "--describe")
+SEARCHPATH = "hydra.searchpath"
 
 
 def quiet_console() -> None:
@@ -79,7 +82,7 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     hydra = HydraConfig.get()
     run_dir = Path(hydra.runtime.output_dir)
     multirun = hydra.mode == RunMode.MULTIRUN
-    overrides = list(hydra.overrides.task)
+    command = RunCommand.of(hydra.overrides.task, hydra.overrides.hydra)  # to type it again
     dist = env_dist_info()
     tidy_console()
     try:
@@ -90,7 +93,7 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     except Preempted as err:
         log.warning("%s", err)
         if dist.is_main:
-            print(report.preempted(run_dir, overrides), flush=True)
+            print(report.preempted(run_dir, command), flush=True)
         raise SystemExit(EXIT_PREEMPTED) from None
     except UserError as err:
         if multirun:
@@ -107,21 +110,43 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
         teardown()
     if dist.is_main:
         link = None if multirun else report.link_latest(cfg.output_root, run_dir)
-        print(report.finished(summary, run_dir, link, overrides), flush=True)
+        print(report.finished(summary, run_dir, link, command, to_plain(cfg)), flush=True)
         log.debug("summary: %s", json.dumps(summary))
     value = summary.get(summary.get("monitor") or "", None)
     return float(value) if value is not None else None  # what Optuna optimises
 
 
-def plugin_modules(argv: list[str]) -> list[str]:
-    """The modules named by a plugins=[...] override, before Hydra parses anything."""
+def help_text(argv: list[str]) -> str:
+    """`--help [GROUP[=OPTION]]`, also on a command line that names plugins and their
+    hydra.searchpath (main() has imported and registered those already)."""
+    from kiln.cli.help import describe, overview
+
+    register_configs()
+    carried = ("plugins", SEARCHPATH)
+    targets = [
+        a for a in argv if a not in HELP_FLAGS and not any(has_override([a], k) for k in carried)
+    ]
+    return describe(targets[0]) if targets else overview()
+
+
+def override_values(argv: list[str], key: str) -> list[str]:
+    """The list (or value) the last `key=...` override of the command line gives."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    found = [a for a in argv if a.split("=", 1)[0].lstrip("+~") == "plugins"]
+    found = [a for a in argv if has_override([a], key)]
     if not found:
         return []
     value = OverridesParser.create().parse_overrides(found[-1:])[0].value()
     return [str(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def with_plugins(argv: list[str]) -> None:
+    """Import the plugins=[...] modules before anything is looked up, and put the
+    hydra.searchpath=[...] folders beside the ones plugins register, so that every checkpoint
+    records where its options came from."""
+    load_plugins(override_values(argv, "plugins"))
+    for entry in override_values(argv, SEARCHPATH):
+        register_config_dir(entry)
 
 
 def with_env_overrides(argv: list[str]) -> list[str]:
@@ -135,12 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = with_env_overrides(with_env_profile(argv))
     try:
-        load_plugins(plugin_modules(argv))
+        with_plugins(argv)
         if any(arg in HELP_FLAGS for arg in argv):
-            from kiln.cli.help import describe, overview
-
-            targets = [a for a in argv if a not in HELP_FLAGS and not a.startswith("plugins=")]
-            print(describe(targets[0]) if targets else overview())
+            print(help_text(argv))
             return
         register_configs()
         if not is_multirun(argv):  # a sweep's jobs are checked one by one as they start

@@ -26,7 +26,7 @@ class ResumeError(UserError, ValueError):
 
 # What inference needs from a checkpoint; a weights-only best.pt holds just these.
 INFERENCE_KEYS = ("model", "config", "preprocessing", "data_spec", "model_name", "kiln_version",
-                  "state", "contract")  # fmt: skip
+                  "state", "contract", "plugins")  # fmt: skip
 
 
 # The metric that breaks ties on the monitored one (lower is better); its value at the best
@@ -120,6 +120,24 @@ class Checkpointer:
             self.save(f"epoch-{state.epoch}.pt", snapshot)
             if self.is_main:
                 files.prune_epoch_checkpoints(self.directory, self.cfg.keep_last_k)
+
+    def adopt_best(self, source: Path, state) -> None:
+        """A run resumed into a new directory keeps what a run has: the best.pt beside the
+        checkpoint it resumed when that best.pt is from no later than the resumed step (so it
+        stays the best of this run's past), else a best.pt written at its next evaluation."""
+        theirs = Path(source).parent / "best.pt"
+        best = None
+        if self.sharded is None and theirs.is_file():  # a sharded best.pt names its own folder
+            best = files.load_checkpoint(theirs, consolidate=False)
+            if best.get("state", {}).get("global_step", math.inf) > state.global_step:
+                best = None  # from a later point of the original run: not this run's past
+        if best is None:
+            state.best_metric = None  # the next evaluation writes this directory's best.pt
+            log.info("resumed into %s: best.pt is written at the next evaluation", self.directory)
+            return
+        if self.is_main:
+            files.atomic_save(best, self.directory / "best.pt")
+        log.info("resumed into %s: best.pt copied from %s", self.directory, theirs)
 
     def resume_source(self, resume: str | None) -> tuple[Path, dict] | None:
         """(path, checkpoint) to continue from: resume=auto takes the newest valid file in this

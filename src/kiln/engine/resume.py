@@ -68,6 +68,7 @@ RULES: dict[str, str] = {
     "resume_override": HARMLESS,
     "output_root": HARMLESS,
     "plugins": HARMLESS,
+    "init_from": HARMLESS,  # not applied on resume: the checkpoint's weights win
     "extra": HARMLESS,
 }
 

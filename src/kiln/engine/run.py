@@ -48,6 +48,7 @@ from kiln.guards.probes import probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import summarize, write_json, write_summary
 from kiln.models import build_model
+from kiln.registry import config_dirs, plugin_sources
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,7 @@ def checkpoint_record(cfg: KilnConfig, bundle: DataBundle) -> dict[str, Any]:
         "data_spec": bundle.spec.to_dict(),
         "model_name": cfg.model.name,
         "kiln_version": kiln.__version__,
+        "plugins": {"sources": plugin_sources(cfg.plugins), "config_dirs": config_dirs()},
     }
 
 
@@ -255,6 +257,8 @@ def resume_if_asked(trainer: Trainer, cfg: KilnConfig) -> Path | None:
     judgement = judge(saved, trainer.contract, list(cfg.resume_override))
     check(judgement, str(path))
     trainer.load_state_dict(checkpoint)
+    if path.resolve().parent != trainer.checkpointer.directory.resolve():
+        trainer.checkpointer.adopt_best(path, trainer.state)  # resumed into a new directory
     if any(d.key.startswith(("optimizer.", "scheduler.")) for d in judgement.changes):
         apply_hyperparameters(trainer.optimizer, cfg.optimizer)
         trainer.scheduler = schedule_at(
@@ -274,6 +278,12 @@ def resume_if_asked(trainer: Trainer, cfg: KilnConfig) -> Path | None:
         s.batch_in_epoch,
     )
     return path
+
+
+def run_of(checkpoint: Path) -> Path:
+    """The run directory of a checkpoint file or sharded folder (above its checkpoints/)."""
+    path = Path(checkpoint).resolve()
+    return next((p.parent for p in path.parents if p.name == "checkpoints"), path.parent)
 
 
 def check_overfit(history: list[dict]) -> dict:
@@ -345,7 +355,9 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
         )
         cfg.resume = resume_after_restart(cfg.resume, run_dir / "checkpoints")
         trainer = build_trainer(cfg, run_dir, dist, device, recorder)
-        resume_if_asked(trainer, cfg)
+        resumed = resume_if_asked(trainer, cfg)
+        if resumed is not None:
+            recorder.carry_on(run_of(resumed) / "metrics.jsonl", trainer.state.global_step)
         final = trainer.fit()
         summary = summarize(trainer, final, status="ok", error=None)
         summary.update(report_test_split(trainer, cfg, run_dir, device))

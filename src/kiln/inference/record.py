@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ class ModelRecord:
     model_name: str
     checkpoint_name: str  # file name of the .pt it came from (the env policy checks it)
     checkpoint_sha256: str  # ties an ONNX export to the exact .pt it was made from
+    # {module: folder}: where the training run imported its plugins (kiln.registry)
+    plugin_sources: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -46,6 +48,7 @@ class ModelRecord:
             "model_name": self.model_name,
             "checkpoint_name": self.checkpoint_name,
             "checkpoint_sha256": self.checkpoint_sha256,
+            "plugin_sources": self.plugin_sources,
         }
 
     @classmethod
@@ -97,6 +100,7 @@ def read_checkpoint(path: str | Path) -> tuple[ModelRecord, dict[str, Any]]:
         model_name=ckpt["model_name"],
         checkpoint_name=path.name,
         checkpoint_sha256=file_sha256(path),
+        plugin_sources=(ckpt.get("plugins") or {}).get("sources", {}),
     )
     check_supported(record, path)
     check_policy(record, path)
@@ -176,7 +180,9 @@ def sidecar_path(onnx_path: Path) -> Path:
 def rebuild_model(record: ModelRecord, state_dict: dict[str, Any]) -> nn.Module:
     """The trained network in eval mode. A model trained with an auxiliary head (by
     model.aux_head or the loss branch) has `aux.*` weights, so it is rebuilt with one."""
-    load_plugins(record.config.get("plugins", []))  # a user's model registers itself there
+    # A user's model registers itself when its module is imported: from here, or from where
+    # the training run found it.
+    load_plugins(record.config.get("plugins", []), record.plugin_sources)
     aux_head = any(key.startswith("aux.") for key in state_dict)
     model_cfg = option_from_dict("model", record.config["model"])
     model = build_model(record.spec, model_cfg, aux_head=aux_head)

@@ -41,6 +41,15 @@ class RunRecorder:
             wandb_id_file.write_text(self.loggers.backends["wandb"].run_id + "\n")
         self.loggers.log_config(config)
 
+    def carry_on(self, metrics_file: Path, step: int) -> None:
+        """A resumed run's curves show the whole run: its history up to the resumed step, from
+        the metrics.jsonl of the run it resumes (its own, or the one it was copied from)."""
+        from kiln.logging.jsonl import read_jsonl
+
+        if metrics_file.is_file():
+            earlier = [m for m in read_jsonl(metrics_file) if m.get("step", 0) <= step]
+            self.history[:0] = earlier
+
     def __call__(self, metrics: dict, step: int) -> None:
         if self.activations is not None and "loss" in metrics:
             metrics = {**metrics, **self.activations.metrics()}

@@ -53,10 +53,12 @@ class SweepSummary(Callback):
             log.warning("could not write the sweep summary", exc_info=True)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        from kiln.logging.sweep_summary import collect_runs, to_markdown
+        from kiln.logging.sweep_summary import best_run, collect_runs, to_markdown
 
         sweep_dir = Path(config.hydra.sweep.dir)
         written = write_sweep_summary(sweep_dir, config.hydra)
         if written:
-            print(to_markdown(collect_runs(sweep_dir)), flush=True)
+            runs = collect_runs(sweep_dir)
+            print(to_markdown(runs), flush=True)
+            print("\n".join(best_run(runs, sweep_dir)), flush=True)
             print("sweep summary: " + ", ".join(str(p) for p in written), flush=True)

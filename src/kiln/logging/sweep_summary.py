@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from kiln.commands import infer, shown
 from kiln.logging.summary import SUMMARY_FILE, SUMMARY_KEYS, read_summary
 from kiln.sorting import natural_key
 
@@ -239,16 +240,36 @@ def plot_history(frame: pd.DataFrame, path: Path, direction: str = "maximize") -
     return path
 
 
+def best_run(frame: pd.DataFrame, sweep_dir: str | Path) -> list[str]:
+    """The best run's folder and the commands that export and serve it (as a Markdown code
+    block, which is also how they read on a console)."""
+    metric = final_metric(frame)
+    best = best_index(frame, metric)
+    if best is None:
+        return []
+    run_dir = Path(sweep_dir) / frame["run"].iloc[best]
+    lines = [f"Best {metric}: {frame[metric].iloc[best]:.4g} in {shown(run_dir)}"]
+    ckpt = run_dir / "checkpoints" / "best.pt"
+    if ckpt.is_file():
+        lines[0] += ":"
+        lines += [
+            "",
+            f"    {infer('mode=export', f'ckpt={shown(ckpt)}')}   # ONNX, parity-checked",
+            f"    {infer('mode=serve', f'ckpt={shown(ckpt)}')}   # HTTP on 127.0.0.1:8000",
+        ]
+    return lines
+
+
 def write_summary(frame: pd.DataFrame, sweep_dir: str | Path) -> tuple[Path, Path]:
     """Write summary.md and summary.png into `sweep_dir`; returns their paths."""
     sweep_dir = Path(sweep_dir)
     markdown_path, png_path = sweep_dir / "summary.md", sweep_dir / "summary.png"
     num_failed = int((frame["status"] != "ok").sum())
-    metric = final_metric(frame)
-    best = best_index(frame, metric)
-    header = f"# Sweep summary: {sweep_dir}\n\n{len(frame)} runs, {num_failed} failed."
-    if best is not None:
-        header += f" Best {metric}: {frame[metric].iloc[best]:.4g} ({frame['run'].iloc[best]})."
+    best = best_run(frame, sweep_dir) or [""]
+    header = "\n".join(
+        [f"# Sweep summary: {sweep_dir}", "", f"{len(frame)} runs, {num_failed} failed. {best[0]}"]
+        + best[1:]
+    ).rstrip()
     tmp = markdown_path.with_name(f".{markdown_path.name}.{os.getpid()}.tmp")
     tmp.write_text(header + "\n\n" + to_markdown(frame))
     tmp.replace(markdown_path)  # jobs of a parallel sweep may write it at the same time

@@ -18,6 +18,7 @@ from kiln.config.infer import ServerConfig, validate_server
 from kiln.inference import Predictor
 from kiln.inference.predictor import join
 from kiln.serving.batcher import DynamicBatcher
+from kiln.serving.example import add_example_route, example_paths
 from kiln.serving.metrics import CountStatuses, ServingMetrics
 from kiln.serving.openapi import openapi_document
 from kiln.serving.state import ServingState
@@ -108,7 +109,9 @@ def create_app(predictor: Predictor, config: ServerConfig | None = None, **overr
     app.add_exception_handler(Exception, _internal_error)
     add_v1_routes(app, state)
     add_v2_routes(app, state)
+    add_example_route(app, state)
     document = openapi_document(predictor, config)
+    document["paths"].update(example_paths())
     app.openapi = lambda: document
     app.add_middleware(CountStatuses, metrics=metrics)
     app.add_middleware(CloseWhenDraining, state=state)
