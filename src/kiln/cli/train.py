@@ -27,6 +27,7 @@ from kiln.cli.paths import (
 from kiln.cli.resume import with_resume_run_dir
 from kiln.config import load_config, register_configs, to_typed
 from kiln.errors import UserError
+from kiln.preprocessing.pretrained import pretrained_input
 from kiln.registry import load_plugins
 
 log = logging.getLogger("kiln")
@@ -145,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
         register_configs()
         if not is_multirun(argv):  # a sweep's jobs are checked one by one as they start
             cfg = load_config(config_overrides(argv))  # a mistake fails here, before any work
+            # A zoo model's arch and weights are checked against its library (which imports
+            # torch, as the run will anyway): a misspelt arch or a missing file fails here too.
+            pretrained_input(cfg.model)
             argv = with_resume_run_dir(argv, cfg.name)
     except (UserError, ImportError, KeyError) as err:
         raise user_error(err) from None

@@ -25,8 +25,8 @@ class ResumeError(UserError, ValueError):
 
 
 # What inference needs from a checkpoint; a weights-only best.pt holds just these.
-INFERENCE_KEYS = ("model", "config", "preprocessing", "data_spec", "model_name", "kiln_version",
-                  "state", "contract")  # fmt: skip
+INFERENCE_KEYS = ("model", "config", "preprocessing", "pretrained", "data_spec", "model_name",
+                  "kiln_version", "state", "contract")  # fmt: skip
 
 
 def resumable(checkpoint: dict) -> bool:

@@ -46,15 +46,17 @@ from kiln.engine.trainer import Trainer, TrainingParts, batches_per_epoch
 from kiln.guards.probes import probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import summarize, write_json, write_summary
-from kiln.models import build_model
+from kiln.models import build_model, without_weights
+from kiln.preprocessing.pretrained import PretrainedInput, pretrained_input
 
 log = logging.getLogger(__name__)
 
 PROBE_BATCH_SIZE = 8  # rule 3's probe: a real batch of at most this many samples
 
 
-def load_data(cfg: KilnConfig) -> DataBundle:
-    bundle = build_data(cfg.data)
+def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> DataBundle:
+    """`pretrained`: the model's weights' preprocessing, for the datasets that follow it."""
+    bundle = build_data(cfg.data, pretrained=pretrained)
     if cfg.trainer.overfit_batches:  # the same few batches, for training and validation alike
         count = min(cfg.trainer.overfit_batches * cfg.data.batch_size, len(bundle.train))
         bundle.train = bundle.val = Subset(bundle.train, range(count))
@@ -65,14 +67,15 @@ def build_trainer(
     cfg: KilnConfig, run_dir: Path, dist: DistInfo, device: torch.device, recorder
 ) -> Trainer:
     seed_everything(cfg.seed)  # the same initial weights on every rank and in single runs
-    bundle = load_data(cfg)
+    pretrained = pretrained_input(cfg.model)  # checks a zoo model's arch and weights first
+    bundle = load_data(cfg, pretrained)
     want_aux = getattr(cfg.model, "aux_head", False) or cfg.loss.aux_head
     want_aux = want_aux or cfg.loss.force_all_branches
 
-    def build_fresh(spec) -> torch.nn.Module:  # also what rule 1's probes build
-        return build_model(spec, cfg.model, aux_head=want_aux).to(device)
+    def build_fresh(spec) -> torch.nn.Module:  # what rule 1's probes build: no weights to load
+        return build_model(spec, without_weights(cfg.model), aux_head=want_aux).to(device)
 
-    model = build_fresh(bundle.spec)
+    model = build_model(bundle.spec, cfg.model, aux_head=want_aux).to(device)
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.trainer.log_activations:
@@ -160,7 +163,7 @@ def build_trainer(
         dist=dist,
         device=device,
         seed=cfg.seed,
-        record={**checkpoint_record(cfg, bundle), "contract": contract.to_dict()},
+        record={**checkpoint_record(cfg, bundle, pretrained), "contract": contract.to_dict()},
         progress_bar=cfg.env.progress_bar,
     )
     trainer.state.planned_steps = planned_steps
@@ -175,12 +178,16 @@ def sharded_writer(cfg: KilnConfig, run_dir: Path, dist: DistInfo) -> ShardedWri
     return ShardedWriter(run_dir / "checkpoints", is_main=dist.is_main)
 
 
-def checkpoint_record(cfg: KilnConfig, bundle: DataBundle) -> dict[str, Any]:
+def checkpoint_record(
+    cfg: KilnConfig, bundle: DataBundle, pretrained: PretrainedInput | None = None
+) -> dict[str, Any]:
     """What every checkpoint carries besides the training state: enough to rebuild the model and
-    repeat its preprocessing, as plain data."""
+    repeat its preprocessing, as plain data. "pretrained": what the model's weights expect
+    (the data may have followed it: an image recipe's own `pretrained` says so)."""
     return {
         "config": to_plain(cfg),
         "preprocessing": bundle.recipe.to_dict(),
+        "pretrained": pretrained.to_dict() if pretrained is not None else None,
         "data_spec": bundle.spec.to_dict(),
         "model_name": cfg.model.name,
         "kiln_version": kiln.__version__,

@@ -16,7 +16,7 @@ from kiln.checkpoint import load_checkpoint
 from kiln.config import option_from_dict
 from kiln.data.spec import DataSpec
 from kiln.inference.errors import CheckpointPolicyError, UnsupportedCheckpointError
-from kiln.models import build_model
+from kiln.models import build_model, without_weights
 from kiln.preprocessing import Recipe, recipe_from_dict
 from kiln.registry import load_plugins
 
@@ -117,10 +117,11 @@ def sidecar_path(onnx_path: Path) -> Path:
 
 def rebuild_model(record: ModelRecord, state_dict: dict[str, Any]) -> nn.Module:
     """The trained network in eval mode. A model trained with an auxiliary head (by
-    model.aux_head or the loss branch) has `aux.*` weights, so it is rebuilt with one."""
+    model.aux_head or the loss branch) has `aux.*` weights, so it is rebuilt with one. Pretrained
+    weights (a zoo model's model.weights) are not read again: the state dict holds them."""
     load_plugins(record.config.get("plugins", []))  # a user's model registers itself there
     aux_head = any(key.startswith("aux.") for key in state_dict)
-    model_cfg = option_from_dict("model", record.config["model"])
+    model_cfg = without_weights(option_from_dict("model", record.config["model"]))
     model = build_model(record.spec, model_cfg, aux_head=aux_head)
     model.load_state_dict(state_dict)
     return model.eval()

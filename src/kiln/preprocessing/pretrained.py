@@ -5,8 +5,11 @@ recorded with the checkpoint (in the image recipe) so inference repeats it."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from kiln.registry import MODELS
 
 
 @dataclass(frozen=True)
@@ -21,3 +24,14 @@ class PretrainedInput:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def pretrained_input(model_cfg: Any) -> PretrainedInput | None:
+    """What the model's weights expect, from the `preprocessing` function its registry entry
+    declares (zoo models), or None. That function also checks the model's architecture and
+    weights (names, files, caches) against its library: call it at start-up, before the data."""
+    target = MODELS.entry(model_cfg.name).meta.get("preprocessing")
+    if target is None:
+        return None
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)(model_cfg)
