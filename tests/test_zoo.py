@@ -262,6 +262,15 @@ def test_a_weights_file_of_another_arch_is_one_error(tmp_path):
         )
 
 
+def test_a_kiln_models_weights_as_model_weights_point_to_init_from(tmp_path):
+    cfg = zoo_cfg("torchvision", "model.arch=squeezenet1_1")
+    path = tmp_path / "kiln_state.pt"
+    torch.save(build_model(image_spec(), cfg).state_dict(), path)
+    cfg = zoo_cfg("torchvision", "model.arch=squeezenet1_1", f"model.weights={path}")
+    with pytest.raises(WeightsError, match="a kiln model's weights: pass it as init_from=<file>"):
+        build_model(image_spec(), cfg)
+
+
 # ---------------------------------------------------------------------------------------------
 # timm weights: the Hugging Face hub cache only
 

@@ -416,7 +416,7 @@ def load_weights(
         raise WeightsError(
             f"{label} does not fit this {type(net).__name__} (model.weights): "
             f"{len(missing)} tensors missing, {len(misshapen)} of another shape, e.g. "
-            f"{'; '.join(listed)}: use weights made for model.arch at this input size"
+            f"{'; '.join(listed)}: {what_fits(state)}"
         )
     ignored = sorted({k.split(".")[0] for k in state if k not in own})
     if ignored:
@@ -424,6 +424,14 @@ def load_weights(
     net.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
     loaded = sum(1 for k in state if k in own)
     log.info("model.weights: %d tensors from %s; %s", loaded, label, "; ".join(notes) or "all")
+
+
+def what_fits(state: dict[str, Tensor]) -> str:
+    """The advice for a file that does not fit: a kiln checkpoint's weights are keyed by kiln's
+    wrapper (backbone./net.), the library's files by the library's own names."""
+    if any(key.startswith(("backbone.", "net.")) for key in state):
+        return "it holds a kiln model's weights: pass it as init_from=<file> instead"
+    return "use weights made for model.arch (and this input size, for a fixed-size arch)"
 
 
 class ZooClassifier(nn.Module):
@@ -698,7 +706,7 @@ def build_timm(spec, cfg: TimmConfig, *, aux_head: bool = False) -> TimmClassifi
             raise
         raise WeightsError(
             f"{source.label} does not fit timm {arch} (model.weights): "
-            f"{str(err).splitlines()[0][:300]}"
+            f"{str(err).splitlines()[0][:300]}: {what_fits(read_state_dict(source.path))}"
         ) from None
     if source is not None:
         log_timm_load(source, spec.num_classes, timm_classifiers(source.model_name))
