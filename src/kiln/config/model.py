@@ -189,8 +189,9 @@ MODELS.declare(
 # preprocessing: a function (model config) -> PretrainedInput | None, run at start-up before the
 # data is built and without loading any weights: the weights' own mean, std and input size; it
 # also checks model.arch and model.weights (names, files, caches) against the library.
-# archs: a function listing every model.arch; samples: the ones the default test suite puts
-# through the registry-wide rules (every arch runs under -m slow); help: for --help.
+# archs: a function listing every model.arch (num_params: an arch's size, where published);
+# samples: the ones the default test suite puts through the registry-wide rules (every arch runs
+# under -m slow); help: for --help.
 MODELS.declare(
     "torchvision",
     "kiln.models.zoo:build_torchvision",
@@ -198,6 +199,7 @@ MODELS.declare(
     inputs=("image",),
     preprocessing="kiln.models.zoo:torchvision_preprocessing",
     archs="kiln.models.zoo:torchvision_archs",
+    num_params="kiln.models.zoo:torchvision_num_params",
     samples=TORCHVISION_SAMPLES,
     help=(
         "model.arch: any classification builder of torchvision.models; list them with\n"

@@ -192,6 +192,14 @@ def warn_on_hash_mismatch(path: Path) -> None:
 # torchvision
 
 
+def torchvision_num_params(arch: str) -> int:
+    """The parameter count torchvision publishes with the arch's DEFAULT weights (some builders
+    cannot run on the meta device to be counted)."""
+    import torchvision.models
+
+    return int(torchvision.models.get_model_weights(arch).DEFAULT.meta["num_params"])
+
+
 def torchvision_model_class(arch: str) -> type:
     """The nn.Module class a builder returns (its return annotation), without building it."""
     import torchvision.models
