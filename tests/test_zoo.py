@@ -374,6 +374,15 @@ def test_a_random_torchvision_vit_is_built_for_the_data_size_or_names_what_it_ta
         build_model(image_spec(side=40), zoo_cfg("torchvision", "model.arch=vit_b_32"))
 
 
+def test_maxvit_is_built_for_the_data_size():
+    model = build_model(
+        image_spec(side=224, classes=3), zoo_cfg("torchvision", "model.arch=maxvit_t")
+    )
+    assert model.fixed_input_size
+    with torch.no_grad():
+        assert model.eval()(torch.randn(1, 3, 224, 224)).shape == (1, 3)
+
+
 def test_rule1_skips_the_second_input_size_for_a_fixed_size_model(caplog):
     from kiln.guards.input_sizes import size_probes
 

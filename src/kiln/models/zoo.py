@@ -312,7 +312,8 @@ def torchvision_kwargs(arch: str, spec, source: TorchvisionWeights | None) -> di
     kwargs: dict[str, Any] = {"num_classes": spec.num_classes}
     size_param = torchvision_size_param(arch)
     if size_param is not None:
-        kwargs[size_param] = torchvision_side(arch, spec, source)
+        side = torchvision_side(arch, spec, source)
+        kwargs[size_param] = side if size_param == "image_size" else (side, side)  # MaxViT: (H, W)
     params = inspect.signature(torchvision_model_class(arch).__init__).parameters
     if "aux_logits" in params:  # googlenet, inception_v3: one output in both modes (rule 3)
         # transform_input: torchvision's own choice for its weights (ImageNet-normalised inputs
