@@ -27,7 +27,6 @@ from kiln.cli.paths import (
 from kiln.cli.resume import with_resume_run_dir
 from kiln.config import load_config, register_configs, to_typed
 from kiln.errors import UserError
-from kiln.preprocessing.pretrained import pretrained_input
 from kiln.registry import load_plugins
 
 log = logging.getLogger("kiln")
@@ -114,6 +113,18 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     return float(value) if value is not None else None  # what Optuna optimises
 
 
+def check_model_names(cfg) -> None:
+    """A zoo model's arch and weights, checked against its library before Hydra starts a run:
+    a misspelt arch or a missing weights file fails here. Only then is torch imported (the
+    library needs it, and the run would import it next); other models import nothing."""
+    from kiln.registry import MODELS
+
+    if MODELS.entry(cfg.model.name).meta.get("preprocessing"):
+        from kiln.preprocessing.pretrained import pretrained_input
+
+        pretrained_input(cfg.model)
+
+
 def plugin_modules(argv: list[str]) -> list[str]:
     """The modules named by a plugins=[...] override, before Hydra parses anything."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -146,9 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         register_configs()
         if not is_multirun(argv):  # a sweep's jobs are checked one by one as they start
             cfg = load_config(config_overrides(argv))  # a mistake fails here, before any work
-            # A zoo model's arch and weights are checked against its library (which imports
-            # torch, as the run will anyway): a misspelt arch or a missing file fails here too.
-            pretrained_input(cfg.model)
+            check_model_names(cfg)
             argv = with_resume_run_dir(argv, cfg.name)
     except (UserError, ImportError, KeyError) as err:
         raise user_error(err) from None
