@@ -348,6 +348,16 @@ def test_timm_preprocessing_reads_no_weights(hf_hub):
     assert pretrained_input(zoo_cfg("timm")) is None
 
 
+def test_a_weights_file_is_taken_to_expect_the_arch_default_preprocessing(tmp_path):
+    path = tmp_path / "mine.pth"
+    path.write_bytes(b"not read")
+    found = pretrained_input(zoo_cfg("timm", f"model.weights={path}"))
+    assert found.source == f"file {path} (preprocessing of timm resnet18.a1_in1k)"
+    assert (found.crop_pct, found.interpolation) == (0.95, "bicubic")
+    found = pretrained_input(zoo_cfg("torchvision", f"model.weights={path}"))
+    assert found.source == f"file {path} (preprocessing of ResNet18_Weights.IMAGENET1K_V1)"
+
+
 # ---------------------------------------------------------------------------------------------
 # Fixed input sizes
 

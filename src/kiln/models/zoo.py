@@ -407,11 +407,11 @@ def load_weights(
         notes.append(f"{conv_key} adapted from {source_channels} to {channels} channels")
     head_keys = [k for k in own if k.startswith(f"{head}.")]
     if any(k in state and state[k].shape != own[k].shape for k in head_keys):
-        file_classes = state[head_keys[0]].shape[0]
+        saved_classes = state[head_keys[0]].shape[0]
         for k in head_keys:
             state.pop(k, None)
         notes.append(
-            f"head {', '.join(head_keys)} re-initialised ({file_classes} classes in the file, "
+            f"head {', '.join(head_keys)} re-initialised ({saved_classes} classes in the file, "
             f"{own[head_keys[0]].shape[0]} in the data)"
         )
     missing = [k for k in own if k not in state and k not in head_keys]
@@ -536,7 +536,15 @@ class TimmWeights:
     label: str
     path: Path
     model_name: str  # what timm.create_model builds: arch.tag for a tag, arch for a file
-    file_classes: int | None = None  # the head size in the file (when it has the head)
+    from_file: bool = False  # model.weights is a file (its head may have any size)
+
+    def head_classes(self) -> int:
+        """The head size in the file: what timm is told, so it drops a head of another size."""
+        if self.from_file:
+            found = file_classes(self.path, timm_classifiers(self.model_name))
+            if found is not None:
+                return found
+        return timm_pretrained_cfg(self.model_name).num_classes
 
 
 def timm_pretrained_cfg(name: str):
@@ -624,8 +632,7 @@ def resolve_timm_weights(cfg: TimmConfig) -> TimmWeights | None:
         return None
     if is_weight_file(cfg.weights):
         path = weight_file(cfg.weights)
-        classes = file_classes(path, timm_classifiers(cfg.arch))
-        return TimmWeights(f"file {path}", path, cfg.arch, classes)
+        return TimmWeights(f"file {path}", path, cfg.arch, from_file=True)
     name = timm_tag(cfg.arch, cfg.weights)
     return TimmWeights(f"timm {name}", timm_cached_file(name), name)
 
@@ -693,7 +700,7 @@ def build_timm(spec, cfg: TimmConfig, *, aux_head: bool = False) -> TimmClassifi
     if source is not None:
         # timm's own loading (filter_fn, in_chans adaptation, head dropped when num_classes
         # differs), from the file found: num_classes says what the file's head holds.
-        classes = source.file_classes or timm_pretrained_cfg(source.model_name).num_classes
+        classes = source.head_classes()
         overlay = {"file": str(source.path), "num_classes": classes}
     try:
         with warnings.catch_warnings():
@@ -718,7 +725,7 @@ def build_timm(spec, cfg: TimmConfig, *, aux_head: bool = False) -> TimmClassifi
             f"{str(err).splitlines()[0][:300]}: {what_fits(read_state_dict(source.path))}"
         ) from None
     if source is not None:
-        log_timm_load(source, spec.num_classes, timm_classifiers(source.model_name))
+        log_timm_load(source, classes, spec.num_classes, timm_classifiers(source.model_name))
     if fixed:
         try:
             fill_size_caches(net, spec)
@@ -737,8 +744,7 @@ def fill_size_caches(net: nn.Module, spec) -> None:
     net.train()
 
 
-def log_timm_load(source: TimmWeights, num_classes: int, classifiers: tuple[str, ...]) -> None:
-    classes = source.file_classes or timm_pretrained_cfg(source.model_name).num_classes
+def log_timm_load(source: TimmWeights, classes: int, num_classes: int, classifiers) -> None:
     head = ""
     if classes != num_classes:
         head = (
