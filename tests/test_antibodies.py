@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import random
 
 import numpy as np
@@ -47,43 +48,61 @@ SMALL = {
     ),  # fmt: skip
 }
 PAIRS = compatible_pairs()
-IDS = [f"{model}-on-{data}" for model, data in PAIRS]
+# Zoo entries (model=torchvision, model=timm) also run each architecture their registry entry
+# declares as a sample, on small synthetic images: (model, data, model overrides).
+ZOO_DATA = "synthetic_images"
+CASES = [(model, data, ()) for model, data in PAIRS] + [
+    (model, ZOO_DATA, (f"model.arch={arch}",))
+    for model in MODELS.names()
+    for arch in MODELS.entry(model).meta.get("samples", ())
+]
+IDS = [
+    f"{model}{'[' + over[0].split('=')[1] + ']' if over else ''}-on-{data}"
+    for model, data, over in CASES
+]
 ERRORS = {RULE_1: ShapeInferenceError, RULE_2: LossBranchError, RULE_3: ShapeContractError,
           DEVICES: DeviceMismatchError}  # fmt: skip
 
-_bundles: dict[str, object] = {}
+_bundles: dict[tuple[str, ...], object] = {}
 
 
-def bundle_for(data: str):
-    if data not in _bundles:
+def bundle_for(data: str, data_overrides=()):
+    key = (data, *data_overrides)
+    if key not in _bundles:
         fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
         model = fits[dataset_provides(data)]
-        cfg = compose_config(f"data={data}", f"model={model}", *SMALL.get(data, ()))
-        _bundles[data] = build_data(cfg.data)
-    return _bundles[data]
+        overrides = (f"data={data}", f"model={model}", *SMALL.get(data, ()), *data_overrides)
+        _bundles[key] = build_data(compose_config(*overrides).data)
+    return _bundles[key]
 
 
-def model_config(model: str, data: str):
+def model_config(model: str, data: str, model_overrides=()):
     """The option's YAML values where kiln's conf/ has it, else its schema's defaults (a plugin's
     model, whose YAML lives in the user's own folder)."""
     if (CONF_DIR / "model" / f"{model}.yaml").is_file():
-        return compose_config(f"data={data}", f"model={model}", *SMALL.get(data, ())).model
+        overrides = (f"data={data}", f"model={model}", *SMALL.get(data, ()), *model_overrides)
+        return compose_config(*overrides).model
     return MODELS.entry(model).config(name=model)
 
 
-def parts(model: str, data: str, *overrides: str):
+def parts(model: str, data: str, *overrides: str, model_overrides=(), data_overrides=()):
     """(build, criterion, bundle) as the engine makes them, for `model` on `data`."""
     fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
     base = fits[dataset_provides(data)]
     cfg = compose_config(f"data={data}", f"model={base}", *SMALL.get(data, ()), *overrides)
-    cfg.model = model_config(model, data)
+    cfg.model = model_config(model, data, model_overrides)
     aux = cfg.loss.force_all_branches or cfg.loss.aux_head
+    built: dict = {}
 
     def build(spec) -> nn.Module:
-        torch.manual_seed(0)
-        return build_model(spec, cfg.model, aux_head=aux).to("cpu")
+        # A seeded build, made once per spec and copied: the same weights as a fresh build,
+        # without paying a large model's initialisation at every probe.
+        if spec not in built:
+            torch.manual_seed(0)
+            built[spec] = build_model(spec, cfg.model, aux_head=aux).to("cpu")
+        return copy.deepcopy(built[spec])
 
-    bundle = bundle_for(data)
+    bundle = bundle_for(data, data_overrides)
     return build, build_criterion(build(bundle.spec), cfg.loss), bundle
 
 
@@ -91,36 +110,104 @@ def test_every_registered_model_has_a_dataset_to_be_tested_on():
     assert {model for model, _ in PAIRS} == set(MODELS.names())
 
 
-@pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
-def test_rule1_sizes_follow_inputs(model, data):
-    check_rule1(*parts(model, data))
+CASE_ARGS = ("model", "data", "model_overrides")
 
 
-@pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
-def test_rule2_every_branch_on_gives_finite_nonzero_terms_that_reach_the_weights(model, data):
-    terms = check_rule2(*parts(model, data, "loss.force_all_branches=true"))
+@pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
+def test_rule1_sizes_follow_inputs(model, data, model_overrides):
+    check_rule1(*parts(model, data, model_overrides=model_overrides))
+
+
+@pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
+def test_rule2_every_branch_on_gives_finite_nonzero_terms_that_reach_the_weights(
+    model, data, model_overrides
+):
+    overrides = ("loss.force_all_branches=true",)
+    terms = check_rule2(*parts(model, data, *overrides, model_overrides=model_overrides))
     classifier = bundle_for(data).spec.task == "classification"
     if classifier:
         assert set(terms) == {"main", "label_smoothing", "z_loss", "confidence_penalty", "aux_head"}
 
 
-@pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
-def test_rule3_train_and_eval_agree(model, data):
-    check_rule3(*parts(model, data))
+@pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
+def test_rule3_train_and_eval_agree(model, data, model_overrides):
+    check_rule3(*parts(model, data, model_overrides=model_overrides))
 
 
-@pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
-def test_rule3_holds_under_bf16_autocast_as_amp_runs_on_cpu(model, data):
+@pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
+def test_rule3_holds_under_bf16_autocast_as_amp_runs_on_cpu(model, data, model_overrides):
     """precision=amp on CPU evaluates under bf16 autocast; the check runs the model's real
     (hook-free) path there too. text_transformer's fused eval path failed only in this case."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        check_rule3(*parts(model, data))
+        check_rule3(*parts(model, data, model_overrides=model_overrides))
 
 
-@pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
-def test_devices_a_layer_left_behind_is_named(model, data):
-    message = check_device_diagnosis(*parts(model, data))
+@pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
+def test_devices_a_layer_left_behind_is_named(model, data, model_overrides):
+    message = check_device_diagnosis(*parts(model, data, model_overrides=model_overrides))
     assert message.startswith(f"{DEVICES}: device mismatch in ")
+
+
+# ---------------------------------------------------------------------------------------------
+# Every architecture of the zoo (-m slow): each one that builds at a small size passes every rule
+
+ZOO_MAX_PARAMS = 150_000_000  # larger ones are skipped: minutes per check on a CPU
+ZOO_SIDES = (64, 128)  # 64: rule 1 then probes 96, a multiple of the usual stride 32
+
+
+def load_target(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def pytest_generate_tests(metafunc):
+    """Listing every zoo architecture imports its library: done only when slow tests run."""
+    if "zoo_arch" not in metafunc.fixturenames:
+        return
+    wanted = "not slow" not in (metafunc.config.getoption("markexpr") or "")
+    cases = []
+    for model in MODELS.names() if wanted else ():
+        listing = MODELS.entry(model).meta.get("archs")
+        if listing:
+            cases += [(model, arch) for arch in load_target(listing)()]
+    metafunc.parametrize(("zoo_model", "zoo_arch"), cases, ids=[f"{m}[{a}]" for m, a in cases])
+
+
+def zoo_side(model: str, arch: str) -> int:
+    """The first of ZOO_SIDES the architecture builds and runs at; skips the test otherwise."""
+    from kiln.data.spec import DataSpec
+
+    cfg = compose_config(f"model={model}", f"model.arch={arch}").model
+    reasons = []
+    for side in ZOO_SIDES:
+        spec = DataSpec("classification", "image", 7, tuple("abcdefg"), 3, (side, side))
+        try:
+            with torch.device("meta"):
+                size = sum(p.numel() for p in build_model(spec, cfg).parameters())
+        except Exception:  # some builders read values: the size the library publishes
+            published = MODELS.entry(model).meta.get("num_params")
+            size = load_target(published)(arch) if published else None
+        if size is not None and size > ZOO_MAX_PARAMS:
+            pytest.skip(f"{arch}: {size / 1e6:.0f}M parameters (> {ZOO_MAX_PARAMS / 1e6:.0f}M)")
+        try:
+            with torch.no_grad():
+                build_model(spec, cfg).eval()(torch.zeros(2, 3, side, side))
+            return side
+        except (RuntimeError, ValueError, AssertionError, TypeError) as err:
+            reasons.append(f"{side}x{side}: {type(err).__name__}: {str(err)[:120]}")
+    pytest.skip(f"{arch} builds at no small size ({'; '.join(reasons)})")
+
+
+@pytest.mark.slow
+def test_every_zoo_architecture_that_builds_small_passes_every_rule(zoo_model, zoo_arch):
+    sized = {
+        "model_overrides": (f"model.arch={zoo_arch}",),
+        "data_overrides": (f"data.image_size={zoo_side(zoo_model, zoo_arch)}",),
+    }
+    check_rule1(*parts(zoo_model, ZOO_DATA, **sized))
+    check_rule2(*parts(zoo_model, ZOO_DATA, "loss.force_all_branches=true", **sized))
+    check_rule3(*parts(zoo_model, ZOO_DATA, **sized))
+    check_device_diagnosis(*parts(zoo_model, ZOO_DATA, **sized))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ def test_unknown_name_lists_known_names_and_closest_match():
 def test_registries_hold_the_contract_names():
     assert {"digits", "synthetic_images", "csv_text", "shapes_detection"} <= set(DATASETS.names())
     expected = {"mlp", "resnet18", "resnet50", "text_bow", "text_transformer", "detector"}
+    expected |= {"torchvision", "timm"}
     assert expected <= set(MODELS.names())
     assert set(LOGGERS.names()) == {"csv", "tensorboard", "wandb"}
     assert set(EVALUATORS.names()) == {"classification", "detection"}

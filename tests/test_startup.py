@@ -22,6 +22,7 @@ HEAVY = ("torch", "optuna", "pandas", "sklearn", "onnxruntime", "wandb", "tensor
 COMMANDS = {
     "train --help": (["train.py", "--help"], 0),
     "train --help GROUP=OPTION": (["train.py", "--help", "model=resnet18"], 0),
+    "train --help model=timm": (["train.py", "--help", "model=timm"], 0),  # a zoo entry
     "train unknown option": (["train.py", "model=resnet19"], 2),
     "train key of another option": (["train.py", "data=digits", "data.vocab_size=3"], 2),
     "train value out of range": (["train.py", "trainer.max_steps=0"], 2),

@@ -97,7 +97,12 @@ def describe(target: str) -> str:
             continue
         value = _show(node._get_node(key))
         lines.append(f"  {key:<26} {value:<16} {meanings.get(key, '')}")
-    return "\n".join(lines)
+    note = (
+        GROUP_REGISTRIES[group].entry(option).meta.get("help")
+        if group in GROUP_REGISTRIES
+        else None
+    )
+    return "\n".join(lines + ([note] if note else []))
 
 
 def _show(node: Any) -> str:

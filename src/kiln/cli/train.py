@@ -116,6 +116,18 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     return float(value) if value is not None else None  # what Optuna optimises
 
 
+def check_model_names(cfg) -> None:
+    """A zoo model's arch and weights, checked against its library before Hydra starts a run:
+    a misspelt arch or a missing weights file fails here. Only then is torch imported (the
+    library needs it, and the run would import it next); other models import nothing."""
+    from kiln.registry import MODELS
+
+    if MODELS.entry(cfg.model.name).meta.get("preprocessing"):
+        from kiln.preprocessing.pretrained import pretrained_input
+
+        pretrained_input(cfg.model)
+
+
 def help_text(argv: list[str]) -> str:
     """`--help [GROUP[=OPTION]]`, also on a command line that names plugins and their
     hydra.searchpath (main() has imported and registered those already)."""
@@ -167,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         register_configs()
         if not is_multirun(argv):  # a sweep's jobs are checked one by one as they start
             cfg = load_config(config_overrides(argv))  # a mistake fails here, before any work
+            check_model_names(cfg)
             argv = with_resume_run_dir(argv, cfg.name)
     except (UserError, ImportError, KeyError) as err:
         raise user_error(err) from None

@@ -125,9 +125,16 @@ class ZooConfig(ClassifierConfig):
     """Options every model-zoo entry has: an architecture of the library and its weights."""
 
     arch: str = MISSING  # the library's architecture name
-    weights: str | None = (
-        None  # null (random) | a weights name or tag | a .pth/.pt/.safetensors file
-    )
+    weights: str | None = None  # null (random) | a name or tag | a .pth/.pt/.safetensors file
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        if self.weights is not None and str(self.init) != "default":
+            raise ConfigError(
+                f"init={self.init} would overwrite the weights {self.weights}",
+                f"{key}.init",
+                f"keep {key}.init=default with {key}.weights, or set {key}.weights=null",
+            )
 
 
 @dataclass
@@ -145,11 +152,21 @@ class TimmConfig(ZooConfig):
     Weights: a pretrained tag (a1_in1k for resnet18.a1_in1k; DEFAULT: timm's default tag) from
     the Hugging Face hub cache, or a file."""
 
-    arch: str = (
-        "resnet18"  # timm.list_models() (python -c "import timm; print(timm.list_models())")
-    )
+    arch: str = "resnet18"  # any timm.list_models() name (a pretrained tag goes in weights)
     drop_path_rate: float = 0.0  # stochastic depth, for the architectures that have it
 
+    def check(self, key: str) -> None:
+        super().check(key)
+        in_range(self.drop_path_rate, 0, 1, f"{key}.drop_path_rate", open_high=True)
+
+
+# Zoo architectures the default test suite checks against every registry-wide rule, at a small
+# input size: cheap members of convolutional and transformer families.
+TORCHVISION_SAMPLES = ("resnet18", "mobilenet_v3_small", "squeezenet1_1", "efficientnet_b0",
+                       "shufflenet_v2_x0_5", "googlenet", "swin_t")  # fmt: skip
+TIMM_SAMPLES = ("resnet10t", "mobilenetv3_small_050", "convnext_atto", "efficientnet_b0",
+                "vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224", "levit_128s",
+                "mixer_s32_224")  # fmt: skip
 
 # inputs: the DataSpec.input_kind values a model accepts (the suite pairs it with every dataset
 # that provides one of them; train.py refuses other pairings at start-up).
@@ -169,14 +186,28 @@ MODELS.declare(
     config=TextTransformerConfig,
     inputs=("tokens",),
 )
-# preprocessing: a function (model config) -> PretrainedInput | None, run before the data is
-# built and without loading any weights: the weights' own mean, std and input size.
+# preprocessing: a function (model config) -> PretrainedInput | None, run at start-up before the
+# data is built and without loading any weights: the weights' own mean, std and input size; it
+# also checks model.arch and model.weights (names, files, caches) against the library.
+# archs: a function listing every model.arch (num_params: an arch's size, where published);
+# samples: the ones the default test suite puts through the registry-wide rules (every arch runs
+# under -m slow); help: for --help.
 MODELS.declare(
     "torchvision",
     "kiln.models.zoo:build_torchvision",
     config=TorchvisionConfig,
     inputs=("image",),
     preprocessing="kiln.models.zoo:torchvision_preprocessing",
+    archs="kiln.models.zoo:torchvision_archs",
+    num_params="kiln.models.zoo:torchvision_num_params",
+    samples=TORCHVISION_SAMPLES,
+    help=(
+        "model.arch: any classification builder of torchvision.models; list them with\n"
+        '  python -c "import torchvision.models as m; print(*m.list_models(module=m), '
+        "sep='\\n')\"\n"
+        "model.weights names: torchvision.models.get_model_weights('resnet18').__members__; "
+        "their files go in $TORCH_HOME/hub/checkpoints (~/.cache/torch/hub/checkpoints)"
+    ),
 )
 MODELS.declare(
     "timm",
@@ -184,6 +215,14 @@ MODELS.declare(
     config=TimmConfig,
     inputs=("image",),
     preprocessing="kiln.models.zoo:timm_preprocessing",
+    archs="kiln.models.zoo:timm_archs",
+    samples=TIMM_SAMPLES,
+    help=(
+        "model.arch: any of timm.list_models(); list them (a pattern narrows) with\n"
+        "  python -c \"import timm; print(*timm.list_models('convnext*'), sep='\\n')\"\n"
+        "model.weights tags: timm.list_pretrained('resnet18.*') (resnet18.a1_in1k -> a1_in1k); "
+        "their files go in the Hugging Face cache ($HF_HOME/hub, ~/.cache/huggingface/hub)"
+    ),
 )
 MODELS.declare(
     "detector", "kiln.models.detector:build_detector", config=DetectorConfig, inputs=("image_list",)

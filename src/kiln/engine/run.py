@@ -47,7 +47,8 @@ from kiln.engine.trainer import Trainer, TrainingParts, batches_per_epoch
 from kiln.guards.probes import probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import summarize, write_json, write_summary
-from kiln.models import build_model
+from kiln.models import build_model, without_weights
+from kiln.preprocessing.pretrained import PretrainedInput, pretrained_input
 from kiln.registry import config_dirs, plugin_sources
 
 log = logging.getLogger(__name__)
@@ -55,11 +56,12 @@ log = logging.getLogger(__name__)
 PROBE_BATCH_SIZE = 8  # rule 3's probe: a real batch of at most this many samples
 
 
-def load_data(cfg: KilnConfig) -> DataBundle:
+def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> DataBundle:
+    """`pretrained`: the model's weights' preprocessing, for the datasets that follow it."""
     data_cfg = cfg.data
     if cfg.loss.force_all_branches and hasattr(data_cfg, "with_all_branches"):
         data_cfg = data_cfg.with_all_branches()  # e.g. MixUp and CutMix: the data's branches
-    bundle = build_data(data_cfg)
+    bundle = build_data(data_cfg, pretrained=pretrained)
     if cfg.trainer.overfit_batches:  # the same few batches, for training and validation alike
         count = min(cfg.trainer.overfit_batches * cfg.data.batch_size, len(bundle.train))
         bundle.train = bundle.val = Subset(bundle.train, range(count))
@@ -70,14 +72,15 @@ def build_trainer(
     cfg: KilnConfig, run_dir: Path, dist: DistInfo, device: torch.device, recorder
 ) -> Trainer:
     seed_everything(cfg.seed)  # the same initial weights on every rank and in single runs
-    bundle = load_data(cfg)
+    pretrained = pretrained_input(cfg.model)  # checks a zoo model's arch and weights first
+    bundle = load_data(cfg, pretrained)
     want_aux = getattr(cfg.model, "aux_head", False) or cfg.loss.aux_head
     want_aux = want_aux or cfg.loss.force_all_branches
 
-    def build_fresh(spec) -> torch.nn.Module:  # also what rule 1's probes build
-        return build_model(spec, cfg.model, aux_head=want_aux).to(device)
+    def build_fresh(spec) -> torch.nn.Module:  # what rule 1's probes build: no weights to load
+        return build_model(spec, without_weights(cfg.model), aux_head=want_aux).to(device)
 
-    model = build_fresh(bundle.spec)
+    model = build_model(bundle.spec, cfg.model, aux_head=want_aux).to(device)  # with its weights
     if cfg.init_from is not None and not will_resume(cfg, run_dir):
         from kiln.models.weights import init_from
 
@@ -184,7 +187,7 @@ def build_trainer(
         dist=dist,
         device=device,
         seed=cfg.seed,
-        record={**checkpoint_record(cfg, bundle), "contract": contract.to_dict()},
+        record={**checkpoint_record(cfg, bundle, pretrained), "contract": contract.to_dict()},
         progress_bar=cfg.env.progress_bar,
     )
     trainer.state.planned_steps = planned_steps
@@ -209,12 +212,16 @@ def sharded_writer(cfg: KilnConfig, run_dir: Path, dist: DistInfo) -> ShardedWri
     return ShardedWriter(run_dir / "checkpoints", is_main=dist.is_main)
 
 
-def checkpoint_record(cfg: KilnConfig, bundle: DataBundle) -> dict[str, Any]:
+def checkpoint_record(
+    cfg: KilnConfig, bundle: DataBundle, pretrained: PretrainedInput | None = None
+) -> dict[str, Any]:
     """What every checkpoint carries besides the training state: enough to rebuild the model and
-    repeat its preprocessing, as plain data."""
+    repeat its preprocessing, as plain data. "pretrained": what the model's weights expect
+    (the data may have followed it: an image recipe's own `pretrained` says so)."""
     return {
         "config": to_plain(cfg),
         "preprocessing": bundle.recipe.to_dict(),
+        "pretrained": pretrained.to_dict() if pretrained is not None else None,
         "data_spec": bundle.spec.to_dict(),
         "model_name": cfg.model.name,
         "kiln_version": kiln.__version__,

@@ -28,7 +28,8 @@ def _batch(bundle: DataBundle, size: int) -> Any:
 def check_rule1(build: Build, criterion, bundle: DataBundle, batch_sizes=(1, 3)) -> None:
     """Forward and backward at each batch size and at a second input size, each on a new
     model built for its spec; outputs must fit the batch and the spec."""
-    for probe in size_probes(_batch(bundle, 4), bundle.spec, batch_sizes):
+    fixed = getattr(build(bundle.spec), "fixed_input_size", False)
+    for probe in size_probes(_batch(bundle, 4), bundle.spec, batch_sizes, fixed_input_size=fixed):
         probe.new_size = True  # the suite runs backward on every probe
         run_size_probe(build(probe.spec), probe, criterion.forward, classifier_output_problems)
 

@@ -8,6 +8,7 @@ size where the data kind allows one (image side, sequence length, mixed detectio
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from torch import nn
 from kiln.guards.rules import RULE_1
 from kiln.guards.trace import failing_call
 from kiln.guards.tree import describe, iter_tensors
+
+log = logging.getLogger(__name__)
 
 BN_SINGLE_SAMPLE = "Expected more than 1 value per channel when training"
 
@@ -124,11 +127,17 @@ def resized(batch: Any, spec: Any) -> tuple[Any, Any, str] | None:
     return None
 
 
-def size_probes(batch: Any, spec: Any, batch_sizes: Iterable[int]) -> list[SizeProbe]:
-    """Probes from one real batch: each batch size at the data's size, then a second size."""
+def size_probes(
+    batch: Any, spec: Any, batch_sizes: Iterable[int], *, fixed_input_size: bool = False
+) -> list[SizeProbe]:
+    """Probes from one real batch: each batch size at the data's size, then a second size
+    unless the model declares `fixed_input_size` (a ViT built for one side)."""
     probes = []
     for n in sorted(set(batch_sizes)):
         probes.append(SizeProbe(f"batch {n}", spec, take(batch, n)))
+    if fixed_input_size:
+        log.info("rule 1: the model takes one input size (fixed_input_size): no second size")
+        return probes
     second = resized(take(batch, 2), spec)
     if second is not None:
         other_batch, other_spec, label = second

@@ -73,7 +73,8 @@ def run_probes(
     rng = _rng_state()
     try:
         if sizes:
-            for probe in size_probes(batch, spec, batch_sizes):
+            fixed = getattr(model, "fixed_input_size", False)
+            for probe in size_probes(batch, spec, batch_sizes, fixed_input_size=fixed):
                 # Another batch size runs a copy of the model; another input size a new build.
                 subject = build(probe.spec) if probe.new_size else copy_or_build(model, build, spec)
                 run_size_probe(subject, probe, forward, classifier_output_problems)

@@ -22,7 +22,7 @@ from kiln.inference.errors import (
     NonFiniteWeightsError,
     UnsupportedCheckpointError,
 )
-from kiln.models import build_model
+from kiln.models import build_model, without_weights
 from kiln.preprocessing import Recipe, recipe_from_dict
 from kiln.registry import load_plugins
 
@@ -179,12 +179,13 @@ def sidecar_path(onnx_path: Path) -> Path:
 
 def rebuild_model(record: ModelRecord, state_dict: dict[str, Any]) -> nn.Module:
     """The trained network in eval mode. A model trained with an auxiliary head (by
-    model.aux_head or the loss branch) has `aux.*` weights, so it is rebuilt with one."""
+    model.aux_head or the loss branch) has `aux.*` weights, so it is rebuilt with one. Pretrained
+    weights (a zoo model's model.weights) are not read again: the state dict holds them."""
     # A user's model registers itself when its module is imported: from here, or from where
     # the training run found it.
     load_plugins(record.config.get("plugins", []), record.plugin_sources)
     aux_head = any(key.startswith("aux.") for key in state_dict)
-    model_cfg = option_from_dict("model", record.config["model"])
+    model_cfg = without_weights(option_from_dict("model", record.config["model"]))
     model = build_model(record.spec, model_cfg, aux_head=aux_head)
     check_weights_fit(model, state_dict, f"{record.checkpoint_name} ({record.model_name})")
     model.load_state_dict(state_dict)

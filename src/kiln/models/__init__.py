@@ -7,6 +7,7 @@ built with an auxiliary head; `logits_of` reads either."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import Tensor, nn
@@ -23,9 +24,17 @@ def build_model(spec, cfg, *, aux_head: bool | None = None) -> nn.Module:
     return model
 
 
+def without_weights(cfg):
+    """The model config with its `weights` (a zoo model's pretrained weights) set to None: how a
+    trained model is rebuilt (the checkpoint holds its weights) and how probes build fresh ones."""
+    if dataclasses.is_dataclass(cfg) and "weights" in {f.name for f in dataclasses.fields(cfg)}:
+        return dataclasses.replace(cfg, weights=None)
+    return cfg
+
+
 def logits_of(output: Any) -> Tensor:
     """The main logits of a classifier's output (a tensor, or a dict with "logits")."""
     return output["logits"] if isinstance(output, dict) else output
 
 
-__all__ = ["apply_init", "build_model", "logits_of"]
+__all__ = ["apply_init", "build_model", "logits_of", "without_weights"]

@@ -10,7 +10,7 @@ from kiln.config.model import MlpConfig
 
 
 class MLP(nn.Module):
-    head_prefixes = ("head", "aux")  # the classifier heads (model.freeze=backbone keeps them)
+    head_prefixes = ("head", "aux")  # the classifier heads (model.freeze, optimizer.head_lr_mult)
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ SMALL_INPUT_SIDE = 64  # below this, the 7x7/2 stem + max-pool would discard mos
 class KilnResNet(nn.Module):
     """The torchvision network, run stage by stage so an auxiliary head can tap layer3."""
 
-    head_prefixes = ("net.fc", "aux")  # the classifier heads (model.freeze=backbone keeps them)
+    head_prefixes = ("net.fc", "aux")  # the classifier heads (model.freeze, head_lr_mult)
 
     def __init__(self, net: nn.Module, num_classes: int, aux_head: bool):
         super().__init__()

@@ -5,8 +5,11 @@ recorded with the checkpoint (in the image recipe) so inference repeats it."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from kiln.registry import MODELS
 
 
 @dataclass(frozen=True)
@@ -27,3 +30,14 @@ class PretrainedInput:
         """What `to_dict` wrote (a checkpoint's recipe.pretrained): to rebuild a run's data
         exactly, e.g. build_data(cfg.data, pretrained=PretrainedInput.from_dict(...))."""
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+def pretrained_input(model_cfg: Any) -> PretrainedInput | None:
+    """What the model's weights expect, from the `preprocessing` function its registry entry
+    declares (zoo models), or None. That function also checks the model's architecture and
+    weights (names, files, caches) against its library: call it at start-up, before the data."""
+    target = MODELS.entry(model_cfg.name).meta.get("preprocessing")
+    if target is None:
+        return None
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)(model_cfg)
