@@ -288,3 +288,33 @@ BROKEN = [
         "device mismatch in mix (Mixer)",
     ),  # fmt: skip
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 20: bugs that used to train silently, or to be caught only by a lucky sample
+
+
+class UnsetRunningScale(nn.Module):
+    """Scales by the batch's spread in training and by a running spread in eval mode, but never
+    updates the running one (left at its initial 0): evaluation divides by zero."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.register_buffer("running_std", torch.zeros(width))
+
+    def forward(self, h):
+        std = h.std(dim=0, correction=0) + 1e-5 if self.training else self.running_std
+        return h / std
+
+
+class EvalOnlyNaN(nn.Module):
+    """Finite in training, NaN in eval mode: val_loss NaN."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 32)
+        self.norm = UnsetRunningScale(32)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.norm(self.body(x.flatten(1))))

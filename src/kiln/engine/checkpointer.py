@@ -62,8 +62,10 @@ class Checkpointer:
         return every > 0 and step % every == 0
 
     def is_improvement(self, value: float | None, best: float | None) -> bool:
-        if value is None or not math.isfinite(value):
+        if value is None:
             return best is None  # keep a best.pt even without the metric
+        if not math.isfinite(value):
+            return False  # never best on NaN/Inf
         if best is None:
             return True
         return value > best if self.monitor_mode == "max" else value < best
@@ -73,9 +75,13 @@ class Checkpointer:
     ) -> None:
         """Updates state.best_metric, then writes last.pt, best.pt and epoch-N.pt as due."""
         value = metrics.get(self.monitor)
-        improved = self.is_improvement(value, state.best_metric)
+        # An evaluation with any non-finite metric picks no best.pt, whatever the monitor says.
+        finite = all(math.isfinite(v) for v in metrics.values() if isinstance(v, int | float))
+        improved = finite and self.is_improvement(value, state.best_metric)
         if improved and value is not None and math.isfinite(value):
             state.best_metric = value
+        if improved:
+            state.best_step = state.global_step
         snapshot = state_dict()
         self.save("last.pt", snapshot)
         if improved:

@@ -48,6 +48,19 @@ class NonFiniteLossError(RuntimeError):
         self.kind, self.step, self.batch_stats, self.bad_terms = kind, step, batch_stats, bad_terms
 
 
+class NonFiniteEvalError(RuntimeError):
+    """A validation metric was NaN/Inf under trainer.nan_policy=fail."""
+
+    def __init__(self, metrics: dict, bad: list[str], step: int):
+        self.metric, self.step = bad[0], step
+        self.kind = "NaN" if math.isnan(metrics[self.metric]) else "Inf"
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
+        super().__init__(
+            f"{self.metric} {self.kind} @ step {step}: the evaluation after step {step} gave "
+            f"{shown}; no best.pt was chosen from it (kiln triage <run dir> replays it)"
+        )
+
+
 class TooManySkippedSteps(RuntimeError):
     """nan_policy=skip skipped more steps than trainer.max_skipped_steps allows."""
 
@@ -69,6 +82,7 @@ class TrainState:
     batch_in_epoch: int = 0  # batches of `epoch` already consumed
     planned_steps: int = 0  # optimizer steps the run plans (the LR schedule's length)
     best_metric: float | None = None
+    best_step: int | None = None  # the step best.pt was saved at
     nonfinite_skipped: int = 0  # steps skipped under nan_policy=skip
     scaler_skipped: int = 0  # steps GradScaler skipped for inf/NaN gradients
     samples_seen: int = 0
@@ -428,6 +442,17 @@ class Trainer:
             log.info("eval after epoch %d step %d: %s", s.epoch, s.global_step, shown)
         self.on_metrics({"epoch": s.epoch, **self.last_eval}, s.global_step)
         self.checkpointer.after_evaluation(self.last_eval, s, self.state_dict, epoch_end)
+        bad = [k for k, v in self.last_eval.items() if not math.isfinite(v)]
+        if bad and self.cfg.nan_policy == NanPolicy.fail:
+            raise NonFiniteEvalError(self.last_eval, bad, s.global_step)
+        if bad and self.dist.is_main:  # nan_policy=skip: said at every such evaluation
+            kept = f"best.pt stays at step {s.best_step}" if s.best_step else "no best.pt yet"
+            log.warning(
+                "non-finite evaluation after step %d (%s; nan_policy=skip): %s",
+                s.global_step,
+                ", ".join(f"{k}={self.last_eval[k]}" for k in bad),
+                kept,
+            )
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -530,4 +555,11 @@ def memory_mb(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-__all__ = ["NonFiniteLossError", "Preempted", "StepResult", "TrainState", "Trainer"]
+__all__ = [
+    "NonFiniteEvalError",
+    "NonFiniteLossError",
+    "Preempted",
+    "StepResult",
+    "TrainState",
+    "Trainer",
+]
