@@ -442,7 +442,7 @@ class Trainer:
             log.info("eval after epoch %d step %d: %s", s.epoch, s.global_step, shown)
         self.on_metrics({"epoch": s.epoch, **self.last_eval}, s.global_step)
         self.checkpointer.after_evaluation(self.last_eval, s, self.state_dict, epoch_end)
-        bad = [k for k, v in self.last_eval.items() if not math.isfinite(v)]
+        bad = nonfinite_metrics(self.last_eval)
         if bad and self.cfg.nan_policy == NanPolicy.fail:
             raise NonFiniteEvalError(self.last_eval, bad, s.global_step)
         if bad and self.dist.is_main:  # nan_policy=skip: said at every such evaluation
@@ -539,6 +539,11 @@ def check_terms_reach_the_model(terms: dict[str, torch.Tensor]) -> None:
                 f"{RULE_2}: the {name!r} term reaches no parameter (computed from detached "
                 "tensors or under no_grad?); its flag would change nothing but the logged loss"
             )
+
+
+def nonfinite_metrics(metrics: dict) -> list[str]:
+    """The names of an evaluation's NaN/Inf metrics, in order."""
+    return [k for k, v in metrics.items() if isinstance(v, int | float) and not math.isfinite(v)]
 
 
 def batches_per_epoch(train_loader, limit_train_batches: int) -> int:
