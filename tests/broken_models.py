@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kiln.config.model import DetectorConfig, MlpConfig, TextBowConfig
-from kiln.guards.rules import DEVICES, RULE_1, RULE_2, RULE_3
+from kiln.guards.rules import DEVICES, LOGITS, RULE_1, RULE_2, RULE_3
 
 
 def features(spec) -> int:
@@ -228,13 +228,55 @@ class TensorCreatedOnAnotherDevice(nn.Module):
         return self.head(self.mix(self.body(x.flatten(1))))
 
 
+# ---------------------------------------------------------------------------------------------
+# Issue 20: bugs that used to train silently, or to be caught only by a lucky sample
+
+
+class UnsetRunningScale(nn.Module):
+    """Scales by the batch's spread in training and by a running spread in eval mode, but never
+    updates the running one (left at its initial 0): evaluation divides by zero."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.register_buffer("running_std", torch.zeros(width))
+
+    def forward(self, h):
+        std = h.std(dim=0, correction=0) + 1e-5 if self.training else self.running_std
+        return h / std
+
+
+class EvalOnlyNaN(nn.Module):
+    """Finite in training, NaN in eval mode: val_loss NaN."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 32)
+        self.norm = UnsetRunningScale(32)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.norm(self.body(x.flatten(1))))
+
+
+class SoftmaxHead(nn.Module):
+    """An MLP ending in nn.Softmax: probabilities where the cross-entropy expects logits."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(features(spec), 32), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(32, spec.num_classes), nn.Softmax(dim=1))
+
+    def forward(self, x):
+        return self.head(self.body(x.flatten(1)))
+
+
 @dataclass(frozen=True)
 class Broken:
     name: str
     builder: type
     data: str  # a dataset whose inputs it takes (where the breakage shows)
     rule: str  # the rule whose message must name it
-    check: str  # which contract check catches it: rule1 | rule2 | rule3 (any forward)
+    check: str  # which contract check catches it: rule1 | rule2 | rule3 (any forward) | logits
     needle: str  # a fragment the message must hold
     config: type = MlpConfig
     inputs: tuple[str, ...] = ("image",)
@@ -287,34 +329,6 @@ BROKEN = [
         "rule3",
         "device mismatch in mix (Mixer)",
     ),  # fmt: skip
+    Broken("eval_only_nan", EvalOnlyNaN, "digits", RULE_3, "rule3", "eval-mode output is non-fin"),
+    Broken("softmax_head", SoftmaxHead, "digits", LOGITS, "logits", "come from head.1 (Softmax)"),
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# Issue 20: bugs that used to train silently, or to be caught only by a lucky sample
-
-
-class UnsetRunningScale(nn.Module):
-    """Scales by the batch's spread in training and by a running spread in eval mode, but never
-    updates the running one (left at its initial 0): evaluation divides by zero."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.register_buffer("running_std", torch.zeros(width))
-
-    def forward(self, h):
-        std = h.std(dim=0, correction=0) + 1e-5 if self.training else self.running_std
-        return h / std
-
-
-class EvalOnlyNaN(nn.Module):
-    """Finite in training, NaN in eval mode: val_loss NaN."""
-
-    def __init__(self, spec, cfg, *, aux_head=False):
-        super().__init__()
-        self.body = nn.Linear(features(spec), 32)
-        self.norm = UnsetRunningScale(32)
-        self.head = nn.Linear(32, spec.num_classes)
-
-    def forward(self, x):
-        return self.head(self.norm(self.body(x.flatten(1))))

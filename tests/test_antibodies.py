@@ -20,13 +20,20 @@ from kiln.engine.trainer import NonFiniteLossError
 from kiln.guards import (
     DeviceMismatchError,
     LossBranchError,
+    ProbabilitiesNotLogitsError,
     ShapeContractError,
     ShapeInferenceError,
     check_sizes_follow_inputs,
     check_train_eval_agreement,
 )
-from kiln.guards.contract import check_device_diagnosis, check_rule1, check_rule2, check_rule3
-from kiln.guards.rules import DEVICES, RULE_1, RULE_2, RULE_3
+from kiln.guards.contract import (
+    check_device_diagnosis,
+    check_outputs_are_logits,
+    check_rule1,
+    check_rule2,
+    check_rule3,
+)
+from kiln.guards.rules import DEVICES, LOGITS, RULE_1, RULE_2, RULE_3
 from kiln.models import build_model
 from kiln.registry import MODELS, compatible_pairs, dataset_provides
 
@@ -47,7 +54,7 @@ SMALL = {
 PAIRS = compatible_pairs()
 IDS = [f"{model}-on-{data}" for model, data in PAIRS]
 ERRORS = {RULE_1: ShapeInferenceError, RULE_2: LossBranchError, RULE_3: ShapeContractError,
-          DEVICES: DeviceMismatchError}  # fmt: skip
+          DEVICES: DeviceMismatchError, LOGITS: ProbabilitiesNotLogitsError}  # fmt: skip
 
 _bundles: dict[str, object] = {}
 
@@ -116,6 +123,11 @@ def test_rule3_holds_under_bf16_autocast_as_amp_runs_on_cpu(model, data):
 
 
 @pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
+def test_classifiers_return_logits_not_probabilities(model, data):
+    check_outputs_are_logits(*parts(model, data))
+
+
+@pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
 def test_devices_a_layer_left_behind_is_named(model, data):
     message = check_device_diagnosis(*parts(model, data))
     assert message.startswith(f"{DEVICES}: device mismatch in ")
@@ -148,7 +160,8 @@ def broken_parts(broken: Broken, *overrides: str):
     return cfg
 
 
-CHECKS = {"rule1": check_rule1, "rule2": check_rule2, "rule3": check_rule3}
+CHECKS = {"rule1": check_rule1, "rule2": check_rule2, "rule3": check_rule3,
+          "logits": check_outputs_are_logits}  # fmt: skip
 
 
 @pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])

@@ -328,6 +328,7 @@ class Trainer:
                 mode_batch_size=parts.mode_probe_size,
                 sizes=self.cfg.probe_sizes and parts.build_fresh is not None,
                 modes=self.cfg.shape_check,
+                expects_logits=getattr(self.criterion, "expects_logits", False),
             )
         if self.dist.is_main and (self.cfg.probe_sizes or self.cfg.shape_check):
             log.info("pre-step probes (rules 1 and 3) took %.2f s", self.probe_time_s)

@@ -6,6 +6,7 @@ from kiln.guards.branches import LossBranchError, check_loss_branches
 from kiln.guards.devices import DeviceMismatchError, diagnose, is_device_mismatch
 from kiln.guards.input_sizes import ShapeInferenceError, check_sizes_follow_inputs
 from kiln.guards.numerics import NonFiniteInputError, assert_finite_inputs, tensor_stats
+from kiln.guards.outputs import ProbabilitiesNotLogitsError, check_logits
 from kiln.guards.shape_check import ShapeContractError, check_train_eval_agreement
 from kiln.guards.tree import describe
 
@@ -13,9 +14,11 @@ __all__ = [
     "DeviceMismatchError",
     "LossBranchError",
     "NonFiniteInputError",
+    "ProbabilitiesNotLogitsError",
     "ShapeContractError",
     "ShapeInferenceError",
     "assert_finite_inputs",
+    "check_logits",
     "check_loss_branches",
     "check_sizes_follow_inputs",
     "check_train_eval_agreement",

@@ -15,6 +15,7 @@ from kiln.data import DataBundle, example_batch
 from kiln.guards.branches import check_loss_branches
 from kiln.guards.devices import DeviceMismatchError, diagnose, is_device_mismatch
 from kiln.guards.input_sizes import run_size_probe, size_probes
+from kiln.guards.outputs import check_logits
 from kiln.guards.probes import classifier_output_problems
 from kiln.guards.shape_check import check_train_eval_agreement
 
@@ -39,7 +40,15 @@ def check_rule2(build: Build, criterion, bundle: DataBundle) -> dict[str, torch.
 
 
 def check_rule3(build: Build, criterion, bundle: DataBundle) -> None:
-    check_train_eval_agreement(build(bundle.spec), _batch(bundle, 4), criterion.forward)
+    check_train_eval_agreement(
+        build(bundle.spec), _batch(bundle, 4), criterion.forward, finite=True
+    )
+
+
+def check_outputs_are_logits(build: Build, criterion, bundle: DataBundle) -> None:
+    """A classifier's outputs are logits (its criterion applies log_softmax), not probabilities."""
+    if getattr(criterion, "expects_logits", False):
+        check_logits(build(bundle.spec), _batch(bundle, 4), criterion.forward)
 
 
 def last_layer_with_weights(model: nn.Module) -> str:
@@ -80,6 +89,7 @@ def check_device_diagnosis(build: Build, criterion, bundle: DataBundle) -> str:
 __all__ = [
     "DeviceMismatchError",
     "check_device_diagnosis",
+    "check_outputs_are_logits",
     "check_rule1",
     "check_rule2",
     "check_rule3",

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kiln.guards.input_sizes import run_size_probe, size_probes, take
+from kiln.guards.outputs import check_logits
 from kiln.guards.shape_check import check_train_eval_agreement
 from kiln.models import logits_of
 
@@ -67,6 +68,7 @@ def run_probes(
     mode_batch_size: int,
     sizes: bool,
     modes: bool,
+    expects_logits: bool = False,
 ) -> float:
     """Runs the enabled probes; raises the rule's error; returns the seconds they took."""
     started = time.perf_counter()
@@ -78,7 +80,9 @@ def run_probes(
                 subject = build(probe.spec) if probe.new_size else copy_or_build(model, build, spec)
                 run_size_probe(subject, probe, forward, classifier_output_problems)
         if modes:
-            check_train_eval_agreement(model, take(batch, mode_batch_size), forward)
+            check_train_eval_agreement(model, take(batch, mode_batch_size), forward, finite=True)
+        if expects_logits and (sizes or modes):
+            check_logits(model, take(batch, mode_batch_size), forward)
     finally:
         _set_rng_state(rng)
     return time.perf_counter() - started
