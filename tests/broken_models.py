@@ -270,13 +270,54 @@ class SoftmaxHead(nn.Module):
         return self.head(self.body(x.flatten(1)))
 
 
+@dataclass
+class AuxOnConfig(MlpConfig):
+    """A plugin's schema that turns its auxiliary head on by default."""
+
+    aux_head: bool = True
+
+
+class AuxOnByDefault(nn.Module):
+    """Builds `aux` whenever asked: with its schema's default, always, and no loss trains it."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.fc = nn.Linear(features(spec), spec.num_classes)
+        self.aux = nn.Linear(features(spec), spec.num_classes) if aux_head else None
+
+    def forward(self, x):
+        h = x.flatten(1)
+        return self.fc(h) if self.aux is None else {"logits": self.fc(h), "aux_logits": self.aux(h)}
+
+
+@dataclass
+class SideHeadConfig(MlpConfig):
+    side_head: bool = True  # a second head whose logits are returned for monitoring
+
+
+class UnusedSideHead(nn.Module):
+    """An option of its own builds a head whose output no loss term reads: no gradient ever."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.fc = nn.Linear(features(spec), spec.num_classes)
+        self.side = nn.Linear(features(spec), spec.num_classes) if cfg.side_head else None
+
+    def forward(self, x):
+        logits = self.fc(x.flatten(1))
+        if self.side is None:
+            return logits
+        return {"logits": logits, "side_logits": self.side(x.flatten(1))}
+
+
 @dataclass(frozen=True)
 class Broken:
     name: str
     builder: type
     data: str  # a dataset whose inputs it takes (where the breakage shows)
     rule: str  # the rule whose message must name it
-    check: str  # which contract check catches it: rule1 | rule2 | rule3 (any forward) | logits
+    # which check catches it: rule1 | rule2 | rule3 (any forward) | logits | config (start-up)
+    check: str
     needle: str  # a fragment the message must hold
     config: type = MlpConfig
     inputs: tuple[str, ...] = ("image",)
@@ -331,4 +372,22 @@ BROKEN = [
     ),  # fmt: skip
     Broken("eval_only_nan", EvalOnlyNaN, "digits", RULE_3, "rule3", "eval-mode output is non-fin"),
     Broken("softmax_head", SoftmaxHead, "digits", LOGITS, "logits", "come from head.1 (Softmax)"),
+    Broken(
+        "aux_on_by_default",
+        AuxOnByDefault,
+        "digits",
+        RULE_2,
+        "config",
+        "schema AuxOnConfig turns the branch aux_head on by default",
+        AuxOnConfig,
+    ),  # fmt: skip
+    Broken(
+        "unused_side_head",
+        UnusedSideHead,
+        "digits",
+        RULE_2,
+        "rule2",
+        "got no gradient at step 1: side.weight, side.bias, in side (Linear)",
+        SideHeadConfig,
+    ),  # fmt: skip
 ]

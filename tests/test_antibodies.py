@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+import re
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from kiln.cli.paths import CONF_DIR
+from kiln.config import ConfigError
 from kiln.data import build_data
 from kiln.engine.loss import build_criterion
 from kiln.engine.trainer import NonFiniteLossError
@@ -109,6 +111,17 @@ def test_rule2_every_branch_on_gives_finite_nonzero_terms_that_reach_the_weights
         assert set(terms) == {"main", "label_smoothing", "z_loss", "confidence_penalty", "aux_head"}
 
 
+@pytest.mark.parametrize("model", MODELS.names())
+def test_rule2_every_registered_models_branches_default_off(model):
+    """A branch on by default is refused at start-up: every registered schema passes."""
+    from kiln.config.base import check_branch_defaults
+    from kiln.config.run import LossConfig
+
+    schema = MODELS.entry(model).config
+    check_branch_defaults(schema, getattr(schema, "branch_flags", ()), "model", model)
+    check_branch_defaults(LossConfig, LossConfig.branch_flags, "loss")
+
+
 @pytest.mark.parametrize(("model", "data"), PAIRS, ids=IDS)
 def test_rule3_train_and_eval_agree(model, data):
     check_rule3(*parts(model, data))
@@ -156,8 +169,16 @@ def broken_parts(broken: Broken, *overrides: str):
     base = schema_option[broken.inputs[0]]
     cfg = compose_config(f"data={broken.data}", f"model={base}", *SMALL.get(broken.data, ()),
                          *overrides)  # fmt: skip
-    cfg.model = dataclasses.replace(cfg.model, name=broken.name)
+    if type(cfg.model) is broken.config:
+        cfg.model = dataclasses.replace(cfg.model, name=broken.name)
+    else:  # a schema of its own: its defaults
+        cfg.model = broken.config(name=broken.name)
     return cfg
+
+
+def config_check(build, criterion, bundle, broken: Broken):
+    """What start-up checks of a model's schema (check_tree runs it in load_config)."""
+    broken.config(name=broken.name).check("model")
 
 
 CHECKS = {"rule1": check_rule1, "rule2": check_rule2, "rule3": check_rule3,
@@ -174,6 +195,11 @@ def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
         return build_model(spec, cfg.model, aux_head=aux).to("cpu")
 
     bundle = bundle_for(broken.data)
+    if broken.check == "config":  # refused before anything is built
+        with pytest.raises(ConfigError) as info:
+            config_check(None, None, bundle, broken)
+        assert str(info.value).startswith(broken.rule) and broken.needle in str(info.value)
+        return
     criterion = build_criterion(build(bundle.spec), cfg.loss)
     with pytest.raises(ERRORS[broken.rule]) as info:
         CHECKS[broken.check](build, criterion, bundle)
@@ -190,6 +216,14 @@ def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_
     overrides = ["env.progress_bar=false", "logger=none", "trainer.max_epochs=1"]
     if broken.check == "rule2":
         overrides.append("loss.force_all_branches=true")
+    if broken.check == "config":  # through the real composition: train.py refuses it at start-up
+        (tmp_path / "conf" / "model").mkdir(parents=True)
+        (tmp_path / "conf" / "model" / f"{broken.name}.yaml").write_text("dropout: 0.0\n")
+        with pytest.raises(ConfigError, match=re.escape(broken.needle)):
+            compose_config(
+                *overrides, f"model={broken.name}", f"hydra.searchpath=[file://{tmp_path}/conf]"
+            )
+        return
     cfg = broken_parts(broken, *overrides)
     from kiln.engine.run import train
 

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from kiln import checkpoint as files
+from kiln.config.model import MlpConfig
 from kiln.engine.run import train
 from kiln.engine.trainer import NonFiniteEvalError
 
-from .broken_models import EvalOnlyNaN, features
+from .broken_models import EvalOnlyNaN, SideHeadConfig, UnusedSideHead, features
 from .conftest import read_metrics
 
 QUIET = ("env.progress_bar=false", "logger=none", "trainer.log_every_n_steps=5")
@@ -73,3 +74,38 @@ def test_under_nan_policy_skip_each_nan_evaluation_is_said_and_the_best_kept(
     assert len(said) == 3 and all("best.pt stays at step 23" in line for line in said), said
     best = files.load_checkpoint(run_dir / "checkpoints" / "best.pt")
     assert best["state"]["global_step"] == 23 and summary["best"] == evals[0]["val_loss"]
+
+
+def test_an_aux_head_on_in_an_options_yaml_is_refused_at_start_up(tmp_path):
+    """The model's own option turns its head on; nothing trains it."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mlp_aux.yaml").write_text("defaults:\n  - mlp\n  - _self_\n"
+                                                             "aux_head: true\n")  # fmt: skip
+    from kiln.config import ConfigError, load_config
+    from kiln.registry import MODELS
+
+    MODELS.declare("mlp_aux", "kiln.models.mlp:build_mlp", config=MlpConfig, inputs=("image",))
+    try:
+        with pytest.raises(ConfigError) as info:
+            load_config(["model=mlp_aux", f"hydra.searchpath=[file://{tmp_path}/conf]"])
+    finally:
+        del MODELS._entries["mlp_aux"]
+    message = str(info.value)
+    assert message.startswith("rule 2 (every optional loss branch has a flag and must work)")
+    assert "(model.aux_head): set loss.aux_head=true to train it" in message
+    assert load_config(["loss.aux_head=true"]).loss.aux_head  # the loss flag builds and trains it
+
+
+def test_a_parameter_no_loss_reaches_is_named_with_its_flag_before_step_2(
+    tmp_path, temporary_model
+):
+    from kiln.guards import LossBranchError
+
+    cfg = temporary_model("side_head", UnusedSideHead, *QUIET, "trainer.max_epochs=1")
+    cfg.model = SideHeadConfig(name="side_head")
+    with pytest.raises(LossBranchError) as info:
+        train(cfg, tmp_path / "run")
+    message = str(info.value)
+    assert "got no gradient at step 1: side.weight, side.bias, in side (Linear)" in message
+    assert "model.side_head=false turns that branch off" in message
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 0

@@ -4,6 +4,7 @@ tests call it in-process with `load_config([...])`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -129,6 +130,7 @@ def build_trainer(
         batch_metrics=bundle.batch_metrics,
         peak_flops=peak_flops(device, precision, cfg.trainer.peak_tflops),
     )
+    parts.flag_for_unused = lambda names: option_behind(names, bundle.spec, cfg, want_aux)
     if bundle.report is not None and dist.is_main:
         write_json(run_dir / "data_report.json", bundle.report)
     monitor = evaluator.monitor if cfg.trainer.monitor == "auto" else cfg.trainer.monitor
@@ -166,6 +168,31 @@ def build_trainer(
     trainer.state.planned_steps = planned_steps
     trainer.contract = contract
     return trainer
+
+
+def option_behind(names: list[str], spec, cfg: KilnConfig, want_aux: bool) -> str | None:
+    """The override that removes the parameters `names` (rule 2's message): each boolean model
+    option now on, and the auxiliary head the flags ask for, switched off in a build on the meta
+    device (no memory, no random numbers drawn)."""
+    candidates = []
+    if want_aux:
+        on = [g for g in ("model", "loss") if getattr(getattr(cfg, g), "aux_head", False)]
+        flags = " ".join(f"{g}.aux_head=false" for g in on) or "loss.force_all_branches=false"
+        candidates.append((flags, cfg.model, False))
+    for f in dataclasses.fields(cfg.model):
+        if getattr(cfg.model, f.name) is True and f.name != "aux_head":
+            off = dataclasses.replace(cfg.model, **{f.name: False})
+            candidates.append((f"model.{f.name}=false", off, want_aux))
+    for override, model_cfg, aux in candidates:
+        try:
+            with torch.device("meta"), torch.random.fork_rng():
+                model = build_model(spec, model_cfg, aux_head=aux)
+            built = {name for name, _ in model.named_parameters()}
+        except Exception:  # an option this builder cannot switch: not the one
+            continue
+        if not built & set(names):
+            return override
+    return None
 
 
 def sharded_writer(cfg: KilnConfig, run_dir: Path, dist: DistInfo) -> ShardedWriter | None:

@@ -28,7 +28,13 @@ from kiln.engine.preemption import Preempted, PreemptionFlag
 from kiln.engine.seeding import rng_state, set_rng_state
 from kiln.engine.sharded_checkpoint import load_model_and_optimizer, model_and_optimizer_state
 from kiln.engine.throughput import flops_per_sample
-from kiln.guards import assert_finite_inputs, check_train_eval_agreement, describe, tensor_stats
+from kiln.guards import (
+    assert_finite_inputs,
+    check_every_parameter_learns,
+    check_train_eval_agreement,
+    describe,
+    tensor_stats,
+)
 from kiln.guards.devices import diagnose, is_device_mismatch
 from kiln.guards.input_sizes import take
 from kiln.guards.probes import copy_or_build, run_probes
@@ -116,6 +122,7 @@ class TrainingParts:
     mode_probe_size: int = 8  # samples rule 3 probes with
     peak_flops: float | None = None  # the device's peak FLOP/s in the run's dtype, if known
     batch_metrics: Callable[[Any], dict[str, torch.Tensor]] | None = None  # from the dataset
+    flag_for_unused: Callable[[list[str]], str | None] | None = None  # the option behind params
 
 
 @dataclass
@@ -252,6 +259,8 @@ class Trainer:
             if self.window.keep_batches:
                 kept.append(batch)
                 micro_bad.append(micro_nonfinite)
+        if self.state.global_step == 0:  # rule 2, once: a parameter no loss term reaches
+            check_every_parameter_learns(self.raw_model, self.parts.flag_for_unused)
         bad = all_reduce_max(bad)  # every rank skips the same steps
         scaler.unscale_(optimizer)  # true-scale gradients before the norm and clipping
         max_norm = self.cfg.gradient_clip_val or math.inf  # inf: measure, never clip
