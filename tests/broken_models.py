@@ -310,6 +310,60 @@ class UnusedSideHead(nn.Module):
         return {"logits": logits, "side_logits": self.side(x.flatten(1))}
 
 
+class PositionTable32(nn.Module):
+    """Learned positions for 32 tokens (a table sized by a literal): fine on short texts, an
+    IndexError on the first text longer than 32 tokens, whenever the shuffle brings it."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.embed = nn.Embedding(spec.vocab_size, 16, padding_idx=spec.pad_id)
+        self.position = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, spec.num_classes)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.head((self.embed(ids) + self.position(positions)).mean(dim=1))
+
+
+class AssumesABox(nn.Module):
+    """A detector whose loss reads every image's first box: an image with no box (background)
+    is an IndexError, whenever the shuffle brings one."""
+
+    computes_own_loss = True
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, images, targets=None):
+        scores = torch.stack([self.conv(image[None]).mean() for image in images])
+        if self.training:
+            first = torch.stack([t["boxes"][0] for t in targets])  # (N, 4): one box assumed
+            return {"loss_box": ((scores[:, None] - first / 100) ** 2).mean()}
+        return [
+            {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long),
+             "scores": torch.zeros(0)}
+            for _ in images
+        ]  # fmt: skip
+
+    def check_output(self, mode, output, batch_size=None):
+        return []  # a loss dict in train mode, detections in eval mode, as detectors return
+
+
+class BatchNormHead(nn.Module):
+    """BatchNorm1d before the classifier: fine on full batches; an epoch whose last batch holds
+    one sample fails there, in train mode, at the last step of the first epoch."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 32)
+        self.norm = nn.BatchNorm1d(32)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.norm(self.body(x.flatten(1))).relu())
+
+
 @dataclass(frozen=True)
 class Broken:
     name: str
@@ -321,6 +375,7 @@ class Broken:
     needle: str  # a fragment the message must hold
     config: type = MlpConfig
     inputs: tuple[str, ...] = ("image",)
+    overrides: tuple[str, ...] = ()  # what the data must be for the bug to show
 
 
 BROKEN = [
@@ -389,5 +444,34 @@ BROKEN = [
         "rule2",
         "got no gradient at step 1: side.weight, side.bias, in side (Linear)",
         SideHeadConfig,
+    ),  # fmt: skip
+    Broken(
+        "position_table_32",
+        PositionTable32,
+        "csv_text",
+        RULE_1,
+        "rule1",
+        "2 sequences of 256 tokens (spec.max_length",
+        TextBowConfig,
+        ("tokens",),
+    ),  # fmt: skip
+    Broken(
+        "assumes_a_box",
+        AssumesABox,
+        "shapes_detection",
+        RULE_1,
+        "rule1",
+        "failed on an image with no box and the image with the most boxes",
+        DetectorConfig,
+        ("image_list",),
+    ),  # fmt: skip
+    Broken(
+        "batchnorm_head",
+        BatchNormHead,
+        "digits",
+        RULE_1,
+        "rule1",
+        "set data.drop_last=true (that sample is left out of each epoch), or data.batch_size=5",
+        overrides=("data.batch_size=4",),  # 1437 training digits: the last batch holds 1
     ),  # fmt: skip
 ]

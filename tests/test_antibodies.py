@@ -35,6 +35,7 @@ from kiln.guards.contract import (
     check_rule2,
     check_rule3,
 )
+from kiln.guards.input_sizes import EpochPlan
 from kiln.guards.rules import DEVICES, LOGITS, RULE_1, RULE_2, RULE_3
 from kiln.models import build_model
 from kiln.registry import MODELS, compatible_pairs, dataset_provides
@@ -51,6 +52,7 @@ SMALL = {
         "data.num_val=4",
         "data.image_size=64",
         "data.min_image_size=40",
+        "data.num_background=1",  # a detector must train on an image with no box
     ),  # fmt: skip
 }
 PAIRS = compatible_pairs()
@@ -168,7 +170,7 @@ def broken_parts(broken: Broken, *overrides: str):
     schema_option = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
     base = schema_option[broken.inputs[0]]
     cfg = compose_config(f"data={broken.data}", f"model={base}", *SMALL.get(broken.data, ()),
-                         *overrides)  # fmt: skip
+                         *broken.overrides, *overrides)  # fmt: skip
     if type(cfg.model) is broken.config:
         cfg.model = dataclasses.replace(cfg.model, name=broken.name)
     else:  # a schema of its own: its defaults
@@ -201,8 +203,10 @@ def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
         assert str(info.value).startswith(broken.rule) and broken.needle in str(info.value)
         return
     criterion = build_criterion(build(bundle.spec), cfg.loss)
+    # The epoch's plan as the run would cut it (batch size from the broken model's data).
+    plan = {"plan": EpochPlan(len(bundle.train), cfg.data.batch_size)}
     with pytest.raises(ERRORS[broken.rule]) as info:
-        CHECKS[broken.check](build, criterion, bundle)
+        CHECKS[broken.check](build, criterion, bundle, **(plan if broken.check == "rule1" else {}))
     message = str(info.value)
     assert message.startswith(broken.rule), message
     assert broken.needle in message, message

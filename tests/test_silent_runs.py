@@ -12,12 +12,14 @@ import torch
 from torch import nn
 
 from kiln import checkpoint as files
-from kiln.config.model import MlpConfig
+from kiln.config.model import DetectorConfig, MlpConfig, TextBowConfig
 from kiln.engine.run import train
 from kiln.engine.trainer import NonFiniteEvalError
+from kiln.guards import ShapeInferenceError
+from kiln.registry import MODELS
 
 from .broken_models import EvalOnlyNaN, SideHeadConfig, UnusedSideHead, features
-from .conftest import read_metrics
+from .conftest import compose_config, read_metrics
 
 QUIET = ("env.progress_bar=false", "logger=none", "trainer.log_every_n_steps=5")
 
@@ -109,3 +111,90 @@ def test_a_parameter_no_loss_reaches_is_named_with_its_flag_before_step_2(
     assert "got no gradient at step 1: side.weight, side.bias, in side (Linear)" in message
     assert "model.side_head=false turns that branch off" in message
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Rule 1 probes the extremes of the data's own plan: catching a bug never depends on the seed
+
+
+@pytest.fixture
+def model_named():
+    """Register a model under its own name for one test; returns its config for the data."""
+    added = []
+
+    def register(name, builder, schema, inputs, *overrides):
+        MODELS.register(name, config=schema, inputs=inputs)(builder)
+        added.append(name)
+        cfg = compose_config(*QUIET, *overrides)
+        cfg.model = schema(name=name)
+        return cfg
+
+    yield register
+    for name in added:
+        del MODELS._entries[name]
+
+
+def long_and_short_texts(path):
+    """300 short reviews and 3 long ones: a random probe of 8 rarely holds a long one."""
+    rows = ["text,label"]
+    for i in range(300):
+        rows.append(f"item {i} was {'good' if i % 2 else 'bad'} today,{'pos' if i % 2 else 'neg'}")
+    for i in range(3):
+        rows.append(" ".join(f"word{j}" for j in range(60)) + f" {i},pos")
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("seed", [0, 42])
+def test_a_position_table_too_short_is_caught_before_step_1_whatever_the_seed(
+    tmp_path, model_named, seed
+):
+    from .broken_models import PositionTable32
+
+    csv = long_and_short_texts(tmp_path / "reviews.csv")
+    cfg = model_named(
+        "positions_32", PositionTable32, TextBowConfig, ("tokens",), "data=csv_text",
+        "model=text_bow", f"data.train_path={csv}", f"data.cache_dir={tmp_path / 'cache'}",
+        "data.vocab_size=300", "data.max_length=64", f"seed={seed}", "trainer.max_epochs=3",
+    )  # fmt: skip
+    with pytest.raises(ShapeInferenceError) as info:
+        train(cfg, tmp_path / "run")
+    assert "failed on 2 sequences of 64 tokens (spec.max_length" in str(info.value)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 0
+
+
+@pytest.mark.parametrize("seed", [0, 42])
+def test_a_detector_that_assumes_a_box_is_caught_before_step_1_whatever_the_seed(
+    tmp_path, model_named, seed
+):
+    from .broken_models import AssumesABox
+
+    cfg = model_named(
+        "assumes_a_box", AssumesABox, DetectorConfig, ("image_list",), "data=shapes_detection",
+        "model=detector", "data.num_train=64", "data.num_val=4", "data.image_size=48",
+        "data.min_image_size=32", "data.num_background=3", f"seed={seed}",
+    )  # fmt: skip
+    with pytest.raises(ShapeInferenceError) as info:
+        train(cfg, tmp_path / "run")
+    message = str(info.value)
+    assert "failed on an image with no box and the image with the most boxes" in message
+    assert "index 0 is out of bounds" in message
+
+
+def test_a_batchnorm_head_and_an_epoch_ending_in_one_sample_names_the_fix(tmp_path, model_named):
+    from .broken_models import BatchNormHead
+
+    cfg = model_named(
+        "bn_head", BatchNormHead, MlpConfig, ("image",), "data.batch_size=4",
+        "trainer.max_epochs=1",
+    )  # fmt: skip
+    with pytest.raises(ShapeInferenceError) as info:
+        train(cfg, tmp_path / "run")
+    message = str(info.value)
+    assert "failed on the epoch's last batch, of 1 sample, in train mode (1437 samples" in message
+    assert "in norm (BatchNorm1d)" in message
+    assert "set data.drop_last=true (that sample is left out of each epoch), or " in message
+    assert "data.batch_size=5 (1437 samples leave a last batch of 2)" in message
+    cfg.data.drop_last = True  # the fix, as printed: the run trains
+    summary = train(cfg, tmp_path / "fixed")
+    assert summary["status"] == "ok" and summary["steps"] == 359  # 1437 // 4 batches

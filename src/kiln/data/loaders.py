@@ -109,7 +109,9 @@ def seed_worker(worker_id: int) -> None:
     random.seed(worker_seed)
 
 
-def _loader(dataset, sampler, cfg, *, collate_fn, pin_memory: bool, seed: int) -> DataLoader:
+def _loader(
+    dataset, sampler, cfg, *, collate_fn, pin_memory: bool, seed: int, drop_last: bool = False
+) -> DataLoader:
     workers = cfg.num_workers
     return DataLoader(
         dataset,
@@ -122,7 +124,7 @@ def _loader(dataset, sampler, cfg, *, collate_fn, pin_memory: bool, seed: int) -
         prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
         worker_init_fn=seed_worker,
         generator=torch.Generator().manual_seed(seed),
-        drop_last=False,
+        drop_last=drop_last,
     )
 
 
@@ -153,7 +155,15 @@ def build_dataloaders(
         bundle.val, num_replicas=world_size, rank=rank, shuffle=False, seed=seed
     )
     collate = bundle.collate_fn
-    train = _loader(bundle.train, train_sampler, cfg, collate_fn=collate, pin_memory=pin, seed=seed)
+    train = _loader(
+        bundle.train,
+        train_sampler,
+        cfg,
+        collate_fn=collate,
+        pin_memory=pin,
+        seed=seed,
+        drop_last=cfg.drop_last,  # training only: every validation sample counts
+    )
     val = _loader(bundle.val, val_sampler, cfg, collate_fn=collate, pin_memory=pin, seed=seed)
     return train, val
 

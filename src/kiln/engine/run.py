@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from torch.utils.data import Subset
 import kiln
 from kiln.config import KilnConfig, to_plain
 from kiln.data import DataBundle, build_data, build_dataloaders, example_batch
+from kiln.data.extremes import probe_batches
 from kiln.device import resolve_device
 from kiln.engine.batches import move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer, ResumeError
@@ -44,6 +46,7 @@ from kiln.engine.seeding import seed_everything, set_deterministic
 from kiln.engine.sharded_checkpoint import ShardedWriter
 from kiln.engine.throughput import peak_flops
 from kiln.engine.trainer import Trainer, TrainingParts, batches_per_epoch
+from kiln.guards.input_sizes import EpochPlan
 from kiln.guards.probes import probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import summarize, write_json, write_summary
@@ -103,14 +106,17 @@ def build_trainer(
         wrapped = torch.compile(wrapped, mode=str(cfg.trainer.compile_mode))
     evaluator = build_evaluator(bundle.spec.task, precision=precision, device=device, dist=dist)
     batch_size = cfg.data.batch_size
-    probe_sizes = probe_batch_sizes(batch_size, train_loader.sampler.num_samples)
-    if cfg.trainer.limit_train_batches > 0:  # then the epoch's last batch is a full one
-        probe_sizes = [n for n in probe_sizes if n in (1, 3, 5)]
+    plan = epoch_plan(train_loader, cfg)
+    probe_sizes = probe_batch_sizes(batch_size, plan.samples if not plan.drop_last else 0)
     mode_probe_size = min(batch_size, PROBE_BATCH_SIZE)
     pool = max([mode_probe_size, *probe_sizes])
-    probe_batch = move_to(example_batch(bundle, pool, seed=cfg.seed), device)
-    if cfg.trainer.channels_last:
-        probe_batch = to_channels_last(probe_batch)
+    # The data's own extremes, never a sample: the same probes whatever the seed.
+    probes = probe_batches(bundle, pool, batch_size)
+    on_device = lambda batch: (  # noqa: E731
+        to_channels_last(move_to(batch, device)) if cfg.trainer.channels_last
+        else move_to(batch, device)
+    )  # fmt: skip
+    probe_batch = on_device(probes.base)
     parts = TrainingParts(
         model=wrapped,
         raw_model=model,
@@ -127,6 +133,8 @@ def build_trainer(
         build_fresh=build_fresh,
         probe_batch_sizes=tuple(probe_sizes),
         mode_probe_size=mode_probe_size,
+        epoch_plan=plan,
+        probe_cases=[(label, on_device(batch)) for label, batch in probes.cases],
         batch_metrics=bundle.batch_metrics,
         peak_flops=peak_flops(device, precision, cfg.trainer.peak_tflops),
     )
@@ -168,6 +176,15 @@ def build_trainer(
     trainer.state.planned_steps = planned_steps
     trainer.contract = contract
     return trainer
+
+
+def epoch_plan(train_loader, cfg: KilnConfig) -> EpochPlan:
+    """One rank's epoch as batches: a partial last batch is trained on unless data.drop_last or
+    trainer.limit_train_batches cuts the epoch before it."""
+    samples, batch_size = train_loader.sampler.num_samples, cfg.data.batch_size
+    limit = cfg.trainer.limit_train_batches
+    cut = 0 < limit < math.ceil(samples / batch_size)
+    return EpochPlan(samples, batch_size, drop_last=cfg.data.drop_last or cut)
 
 
 def option_behind(names: list[str], spec, cfg: KilnConfig, want_aux: bool) -> str | None:

@@ -123,6 +123,8 @@ class TrainingParts:
     peak_flops: float | None = None  # the device's peak FLOP/s in the run's dtype, if known
     batch_metrics: Callable[[Any], dict[str, torch.Tensor]] | None = None  # from the dataset
     flag_for_unused: Callable[[list[str]], str | None] | None = None  # the option behind params
+    epoch_plan: Any = None  # kiln.guards.input_sizes.EpochPlan: the batches rule 1 must survive
+    probe_cases: list = field(default_factory=list)  # (label, batch): the data's extremes
 
 
 @dataclass
@@ -338,6 +340,8 @@ class Trainer:
                 sizes=self.cfg.probe_sizes and parts.build_fresh is not None,
                 modes=self.cfg.shape_check,
                 expects_logits=getattr(self.criterion, "expects_logits", False),
+                plan=parts.epoch_plan,
+                cases=parts.probe_cases,
             )
         if self.dist.is_main and (self.cfg.probe_sizes or self.cfg.shape_check):
             log.info("pre-step probes (rules 1 and 3) took %.2f s", self.probe_time_s)
@@ -557,8 +561,10 @@ def nonfinite_metrics(metrics: dict) -> list[str]:
 
 
 def batches_per_epoch(train_loader, limit_train_batches: int) -> int:
-    """Batches this rank trains on per epoch: its sampler's share, capped by the limit (> 0)."""
-    batches = math.ceil(train_loader.sampler.num_samples / train_loader.batch_size)
+    """Batches this rank trains on per epoch: its sampler's share (without the partial last
+    batch under data.drop_last), capped by the limit (> 0)."""
+    cut = math.floor if getattr(train_loader, "drop_last", False) else math.ceil
+    batches = cut(train_loader.sampler.num_samples / train_loader.batch_size)
     return min(batches, limit_train_batches) if limit_train_batches > 0 else batches
 
 

@@ -11,10 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.data import DataBundle, example_batch
+from kiln.data import DataBundle
+from kiln.data.extremes import probe_batches
 from kiln.guards.branches import check_loss_branches
 from kiln.guards.devices import DeviceMismatchError, diagnose, is_device_mismatch
-from kiln.guards.input_sizes import run_size_probe, size_probes
+from kiln.guards.input_sizes import EpochPlan, plan_probes, run_size_probe, size_probes
 from kiln.guards.outputs import check_logits
 from kiln.guards.probes import classifier_output_problems
 from kiln.guards.shape_check import check_train_eval_agreement
@@ -23,13 +24,21 @@ Build = Callable[[Any], nn.Module]  # DataSpec -> a fresh model
 
 
 def _batch(bundle: DataBundle, size: int) -> Any:
-    return example_batch(bundle, size, seed=0)
+    """The data's extremes first (the longest texts, an image with no box...), never sampled."""
+    return probe_batches(bundle, size, size).base
 
 
-def check_rule1(build: Build, criterion, bundle: DataBundle, batch_sizes=(1, 3)) -> None:
-    """Forward and backward at each batch size and at a second input size, each on a new
-    model built for its spec; outputs must fit the batch and the spec."""
-    for probe in size_probes(_batch(bundle, 4), bundle.spec, batch_sizes):
+def check_rule1(
+    build: Build, criterion, bundle: DataBundle, batch_sizes=(1, 3), plan: EpochPlan | None = None
+) -> None:
+    """Forward and backward at each batch size, at a second input size and at the data's
+    extremes (and, when `plan` ends its epoch with one, a batch of 1 in train mode), each on a
+    new model built for its spec; outputs must fit the batch and the spec."""
+    data = probe_batches(bundle, 4, plan.batch_size if plan is not None else 4)
+    if plan is not None and plan.last_batch == 1:
+        batch_sizes = [n for n in batch_sizes if n != 1]
+    probes = plan_probes(plan, data.base, bundle.spec, data.cases)
+    for probe in probes + size_probes(data.base, bundle.spec, batch_sizes):
         probe.new_size = True  # the suite runs backward on every probe
         run_size_probe(build(probe.spec), probe, criterion.forward, classifier_output_problems)
 
