@@ -364,6 +364,29 @@ class BatchNormHead(nn.Module):
         return self.head(self.norm(self.body(x.flatten(1))).relu())
 
 
+class GradModeHead(nn.Module):
+    def __init__(self, width, classes):
+        super().__init__()
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, h):
+        logits = self.fc(h)
+        if not torch.is_grad_enabled():  # an "inference path" adding an 'unknown' column
+            logits = torch.cat([logits, logits.new_zeros(len(logits), 1)], dim=1)
+        return logits
+
+
+class GradModeWidth(nn.Module):
+    """Its output width changes with torch.is_grad_enabled(): evaluation sees another model."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.head = GradModeHead(features(spec), spec.num_classes)
+
+    def forward(self, x):
+        return self.head(x.flatten(1))
+
+
 @dataclass(frozen=True)
 class Broken:
     name: str
@@ -392,7 +415,15 @@ BROKEN = [
         TextBowConfig,
         ("tokens",),
     ),  # fmt: skip
-    Broken("eval_extra_column", EvalExtraColumn, "digits", RULE_3, "rule3", "shape differs"),
+    Broken(
+        "eval_extra_column",
+        EvalExtraColumn,
+        "digits",
+        RULE_3,
+        "rule3",
+        "shape differs: train (4, 10) vs eval (4, 11) (what varied: the mode, train vs eval, no "
+        "grad in both; the first module whose output differs: <model> (EvalExtraColumn)",
+    ),  # fmt: skip
     Broken(
         "eval_structure",
         EvalReturnsAnotherStructure,
@@ -473,5 +504,15 @@ BROKEN = [
         "rule1",
         "set data.drop_last=true (that sample is left out of each epoch), or data.batch_size=5",
         overrides=("data.batch_size=4",),  # 1437 training digits: the last batch holds 1
+    ),  # fmt: skip
+    Broken(
+        "grad_mode_width",
+        GradModeWidth,
+        "digits",
+        RULE_1,
+        "rule1",
+        "What varied: grad mode: the same batch with grad, as training runs it, gives the right "
+        "output; without grad, as evaluation and inference run, it does not; the first module "
+        "whose output differs: head (GradModeHead): (1, 10) in the with-grad run vs (1, 11)",
     ),  # fmt: skip
 ]

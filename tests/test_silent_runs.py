@@ -198,3 +198,21 @@ def test_a_batchnorm_head_and_an_epoch_ending_in_one_sample_names_the_fix(tmp_pa
     cfg.data.drop_last = True  # the fix, as printed: the run trains
     summary = train(cfg, tmp_path / "fixed")
     assert summary["status"] == "ok" and summary["steps"] == 359  # 1437 // 4 batches
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages say what differed between the runs that disagree, and where
+
+
+def test_an_output_that_follows_grad_mode_is_blamed_on_grad_mode_not_literals(
+    tmp_path, model_named
+):
+    from .broken_models import GradModeWidth
+
+    cfg = model_named("grad_width", GradModeWidth, MlpConfig, ("image",), "trainer.max_epochs=1")
+    with pytest.raises(ShapeInferenceError) as info:
+        train(cfg, tmp_path / "run")
+    message = str(info.value)
+    assert "What varied: grad mode" in message and "never literals" not in message
+    assert "the first module whose output differs: head (GradModeHead)" in message
+    assert "must not depend on torch.is_grad_enabled()" in message

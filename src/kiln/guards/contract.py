@@ -5,6 +5,7 @@ modes, and device diagnosis with one layer left on another device."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -39,8 +40,10 @@ def check_rule1(
         batch_sizes = [n for n in batch_sizes if n != 1]
     probes = plan_probes(plan, data.base, bundle.spec, data.cases)
     for probe in probes + size_probes(data.base, bundle.spec, batch_sizes):
-        probe.new_size = True  # the suite runs backward on every probe
         run_size_probe(build(probe.spec), probe, criterion.forward, classifier_output_problems)
+        if not probe.backward:  # the suite runs backward on every probe too
+            probe = dataclasses.replace(probe, backward=True)
+            run_size_probe(build(probe.spec), probe, criterion.forward, classifier_output_problems)
 
 
 def check_rule2(build: Build, criterion, bundle: DataBundle) -> dict[str, torch.Tensor]:

@@ -244,11 +244,79 @@ def run_size_probe(
 
         if is_device_mismatch(err):
             raise diagnose(err, model, lambda: forward(model, probe.batch, True), probe.batch)
-        message = _failure(model, probe.label, probe.batch[0], err, trace, probe.fix)
+        fix = probe.fix
+        if not grad and model.training and _passes_with_grad(model, probe, forward):
+            fix = (
+                "What varied: grad mode: the same batch with grad, as training runs it, goes "
+                "through; without grad (as evaluation and inference run) it raises. A forward "
+                "must not depend on torch.is_grad_enabled()."
+            )
+        message = _failure(model, probe.label + _grad_note(grad), probe.batch[0], err, trace, fix)
         raise ShapeInferenceError(message) from err
     problems = check_output(model, outputs[0], size, probe.spec) if model.training else []
     if problems:
         raise ShapeInferenceError(
-            f"{RULE_1}: {type(model).__name__} on {probe.label}: " + "; ".join(problems) + ". "
-            "Output sizes must follow the batch and the data spec, never literals."
+            f"{RULE_1}: {type(model).__name__} on {probe.label}{_grad_note(grad)}: "
+            + "; ".join(problems)
+            + ". "
+            + what_varied(model, probe, forward, check_output, grad)
         )
+
+
+def _grad_note(grad: bool) -> str:
+    return " (with grad)" if grad else " (no grad)"
+
+
+def _passes_with_grad(model: nn.Module, probe: SizeProbe, forward) -> bool:
+    try:
+        with torch.enable_grad():
+            forward(model, probe.batch, True)
+    except Exception:
+        return False
+    return True
+
+
+def what_varied(model: nn.Module, probe: SizeProbe, forward, check_output, grad: bool) -> str:
+    """Which of grad mode and batch size the wrong output follows, and the first module whose
+    output differs between the two runs; else the output is wrong for this data itself."""
+    from kiln.guards.outputs import producer
+    from kiln.guards.varied import first_divergence, grad_mode_divergence, in_grad_mode
+    from kiln.guards.varied import module_outputs as outputs_of
+
+    size = len(probe.batch[0])
+    if not grad:
+        with torch.enable_grad():
+            correct_with_grad = not check_output(
+                model, forward(model, probe.batch, True), size, probe.spec
+            )
+        if correct_with_grad:
+            where = grad_mode_divergence(forward, model, probe.batch)
+            return (
+                "What varied: grad mode: the same batch with grad, as training runs it, gives "
+                "the right output; without grad, as evaluation and inference run, it does not; "
+                f"the first module whose output differs: {where}. A forward must not depend on "
+                "torch.is_grad_enabled()."
+            )
+    other = take(probe.batch, size + 2)
+    where = first_divergence(
+        outputs_of(model, in_grad_mode(forward, model, probe.batch, grad)),
+        outputs_of(model, in_grad_mode(forward, model, other, grad)),
+        (f"batch-{size}", f"batch-{size + 2}"),
+        (size, size + 2),
+    )
+    if where:
+        return (
+            f"What varied: the batch size ({size} and {size + 2}); the first module whose "
+            f"output does not follow it: {where}. Output sizes must follow the batch and the "
+            "data spec, never literals."
+        )
+    made_by = producer(model, lambda: forward(model, probe.batch, True), _main_output)
+    return (
+        f"What varied: nothing the output follows: at every batch size it is wrong for this "
+        f"data (made by {made_by or '<model>'}). Output sizes must follow the batch and the "
+        "data spec (spec.num_classes), never literals."
+    )
+
+
+def _main_output(output: Any) -> Any:
+    return output["logits"] if isinstance(output, dict) and "logits" in output else output

@@ -153,11 +153,29 @@ def check_train_eval_agreement(
     difference = first_difference(describe(outputs["train"]), describe(outputs["eval"]))
     if difference:
         raise ShapeContractError(
-            f"{RULE_3}: {name}: train-mode and eval-mode outputs disagree at {difference}. A "
-            "model must return the same structure and shapes in both modes (or declare "
-            "check_output for outputs that differ by design); look for branches on "
-            "self.training in forward."
+            f"{RULE_3}: {name}: train-mode and eval-mode outputs disagree at {difference} (what "
+            "varied: the mode, train vs eval, no grad in both; the first module whose output "
+            f"differs: {_mode_divergence(model, batch, forward)}). A model must return the same "
+            "structure and shapes in both modes (or declare check_output for outputs that "
+            "differ by design); look for branches on self.training in forward."
         )
+
+
+def _mode_divergence(model: nn.Module, batch: Any, forward) -> str | None:
+    from kiln.guards.varied import first_divergence, module_outputs
+
+    snapshot = _snapshot(model)
+    try:
+        with torch.no_grad():
+            calls = {}
+            for mode in ("train", "eval"):
+                train_mode = mode == "train"
+                model.train(train_mode)
+                calls[mode] = module_outputs(model, lambda t=train_mode: forward(model, batch, t))
+                _restore(model, snapshot)
+    finally:
+        _restore(model, snapshot)
+    return first_divergence(calls["train"], calls["eval"], ("train-mode", "eval-mode"))
 
 
 def check_eval_is_finite(model: nn.Module, batch: Any, forward, outputs: dict) -> None:
