@@ -59,13 +59,13 @@ def tidy_console() -> None:
             handler.addFilter(KilnOnConsole())
 
 
-def user_error(err: BaseException) -> SystemExit:
+def user_error(err: BaseException, message: str | None = None) -> SystemExit:
     """One line on stderr; the traceback only when asked for (HYDRA_FULL_ERROR=1)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         import traceback
 
         traceback.print_exception(err)
-    print(f"error: {err}", file=sys.stderr, flush=True)
+    print(f"error: {message or err}", file=sys.stderr, flush=True)
     return SystemExit(EXIT_USER_ERROR)
 
 
@@ -95,7 +95,12 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     except UserError as err:
         if multirun:
             raise
-        raise user_error(err) from None
+        from kiln.engine.checkpointer import ResumeError
+
+        message = None
+        if isinstance(err, ResumeError):  # its fixes as the exact commands to type
+            message = err.with_commands(overrides, dist.world_size, str(run_dir))
+        raise user_error(err, message) from None
     except Exception as err:  # the run died: one [FAIL] line, whatever killed it
         if dist.is_main:
             record_failure(cfg, run_dir, err, dist.enabled)
