@@ -154,5 +154,21 @@ def main(argv: list[str] | None = None) -> None:
     except (UserError, ImportError, KeyError) as err:
         raise user_error(err) from None
     argv = with_ddp_run_dir(argv)
+    lock_run_dir(argv)
     sys.argv = [sys.argv[0], *argv]
     hydra_main()
+
+
+def lock_run_dir(argv: list[str]) -> None:
+    """A named run directory is locked before Hydra writes into it: a second process on it
+    (resume=auto twice) stops here, naming the first (kiln.run_lock); train() holds the lock
+    for the run's life."""
+    from kiln.run_lock import RunDirInUse, acquire
+
+    named = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] == "hydra.run.dir"]
+    if not named or "${" in named[-1] or is_multirun(argv) or int(os.environ.get("RANK", 0)):
+        return
+    try:
+        acquire(Path(named[-1].strip("'\"")))
+    except RunDirInUse as err:
+        raise user_error(err) from None

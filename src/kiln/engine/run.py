@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import Subset
 
 import kiln
+from kiln import run_lock
 from kiln.config import KilnConfig, to_plain
 from kiln.data import DataBundle, build_data, build_dataloaders, example_batch
 from kiln.data.extremes import probe_batches
@@ -307,6 +308,8 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
     torch.backends.cudnn.allow_tf32 = str(cfg.trainer.matmul_precision) != "highest"
     device = resolve_device(str(cfg.device), int(os.environ.get("LOCAL_RANK", 0)))
     dist = init_distributed(cfg.trainer.distributed, str(cfg.trainer.backend), device)
+    if dist.is_main:  # one writer per run directory; refused before anything is written
+        run_lock.acquire(run_dir)
     trainer, recorder, summary = None, None, None
     if dist.is_main and not (run_dir / ".hydra" / "config.yaml").is_file():
         # Hydra writes this for train.py runs; in-process runs leave the same record.
@@ -336,3 +339,5 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
             recorder.close()
         if dist.is_main and summary is not None:
             write_summary(run_dir, summary)
+        if dist.is_main:
+            run_lock.release(run_dir)
