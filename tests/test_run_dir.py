@@ -4,11 +4,13 @@ ending in one line. Real processes, real signals, a real full filesystem."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 
+from kiln import checkpoint as files
 from kiln.cli.paths import REPO_ROOT
 
 from .conftest import SUBPROCESS_ENV, read_summary, run_train, start_process
@@ -66,3 +68,91 @@ def test_a_second_process_on_a_running_run_refuses_at_once_naming_the_first(tmp_
     # The lock went with the process: the same command now resumes.
     third = run_train(run_dir, *QUIET, "scheduler=none", "trainer.max_epochs=1", "resume=auto")
     assert third.returncode == 0, third.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C is a preemption
+
+SLOW_PLUGIN = '''
+import math, os, time
+from torch import nn
+from kiln.config.model import MlpConfig
+from kiln.registry import register_model
+
+
+class SlowWhenAsked(nn.Module):
+    """Each training forward takes 10 s once the marker file exists."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.fc = nn.Linear(spec.channels * math.prod(spec.image_size), spec.num_classes)
+
+    def forward(self, x):
+        if self.training and os.path.exists(os.environ["SLOW_MARKER"]):
+            time.sleep(10)
+        return self.fc(x.flatten(1))
+
+
+@register_model("slow_mlp", config=MlpConfig)
+def build(spec, cfg, *, aux_head=False):
+    return SlowWhenAsked(spec)
+'''
+
+
+def ctrl_c(proc) -> None:
+    """What a terminal does: SIGINT to the whole foreground process group."""
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+def start_in_own_group(cmd, cwd, env=None):
+    return subprocess.Popen(
+        cmd, cwd=cwd, env={**SUBPROCESS_ENV, **(env or {})}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def test_ctrl_c_checkpoints_at_the_step_exits_130_and_prints_the_resume_command(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = train_py(run_dir, *QUIET, *LONG, "data.num_workers=1")  # a worker shares the group
+    proc = start_in_own_group(cmd, tmp_path)
+    wait_for(lambda: len(steps_logged(run_dir)) >= 30, proc=proc)
+    ctrl_c(proc)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted"
+    state = files.load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]
+    assert state["global_step"] == summary["steps"] == steps_logged(run_dir)[-1]  # nothing lost
+    assert "run interrupted (Ctrl-C); its state is in" in out
+    (command,) = [line[len("next: ") :] for line in out.splitlines() if line.startswith("next: ")]
+    assert command.startswith("python train.py ") and command.endswith("resume=auto")
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    (tmp_path / "slow_parts.py").write_text(SLOW_PLUGIN)
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "slow_mlp.yaml").write_text("dropout: 0.0\n")
+    marker, run_dir = tmp_path / "slow-now", tmp_path / "run"
+    cmd = train_py(
+        run_dir, *QUIET, *LONG, "plugins=[slow_parts]", "model=slow_mlp",
+        f"hydra.searchpath=[file://{tmp_path}/conf]",
+    )  # fmt: skip
+    env = {"SLOW_MARKER": str(marker), "PYTHONPATH": f"{REPO_ROOT}:{tmp_path}"}
+    proc = start_in_own_group(cmd, tmp_path, env)
+    wait_for(lambda: (run_dir / "checkpoints" / "last.pt").is_file(), proc=proc)
+    before = files.load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]["global_step"]
+    marker.touch()  # every step now takes 10 s
+    time.sleep(2)
+    ctrl_c(proc)  # the first asks for a checkpoint at the end of this step...
+    time.sleep(0.5)
+    ctrl_c(proc)  # ...the second stops now
+    stopped = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - stopped < 6, "it waited for the step to end"
+    assert proc.returncode == 130, err[-3000:]
+    assert read_summary(run_dir)["status"] == "interrupted"
+    assert "run interrupted (Ctrl-C), stopped at once; the newest checkpoint is " in err
+    assert "Traceback" not in err
+    after = files.load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]["global_step"]
+    assert after == before  # intact, and no checkpoint of the half-done step

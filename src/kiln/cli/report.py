@@ -74,8 +74,24 @@ def failed(run_dir: Path) -> str:
     return f"next: kiln triage {run_dir}   # the likely causes, ranked"
 
 
-def preempted(run_dir: Path, overrides: list[str]) -> str:
+def preempted(run_dir: Path, overrides: list[str], interrupted: bool = False) -> str:
+    how = "interrupted (Ctrl-C)" if interrupted else "preempted"
     return (
-        f"run preempted; its state is in {run_dir}/checkpoints/last.pt\n"
+        f"run {how}; its state is in {run_dir}/checkpoints/last.pt\n"
         f"next: python train.py {resume_command(overrides)}"
     )
+
+
+def stopped_at_once(run_dir: Path, overrides: list[str]) -> str:
+    """A second Ctrl-C (or one before the first step): no checkpoint at this point."""
+    newest = newest_checkpoint(run_dir)
+    kept = f"the newest checkpoint is {newest}" if newest else "no checkpoint was written yet"
+    next_command = f"python train.py {resume_command(overrides)}" if newest else "the same command"
+    return f"run interrupted (Ctrl-C), stopped at once; {kept}\nnext: {next_command}"
+
+
+def newest_checkpoint(run_dir: Path) -> str | None:
+    from kiln.checkpoint import candidates
+
+    found = candidates(Path(run_dir) / "checkpoints")
+    return str(found[0]) if found else None

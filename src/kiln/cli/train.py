@@ -1,6 +1,7 @@
 """`python train.py ...` / `kiln-train ...`: check the config, let Hydra make the run directory,
 train, and leave a summary.json. A user mistake ends with one `error: ...` line (exit 2); a
-failed run ends with one greppable [FAIL] line (exit 1); a preempted one exits 75."""
+failed run ends with one greppable [FAIL] line (exit 1); a preempted one exits 75, an
+interrupted one (Ctrl-C) 130."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ log = logging.getLogger("kiln")
 EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: requeue me (with resume=auto)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 HELP_FLAGS = ("-h", "--help", "--describe")
 
 
@@ -73,7 +75,7 @@ def user_error(err: BaseException, message: str | None = None) -> SystemExit:
 def hydra_main(raw_cfg: DictConfig) -> float | None:
 
     from kiln.engine.distributed import env_dist_info, teardown
-    from kiln.engine.preemption import Preempted
+    from kiln.engine.preemption import Interrupted, Preempted
     from kiln.engine.run import train
 
     hydra = HydraConfig.get()
@@ -89,9 +91,14 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
         summary = train(cfg, run_dir)
     except Preempted as err:
         log.warning("%s", err)
+        interrupted = isinstance(err, Interrupted)
         if dist.is_main:
-            print(report.preempted(run_dir, overrides), flush=True)
-        raise SystemExit(EXIT_PREEMPTED) from None
+            print(report.preempted(run_dir, overrides, interrupted=interrupted), flush=True)
+        raise SystemExit(EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED) from None
+    except KeyboardInterrupt:  # Ctrl-C twice, or before the loop started: no new checkpoint
+        if dist.is_main:
+            print(report.stopped_at_once(run_dir, overrides), file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
     except UserError as err:
         if multirun:
             raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import signal
 from collections.abc import Sequence
 
 import numpy as np
@@ -102,6 +103,9 @@ class BucketedSampler(Sampler[int]):
 
 
 def seed_worker(worker_id: int) -> None:
+    # Ctrl-C in a terminal reaches the whole process group: a worker leaves it to the training
+    # process, which checkpoints at the step boundary and then shuts its workers down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # torch gives each worker initial_seed = base_seed + worker_id, where base_seed comes from the
     # loader's generator; python and numpy are seeded from it so augmentations repeat too.
     worker_seed = torch.initial_seed() % 2**32

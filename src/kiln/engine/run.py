@@ -41,7 +41,7 @@ from kiln.engine.optim import (
     total_optimizer_steps,
 )
 from kiln.engine.precision import resolve_precision
-from kiln.engine.preemption import Preempted
+from kiln.engine.preemption import Interrupted, Preempted
 from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge, map_position
 from kiln.engine.seeding import seed_everything, set_deterministic
 from kiln.engine.sharded_checkpoint import ShardedWriter
@@ -310,7 +310,7 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
     dist = init_distributed(cfg.trainer.distributed, str(cfg.trainer.backend), device)
     if dist.is_main:  # one writer per run directory; refused before anything is written
         run_lock.acquire(run_dir)
-    trainer, recorder, summary = None, None, None
+    trainer, recorder, summary, at_once = None, None, None, False
     if dist.is_main and not (run_dir / ".hydra" / "config.yaml").is_file():
         # Hydra writes this for train.py runs; in-process runs leave the same record.
         (run_dir / ".hydra").mkdir(exist_ok=True)
@@ -331,12 +331,15 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
         if trainer is not None and not hasattr(err, "step"):
             err.kiln_step = trainer.current_step  # where the failure line says it happened
         status = "preempted" if isinstance(err, Preempted) else "failed"
+        if isinstance(err, Interrupted | KeyboardInterrupt):  # Ctrl-C, once or twice
+            status = "interrupted"
+        at_once = isinstance(err, KeyboardInterrupt)
         last_eval = trainer.last_eval if trainer is not None else {}
         summary = summarize(trainer, last_eval, status=status, error=f"{type(err).__name__}: {err}")
         raise
     finally:
         if recorder is not None:
-            recorder.close()
+            recorder.close(draw=not at_once)
         if dist.is_main and summary is not None:
             write_summary(run_dir, summary)
         if dist.is_main:

@@ -379,7 +379,7 @@ class Trainer:
         if self.preemption.agreed(every_step=not self.dist.enabled or self.should_log()):
             self.log_window(result.lr, bar)
             self.checkpointer.save("last.pt", self.state_dict())
-            raise Preempted(f"preempted at step {s.global_step}; resume with resume=auto")
+            raise self.preemption.stop(s.global_step)
 
     def log_window(self, lr: float | None = None, bar=None) -> None:
         """One host read of the window: its metrics become a log line, its non-finite record

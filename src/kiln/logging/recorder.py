@@ -53,12 +53,14 @@ class RunRecorder:
             if any(key.startswith("val_") for key in metrics):  # an evaluation: redraw
                 self.curves.update(self.history)
 
-    def close(self) -> None:
+    def close(self, draw: bool = True) -> None:
+        """`draw=False`: no last redraw of curves.png (a second Ctrl-C stops at once)."""
         if self.activations is not None:
             self.activations.close()
         if self.enabled:
             try:
-                self.curves.update(self.history, force=True)
+                if draw:
+                    self.curves.update(self.history, force=True)
             except Exception:  # a picture must never be why a run fails
                 log.warning("could not draw %s", self.curves.path, exc_info=True)
             self.loggers.close()
