@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from kiln import checkpoint as files
 from kiln.cli.paths import REPO_ROOT
 
@@ -156,3 +158,103 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     assert "Traceback" not in err
     after = files.load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]["global_step"]
     assert after == before  # intact, and no checkpoint of the half-done step
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk anywhere is one line. /dev/full answers every write with ENOSPC, as a full disk
+# does: a file linked to it is a file on a full disk. A small tmpfs is the whole disk full
+# (mounting needs root; those tests skip without it).
+
+
+def on_a_full_disk(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to("/dev/full")
+
+
+@pytest.mark.parametrize(
+    ("file", "overrides"),
+    [
+        ("metrics.jsonl", ()),
+        (".curves.png.tmp.png", ("trainer.max_epochs=1",)),  # the curves' temp file
+        ("summary.json.tmp", ("trainer.max_steps=2",)),  # the very last write
+    ],
+    ids=["metrics", "curves", "summary"],
+)
+def test_a_full_disk_under_any_writer_is_one_disk_full_error(tmp_path, file, overrides):
+    from kiln.engine.run import train
+    from kiln.errors import DiskFullError
+
+    from .conftest import compose_config
+
+    run_dir = tmp_path / "run"
+    on_a_full_disk(run_dir / file)
+    with pytest.raises(DiskFullError) as info:
+        train(compose_config(*QUIET, *overrides), run_dir)
+    message = str(info.value)
+    assert message.startswith("no space left on the device writing ") and file.split(".")[1] in (
+        message
+    )
+    assert "free space on that disk, or run with hydra.run.dir on another one" in message
+    for checkpoint in (run_dir / "checkpoints").glob("*.pt"):
+        files.load_checkpoint(checkpoint)  # whatever was written is whole
+
+
+def one_error_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: "), lines[0]
+    return lines[0]
+
+
+def test_train_log_on_a_full_disk_is_one_line_and_exit_2(tmp_path):
+    run_dir = tmp_path / "run"
+    on_a_full_disk(run_dir / "train.log")
+    result = run_train(run_dir, *QUIET, "trainer.max_steps=3")
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = one_error_line(result)
+    assert "no space left on the device writing train.log" in line
+    assert "the checkpoints are intact (none written yet)" in line
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a few MiB mounted for the test (root only), unmounted after."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+
+    def make(size_kib: int):
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mount)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
+        return mount
+
+    yield make
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_disk_almost_full_at_the_start_is_one_line(tmp_path, small_disk):
+    disk = small_disk(2048)
+    filler = disk / "filler"
+    filler.write_bytes(b"\0" * (2048 - 16) * 1024)  # 16 KiB left
+    result = run_train(disk / "run", *QUIET, "trainer.max_steps=3")
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert f"no room for a run in {disk / 'run'} (" in line and "KiB free on its disk)" in line
+
+
+def test_a_disk_that_fills_during_the_run_is_one_line_and_the_checkpoints_load(
+    tmp_path, small_disk
+):
+    disk = small_disk(1536)  # room for the first epochs' checkpoints, not for ten
+    run_dir = disk / "run"
+    result = run_train(run_dir, *QUIET, "trainer.log_every_n_steps=5")
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = one_error_line(result)
+    assert line.startswith("error: no space left on the device writing "), line
+    assert "the checkpoints are intact (newest: " in line and line.count("intact") == 1
+    loaded = [files.load_checkpoint(p) for p in (run_dir / "checkpoints").glob("*.pt")]
+    assert loaded, "no checkpoint was written before the disk filled"
+    assert not list((run_dir / "checkpoints").glob(".*.tmp"))  # no half-written file left

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kiln.errors import UserError
+from kiln.errors import UserError, disk_full, is_disk_full
 
 LOCK_FILE = ".lock"
 
@@ -52,14 +52,20 @@ def acquire(run_dir: Path) -> None:
     except OSError:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
     record = {
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(sys.argv),
     }
-    os.write(fd, (json.dumps(record) + "\n").encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    except OSError as err:
+        os.close(fd)
+        if is_disk_full(err):
+            raise disk_full(path, "the run's lock file") from None
+        raise
     _held[run_dir] = [fd, 1]
 
 

@@ -9,6 +9,7 @@ train.log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -111,9 +112,10 @@ def record_failure(cfg, run_dir: Path, err: BaseException, distributed: bool) ->
         detail += f"; batch statistics: {stats_path}"
     print(f"{line}\n  {detail}\nrun directory: {run_dir}", file=sys.stderr, flush=True)
     root = Path(cfg.output_root)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / "failures.log", "a") as f:
-        f.write(f"{line}\n  {detail}\n")
+    with contextlib.suppress(OSError):  # best effort: the line above is what counts
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / "failures.log", "a") as f:
+            f.write(f"{line}\n  {detail}\n")
     log_to_file(f"{line}\n  {detail}", err)
     return line
 

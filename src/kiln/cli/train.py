@@ -5,9 +5,11 @@ interrupted one (Ctrl-C) 130."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -37,6 +39,7 @@ EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: requeue me (with resume=auto)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 HELP_FLAGS = ("-h", "--help", "--describe")
+MIN_FREE_BYTES = 1 << 20  # a run refuses to start with less room than this for its files
 
 
 def quiet_console() -> None:
@@ -59,6 +62,50 @@ def tidy_console() -> None:
     for handler in logging.getLogger().handlers:
         if not isinstance(handler, logging.FileHandler):
             handler.addFilter(KilnOnConsole())
+        else:
+            handler.handleError = stop_on_full_disk(handler)
+
+
+def stop_on_full_disk(handler: logging.FileHandler):
+    """train.log on a full disk: the handler leaves (no traceback per record on stderr) and the
+    run ends with the one-line error, as any other write to a full disk does."""
+    default = handler.handleError
+
+    def handle_error(record: logging.LogRecord) -> None:
+        from kiln.errors import disk_full, is_disk_full
+
+        if not is_disk_full(sys.exc_info()[1]):
+            return default(record)
+        logging.getLogger().removeHandler(handler)
+        with contextlib.suppress(OSError):
+            handler.close()
+        raise disk_full(Path(handler.baseFilename))
+
+    return handle_error
+
+
+def enough_room(argv: list[str]) -> None:
+    """Before Hydra writes anything: a disk with almost no room fails here, in one line, not in
+    the middle of Hydra's own files."""
+    from kiln.errors import DiskFullError, free_space
+
+    named = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] == "hydra.run.dir"]
+    where = Path(named[-1].strip("'\"")) if named and "${" not in named[-1] else Path.cwd()
+    probe = where
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return
+    if free < MIN_FREE_BYTES:
+        raise user_error(
+            DiskFullError(
+                f"no room for a run in {where} ({free_space(probe)} on its disk) "
+                "(hydra.run.dir): a run writes its config, log, metrics and checkpoints there; "
+                "free space on that disk, or run with hydra.run.dir on another one"
+            )
+        )
 
 
 def user_error(err: BaseException, message: str | None = None) -> SystemExit:
@@ -103,10 +150,17 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
         if multirun:
             raise
         from kiln.engine.checkpointer import ResumeError
+        from kiln.errors import DiskFullError
 
         message = None
         if isinstance(err, ResumeError):  # its fixes as the exact commands to type
             message = err.with_commands(overrides, dist.world_size, str(run_dir))
+        if isinstance(err, DiskFullError):  # and what survived
+            newest = report.newest_checkpoint(run_dir)
+            kept = f"newest: {newest}" if newest else "none written yet"
+            message = f"{str(err).removesuffix('; nothing written before is lost')}; the " + (
+                f"checkpoints are intact ({kept})"
+            )
         raise user_error(err, message) from None
     except Exception as err:  # the run died: one [FAIL] line, whatever killed it
         if dist.is_main:
@@ -161,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     except (UserError, ImportError, KeyError) as err:
         raise user_error(err) from None
     argv = with_ddp_run_dir(argv)
+    enough_room(argv)
     lock_run_dir(argv)
     sys.argv = [sys.argv[0], *argv]
     hydra_main()

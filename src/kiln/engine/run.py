@@ -47,6 +47,7 @@ from kiln.engine.seeding import seed_everything, set_deterministic
 from kiln.engine.sharded_checkpoint import ShardedWriter
 from kiln.engine.throughput import peak_flops
 from kiln.engine.trainer import Trainer, TrainingParts, batches_per_epoch
+from kiln.errors import DiskFullError
 from kiln.guards.input_sizes import EpochPlan
 from kiln.guards.probes import probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
@@ -298,6 +299,23 @@ def check_overfit(history: list[dict]) -> dict:
     return {"overfit_loss_first": losses[0], "overfit_loss_last": losses[-1]}
 
 
+def close_run(run_dir: Path, recorder, summary: dict | None, draw: bool) -> DiskFullError | None:
+    """The last writes of a run (curves, logs, summary.json), each tried even when one finds
+    the disk full; returns that error (a run already failing keeps its own)."""
+    full = None
+    if recorder is not None:
+        try:
+            recorder.close(draw=draw)
+        except DiskFullError as err:
+            full = err
+    if summary is not None:
+        try:
+            write_summary(run_dir, summary)
+        except DiskFullError as err:
+            full = full or err
+    return full
+
+
 def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
     """Train per `cfg` (typed: kiln.config.load_config) in `run_dir`. summary.json is written on
     every exit, failures included."""
@@ -310,7 +328,7 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
     dist = init_distributed(cfg.trainer.distributed, str(cfg.trainer.backend), device)
     if dist.is_main:  # one writer per run directory; refused before anything is written
         run_lock.acquire(run_dir)
-    trainer, recorder, summary, at_once = None, None, None, False
+    trainer, recorder, summary, at_once, failing = None, None, None, False, False
     if dist.is_main and not (run_dir / ".hydra" / "config.yaml").is_file():
         # Hydra writes this for train.py runs; in-process runs leave the same record.
         (run_dir / ".hydra").mkdir(exist_ok=True)
@@ -336,11 +354,11 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
         at_once = isinstance(err, KeyboardInterrupt)
         last_eval = trainer.last_eval if trainer is not None else {}
         summary = summarize(trainer, last_eval, status=status, error=f"{type(err).__name__}: {err}")
+        failing = True
         raise
     finally:
-        if recorder is not None:
-            recorder.close(draw=not at_once)
-        if dist.is_main and summary is not None:
-            write_summary(run_dir, summary)
+        full = close_run(run_dir, recorder, summary if dist.is_main else None, draw=not at_once)
         if dist.is_main:
             run_lock.release(run_dir)
+        if full is not None and not failing:  # the run's last write found the disk full
+            raise full
