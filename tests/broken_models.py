@@ -387,6 +387,66 @@ class GradModeWidth(nn.Module):
         return self.head(x.flatten(1))
 
 
+# Models that train into a non-finite loss (not a contract a probe can check): `kiln triage`
+# must replay the failing step and name each one's cause first (tests/test_triage.py).
+
+
+class LogOfSoftmaxLoss(nn.Module):
+    """Computes its own cross-entropy as -log(softmax(logits)) with a temperature meant to be
+    1e-3 written as 1e3: the probabilities underflow to 0, and log(0) is -inf."""
+
+    computes_own_loss = True
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.fc = nn.Linear(features(spec), spec.num_classes)
+
+    def forward(self, x, targets=None):
+        logits = self.fc(x.flatten(1)) * 1e3
+        if not self.training:
+            return logits
+        probs = logits.softmax(dim=1)
+        return {"nll": -probs.gather(1, targets[:, None]).log().mean()}
+
+    def check_output(self, mode, output, batch_size=None):
+        return []  # a loss dict in train mode, logits in eval mode
+
+
+class PerSampleStandardise(nn.Module):
+    def forward(self, x):
+        return (x - x.mean(dim=1, keepdim=True)) / x.std(dim=1, keepdim=True)  # 0/0 when blank
+
+
+class StandardisesEachImage(nn.Module):
+    """Standardises every image by its own spread: a blank image divides zero by zero."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.norm = PerSampleStandardise()
+        self.head = nn.Linear(features(spec), spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.norm(x.flatten(1)))
+
+
+class Energy(nn.Module):
+    def forward(self, h):
+        return h * h * 1e5  # fine in fp32; beyond 65504 (fp16's largest) under amp
+
+
+class LoudActivations(nn.Module):
+    """Squared activations with a large gain: finite in fp32, an overflow under fp16 autocast."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 32)
+        self.energy = Energy()
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.energy(self.body(x.flatten(1))) * 1e-5)
+
+
 @dataclass(frozen=True)
 class Broken:
     name: str

@@ -46,7 +46,7 @@ from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge
 from kiln.engine.seeding import seed_everything, set_deterministic
 from kiln.engine.sharded_checkpoint import ShardedWriter
 from kiln.engine.throughput import peak_flops
-from kiln.engine.trainer import Trainer, TrainingParts, batches_per_epoch
+from kiln.engine.trainer import NonFiniteLossError, Trainer, TrainingParts, batches_per_epoch
 from kiln.errors import DiskFullError
 from kiln.guards.input_sizes import EpochPlan
 from kiln.guards.probes import probe_batch_sizes
@@ -299,6 +299,26 @@ def check_overfit(history: list[dict]) -> dict:
     return {"overfit_loss_first": losses[0], "overfit_loss_last": losses[-1]}
 
 
+FAILING_BATCHES = "nan_batch.pt"  # beside nan_batch_stats.json
+
+
+def save_failing_batches(run_dir: Path, err: NonFiniteLossError) -> None:
+    """The failing step's micro-batches, on the CPU, as plain tensors (weights_only loads
+    them): what `kiln triage` replays. Best effort: the failure is what counts."""
+    from kiln import checkpoint as files
+
+    record = {
+        "step": err.step,
+        "kind": f"loss {err.kind}",
+        "bad_micro": err.bad_micro,
+        "batches": [move_to(batch, torch.device("cpu")) for batch in err.batches],
+    }
+    try:
+        files.atomic_save(record, run_dir / FAILING_BATCHES)
+    except (files.CheckpointError, DiskFullError):
+        log.warning("could not save the failing batch to %s", run_dir / FAILING_BATCHES)
+
+
 def close_run(run_dir: Path, recorder, summary: dict | None, draw: bool) -> DiskFullError | None:
     """The last writes of a run (curves, logs, summary.json), each tried even when one finds
     the disk full; returns that error (a run already failing keeps its own)."""
@@ -355,6 +375,8 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
         last_eval = trainer.last_eval if trainer is not None else {}
         summary = summarize(trainer, last_eval, status=status, error=f"{type(err).__name__}: {err}")
         failing = True
+        if isinstance(err, NonFiniteLossError) and err.batches and dist.is_main:
+            save_failing_batches(run_dir, err)  # kiln triage replays the step with them
         raise
     finally:
         full = close_run(run_dir, recorder, summary if dist.is_main else None, draw=not at_once)

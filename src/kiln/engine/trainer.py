@@ -22,6 +22,7 @@ from kiln.config.run import NanPolicy, TrainerConfig
 from kiln.engine.batches import batch_size_of, move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer
 from kiln.engine.distributed import DistInfo, all_reduce_max, clip_grad_norm, skip_gradient_sync
+from kiln.engine.loss import BRANCHES
 from kiln.engine.metrics import MetricWindow
 from kiln.engine.precision import Precision
 from kiln.engine.preemption import Preempted, PreemptionFlag
@@ -46,12 +47,21 @@ log = logging.getLogger(__name__)
 class NonFiniteLossError(RuntimeError):
     """The loss was NaN/Inf under trainer.nan_policy=fail."""
 
-    def __init__(self, kind: str, step: int, batch_stats: dict, bad_terms: list[str]):
-        branches = [t for t in bad_terms if t != "main"]
+    def __init__(
+        self,
+        kind: str,
+        step: int,
+        batch_stats: dict,
+        bad_terms: list[str],
+        batches: list | None = None,
+        bad_micro: int = 0,
+    ):
+        branches = [t for t in bad_terms if t in BRANCHES]
         rule = f"{RULE_2}: " if branches else ""  # an optional branch broke it
         detail = f" (non-finite terms: {', '.join(bad_terms)})" if bad_terms else ""
         super().__init__(f"{rule}loss {kind} @ step {step}{detail}")
         self.kind, self.step, self.batch_stats, self.bad_terms = kind, step, batch_stats, bad_terms
+        self.batches, self.bad_micro = batches or [], bad_micro  # the step's micro-batches
 
 
 class NonFiniteEvalError(RuntimeError):
@@ -394,7 +404,12 @@ class Trainer:
         if nonfinite.skipped and self.cfg.nan_policy == NanPolicy.fail:
             stats = tensor_stats(nonfinite.batch) if nonfinite.batch is not None else {}
             raise NonFiniteLossError(
-                nonfinite.kind, nonfinite.first_step, stats, nonfinite.bad_terms
+                nonfinite.kind,
+                nonfinite.first_step,
+                stats,
+                nonfinite.bad_terms,
+                nonfinite.step_batches,
+                nonfinite.bad_micro,
             )
         if nonfinite.skipped:
             log.warning(
