@@ -340,3 +340,23 @@ def test_replay_a_softmax_head(tmp_path, model_named):
     assert causes[0].title.startswith("a softmax head: the model returns probabilities"), causes
     assert "head.1 (Softmax)" in causes[0].try_
     assert "returns probabilities" in run.replay.probe_error  # the probes, replayed
+
+
+def test_the_command_prints_the_replay_after_the_causes(tmp_path):
+    run_dir = tmp_path / "run"
+    fails(compose_config(*QUIET, "optimizer.lr=1e30", "trainer.max_epochs=1"), run_dir)
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln.cli.main", "triage", str(run_dir)],
+        capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1] == "1. learning rate too high at the first update"
+    replay = lines[lines.index(next(x for x in lines if x.startswith("replay: "))) :]
+    assert (
+        replay[0].startswith("replay: loss ")
+        and " at step 2, from the initial weights" in (replay[0])
+    )
+    assert "  re-ran step 1 through the run's loader" in replay
+    assert "  the loader's batch at step 2 equals the saved one" in replay
+    assert "  the failure reproduced" in replay
