@@ -146,13 +146,14 @@ def failing_step(run_dir: Path, summary: dict) -> tuple[int | None, str]:
     """(step, what) from the run's record: the saved batch, else its error line."""
     saved = run_dir / FAILING_BATCHES
     if saved.is_file():
-        record = files._load_weights_only(saved, "cpu")
+        record = torch.load(saved, map_location="cpu", weights_only=True)
         return int(record["step"]), str(record.get("kind", "loss NaN"))
     error = summary.get("error") or ""
     found = re.search(r"(\S+ (?:NaN|Inf)) @ step (\d+)", error)
     if found:
         return int(found.group(2)), found.group(1)
-    return (0, "probe") if error else (None, "")
+    stopped_before_step_1 = error and not summary.get("steps")  # a probe (or start-up) refused it
+    return (0, "probe") if stopped_before_step_1 else (None, "")
 
 
 def start_checkpoint(run_dir: Path, before: int, at_most: bool = False):
@@ -294,11 +295,17 @@ def replay(run_dir: Path, summary: dict, plain_config: dict) -> Replay:
     found.failing_step, found.what = step, what
     if step is None:
         return found
-    cfg = for_replay(config_from_plain(plain_config))
+    run_cfg = config_from_plain(plain_config)
+    if run_cfg.trainer.distributed:
+        found.notes.append(
+            "a distributed run, replayed in one process: rank 0's saved batch at the failing "
+            "step, the steps before it on one rank's share of the data"
+        )
+    cfg = for_replay(run_cfg)
     with tempfile.TemporaryDirectory(prefix="kiln-replay-") as scratch:
-        trainer = _build(cfg, Path(scratch))
         if what == "probe":
             return _replay_probes(cfg, Path(scratch), found)
+        trainer = _build(cfg, Path(scratch))
         if what.startswith("val_"):
             return _replay_evaluation(trainer, run_dir, step, found)
         return _replay_steps(trainer, run_dir, step, found)
@@ -396,7 +403,7 @@ def _saved_batches(run_dir: Path, device) -> list | None:
     path = run_dir / FAILING_BATCHES
     if not path.is_file():
         return None
-    record = files._load_weights_only(path, "cpu")
+    record = torch.load(path, map_location="cpu", weights_only=True)
     return [move_to(batch, device) for batch in record["batches"]]
 
 
