@@ -181,12 +181,14 @@ def build_trainer(
 
 
 def epoch_plan(train_loader, cfg: KilnConfig) -> EpochPlan:
-    """One rank's epoch as batches: a partial last batch is trained on unless data.drop_last or
-    trainer.limit_train_batches cuts the epoch before it."""
+    """One rank's epoch as batches: a partial last batch is trained on unless data.drop_last,
+    trainer.limit_train_batches or trainer.max_steps ends the epoch (or the run) before it."""
     samples, batch_size = train_loader.sampler.num_samples, cfg.data.batch_size
-    limit = cfg.trainer.limit_train_batches
-    cut = 0 < limit < math.ceil(samples / batch_size)
-    return EpochPlan(samples, batch_size, drop_last=cfg.data.drop_last or cut)
+    batches = math.ceil(samples / batch_size)
+    limit, max_steps = cfg.trainer.limit_train_batches, cfg.trainer.max_steps
+    cut = 0 < limit < batches
+    stops_first = 0 < max_steps * cfg.trainer.accumulate_grad_batches < batches
+    return EpochPlan(samples, batch_size, drop_last=cfg.data.drop_last or cut or stops_first)
 
 
 def option_behind(names: list[str], spec, cfg: KilnConfig, want_aux: bool) -> str | None:
