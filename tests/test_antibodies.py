@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import importlib
 import random
+import re
 
 import numpy as np
 import pytest
@@ -15,19 +16,28 @@ import torch
 from torch import nn
 
 from kiln.cli.paths import CONF_DIR
+from kiln.config import ConfigError
 from kiln.data import build_data
 from kiln.engine.loss import build_criterion
 from kiln.engine.trainer import NonFiniteLossError
 from kiln.guards import (
     DeviceMismatchError,
     LossBranchError,
+    ProbabilitiesNotLogitsError,
     ShapeContractError,
     ShapeInferenceError,
     check_sizes_follow_inputs,
     check_train_eval_agreement,
 )
-from kiln.guards.contract import check_device_diagnosis, check_rule1, check_rule2, check_rule3
-from kiln.guards.rules import DEVICES, RULE_1, RULE_2, RULE_3
+from kiln.guards.contract import (
+    check_device_diagnosis,
+    check_outputs_are_logits,
+    check_rule1,
+    check_rule2,
+    check_rule3,
+)
+from kiln.guards.input_sizes import EpochPlan
+from kiln.guards.rules import DEVICES, LOGITS, RULE_1, RULE_2, RULE_3
 from kiln.models import build_model
 from kiln.registry import MODELS, compatible_pairs, dataset_provides
 
@@ -45,6 +55,7 @@ SMALL = {
         "data.num_val=4",
         "data.image_size=64",
         "data.min_image_size=40",
+        "data.num_background=1",  # a detector must train on an image with no box
     ),  # fmt: skip
 }
 PAIRS = compatible_pairs()
@@ -61,7 +72,7 @@ IDS = [
     for model, data, over in CASES
 ]
 ERRORS = {RULE_1: ShapeInferenceError, RULE_2: LossBranchError, RULE_3: ShapeContractError,
-          DEVICES: DeviceMismatchError}  # fmt: skip
+          DEVICES: DeviceMismatchError, LOGITS: ProbabilitiesNotLogitsError}  # fmt: skip
 
 _bundles: dict[tuple[str, ...], object] = {}
 
@@ -129,6 +140,17 @@ def test_rule2_every_branch_on_gives_finite_nonzero_terms_that_reach_the_weights
         assert set(terms) == {"main", "label_smoothing", "z_loss", "confidence_penalty", "aux_head"}
 
 
+@pytest.mark.parametrize("model", MODELS.names())
+def test_rule2_every_registered_models_branches_default_off(model):
+    """A branch on by default is refused at start-up: every registered schema passes."""
+    from kiln.config.base import check_branch_defaults
+    from kiln.config.run import LossConfig
+
+    schema = MODELS.entry(model).config
+    check_branch_defaults(schema, getattr(schema, "branch_flags", ()), "model", model)
+    check_branch_defaults(LossConfig, LossConfig.branch_flags, "loss")
+
+
 @pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
 def test_rule3_train_and_eval_agree(model, data, model_overrides):
     check_rule3(*parts(model, data, model_overrides=model_overrides))
@@ -140,6 +162,11 @@ def test_rule3_holds_under_bf16_autocast_as_amp_runs_on_cpu(model, data, model_o
     (hook-free) path there too. text_transformer's fused eval path failed only in this case."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
         check_rule3(*parts(model, data, model_overrides=model_overrides))
+
+
+@pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
+def test_classifiers_return_logits_not_probabilities(model, data, model_overrides):
+    check_outputs_are_logits(*parts(model, data, model_overrides=model_overrides))
 
 
 @pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
@@ -232,12 +259,21 @@ def broken_parts(broken: Broken, *overrides: str):
     schema_option = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
     base = schema_option[broken.inputs[0]]
     cfg = compose_config(f"data={broken.data}", f"model={base}", *SMALL.get(broken.data, ()),
-                         *overrides)  # fmt: skip
-    cfg.model = dataclasses.replace(cfg.model, name=broken.name)
+                         *broken.overrides, *overrides)  # fmt: skip
+    if type(cfg.model) is broken.config:
+        cfg.model = dataclasses.replace(cfg.model, name=broken.name)
+    else:  # a schema of its own: its defaults
+        cfg.model = broken.config(name=broken.name)
     return cfg
 
 
-CHECKS = {"rule1": check_rule1, "rule2": check_rule2, "rule3": check_rule3}
+def config_check(build, criterion, bundle, broken: Broken):
+    """What start-up checks of a model's schema (check_tree runs it in load_config)."""
+    broken.config(name=broken.name).check("model")
+
+
+CHECKS = {"rule1": check_rule1, "rule2": check_rule2, "rule3": check_rule3,
+          "logits": check_outputs_are_logits}  # fmt: skip
 
 
 @pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
@@ -250,9 +286,16 @@ def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
         return build_model(spec, cfg.model, aux_head=aux).to("cpu")
 
     bundle = bundle_for(broken.data)
+    if broken.check == "config":  # refused before anything is built
+        with pytest.raises(ConfigError) as info:
+            config_check(None, None, bundle, broken)
+        assert str(info.value).startswith(broken.rule) and broken.needle in str(info.value)
+        return
     criterion = build_criterion(build(bundle.spec), cfg.loss)
+    # The epoch's plan as the run would cut it (batch size from the broken model's data).
+    plan = {"plan": EpochPlan(len(bundle.train), cfg.data.batch_size)}
     with pytest.raises(ERRORS[broken.rule]) as info:
-        CHECKS[broken.check](build, criterion, bundle)
+        CHECKS[broken.check](build, criterion, bundle, **(plan if broken.check == "rule1" else {}))
     message = str(info.value)
     assert message.startswith(broken.rule), message
     assert broken.needle in message, message
@@ -266,6 +309,14 @@ def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_
     overrides = ["env.progress_bar=false", "logger=none", "trainer.max_epochs=1"]
     if broken.check == "rule2":
         overrides.append("loss.force_all_branches=true")
+    if broken.check == "config":  # through the real composition: train.py refuses it at start-up
+        (tmp_path / "conf" / "model").mkdir(parents=True)
+        (tmp_path / "conf" / "model" / f"{broken.name}.yaml").write_text("dropout: 0.0\n")
+        with pytest.raises(ConfigError, match=re.escape(broken.needle)):
+            compose_config(
+                *overrides, f"model={broken.name}", f"hydra.searchpath=[file://{tmp_path}/conf]"
+            )
+        return
     cfg = broken_parts(broken, *overrides)
     from kiln.engine.run import train
 

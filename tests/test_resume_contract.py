@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from kiln import checkpoint as files
+from kiln.cli.paths import REPO_ROOT
 from kiln.engine.checkpointer import ResumeError
 
 from .conftest import SUBPROCESS_ENV, read_metrics, read_summary, run_train, train_in_process
@@ -44,7 +46,7 @@ def test_incompatible_changes_are_refused_naming_key_and_values(tmp_path, change
     with pytest.raises(ResumeError) as info:
         resume(run_dir, "trainer.max_epochs=1", *change)
     message = str(info.value)
-    assert expected in message and "start a new run" in message
+    assert expected in message and "for a new run" in message
 
 
 def lrs(run_dir):
@@ -190,3 +192,100 @@ def test_random_bytes_are_called_not_a_checkpoint(tmp_path):
     path.write_bytes(os.urandom(4096))
     with pytest.raises(files.CheckpointError, match="not a checkpoint at all"):
         files.load_checkpoint(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# A refusal names the keys the user changed, old and new, and the command that would work
+
+
+def test_a_longer_schedule_is_refused_naming_max_epochs_and_a_run_from_these_weights(tmp_path):
+    run_dir = tmp_path / "run"
+    first_run(run_dir, "trainer.max_epochs=2")  # onecycle over 2 x 23 optimizer steps
+    with pytest.raises(ResumeError) as info:
+        resume(run_dir, "trainer.max_epochs=3")
+    message = str(info.value)
+    assert "with this config: trainer.max_epochs: 2 -> 3 (<planned optimizer steps>: the " in (
+        message
+    )
+    assert "onecycle schedule would span 69 optimizer steps, not 46)" in message
+    assert "to resume it as it was: trainer.max_epochs=2;" in message
+    last = run_dir / "checkpoints" / "last.pt"
+    assert f"for a new run from these weights: init_from={last} (without resume=)" in message
+
+
+def contract(**changes):
+    from kiln.engine.resume import Contract
+
+    config = {"trainer.name": "fsdp", "data.batch_size": 64, "scheduler.name": "onecycle",
+              "resume_override": []}  # fmt: skip
+    fields = dict(config=config, planned_steps=12, batch_size=64, world_size=2, accumulate=1,
+                  data_fingerprint="same")  # fmt: skip
+    return Contract(**{**fields, **changes})
+
+
+def test_another_number_of_ranks_names_nproc_per_node_and_the_per_rank_batch():
+    """As a 2-rank FSDP run's checkpoint records it, resumed on one rank (the same planned
+    steps: a schedule that does not depend on them)."""
+    from kiln.engine.resume import check, judge
+
+    with pytest.raises(ResumeError) as info:
+        check(judge(contract(), contract(world_size=1), []), "run/checkpoints/last.pt")
+    message = str(info.value)
+    assert "with nproc_per_node 2 -> 1 (<global batch>: the global batch" in message
+    assert "128 -> 64) would change the run" in message
+    assert "to keep the global batch of 128 on 1 rank(s): data.batch_size=128" in message
+    assert "to apply it: resume_override=[data.batch_size]" in message  # never []
+    commands = info.value.with_commands(["trainer=fsdp", "resume=auto"], 1, "/runs/a")
+    assert (
+        "to keep the global batch of 128 on 1 rank(s): python train.py trainer=fsdp resume=auto "
+        "data.batch_size=128 hydra.run.dir=/runs/a;" in commands
+    )
+    assert "to resume it as it was: torchrun --nproc_per_node=2 train.py trainer=fsdp" in commands
+    check(judge(contract(), contract(world_size=1, batch_size=128), []), "last.pt")  # accepted
+
+
+def test_the_printed_command_is_one_line_through_train_py_and_works_as_printed(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_train(run_dir, *BASE, "trainer.max_epochs=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    result = run_train(run_dir, *BASE, "trainer.max_epochs=3", "resume=auto")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: cannot resume") and "trainer.max_epochs: 2 -> 3" in line
+    as_it_was = line.split("to resume it as it was: ", 1)[1].split(";", 1)[0]
+    assert as_it_was.startswith("python train.py ") and "trainer.max_epochs=2 resume=auto" in (
+        as_it_was
+    )
+    assert f"hydra.run.dir={run_dir}" in as_it_was
+    new_run = line.split("for a new run from these weights: ", 1)[1]
+    assert "trainer.max_epochs=3" in new_run and f"init_from={run_dir}/checkpoints/" in new_run
+    assert "resume=" not in new_run and "hydra.run.dir" not in new_run
+    again = subprocess.run(
+        [sys.executable, *shlex.split(as_it_was)[1:]], cwd=REPO_ROOT, env=SUBPROCESS_ENV,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert read_summary(run_dir)["status"] == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_two_rank_fsdp_run_resumed_on_one_rank_names_the_ranks_and_the_batch(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    run_dir = tmp_path / "run"
+    same = (*BASE, "trainer=fsdp", "scheduler=none", "data.batch_size=64")
+    first = run_train(run_dir, *same, "trainer.max_steps=3", launcher=torchrun)
+    assert first.returncode == 0, first.stderr[-3000:]
+    result = run_train(run_dir, *same, "trainer.max_steps=6", "resume=auto")
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert "nproc_per_node 2 -> 1 (<global batch>: " in line and "128 -> 64" in line
+    assert "resume_override=[data.batch_size]" in line and "resume_override=[]" not in line
+    keep = line.split("to keep the global batch of 128 on 1 rank(s): ", 1)[1].split(";", 1)[0]
+    assert "data.batch_size=128" in keep
+    again = subprocess.run(
+        [sys.executable, *shlex.split(keep)[1:]], cwd=REPO_ROOT, env=SUBPROCESS_ENV,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert read_summary(run_dir)["steps"] == 6

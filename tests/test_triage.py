@@ -14,6 +14,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from kiln.cli.failures import record_failure
 from kiln.config.data import DigitsConfig
+from kiln.config.model import MlpConfig
 from kiln.data import build_data
 from kiln.engine.distributed import DistInfo
 from kiln.engine.run import build_trainer, train
@@ -190,3 +191,172 @@ def test_the_command_prints_the_ranked_causes(tmp_path):
         capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=120,
     )  # fmt: skip
     assert missing.returncode == 2 and "not a run directory" in missing.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The replay: the failing step again, from the last good checkpoint with the saved batch,
+# bisected. Each run is made to show one cause; the replay must name it first.
+
+
+@pytest.fixture
+def model_named():
+    added = []
+
+    def register(name, builder, *overrides):
+        MODELS.register(name, config=MlpConfig)(builder)
+        added.append(name)
+        cfg = compose_config(*QUIET, *overrides)
+        cfg.model = MlpConfig(name=name)
+        return cfg
+
+    yield register
+    for name in added:
+        del MODELS._entries[name]
+
+
+def fails(cfg, run_dir):
+    with pytest.raises(Exception) as info:  # noqa: B017  (whichever error ends the run)
+        train(cfg, run_dir)
+    return info.value
+
+
+def test_replay_a_learning_rate_too_high_at_the_first_update(tmp_path):
+    run_dir = tmp_path / "run"
+    fails(compose_config(*QUIET, "optimizer.lr=1e30", "trainer.max_epochs=1"), run_dir)
+    run, causes = triage(run_dir)
+    cause = causes[0]
+    assert cause.title == "learning rate too high at the first update", causes
+    assert "the update at step 1 was lr·|g|/|w| = " in cause.evidence
+    assert cause.try_.startswith("optimizer.lr=")
+    assert run.replay.batch_matches is True and run.replay.reproduced is True  # deterministic
+    assert run.replay.start.startswith("the initial weights")
+
+
+def test_replay_log_of_zero_in_a_loss(tmp_path, model_named):
+    from .broken_models import LogOfSoftmaxLoss
+
+    run_dir = tmp_path / "run"
+    fails(model_named("log_of_softmax", LogOfSoftmaxLoss, "trainer.max_epochs=1"), run_dir)
+    cause = top_cause(run_dir)
+    assert cause.title == "log(0) in the loss (term 'nll'), computed in LogOfSoftmaxLoss.forward"
+    assert "log.default" in cause.evidence and "zero(s)" in cause.evidence
+    assert "log_softmax" in cause.try_
+
+
+def test_replay_a_division_by_zero_in_a_module(tmp_path, model_named, dataset):
+    from .broken_models import StandardisesEachImage
+
+    def blank_images(bundle):
+        x, y = bundle.train.tensors
+        x = x.clone()
+        x[-4:-1] = 0.0  # three blank images (none in the first batch of seed 42)
+        bundle.train = TensorDataset(x, y)
+        return bundle
+
+    dataset("digits_with_blanks", blank_images)
+    cfg = model_named("standardise", StandardisesEachImage, "trainer.max_epochs=1")
+    cfg.data = dataclasses.replace(cfg.data, name="digits_with_blanks")
+    run_dir = tmp_path / "run"
+    err = fails(cfg, run_dir)
+    assert err.step > 1  # a later step: the replay re-runs the ones before
+    run, causes = triage(run_dir)
+    assert causes[0].title == "division by zero in norm (PerSampleStandardise)", causes
+    assert "the divisor holds" in causes[0].evidence
+    assert run.replay.batch_matches is True and len(run.replay.steps) == err.step - 1
+
+
+def test_replay_an_fp16_overflow_on_cpu_through_the_amp_path(tmp_path, model_named):
+    """fp16 autocast and a GradScaler on the CPU: the code path amp takes on CUDA."""
+    from kiln.config.run import PrecisionConfig
+    from kiln.engine.precision import Precision
+    from kiln.registry import PRECISIONS
+
+    from .broken_models import LoudActivations
+
+    PRECISIONS.register("fp16_cpu", config=PrecisionConfig)(
+        lambda device: Precision("amp", torch.float16, True, device.type)
+    )
+    try:
+        cfg = model_named("loud", LoudActivations, "trainer.max_epochs=1", "scheduler=none")
+        cfg.precision = PrecisionConfig(name="fp16_cpu")
+        run_dir = tmp_path / "run"
+        fails(cfg, run_dir)
+        cause = top_cause(run_dir)
+    finally:
+        del PRECISIONS._entries["fp16_cpu"]
+    assert cause.title == "fp16 overflow in energy (Energy)"
+    assert "float16's largest value is 65504" in cause.evidence and "fp32 is finite" in (
+        cause.evidence
+    )
+    assert cause.try_.startswith("precision=bf16")
+
+
+def test_replay_non_finite_inputs(tmp_path, dataset):
+    def poison(bundle):
+        x, y = bundle.train.tensors
+        x = x.clone()
+        x[::3] = float("nan")
+        bundle.train = TensorDataset(x, y)
+        return bundle
+
+    dataset("digits_nan_inputs", poison)
+    run_dir = tmp_path / "run"
+    fails(config_with_data("digits_nan_inputs", "trainer.max_epochs=1"), run_dir)
+    cause = top_cause(run_dir)  # no nan_batch_stats.json: in-process, the replay finds it
+    assert cause.title == "non-finite values in the input batch"
+    assert "replayed step 1: its batch holds batch[0]: " in cause.evidence
+
+
+def test_replay_exploding_gradients(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = compose_config(
+        *QUIET, "optimizer=sgd", "optimizer.lr=10", "scheduler=none", "trainer.max_epochs=1"
+    )
+    fails(cfg, run_dir)
+    run, causes = triage(run_dir)
+    assert causes[0].title == "exploding gradients before the loss went non-finite"
+    assert causes[0].evidence.startswith("replayed: the grad norm rose from ")
+    assert not any(c.title == "learning rate too high at the first update" for c in causes)
+
+
+def test_replay_a_nan_in_evaluation_only(tmp_path, model_named):
+    from .broken_models import EvalOnlyNaN
+
+    cfg = model_named("eval_nan", EvalOnlyNaN, "trainer.max_epochs=2", "trainer.shape_check=false")
+    run_dir = tmp_path / "run"
+    fails(cfg, run_dir)
+    cause = top_cause(run_dir)
+    assert cause.title == "NaN in evaluation only: norm (UnsetRunningScale)"
+    assert "while the same batch in train mode is finite" in cause.evidence
+    assert "running_std: all zeros" in cause.evidence
+
+
+def test_replay_a_softmax_head(tmp_path, model_named):
+    from .broken_models import SoftmaxHead
+
+    run_dir = tmp_path / "run"
+    fails(model_named("softmax_head", SoftmaxHead, "trainer.max_epochs=1"), run_dir)
+    run, causes = triage(run_dir)
+    assert causes[0].title.startswith("a softmax head: the model returns probabilities"), causes
+    assert "head.1 (Softmax)" in causes[0].try_
+    assert "returns probabilities" in run.replay.probe_error  # the probes, replayed
+
+
+def test_the_command_prints_the_replay_after_the_causes(tmp_path):
+    run_dir = tmp_path / "run"
+    fails(compose_config(*QUIET, "optimizer.lr=1e30", "trainer.max_epochs=1"), run_dir)
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln.cli.main", "triage", str(run_dir)],
+        capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1] == "1. learning rate too high at the first update"
+    replay = lines[lines.index(next(x for x in lines if x.startswith("replay: "))) :]
+    assert (
+        replay[0].startswith("replay: loss ")
+        and " at step 2, from the initial weights" in (replay[0])
+    )
+    assert "  re-ran step 1 through the run's loader" in replay
+    assert "  the loader's batch at step 2 equals the saved one" in replay
+    assert "  the failure reproduced" in replay

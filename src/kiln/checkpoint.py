@@ -23,7 +23,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import UserError
+from kiln.errors import DiskFullError, UserError, free_space, is_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,12 @@ def atomic_save(obj: dict[str, Any], path: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
     except (OSError, RuntimeError) as err:
+        # torch's writer reports a full disk as a RuntimeError ("unexpected pos"): judged by
+        # what is left on the disk, before the temp file goes.
+        full = is_disk_full(err) or _nearly_full(path.parent)
         Path(tmp_name).unlink(missing_ok=True)
+        if full:
+            raise DiskFullError(_write_failure(path, err, disk_full=True)) from None
         raise CheckpointError(_write_failure(path, err)) from err
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
@@ -65,12 +70,28 @@ def atomic_save(obj: dict[str, Any], path: Path) -> None:
         os.close(dir_fd)
 
 
-def _write_failure(path: Path, err: BaseException) -> str:
+NEARLY_FULL_BYTES = 1 << 20  # less than this left after a failed write: the disk was full
+
+
+def _nearly_full(directory: Path) -> bool:
+    try:
+        return shutil.disk_usage(directory).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _write_failure(path: Path, err: BaseException, disk_full: bool = False) -> str:
+    kept = f"the previous {path.name} is kept" if path.exists() else f"no {path.name} was written"
+    if disk_full:
+        return (
+            f"no space left on the device writing checkpoint {path} ({free_space(path.parent)}; "
+            f"{kept}) ({path.parent}): free space on that disk, or run with hydra.run.dir on "
+            "another one; nothing written before is lost"
+        )
     try:
         free = f"{shutil.disk_usage(path.parent).free / 2**20:.0f} MiB free"
     except OSError:
         free = "free space unknown"
-    kept = f"the previous {path.name} is kept" if path.exists() else f"no {path.name} was written"
     return f"could not write checkpoint {path} ({free} on its disk; {kept}): {err}"
 
 

@@ -1,10 +1,13 @@
 """`kiln triage <run dir>`: read a failed or suspicious run's own files (summary.json,
 metrics.jsonl, nan_batch_stats.json, .hydra/config.yaml) and rank the likely causes, each with
-its evidence and the override to try."""
+its evidence and the override to try. A run that failed on a non-finite loss or evaluation, or
+in a probe before step 1, is also replayed (kiln.engine.replay): the failing step again from
+the last good checkpoint with the saved batch, bisected, and its findings rank first."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import statistics
@@ -16,6 +19,8 @@ import yaml
 
 from kiln.logging.jsonl import read_jsonl
 from kiln.logging.summary import read_summary
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +39,7 @@ class Run:
     evals: list[dict[str, Any]]  # logged evaluations
     config: dict[str, Any]
     batch_stats: dict[str, Any] | None
+    replay: Any = None  # kiln.engine.replay.Replay, for a failed run
 
     @classmethod
     def read(cls, path: Path) -> Run:
@@ -205,7 +211,203 @@ def validation_far_below_training(run: Run) -> Cause | None:
     )
 
 
+# ------------------------------------------------------------------ from the replayed step
+
+
+def _where(op) -> str:
+    if op.module:
+        return f"{op.module} ({op.kind})"
+    return f"{op.kind}.forward" if op.kind else "the criterion (outside the model)"
+
+
+def _stats(inputs: list[dict]) -> str:
+    shown = []
+    for t in inputs[:2]:
+        bits = [f"{tuple(t['shape'])} {t['dtype']}"]
+        if "min" in t:
+            bits.append(f"min {t['min']:.3g} max {t['max']:.3g}")
+        if t.get("zeros"):
+            bits.append(f"{t['zeros']} zero(s)")
+        shown.append(", ".join(bits))
+    return "; ".join(shown)
+
+
+def replayed_inputs(run: Run) -> Cause | None:
+    r = run.replay
+    if r is None or not r.nonfinite_inputs:
+        return None
+    shown = "; ".join(f"{n}: {c['nan']} NaN, {c['inf']} Inf" for n, c in r.nonfinite_inputs.items())
+    return Cause(
+        10,
+        "non-finite values in the input batch",
+        f"replayed step {r.failing_step}: its batch holds {shown}, before any module ran",
+        "fix the data; trainer.check_inputs=true stops at the first bad batch, naming the tensor",
+    )
+
+
+def lr_too_high_at_the_first_update(run: Run) -> Cause | None:
+    r = run.replay
+    if r is None or not r.steps or r.steps[0].step != 1 or not r.steps[0].update:
+        return None
+    group = max(r.steps[0].update, key=lambda g: g["ratio"])
+    if not group["ratio"] >= FIRST_UPDATE_RATIO:
+        return None
+    lr = group["lr"]
+    # The configured lr scaled so that step 1 would move the weights by HEALTHY_UPDATE (a
+    # schedule's warm-up has step 1 at a fraction of it).
+    configured = run.key("optimizer.lr", lr)
+    suggested = float(f"{configured * HEALTHY_UPDATE / group['ratio']:.0e}")
+    return Cause(
+        9 + min(math.log10(group["ratio"]), 10) / 10,
+        "learning rate too high at the first update",
+        f"replayed: the update at step 1 was lr·|g|/|w| = {group['ratio']:.3g} of the weights "
+        f"(group {group['group']}: lr {lr:g}, |g| {group['grad_norm']:.3g}, |w| "
+        f"{group['weight_norm']:.3g}); a healthy update is about {HEALTHY_UPDATE:g} of them; "
+        f"{r.what} followed at step {r.failing_step}",
+        f"optimizer.lr={suggested:g} (an update of about {HEALTHY_UPDATE:g} at step 1), or a "
+        "warm-up (scheduler=onecycle)",
+    )
+
+
+FIRST_UPDATE_RATIO = 1.0  # an update as large as the weights themselves
+HEALTHY_UPDATE = 1e-3
+
+
+def replayed_explosion(run: Run) -> Cause | None:
+    r = run.replay
+    norms = [(s.step, s.grad_norm) for s in r.steps if _finite(s.grad_norm)] if r else []
+    if len(norms) < 3:
+        return None
+    first, last = norms[0], max(norms[1:], key=lambda n: n[1])
+    growth = last[1] / max(first[1], 1e-12)
+    if growth < 5:
+        return None
+    lr = run.key("optimizer.lr", 0.0)
+    return Cause(
+        3 + min(math.log10(growth), 5),
+        "exploding gradients before the loss went non-finite",
+        f"replayed: the grad norm rose from {first[1]:.3g} (step {first[0]}) to {last[1]:.3g} "
+        f"(step {last[0]}), x{growth:.3g}; {r.what} at step {r.failing_step}",
+        f"optimizer.lr={lr / 10:g} trainer.gradient_clip_val=1.0",
+    )
+
+
+def replayed_first_op(run: Run) -> Cause | None:
+    """What made the first NaN/Inf out of finite values: log(0), a division by zero, an fp16
+    overflow, or another operation."""
+    r = run.replay
+    op = r.first_op if r is not None else None
+    if op is None or r.nonfinite_inputs or r.what.startswith("val_"):
+        return None
+    name, where = op.op.split(".")[0], _where(op)
+    evidence = f"replayed step {r.failing_step}: {op.op} in {where} ({op.dtype}) made NaN/Inf "
+    evidence += f"out of finite inputs ({_stats(op.inputs)})"
+    terms = f" (term {', '.join(repr(t) for t in r.bad_terms)})" if r.bad_terms else ""
+    if op.backward:
+        return Cause(
+            6,
+            "a non-finite gradient from a finite forward",
+            f"{evidence} in the backward pass; the first parameter with a non-finite gradient: "
+            f"{r.first_bad_grad}",
+            "an operation whose derivative is infinite where it is evaluated (sqrt or pow(x, "
+            "0.5) at 0, the norm of a zero vector): add an eps inside it",
+        )
+    if op.dtype == "float16" and r.fp32_finite:
+        biggest = max((t.get("abs_max", 0.0) for t in op.inputs), default=0.0)
+        return Cause(
+            9.5,
+            f"fp16 overflow in {where}",
+            f"{evidence}: float16's largest value is 65504 (inputs up to {biggest:.3g}); the "
+            "same forward in fp32 is finite",
+            "precision=bf16 (fp32's range, no loss scaling), or keep that module in fp32",
+        )
+    if name in ("log", "log2", "log10") and any(t.get("zeros") for t in op.inputs[:1]):
+        in_loss = bool(r.bad_terms) and (not op.module)
+        place = f"the loss{terms}, computed in {where}" if in_loss else where
+        return Cause(
+            9,
+            f"log(0) in {place}",
+            evidence,
+            "take log-probabilities with log_softmax (F.cross_entropy on logits) or clamp "
+            "first: torch.log(p.clamp_min(1e-12))",
+        )
+    divisor = op.inputs[0] if name == "reciprocal" else (op.inputs[1] if len(op.inputs) > 1 else {})
+    if name in ("div", "true_divide", "reciprocal") and divisor.get("zeros"):
+        return Cause(
+            9,
+            f"division by zero in {where}",
+            f"{evidence}: the divisor holds {divisor['zeros']} zero(s)",
+            f"guard the division in {op.kind or 'that'}.forward: x / y.clamp_min(eps), or leave "
+            "out what has nothing to divide by",
+        )
+    return Cause(
+        5,
+        f"NaN/Inf first appears in {where}",
+        evidence,
+        "look at that operation's inputs (a weight or activation grown too large, an "
+        "out-of-range argument)",
+    )
+
+
+def replayed_eval_only(run: Run) -> Cause | None:
+    r = run.replay
+    if r is None or not r.what.startswith("val_") or r.first_module is None:
+        return None
+    path, kind = r.first_module
+    where = f"{path or '<model>'} ({kind})"
+    buffers = "; ".join(f"{n}: {v}" for n, v in r.buffers.items())
+    op = f" ({r.first_op.op})" if r.first_op else ""
+    mode = (
+        "while the same batch in train mode is finite"
+        if r.train_mode_finite
+        else "and in train mode too"
+    )
+    return Cause(
+        9 if r.train_mode_finite else 6,
+        f"NaN in evaluation only: {where}" if r.train_mode_finite else f"NaN in {where}",
+        f"replayed the evaluation after step {r.failing_step} from {r.start}: validation batch "
+        f"{r.eval_batch} is non-finite in eval mode, first in {where}{op}, {mode}"
+        + (f"; its buffers: {buffers}" if buffers else ""),
+        f"fix what {kind} uses only in eval mode (running statistics, buffers never updated); "
+        "trainer.shape_check=true refuses such a model before step 1",
+    )
+
+
+def softmax_head(run: Run) -> Cause | None:
+    text = " ".join([run.error, run.replay.probe_error if run.replay is not None else ""])
+    if "returns probabilities" not in text:
+        return None
+    found = re.search(r"come from (\S+ \(\w+\)|\S+\.forward itself)", text)
+    module = found.group(1) if found else "the model"
+    return Cause(
+        9,
+        "a softmax head: the model returns probabilities where the criterion expects logits",
+        text[text.index("returns probabilities") :].split(". The cross-entropy", 1)[0],
+        f"remove the final softmax ({module}): kiln's cross-entropy applies log_softmax itself, "
+        "and inference turns logits into probabilities",
+    )
+
+
+def replayed_probe(run: Run) -> Cause | None:
+    r = run.replay
+    if r is None or not r.probe_error or "returns probabilities" in r.probe_error:
+        return None
+    return Cause(
+        7,
+        "a probe before step 1 refused the model",
+        f"replayed the probes: {r.probe_error.splitlines()[0][:400]}",
+        "fix what the message names (README, section The antibodies: rule 1, 2 or 3)",
+    )
+
+
 CHECKS = (
+    replayed_inputs,
+    lr_too_high_at_the_first_update,
+    replayed_explosion,
+    replayed_first_op,
+    replayed_eval_only,
+    softmax_head,
+    replayed_probe,
     exploding_gradients,
     fp16_overflow,
     nonfinite_inputs,
@@ -216,10 +418,56 @@ CHECKS = (
 )
 
 
-def triage(path: Path) -> tuple[Run, list[Cause]]:
+def triage(path: Path, replay: bool = True) -> tuple[Run, list[Cause]]:
+    """The run's causes, most likely first. A failed run is replayed first (`replay`)."""
     run = Run.read(Path(path))
+    if replay and run.summary.get("status") == "failed" and run.config:
+        run.replay = replayed(run)
     causes = [cause for check in CHECKS if (cause := check(run)) is not None]
-    return run, sorted(causes, key=lambda c: c.score, reverse=True)
+    kept: dict[str, Cause] = {}
+    for cause in sorted(causes, key=lambda c: c.score, reverse=True):
+        kept.setdefault(cause.title, cause)  # the same cause from the replay and the files
+    return run, list(kept.values())
+
+
+def replayed(run: Run):
+    """The replay of the failing step, or None (with why in the log) when it cannot run."""
+    from kiln.engine.replay import replay
+
+    try:
+        return replay(run.path, run.summary, run.config)
+    except Exception as err:  # triage reads what it can; the files' causes still stand
+        log.warning("could not replay %s: %s: %s", run.path, type(err).__name__, err)
+        return None
+
+
+def replay_lines(run: Run) -> list[str]:
+    r = run.replay
+    if r is None or r.failing_step is None:
+        return []
+    if r.what == "probe":
+        lines = ["replay: the probes before step 1, run again"]
+    else:
+        lines = [f"replay: {r.what} at step {r.failing_step}, from {r.start}"]
+    if r.steps:
+        first, last = r.steps[0].step, r.steps[-1].step
+        steps = f"step {first}" if first == last else f"steps {first}-{last}"
+        lines.append(f"  re-ran {steps} through the run's loader")
+    if r.batch_matches is not None:
+        same = "equals" if r.batch_matches else "DIFFERS FROM"
+        lines.append(f"  the loader's batch at step {r.failing_step} {same} the saved one")
+    if r.reproduced is not None:
+        lines.append(f"  the failure {'reproduced' if r.reproduced else 'did not reproduce'}")
+    if r.update:
+        shown = ", ".join(f"group {g['group']}: {g['ratio']:.3g}" for g in r.update)
+        lines.append(f"  update lr·|g|/|w| at the failing step: {shown}")
+    if r.first_module is not None:
+        lines.append(f"  first non-finite module output: {r.first_module[0] or '<model>'} "
+                     f"({r.first_module[1]})")  # fmt: skip
+    if r.first_bad_grad:
+        lines.append(f"  first non-finite gradient: {r.first_bad_grad}")
+    lines += [f"  note: {note}" for note in r.notes]
+    return lines
 
 
 def report(path: Path) -> str:
@@ -240,8 +488,10 @@ def report(path: Path) -> str:
 
         rank, fix = fixes[0]
         command = RunCommand.of_run(path).train(*fix)
+        lines += replay_lines(run)
         lines.append(f"next: {command}   # a new run with the override of cause {rank}")
-    return "\n".join(lines)
+        return "\n".join(lines)
+    return "\n".join(lines + replay_lines(run))
 
 
 def overrides_in(advice: str) -> list[str]:

@@ -9,6 +9,7 @@ train.log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -20,13 +21,17 @@ log = logging.getLogger("kiln")
 
 def what_failed(err: BaseException) -> tuple[str, str]:
     """(the line's <what>, a one-line detail) for an exception that ended a run."""
-    from kiln.engine.trainer import NonFiniteLossError, TooManySkippedSteps
-    from kiln.guards import DeviceMismatchError
+    from kiln.engine.trainer import NonFiniteEvalError, NonFiniteLossError, TooManySkippedSteps
+    from kiln.guards import DeviceMismatchError, ProbabilitiesNotLogitsError
 
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
     if isinstance(err, NonFiniteLossError):
         terms = ", ".join(err.bad_terms) or "none"
         return f"loss {err.kind}", f"non-finite terms: {terms}"
+    if isinstance(err, NonFiniteEvalError):
+        return f"{err.metric} {err.kind}", first_line.split(": ", 1)[-1]
+    if isinstance(err, ProbabilitiesNotLogitsError):
+        return f"probabilities, not logits, from {err.module or 'the forward'}", first_line
     if isinstance(err, DeviceMismatchError):
         return f"device mismatch in {err.module or 'the model'}", first_line
     if isinstance(err, TooManySkippedSteps):
@@ -107,9 +112,10 @@ def record_failure(cfg, run_dir: Path, err: BaseException, distributed: bool) ->
         detail += f"; batch statistics: {stats_path}"
     print(f"{line}\n  {detail}\nrun directory: {run_dir}", file=sys.stderr, flush=True)
     root = Path(cfg.output_root)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / "failures.log", "a") as f:
-        f.write(f"{line}\n  {detail}\n")
+    with contextlib.suppress(OSError):  # best effort: the line above is what counts
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / "failures.log", "a") as f:
+            f.write(f"{line}\n  {detail}\n")
     log_to_file(f"{line}\n  {detail}", err)
     return line
 

@@ -160,8 +160,24 @@ def failed(run_dir: Path) -> str:
     return f"next: {triage}   # the likely causes, ranked, each with the override to try"
 
 
-def preempted(run_dir: Path, command: RunCommand) -> str:
+def preempted(run_dir: Path, command: RunCommand, interrupted: bool = False) -> str:
+    how = "interrupted (Ctrl-C)" if interrupted else "preempted"
     return (
-        f"run preempted; its state is in {run_dir}/checkpoints/last.pt\n"
+        f"run {how}; its state is in {run_dir}/checkpoints/last.pt\n"
         f"next: {command.train('resume=auto')}   # continue it from that state, in {run_dir}"
     )
+
+
+def stopped_at_once(run_dir: Path, command: RunCommand) -> str:
+    """A second Ctrl-C (or one before the first step): no checkpoint at this point."""
+    newest = newest_checkpoint(run_dir)
+    kept = f"the newest checkpoint is {newest}" if newest else "no checkpoint was written yet"
+    next_command = command.train("resume=auto") if newest else "the same command"
+    return f"run interrupted (Ctrl-C), stopped at once; {kept}\nnext: {next_command}"
+
+
+def newest_checkpoint(run_dir: Path) -> str | None:
+    from kiln.checkpoint import candidates
+
+    found = candidates(Path(run_dir) / "checkpoints")
+    return str(found[0]) if found else None

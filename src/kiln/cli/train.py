@@ -1,12 +1,15 @@
 """`python train.py ...` / `kiln-train ...`: check the config, let Hydra make the run directory,
 train, and leave a summary.json. A user mistake ends with one `error: ...` line (exit 2); a
-failed run ends with one greppable [FAIL] line (exit 1); a preempted one exits 75."""
+failed run ends with one greppable [FAIL] line (exit 1); a preempted one exits 75, an
+interrupted one (Ctrl-C) 130."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -36,8 +39,10 @@ log = logging.getLogger("kiln")
 EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: requeue me (with resume=auto)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 HELP_FLAGS = ("-h", "--help", "--describe")
 SEARCHPATH = "hydra.searchpath"
+MIN_FREE_BYTES = 1 << 20  # a run refuses to start with less room than this for its files
 
 
 def quiet_console() -> None:
@@ -60,15 +65,59 @@ def tidy_console() -> None:
     for handler in logging.getLogger().handlers:
         if not isinstance(handler, logging.FileHandler):
             handler.addFilter(KilnOnConsole())
+        else:
+            handler.handleError = stop_on_full_disk(handler)
 
 
-def user_error(err: BaseException) -> SystemExit:
+def stop_on_full_disk(handler: logging.FileHandler):
+    """train.log on a full disk: the handler leaves (no traceback per record on stderr) and the
+    run ends with the one-line error, as any other write to a full disk does."""
+    default = handler.handleError
+
+    def handle_error(record: logging.LogRecord) -> None:
+        from kiln.errors import disk_full, is_disk_full
+
+        if not is_disk_full(sys.exc_info()[1]):
+            return default(record)
+        logging.getLogger().removeHandler(handler)
+        with contextlib.suppress(OSError):
+            handler.close()
+        raise disk_full(Path(handler.baseFilename))
+
+    return handle_error
+
+
+def enough_room(argv: list[str]) -> None:
+    """Before Hydra writes anything: a disk with almost no room fails here, in one line, not in
+    the middle of Hydra's own files."""
+    from kiln.errors import DiskFullError, free_space
+
+    named = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] == "hydra.run.dir"]
+    where = Path(named[-1].strip("'\"")) if named and "${" not in named[-1] else Path.cwd()
+    probe = where
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return
+    if free < MIN_FREE_BYTES:
+        raise user_error(
+            DiskFullError(
+                f"no room for a run in {where} ({free_space(probe)} on its disk) "
+                "(hydra.run.dir): a run writes its config, log, metrics and checkpoints there; "
+                "free space on that disk, or run with hydra.run.dir on another one"
+            )
+        )
+
+
+def user_error(err: BaseException, message: str | None = None) -> SystemExit:
     """One line on stderr; the traceback only when asked for (HYDRA_FULL_ERROR=1)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         import traceback
 
         traceback.print_exception(err)
-    print(f"error: {err}", file=sys.stderr, flush=True)
+    print(f"error: {message or err}", file=sys.stderr, flush=True)
     return SystemExit(EXIT_USER_ERROR)
 
 
@@ -76,7 +125,7 @@ def user_error(err: BaseException) -> SystemExit:
 def hydra_main(raw_cfg: DictConfig) -> float | None:
 
     from kiln.engine.distributed import env_dist_info, teardown
-    from kiln.engine.preemption import Preempted
+    from kiln.engine.preemption import Interrupted, Preempted
     from kiln.engine.run import train
 
     hydra = HydraConfig.get()
@@ -92,13 +141,30 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
         summary = train(cfg, run_dir)
     except Preempted as err:
         log.warning("%s", err)
+        interrupted = isinstance(err, Interrupted)
         if dist.is_main:
-            print(report.preempted(run_dir, command), flush=True)
-        raise SystemExit(EXIT_PREEMPTED) from None
+            print(report.preempted(run_dir, command, interrupted=interrupted), flush=True)
+        raise SystemExit(EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED) from None
+    except KeyboardInterrupt:  # Ctrl-C twice, or before the loop started: no new checkpoint
+        if dist.is_main:
+            print(report.stopped_at_once(run_dir, command), file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
     except UserError as err:
         if multirun:
             raise
-        raise user_error(err) from None
+        from kiln.engine.checkpointer import ResumeError
+        from kiln.errors import DiskFullError
+
+        message = None
+        if isinstance(err, ResumeError):  # its fixes as the exact commands to type
+            message = err.with_commands(list(command.overrides), dist.world_size, str(run_dir))
+        if isinstance(err, DiskFullError):  # and what survived
+            newest = report.newest_checkpoint(run_dir)
+            kept = f"newest: {newest}" if newest else "none written yet"
+            message = f"{str(err).removesuffix('; nothing written before is lost')}; the " + (
+                f"checkpoints are intact ({kept})"
+            )
+        raise user_error(err, message) from None
     except Exception as err:  # the run died: one [FAIL] line, whatever killed it
         if dist.is_main:
             record_failure(cfg, run_dir, err, dist.enabled)
@@ -184,5 +250,22 @@ def main(argv: list[str] | None = None) -> None:
     except (UserError, ImportError, KeyError) as err:
         raise user_error(err) from None
     argv = with_ddp_run_dir(argv)
+    enough_room(argv)
+    lock_run_dir(argv)
     sys.argv = [sys.argv[0], *argv]
     hydra_main()
+
+
+def lock_run_dir(argv: list[str]) -> None:
+    """A named run directory is locked before Hydra writes into it: a second process on it
+    (resume=auto twice) stops here, naming the first (kiln.run_lock); train() holds the lock
+    for the run's life."""
+    from kiln.run_lock import RunDirInUse, acquire
+
+    named = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] == "hydra.run.dir"]
+    if not named or "${" in named[-1] or is_multirun(argv) or int(os.environ.get("RANK", 0)):
+        return
+    try:
+        acquire(Path(named[-1].strip("'\"")))
+    except RunDirInUse as err:
+        raise user_error(err) from None

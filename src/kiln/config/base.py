@@ -3,6 +3,7 @@ one-line meaning of each field (the comment written beside it, shown by `--help 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import io
@@ -46,6 +47,23 @@ def limit_or_all(value: int, key: str) -> None:
     """-1 means no limit; 0 and other negatives are refused rather than read as 'no limit'."""
     if value != -1 and value < 1:
         raise invalid(key, f"must be -1 (no limit) or >= 1, got {value}")
+
+
+def check_branch_defaults(schema: type, flags: tuple[str, ...], key: str, option: str = "") -> None:
+    """Rule 2: every optional branch defaults to off in its schema, so a run gets a branch only
+    when someone asked for it (a head built by default and trained by no loss, or a loss term
+    nobody chose, changes the run silently)."""
+    defaults = {f.name: f.default for f in fields(schema) if f.default is not dataclasses.MISSING}
+    for flag in flags:
+        if defaults.get(flag) is True:
+            which = f"{key}={option}" if option else key
+            raise ConfigError(
+                f"rule 2 (every optional loss branch has a flag and must work): {which}'s "
+                f"schema {schema.__name__} turns the branch {flag} on by default",
+                f"{key}.{flag}",
+                f"make {schema.__name__}.{flag} default to False and switch it on with "
+                f"{key}.{flag}=true where a run wants it",
+            )
 
 
 def check_tree(cfg: Any, path: str = "") -> None:

@@ -24,6 +24,7 @@ class DataConfig:
     persistent_workers: bool = True  # keep workers between epochs; only when num_workers > 0
     prefetch_factor: int = 2  # batches each worker loads ahead; only when num_workers > 0
     split_seed: int = 0  # the train/val split and generated data; never the run's seed
+    drop_last: bool = False  # leave out each epoch's partial last training batch (BatchNorm: 1)
 
     def check(self, key: str) -> None:
         at_least(self.batch_size, 1, f"{key}.batch_size")
@@ -128,12 +129,14 @@ class ShapesDetectionConfig(DataConfig):
     num_train: int = 256  # training images
     num_val: int = 64  # validation images
     max_objects: int = 3  # shapes per image, at most
+    num_background: int = 0  # images per split with no shape at all (background only)
 
     def check(self, key: str) -> None:
         super().check(key)
         in_range(self.num_classes, 1, 4, f"{key}.num_classes")
         for name in ("max_objects", "num_train", "num_val"):
             at_least(getattr(self, name), 1, f"{key}.{name}")
+        at_least(self.num_background, 0, f"{key}.num_background")
         low = self.min_image_size or self.image_size
         if not 16 <= low <= self.image_size:
             raise ConfigError(

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
-from kiln.config.base import ConfigError, at_least, in_range
+from kiln.config.base import ConfigError, at_least, check_branch_defaults, in_range
 from kiln.registry import MODELS
 
 
@@ -25,6 +25,11 @@ class ModelConfig:
 
     name: str = MISSING  # the model (set by model=<option>)
     init: Init = Init.default  # weight initialisation: default | kaiming | xavier
+    # Options that add an optional branch (a head, a loss term): rule 2 wants each off by default.
+    branch_flags: ClassVar[tuple[str, ...]] = ()
+
+    def check(self, key: str) -> None:
+        check_branch_defaults(type(self), self.branch_flags, key, self.name)
 
 
 @dataclass
@@ -34,8 +39,10 @@ class ClassifierConfig(ModelConfig):
     dropout: float = 0.0  # dropout probability before the classifier head
     aux_head: bool = False  # add an auxiliary classifier head (also switched on by loss.aux_head)
     freeze: Any = None  # null | backbone (all but the head) | [module-name prefixes] not trained
+    branch_flags: ClassVar[tuple[str, ...]] = ("aux_head",)
 
     def check(self, key: str) -> None:
+        super().check(key)
         in_range(self.dropout, 0, 1, f"{key}.dropout", open_high=True)
         frozen = self.freeze
         if frozen is None or frozen == "backbone":
@@ -115,6 +122,7 @@ class DetectorConfig(ModelConfig):
     max_detections: int = 50  # per image, at most (also the fixed K of the ONNX outputs)
 
     def check(self, key: str) -> None:
+        super().check(key)
         at_least(self.width, 1, f"{key}.width")
         in_range(self.score_threshold, 0, 1, f"{key}.score_threshold", open_high=True)
         at_least(self.max_detections, 1, f"{key}.max_detections")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
-from kiln.config.base import ConfigError, at_least, invalid, limit_or_all
+from kiln.config.base import ConfigError, at_least, check_branch_defaults, invalid, limit_or_all
 from kiln.config.data import DataConfig
 from kiln.config.model import ModelConfig
 from kiln.config.optim import OptimizerConfig, SchedulerConfig
@@ -193,6 +193,13 @@ class LossConfig:
     aux_head_weight: float = 0.4  # auxiliary-head weight
     force_all_branches: bool = False  # switch every branch on (the tests do)
 
+    branch_flags: ClassVar[tuple[str, ...]] = (
+        "label_smoothing", "z_loss", "confidence_penalty", "aux_head", "force_all_branches"
+    )  # fmt: skip
+
+    def check(self, key: str) -> None:
+        check_branch_defaults(type(self), self.branch_flags, key)
+
 
 @dataclass
 class EnvConfig:
@@ -257,6 +264,19 @@ class KilnConfig:
             warnings.warn(
                 "trainer.unfreeze_at_epoch is ignored: model.freeze is null (nothing to unfreeze)",
                 stacklevel=2,
+            )
+        # A schema's own default first (check_tree checks this node before its children).
+        flags = getattr(self.model, "branch_flags", ())
+        check_branch_defaults(type(self.model), flags, "model", self.model.name)
+        trains_aux = self.loss.aux_head or self.loss.force_all_branches
+        if getattr(self.model, "aux_head", False) and not trains_aux:
+            raise ConfigError(
+                "rule 2 (every optional loss branch has a flag and must work): "
+                f"model.aux_head is on for model={self.model.name} but loss.aux_head is off, so "
+                "the auxiliary head would be built and never trained",
+                "model.aux_head",
+                "set loss.aux_head=true to train it (that flag alone builds the head too), or "
+                "model.aux_head=false",
             )
         if self.debug.name != "none" and not self.env.debug_allowed:
             raise ConfigError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import signal
 from collections.abc import Sequence
 
 import numpy as np
@@ -111,6 +112,9 @@ class BucketedSampler(Sampler[int]):
 
 
 def seed_worker(worker_id: int) -> None:
+    # Ctrl-C in a terminal reaches the whole process group: a worker leaves it to the training
+    # process, which checkpoints at the step boundary and then shuts its workers down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # torch gives each worker initial_seed = base_seed + worker_id, where base_seed comes from the
     # loader's generator; python and numpy are seeded from it so augmentations repeat too.
     worker_seed = torch.initial_seed() % 2**32
@@ -118,7 +122,9 @@ def seed_worker(worker_id: int) -> None:
     random.seed(worker_seed)
 
 
-def _loader(dataset, sampler, cfg, *, collate_fn, pin_memory: bool, seed: int) -> DataLoader:
+def _loader(
+    dataset, sampler, cfg, *, collate_fn, pin_memory: bool, seed: int, drop_last: bool = False
+) -> DataLoader:
     workers = cfg.num_workers
     return DataLoader(
         dataset,
@@ -131,7 +137,7 @@ def _loader(dataset, sampler, cfg, *, collate_fn, pin_memory: bool, seed: int) -
         prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
         worker_init_fn=seed_worker,
         generator=torch.Generator().manual_seed(seed),
-        drop_last=False,
+        drop_last=drop_last,
     )
 
 
@@ -162,7 +168,15 @@ def build_dataloaders(
         bundle.val, num_replicas=world_size, rank=rank, shuffle=False, seed=seed
     )
     collate = bundle.collate_fn
-    train = _loader(bundle.train, train_sampler, cfg, collate_fn=collate, pin_memory=pin, seed=seed)
+    train = _loader(
+        bundle.train,
+        train_sampler,
+        cfg,
+        collate_fn=collate,
+        pin_memory=pin,
+        seed=seed,
+        drop_last=cfg.drop_last,  # training only: every validation sample counts
+    )
     val = _loader(bundle.val, val_sampler, cfg, collate_fn=collate, pin_memory=pin, seed=seed)
     return train, val
 

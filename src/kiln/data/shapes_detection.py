@@ -65,7 +65,7 @@ def make_image(
     noise = rng.standard_normal(size=(3, height, width), dtype=np.float32) * 0.03
     image = rng.uniform(0.0, 0.35, size=(3, 1, 1)).astype(np.float32) + noise
     boxes, labels = [], []
-    for _ in range(int(rng.integers(1, max_objects + 1))):
+    for _ in range(int(rng.integers(1, max_objects + 1)) if max_objects else 0):
         box = _place_box(rng, height, width, boxes)
         if box is None:
             continue
@@ -99,13 +99,15 @@ class ShapesDataset(Dataset):
         max_side: int,
         max_objects: int,
         num_classes: int,
+        num_background: int = 0,
     ):
         rng = np.random.default_rng(seed)
         self.items = []
-        for _ in range(num_images):
+        for i in range(num_images):
             height, width = (int(s) for s in rng.integers(min_side, max_side + 1, size=2))
+            objects = 0 if i >= num_images - num_background else max_objects  # the last ones
             self.items.append(
-                make_image(rng, height, width, max_objects=max_objects, num_classes=num_classes)
+                make_image(rng, height, width, max_objects=objects, num_classes=num_classes)
             )
 
     def __len__(self) -> int:
@@ -130,6 +132,7 @@ def build_shapes_detection(cfg: ShapesDetectionConfig) -> DataBundle:
         max_side=max_side,
         max_objects=cfg.max_objects,
         num_classes=cfg.num_classes,
+        num_background=cfg.num_background,
     )
     # Train and val come from different seeds, so no image is in both.
     train = ShapesDataset(cfg.num_train, seed=cfg.split_seed, **common)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,8 +22,64 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Fix:
+    """A command line that would work instead: the user's overrides with `set` added (replacing
+    the same keys) and `drop` removed, launched on `world_size` ranks (None: as now)."""
+
+    purpose: str  # "to resume it as it was", "for a new run from these weights", ...
+    set: tuple[tuple[str, str], ...] = ()
+    drop: tuple[str, ...] = ()
+    world_size: int | None = None
+    same_run: bool = True  # continues the run (in its directory), or starts a new one
+
+    def overrides(self, given: list[str]) -> list[str]:
+        """`given` with each key of `set` replaced where it stands (else appended)."""
+        values, out = dict(self.set), []
+        for override in given:
+            key = override.split("=", 1)[0].lstrip("+~")
+            if key in self.drop:
+                continue
+            out.append(f"{key}={values.pop(key)}" if key in values else override)
+        return out + [f"{key}={value}" for key, value in values.items()]
+
+    def fragment(self) -> str:
+        """What to change, for a message without the command line at hand."""
+        parts = [f"{key}={value}" for key, value in self.set]
+        parts += ["(without resume=)" for key in self.drop if key == "resume"]
+        if self.world_size is not None:
+            parts.append(f"on {self.world_size} rank(s) (torchrun --nproc_per_node)")
+        return " ".join(parts)
+
+    def command(self, given: list[str], world_size: int, run_dir: str | None = None) -> str:
+        ranks = self.world_size or world_size
+        launcher = (
+            "python train.py" if ranks == 1 else f"torchrun --nproc_per_node={ranks} train.py"
+        )
+        args = self.overrides(given)
+        if self.same_run and run_dir is not None:
+            args.append(f"hydra.run.dir={run_dir}")
+        return " ".join([launcher, *(shlex.quote(a) for a in args)])
+
+
 class ResumeError(UserError, ValueError):
-    """The checkpoint cannot be continued with this config; the message says what differs."""
+    """The checkpoint cannot be continued with this config; the message says what differs and,
+    with `fixes`, the command lines that would work."""
+
+    def __init__(self, message: str, fixes: Sequence[Fix] = (), *, what: str = ""):
+        self.what = what or message  # the message before its fixes
+        self.fixes = list(fixes)
+        super().__init__(message)
+
+    def with_commands(self, given: list[str], world_size: int, run_dir: str | None) -> str:
+        """The message with each fix as the exact command to type (the CLI knows the command
+        line; the engine does not)."""
+        if not self.fixes:
+            return str(self)
+        commands = "; ".join(
+            f"{f.purpose}: {f.command(given, world_size, run_dir)}" for f in self.fixes
+        )
+        return f"{self.what}: {commands}"
 
 
 # What inference needs from a checkpoint; a weights-only best.pt holds just these.
@@ -81,8 +139,10 @@ class Checkpointer:
         validation loss (`tiebreak` against `best_tiebreak`, lower wins): a val_acc of 1.0 reached
         at epoch 1 must not keep that barely trained checkpoint over a later one that fits better.
         A missing or non-finite loss never wins a tie."""
-        if value is None or not math.isfinite(value):
+        if value is None:
             return best is None  # keep a best.pt even without the metric
+        if not math.isfinite(value):
+            return False  # never best on NaN/Inf
         if best is None:
             return True
         if value == best:
@@ -101,12 +161,18 @@ class Checkpointer:
         best_weights="ema": `metrics` are the EMA weights' and best.pt gets those weights."""
         value, loss = metrics.get(self.monitor), metrics.get(TIEBREAK)
         tied = value is not None and value == state.best_metric
-        improved = self.is_improvement(value, state.best_metric, loss, state.best_tiebreak)
+        # An evaluation with any non-finite metric picks no best.pt, whatever the monitor says.
+        finite = all(math.isfinite(v) for v in metrics.values() if isinstance(v, int | float))
+        improved = finite and self.is_improvement(
+            value, state.best_metric, loss, state.best_tiebreak
+        )
         if improved and value is not None and math.isfinite(value):
             state.best_metric, state.best_tiebreak = value, loss
             if tied and self.is_main:
                 log.info("best.pt: %s %.4g tied, %s %.4g is lower: this checkpoint replaces it",
                          self.monitor, value, TIEBREAK, loss)  # fmt: skip
+        if improved:
+            state.best_step = state.global_step
         snapshot = state_dict()
         self.save("last.pt", snapshot)
         if improved:

@@ -77,6 +77,8 @@ def classification_loss(
 class ClassificationCriterion:
     """model(inputs) in both modes; cross-entropy plus the switched-on branches."""
 
+    expects_logits = True  # cross-entropy applies log_softmax itself (kiln.guards.outputs)
+
     def __init__(self, branches: LossBranches):
         self.branches = branches
 

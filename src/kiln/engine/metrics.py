@@ -24,6 +24,8 @@ class NonFinite:
     bad_terms: list[str] = field(default_factory=list)  # non-finite terms at the first
     batch: Any = None  # the first non-finite micro-batch, when batches are kept
     scaler_skipped: int = 0  # steps GradScaler skipped although the loss was finite
+    step_batches: list = field(default_factory=list)  # every micro-batch of that step
+    bad_micro: int = 0  # which of them had the non-finite loss
 
 
 class MetricWindow:
@@ -120,22 +122,26 @@ class MetricWindow:
         )
         if finite_steps:
             metrics["grad_norm"], metrics["grad_norm_max"] = grad_norm, grad_norm_max
+        batches, bad_micro = self._step_batches(int(first)) if bad else ([], 0)
         record = NonFinite(
             skipped=int(bad),
             first_step=int(first) if first >= 0 else None,
             kind="NaN" if first_nan else "Inf",
             bad_terms=bad_terms,
-            batch=self._first_bad_batch(int(first)) if bad else None,
+            batch=batches[bad_micro] if batches else None,
             scaler_skipped=int(scaler_skips),
+            step_batches=batches,
+            bad_micro=bad_micro,
         )
         return metrics, record
 
-    def _first_bad_batch(self, step: int) -> Any:
+    def _step_batches(self, step: int) -> tuple[list, int]:
+        """The kept micro-batches of `step` and the index of the first non-finite one."""
         for kept_step, batches, flags in self.kept:
             if kept_step == step:
                 micro = [bool(flag) for flag in flags]  # a failure path: reading is fine here
-                return batches[micro.index(True)] if any(micro) else batches[0]
-        return None
+                return batches, micro.index(True) if any(micro) else 0
+        return [], 0
 
 
 def batch_rates(totals: dict[str, float], steps: int, seconds: float) -> dict[str, float]:

@@ -1,5 +1,7 @@
 """SIGTERM/SIGUSR1 ask the run to stop: the loop checkpoints at the next step boundary and exits
-with code 75 (requeue with resume=auto). Under DDP the ranks agree before anyone stops."""
+with code 75 (requeue with resume=auto). Ctrl-C (SIGINT) is the same preemption, reported as an
+interruption (exit 130); a second Ctrl-C stops at once (KeyboardInterrupt, no checkpoint at that
+step). Under DDP the ranks agree before anyone stops."""
 
 from __future__ import annotations
 
@@ -20,18 +22,24 @@ class Preempted(Exception):  # noqa: N818  (a control-flow signal, not an error)
     """A preemption signal arrived; a checkpoint was saved at the step boundary."""
 
 
+class Interrupted(Preempted):
+    """Ctrl-C: a preemption the user asked for at the keyboard."""
+
+
 class PreemptionFlag:
     """Installs the signal handlers for the duration of a `with` block."""
 
     def __init__(self, dist: DistInfo, device: torch.device):
         self.dist, self.device = dist, device
         self.requested = False
+        self.interrupted = False  # the request came from Ctrl-C
         self._previous: dict = {}
 
     def __enter__(self) -> PreemptionFlag:
         with contextlib.suppress(ValueError):  # not in the main thread: no handlers
             for sig in PREEMPT_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._request)
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -42,6 +50,18 @@ class PreemptionFlag:
     def _request(self, signum, frame) -> None:
         log.warning("received signal %d: checkpointing at the next step boundary", signum)
         self.requested = True
+
+    def _interrupt(self, signum, frame) -> None:
+        if self.interrupted:  # the second Ctrl-C: stop now, wherever the run is
+            raise KeyboardInterrupt
+        log.warning("Ctrl-C: checkpointing at the next step boundary (Ctrl-C again stops at once)")
+        self.interrupted = self.requested = True
+
+    def stop(self, step: int) -> Preempted:
+        """The exception that ends the run once the checkpoint at `step` is saved."""
+        kind = Interrupted if self.interrupted else Preempted
+        how = "interrupted (Ctrl-C)" if self.interrupted else "preempted"
+        return kind(f"{how} at step {step}; resume with resume=auto")
 
     def agreed(self, every_step: bool = True) -> bool:
         """True when any rank was asked to stop: the signal may reach ranks at different steps,

@@ -16,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kiln.engine.checkpointer import ResumeError
+from kiln.engine.checkpointer import Fix, ResumeError
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class Judgement:
     changes: list[Difference] = field(default_factory=list)  # allowed by resume_override
     refused_changes: list[Difference] = field(default_factory=list)
     harmless: list[Difference] = field(default_factory=list)
+    saved: Contract | None = None
+    now: Contract | None = None
 
     def changed(self, key: str) -> bool:
         return any(d.key == key for d in self.changes)
@@ -141,7 +144,7 @@ def rule_for(key: str) -> str:
 
 
 def judge(saved: Contract, now: Contract, overrides: list[str]) -> Judgement:
-    judgement = Judgement()
+    judgement = Judgement(saved=saved, now=now)
 
     def add(key: str, old: Any, new: Any, verdict: str) -> None:
         difference = Difference(key, old, new, verdict)
@@ -182,21 +185,19 @@ def _overridden(key: str, overrides: list[str]) -> bool:
 
 
 def check(judgement: Judgement, source: str) -> None:
-    """Raises ResumeError for incompatible or unapproved changes; logs the rest."""
-    fresh = "or start a new run (drop resume=, or pass another hydra.run.dir)"
+    """Raises ResumeError for incompatible or unapproved changes, naming the keys the user
+    changed (old -> new) and the command lines that would work; logs the rest."""
     if judgement.incompatible:
-        lines = "; ".join(d.line() for d in judgement.incompatible)
-        raise ResumeError(
+        lines = explained(judgement.incompatible, judgement)
+        what = (
             f"cannot resume {source} with this config: {lines}. These change what the saved "
-            f"state means; resume with the run's values, {fresh}"
+            "state means"
         )
+        raise refusal(what, incompatible_fixes(judgement, source))
     if judgement.refused_changes:
-        lines = "; ".join(d.line() for d in judgement.refused_changes)
-        keys = ",".join(d.key for d in judgement.refused_changes if not d.key.startswith("<"))
-        raise ResumeError(
-            f"resuming {source} with {lines} would change the run; to apply it, add "
-            f"resume_override=[{keys}], {fresh}"
-        )
+        lines = explained(judgement.refused_changes, judgement)
+        what = f"resuming {source} with {lines} would change the run"
+        raise refusal(what, change_fixes(judgement))
     for difference in judgement.changes:
         log.warning("resume_override: applying %s", difference.line())
     if judgement.harmless:
@@ -204,6 +205,164 @@ def check(judgement: Judgement, source: str) -> None:
             "resume: accepted harmless changes: %s",
             "; ".join(d.line() for d in judgement.harmless),
         )
+
+
+def refusal(what: str, fixes: list[Fix]) -> ResumeError:
+    todo = "; ".join(f"{fix.purpose}: {fix.fragment()}" for fix in fixes)
+    return ResumeError(f"{what}: {todo}", fixes, what=what)
+
+
+# What the derived quantities follow: a refusal names the user's keys, not only `<...>`.
+PLAN_KEYS = (
+    "trainer.max_epochs",
+    "trainer.max_steps",
+    "trainer.limit_train_batches",
+    *BATCH_SPLIT_KEYS,
+)
+RANKS = "nproc_per_node"  # the world size, as torchrun's flag names it
+
+
+def user_differences(judgement: Judgement) -> list[Difference]:
+    """Every config key that differs, whatever its verdict, plus the number of ranks."""
+    found = [
+        d
+        for d in (
+            *judgement.incompatible,
+            *judgement.changes,
+            *judgement.refused_changes,
+            *judgement.harmless,
+        )  # fmt: skip
+        if not d.key.startswith("<")
+    ]
+    saved, now = judgement.saved, judgement.now
+    if saved is not None and now is not None and saved.world_size != now.world_size:
+        found.append(Difference(RANKS, saved.world_size, now.world_size, CHANGES_RUN))
+    return found
+
+
+def _line(d: Difference) -> str:
+    return f"{RANKS} {d.saved} -> {d.now}" if d.key == RANKS else d.line()
+
+
+def causes(derived: Difference, judgement: Judgement) -> list[Difference]:
+    """The user's changes a derived difference (`<planned optimizer steps>`, ...) follows."""
+    users = user_differences(judgement)
+    if derived.key == "<planned optimizer steps>":
+        return [d for d in users if d.key in (*PLAN_KEYS, RANKS)]
+    if derived.key == "<global batch>":
+        return [d for d in users if d.key in (*BATCH_SPLIT_KEYS, RANKS)]
+    if derived.key == "<data fingerprint>":
+        return [d for d in users if d.key.startswith("data.")]
+    return []
+
+
+def explained(differences: list[Difference], judgement: Judgement) -> str:
+    """Each difference as the user's keys old -> new, a derived one with what it follows."""
+    shown, lines = set(), []
+    for d in differences:
+        if not d.key.startswith("<"):
+            continue
+        found = causes(d, judgement)
+        shown |= {c.key for c in found}
+        keys = "; ".join(_line(c) for c in found)
+        if d.key == "<planned optimizer steps>":
+            schedule = judgement.now.config.get("scheduler.name", "lr") if judgement.now else "lr"
+            why = f"the {schedule} schedule would span {d.now} optimizer steps, not {d.saved}"
+        elif d.key == "<global batch>":
+            why = (
+                f"the global batch (data.batch_size x ranks x trainer.accumulate_grad_batches) "
+                f"{d.saved} -> {d.now}"
+            )
+        else:
+            why = "the data the weights were trained on changed"
+        lines.append(f"{keys} ({d.key}: {why})" if keys else f"{d.key}: {why}")
+    plain = [_line(d) for d in differences if not d.key.startswith("<") and d.key not in shown]
+    return "; ".join(plain + lines)
+
+
+def override_key(key: str) -> str:
+    """The command-line key that sets a config key: a group's option for `<group>.name`."""
+    group, _, leaf = key.partition(".")
+    return group if leaf == "name" and group in GROUP_OPTIONS else key
+
+
+GROUP_OPTIONS = ("data", "model", "optimizer", "scheduler", "precision", "trainer", "logger",
+                 "env", "debug")  # fmt: skip
+
+
+def override_value(value: Any) -> str:
+    """A value as Hydra's override grammar writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    text = str(value)
+    return text if re.fullmatch(r"[\w./:+-]+", text) else "'" + text.replace("'", "\\'") + "'"
+
+
+def _as_saved(found: list[Difference], judgement: Judgement) -> Fix | None:
+    """Every changed key back to the checkpoint's value (and the ranks it ran on)."""
+    keys = [d for d in found if d.key != RANKS and d.saved != "<absent>"]
+    ranks = next((d.saved for d in found if d.key == RANKS), None)
+    if not keys and ranks is None:
+        return None
+    values = tuple((override_key(d.key), override_value(d.saved)) for d in keys)
+    return Fix("to resume it as it was", values, world_size=ranks)
+
+
+def _same_global_batch(judgement: Judgement) -> Fix | None:
+    """On another number of ranks: the per-rank data.batch_size that keeps the global batch
+    (and with it the schedule's length and the position in the epoch)."""
+    saved, now = judgement.saved, judgement.now
+    if saved is None or now is None or saved.world_size == now.world_size:
+        return None
+    per_rank, left = divmod(saved.global_batch, now.world_size * now.accumulate)
+    if left or per_rank == now.batch_size:
+        return None
+    return Fix(
+        f"to keep the global batch of {saved.global_batch} on {now.world_size} rank(s)",
+        (("data.batch_size", str(per_rank)),),
+    )
+
+
+def incompatible_fixes(judgement: Judgement, source: str) -> list[Fix]:
+    found = []
+    for d in judgement.incompatible:
+        found += causes(d, judgement) if d.key.startswith("<") else [d]
+    fixes = [fix] if (fix := _same_global_batch(judgement)) is not None else []
+    if (fix := _as_saved(found, judgement)) is not None:
+        fixes.append(fix)
+    new_run = ("resume", "resume_override")
+    if any(d.key.startswith("model.") for d in found) or any(
+        d.key == "<data fingerprint>" for d in judgement.incompatible
+    ):  # the weights would not fit another model (or data): a fresh start
+        fixes.append(Fix("for a new run", drop=new_run, same_run=False))
+    else:  # init_from: the weights only, a new run (schedule, optimizer and steps start anew)
+        fixes.append(
+            Fix("for a new run from these weights", (("init_from", source),), new_run, None, False)
+        )
+    return fixes
+
+
+def change_fixes(judgement: Judgement) -> list[Fix]:
+    refused = judgement.refused_changes
+    keys = [d.key for d in refused if not d.key.startswith("<")]
+    batch = next((d for d in refused if d.key == "<global batch>"), None)
+    if batch is not None and not any(k in BATCH_SPLIT_KEYS for k in keys):
+        keys.append("data.batch_size")  # approves the new global batch (other ranks)
+    given = judgement.now.config.get("resume_override", []) if judgement.now else []
+    listed = list(dict.fromkeys([*given, *keys]))
+    fixes = [Fix("to apply it", (("resume_override", override_value(listed)),))]
+    if batch is not None and (fix := _same_global_batch(judgement)) is not None:
+        fixes.insert(0, fix)
+    found = []
+    for d in refused:
+        found += causes(d, judgement) if d.key.startswith("<") else [d]
+    if (fix := _as_saved(list({d.key: d for d in found}.values()), judgement)) is not None:
+        fixes.append(fix)
+    return fixes
 
 
 def map_position(batch_in_epoch: int, saved: Contract, now: Contract, source: str) -> int:

@@ -4,7 +4,9 @@ tests call it in-process with `load_config([...])`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -14,8 +16,10 @@ from omegaconf import OmegaConf
 from torch.utils.data import Subset
 
 import kiln
+from kiln import run_lock
 from kiln.config import KilnConfig, to_plain
 from kiln.data import DataBundle, build_data, build_dataloaders, example_batch
+from kiln.data.extremes import probe_batches
 from kiln.device import resolve_device
 from kiln.engine.batches import move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer, ResumeError
@@ -38,12 +42,14 @@ from kiln.engine.optim import (
     total_optimizer_steps,
 )
 from kiln.engine.precision import resolve_precision
-from kiln.engine.preemption import Preempted
+from kiln.engine.preemption import Interrupted, Preempted
 from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge, map_position
 from kiln.engine.seeding import seed_everything, set_deterministic
 from kiln.engine.sharded_checkpoint import ShardedWriter
 from kiln.engine.throughput import peak_flops
-from kiln.engine.trainer import Trainer, TrainingParts, batches_per_epoch
+from kiln.engine.trainer import NonFiniteLossError, Trainer, TrainingParts, batches_per_epoch
+from kiln.errors import DiskFullError
+from kiln.guards.input_sizes import EpochPlan
 from kiln.guards.probes import probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import summarize, write_json, write_summary
@@ -125,14 +131,17 @@ def build_trainer(
     optimizer = build_optimizer(groups, cfg.optimizer)  # of the sharded parameters
     evaluator = build_evaluator(bundle.spec.task, precision=precision, device=device, dist=dist)
     batch_size = cfg.data.batch_size
-    probe_sizes = probe_batch_sizes(batch_size, train_loader.sampler.num_samples)
-    if cfg.trainer.limit_train_batches > 0:  # then the epoch's last batch is a full one
-        probe_sizes = [n for n in probe_sizes if n in (1, 3, 5)]
+    plan = epoch_plan(train_loader, cfg)
+    probe_sizes = probe_batch_sizes(batch_size, plan.samples if not plan.drop_last else 0)
     mode_probe_size = min(batch_size, PROBE_BATCH_SIZE)
     pool = max([mode_probe_size, *probe_sizes])
-    probe_batch = move_to(example_batch(bundle, pool, seed=cfg.seed), device)
-    if cfg.trainer.channels_last:
-        probe_batch = to_channels_last(probe_batch)
+    # The data's own extremes, never a sample: the same probes whatever the seed.
+    probes = probe_batches(bundle, pool, batch_size)
+    on_device = lambda batch: (  # noqa: E731
+        to_channels_last(move_to(batch, device)) if cfg.trainer.channels_last
+        else move_to(batch, device)
+    )  # fmt: skip
+    probe_batch = on_device(probes.base)
     parts = TrainingParts(
         model=wrapped,
         raw_model=model,
@@ -149,6 +158,8 @@ def build_trainer(
         build_fresh=build_fresh,
         probe_batch_sizes=tuple(probe_sizes),
         mode_probe_size=mode_probe_size,
+        epoch_plan=plan,
+        probe_cases=[(label, on_device(batch)) for label, batch in probes.cases],
         batch_metrics=bundle.batch_metrics,
         peak_flops=peak_flops(device, precision, cfg.trainer.peak_tflops),
         freeze=freeze if freeze.names else None,
@@ -156,6 +167,7 @@ def build_trainer(
         ema=WeightAverage(model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None,
         data=bundle,
     )
+    parts.flag_for_unused = lambda names: option_behind(names, bundle.spec, cfg, want_aux)
     if bundle.report is not None and dist.is_main:
         write_json(run_dir / "data_report.json", bundle.report)
     monitor = evaluator.monitor if cfg.trainer.monitor == "auto" else cfg.trainer.monitor
@@ -203,6 +215,42 @@ def will_resume(cfg: KilnConfig, run_dir: Path) -> bool:
     if cfg.resume is None:
         return False
     return cfg.resume != "auto" or bool(candidates(run_dir / "checkpoints"))
+
+
+def epoch_plan(train_loader, cfg: KilnConfig) -> EpochPlan:
+    """One rank's epoch as batches: a partial last batch is trained on unless data.drop_last,
+    trainer.limit_train_batches or trainer.max_steps ends the epoch (or the run) before it."""
+    samples, batch_size = train_loader.sampler.num_samples, cfg.data.batch_size
+    batches = math.ceil(samples / batch_size)
+    limit, max_steps = cfg.trainer.limit_train_batches, cfg.trainer.max_steps
+    cut = 0 < limit < batches
+    stops_first = 0 < max_steps * cfg.trainer.accumulate_grad_batches < batches
+    return EpochPlan(samples, batch_size, drop_last=cfg.data.drop_last or cut or stops_first)
+
+
+def option_behind(names: list[str], spec, cfg: KilnConfig, want_aux: bool) -> str | None:
+    """The override that removes the parameters `names` (rule 2's message): each boolean model
+    option now on, and the auxiliary head the flags ask for, switched off in a build on the meta
+    device (no memory, no random numbers drawn)."""
+    candidates = []
+    if want_aux:
+        on = [g for g in ("model", "loss") if getattr(getattr(cfg, g), "aux_head", False)]
+        flags = " ".join(f"{g}.aux_head=false" for g in on) or "loss.force_all_branches=false"
+        candidates.append((flags, cfg.model, False))
+    for f in dataclasses.fields(cfg.model):
+        if getattr(cfg.model, f.name) is True and f.name != "aux_head":
+            off = dataclasses.replace(cfg.model, **{f.name: False})
+            candidates.append((f"model.{f.name}=false", off, want_aux))
+    for override, model_cfg, aux in candidates:
+        try:
+            with torch.device("meta"), torch.random.fork_rng():
+                model = build_model(spec, model_cfg, aux_head=aux)
+            built = {name for name, _ in model.named_parameters()}
+        except Exception:  # an option this builder cannot switch: not the one
+            continue
+        if not built & set(names):
+            return override
+    return None
 
 
 def sharded_writer(cfg: KilnConfig, run_dir: Path, dist: DistInfo) -> ShardedWriter | None:
@@ -341,6 +389,43 @@ def report_test_split(
     return report.headline("test_")
 
 
+FAILING_BATCHES = "nan_batch.pt"  # beside nan_batch_stats.json
+
+
+def save_failing_batches(run_dir: Path, err: NonFiniteLossError) -> None:
+    """The failing step's micro-batches, on the CPU, as plain tensors (weights_only loads
+    them): what `kiln triage` replays. Best effort: the failure is what counts."""
+    from kiln import checkpoint as files
+
+    record = {
+        "step": err.step,
+        "kind": f"loss {err.kind}",
+        "bad_micro": err.bad_micro,
+        "batches": [move_to(batch, torch.device("cpu")) for batch in err.batches],
+    }
+    try:
+        files.atomic_save(record, run_dir / FAILING_BATCHES)
+    except (files.CheckpointError, DiskFullError):
+        log.warning("could not save the failing batch to %s", run_dir / FAILING_BATCHES)
+
+
+def close_run(run_dir: Path, recorder, summary: dict | None, draw: bool) -> DiskFullError | None:
+    """The last writes of a run (curves, logs, summary.json), each tried even when one finds
+    the disk full; returns that error (a run already failing keeps its own)."""
+    full = None
+    if recorder is not None:
+        try:
+            recorder.close(draw=draw)
+        except DiskFullError as err:
+            full = err
+    if summary is not None:
+        try:
+            write_summary(run_dir, summary)
+        except DiskFullError as err:
+            full = full or err
+    return full
+
+
 def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
     """Train per `cfg` (typed: kiln.config.load_config) in `run_dir`. summary.json is written on
     every exit, failures included."""
@@ -351,7 +436,9 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
     torch.backends.cudnn.allow_tf32 = str(cfg.trainer.matmul_precision) != "highest"
     device = resolve_device(str(cfg.device), int(os.environ.get("LOCAL_RANK", 0)))
     dist = init_distributed(cfg.trainer.distributed, str(cfg.trainer.backend), device)
-    trainer, recorder, summary = None, None, None
+    if dist.is_main:  # one writer per run directory; refused before anything is written
+        run_lock.acquire(run_dir)
+    trainer, recorder, summary, at_once, failing = None, None, None, False, False
     if dist.is_main and not (run_dir / ".hydra" / "config.yaml").is_file():
         # Hydra writes this for train.py runs; in-process runs leave the same record.
         (run_dir / ".hydra").mkdir(exist_ok=True)
@@ -375,11 +462,18 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
         if trainer is not None and not hasattr(err, "step"):
             err.kiln_step = trainer.current_step  # where the failure line says it happened
         status = "preempted" if isinstance(err, Preempted) else "failed"
+        if isinstance(err, Interrupted | KeyboardInterrupt):  # Ctrl-C, once or twice
+            status = "interrupted"
+        at_once = isinstance(err, KeyboardInterrupt)
         last_eval = trainer.last_eval if trainer is not None else {}
         summary = summarize(trainer, last_eval, status=status, error=f"{type(err).__name__}: {err}")
+        failing = True
+        if isinstance(err, NonFiniteLossError) and err.batches and dist.is_main:
+            save_failing_batches(run_dir, err)  # kiln triage replays the step with them
         raise
     finally:
-        if recorder is not None:
-            recorder.close()
-        if dist.is_main and summary is not None:
-            write_summary(run_dir, summary)
+        full = close_run(run_dir, recorder, summary if dist.is_main else None, draw=not at_once)
+        if dist.is_main:
+            run_lock.release(run_dir)
+        if full is not None and not failing:  # the run's last write found the disk full
+            raise full

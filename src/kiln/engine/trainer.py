@@ -23,13 +23,20 @@ from kiln.engine.batches import batch_size_of, move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer
 from kiln.engine.distributed import DistInfo, all_reduce_max, clip_grad_norm, skip_gradient_sync
 from kiln.engine.finetune import FreezePlan, WeightAverage
+from kiln.engine.loss import BRANCHES
 from kiln.engine.metrics import MetricWindow
 from kiln.engine.precision import Precision
 from kiln.engine.preemption import Preempted, PreemptionFlag
 from kiln.engine.seeding import rng_state, set_rng_state
 from kiln.engine.sharded_checkpoint import load_model_and_optimizer, model_and_optimizer_state
 from kiln.engine.throughput import flops_per_sample
-from kiln.guards import assert_finite_inputs, check_train_eval_agreement, describe, tensor_stats
+from kiln.guards import (
+    assert_finite_inputs,
+    check_every_parameter_learns,
+    check_train_eval_agreement,
+    describe,
+    tensor_stats,
+)
 from kiln.guards.devices import diagnose, is_device_mismatch
 from kiln.guards.input_sizes import take
 from kiln.guards.probes import copy_or_build, run_probes
@@ -41,12 +48,34 @@ log = logging.getLogger(__name__)
 class NonFiniteLossError(RuntimeError):
     """The loss was NaN/Inf under trainer.nan_policy=fail."""
 
-    def __init__(self, kind: str, step: int, batch_stats: dict, bad_terms: list[str]):
-        branches = [t for t in bad_terms if t != "main"]
+    def __init__(
+        self,
+        kind: str,
+        step: int,
+        batch_stats: dict,
+        bad_terms: list[str],
+        batches: list | None = None,
+        bad_micro: int = 0,
+    ):
+        branches = [t for t in bad_terms if t in BRANCHES]
         rule = f"{RULE_2}: " if branches else ""  # an optional branch broke it
         detail = f" (non-finite terms: {', '.join(bad_terms)})" if bad_terms else ""
         super().__init__(f"{rule}loss {kind} @ step {step}{detail}")
         self.kind, self.step, self.batch_stats, self.bad_terms = kind, step, batch_stats, bad_terms
+        self.batches, self.bad_micro = batches or [], bad_micro  # the step's micro-batches
+
+
+class NonFiniteEvalError(RuntimeError):
+    """A validation metric was NaN/Inf under trainer.nan_policy=fail."""
+
+    def __init__(self, metrics: dict, bad: list[str], step: int):
+        self.metric, self.step = bad[0], step
+        self.kind = "NaN" if math.isnan(metrics[self.metric]) else "Inf"
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
+        super().__init__(
+            f"{self.metric} {self.kind} @ step {step}: the evaluation after step {step} gave "
+            f"{shown}; no best.pt was chosen from it (kiln triage <run dir> replays it)"
+        )
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -73,6 +102,7 @@ class TrainState:
     # val_loss of the evaluation best.pt came from: breaks ties on best_metric (None in
     # checkpoints written before it was kept: any finite loss then wins the next tie).
     best_tiebreak: float | None = None
+    best_step: int | None = None  # the step best.pt was saved at
     nonfinite_skipped: int = 0  # steps skipped under nan_policy=skip
     scaler_skipped: int = 0  # steps GradScaler skipped for inf/NaN gradients
     samples_seen: int = 0
@@ -110,6 +140,9 @@ class TrainingParts:
     rewrap: Callable[[], nn.Module] | None = None  # a new DDP wrapper once parameters unfreeze
     ema: WeightAverage | None = None  # trainer.ema_decay: evaluated beside the weights
     data: Any = None  # the DataBundle: its test split is evaluated when training ends (run.py)
+    flag_for_unused: Callable[[list[str]], str | None] | None = None  # the option behind params
+    epoch_plan: Any = None  # kiln.guards.input_sizes.EpochPlan: the batches rule 1 must survive
+    probe_cases: list = field(default_factory=list)  # (label, batch): the data's extremes
 
 
 @dataclass
@@ -248,6 +281,8 @@ class Trainer:
             if self.window.keep_batches:
                 kept.append(batch)
                 micro_bad.append(micro_nonfinite)
+        if self.state.global_step == 0:  # rule 2, once: a parameter no loss term reaches
+            check_every_parameter_learns(self.raw_model, self.parts.flag_for_unused)
         bad = all_reduce_max(bad)  # every rank skips the same steps
         scaler.unscale_(optimizer)  # true-scale gradients before the norm and clipping
         max_norm = self.cfg.gradient_clip_val or math.inf  # inf: measure, never clip
@@ -326,6 +361,9 @@ class Trainer:
                 mode_batch_size=parts.mode_probe_size,
                 sizes=self.cfg.probe_sizes and parts.build_fresh is not None,
                 modes=self.cfg.shape_check,
+                expects_logits=getattr(self.criterion, "expects_logits", False),
+                plan=parts.epoch_plan,
+                cases=parts.probe_cases,
             )
         if self.dist.is_main and (self.cfg.probe_sizes or self.cfg.shape_check):
             log.info("pre-step probes (rules 1 and 3) took %.2f s", self.probe_time_s)
@@ -363,7 +401,7 @@ class Trainer:
         if self.preemption.agreed(every_step=not self.dist.enabled or self.should_log()):
             self.log_window(result.lr, bar)
             self.checkpointer.save("last.pt", self.state_dict())
-            raise Preempted(f"preempted at step {s.global_step}; resume with resume=auto")
+            raise self.preemption.stop(s.global_step)
 
     def log_window(self, lr: float | None = None, bar=None) -> None:
         """One host read of the window: its metrics become a log line, its non-finite record
@@ -378,7 +416,12 @@ class Trainer:
         if nonfinite.skipped and self.cfg.nan_policy == NanPolicy.fail:
             stats = tensor_stats(nonfinite.batch) if nonfinite.batch is not None else {}
             raise NonFiniteLossError(
-                nonfinite.kind, nonfinite.first_step, stats, nonfinite.bad_terms
+                nonfinite.kind,
+                nonfinite.first_step,
+                stats,
+                nonfinite.bad_terms,
+                nonfinite.step_batches,
+                nonfinite.bad_micro,
             )
         if nonfinite.skipped:
             log.warning(
@@ -451,6 +494,17 @@ class Trainer:
         self.checkpointer.after_evaluation(
             chosen, s, self.state_dict, epoch_end, best_weights="ema" if use_ema else "raw"
         )
+        bad = nonfinite_metrics(self.last_eval)
+        if bad and self.cfg.nan_policy == NanPolicy.fail:
+            raise NonFiniteEvalError(self.last_eval, bad, s.global_step)
+        if bad and self.dist.is_main:  # nan_policy=skip: said at every such evaluation
+            kept = f"best.pt stays at step {s.best_step}" if s.best_step else "no best.pt yet"
+            log.warning(
+                "non-finite evaluation after step %d (%s; nan_policy=skip): %s",
+                s.global_step,
+                ", ".join(f"{k}={self.last_eval[k]}" for k in bad),
+                kept,
+            )
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -559,9 +613,16 @@ def check_terms_reach_the_model(terms: dict[str, torch.Tensor]) -> None:
             )
 
 
+def nonfinite_metrics(metrics: dict) -> list[str]:
+    """The names of an evaluation's NaN/Inf metrics, in order."""
+    return [k for k, v in metrics.items() if isinstance(v, int | float) and not math.isfinite(v)]
+
+
 def batches_per_epoch(train_loader, limit_train_batches: int) -> int:
-    """Batches this rank trains on per epoch: its sampler's share, capped by the limit (> 0)."""
-    batches = math.ceil(train_loader.sampler.num_samples / train_loader.batch_size)
+    """Batches this rank trains on per epoch: its sampler's share (without the partial last
+    batch under data.drop_last), capped by the limit (> 0)."""
+    cut = math.floor if getattr(train_loader, "drop_last", False) else math.ceil
+    batches = cut(train_loader.sampler.num_samples / train_loader.batch_size)
     return min(batches, limit_train_batches) if limit_train_batches > 0 else batches
 
 
@@ -573,4 +634,11 @@ def memory_mb(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-__all__ = ["NonFiniteLossError", "Preempted", "StepResult", "TrainState", "Trainer"]
+__all__ = [
+    "NonFiniteEvalError",
+    "NonFiniteLossError",
+    "Preempted",
+    "StepResult",
+    "TrainState",
+    "Trainer",
+]

@@ -3,6 +3,7 @@ finite, non-zero term whose gradient reaches the model."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,9 +40,37 @@ def check_loss_branches(model: nn.Module, criterion, batch: Any) -> dict[str, to
                 "tensors or under no_grad?); its flag would change nothing but the logged loss"
             )
     loss.backward()
+    check_every_parameter_learns(model)
     bad = [
         n for n, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()
     ]
     if bad:
         raise LossBranchError(f"{RULE_2}: non-finite gradients in {', '.join(bad[:5])}")
     return terms
+
+
+def check_every_parameter_learns(
+    model: nn.Module, flag_for: Callable[[list[str]], str | None] | None = None, step: int = 1
+) -> None:
+    """Rule 2 after the first backward: a trainable parameter without a gradient belongs to a
+    branch nothing trains (an auxiliary head the loss ignores, an option's module forward never
+    uses). Raises naming the parameters, their modules and, from `flag_for(names)`, the flag
+    that would turn the branch off."""
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if not missing:
+        return
+    modules = sorted({name.rpartition(".")[0] for name in missing})
+    kinds = {m: type(model.get_submodule(m)).__name__ for m in modules}
+    where = ", ".join(f"{m or '<model>'} ({kind})" for m, kind in kinds.items())
+    shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    flag = flag_for(missing) if flag_for is not None else None
+    todo = (
+        f"{flag} turns that branch off (or switch on the loss flag that trains it)"
+        if flag
+        else "no boolean option of the model removes them: make the loss use the module, or "
+        "build it only behind a flag that defaults to off"
+    )
+    raise LossBranchError(
+        f"{RULE_2}: {len(missing)} trainable parameter(s) got no gradient at step {step}: "
+        f"{shown}, in {where}; nothing the loss computes reaches them; {todo}"
+    )

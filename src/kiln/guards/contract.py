@@ -5,16 +5,19 @@ modes, and device diagnosis with one layer left on another device."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from kiln.data import DataBundle, example_batch
+from kiln.data import DataBundle
+from kiln.data.extremes import probe_batches
 from kiln.guards.branches import check_loss_branches
 from kiln.guards.devices import DeviceMismatchError, diagnose, is_device_mismatch
-from kiln.guards.input_sizes import run_size_probe, size_probes
+from kiln.guards.input_sizes import EpochPlan, plan_probes, run_size_probe, size_probes
+from kiln.guards.outputs import check_logits
 from kiln.guards.probes import classifier_output_problems
 from kiln.guards.shape_check import check_train_eval_agreement
 
@@ -22,16 +25,26 @@ Build = Callable[[Any], nn.Module]  # DataSpec -> a fresh model
 
 
 def _batch(bundle: DataBundle, size: int) -> Any:
-    return example_batch(bundle, size, seed=0)
+    """The data's extremes first (the longest texts, an image with no box...), never sampled."""
+    return probe_batches(bundle, size, size).base
 
 
-def check_rule1(build: Build, criterion, bundle: DataBundle, batch_sizes=(1, 3)) -> None:
-    """Forward and backward at each batch size and at a second input size, each on a new
-    model built for its spec; outputs must fit the batch and the spec."""
+def check_rule1(
+    build: Build, criterion, bundle: DataBundle, batch_sizes=(1, 3), plan: EpochPlan | None = None
+) -> None:
+    """Forward and backward at each batch size, at a second input size and at the data's
+    extremes (and, when `plan` ends its epoch with one, a batch of 1 in train mode), each on a
+    new model built for its spec; outputs must fit the batch and the spec."""
     fixed = getattr(build(bundle.spec), "fixed_input_size", False)
-    for probe in size_probes(_batch(bundle, 4), bundle.spec, batch_sizes, fixed_input_size=fixed):
-        probe.new_size = True  # the suite runs backward on every probe
+    data = probe_batches(bundle, 4, plan.batch_size if plan is not None else 4)
+    if plan is not None and plan.last_batch == 1:
+        batch_sizes = [n for n in batch_sizes if n != 1]
+    probes = plan_probes(plan, data.base, bundle.spec, data.cases)
+    for probe in probes + size_probes(data.base, bundle.spec, batch_sizes, fixed_input_size=fixed):
         run_size_probe(build(probe.spec), probe, criterion.forward, classifier_output_problems)
+        if not probe.backward:  # the suite runs backward on every probe too
+            probe = dataclasses.replace(probe, backward=True)
+            run_size_probe(build(probe.spec), probe, criterion.forward, classifier_output_problems)
 
 
 def check_rule2(build: Build, criterion, bundle: DataBundle) -> dict[str, torch.Tensor]:
@@ -40,7 +53,15 @@ def check_rule2(build: Build, criterion, bundle: DataBundle) -> dict[str, torch.
 
 
 def check_rule3(build: Build, criterion, bundle: DataBundle) -> None:
-    check_train_eval_agreement(build(bundle.spec), _batch(bundle, 4), criterion.forward)
+    check_train_eval_agreement(
+        build(bundle.spec), _batch(bundle, 4), criterion.forward, finite=True
+    )
+
+
+def check_outputs_are_logits(build: Build, criterion, bundle: DataBundle) -> None:
+    """A classifier's outputs are logits (its criterion applies log_softmax), not probabilities."""
+    if getattr(criterion, "expects_logits", False):
+        check_logits(build(bundle.spec), _batch(bundle, 4), criterion.forward)
 
 
 def last_layer_with_weights(model: nn.Module) -> str:
@@ -81,6 +102,7 @@ def check_device_diagnosis(build: Build, criterion, bundle: DataBundle) -> str:
 __all__ = [
     "DeviceMismatchError",
     "check_device_diagnosis",
+    "check_outputs_are_logits",
     "check_rule1",
     "check_rule2",
     "check_rule3",

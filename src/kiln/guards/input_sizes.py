@@ -36,6 +36,59 @@ class SizeProbe:
     spec: Any  # the DataSpec to build the model for
     batch: Any  # (inputs, targets), collated as the loader would
     new_size: bool = False  # a second input size: a model is built for it, and backward runs
+    backward: bool = False  # backward too (an extreme of the data, at the data's own spec)
+    train_only: bool = False  # the plan trains on it: no eval-mode retry for BatchNorm
+    fix: str = ""  # what to change when it fails (a batch of 1 in the plan: data.drop_last=true)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """How one rank's epoch is cut into batches: what the probes must survive."""
+
+    samples: int  # training samples per rank and epoch
+    batch_size: int  # per rank
+    drop_last: bool = False  # data.drop_last: the last partial batch is not trained on
+
+    @property
+    def last_batch(self) -> int:
+        """Samples in the epoch's last batch when it is partial (0: every batch is full)."""
+        return 0 if self.drop_last else self.samples % self.batch_size
+
+    def other_batch_size(self) -> int:
+        """The batch size nearest the current one that leaves no batch of 1."""
+        for step in range(1, self.batch_size + self.samples):
+            for size in (self.batch_size + step, self.batch_size - step):
+                if size >= 2 and self.samples % size != 1:
+                    return size
+        return self.batch_size
+
+
+def plan_probes(plan: EpochPlan | None, base: Any, spec: Any, cases=()) -> list[SizeProbe]:
+    """Probes from the data's own plan: a batch of 1 trained on (when the epoch ends with
+    one), and each extreme case of the data (longest sequences, images with no box, ...)."""
+    probes = []
+    if plan is not None and plan.last_batch == 1:
+        other = plan.other_batch_size()
+        probes.append(
+            SizeProbe(
+                f"the epoch's last batch, of 1 sample, in train mode ({plan.samples} samples per "
+                f"epoch in batches of {plan.batch_size})",
+                spec,
+                take(base, 1),
+                backward=True,
+                train_only=True,
+                fix=f"set data.drop_last=true (that sample is left out of each epoch), or "
+                f"data.batch_size={other} ({plan.samples} samples leave a last batch of "
+                f"{plan.samples % other})",
+            )
+        )
+    fix = (
+        "The training data holds such items, so some step of the run meets them: the model "
+        "must handle them (read sizes and counts from the input, never assume them)."
+    )
+    for label, batch in cases:
+        probes.append(SizeProbe(label, spec, batch, backward=True, fix=fix))
+    return probes
 
 
 def _scalar_objective(output: Any) -> torch.Tensor:
@@ -43,13 +96,20 @@ def _scalar_objective(output: Any) -> torch.Tensor:
     return sum(t.float().sum() for t in tensors)
 
 
-def _failure(model: nn.Module, label: str, inputs: Any, err: BaseException, trace) -> str:
+def _failure(
+    model: nn.Module, label: str, inputs: Any, err: BaseException, trace, fix: str = ""
+) -> str:
     call = trace.innermost_open if trace is not None else None
     where = f" in {call.where} (its inputs {call.inputs})" if call else ""
+    todo = (
+        f"{fix}"
+        if fix
+        else "Sizes must be read from the input (x.shape) or the data spec, never "
+        "written as literals in forward."
+    )
     return (
         f"{RULE_1}: {type(model).__name__} failed on {label} (input shapes {describe(inputs)})"
-        f"{where}: {err}. Sizes must be read from the input (x.shape) or the data spec, never "
-        "written as literals in forward."
+        f"{where}: {err}. {todo}"
     )
 
 
@@ -157,15 +217,19 @@ def run_size_probe(
     size = len(probe.batch[0])
     model.train()
     outputs = []
+    grad = probe.new_size or probe.backward
 
     def step() -> None:
-        with torch.set_grad_enabled(probe.new_size):
+        with torch.set_grad_enabled(grad):
             output = forward(model, probe.batch, True)
         outputs.append(output)
-        if probe.new_size:
+        if grad:
             _scalar_objective(output).backward()
 
     err, trace = failing_call(model, step)
+    if err is not None and BN_SINGLE_SAMPLE in str(err) and probe.train_only:
+        message = _failure(model, probe.label, probe.batch[0], err, trace, probe.fix)
+        raise ShapeInferenceError(message) from err
     if err is not None and BN_SINGLE_SAMPLE in str(err):
         model.eval()
         outputs.clear()
@@ -189,10 +253,79 @@ def run_size_probe(
 
         if is_device_mismatch(err):
             raise diagnose(err, model, lambda: forward(model, probe.batch, True), probe.batch)
-        raise ShapeInferenceError(_failure(model, probe.label, probe.batch[0], err, trace)) from err
+        fix = probe.fix
+        if not grad and model.training and _passes_with_grad(model, probe, forward):
+            fix = (
+                "What varied: grad mode: the same batch with grad, as training runs it, goes "
+                "through; without grad (as evaluation and inference run) it raises. A forward "
+                "must not depend on torch.is_grad_enabled()."
+            )
+        message = _failure(model, probe.label + _grad_note(grad), probe.batch[0], err, trace, fix)
+        raise ShapeInferenceError(message) from err
     problems = check_output(model, outputs[0], size, probe.spec) if model.training else []
     if problems:
         raise ShapeInferenceError(
-            f"{RULE_1}: {type(model).__name__} on {probe.label}: " + "; ".join(problems) + ". "
-            "Output sizes must follow the batch and the data spec, never literals."
+            f"{RULE_1}: {type(model).__name__} on {probe.label}{_grad_note(grad)}: "
+            + "; ".join(problems)
+            + ". "
+            + what_varied(model, probe, forward, check_output, grad)
         )
+
+
+def _grad_note(grad: bool) -> str:
+    return " (with grad)" if grad else " (no grad)"
+
+
+def _passes_with_grad(model: nn.Module, probe: SizeProbe, forward) -> bool:
+    try:
+        with torch.enable_grad():
+            forward(model, probe.batch, True)
+    except Exception:
+        return False
+    return True
+
+
+def what_varied(model: nn.Module, probe: SizeProbe, forward, check_output, grad: bool) -> str:
+    """Which of grad mode and batch size the wrong output follows, and the first module whose
+    output differs between the two runs; else the output is wrong for this data itself."""
+    from kiln.guards.outputs import producer
+    from kiln.guards.varied import first_divergence, grad_mode_divergence, in_grad_mode
+    from kiln.guards.varied import module_outputs as outputs_of
+
+    size = len(probe.batch[0])
+    if not grad:
+        with torch.enable_grad():
+            correct_with_grad = not check_output(
+                model, forward(model, probe.batch, True), size, probe.spec
+            )
+        if correct_with_grad:
+            where = grad_mode_divergence(forward, model, probe.batch)
+            return (
+                "What varied: grad mode: the same batch with grad, as training runs it, gives "
+                "the right output; without grad, as evaluation and inference run, it does not; "
+                f"the first module whose output differs: {where}. A forward must not depend on "
+                "torch.is_grad_enabled()."
+            )
+    other = take(probe.batch, size + 2)
+    where = first_divergence(
+        outputs_of(model, in_grad_mode(forward, model, probe.batch, grad)),
+        outputs_of(model, in_grad_mode(forward, model, other, grad)),
+        (f"batch-{size}", f"batch-{size + 2}"),
+        (size, size + 2),
+    )
+    if where:
+        return (
+            f"What varied: the batch size ({size} and {size + 2}); the first module whose "
+            f"output does not follow it: {where}. Output sizes must follow the batch and the "
+            "data spec, never literals."
+        )
+    made_by = producer(model, lambda: forward(model, probe.batch, True), _main_output)
+    return (
+        f"What varied: nothing the output follows: at every batch size it is wrong for this "
+        f"data (made by {made_by or '<model>'}). Output sizes must follow the batch and the "
+        "data spec (spec.num_classes), never literals."
+    )
+
+
+def _main_output(output: Any) -> Any:
+    return output["logits"] if isinstance(output, dict) and "logits" in output else output

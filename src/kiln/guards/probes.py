@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kiln.guards.input_sizes import run_size_probe, size_probes, take
+from kiln.guards.input_sizes import EpochPlan, plan_probes, run_size_probe, size_probes, take
+from kiln.guards.outputs import check_logits
 from kiln.guards.shape_check import check_train_eval_agreement
 from kiln.models import logits_of
 
@@ -67,19 +68,31 @@ def run_probes(
     mode_batch_size: int,
     sizes: bool,
     modes: bool,
+    expects_logits: bool = False,
+    plan: EpochPlan | None = None,
+    cases: Iterable[tuple[str, Any]] = (),
 ) -> float:
-    """Runs the enabled probes; raises the rule's error; returns the seconds they took."""
+    """Runs the enabled probes; raises the rule's error; returns the seconds they took. `plan`
+    and `cases` are the data's own extremes (kiln.data.extremes): a batch of 1 the epoch trains
+    on, the longest sequences, images with no box, ..."""
     started = time.perf_counter()
     rng = _rng_state()
     try:
         if sizes:
+            if plan is not None and plan.last_batch == 1:  # probed in train mode below
+                batch_sizes = [n for n in batch_sizes if n != 1]
+            # The data's extremes first: a failure there is named by the extreme it met.
             fixed = getattr(model, "fixed_input_size", False)
-            for probe in size_probes(batch, spec, batch_sizes, fixed_input_size=fixed):
+            probes = plan_probes(plan, batch, spec, cases)
+            probes += size_probes(batch, spec, batch_sizes, fixed_input_size=fixed)
+            for probe in probes:
                 # Another batch size runs a copy of the model; another input size a new build.
                 subject = build(probe.spec) if probe.new_size else copy_or_build(model, build, spec)
                 run_size_probe(subject, probe, forward, classifier_output_problems)
         if modes:
-            check_train_eval_agreement(model, take(batch, mode_batch_size), forward)
+            check_train_eval_agreement(model, take(batch, mode_batch_size), forward, finite=True)
+        if expects_logits and (sizes or modes):
+            check_logits(model, take(batch, mode_batch_size), forward)
     finally:
         _set_rng_state(rng)
     return time.perf_counter() - started

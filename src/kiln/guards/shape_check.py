@@ -114,9 +114,15 @@ def run_mode(model: nn.Module, batch: Any, forward, train_mode: bool) -> Any:
 
 
 def check_train_eval_agreement(
-    model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any, bool], Any]
+    model: nn.Module,
+    batch: Any,
+    forward: Callable[[nn.Module, Any, bool], Any],
+    *,
+    finite: bool = False,
 ) -> None:
-    """`forward(model, batch, train_mode)` calls the model the way the engine does."""
+    """`forward(model, batch, train_mode)` calls the model the way the engine does. With
+    `finite` (before step 1) an eval-mode output with NaN/Inf where the train-mode output of the
+    same batch has none is a disagreement too."""
     snapshot = _snapshot(model)
     name = type(model).__name__
     try:
@@ -133,6 +139,8 @@ def check_train_eval_agreement(
             "Statistics leak in eval mode: a BatchNorm (or similar) layer is still updating its "
             "running statistics; check for modules forced into train mode or a train() override."
         )
+    if finite:
+        check_eval_is_finite(model, batch, forward, outputs)
     if hasattr(model, "check_output"):
         problems = [
             f"{mode} mode: {p}" for mode in outputs for p in model.check_output(mode, outputs[mode])
@@ -145,8 +153,51 @@ def check_train_eval_agreement(
     difference = first_difference(describe(outputs["train"]), describe(outputs["eval"]))
     if difference:
         raise ShapeContractError(
-            f"{RULE_3}: {name}: train-mode and eval-mode outputs disagree at {difference}. A "
-            "model must return the same structure and shapes in both modes (or declare "
-            "check_output for outputs that differ by design); look for branches on "
-            "self.training in forward."
+            f"{RULE_3}: {name}: train-mode and eval-mode outputs disagree at {difference} (what "
+            "varied: the mode, train vs eval, no grad in both; the first module whose output "
+            f"differs: {_mode_divergence(model, batch, forward)}). A model must return the same "
+            "structure and shapes in both modes (or declare check_output for outputs that "
+            "differ by design); look for branches on self.training in forward."
         )
+
+
+def _mode_divergence(model: nn.Module, batch: Any, forward) -> str | None:
+    from kiln.guards.varied import first_divergence, module_outputs
+
+    snapshot = _snapshot(model)
+    try:
+        with torch.no_grad():
+            calls = {}
+            for mode in ("train", "eval"):
+                train_mode = mode == "train"
+                model.train(train_mode)
+                calls[mode] = module_outputs(model, lambda t=train_mode: forward(model, batch, t))
+                _restore(model, snapshot)
+    finally:
+        _restore(model, snapshot)
+    return first_divergence(calls["train"], calls["eval"], ("train-mode", "eval-mode"))
+
+
+def check_eval_is_finite(model: nn.Module, batch: Any, forward, outputs: dict) -> None:
+    """An eval-only NaN (running statistics never updated, a division by a buffer): the eval
+    forward of the same batch is non-finite where the train forward is not."""
+    from kiln.guards.numerics import first_nonfinite_module, nonfinite_count
+
+    bad = nonfinite_count(outputs["eval"])
+    if not bad or nonfinite_count(outputs["train"]):
+        return
+    snapshot = _snapshot(model)
+    try:
+        model.eval()
+        with torch.no_grad():
+            found = first_nonfinite_module(model, lambda: forward(model, batch, False))
+    finally:
+        _restore(model, snapshot)
+    where = f"{found[0] or '<model>'} ({found[1]})" if found else "the model's own forward"
+    raise ShapeContractError(
+        f"{RULE_3}: {type(model).__name__}: the eval-mode output is non-finite ({bad} NaN/Inf "
+        f"values) where the train-mode output of the same batch is finite (mode varied: train "
+        f"vs eval, no grad in both); the first module whose eval-mode output is non-finite: "
+        f"{where}. Look for what only evaluation uses: running statistics never updated, a "
+        "division by a buffer, a branch on self.training"
+    )

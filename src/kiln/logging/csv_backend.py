@@ -19,6 +19,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from kiln.errors import disk_full, is_disk_full
+
 STEP_COLUMN = "step"
 
 
@@ -47,6 +49,14 @@ class CsvLogger:
         """Nothing to do: the composed config is kept in the run's .hydra/ directory."""
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        try:
+            self._log_metrics(metrics, step)
+        except OSError as err:
+            if is_disk_full(err):
+                raise disk_full(self.path) from None
+            raise
+
+    def _log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         new_keys = [key for key in metrics if key not in self._columns]
         if new_keys:
             self._file.close()
@@ -60,7 +70,11 @@ class CsvLogger:
 
     def close(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as err:  # a full disk, reported when the row failed
+                if not is_disk_full(err):
+                    raise
 
     def _rewrite_with_header(self, columns: list[str]) -> None:
         """Rewrite the file under `columns`, padding existing rows with empty cells."""

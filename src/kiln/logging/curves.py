@@ -8,6 +8,8 @@ import math
 import time
 from pathlib import Path
 
+from kiln.errors import disk_full, is_disk_full
+
 MIN_SECONDS_BETWEEN_DRAWS = 5.0
 
 
@@ -67,8 +69,15 @@ def draw(history: list[dict], path: Path, title: str) -> Path | None:
         axis.grid(alpha=0.3)
     figure.suptitle(title)
     tmp = path.with_name(f".{path.name}.tmp.png")
-    figure.savefig(tmp, dpi=90)
-    plt.close(figure)
+    try:
+        figure.savefig(tmp, dpi=90)
+    except OSError as err:
+        if is_disk_full(err):
+            tmp.unlink(missing_ok=True)
+            raise disk_full(path) from None
+        raise
+    finally:
+        plt.close(figure)
     tmp.replace(path)  # a viewer never sees half a file
     return path
 

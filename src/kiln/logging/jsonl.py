@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kiln.errors import disk_full, is_disk_full
+
 _NON_FINITE_TO_TEXT = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 _TEXT_TO_NON_FINITE = {text: float(name) for name, text in _NON_FINITE_TO_TEXT.items()}
 
@@ -52,12 +54,21 @@ class JsonlWriter:
     def write(self, record: Mapping[str, Any]) -> None:
         # allow_nan=False: to_jsonable already replaced NaN/Inf, so this only guards the invariant.
         line = json.dumps(to_jsonable(record), allow_nan=False, ensure_ascii=False)
-        self._file.write(line + "\n")
-        self._file.flush()
+        try:
+            self._file.write(line + "\n")
+            self._file.flush()
+        except OSError as err:
+            if is_disk_full(err):
+                raise disk_full(self.path) from None
+            raise
 
     def close(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as err:  # the line that could not be flushed was reported already
+                if not is_disk_full(err):
+                    raise
 
     def __enter__(self) -> JsonlWriter:
         return self

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from kiln.config.run import LoggerConfig
+from kiln.errors import DiskFullError
 from kiln.logging import JsonlWriter, build_loggers
 
 log = logging.getLogger(__name__)
@@ -62,13 +63,20 @@ class RunRecorder:
             if any(key.startswith("val_") for key in metrics):  # an evaluation: redraw
                 self.curves.update(self.history)
 
-    def close(self) -> None:
+    def close(self, draw: bool = True) -> None:
+        """`draw=False`: no last redraw of curves.png (a second Ctrl-C stops at once)."""
         if self.activations is not None:
             self.activations.close()
         if self.enabled:
+            full = None
             try:
-                self.curves.update(self.history, force=True)
+                if draw:
+                    self.curves.update(self.history, force=True)
+            except DiskFullError as err:  # a full disk ends the run, whatever write found it
+                full = err
             except Exception:  # a picture must never be why a run fails
                 log.warning("could not draw %s", self.curves.path, exc_info=True)
             self.loggers.close()
             self.jsonl.close()
+            if full is not None:
+                raise full

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kiln.errors import disk_full, is_disk_full
+
 SUMMARY_FILE = "summary.json"
 # The contract's keys first (../shared/INTERFACE.md), in this order; a run's evaluation metrics
 # (val_map50, ...) and the counters follow.
@@ -46,9 +48,15 @@ def summarize(trainer, final: dict[str, Any], *, status: str, error: str | None)
 
 
 def write_json(path: Path, data: dict) -> None:
-    """Atomically: a reader never sees half a file."""
+    """Atomically: a reader never sees half a file (nor a full disk's half of one)."""
     tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    try:
+        tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    except OSError as err:
+        if is_disk_full(err):
+            tmp.unlink(missing_ok=True)
+            raise disk_full(path) from None
+        raise
     tmp.replace(path)
 
 

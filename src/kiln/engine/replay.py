@@ -1,0 +1,539 @@
+"""Replay a failed run's failing step, deterministically, and bisect it (what `kiln triage` ranks
+causes from). From the run's own config, the newest full checkpoint before the failing step (or
+the initial weights, which the seed makes again) is restored and the steps up to it are run
+again through the same loader, recording each update's size lr·|g|/|w| per parameter group. The
+failing step then runs on the batch the run saved (nan_batch.pt), checked against the one the
+loader gives, under tracing:
+
+- are the inputs finite?
+- the first operation whose output is non-finite while its inputs are finite, with the module
+  it ran in, its input statistics and dtype (a TorchDispatchMode sees every op);
+- the first module whose forward output is non-finite; which loss terms are;
+- whether the same forward in fp32 is finite (an fp16 overflow, when it is);
+- the first parameter whose gradient is non-finite; the update that step would make.
+
+A non-finite evaluation replays the evaluation from the checkpoint written after it: the first
+validation batch that goes non-finite, the module, and the same batch in train mode. A run
+stopped before step 1 by a probe replays the probes."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kiln import checkpoint as files
+from kiln.config import GROUP_SCHEMAS, KilnConfig, option_from_dict
+from kiln.engine.batches import move_to
+from kiln.engine.distributed import DistInfo
+from kiln.guards.numerics import nonfinite_count
+from kiln.guards.tree import iter_tensors
+from kiln.registry import GROUP_REGISTRIES, load_plugins
+
+log = logging.getLogger(__name__)
+
+FAILING_BATCHES = "nan_batch.pt"
+MAX_REPLAY_STEPS = (
+    5000  # beyond this many steps to re-run, the failing step runs from the checkpoint
+)
+
+
+@dataclass
+class StepRecord:
+    """One replayed optimizer step."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    update: list[dict]  # per parameter group: lr, grad_norm, weight_norm, ratio (lr·|g|/|w|)
+
+
+@dataclass
+class FirstOp:
+    """The first operation that made NaN/Inf out of finite inputs."""
+
+    op: str  # aten name: "div.Tensor", "log.default", "mul.Tensor", ...
+    module: str  # the module path it ran in ("" outside any module: the criterion)
+    kind: str  # that module's class name
+    dtype: str  # of its output
+    inputs: list[dict]  # per tensor input: shape, dtype, min, max, abs max, zeros
+    backward: bool = False  # found in the backward pass
+
+
+@dataclass
+class Replay:
+    failing_step: int | None = None
+    what: str = ""  # "loss NaN", "val_loss NaN", "probe"
+    start: str = ""  # where the replay started
+    steps: list[StepRecord] = field(default_factory=list)
+    batch_matches: bool | None = None  # the loader's batch at the failing step equals the saved
+    reproduced: bool | None = None  # the failure happened again
+    nonfinite_inputs: dict[str, dict] = field(default_factory=dict)  # tensor path -> counts
+    first_op: FirstOp | None = None
+    first_module: tuple[str, str] | None = None  # (path, class) of the first non-finite output
+    bad_terms: list[str] = field(default_factory=list)
+    fp32_finite: bool | None = None  # the same forward without autocast: finite?
+    autocast_dtype: str | None = None
+    first_bad_grad: str | None = None
+    update: list[dict] = field(default_factory=list)  # the failing step's, per group
+    eval_batch: int | None = None  # the first non-finite validation batch
+    train_mode_finite: bool | None = None  # that batch in train mode
+    buffers: dict[str, str] = field(default_factory=dict)  # the failing module's buffers
+    probe_error: str = ""  # a run stopped by a probe: its message, replayed
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- the run's parts
+
+
+def config_from_plain(plain: dict) -> KilnConfig:
+    """A run's typed config from its plain record (.hydra/config.yaml or a checkpoint)."""
+    load_plugins(plain.get("plugins", []))
+    groups = {
+        group: option_from_dict(group, plain[group]) for group in GROUP_REGISTRIES if group in plain
+    }
+    for group, schema in GROUP_SCHEMAS.items():
+        if group in plain:
+            merged = OmegaConf.merge(OmegaConf.structured(schema), plain[group])
+            groups[group] = OmegaConf.to_object(merged)
+    top = {f.name for f in dataclasses.fields(KilnConfig)}
+    node = OmegaConf.structured(KilnConfig)
+    for group, typed in groups.items():
+        node[group] = OmegaConf.structured(typed)
+    node = OmegaConf.merge(node, {k: v for k, v in plain.items() if k in top and k not in groups})
+    return OmegaConf.to_object(node)
+
+
+def for_replay(cfg: KilnConfig) -> KilnConfig:
+    """One process, no probes, no loggers, no workers: the steps themselves, as the run took
+    them (the probes and evaluations leave no trace on the training state)."""
+    trainer = dataclasses.replace(
+        cfg.trainer,
+        probe_sizes=False,
+        shape_check=False,
+        compile=False,
+        distributed=False,
+        find_batch_size=False,
+        log_activations=False,
+    )
+    data = dataclasses.replace(cfg.data, num_workers=0)
+    logger = dataclasses.replace(cfg.logger, backends=[])
+    return dataclasses.replace(cfg, trainer=trainer, data=data, logger=logger, resume=None)
+
+
+class NoRecorder:
+    activations = None
+
+    def __init__(self):
+        self.history: list[dict] = []
+
+    def __call__(self, metrics: dict, step: int) -> None:
+        self.history.append({"step": step, **metrics})
+
+
+def failing_step(run_dir: Path, summary: dict) -> tuple[int | None, str]:
+    """(step, what) from the run's record: the saved batch, else its error line."""
+    saved = run_dir / FAILING_BATCHES
+    if saved.is_file():
+        record = torch.load(saved, map_location="cpu", weights_only=True)
+        return int(record["step"]), str(record.get("kind", "loss NaN"))
+    error = summary.get("error") or ""
+    found = re.search(r"(\S+ (?:NaN|Inf)) @ step (\d+)", error)
+    if found:
+        return int(found.group(2)), found.group(1)
+    stopped_before_step_1 = error and not summary.get("steps")  # a probe (or start-up) refused it
+    return (0, "probe") if stopped_before_step_1 else (None, "")
+
+
+def start_checkpoint(run_dir: Path, before: int, at_most: bool = False):
+    """The newest full-state checkpoint of the run before step `before` (at it, `at_most`)."""
+    best = None
+    for path in files.candidates(run_dir / "checkpoints"):
+        try:
+            ckpt = files.load_checkpoint(path, consolidate=False)
+        except files.CheckpointError:
+            continue
+        if "optimizer" not in ckpt:
+            continue
+        step = ckpt["state"]["global_step"]
+        if (step <= before if at_most else step < before) and (best is None or step > best[2]):
+            best = (path, ckpt, step)
+    return best
+
+
+# ------------------------------------------------------------------------------ instruments
+
+
+def tensor_summary(t: torch.Tensor) -> dict:
+    t = t.detach()
+    stats: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    if t.numel() and (t.is_floating_point() or not t.dtype.is_complex):
+        f = t.float()
+        finite = f[torch.isfinite(f)]
+        if finite.numel():
+            stats.update(min=float(finite.min()), max=float(finite.max()))
+            stats["abs_max"] = float(finite.abs().max())
+        stats["zeros"] = int((f == 0).sum())
+        stats["nonfinite"] = int((~torch.isfinite(f)).sum())
+    return stats
+
+
+class ModuleStack:
+    """Which module is running (forward hooks), for the ops traced inside it."""
+
+    def __init__(self, model: nn.Module):
+        self.stack: list[tuple[str, str]] = []
+        self.first_bad: tuple[str, str] | None = None
+        self.handles = []
+        for path, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(self._enter(path)))
+            self.handles.append(module.register_forward_hook(self._leave(path)))
+
+    def _enter(self, path):
+        def hook(module, args):
+            self.stack.append((path, type(module).__name__))
+
+        return hook
+
+    def _leave(self, path):
+        def hook(module, args, output):
+            if self.stack:
+                self.stack.pop()
+            if self.first_bad is None and nonfinite_count(output):
+                self.first_bad = (path, type(module).__name__)
+
+        return hook
+
+    @property
+    def current(self) -> tuple[str, str]:
+        return self.stack[-1] if self.stack else ("", "")
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class FirstNonFinite(TorchDispatchMode):
+    """Records the first op whose floating output holds NaN/Inf while its inputs hold none."""
+
+    def __init__(self, modules: ModuleStack | None = None):
+        super().__init__()
+        self.modules, self.found, self.backward = modules, None, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.found is None:
+            outputs = [t for _, t in iter_tensors(out) if t.is_floating_point()]
+            if any(not torch.isfinite(t).all() for t in outputs if t.numel()):
+                inputs = [t for _, t in iter_tensors((args, kwargs or {})) if t.is_floating_point()]
+                if all(torch.isfinite(t).all() for t in inputs if t.numel()):
+                    path, kind = self.modules.current if self.modules else ("", "")
+                    self.found = FirstOp(
+                        op=str(func).removeprefix("aten."),
+                        module="" if self.backward else path,
+                        kind="" if self.backward else kind,
+                        dtype=str(outputs[0].dtype).removeprefix("torch."),
+                        inputs=[tensor_summary(t) for _, t in iter_tensors((args, kwargs or {}))][
+                            :4
+                        ],
+                        backward=self.backward,
+                    )
+        return out
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    return (
+        float(torch.linalg.vector_norm(torch.stack([t.norm() for t in tensors])))
+        if tensors
+        else 0.0
+    )
+
+
+def group_updates(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """lr·|g|/|w| per parameter group, from the gradients the step is about to apply."""
+    found = []
+    for i, group in enumerate(optimizer.param_groups):
+        grads = [p.grad.detach().float() for p in group["params"] if p.grad is not None]
+        weights = [p.detach().float() for p in group["params"]]
+        g = (
+            float(torch.linalg.vector_norm(torch.stack([x.norm() for x in grads])))
+            if grads
+            else 0.0
+        )
+        w = float(torch.linalg.vector_norm(torch.stack([x.norm() for x in weights])))
+        lr = float(group["lr"])
+        found.append(
+            {
+                "group": i,
+                "lr": lr,
+                "grad_norm": g,
+                "weight_norm": w,
+                "ratio": lr * g / max(w, 1e-12),
+            }
+        )
+    return found
+
+
+# --------------------------------------------------------------------------------- the replay
+
+
+def replay(run_dir: Path, summary: dict, plain_config: dict) -> Replay:
+    run_dir = Path(run_dir)
+    found = Replay()
+    step, what = failing_step(run_dir, summary)
+    found.failing_step, found.what = step, what
+    if step is None:
+        return found
+    run_cfg = config_from_plain(plain_config)
+    if run_cfg.trainer.distributed:
+        found.notes.append(
+            "a distributed run, replayed in one process: rank 0's saved batch at the failing "
+            "step, the steps before it on one rank's share of the data"
+        )
+    cfg = for_replay(run_cfg)
+    with tempfile.TemporaryDirectory(prefix="kiln-replay-") as scratch:
+        if what == "probe":
+            return _replay_probes(cfg, Path(scratch), found)
+        trainer = _build(cfg, Path(scratch))
+        if what.startswith("val_"):
+            return _replay_evaluation(trainer, run_dir, step, found)
+        return _replay_steps(trainer, run_dir, step, found)
+
+
+def _build(cfg: KilnConfig, scratch: Path):
+    from kiln.engine.run import build_trainer
+    from kiln.engine.seeding import set_deterministic
+
+    set_deterministic(cfg.trainer.deterministic)
+    device = torch.device(
+        "cuda" if torch.cuda.is_available() and str(cfg.device) != "cpu" else "cpu"
+    )
+    return build_trainer(cfg, scratch, DistInfo(), device, NoRecorder())
+
+
+def _restore(trainer, run_dir: Path, before: int, found: Replay, at_most: bool = False) -> None:
+    start = start_checkpoint(run_dir, before, at_most)
+    if start is None:
+        found.start = "the initial weights (step 0: the run's seed builds them again)"
+        return
+    path, ckpt, step = start
+    trainer.load_state_dict(ckpt)
+    found.start = f"{path} (step {step})"
+
+
+def _batches(trainer):
+    """The training batches from the trainer's position, as train_epoch draws them."""
+    s = trainer.state
+    while True:
+        if s.batch_in_epoch >= trainer.batches_per_epoch:
+            s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+        trainer.train_loader.sampler.set_epoch(
+            s.epoch, skip=s.batch_in_epoch * trainer.train_loader.batch_size
+        )
+        trainer.train_loader.generator.manual_seed(trainer.seed * 1000 + s.epoch)
+        epoch = s.epoch
+        iterator = iter(trainer.train_loader)
+        while s.epoch == epoch and s.batch_in_epoch < trainer.batches_per_epoch:
+            yield iterator
+
+
+def _replay_steps(trainer, run_dir: Path, step: int, found: Replay) -> Replay:
+    _restore(trainer, run_dir, step, found)
+    s = trainer.state
+    updates: list[list[dict]] = []
+    hook = trainer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: updates.append(group_updates(opt))
+    )
+    if step - 1 - s.global_step > MAX_REPLAY_STEPS:
+        found.notes.append(
+            f"{step - 1 - s.global_step} steps lie between {found.start} and step {step}: the "
+            "failing step runs from that checkpoint, not from the state it really had"
+        )
+    batches = _batches(trainer)
+    try:
+        while s.global_step < step - 1 and step - 1 - s.global_step <= MAX_REPLAY_STEPS:
+            iterator = next(batches)
+            window = _window(trainer)
+            trainer.current_step = s.global_step + 1
+            updates.clear()
+            result = trainer.train_step(iterator, window)
+            s.batch_in_epoch += window
+            s.global_step += 1
+            found.steps.append(
+                StepRecord(
+                    s.global_step,
+                    float(result.loss),
+                    float(result.grad_norm) if result.grad_norm is not None else math.nan,
+                    updates[-1] if updates else [],
+                )
+            )
+        iterator = next(batches)
+        window = _window(trainer)
+        loader_batches = [move_to(next(iterator), trainer.device) for _ in range(window)]
+    finally:
+        hook.remove()
+    saved = _saved_batches(run_dir, trainer.device)
+    if saved is not None:
+        found.batch_matches = _same(saved, loader_batches)
+        micro_batches = saved
+    else:
+        found.notes.append("no saved batch (nan_batch.pt): the loader's batch at the step is used")
+        micro_batches = loader_batches
+    _bisect(trainer, micro_batches, found)
+    return found
+
+
+def _window(trainer) -> int:
+    s = trainer.state
+    return min(trainer.cfg.accumulate_grad_batches, trainer.batches_per_epoch - s.batch_in_epoch)
+
+
+def _saved_batches(run_dir: Path, device) -> list | None:
+    path = run_dir / FAILING_BATCHES
+    if not path.is_file():
+        return None
+    record = torch.load(path, map_location="cpu", weights_only=True)
+    return [move_to(batch, device) for batch in record["batches"]]
+
+
+def _same(a: list, b: list) -> bool:
+    flat_a = [t for batch in a for _, t in iter_tensors(batch)]
+    flat_b = [t for batch in b for _, t in iter_tensors(batch)]
+    return len(flat_a) == len(flat_b) and all(
+        x.shape == y.shape and torch.equal(x.cpu(), y.cpu())
+        for x, y in zip(flat_a, flat_b, strict=True)
+    )
+
+
+def _bisect(trainer, micro_batches: list, found: Replay) -> None:
+    """The failing step, traced: inputs, forward, loss, fp32 forward, backward, update."""
+    model, criterion = trainer.raw_model, trainer.criterion
+    for i, batch in enumerate(micro_batches):
+        for path, t in iter_tensors(batch):
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                found.nonfinite_inputs[f"micro-batch {i}: {path}" if i else path] = {
+                    "nan": int(torch.isnan(t).sum()),
+                    "inf": int(torch.isinf(t).sum()),
+                    "shape": list(t.shape),
+                }
+    precision = trainer.precision
+    found.autocast_dtype = (
+        str(precision.autocast_dtype).removeprefix("torch.") if precision.autocast_dtype else None
+    )
+    model.train()
+    order: list[str] = []
+    names = {p: n for n, p in model.named_parameters()}
+    grad_hooks = [
+        p.register_post_accumulate_grad_hook(lambda p: order.append(names[p]))
+        for p in model.parameters()
+        if p.requires_grad
+    ]
+    modules = ModuleStack(model)
+    tracer = FirstNonFinite(modules)
+    window = len(micro_batches)
+    try:
+        with tracer:
+            for batch in micro_batches:
+                with precision.autocast():
+                    loss, terms = criterion(model, batch)
+                found.bad_terms += [n for n, t in terms.items() if not torch.isfinite(t).all()]
+                found.reproduced = bool(found.reproduced) or not bool(torch.isfinite(loss))
+                tracer.backward = True
+                with contextlib.suppress(RuntimeError):
+                    (loss / window).backward()
+                tracer.backward = False
+    finally:
+        modules.close()
+        for handle in grad_hooks:
+            handle.remove()
+    found.first_op, found.first_module = tracer.found, modules.first_bad
+    found.bad_terms = list(dict.fromkeys(found.bad_terms))
+    params = dict(model.named_parameters())
+    bad = [n for n in order if params[n].grad is not None and not params[n].grad.isfinite().all()]
+    found.first_bad_grad = bad[0] if bad else None
+    found.update = group_updates(trainer.optimizer)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    if precision.autocast_dtype is not None and found.first_op is not None:
+        with torch.no_grad():
+            outputs = [criterion(model, batch)[0] for batch in micro_batches]
+        found.fp32_finite = all(bool(torch.isfinite(o)) for o in outputs)
+    if found.first_module is not None:
+        path = found.first_module[0]
+        module = model.get_submodule(path) if path else model
+        found.buffers = {
+            name: _describe_values(b) for name, b in module.named_buffers(recurse=False)
+        }
+
+
+def _describe_values(t: torch.Tensor) -> str:
+    stats = tensor_summary(t)
+    if t.numel() and stats.get("zeros") == t.numel():
+        return "all zeros"
+    return f"min {stats.get('min', math.nan):.3g}, max {stats.get('max', math.nan):.3g}"
+
+
+def _replay_evaluation(trainer, run_dir: Path, step: int, found: Replay) -> Replay:
+    """The evaluation after `step`, from the checkpoint written after it."""
+    from kiln.guards.shape_check import _restore as restore_model
+    from kiln.guards.shape_check import _snapshot
+
+    _restore(trainer, run_dir, step, found, at_most=True)
+    model, forward = trainer.raw_model, trainer.criterion.forward
+    model.eval()
+    bad_batch = None
+    with torch.no_grad():
+        for i, batch in enumerate(trainer._val_batches()):
+            with trainer.precision.autocast():
+                output = forward(model, batch, False)
+            if nonfinite_count(output):
+                found.eval_batch, bad_batch = i, batch
+                break
+    if bad_batch is None:
+        found.reproduced = False
+        return found
+    found.reproduced = True
+    modules = ModuleStack(model)
+    tracer = FirstNonFinite(modules)
+    try:
+        with torch.no_grad(), tracer, trainer.precision.autocast():
+            forward(model, bad_batch, False)
+    finally:
+        modules.close()
+    found.first_op, found.first_module = tracer.found, modules.first_bad
+    snapshot = _snapshot(model)
+    try:
+        model.train()
+        with torch.no_grad(), trainer.precision.autocast():
+            found.train_mode_finite = not nonfinite_count(forward(model, bad_batch, True))
+    finally:
+        restore_model(model, snapshot)
+    if found.first_module is not None:
+        path = found.first_module[0]
+        module = model.get_submodule(path) if path else model
+        found.buffers = {n: _describe_values(b) for n, b in module.named_buffers(recurse=False)}
+    return found
+
+
+def _replay_probes(cfg: KilnConfig, scratch: Path, found: Replay) -> Replay:
+    """A run stopped before step 1: its probes again (they take the data's extremes, never a
+    sample, so they fail again the same way)."""
+    trainer_cfg = dataclasses.replace(cfg.trainer, probe_sizes=True, shape_check=True)
+    trainer = _build(dataclasses.replace(cfg, trainer=trainer_cfg), scratch)
+    try:
+        trainer.run_probes()
+    except Exception as err:  # the probe's own message is the evidence
+        found.probe_error, found.reproduced = f"{type(err).__name__}: {err}", True
+    else:
+        found.reproduced = False
+    return found
