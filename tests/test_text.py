@@ -198,9 +198,9 @@ def test_val_label_unseen_in_training_names_the_row_and_label(tmp_path):
     dropped = build_data(data_cfg(train_path=str(train), val_path=str(val)))
     assert len(dropped.val) == len(VAL_ROWS)
     report = dropped.report["val_file"]
-    assert report["dropped"] == {
-        "unseen_label": {"count": 1, "first": [{"row": 3, "line": 4, "column": "label"}]}
-    }
+    assert report["dropped"] == {"unseen_label": 1}
+    (record,) = report["dropped_records"]
+    assert (record["row"], record["line"], record["column"]) == (3, 4, "label")
 
 
 def test_single_class_is_refused(tmp_path):

@@ -21,13 +21,20 @@ USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, ValueError)
 
 def run_predict(cfg: InferConfig) -> None:
     from kiln.inference import InputError, Predictor
-    from kiln.inference.files import read_inputs, write_detections, write_predictions
+    from kiln.inference.files import (
+        predictable_texts,
+        read_inputs,
+        write_detections,
+        write_predictions,
+    )
 
     predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8)
     inputs = read_inputs(cfg.input, predictor.preprocess, cfg.text_column)
-    sources = None
+    sources, skipped = None, None
     if predictor.task == "detection":
         sources, inputs = [name for name, _ in inputs], [image for _, image in inputs]
+    if predictor.preprocess.input_kind == "tokens":
+        inputs, skipped = predictable_texts(inputs, predictor.preprocess)
     try:
         outputs = predictor.run_in_chunks(inputs, batch_size=cfg.batch_size)
     except InputError as err:
@@ -38,8 +45,12 @@ def run_predict(cfg: InferConfig) -> None:
         found = sum(len(d["boxes"]) for d in outputs)
         print(f"wrote {found} boxes for {len(outputs)} images to {path} ({cfg.backend} backend)")
         return
-    path = write_predictions(outputs, predictor.class_names, cfg.output)
+    path = write_predictions(outputs, predictor.class_names, cfg.output, skipped)
     print(f"wrote {len(outputs)} predictions to {path} ({cfg.backend} backend)", flush=True)
+    if skipped:
+        total = len(outputs) + len(skipped)
+        print(f"{len(skipped)} of {total} inputs were empty after cleaning: no prediction, see "
+              f"the error column of {path}", flush=True)  # fmt: skip
 
 
 def run_export(cfg: InferConfig) -> None:

@@ -3,10 +3,12 @@ Printed in every profile (production's quiet console included); summary.json has
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from pathlib import Path
 
+DATA_REPORT = "data_report.json"
 LATEST = "latest"  # <output_root>/latest: a link to the newest run's directory
 
 
@@ -54,6 +56,7 @@ def finished(summary: dict, run_dir: Path, link: Path | None, overrides: list[st
     lines = [
         f"run {summary['status']}: {metric}, {summary['steps']} steps, {summary['epochs']} "
         f"epochs, {duration(seconds)} training, {speed}",
+        *data_lines(run_dir),
         f"run directory: {where(run_dir, link)}",
         f"curves: {run_dir / 'curves.png'}",
         "next:",
@@ -63,6 +66,16 @@ def finished(summary: dict, run_dir: Path, link: Path | None, overrides: list[st
         f"  python train.py {resume_command(overrides)}   # continue it",
     ]
     return "\n".join(lines)
+
+
+def data_lines(run_dir: Path) -> list[str]:
+    """What the data report sums up (records read, kept, dropped per reason), one line a file."""
+    path = run_dir / DATA_REPORT
+    try:
+        summary = json.loads(path.read_text()).get("summary", [])
+    except (OSError, ValueError):
+        return []
+    return [f"data: {line}" for line in summary]
 
 
 def resume_command(overrides: list[str]) -> str:

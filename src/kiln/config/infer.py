@@ -46,7 +46,7 @@ class InferConfig:
     ckpt: str | None = None  # a training checkpoint (.pt), or an exported .onnx for backend=onnx
     input: str | None = None  # predict: .npy/.npz raw pixels, a folder of images, or a .csv
     output: str = "preds.csv"  # predict: CSV of predictions (detection: one row per box)
-    text_column: str = "text"  # predict, text models: the CSV column holding the texts
+    text_column: str | None = None  # predict, text models: the CSV column (null: training's)
     backend: str = "torch"  # torch | onnx (after `mode=export`) | echo (no model: a ceiling)
     device: str = "cpu"  # cpu | cuda | auto
     int8: bool = False  # backend=onnx: use model.int8.onnx; mode=export: also write it

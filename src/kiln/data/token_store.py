@@ -6,7 +6,8 @@ tokenizing.
     <cache_dir>/<csv name>-<key>/
         ids.int32        token ids of every kept row (memory-mapped)
         offsets.npy      row i's ids are ids[offsets[i]:offsets[i + 1]]
-        labels.npy       class index per row
+        labels.npy       class index per row (-1: a row left out, e.g. a suspect label)
+        lines.npy        each row's line in its file (for reports)
         train_index.npy, val_index.npy
         tokenizer.json
         meta.json        class names, the data report, the key's inputs
@@ -34,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-STORE_VERSION = 1  # bump when the layout or the meaning of a stored entry changes
+STORE_VERSION = 2  # bump when the layout or the meaning of a stored entry changes
 ID_DTYPE = np.int32
 ENCODE_BATCH = 4096  # texts per encode_batch call: bounds the tokenizer's per-call memory
 
@@ -199,11 +200,13 @@ class StoreEntry:
     val_rows: np.ndarray
     tokenizer_json: str
     meta: dict[str, Any]
+    lines: np.ndarray  # each row's line in its file
 
 
-def save_entry(directory: Path, offsets, labels, train_rows, val_rows, tokenizer_json, meta):
+def save_entry(directory: Path, offsets, labels, lines, train_rows, val_rows, tokenizer_json, meta):
     np.save(directory / "offsets.npy", offsets)
     np.save(directory / "labels.npy", labels.astype(np.int64))
+    np.save(directory / "lines.npy", lines.astype(np.int64))
     np.save(directory / "train_index.npy", train_rows.astype(np.int64))
     np.save(directory / "val_index.npy", val_rows.astype(np.int64))
     (directory / "tokenizer.json").write_text(tokenizer_json)
@@ -226,6 +229,7 @@ def load_entry(directory: Path, *, in_memory: bool = False) -> StoreEntry:
         val_rows=np.load(directory / "val_index.npy"),
         tokenizer_json=(directory / "tokenizer.json").read_text(),
         meta=json.loads((directory / "meta.json").read_text()),
+        lines=np.load(directory / "lines.npy"),
     )
 
 

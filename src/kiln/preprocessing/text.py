@@ -94,6 +94,10 @@ class TokenRecipe:
     # How texts were cleaned before the tokenizer; None: not at all (checkpoints made before
     # cleaning existed, whose tokenizer normalised by itself).
     cleaning: TextCleaning | None = None
+    # How training read its CSV: infer.py reads an input CSV the same way unless told otherwise.
+    text_column: str = "text"
+    label_column: str = "label"
+    encoding: str = "utf-8"
     kind = "tokens"
 
     def __post_init__(self):
