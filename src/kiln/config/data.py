@@ -63,6 +63,11 @@ class BadRows(StrEnum):
     error = "error"  # stop at the first bad row, naming the file, row, line and column
 
 
+class Tokenizer(StrEnum):
+    words = "words"  # each word and punctuation mark a token: counted in one pass, fast
+    bpe = "bpe"  # byte-pair encoding: rare words in pieces (for sequence models)
+
+
 class UnicodeForm(StrEnum):
     NFC = "NFC"
     NFKC = "NFKC"  # also folds compatibility forms: ligatures, full-width letters
@@ -75,7 +80,7 @@ class CsvTextConfig(DataConfig):
     tokenized (BPE) into a token cache on disk. A first run on tens of thousands of rows
     is good with these defaults."""
 
-    batch_size: int = 64
+    batch_size: int = 256
     train_path: str | None = None  # the training CSV; null: the bundled demo corpus
     val_path: str | None = None  # a validation CSV; null: split val_fraction off train_path
     val_fraction: float = 0.2  # share held out for validation when val_path is null
@@ -90,6 +95,7 @@ class CsvTextConfig(DataConfig):
     max_field_lines: int = 1000  # a quoted field spanning more lines is an unbalanced quote
     chunk_rows: int = 100_000  # records read at a time: bounds memory
     cache_dir: str | None = None  # token cache; null: $XDG_CACHE_HOME or ~/.cache, /kiln/text
+    tokenizer: Tokenizer = Tokenizer.words  # words | bpe (both split on spaces and punctuation)
     vocab_size: int = 16000  # tokenizer vocabulary, at most
     tokenizer_rows: int = 200_000  # training rows the tokenizer learns from (a seeded sample)
     max_length: int = 256  # tokens per text after truncation

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.model_selection import train_test_split
 from torch import Tensor
 
 from kiln.config.data import CsvTextConfig
@@ -49,6 +48,7 @@ from kiln.data.token_store import (
     ENCODE_BATCH,
     STORE_VERSION,
     IdsWriter,
+    PaddedTokens,
     StoreEntry,
     TextSpool,
     TokenDataset,
@@ -61,7 +61,12 @@ from kiln.data.token_store import (
 )
 from kiln.preprocessing import TokenRecipe
 from kiln.preprocessing.cleaning import TextCleaning, clean_texts
-from kiln.preprocessing.text import PAD_ID, encode_ids, pad_token_ids, train_tokenizer
+from kiln.preprocessing.text import (
+    PAD_ID,
+    WordCachedEncoder,
+    pad_token_ids,
+    train_tokenizer,
+)
 from kiln.sorting import natural_key
 
 log = logging.getLogger(__name__)
@@ -97,9 +102,12 @@ def csv_settings(cfg: CsvTextConfig) -> CsvSettings:
 # Batching
 
 
-def collate_tokens(batch: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """[(ids (L_i,), label ())] -> (ids (N, L_max) padded with PAD_ID, labels (N,)).
-    Module-level so DataLoader workers can pickle it."""
+def collate_tokens(batch: list[tuple[Tensor, Tensor]] | PaddedTokens) -> tuple[Tensor, Tensor]:
+    """[(ids (L_i,), label ())] -> (ids (N, L_max) padded with PAD_ID, labels (N,)); a batch
+    the dataset already padded (TokenDataset.__getitems__) passes through. Module-level so
+    DataLoader workers can pickle it."""
+    if isinstance(batch, PaddedTokens):
+        return batch.ids, batch.labels
     ids, labels = zip(*batch, strict=True)
     return pad_token_ids(list(ids)), torch.stack(labels)
 
@@ -117,7 +125,8 @@ def token_batch_metrics(batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
 
 def split_rows(labels: np.ndarray, val_fraction: float, seed: int):
     """(train rows, val rows): round(n * val_fraction) rows for validation, stratified by label
-    where every class can be in both splits, seeded by data.split_seed."""
+    where every class can be in both splits, seeded by data.split_seed. (numpy only: importing
+    scikit-learn for this would cost every text run a second of start-up.)"""
     n = len(labels)
     num_val = round(n * val_fraction)
     if num_val < 1 or num_val >= n:
@@ -125,16 +134,34 @@ def split_rows(labels: np.ndarray, val_fraction: float, seed: int):
             f"data.val_fraction={val_fraction} of {n} rows leaves an empty split; "
             "use more rows, another val_fraction, or data.val_path"
         )
+    order = np.random.default_rng(seed).permutation(n)
     counts = np.bincount(labels)
-    counts = counts[counts > 0]
-    # Stratify only where sklearn can: every class twice, and room for each class in both splits.
-    can_stratify = counts.min() >= 2 and len(counts) <= num_val <= n - len(counts)
-    return train_test_split(
-        np.arange(n),
-        test_size=num_val,
-        random_state=seed,
-        stratify=labels if can_stratify else None,
-    )
+    present = np.flatnonzero(counts)
+    # Stratify only where every class can be in both splits.
+    if counts[present].min() < 2 or not len(present) <= num_val <= n - len(present):
+        return order[num_val:], order[:num_val]
+    take = _val_counts(counts[present], num_val)
+    in_val = np.zeros(n, dtype=bool)
+    shuffled = labels[order]
+    for label, count in zip(present.tolist(), take.tolist(), strict=True):
+        in_val[order[shuffled == label][:count]] = True
+    return order[~in_val[order]], order[in_val[order]]
+
+
+def _val_counts(counts: np.ndarray, num_val: int) -> np.ndarray:
+    """Per class its share of num_val rows (largest remainders first), each at least 1 and at
+    most its count - 1, summing to num_val."""
+    share = counts * num_val / counts.sum()
+    take = np.clip(np.floor(share).astype(np.int64), 1, counts - 1)
+    by_remainder = np.argsort(-(share - np.floor(share)), kind="stable")
+    while take.sum() != num_val:
+        step = 1 if take.sum() < num_val else -1
+        for k in by_remainder if step == 1 else by_remainder[::-1]:
+            if 1 <= take[k] + step <= counts[k] - 1:
+                take[k] += step
+                if take.sum() == num_val:
+                    break
+    return take
 
 
 def _split(texts: list[str], labels: list[str], val_fraction: float, seed: int):
@@ -383,11 +410,12 @@ def _tokenizer_sample(train_rows: np.ndarray, size: int, seed: int) -> np.ndarra
     return np.random.default_rng(seed).choice(train_rows, size=size, replace=False)
 
 
-def _encode_spool(spool: TextSpool, tokenizer, directory: Path) -> np.ndarray:
+def _encode_spool(spool: TextSpool, tokenizer, max_length: int, directory: Path) -> np.ndarray:
     """Every spooled text's ids into the store's ids file; returns the offsets."""
     writer = IdsWriter(directory)
+    encode = WordCachedEncoder(tokenizer, max_length)
     for texts in spool.batches(ENCODE_BATCH):
-        writer.append(encode_ids(tokenizer, texts))
+        writer.append_flat(*encode(texts))
     spool.path.unlink()  # the cleaned texts were only needed until now
     return writer.finish()
 
@@ -442,9 +470,11 @@ def build_entry(
         keep = np.zeros(len(labels), dtype=bool)
         keep[learn_from] = True
         texts = spool.batches(ENCODE_BATCH, keep=keep)
-        tokenizer = train_tokenizer(texts, cfg.vocab_size, cfg.max_length, len(learn_from))
+        tokenizer = train_tokenizer(
+            texts, cfg.vocab_size, cfg.max_length, len(learn_from), str(cfg.tokenizer)
+        )
     with _timed(timings, "encode_s"):
-        offsets = _encode_spool(spool, tokenizer, directory)
+        offsets = _encode_spool(spool, tokenizer, cfg.max_length, directory)
     report = _store_report(cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets)
     report.update(left_out)
     report["build_timings_s"] = timings  # read + clean, tokenizer, encode: when it was built
@@ -479,6 +509,7 @@ def _key_inputs(cfg: CsvTextConfig) -> dict:
         "max_suspect_labels": cfg.max_suspect_labels,
         "max_field_lines": cfg.max_field_lines,
         "cleaning": settings.cleaning.to_dict(),
+        "tokenizer": str(cfg.tokenizer),
         "vocab_size": cfg.vocab_size,
         "tokenizer_rows": cfg.tokenizer_rows,
         "max_length": cfg.max_length,

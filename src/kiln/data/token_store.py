@@ -28,12 +28,14 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
+
+from kiln.preprocessing.text import PAD_ID
 
 STORE_VERSION = 2  # bump when the layout or the meaning of a stored entry changes
 ID_DTYPE = np.int32
@@ -142,6 +144,13 @@ def open_ids(directory: Path) -> np.ndarray:
     return np.memmap(path, dtype=ID_DTYPE, mode="r")
 
 
+class PaddedTokens(NamedTuple):
+    """A batch as TokenDataset.__getitems__ makes it: ids (N, L) padded, labels (N,)."""
+
+    ids: Tensor
+    labels: Tensor
+
+
 class TokenDataset(Dataset):
     """One split of a TokenStore: item i is (token ids LongTensor (L_i,), label LongTensor ())."""
 
@@ -156,6 +165,20 @@ class TokenDataset(Dataset):
         row = self.rows[index]
         ids = torch.from_numpy(self.store.row_ids(row).astype(np.int64))
         return ids, torch.tensor(self.store.labels[row], dtype=torch.long)
+
+    def __getitems__(self, indices: list[int]) -> PaddedTokens:
+        """A whole batch at once (what a DataLoader asks for when it can): the rows' ids
+        gathered in one numpy step and padded to the longest, instead of a tensor per item."""
+        rows = self.rows[np.asarray(indices, dtype=np.int64)]
+        starts, ends = self.store.offsets[rows], self.store.offsets[rows + 1]
+        lengths = ends - starts
+        width = int(lengths.max()) if len(rows) else 0
+        position = np.arange(width)
+        inside = position < lengths[:, None]  # (N, width)
+        ids = np.full((len(rows), width), PAD_ID, dtype=np.int64)
+        ids[inside] = self.store.ids[(starts[:, None] + position)[inside]]
+        labels = torch.from_numpy(self.store.labels[rows].astype(np.int64))
+        return PaddedTokens(torch.from_numpy(ids), labels)
 
     @property
     def labels(self) -> Tensor:
@@ -184,6 +207,11 @@ class IdsWriter:
         flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=ID_DTYPE, count=lengths.sum())
         self._file.write(flat.tobytes())
         self._lengths.append(lengths)
+
+    def append_flat(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Rows given as their ids back to back and each row's length."""
+        self._file.write(ids.astype(ID_DTYPE, copy=False).tobytes())
+        self._lengths.append(np.asarray(lengths, dtype=np.int64))
 
     def finish(self) -> np.ndarray:
         self._file.close()
