@@ -86,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "overrides", nargs="*", help="extra Hydra overrides of kiln's runs (data.*, model.*, ...)"
     )
     args = parser.parse_args(argv)
+    if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: a run that proves it works
+        args.rows, args.repeats, args.skip_transformer = min(args.rows, 1000), 1, True
+        args.prepare_rows = min(args.prepare_rows, 20_000)
     if min(args.rows - 9, args.epochs, args.repeats, args.threads + 1, args.prepare_rows + 1) < 1:
         parser.error(
             "--rows >= 10, --epochs >= 1, --repeats >= 1, --threads >= 0, --prepare-rows >= 0"
