@@ -5,16 +5,22 @@
    checked identical), and their ratio;
 2. padded share of the tokens in training batches: padding every batch to data.max_length, to
    the longest text of a random batch (dynamic), and of a length-bucketed batch;
-3. quality on one split: validation accuracy and wall time of text_bow, text_transformer and a
-   TF-IDF (word 1-2 grams) + logistic regression baseline (scikit-learn);
-4. throughput: training samples/s of both text models;
+3. kiln's text_bow against linear models, side by side: the same train and validation files
+   (the CSV's kept rows, split by data.split_seed), each tool a fresh process timed from start
+   to exit (start-up, reading, featurising, training, scoring): `python train.py ...
+   model=text_bow`, a TF-IDF (word 1-2 grams) + LinearSVC script (scikit-learn), and fastText
+   (`pip install fasttext-wheel`; left out, and said so, when it is not installed). One thread
+   each (--threads), an untimed warm-up of each on a few rows first (imports, page cache), then
+   --repeats timed runs per tool in turn; the table has accuracy, median wall time, and each
+   wall time over TF-IDF + LinearSVC's;
+4. text_transformer: validation accuracy, wall time and training samples/s in this process;
 5. optionally (--prepare-rows N): a generated N-row CSV prepared twice in fresh processes --
    peak memory against the file's size, and the first (read, clean, tokenize, cache) against
    the second (cache hit) preparation time.
 
 Speed is reported as ratios measured in the same run, never asserted, unless --check (exit 1
 when a floor is missed). Floors: Rust >= 10x Python; bucketed padding < 10%; text_bow at least
-the baseline's accuracy in less wall time.
+TF-IDF + LinearSVC's accuracy in less wall time.
 
     python scripts/bench_text.py                               # 30,000 generated tickets
     python scripts/bench_text.py --csv my.csv --epochs 5 data.text_column=body
@@ -24,6 +30,10 @@ the baseline's accuracy in less wall time.
 from __future__ import annotations
 
 import argparse
+import csv
+import dataclasses
+import importlib.util
+import itertools
 import json
 import os
 import resource
@@ -38,11 +48,13 @@ import numpy as np
 from kiln.config import load_config
 from kiln.data.bpe_reference import ReferenceBPE
 from kiln.data.csv_reader import BadRowLog, read_labelled_rows
-from kiln.data.csv_text import csv_settings, prepare
+from kiln.data.csv_text import csv_settings, prepare, split_rows
 from kiln.data.loaders import BucketedSampler, ResumableSampler
 from kiln.data.text_corpus import write_ticket_csv
+from kiln.data.token_store import ENCODE_BATCH
 from kiln.engine.run import train
-from kiln.preprocessing.text import encode_ids
+from kiln.preprocessing.cleaning import NO_CLEANING
+from kiln.preprocessing.text import WordCachedEncoder, encode_ids, train_tokenizer
 
 FLOORS = {"rust_over_python": 10.0, "bucketed_padding": 0.10}
 
@@ -55,25 +67,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", help="a CSV with text and label columns (default: generated)")
     parser.add_argument("--rows", type=int, default=30_000, help="rows of the generated CSV")
-    parser.add_argument("--epochs", type=int, default=3, help="training epochs of each model")
+    parser.add_argument("--epochs", type=int, default=3, help="training epochs of kiln's models")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of each tool (kiln: seeds 0..N-1)"
+    )
     # One thread, as bench_engine: on a shared 2-core machine two intra-op threads wait on each
     # other and the timings swing by 5x.
-    parser.add_argument(
-        "--seeds", type=int, default=3, help="text_bow runs (seeds 0..N-1): mean accuracy"
-    )
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's)")
+    parser.add_argument("--threads", type=int, default=1, help="threads of every tool (0: theirs)")
     parser.add_argument("--skip-models", action="store_true", help="only the data sections")
+    parser.add_argument(
+        "--skip-transformer", action="store_true", help="leave out text_transformer (slow)"
+    )
     parser.add_argument("--prepare-rows", type=int, default=0, help="1M-row style memory test")
     parser.add_argument("--workdir", help="where CSVs, caches and runs go (default: a temp dir)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--check", action="store_true", help="exit 1 when a floor is missed")
     parser.add_argument(
-        "overrides", nargs="*", help="extra Hydra overrides of both models' runs (data.*, ...)"
+        "overrides", nargs="*", help="extra Hydra overrides of kiln's runs (data.*, model.*, ...)"
     )
     args = parser.parse_args(argv)
-    if min(args.rows - 9, args.epochs, args.seeds, args.threads + 1, args.prepare_rows + 1) < 1:
+    if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: a run that proves it works
+        args.rows, args.repeats, args.skip_transformer = min(args.rows, 1000), 1, True
+        args.prepare_rows = min(args.prepare_rows, 20_000)
+    if min(args.rows - 9, args.epochs, args.repeats, args.threads + 1, args.prepare_rows + 1) < 1:
         parser.error(
-            "--rows >= 10, --epochs >= 1, --seeds >= 1, --threads >= 0, --prepare-rows >= 0"
+            "--rows >= 10, --epochs >= 1, --repeats >= 1, --threads >= 0, --prepare-rows >= 0"
         )
     return args
 
@@ -82,12 +100,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 # 1. The data path
 
 
-def data_path(cfg, tokenizer_json: str) -> dict:
-    """Rows/s for read + clean + tokenize, Rust batch encoding vs the Python reference."""
-    from tokenizers import Tokenizer
-
+def data_path(cfg) -> dict:
+    """Rows/s for read + clean + tokenize: kiln's encoder of the store (each distinct word
+    encoded once) with the words and the BPE tokenizer, the Rust tokenizer's batch encoding of
+    whole texts, and the plain-Python BPE reference (with and without its word cache). The BPE
+    ids of all three ways are checked identical."""
     settings = csv_settings(cfg)
-    tokenizer = Tokenizer.from_str(tokenizer_json)
+    texts = [
+        t
+        for chunk in read_labelled_rows(cfg.train_path, settings, BadRowLog(""))
+        for t in chunk.texts
+    ]
+    batches = [texts[i : i + ENCODE_BATCH] for i in range(0, len(texts), ENCODE_BATCH)]
+    bpe = train_tokenizer(batches, cfg.vocab_size, cfg.max_length, len(texts), "bpe")
+    words = train_tokenizer(batches, cfg.vocab_size, cfg.max_length, len(texts), "words")
 
     def run(tokenize) -> tuple[float, int, list]:
         start, ids = time.perf_counter(), []
@@ -96,22 +122,36 @@ def data_path(cfg, tokenizer_json: str) -> dict:
             ids += tokenize(chunk.texts)
         return time.perf_counter() - start, log.rows_read, ids
 
+    def cached(tokenizer):
+        encode = WordCachedEncoder(tokenizer, cfg.max_length)
+
+        def rows(texts):
+            flat, lengths = encode(texts)
+            return [ids.tolist() for ids in np.split(flat, np.cumsum(lengths)[:-1])]
+
+        return rows
+
     read_clean_s, rows, _ = run(lambda texts: [])
-    rust_s, _, rust_ids = run(lambda texts: encode_ids(tokenizer, texts))
-    reference = ReferenceBPE.from_tokenizer_json(tokenizer_json, cfg.max_length)
+    words_s, _, _ = run(cached(words))
+    cached_s, _, cached_ids = run(cached(bpe))
+    rust_s, _, rust_ids = run(lambda texts: encode_ids(bpe, texts))
+    reference = ReferenceBPE.from_tokenizer_json(bpe.to_str(), cfg.max_length)
     python_s, _, python_ids = run(reference.encode_batch)
-    uncached = ReferenceBPE.from_tokenizer_json(tokenizer_json, cfg.max_length)
+    uncached = ReferenceBPE.from_tokenizer_json(bpe.to_str(), cfg.max_length)
     uncached.cache = _NoCache()
     python_nocache_s, _, _ = run(uncached.encode_batch)
     return {
         "rows": rows,
         "read_clean_rows_per_s": rows / read_clean_s,
+        "words_cached_rows_per_s": rows / words_s,
+        "bpe_cached_rows_per_s": rows / cached_s,
         "rust_rows_per_s": rows / rust_s,
         "python_rows_per_s": rows / python_s,
         "python_nocache_rows_per_s": rows / python_nocache_s,
         "rust_over_python": python_s / rust_s,
         "rust_over_python_nocache": python_nocache_s / rust_s,
-        "identical_ids": rust_ids == python_ids,
+        "cached_over_rust": rust_s / cached_s,
+        "identical_ids": rust_ids == python_ids == cached_ids,
         "tokenizer_threads": os.environ.get("RAYON_NUM_THREADS", f"{os.cpu_count()} (all)"),
     }
 
@@ -152,43 +192,166 @@ def padding(lengths: np.ndarray, batch_size: int, max_length: int, seed: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
-# 3-4. Quality and throughput
+# 3. text_bow against linear models, side by side
+
+REPO = Path(__file__).resolve().parents[1]
+SVC_SCRIPT = """
+import json, sys
+import pandas as pd
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.svm import LinearSVC
+train, val = (pd.read_csv(p, dtype=str, keep_default_na=False) for p in sys.argv[1:3])
+vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=2)
+classifier = LinearSVC().fit(vectorizer.fit_transform(train.text), train.label)
+print(json.dumps({"val_acc": classifier.score(vectorizer.transform(val.text), val.label)}))
+"""
+# fastText reads one example a line: `__label__<label> <words>`, lowercased with punctuation
+# split off (as fastText's own tutorial prepares its data).
+FASTTEXT_SCRIPT = """
+import csv, json, re, sys, tempfile
+import fasttext
+def lines(path, out):
+    with open(path, newline="", encoding="utf-8") as f, open(out, "w", encoding="utf-8") as o:
+        for row in csv.DictReader(f):
+            words = re.findall(r"\\w+|[^\\w\\s]", row["text"].lower())
+            o.write("__label__" + row["label"].replace(" ", "_") + " " + " ".join(words) + "\\n")
+with tempfile.TemporaryDirectory() as tmp:
+    lines(sys.argv[1], tmp + "/train.txt")
+    lines(sys.argv[2], tmp + "/val.txt")
+    model = fasttext.train_supervised(tmp + "/train.txt", epoch=5, lr=0.5, wordNgrams=2, dim=50,
+                                      thread=int(sys.argv[3]), verbose=0)
+    _, precision, _ = model.test(tmp + "/val.txt")
+print(json.dumps({"val_acc": precision}))
+"""
+FASTTEXT_SETTINGS = "5 epochs, lr 0.5, word bigrams, dim 50"
+# The columns of the split files: the bench writes them, so these settings are not passed on.
+FILE_KEYS = ("data.train_path", "data.val_path", "data.text_column", "data.label_column",
+             "data.encoding")  # fmt: skip
 
 
-def kiln_model(name: str, overrides: list[str], run_dir: Path, seeds: int = 1) -> dict:
-    """The model trained through kiln's train() (what train.py runs), once per seed: the mean
-    validation accuracy, the median wall time and samples/s of a run."""
-    runs = []
-    for seed in range(seeds):
-        cfg = load_config(["data=csv_text", f"model={name}", "logger=none", *overrides])
-        cfg.seed = seed
+def write_split(cfg, workdir: Path) -> tuple[Path, Path, int]:
+    """The CSV's kept rows, raw (uncleaned: each tool cleans as it does), split as kiln splits
+    (data.val_fraction, data.split_seed, stratified) into train.csv and val.csv (text, label)."""
+    settings = dataclasses.replace(csv_settings(cfg), cleaning=NO_CLEANING)
+    texts, labels = [], []
+    for chunk in read_labelled_rows(cfg.train_path, settings, BadRowLog(cfg.train_path)):
+        texts += chunk.texts
+        labels += chunk.labels
+    names = {name: i for i, name in enumerate(sorted(set(labels)))}
+    train, val = split_rows(np.array([names[y] for y in labels]), cfg.val_fraction, cfg.split_seed)
+    paths = workdir / "split-train.csv", workdir / "split-val.csv"
+    for path, rows in zip(paths, (train, val), strict=True):
+        with path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(["text", "label"])
+            writer.writerows((texts[i], labels[i]) for i in sorted(rows))
+    return *paths, len(val)
+
+
+def _head(path: Path, out: Path, rows: int) -> Path:
+    with path.open(encoding="utf-8", newline="") as f, out.open("w", encoding="utf-8") as o:
+        csv.writer(o).writerows(itertools.islice(csv.reader(f), rows + 1))
+    return out
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """One thread (or --threads) for every library of every tool; bytecode may be cached (the
+    warm-up writes it), as on any machine where a library was imported before."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    if threads:
+        for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                    "RAYON_NUM_THREADS"):  # fmt: skip
+            env[key] = str(threads)
+    return env
+
+
+class Tools:
+    """The three commands on a (train, val) pair of files; each returns (val_acc, wall_s)."""
+
+    def __init__(self, workdir: Path, epochs: int, threads: int, overrides: list[str]):
+        self.workdir, self.epochs, self.threads = workdir, epochs, threads
+        self.overrides = [
+            o for o in overrides if not o.startswith(tuple(k + "=" for k in FILE_KEYS))
+        ]
+        self.env = child_env(threads)
+        self.runs = 0
+
+    def _run(self, command: list[str]) -> tuple[str, float]:
         start = time.perf_counter()
-        summary = train(cfg, run_dir / f"seed{seed}")
-        runs.append({**summary, "wall_s": time.perf_counter() - start})
-    return {
-        "val_acc": float(np.mean([r["val_acc"] for r in runs])),
-        "val_acc_runs": [r["val_acc"] for r in runs],
-        "wall_s": float(np.median([r["wall_s"] for r in runs])),
-        "samples_per_s": float(np.median([r["samples_per_s"] for r in runs])),
-        "steps": runs[0]["steps"],
-    }
+        done = subprocess.run(command, cwd=REPO, env=self.env, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"{command[:3]} failed: {done.stderr[-2000:]}")
+        return done.stdout, wall
+
+    def kiln(self, train: Path, val: Path, seed: int = 0) -> tuple[float, float]:
+        self.runs += 1
+        run_dir = self.workdir / "side-by-side" / f"kiln-{self.runs}"
+        _, wall = self._run(
+            [sys.executable, "train.py", "data=csv_text", f"data.train_path={train}",
+             f"data.val_path={val}", "model=text_bow", f"trainer.max_epochs={self.epochs}",
+             f"data.cache_dir={run_dir}-cache", f"hydra.run.dir={run_dir}", "logger=none",
+             "env.progress_bar=false", f"seed={seed}", *self.overrides]
+        )  # fmt: skip
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return summary["val_acc"], wall
+
+    def svc(self, train: Path, val: Path) -> tuple[float, float]:
+        out, wall = self._run([sys.executable, "-c", SVC_SCRIPT, str(train), str(val)])
+        return json.loads(out.strip().splitlines()[-1])["val_acc"], wall
+
+    def fasttext(self, train: Path, val: Path) -> tuple[float, float]:
+        threads = str(self.threads or os.cpu_count())
+        out, wall = self._run(
+            [sys.executable, "-c", FASTTEXT_SCRIPT, str(train), str(val), threads]
+        )
+        return json.loads(out.strip().splitlines()[-1])["val_acc"], wall
 
 
-def tfidf_baseline(cfg, train_rows: np.ndarray, val_rows: np.ndarray, labels: np.ndarray):
-    """TF-IDF of word 1-2 grams + logistic regression on the same cleaned texts and split."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import LogisticRegression
+def side_by_side(cfg, workdir: Path, args) -> dict:
+    train, val, val_rows = write_split(cfg, workdir)
+    tools = Tools(workdir, args.epochs, args.threads, args.overrides)
+    runners = {"kiln text_bow": tools.kiln, "TF-IDF + LinearSVC": tools.svc}
+    if importlib.util.find_spec("fasttext") is None:
+        progress("fastText is not installed (pip install fasttext-wheel): left out")
+    else:
+        runners["fastText"] = tools.fasttext
+    progress("warm-up: each tool once on 300 rows (imports, bytecode, page cache)")
+    small = _head(train, workdir / "warm-train.csv", 300), _head(val, workdir / "warm-val.csv", 100)
+    for run in runners.values():
+        run(*small)
+    rows: dict[str, dict] = {name: {"val_acc_runs": [], "wall_s_runs": []} for name in runners}
+    for repeat in range(args.repeats):
+        for name, run in runners.items():
+            progress(f"{name}: run {repeat + 1} of {args.repeats}")
+            acc, wall = run(train, val, seed=repeat) if name == "kiln text_bow" else run(train, val)
+            rows[name]["val_acc_runs"].append(acc)
+            rows[name]["wall_s_runs"].append(wall)
+    baseline = float(np.median(rows["TF-IDF + LinearSVC"]["wall_s_runs"]))
+    for row in rows.values():
+        row["val_acc"] = float(np.mean(row["val_acc_runs"]))
+        row["wall_s"] = float(np.median(row["wall_s_runs"]))
+        row["over_svc"] = row["wall_s"] / baseline
+    return {"val_rows": val_rows, "epochs": args.epochs, "repeats": args.repeats,
+            "threads": args.threads, "tools": rows}  # fmt: skip
 
-    texts = []
-    for chunk in read_labelled_rows(cfg.train_path, csv_settings(cfg), BadRowLog("")):
-        texts += chunk.texts  # the store's rows are the kept rows, in file order
-    train_texts, val_texts = [texts[i] for i in train_rows], [texts[i] for i in val_rows]
+
+# ---------------------------------------------------------------------------------------------
+# 4. text_transformer
+
+
+def kiln_model(name: str, overrides: list[str], run_dir: Path) -> dict:
+    """The model trained through kiln's train() (what train.py runs): validation accuracy, wall
+    time and samples/s."""
+    cfg = load_config(["data=csv_text", f"model={name}", "logger=none", *overrides])
     start = time.perf_counter()
-    vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=2)
-    classifier = LogisticRegression(max_iter=1000)
-    classifier.fit(vectorizer.fit_transform(train_texts), labels[train_rows])
-    accuracy = classifier.score(vectorizer.transform(val_texts), labels[val_rows])
-    return {"val_acc": float(accuracy), "wall_s": time.perf_counter() - start}
+    summary = train(cfg, run_dir)
+    return {
+        "val_acc": summary["val_acc"],
+        "wall_s": time.perf_counter() - start,
+        "samples_per_s": summary["samples_per_s"],
+        "steps": summary["steps"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +424,11 @@ def table(result: dict) -> str:
         "| data path (read + clean + tokenize) | rows/s |",
         "|---|---:|",
         f"| read + clean only | {data['read_clean_rows_per_s']:,.0f} |",
-        f"| + Rust BPE (batch encoding) | {data['rust_rows_per_s']:,.0f} |",
+        f"| + words, kiln's encoder (each distinct word once) | "
+        f"{data['words_cached_rows_per_s']:,.0f} |",
+        f"| + BPE, kiln's encoder (each distinct word once) | "
+        f"{data['bpe_cached_rows_per_s']:,.0f} |",
+        f"| + Rust BPE (batch encoding of whole texts) | {data['rust_rows_per_s']:,.0f} |",
         f"| + Python BPE (same vocabulary, word cache) | {data['python_rows_per_s']:,.0f} |",
         f"| + Python BPE, no word cache | {data['python_nocache_rows_per_s']:,.0f} |",
         f"| ratio Rust / Python (no cache) | {data['rust_over_python']:.2f}x "
@@ -278,26 +445,40 @@ def table(result: dict) -> str:
         f"| bucketed by length | {pad['bucketed']:.1%} |",
         "",
     ]
-    if "quality" in result:
+    if "side_by_side" in result:
+        side = result["side_by_side"]
         lines += [
-            f"| model ({result['epochs']} epochs; same split) | val_acc | wall s | "
-            "train samples/s |",
+            f"| same train/val files ({side['val_rows']:,} val rows), fresh process, "
+            f"{side['threads'] or 'all'} thread(s) | val_acc | wall s (median of "
+            f"{side['repeats']}) | / TF-IDF + LinearSVC |",
             "|---|---:|---:|---:|",
         ]
-        for name, row in result["quality"].items():
-            speed = f"{row['samples_per_s']:,.0f}" if "samples_per_s" in row else "-"
-            runs = row.get("val_acc_runs", [])
-            spread = (
-                f" ({min(runs):.4f}-{max(runs):.4f}, {len(runs)} seeds)" if len(runs) > 1 else ""
-            )
+        for name, row in side["tools"].items():
+            runs = row["val_acc_runs"]
+            spread = f" ({min(runs):.4f}-{max(runs):.4f})" if max(runs) > min(runs) else ""
+            label = {
+                "kiln text_bow": f"kiln text_bow ({side['epochs']} epochs)",
+                "fastText": f"fastText ({FASTTEXT_SETTINGS})",
+            }.get(name, name)
             lines.append(
-                f"| {name} | {row['val_acc']:.4f}{spread} | {row['wall_s']:.1f} | {speed} |"
+                f"| {label} | {row['val_acc']:.4f}{spread} | {row['wall_s']:.1f} | "
+                f"{row['over_svc']:.2f}x |"
             )
         lines.append(
-            f"(validation: {result['val_rows']} rows; a 95% interval is about "
-            f"+-{1.96 * (0.25 / result['val_rows']) ** 0.5:.3f} at accuracy 0.5, less near 1)"
+            f"(a 95% interval is about +-{1.96 * (0.25 / side['val_rows']) ** 0.5:.3f} at "
+            "accuracy 0.5, less near 1)"
         )
         lines.append("")
+    if "transformer" in result:
+        row = result["transformer"]
+        lines += [
+            f"| text_transformer ({result['epochs']} epochs, in this process) | val_acc | "
+            "wall s | train samples/s |",
+            "|---|---:|---:|---:|",
+            f"| text_transformer | {row['val_acc']:.4f} | {row['wall_s']:.1f} | "
+            f"{row['samples_per_s']:,.0f} |",
+            "",
+        ]
     if "streaming" in result:
         s = result["streaming"]
         lines += [
@@ -329,15 +510,16 @@ def floors(result: dict) -> dict:
             pad["bucketed"] < FLOORS["bucketed_padding"],
         ),
     }
-    if "quality" in result:
-        bow, tfidf = result["quality"]["text_bow"], result["quality"]["tfidf_logreg"]
-        out["text_bow accuracy >= TF-IDF"] = (
-            f"{bow['val_acc']:.4f} vs {tfidf['val_acc']:.4f}",
-            bow["val_acc"] >= tfidf["val_acc"],
+    if "side_by_side" in result:
+        tools = result["side_by_side"]["tools"]
+        bow, svc = tools["kiln text_bow"], tools["TF-IDF + LinearSVC"]
+        out["text_bow accuracy >= TF-IDF + LinearSVC"] = (
+            f"{bow['val_acc']:.4f} vs {svc['val_acc']:.4f}",
+            bow["val_acc"] >= svc["val_acc"],
         )
-        out["text_bow wall < TF-IDF"] = (
-            f"{bow['wall_s']:.1f} s vs {tfidf['wall_s']:.1f} s",
-            bow["wall_s"] < tfidf["wall_s"],
+        out["text_bow wall < TF-IDF + LinearSVC"] = (
+            f"{bow['wall_s']:.1f} s vs {svc['wall_s']:.1f} s ({bow['over_svc']:.2f}x)",
+            bow["wall_s"] < svc["wall_s"],
         )
     return out
 
@@ -368,21 +550,19 @@ def main(argv=None) -> int:
         "epochs": args.epochs,
         "val_rows": len(entry.val_rows),
     }
-    progress("data path: Rust vs Python tokenization")
-    result["data_path"] = data_path(cfg, entry.tokenizer_json)
+    progress("data path: kiln's encoder, Rust and Python tokenization")
+    result["data_path"] = data_path(cfg)
     lengths = entry.store.lengths(entry.train_rows)
     result["padding"] = padding(lengths, cfg.batch_size, cfg.max_length)
     if not args.skip_models:
-        train_args = [*overrides, f"trainer.max_epochs={args.epochs}", "env.progress_bar=false"]
-        quality = {}
-        for name, seeds in (("text_bow", args.seeds), ("text_transformer", 1)):
-            progress(f"training {name} for {args.epochs} epochs ({seeds} seed(s))")
-            quality[name] = kiln_model(name, train_args, workdir / "runs" / name, seeds)
-        progress("TF-IDF + logistic regression")
-        quality["tfidf_logreg"] = tfidf_baseline(
-            cfg, entry.train_rows, entry.val_rows, entry.store.labels
-        )
-        result["quality"] = quality
+        progress("kiln text_bow, TF-IDF + LinearSVC and fastText, side by side")
+        result["side_by_side"] = side_by_side(cfg, workdir, args)
+        if not args.skip_transformer:
+            progress(f"training text_transformer for {args.epochs} epochs")
+            train_args = [*overrides, f"trainer.max_epochs={args.epochs}", "env.progress_bar=false"]
+            result["transformer"] = kiln_model(
+                "text_transformer", train_args, workdir / "runs" / "text_transformer"
+            )
     if args.prepare_rows:
         result["streaming"] = streaming(args.prepare_rows, workdir, args.overrides)
     result["floors"] = floors(result)

@@ -4,6 +4,7 @@ Speed is reported, never asserted; the test checks the report is complete and se
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 import subprocess
@@ -26,14 +27,14 @@ def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
         writer.writerows((i, text, label) for i, (text, label) in enumerate(ticket_rows(240)))
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--csv", str(path), "--epochs", "1", "--seeds", "2"]
+        [sys.executable, str(SCRIPT), "--csv", str(path), "--epochs", "1", "--repeats", "2"]
         + ["--workdir", str(tmp_path / "work"), "--out", str(out)]
         + ["data.text_column=body", "data.label_column=topic", "data.batch_size=16"],
         cwd=REPO,
         env=SUBPROCESS_ENV,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
@@ -44,13 +45,32 @@ def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
     )
     pad = result["padding"]
     assert 0 <= pad["bucketed"] <= pad["dynamic"] <= pad["pad_to_max"] < 1
-    assert set(result["quality"]) == {"text_bow", "text_transformer", "tfidf_logreg"}
-    for row in result["quality"].values():
+    # The side-by-side table: the same split files, each tool a timed fresh process.
+    side = result["side_by_side"]
+    assert side["val_rows"] == 48 and side["repeats"] == 2
+    expected = {"kiln text_bow", "TF-IDF + LinearSVC"}
+    if importlib.util.find_spec("fasttext") is not None:
+        expected.add("fastText")
+    else:
+        assert "fastText is not installed (pip install fasttext-wheel)" in done.stderr
+    assert set(side["tools"]) == expected
+    for row in side["tools"].values():
+        assert len(row["val_acc_runs"]) == len(row["wall_s_runs"]) == 2
         assert 0 <= row["val_acc"] <= 1 and row["wall_s"] > 0
-    bow = result["quality"]["text_bow"]
-    assert bow["samples_per_s"] > 0 and len(bow["val_acc_runs"]) == 2
-    assert math.isclose(bow["val_acc"], sum(bow["val_acc_runs"]) / 2)
+        assert (
+            row["wall_s"]
+            == sorted(row["wall_s_runs"])[0]
+            + (sorted(row["wall_s_runs"])[1] - sorted(row["wall_s_runs"])[0]) / 2
+        )  # the median of two
+    svc = side["tools"]["TF-IDF + LinearSVC"]
+    assert math.isclose(svc["over_svc"], 1.0)
+    kiln = side["tools"]["kiln text_bow"]
+    assert math.isclose(kiln["over_svc"], kiln["wall_s"] / svc["wall_s"])
+    split = [tmp_path / "work" / name for name in ("split-train.csv", "split-val.csv")]
+    assert [sum(1 for _ in csv.reader(p.open())) - 1 for p in split] == [192, 48]
+    assert result["transformer"]["val_acc"] >= 0 and result["transformer"]["samples_per_s"] > 0
     floors = result["floors"]
     assert floors["bucketed padding < 10%"][1] == (pad["bucketed"] < 0.10)
-    assert "| bucketed by length |" in done.stdout and "| tfidf_logreg |" in done.stdout
-    assert "[bench_text] training text_bow" in done.stderr  # progress while it runs
+    assert floors["text_bow wall < TF-IDF + LinearSVC"][1] == (kiln["wall_s"] < svc["wall_s"])
+    assert "| bucketed by length |" in done.stdout and "| TF-IDF + LinearSVC |" in done.stdout
+    assert "[bench_text] kiln text_bow: run 1 of 2" in done.stderr  # progress while it runs

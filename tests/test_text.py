@@ -129,13 +129,20 @@ def test_numeric_labels_sort_as_numbers(tmp_path):
     assert bundle.spec.class_names == ("1", "2", "10")
 
 
-def test_tokenizer_is_trained_on_the_training_split_only(csv_bundle):
+def test_tokenizer_is_trained_on_the_training_split_only(csv_bundle, tmp_path):
     unk_id = 1  # [PAD]=0, [UNK]=1
-    # A training word is one token; a word only the validation file has is pieces, and its
-    # letters the training texts never use ('z') are [UNK].
+    # data.tokenizer=words (the default): a training word is one token, a word only the
+    # validation file has is [UNK].
     assert csv_bundle.recipe.encode(["cat"])[0].tolist() != [unk_id]
-    assert len(csv_bundle.recipe.encode(["cat"])[0]) == 1
-    zebras = csv_bundle.recipe.encode(["zebras"])[0].tolist()
+    assert csv_bundle.recipe.encode(["zebras cat"])[0].tolist()[0] == unk_id
+    # bpe: a training word is one token; a word only the validation file has is pieces, and
+    # its letters the training texts never use ('z') are [UNK].
+    train = write_csv(tmp_path / "train.csv", TRAIN_ROWS)
+    val = write_csv(tmp_path / "val.csv", VAL_ROWS)
+    bpe = build_data(data_cfg(train_path=str(train), val_path=str(val), tokenizer="bpe")).recipe
+    assert bpe.encode(["cat"])[0].tolist() != [unk_id]
+    assert len(bpe.encode(["cat"])[0]) == 1
+    zebras = bpe.encode(["zebras"])[0].tolist()
     assert len(zebras) > 1 and zebras[0] == unk_id
 
 
@@ -198,9 +205,9 @@ def test_val_label_unseen_in_training_names_the_row_and_label(tmp_path):
     dropped = build_data(data_cfg(train_path=str(train), val_path=str(val)))
     assert len(dropped.val) == len(VAL_ROWS)
     report = dropped.report["val_file"]
-    assert report["dropped"] == {
-        "unseen_label": {"count": 1, "first": [{"row": 3, "line": 4, "column": "label"}]}
-    }
+    assert report["dropped"] == {"unseen_label": 1}
+    (record,) = report["dropped_records"]
+    assert (record["row"], record["line"], record["column"]) == (3, 4, "label")
 
 
 def test_single_class_is_refused(tmp_path):

@@ -57,28 +57,40 @@ def read_all(path: Path, **settings):
 
 
 def stray_quote_file(path: Path) -> Path:
-    """40 lines: two stray quotes open a field on line 5 that closes on line 15 -- 11 lines that
-    a CSV reader merges into one text (the exit-0, 30-row case of the issue)."""
+    """40 lines: a stray quote opens a field on line 5 that is never closed, and another sits
+    inside an unquoted text on line 15 (literal there, as CSV says)."""
     lines = ["text,label", *good_lines(39)]
     lines[4] = '"the cat sat on the mat 3,pets'
     lines[14] = 'stocks fell "again today 13,money'
     return write_lines(path, lines)
 
 
-def test_rows_merged_by_a_stray_quote_are_reported_with_their_lines(tmp_path):
+def dropped(log: BadRowLog) -> dict[str, list[dict]]:
+    """reason -> [{row, line, column}, ...] of a log's dropped records, in file order."""
+    out: dict[str, list[dict]] = {}
+    for record in log.to_dict()["dropped_records"]:
+        where = {k: record[k] for k in ("row", "line", "column")}
+        out.setdefault(record["reason"], []).append(where)
+    return out
+
+
+def test_a_stray_quote_costs_only_its_own_record(tmp_path):
     path = stray_quote_file(tmp_path / "stray.csv")
     chunks, log = read_all(path)
-    assert log.rows_read == 29 and log.rows_kept == 28
-    assert log.counts == {"merged_rows": 1}
-    assert log.first["merged_rows"] == [{"row": 4, "line": 5, "column": "text", "last_line": 15}]
+    assert log.rows_read == 39 and log.rows_kept == 38  # one record per line, one lost
+    assert dropped(log) == {"unbalanced_quote": [{"row": 4, "line": 5, "column": "text"}]}
     kept_lines = [line for chunk in chunks for line in chunk.lines]
-    assert 5 not in kept_lines and kept_lines[-1] == 40  # the lines after it are still right
+    assert 5 not in kept_lines and kept_lines == [n for n in range(2, 41) if n != 5]
+    texts = [text for chunk in chunks for text in chunk.texts]
+    assert 'stocks fell "again today 13' in texts
 
     with pytest.raises(CsvTextError) as err:
         read_all(path, bad_rows="error")
     message = str(err.value)
-    assert message.startswith(f"{path}: row 4 (line 5) has a quoted field in column 'text'")
-    assert "spanning lines 5-15" in message and "unbalanced quote" in message
+    assert message.startswith(
+        f"{path}: row 4 (line 5) opens a quote in column 'text' that is never closed: the field "
+        "would run past line 6, a row of its own; fix the quote"
+    )
 
 
 def test_legitimate_multiline_fields_are_kept_and_move_line_numbers(tmp_path):
@@ -111,7 +123,7 @@ def test_every_kind_of_bad_row_is_counted_with_row_line_and_column(tmp_path):
     ]
     chunks, log = read_all(write_lines(tmp_path / "bad.csv", lines), chunk_rows=3)
     assert (log.rows_read, log.rows_kept, log.rows_dropped) == (11, 5, 6)
-    first = {reason: rows[0] for reason, rows in log.first.items()}
+    first = {reason: rows[0] for reason, rows in dropped(log).items()}
     assert first == {
         "wrong_field_count": {"row": 1, "line": 2, "column": None},
         "missing_text": {"row": 5, "line": 6, "column": "text"},
@@ -120,7 +132,7 @@ def test_every_kind_of_bad_row_is_counted_with_row_line_and_column(tmp_path):
         "empty_after_cleaning": {"row": 8, "line": 9, "column": "text"},
     }
     assert log.counts["wrong_field_count"] == 2
-    assert log.first["wrong_field_count"][1] == {"row": 9, "line": 10, "column": None}
+    assert dropped(log)["wrong_field_count"][1] == {"row": 9, "line": 10, "column": None}
     assert [line for chunk in chunks for line in chunk.lines] == [3, 4, 5, 11, 12]
     assert all(len(chunk.texts) <= 3 for chunk in chunks)  # read chunk by chunk
 
@@ -151,10 +163,15 @@ def test_an_undecodable_byte_is_named_by_row_and_line(tmp_path):
     assert log.rows_kept == 5 and "café au lait" in chunks[0].texts
 
 
-def test_an_unclosed_quote_is_one_error_naming_its_row_and_line(tmp_path):
-    path = write_lines(tmp_path / "open.csv", ["text,label", *good_lines(3), '"never closed,pets'])
-    with pytest.raises(CsvTextError, match=r"open\.csv: row 4 \(line 5\) opens a quote"):
-        read_all(path)
+def test_a_quote_open_at_the_end_of_the_file_drops_its_record_only(tmp_path):
+    lines = ["text,label", *good_lines(3), '"never closed,pets', *good_lines(2, start=3)]
+    path = write_lines(tmp_path / "open.csv", [*lines, '"still open at the end, money'])
+    chunks, log = read_all(path)  # bad_rows=drop, the default: the run goes on
+    assert (log.rows_read, log.rows_kept) == (7, 5)
+    assert [r["line"] for r in log.to_dict()["dropped_records"]] == [5, 8]
+    assert [line for chunk in chunks for line in chunk.lines] == [2, 3, 4, 6, 7]
+    with pytest.raises(CsvTextError, match=r"open\.csv: row 4 \(line 5\) opens a quote in column"):
+        read_all(path, bad_rows="error")
 
 
 def test_the_config_refuses_an_unknown_encoding():
@@ -267,14 +284,19 @@ def test_training_on_a_csv_with_bad_rows_writes_a_correct_data_report(tmp_path, 
         3,
     )
     # Data row n sits on line n + 1 plus the extra lines of the multi-line tickets above it.
-    assert {reason: d["count"] for reason, d in train_file["dropped"].items()} == {
+    assert train_file["dropped"] == {
         "missing_text": 1,
         "missing_label": 1,
         "empty_after_cleaning": 1,
     }
-    assert [d["first"][0]["row"] for d in train_file["dropped"].values()] == [301, 302, 303]
+    records = train_file["dropped_records"]
+    assert [(r["row"], r["reason"]) for r in records] == [
+        (301, "missing_text"),
+        (302, "missing_label"),
+        (303, "empty_after_cleaning"),
+    ]
     total_lines = len(path.read_text().splitlines())
-    assert train_file["dropped"]["empty_after_cleaning"]["first"][0]["line"] == total_lines
+    assert records[-1]["line"] == total_lines and records[-1]["preview"] == "<br><br>,build"
     assert report["rows"]["train"] + report["rows"]["val"] == 300
     assert "300 kept, 3 dropped (missing_text 1, missing_label 1" in caplog.text
 
@@ -300,7 +322,7 @@ def test_bad_rows_error_is_one_line_from_the_command_line(tmp_path):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr
-    assert lines[0].startswith(f"error: {path}: row 4 (line 5) has a quoted field in column 'text'")
+    assert lines[0].startswith(f"error: {path}: row 4 (line 5) opens a quote in column 'text'")
 
 
 def test_the_readme_command_trains_on_the_shipped_sample(tmp_path):
@@ -319,8 +341,14 @@ def test_the_readme_command_trains_on_the_shipped_sample(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((run_dir / "data_report.json").read_text())["train_file"]
     assert (report["rows_read"], report["rows_kept"]) == (300, 298)
-    assert report["dropped"]["missing_text"]["first"] == [{"row": 43, "line": 51, "column": "text"}]
-    assert report["dropped"]["missing_label"]["count"] == 1
+    first = report["dropped_records"][0]
+    assert {k: first[k] for k in ("reason", "row", "line", "column")} == {
+        "reason": "missing_text",
+        "row": 43,
+        "line": 51,
+        "column": "text",
+    }
+    assert report["dropped"]["missing_label"] == 1
     assert (
         "298 kept, 2 dropped (missing_text 1, missing_label 1"
         in (run_dir / "train.log").read_text()

@@ -23,12 +23,21 @@ USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, ValueError)
 
 def run_predict(cfg: InferConfig) -> None:
     from kiln.inference import InputError, Predictor
-    from kiln.inference.files import read_inputs, split_named, write_detections, write_predictions
+    from kiln.inference.files import (
+        predictable_texts,
+        read_inputs,
+        split_named,
+        write_detections,
+        write_predictions,
+    )
 
     output = cfg.output or "preds.csv"
     predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8)
     # Named inputs (detectors' images, image files): (path, item) pairs.
     sources, inputs = split_named(read_inputs(cfg.input, predictor.preprocess, cfg.text_column))
+    skipped = None
+    if predictor.preprocess.input_kind == "tokens":
+        inputs, skipped = predictable_texts(inputs, predictor.preprocess)
     try:
         outputs = predictor.run_in_chunks(inputs, batch_size=cfg.batch_size)
     except InputError as err:
@@ -39,8 +48,12 @@ def run_predict(cfg: InferConfig) -> None:
         found = sum(len(d["boxes"]) for d in outputs)
         print(f"wrote {found} boxes for {len(outputs)} images to {path} ({cfg.backend} backend)")
         return
-    path = write_predictions(outputs, predictor.class_names, output, sources)
+    path = write_predictions(outputs, predictor.class_names, output, sources, skipped)
     print(f"wrote {len(outputs)} predictions to {path} ({cfg.backend} backend)", flush=True)
+    if skipped:
+        total = len(outputs) + len(skipped)
+        print(f"{len(skipped)} of {total} inputs were empty after cleaning: no prediction, see "
+              f"the error column of {path}", flush=True)  # fmt: skip
 
 
 def run_export(cfg: InferConfig) -> None:

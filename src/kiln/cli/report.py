@@ -5,6 +5,7 @@ the rest."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -13,6 +14,7 @@ from kiln.commands import RunCommand, infer, shown
 
 log = logging.getLogger("kiln")
 
+DATA_REPORT = "data_report.json"
 LATEST = "latest"  # <output_root>/latest: a link to the newest run's directory
 COMMENT_COLUMN = 72  # where the `# what it does` comments line up
 
@@ -70,6 +72,7 @@ def finished(
     lines = [
         f"run {summary['status']}: {metric}, {summary['steps']} steps, {summary['epochs']} "
         f"epochs, {duration(seconds)} training, {speed}",
+        *data_lines(run_dir),
         f"run directory: {where(run_dir, link)}",
         *test_report(summary),
     ]
@@ -153,6 +156,16 @@ def predict_input(best: Path, run_dir: Path, link: Path | None, config: dict) ->
         log.warning("could not write an example input into %s", run_dir, exc_info=True)
         return None
     return [f"input={shown(Path(link or run_dir) / path.name)}"]
+
+
+def data_lines(run_dir: Path) -> list[str]:
+    """What the data report sums up (records read, kept, dropped per reason), one line a file."""
+    path = run_dir / DATA_REPORT
+    try:
+        summary = json.loads(path.read_text()).get("summary", [])
+    except (OSError, ValueError):
+        return []
+    return [f"data: {line}" for line in summary]
 
 
 def failed(run_dir: Path) -> str:

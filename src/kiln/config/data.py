@@ -65,6 +65,11 @@ class BadRows(StrEnum):
     error = "error"  # stop at the first bad row, naming the file, row, line and column
 
 
+class Tokenizer(StrEnum):
+    words = "words"  # each word and punctuation mark a token: counted in one pass, fast
+    bpe = "bpe"  # byte-pair encoding: rare words in pieces (for sequence models)
+
+
 class UnicodeForm(StrEnum):
     NFC = "NFC"
     NFKC = "NFKC"  # also folds compatibility forms: ligatures, full-width letters
@@ -77,7 +82,7 @@ class CsvTextConfig(DataConfig):
     tokenized (BPE) into a token cache on disk. A first run on tens of thousands of rows
     is good with these defaults."""
 
-    batch_size: int = 64
+    batch_size: int = 256
     train_path: str | None = None  # the training CSV; null: the bundled demo corpus
     val_path: str | None = None  # a validation CSV; null: split val_fraction off train_path
     val_fraction: float = 0.2  # share held out for validation when val_path is null
@@ -86,8 +91,13 @@ class CsvTextConfig(DataConfig):
     encoding: str = "utf-8"  # the files' text encoding (a Python codec: utf-8, latin-1, cp1252)
     na_values: list[str] = field(default_factory=list)  # spellings meaning missing (NA is text)
     bad_rows: BadRows = BadRows.drop  # drop: count and skip bad rows; error: stop at the first
-    chunk_rows: int = 100_000  # rows read at a time (pandas chunksize): bounds memory
+    labels: list[str] | None = None  # the classes; null: the labels of the clean training rows
+    min_rows_per_class: int = 2  # a label in fewer training rows is a suspect, not a class
+    max_suspect_labels: int = 0  # more suspect labels stop the run; up to this many are dropped
+    max_field_lines: int = 1000  # a quoted field spanning more lines is an unbalanced quote
+    chunk_rows: int = 100_000  # records read at a time: bounds memory
     cache_dir: str | None = None  # token cache; null: $XDG_CACHE_HOME or ~/.cache, /kiln/text
+    tokenizer: Tokenizer = Tokenizer.words  # words | bpe (both split on spaces and punctuation)
     vocab_size: int = 16000  # tokenizer vocabulary, at most
     tokenizer_rows: int = 200_000  # training rows the tokenizer learns from (a seeded sample)
     max_length: int = 256  # tokens per text after truncation
@@ -105,6 +115,16 @@ class CsvTextConfig(DataConfig):
         at_least(self.max_length, 1, f"{key}.max_length")
         at_least(self.chunk_rows, 1, f"{key}.chunk_rows")
         at_least(self.tokenizer_rows, 1, f"{key}.tokenizer_rows")
+        at_least(self.min_rows_per_class, 1, f"{key}.min_rows_per_class")
+        at_least(self.max_suspect_labels, 0, f"{key}.max_suspect_labels")
+        at_least(self.max_field_lines, 1, f"{key}.max_field_lines")
+        if self.labels is not None:
+            names = [str(label).strip() for label in self.labels]
+            if len(set(names)) < 2 or len(set(names)) != len(names) or not all(names):
+                raise invalid(
+                    f"{key}.labels",
+                    f"needs two or more distinct, non-empty labels, got {list(self.labels)}",
+                )
         if self.train_path is None and self.val_path is not None:
             raise ConfigError("val_path is set but train_path is null", f"{key}.val_path",
                               "set data.train_path too")  # fmt: skip

@@ -51,7 +51,7 @@ class InferConfig:
     data: str | None = None  # evaluate: class subfolders or a labelled .csv (null: ckpt's own data)
     split: str | None = None  # evaluate, no data=: test | val (null: test if the data has one)
     num_errors: int = 100  # evaluate: rows of errors.csv, the most confidently wrong first
-    text_column: str = "text"  # predict, text models: the CSV column holding the texts
+    text_column: str | None = None  # predict, text models: the CSV column (null: training's)
     backend: str = "torch"  # torch | onnx (after `mode=export`) | echo (no model: a ceiling)
     device: str = "cpu"  # cpu | cuda | auto
     int8: bool = False  # backend=onnx: use model.int8.onnx; mode=export: also write it

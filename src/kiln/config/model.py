@@ -83,6 +83,7 @@ class TextBowConfig(ClassifierConfig):
     embed_dim: int = 32  # embedding width
     ngrams: int = 2  # longest token n-gram embedded (1: tokens only; 2: plus bigrams; ...)
     num_buckets: int = 65536  # hash buckets shared by all n-grams (2**16)
+    sparse_grads: bool = True  # gradients of the table rows a batch touches (one process, adamw)
 
     def check(self, key: str) -> None:
         super().check(key)

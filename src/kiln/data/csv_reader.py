@@ -1,35 +1,44 @@
-"""Reading a labelled CSV in chunks (pandas `chunksize`), so the raw text is never all in memory,
-and accounting for every row: each is kept or dropped for a named reason, with its row and its
-physical line number, never silently.
+"""Reading a labelled CSV record by record, so that damage costs only the damaged record, and
+accounting for every record: each is kept or dropped for a named reason, with its row, its
+physical line numbers and a preview, never silently.
 
-Rows are numbered from 1 after the header (row 1 is the first data row); lines are the file's
-physical lines (the header is line 1), so a quoted field that spans lines moves every later row's
-line. What counts as a bad row (`BAD_ROW_REASONS`):
+A record is what a strict CSV parser (Python's `csv`, strict=True) reads as one row. A good
+record -- one that parser reads correctly standing alone, with a text and a label -- is always
+kept, whatever damage surrounds it. After an unbalanced quote the reader re-synchronises: a
+quoted field that would run past data.max_field_lines lines, or past a line that reads as a
+complete row of the header's width with a known label, or to the end of the file, is taken as
+broken at its opening quote; that record is dropped and reading resumes on the next line. A
+quote inside a quoted field that is not doubled (`"said "hi" twice",a`) costs its record only:
+the record ends where a quote is followed by a delimiter or a line end.
 
-- wrong_field_count: more fields than the header (an unquoted delimiter inside a text);
+Rows are numbered from 1 after the header (row 1 is the first record); lines are the file's
+physical lines (the header is line 1), so a quoted field spanning lines moves later rows' lines.
+What counts as a bad record (`BAD_ROW_REASONS`):
+
+- wrong_field_count: more or fewer fields than the header (an unquoted delimiter in a text);
 - empty_row: no text and no label (a blank line, or a row of empty fields);
 - undecodable: bytes that are not valid in data.encoding;
-- merged_rows: a quoted field swallowed line breaks and what look like whole rows (lines ending
-  in `<delimiter><a label of this file>`): an unbalanced quote merged them;
+- unbalanced_quote: a quote that breaks the record's quoting (see above);
 - missing_text / missing_label: empty, only spaces, or one of data.na_values;
-- unseen_label: a validation row whose label the training data does not have;
-- empty_after_cleaning: a text that clean_text reduces to nothing (only tags or spaces).
+- unlisted_label: a label that data.labels does not name;
+- empty_after_cleaning: a text that clean_text reduces to nothing (only tags or spaces);
+- suspect_label, unseen_label: decided once the whole file is read (kiln.data.csv_text).
 
-With bad_rows=drop they are counted (`BadRowLog`, written to data_report.json); with
-bad_rows=error the first one stops the run, naming the file, row, line and column."""
+Kept rows that sit next to a structurally broken record (a wrong field count or an unbalanced
+quote), or that were read again after an unbalanced quote, are *flagged*: a label seen only in
+flagged rows is a suspect, not a class. With bad_rows=drop bad records are counted and listed
+(`BadRowLog`, written to data_report.json); with bad_rows=error the first one stops the run,
+naming the file, row, line and column."""
 
 from __future__ import annotations
 
 import csv
-import itertools
 import re
-import warnings
-from collections.abc import Collection, Iterator
+import sys
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
-import pandas as pd
 
 from kiln.errors import UserError
 from kiln.preprocessing.cleaning import TextCleaning, clean_text
@@ -38,19 +47,22 @@ BAD_ROW_REASONS = (
     "wrong_field_count",
     "empty_row",
     "undecodable",
-    "merged_rows",
+    "unbalanced_quote",
     "missing_text",
     "missing_label",
-    "unseen_label",
+    "unlisted_label",
     "empty_after_cleaning",
+    "suspect_label",
+    "unseen_label",
 )
-FIRST_ROWS_KEPT = 10  # the report lists this many rows per reason, then a count
-EXTRA_FIELDS = 4  # room for fields beyond the header's, so such rows are seen with their line
-DELIMITER = ","
+STRUCTURAL = frozenset({"wrong_field_count", "unbalanced_quote"})  # broken, not just incomplete
+DELIMITER, QUOTE = ",", '"'
+PREVIEW_CHARS = 60  # of each dropped record, in the report
 
 _SURROGATE = re.compile("[\udc80-\udcff]")  # undecodable bytes, as surrogateescape maps them
-_SKIPPED = re.compile(r"Skipping line (\d+): expected \d+ fields, saw (\d+)")
 QUOTE_HINT = '(an unquoted delimiter inside a text? quote such a field: "a, b")'
+
+csv.field_size_limit(sys.maxsize)  # a long text is a text; the parser's 128 KiB cap is not ours
 
 
 class CsvTextError(UserError, ValueError):
@@ -66,16 +78,20 @@ class CsvSettings:
     bad_rows: str = "drop"  # drop | error
     chunk_rows: int = 100_000
     cleaning: TextCleaning = TextCleaning()
+    max_field_lines: int = 1000  # a quoted field running longer is taken as broken
+    labels: frozenset[str] | None = None  # data.labels: the classes, when the user names them
 
 
 @dataclass
 class RowChunk:
-    """The kept rows of one chunk: cleaned texts, stripped labels, row and line numbers."""
+    """The kept rows of one chunk: cleaned texts, stripped labels, row and line numbers, and
+    whether each was read next to a broken record (flagged)."""
 
-    texts: list[str]
-    labels: list[str]
-    rows: list[int]
-    lines: list[int]
+    texts: list[str] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)
+    flagged: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -85,27 +101,29 @@ class BadRow:
     line: int
     column: str | None
     what: str  # the sentence an error message uses: "has an empty text in column 'text'"
-    last_line: int | None = None  # merged rows: where the swallowing field ends
+    last_line: int | None = None  # a record spanning lines: its last one
+    preview: str = ""
+
+    def to_dict(self) -> dict:
+        where = {"line": self.line, "row": self.row, "reason": self.reason}
+        if self.last_line is not None and self.last_line != self.line:
+            where["last_line"] = self.last_line
+        return {**where, "column": self.column, "preview": self.preview}
 
 
 @dataclass
 class BadRowLog:
-    """Per file: rows read and kept, and per reason a count and the first rows."""
+    """Per file: records read and kept, the count per reason, and every dropped record."""
 
     path: str
     rows_read: int = 0
     rows_kept: int = 0
     counts: dict[str, int] = field(default_factory=dict)
-    first: dict[str, list[dict]] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)
 
     def add(self, bad: BadRow) -> None:
         self.counts[bad.reason] = self.counts.get(bad.reason, 0) + 1
-        shown = self.first.setdefault(bad.reason, [])
-        if len(shown) < FIRST_ROWS_KEPT:
-            where = {"row": bad.row, "line": bad.line, "column": bad.column}
-            if bad.last_line is not None:
-                where["last_line"] = bad.last_line
-            shown.append(where)
+        self.records.append(bad.to_dict())
 
     @property
     def rows_dropped(self) -> int:
@@ -117,111 +135,388 @@ class BadRowLog:
             "rows_read": self.rows_read,
             "rows_kept": self.rows_kept,
             "rows_dropped": self.rows_dropped,
-            "dropped": {
-                reason: {"count": self.counts[reason], "first": self.first[reason]}
-                for reason in BAD_ROW_REASONS
-                if reason in self.counts
-            },
+            "dropped": {r: self.counts[r] for r in BAD_ROW_REASONS if r in self.counts},
+            "dropped_records": sorted(self.records, key=lambda r: r["line"]),
         }
 
     def summary(self) -> str:
         """One line for the log: totals and the count per reason."""
-        reasons = ", ".join(f"{r} {self.counts[r]}" for r in BAD_ROW_REASONS if r in self.counts)
-        dropped = f"{self.rows_dropped} dropped" + (f" ({reasons})" if reasons else "")
-        return f"{self.path}: {self.rows_read} rows read, {self.rows_kept} kept, {dropped}"
+        return summary_line(self.to_dict())
+
+
+def summary_line(entry: dict) -> str:
+    """`<file>: N records read, K kept, D dropped (reason n, ...)` from a BadRowLog dict."""
+    reasons = ", ".join(f"{r} {n}" for r, n in entry["dropped"].items())
+    return (
+        f"{entry['path']}: {entry['rows_read']:,} records read, {entry['rows_kept']:,} kept, "
+        f"{entry['rows_dropped']:,} dropped" + (f" ({reasons})" if reasons else "")
+    )
+
+
+def preview(text: str) -> str:
+    """The first PREVIEW_CHARS characters of a raw record, line breaks shown as \\n."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").rstrip("\n").replace("\n", "\\n")
+    text = _SURROGATE.sub("\ufffd", text)
+    return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "\u2026"
+
+
+def account(log: BadRowLog, settings: CsvSettings, path: Path | str, bad: BadRow | None) -> None:
+    """Counts one record read: kept (bad is None) or dropped; bad_rows=error raises instead."""
+    log.rows_read += 1
+    if bad is None:
+        log.rows_kept += 1
+        return
+    _drop(log, settings, path, bad)
+
+
+def drop_kept(log: BadRowLog, settings: CsvSettings, path: Path | str, bad: BadRow) -> None:
+    """A row kept while reading, dropped once the whole file is known (a suspect label...)."""
+    log.rows_kept -= 1
+    _drop(log, settings, path, bad)
+
+
+def _drop(log: BadRowLog, settings: CsvSettings, path: Path | str, bad: BadRow) -> None:
+    if settings.bad_rows == "error":
+        raise CsvTextError(
+            f"{path}: row {bad.row} (line {bad.line}) {bad.what} (data.bad_rows=drop skips "
+            "such rows, listing them in data_report.json)"
+        )
+    log.add(bad)
 
 
 # ---------------------------------------------------------------------------------------------
-# The header
+# Physical lines, and the records csv.reader makes of them
 
 
-def read_header(path: Path, settings: CsvSettings) -> list[str]:
-    """The column names; CsvTextError if the file is missing, empty or lacks a column."""
+class _Runaway(Exception):
+    """A quoted field ran past a limit: `why` says which (for the message)."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+class _Lines:
+    """The file's physical lines, numbered, as csv.reader pulls them one at a time. The lines
+    of the record being parsed are kept (`record`), so a broken record can be read again from
+    its second line; `guard` is called whenever the parser asks for one more line of a record
+    (its field runs on), and may stop it by raising _Runaway."""
+
+    def __init__(self, file, first_line: int):
+        self._file = file
+        self.next_number = first_line
+        self.pushed: deque[tuple[int, str]] = deque()
+        self.record: list[tuple[int, str]] = []
+        self.reread_until = 0  # lines up to this one were read again after a broken quote
+        self.guard = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        record = self.record
+        if record and self.guard is not None:
+            self.guard(record)
+        item = self.pull()
+        record.append(item)
+        return item[1]
+
+    def pull(self) -> tuple[int, str]:
+        if self.pushed:
+            return self.pushed.popleft()
+        text = next(self._file)  # StopIteration at the end of the file
+        item = (self.next_number, text)
+        self.next_number += 1
+        return item
+
+    def push_back(self, items: list[tuple[int, str]]) -> None:
+        if items:
+            self.pushed.extendleft(reversed(items))
+            self.reread_until = max(self.reread_until, items[-1][0])
+
+
+class _Lenient:
+    """A record's fields where a quote inside a quoted field is literal unless a delimiter or
+    the line's end follows it: how a record with one undoubled quote ends. Fed line by line."""
+
+    def __init__(self):
+        self.fields: list[str] = []
+        self.chars: list[str] = []
+        self.in_quotes, self.at_start = False, True
+
+    def feed(self, line: str) -> bool:
+        """True when the record is complete after this line."""
+        body = line.rstrip("\r\n")
+        i, n = 0, len(body)
+        while i < n:
+            char = body[i]
+            if self.in_quotes:
+                if char == QUOTE:
+                    if i + 1 < n and body[i + 1] == QUOTE:
+                        self.chars.append(QUOTE)
+                        i += 2
+                        continue
+                    if i + 1 == n or body[i + 1] == DELIMITER:
+                        self.in_quotes = False
+                        i += 1
+                        continue
+                self.chars.append(char)
+            elif char == DELIMITER:
+                self.fields.append("".join(self.chars))
+                self.chars, self.at_start = [], True
+                i += 1
+                continue
+            elif char == QUOTE and self.at_start:
+                self.in_quotes = True
+            else:
+                self.chars.append(char)
+            self.at_start = False
+            i += 1
+        if self.in_quotes:
+            self.chars.append("\n")
+            return False
+        self.fields.append("".join(self.chars))
+        return True
+
+
+def _opens_a_field(line: str) -> bool:
+    """Does `line` start with a quoted field (a quote, not a doubled one)?"""
+    return line.startswith(QUOTE) and not line.startswith(QUOTE + QUOTE)
+
+
+def _quote_column(line: str) -> int:
+    """The index of the field whose quote breaks `line`: left open at its end, or followed by
+    something other than a delimiter."""
+    index, in_quotes, at_start, opened = 0, False, True, 0
+    body = line.rstrip("\r\n")
+    i = 0
+    while i < len(body):
+        char = body[i]
+        if in_quotes and char == QUOTE:
+            if body[i + 1 : i + 2] == QUOTE:
+                i += 2
+                continue
+            if body[i + 1 : i + 2] not in ("", DELIMITER):
+                return index
+            in_quotes = False
+        elif not in_quotes and char == DELIMITER:
+            index, at_start = index + 1, True
+            i += 1
+            continue
+        elif not in_quotes and char == QUOTE and at_start:
+            in_quotes, opened = True, index
+        at_start = False
+        i += 1
+    return opened if in_quotes else index
+
+
+@dataclass
+class _Record:
+    row: int
+    lines: list[tuple[int, str]]
+    fields: list[str] | None  # None: broken (see `broken`)
+    reread: bool
+    broken: str = ""  # what is wrong with a broken record, for its message
+    column: int = 0  # broken: the field index the bad quote is in
+
+    @property
+    def first_line(self) -> int:
+        return self.lines[0][0]
+
+    @property
+    def last_line(self) -> int:
+        return self.lines[-1][0]
+
+
+class _Records:
+    """The records of an open CSV file after its header, re-synchronising after bad quotes.
+    `known` holds the labels a row-like line must have to stop a runaway field."""
+
+    def __init__(self, file, settings: CsvSettings, path: Path):
+        self.settings, self.path = settings, path
+        self.lines = _Lines(file, first_line=1)
+        self.reader = csv.reader(self.lines, strict=True)
+        try:
+            header = next(self.reader)
+        except StopIteration:
+            raise CsvTextError(f"{path}: the file is empty; expected a header row") from None
+        except csv.Error as err:
+            raise CsvTextError(f"{path}: the header row cannot be read as CSV ({err})") from None
+        if header and header[0].startswith("\ufeff"):  # a byte-order mark (Excel's UTF-8)
+            header[0] = header[0][1:]
+        self.columns = header
+        self.width = len(header)
+        self.known: set[str] = set(settings.labels or ())
+        self.label_at = 0
+        self.lines.guard = self._guard
+
+    def _row_like(self, text: str) -> bool:
+        """Does `text`, standing alone, read as a complete row with a known label?"""
+        if text.count(DELIMITER) < self.width - 1 or not self.known:
+            return False
+        try:
+            fields = next(csv.reader([text], strict=True), None)
+        except csv.Error:
+            return False
+        return (
+            fields is not None
+            and len(fields) == self.width
+            and fields[self.label_at].strip() in self.known
+        )
+
+    def _guard(self, record: list[tuple[int, str]]) -> None:
+        if len(record) >= self.settings.max_field_lines:
+            raise _Runaway(
+                f"would run past data.max_field_lines={self.settings.max_field_lines} lines"
+            )
+        if len(record) > 1 and self._row_like(record[-1][1]):
+            raise _Runaway(f"would run past line {record[-1][0]}, a row of its own")
+
+    def __iter__(self) -> Iterator[_Record]:
+        lines, row = self.lines, 0
+        while True:
+            lines.record = []
+            try:
+                fields = next(self.reader)
+            except StopIteration:
+                return
+            except _Runaway as stop:
+                yield self._broken(row := row + 1, stop.why)
+                continue
+            except csv.Error as err:
+                yield self._after_error(row := row + 1, str(err))
+                continue
+            record = lines.record
+            row += 1
+            yield _Record(row, record, fields, record[0][0] <= lines.reread_until)
+
+    def _broken(self, row: int, why: str) -> _Record:
+        """A record broken at its opening quote: its first line only; the rest is read again."""
+        record = self.lines.record
+        self.lines.push_back(record[1:])
+        return _Record(row, record[:1], None, False, why, _quote_column(record[0][1]))
+
+    def _after_error(self, row: int, message: str) -> _Record:
+        if "unexpected end of data" in message:
+            return self._broken(row, "would run to the end of the file")
+        column = _quote_column(self.lines.record[0][1])
+        extent = self._lenient_extent()
+        if extent is None:
+            return self._broken(row, message)
+        return _Record(row, extent, None, False, "is not doubled", column)
+
+    def _lenient_extent(self) -> list[tuple[int, str]] | None:
+        """The lines of a record with an undoubled quote, read leniently, when it ends cleanly
+        (the header's width, a label) before a line that starts with a quoted field, a row-like
+        line passed over, or max_field_lines; else None. Lines read past the extent go back."""
+        lines, consumed = self.lines, len(self.lines.record)
+        taken, lenient = list(self.lines.record), _Lenient()
+        for used in range(self.settings.max_field_lines):
+            if used == len(taken):
+                try:
+                    taken.append(lines.pull())
+                except StopIteration:
+                    break
+            if used and _opens_a_field(taken[used][1]):  # a record of its own starts here
+                break
+            if used > 1 and self._row_like(taken[used - 1][1]):  # the field ran past a row
+                break
+            if lenient.feed(taken[used][1]):
+                if len(lenient.fields) == self.width and lenient.fields[self.label_at].strip():
+                    lines.push_back(taken[used + 1 :])
+                    return taken[: used + 1]
+                break
+        lines.push_back(taken[consumed:])
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The header, and row by row
+
+
+def _open(path: Path, settings: CsvSettings):
     if not path.is_file():
         raise CsvTextError(f"{path}: no such file (set data.train_path / data.val_path)")
     try:
-        header = pd.read_csv(
-            path, nrows=0, encoding=settings.encoding, encoding_errors="surrogateescape"
-        )
-    except pd.errors.EmptyDataError:
-        raise CsvTextError(f"{path}: the file is empty; expected a header row") from None
+        return path.open(encoding=settings.encoding, errors="surrogateescape", newline="")
     except LookupError:
         raise CsvTextError(
             f"{path}: unknown encoding {settings.encoding!r} (data.encoding); "
             "use a Python codec name such as utf-8, latin-1 or cp1252"
         ) from None
-    columns = [str(c) for c in header.columns]
+
+
+def _check_columns(path: Path, columns: list[str], settings: CsvSettings) -> None:
     missing = [c for c in (settings.text_column, settings.label_column) if c not in columns]
     if missing:
         raise CsvTextError(
             f"{path}: missing column {', '.join(map(repr, missing))}; columns present: "
             f"{', '.join(map(repr, columns))} (set data.text_column / data.label_column)"
         )
+
+
+def read_header(path: str | Path, settings: CsvSettings) -> list[str]:
+    """The column names; CsvTextError if the file is missing, empty or lacks a column."""
+    path = Path(path)
+    with _open(path, settings) as file:
+        columns = _Records(file, settings, path).columns
+    _check_columns(path, columns, settings)
     return columns
 
 
-# ---------------------------------------------------------------------------------------------
-# Row by row
-
-
 class _Checker:
-    """Decides, row by row, whether a row is kept; knows the labels seen so far (to recognise a
-    swallowed row) and, for a validation file, the training classes."""
+    """Decides whether a record is kept: its fields, text, label and cleaned text."""
 
-    def __init__(self, settings: CsvSettings, label_last: bool, classes: Collection[str] | None):
-        self.settings = settings
-        self.label_last = label_last
-        self.classes = None if classes is None else frozenset(classes)
-        self.labels_seen: set[str] = set(classes or ())
+    def __init__(self, settings: CsvSettings, columns: list[str]):
+        self.settings, self.columns, self.width = settings, columns, len(columns)
+        self.text_at = columns.index(settings.text_column)
+        self.label_at = columns.index(settings.label_column)
 
     def missing(self, value: str) -> bool:
         value = value.strip()
         return not value or value in self.settings.na_values
 
-    def swallowed_rows(self, value: str) -> tuple[int, str] | None:
-        """(how many, an example) of the lines inside a multi-line field that look like whole
-        rows: ending in `,<label>` (label column last) or starting with `<label>,` (first)."""
-        lines = value.split("\n")
-        if self.label_last:
-            candidates = [ln.rstrip("\r").rpartition(DELIMITER) for ln in lines[:-1]]
-            hits = [f"{DELIMITER}{tail}" for _, sep, tail in candidates
-                    if sep and tail in self.labels_seen]  # fmt: skip
-        else:
-            candidates = [ln.partition(DELIMITER) for ln in lines[1:]]
-            hits = [f"{head}{DELIMITER}" for head, sep, _ in candidates
-                    if sep and head in self.labels_seen]  # fmt: skip
-        return (len(hits), hits[0]) if hits else None
-
-    def problem(self, text: str, label: str, extra: bool, line: int, span: int):
-        """(reason, column, what is wrong) of a row's first problem, or None: the checks run in
-        the order of BAD_ROW_REASONS."""
-        s = self.settings
-        if extra:
-            return "wrong_field_count", None, f"has more fields than the header {QUOTE_HINT}"
-        if self.missing(text) and self.missing(label):
+    def problem(self, record: _Record):
+        """(reason, column, what is wrong) of a record's first problem, or None."""
+        s, fields = self.settings, record.fields
+        if fields is None:
+            column = self.columns[record.column] if record.column < self.width else None
+            where = f" in column {column!r}" if column else ""
+            if record.broken == "is not doubled":
+                what = (
+                    f"has a quote inside the quoted field{where} that is not doubled (lines "
+                    f'{record.first_line}-{record.last_line}); write a quote in a field as ""'
+                )
+            elif record.broken.startswith("would"):
+                what = (
+                    f"opens a quote{where} that is never closed: the field {record.broken}; fix "
+                    f"the quote (the record is dropped and reading resumes on line "
+                    f"{record.first_line + 1})"
+                )
+            else:
+                what = f"has a malformed quote{where} ({record.broken}); fix the quote"
+            return "unbalanced_quote", column, what
+        if not any(f.strip() for f in fields):
             return "empty_row", None, "is empty"
+        if len(fields) != self.width:
+            more = len(fields) > self.width
+            return (
+                "wrong_field_count",
+                None,
+                f"has {len(fields)} fields, the header {self.width}"
+                + (f" {QUOTE_HINT}" if more else ""),
+            )
+        text, label = fields[self.text_at], fields[self.label_at]
         for value, column in ((text, s.text_column), (label, s.label_column)):
             if not value.isascii() and _SURROGATE.search(value):
                 return (
                     "undecodable",
                     column,
-                    (
-                        f"has bytes that are not valid {s.encoding} in column {column!r}; set "
-                        "data.encoding to the file's encoding (e.g. latin-1 or cp1252)"
-                    ),
+                    f"has bytes that are not valid {s.encoding} in column {column!r}; set "
+                    "data.encoding to the file's encoding (e.g. latin-1 or cp1252)",
                 )
-            swallowed = span > 1 and "\n" in value and self.swallowed_rows(value)
-            if swallowed:
-                count, example = swallowed
-                return (
-                    "merged_rows",
-                    column,
-                    (
-                        f"has a quoted field in column {column!r} spanning lines {line}-"
-                        f"{line + span - 1} with {count} line(s) that look like rows of their own "
-                        f"(ending in {example!r}): an unbalanced quote merged them; fix the quote"
-                    ),
-                )
+        if self.missing(text) and self.missing(label):
+            return "empty_row", None, "is empty"
         if self.missing(text):
             return "missing_text", s.text_column, f"has an empty text in column {s.text_column!r}"
         if self.missing(label):
@@ -230,164 +525,84 @@ class _Checker:
                 s.label_column,
                 (f"has a missing label in column {s.label_column!r}"),
             )
-        if self.classes is not None and label.strip() not in self.classes:
+        if s.labels is not None and label.strip() not in s.labels:
             return (
-                "unseen_label",
+                "unlisted_label",
                 s.label_column,
-                (
-                    f"has a label not in the training data ({label.strip()!r}) in column "
-                    f"{s.label_column!r}; training classes: {', '.join(sorted(self.classes))}"
-                ),
+                (f"has the label {label.strip()!r}, which data.labels does not name"),
             )
         return None
 
-    def check(self, text: str, label: str, extra: bool, row: int, line: int, span: int):
+    def check(self, record: _Record) -> tuple[BadRow | None, str | None]:
         """(BadRow or None, the cleaned text or None)."""
-        found = self.problem(text, label, extra, line, span)
-        cleaned = None if found else clean_text(text, self.settings.cleaning)
-        if found is None and not cleaned:
-            found = (
-                "empty_after_cleaning",
-                self.settings.text_column,
-                (
+        found = self.problem(record)
+        cleaned = None
+        if found is None:
+            cleaned = clean_text(record.fields[self.text_at], self.settings.cleaning)
+            if not cleaned:
+                found = (
+                    "empty_after_cleaning",
+                    self.settings.text_column,
                     f"has a text that is empty after cleaning in column "
-                    f"{self.settings.text_column!r} (only markup or spaces)"
-                ),
-            )
-        if found is not None:
-            reason, column, what = found
-            last_line = line + span - 1 if reason == "merged_rows" else None
-            return BadRow(reason, row, line, column, what, last_line), None
-        self.labels_seen.add(label.strip())
-        return None, cleaned
-
-
-def _newlines(frame: pd.DataFrame) -> np.ndarray:
-    """Line breaks inside each row's fields: a row spans 1 + this many physical lines."""
-    counts = np.zeros(len(frame), dtype=np.int64)
-    for column in frame.columns:
-        values = frame[column]
-        has = values.str.contains("\n", regex=False).to_numpy(dtype=bool)
-        if has.any():
-            counts[has] += values[has].str.count("\n").to_numpy(dtype=np.int64)
-    return counts
-
-
-def _skipped_records(caught: list[warnings.WarningMessage]) -> list[tuple[int, int]]:
-    """(data row, fields) of the rows pandas skipped for having too many fields."""
-    skipped = []
-    for warning in caught:
-        for record, fields in _SKIPPED.findall(str(warning.message)):
-            skipped.append((int(record) - 1, int(fields)))  # pandas counts the header as 1
-    return skipped
+                    f"{self.settings.text_column!r} (only markup or spaces)",
+                )
+        if found is None:
+            return None, cleaned
+        reason, column, what = found
+        raw = "".join(text for _, text in record.lines)
+        bad = BadRow(
+            reason, record.row, record.first_line, column, what, record.last_line, preview(raw)
+        )
+        return bad, None
 
 
 def read_labelled_rows(
-    path: str | Path,
-    settings: CsvSettings,
-    log: BadRowLog,
-    *,
-    classes: Collection[str] | None = None,
+    path: str | Path, settings: CsvSettings, log: BadRowLog
 ) -> Iterator[RowChunk]:
-    """Yields the kept rows chunk by chunk; counts every row in `log`. `classes` (a validation
-    file) marks rows with any other label as unseen_label. With settings.bad_rows == "error" the
-    first bad row raises CsvTextError."""
+    """Yields the kept rows chunk by chunk (settings.chunk_rows records each); counts every
+    record in `log`. With settings.bad_rows == "error" the first bad record raises."""
     path = Path(path)
-    columns = read_header(path, settings)
-    extras = [f"__extra_{i}" for i in range(EXTRA_FIELDS)]
-    text_at, label_at = columns.index(settings.text_column), columns.index(settings.label_column)
-    checker = _Checker(settings, label_last=label_at == len(columns) - 1, classes=classes)
-    reader = pd.read_csv(
-        path,
-        header=None,
-        skiprows=1,
-        names=columns + extras,  # unique placeholders: pandas may rename duplicate headers
-        index_col=False,
-        dtype=str,
-        na_filter=False,  # "NA", "null", "None" are text; data.na_values decides what is missing
-        keep_default_na=False,
-        skip_blank_lines=False,  # blank lines are rows we count, and keep line numbers right
-        on_bad_lines="warn",
-        encoding=settings.encoding,
-        encoding_errors="surrogateescape",  # undecodable bytes become marks we find per row
-        chunksize=settings.chunk_rows,
-        engine="c",
-    )
-    header_lines = 1 + sum(c.count("\n") for c in columns)
-    next_row, next_line = 1, header_lines + 1
-    pending: list[tuple[int, int]] = []  # skipped rows pandas told us about, not yet placed
-    with reader:
-        while True:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", pd.errors.ParserWarning)
-                try:
-                    frame = next(reader, None)
-                except pd.errors.ParserError as err:
-                    raise _parser_error(path, settings, err) from None
-            pending += _skipped_records(caught)
-            if frame is None:
-                break
-            kept = RowChunk([], [], [], [])
-            spans = (1 + _newlines(frame)).tolist()
-            texts = frame.iloc[:, text_at].tolist()
-            labels = frame.iloc[:, label_at].tolist()
-            extra = (frame[extras].to_numpy() != "").any(axis=1).tolist()
-            for text, label, extra_fields, span in zip(texts, labels, extra, spans, strict=True):
-                while pending and pending[0][0] == next_row:
-                    _, fields = pending.pop(0)
-                    _account(log, settings, path, _wrong_fields(next_row, next_line, fields))
-                    next_row, next_line = next_row + 1, next_line + 1
-                bad, cleaned = checker.check(text, label, extra_fields, next_row, next_line, span)
-                if bad is None:
-                    kept.texts.append(cleaned)
-                    kept.labels.append(label.strip())
-                    kept.rows.append(next_row)
-                    kept.lines.append(next_line)
-                _account(log, settings, path, bad)
-                next_row, next_line = next_row + 1, next_line + span
-            if kept.texts:
-                yield kept
-    for row, fields in pending:  # skipped rows after the last parsed one
-        _account(log, settings, path, _wrong_fields(row, next_line + row - next_row, fields))
+    with _open(path, settings) as file:
+        records = _Records(file, settings, path)
+        _check_columns(path, records.columns, settings)
+        checker = _Checker(settings, records.columns)
+        records.label_at = checker.label_at
+        yield from _chunks(records, checker, settings, log, path)
     if log.rows_read == 0:
         raise CsvTextError(f"{path}: has a header but no data rows")
 
 
-def _wrong_fields(row: int, line: int, fields: int) -> BadRow:
-    what = f"has {fields} fields, more than the header {QUOTE_HINT}"
-    return BadRow("wrong_field_count", row, line, None, what)
+def _chunks(records: _Records, checker: _Checker, settings, log, path) -> Iterator[RowChunk]:
+    """Kept rows in chunks. A kept row waits for the next record before it joins its chunk:
+    a broken record after it flags it too."""
+    chunk, pending, after_broken = RowChunk(), None, False
+    learn = settings.labels is None  # else the known labels are exactly data.labels
 
+    def place(row) -> None:
+        text, label, number, line, flagged = row
+        chunk.texts.append(text)
+        chunk.labels.append(label)
+        chunk.rows.append(number)
+        chunk.lines.append(line)
+        chunk.flagged.append(flagged)
+        if learn and not flagged:
+            records.known.add(label)
 
-def _account(log: BadRowLog, settings: CsvSettings, path: Path, bad: BadRow | None) -> None:
-    log.rows_read += 1
-    if bad is None:
-        log.rows_kept += 1
-        return
-    if settings.bad_rows == "error":
-        raise CsvTextError(
-            f"{path}: row {bad.row} (line {bad.line}) {bad.what} (data.bad_rows=drop skips "
-            "such rows, counting them in data_report.json)"
-        )
-    log.add(bad)
-
-
-def _parser_error(path: Path, settings: CsvSettings, err: Exception) -> CsvTextError:
-    message = str(err).strip().splitlines()[-1]
-    unclosed = re.search(r"EOF inside string starting at row (\d+)", message)
-    if unclosed:
-        line = _line_of_record(path, settings.encoding, int(unclosed.group(1)))
-        return CsvTextError(
-            f"{path}: row {unclosed.group(1)} (line {line}) opens a quote that is never closed, "
-            "so the rest of the file would be one field; fix the unbalanced quote"
-        )
-    return CsvTextError(f"{path}: cannot be read as CSV: {message}")
-
-
-def _line_of_record(path: Path, encoding: str, record: int) -> int:
-    """The physical line where record `record` (0 = the header) starts. Only for an error
-    message: it reads the file again with the csv module, which counts lines."""
-    with path.open(encoding=encoding, errors="surrogateescape", newline="") as f:
-        reader = csv.reader(f)
-        for _ in itertools.islice(reader, record):
-            pass
-        return reader.line_num + 1
+    for record in records:
+        bad, cleaned = checker.check(record)
+        broken = bad is not None and bad.reason in STRUCTURAL
+        if pending is not None:
+            place((*pending[:4], pending[4] or broken))
+            pending = None
+            if len(chunk.texts) >= settings.chunk_rows:
+                yield chunk
+                chunk = RowChunk()
+        account(log, settings, path, bad)
+        if bad is None:
+            label = record.fields[checker.label_at].strip()
+            pending = (cleaned, label, record.row, record.first_line, after_broken or record.reread)
+        after_broken = broken
+    if pending is not None:
+        place(pending)
+    if chunk.texts:
+        yield chunk

@@ -17,24 +17,30 @@ generated in code (built in memory, not cached), so the dataset works offline.""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.model_selection import train_test_split
 from torch import Tensor
 
 from kiln.config.data import CsvTextConfig
 from kiln.data.csv_reader import (
+    BadRow,
     BadRowLog,
     CsvSettings,
     CsvTextError,
     RowChunk,
+    drop_kept,
+    preview,
     read_labelled_rows,
+    summary_line,
 )
 from kiln.data.spec import DataBundle, DataSpec, SourceNames
 from kiln.data.text_corpus import demo_corpus
@@ -42,6 +48,7 @@ from kiln.data.token_store import (
     ENCODE_BATCH,
     STORE_VERSION,
     IdsWriter,
+    PaddedTokens,
     StoreEntry,
     TextSpool,
     TokenDataset,
@@ -54,7 +61,12 @@ from kiln.data.token_store import (
 )
 from kiln.preprocessing import TokenRecipe
 from kiln.preprocessing.cleaning import TextCleaning, clean_texts
-from kiln.preprocessing.text import PAD_ID, encode_ids, pad_token_ids, train_tokenizer
+from kiln.preprocessing.text import (
+    PAD_ID,
+    WordCachedEncoder,
+    pad_token_ids,
+    train_tokenizer,
+)
 from kiln.sorting import natural_key
 
 log = logging.getLogger(__name__)
@@ -81,6 +93,8 @@ def csv_settings(cfg: CsvTextConfig) -> CsvSettings:
         bad_rows=str(cfg.bad_rows),
         chunk_rows=cfg.chunk_rows,
         cleaning=cleaning_of(cfg),
+        max_field_lines=cfg.max_field_lines,
+        labels=None if cfg.labels is None else frozenset(str(x).strip() for x in cfg.labels),
     )
 
 
@@ -88,9 +102,12 @@ def csv_settings(cfg: CsvTextConfig) -> CsvSettings:
 # Batching
 
 
-def collate_tokens(batch: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """[(ids (L_i,), label ())] -> (ids (N, L_max) padded with PAD_ID, labels (N,)).
-    Module-level so DataLoader workers can pickle it."""
+def collate_tokens(batch: list[tuple[Tensor, Tensor]] | PaddedTokens) -> tuple[Tensor, Tensor]:
+    """[(ids (L_i,), label ())] -> (ids (N, L_max) padded with PAD_ID, labels (N,)); a batch
+    the dataset already padded (TokenDataset.__getitems__) passes through. Module-level so
+    DataLoader workers can pickle it."""
+    if isinstance(batch, PaddedTokens):
+        return batch.ids, batch.labels
     ids, labels = zip(*batch, strict=True)
     return pad_token_ids(list(ids)), torch.stack(labels)
 
@@ -108,7 +125,8 @@ def token_batch_metrics(batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
 
 def split_rows(labels: np.ndarray, val_fraction: float, seed: int):
     """(train rows, val rows): round(n * val_fraction) rows for validation, stratified by label
-    where every class can be in both splits, seeded by data.split_seed."""
+    where every class can be in both splits, seeded by data.split_seed. (numpy only: importing
+    scikit-learn for this would cost every text run a second of start-up.)"""
     n = len(labels)
     num_val = round(n * val_fraction)
     if num_val < 1 or num_val >= n:
@@ -116,16 +134,34 @@ def split_rows(labels: np.ndarray, val_fraction: float, seed: int):
             f"data.val_fraction={val_fraction} of {n} rows leaves an empty split; "
             "use more rows, another val_fraction, or data.val_path"
         )
+    order = np.random.default_rng(seed).permutation(n)
     counts = np.bincount(labels)
-    counts = counts[counts > 0]
-    # Stratify only where sklearn can: every class twice, and room for each class in both splits.
-    can_stratify = counts.min() >= 2 and len(counts) <= num_val <= n - len(counts)
-    return train_test_split(
-        np.arange(n),
-        test_size=num_val,
-        random_state=seed,
-        stratify=labels if can_stratify else None,
-    )
+    present = np.flatnonzero(counts)
+    # Stratify only where every class can be in both splits.
+    if counts[present].min() < 2 or not len(present) <= num_val <= n - len(present):
+        return order[num_val:], order[:num_val]
+    take = _val_counts(counts[present], num_val)
+    in_val = np.zeros(n, dtype=bool)
+    shuffled = labels[order]
+    for label, count in zip(present.tolist(), take.tolist(), strict=True):
+        in_val[order[shuffled == label][:count]] = True
+    return order[~in_val[order]], order[in_val[order]]
+
+
+def _val_counts(counts: np.ndarray, num_val: int) -> np.ndarray:
+    """Per class its share of num_val rows (largest remainders first), each at least 1 and at
+    most its count - 1, summing to num_val."""
+    share = counts * num_val / counts.sum()
+    take = np.clip(np.floor(share).astype(np.int64), 1, counts - 1)
+    by_remainder = np.argsort(-(share - np.floor(share)), kind="stable")
+    while take.sum() != num_val:
+        step = 1 if take.sum() < num_val else -1
+        for k in by_remainder if step == 1 else by_remainder[::-1]:
+            if 1 <= take[k] + step <= counts[k] - 1:
+                take[k] += step
+                if take.sum() == num_val:
+                    break
+    return take
 
 
 def _split(texts: list[str], labels: list[str], val_fraction: float, seed: int):
@@ -142,28 +178,208 @@ def _split(texts: list[str], labels: list[str], val_fraction: float, seed: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Building a token store
+# Reading the files, then deciding the classes
 
 
-def _spool(
-    chunks: Iterable[RowChunk], spool: TextSpool, names: dict[str, int], rows: list[np.ndarray]
-) -> np.ndarray:
-    """Appends the chunks' cleaned texts to the spool, their CSV row numbers to `rows`; returns
-    their labels as codes in `names` (first-seen order, extended as new labels appear)."""
-    codes = []
+@dataclass
+class _FileRows:
+    """What reading one file left in the spool: per kept row its label (a code into `names`,
+    first-seen order), row, line and whether the reader flagged it."""
+
+    path: str
+    names: dict[str, int]
+    codes: np.ndarray
+    rows: np.ndarray
+    lines: np.ndarray
+    flagged: np.ndarray
+
+    def label_counts(self, clean_only: bool = False) -> np.ndarray:
+        codes = self.codes[~self.flagged] if clean_only else self.codes
+        return np.bincount(codes, minlength=len(self.names))
+
+
+def _spool_file(path: str, chunks: Iterable[RowChunk], spool: TextSpool) -> _FileRows:
+    """Appends the chunks' cleaned texts to the spool and keeps the rest of each row."""
+    names: dict[str, int] = {}
+    codes, rows, lines, flagged = [], [], [], []
     for chunk in chunks:
         spool.append(chunk.texts)
-        rows.append(np.asarray(chunk.rows, dtype=np.int64))
         codes.append(np.array([names.setdefault(y, len(names)) for y in chunk.labels]))
-    return np.concatenate(codes) if codes else np.zeros(0, dtype=np.int64)
+        rows.append(np.array(chunk.rows))
+        lines.append(np.array(chunk.lines))
+        flagged.append(np.array(chunk.flagged, dtype=bool))
+
+    def joined(parts, dtype):
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
+
+    return _FileRows(
+        path,
+        names,
+        joined(codes, np.int64),
+        joined(rows, np.int64),
+        joined(lines, np.int64),
+        joined(flagged, bool),
+    )
 
 
-def _class_names(names: dict[str, int], source: str) -> list[str]:
-    class_names = sorted(names, key=natural_key)
-    if len(class_names) < 2:
-        only = f"label {class_names[0]!r}" if class_names else "no label"
-        raise CsvTextError(f"{source}: every kept row has {only}; classification needs two classes")
-    return class_names
+def _where(lines: Sequence[int], count: int) -> str:
+    shown = ", ".join(map(str, lines[:5])) + (", ..." if count > 5 else "")
+    return f"line {shown}" if count == 1 else f"{count} rows: lines {shown}"
+
+
+def _hydra_list(labels: Iterable[str]) -> str:
+    """Labels as a Hydra override list: plain names bare, others quoted."""
+    quoted = [
+        name if re.fullmatch(r"[\w.-]+", name) else "'" + name.replace("'", "\\'") + "'"
+        for name in labels
+    ]
+    return "[" + ",".join(quoted) + "]"
+
+
+def _suspects(cfg: CsvTextConfig, read: _FileRows) -> dict[str, dict]:
+    """Labels seen only in flagged rows, or in fewer than data.min_rows_per_class rows."""
+    total, clean = read.label_counts(), read.label_counts(clean_only=True)
+    found = {}
+    for name, code in read.names.items():
+        if clean[code] == 0 or total[code] < cfg.min_rows_per_class:
+            lines = read.lines[read.codes == code][:5].tolist()
+            found[name] = {"rows": int(total[code]), "clean_rows": int(clean[code]), "lines": lines}
+    return dict(sorted(found.items(), key=lambda item: natural_key(item[0])))
+
+
+def _suspect_error(cfg: CsvTextConfig, read: _FileRows, suspects: dict, classes) -> CsvTextError:
+    shown = "; ".join(
+        f"{name!r} ({_where(info['lines'], info['rows'])})" for name, info in suspects.items()
+    )
+    return CsvTextError(
+        f"{read.path}: {len(suspects)} suspect label(s), seen only in rows next to broken records "
+        f"or in fewer than {cfg.min_rows_per_class} rows (data.min_rows_per_class): {shown}; name "
+        f"the classes with data.labels={_hydra_list(classes)}, or drop these rows and go on with "
+        f"data.max_suspect_labels={len(suspects)}"
+    )
+
+
+def _train_classes(cfg: CsvTextConfig, read: _FileRows) -> tuple[list[str], dict[str, dict]]:
+    """(the classes, the suspect labels whose rows are left out). CsvTextError when the
+    suspects are more than data.max_suspect_labels, or a class of data.labels has no row."""
+    if cfg.labels is not None:
+        listed = sorted({str(label).strip() for label in cfg.labels}, key=natural_key)
+        empty = [name for name in listed if name not in read.names]
+        if empty:
+            raise CsvTextError(
+                f"{read.path}: data.labels names {', '.join(map(repr, empty))}, but no kept "
+                f"training row has it; labels seen: {', '.join(map(repr, read.names))}"
+            )
+        return listed, {}
+    suspects = _suspects(cfg, read)
+    classes = sorted((n for n in read.names if n not in suspects), key=natural_key)
+    if len(suspects) > cfg.max_suspect_labels:
+        raise _suspect_error(cfg, read, suspects, classes)
+    if len(classes) < 2:
+        only = f"label {classes[0]!r}" if classes else "no label"
+        raise CsvTextError(
+            f"{read.path}: every kept row has {only}; classification needs two classes"
+        )
+    return classes, suspects
+
+
+def _leave_out(read, keep, reason, what, spool_texts, settings, log: BadRowLog) -> None:
+    """Drops the rows of `read` where not keep[i], after the fact, each named in `log`."""
+    column = settings.label_column
+    by_code = {code: name for name, code in read.names.items()}
+    for i in np.flatnonzero(~keep).tolist():
+        label = by_code[int(read.codes[i])]
+        bad = BadRow(
+            reason,
+            int(read.rows[i]),
+            int(read.lines[i]),
+            column,
+            what(label),
+            preview=preview(f"{spool_texts[i]},{label}"),
+        )
+        drop_kept(log, settings, read.path, bad)
+
+
+def _class_index(read: _FileRows, classes: list[str]) -> np.ndarray:
+    """Per row its class index, -1 where the label is not a class."""
+    index = {name: i for i, name in enumerate(classes)}
+    by_code = np.array([index.get(name, -1) for name in read.names], dtype=np.int64)
+    return by_code[read.codes] if len(read.codes) else read.codes
+
+
+def _texts_of(spool: TextSpool, first: int, rows: np.ndarray) -> dict[int, str]:
+    """The spooled texts of a few rows (offsets within a file that starts at `first`)."""
+    if len(rows) == 0:
+        return {}
+    keep = np.zeros(len(spool), dtype=bool)
+    keep[first + rows] = True
+    texts = [text for batch in spool.batches(ENCODE_BATCH, keep=keep) for text in batch]
+    return dict(zip(rows.tolist(), texts, strict=True))
+
+
+def _read_files(cfg, spool, train: _FileRows, val: _FileRows | None, logs, settings):
+    """Decides the classes from the training rows, then judges the validation rows by them:
+    (class index per spooled row, -1 for a row left out; classes; what was left out)."""
+    classes, suspects = _train_classes(cfg, train)
+    labels = _class_index(train, classes)
+    out = {"suspect_labels": suspects, "unseen_labels": {}}
+    if suspects:
+        dropped = np.flatnonzero(labels < 0)
+        texts = _texts_of(spool, 0, dropped)
+        _leave_out(
+            train,
+            labels >= 0,
+            "suspect_label",
+            lambda label: (
+                f"has the label {label!r}, seen only in rows next to broken records or in "
+                f"fewer than {cfg.min_rows_per_class} rows: a suspect, not a class"
+            ),
+            texts,
+            settings,
+            logs["train_file"],
+        )
+        log.warning(
+            "data: %s: left out %d row(s) of %d suspect label(s) (data.max_suspect_labels=%d): %s",
+            train.path,
+            int((labels < 0).sum()),
+            len(suspects),
+            cfg.max_suspect_labels,
+            "; ".join(f"{n!r} ({_where(i['lines'], i['rows'])})" for n, i in suspects.items()),
+        )
+    if val is None:
+        return labels, classes, out
+    val_labels = _class_index(val, classes)
+    unseen = np.flatnonzero(val_labels < 0)
+    if len(unseen):
+        texts = _texts_of(spool, len(train.codes), unseen)
+        _leave_out(
+            val,
+            val_labels >= 0,
+            "unseen_label",
+            lambda label: (
+                f"has a label not in the training data ({label!r}) in column "
+                f"{settings.label_column!r}; training classes: {', '.join(classes)}"
+            ),
+            texts,
+            settings,
+            logs["val_file"],
+        )
+        by_code = {code: name for name, code in val.names.items()}
+        names = [by_code[int(c)] for c in val.codes[unseen]]
+        counts = {name: names.count(name) for name in sorted(set(names), key=natural_key)}
+        out["unseen_labels"] = counts
+        log.warning(
+            "data: %s: %d row(s) have labels the training data does not have (%s); they are "
+            "left out of validation (val_acc, val_loss) and listed as unseen_label",
+            val.path,
+            len(unseen),
+            ", ".join(f"{n!r} {c}" for n, c in counts.items()),
+        )
+    return np.concatenate([labels, val_labels]), classes, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a token store
 
 
 @contextlib.contextmanager
@@ -173,28 +389,17 @@ def _timed(timings: dict[str, float], name: str):
     timings[name] = time.perf_counter() - start
 
 
-def _read_into_spool(spool, train_chunks, val_chunks, source: str):
-    """Reads the training (then validation) chunks into the spool: (labels as class indices,
-    class names, each row's number in its CSV). Classes are the training file's labels."""
-    names: dict[str, int] = {}
-    rows: list[np.ndarray] = []
-    codes = _spool(train_chunks, spool, names, rows)
-    class_names = _class_names(names, source)
-    if val_chunks is not None:
-        codes = np.concatenate([codes, _spool(val_chunks(class_names), spool, names, rows)])
-    spool.close()
-    by_name = {name: i for i, name in enumerate(class_names)}
-    labels = np.array([by_name[name] for name in names], dtype=np.int64)[codes]
-    return labels, class_names, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
-
-
-def _train_val_rows(cfg: CsvTextConfig, labels: np.ndarray, logs: dict[str, BadRowLog]):
+def _train_val_rows(cfg: CsvTextConfig, labels: np.ndarray, num_train: int, logs):
+    """(train rows, val rows) among the rows with a class."""
     if cfg.val_path is None:
-        return split_rows(labels, cfg.val_fraction, cfg.split_seed)
-    num_train = logs["train_file"].rows_kept
-    if num_train == len(labels):
+        usable = np.flatnonzero(labels >= 0)
+        train, val = split_rows(labels[usable], cfg.val_fraction, cfg.split_seed)
+        return usable[train], usable[val]
+    train = np.flatnonzero(labels[:num_train] >= 0)
+    val = num_train + np.flatnonzero(labels[num_train:] >= 0)
+    if len(val) == 0:
         raise CsvTextError(f"{cfg.val_path}: no usable rows ({logs['val_file'].summary()})")
-    return np.arange(num_train), np.arange(num_train, len(labels))
+    return train, val
 
 
 def _tokenizer_sample(train_rows: np.ndarray, size: int, seed: int) -> np.ndarray:
@@ -205,11 +410,12 @@ def _tokenizer_sample(train_rows: np.ndarray, size: int, seed: int) -> np.ndarra
     return np.random.default_rng(seed).choice(train_rows, size=size, replace=False)
 
 
-def _encode_spool(spool: TextSpool, tokenizer, directory: Path) -> np.ndarray:
+def _encode_spool(spool: TextSpool, tokenizer, max_length: int, directory: Path) -> np.ndarray:
     """Every spooled text's ids into the store's ids file; returns the offsets."""
     writer = IdsWriter(directory)
+    encode = WordCachedEncoder(tokenizer, max_length)
     for texts in spool.batches(ENCODE_BATCH):
-        writer.append(encode_ids(tokenizer, texts))
+        writer.append_flat(*encode(texts))
     spool.path.unlink()  # the cleaned texts were only needed until now
     return writer.finish()
 
@@ -221,8 +427,10 @@ def _store_report(cfg, logs, class_names, labels, train_rows, val_rows, tokenize
         per_class = np.bincount(labels[rows], minlength=len(class_names)).tolist()
         return dict(zip(class_names, per_class, strict=True))
 
+    files = {name: entry.to_dict() for name, entry in logs.items()}
     return {
-        **{name: entry.to_dict() for name, entry in logs.items()},
+        **files,
+        "summary": [summary_line(entry) for entry in files.values()],
         "classes": class_names,
         "rows": {"train": int(len(train_rows)), "val": int(len(val_rows))},
         "class_counts": {"train": counts(train_rows), "val": counts(val_rows)},
@@ -240,31 +448,40 @@ def build_entry(
     directory: Path,
     cfg: CsvTextConfig,
     train_chunks: Iterable[RowChunk],
-    val_chunks: Callable[[list[str]], Iterable[RowChunk]] | None,
+    val_chunks: Iterable[RowChunk] | None,
     logs: dict[str, BadRowLog],
-    source: str,
+    settings: CsvSettings,
 ) -> None:
-    """Writes a token store into `directory`: read + clean (chunks) -> spool on disk ->
-    tokenizer trained on the training rows of the spool -> every row's ids.
-    `val_chunks(class_names)` reads a validation file."""
+    """Writes a token store into `directory`: read + clean (chunks) -> spool on disk -> the
+    classes, from the clean training rows -> tokenizer trained on the training rows of the
+    spool -> every row's ids. The validation file is read on its own, then judged by the
+    training classes."""
     timings: dict[str, float] = {}
     spool = TextSpool(directory / "texts.utf8")
     with _timed(timings, "read_clean_s"):
-        labels, class_names, source_rows = _read_into_spool(spool, train_chunks, val_chunks, source)
-    train_rows, val_rows = _train_val_rows(cfg, labels, logs)
+        train = _spool_file(logs["train_file"].path, train_chunks, spool)
+        val = None if val_chunks is None else _spool_file(cfg.val_path, val_chunks, spool)
+        spool.close()
+        labels, class_names, left_out = _read_files(cfg, spool, train, val, logs, settings)
+    lines = train.lines if val is None else np.concatenate([train.lines, val.lines])
+    rows = train.rows if val is None else np.concatenate([train.rows, val.rows])
+    train_rows, val_rows = _train_val_rows(cfg, labels, len(train.codes), logs)
     with _timed(timings, "tokenizer_s"):
         learn_from = _tokenizer_sample(train_rows, cfg.tokenizer_rows, cfg.split_seed)
         keep = np.zeros(len(labels), dtype=bool)
         keep[learn_from] = True
         texts = spool.batches(ENCODE_BATCH, keep=keep)
-        tokenizer = train_tokenizer(texts, cfg.vocab_size, cfg.max_length, len(learn_from))
+        tokenizer = train_tokenizer(
+            texts, cfg.vocab_size, cfg.max_length, len(learn_from), str(cfg.tokenizer)
+        )
     with _timed(timings, "encode_s"):
-        offsets = _encode_spool(spool, tokenizer, directory)
+        offsets = _encode_spool(spool, tokenizer, cfg.max_length, directory)
     report = _store_report(cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets)
+    report.update(left_out)
     report["build_timings_s"] = timings  # read + clean, tokenizer, encode: when it was built
     meta = {"class_names": class_names, "vocab_size": tokenizer.get_vocab_size(), "report": report}
     save_entry(
-        directory, offsets, labels, train_rows, val_rows, tokenizer.to_str(), meta, source_rows
+        directory, offsets, labels, lines, rows, train_rows, val_rows, tokenizer.to_str(), meta
     )
 
 
@@ -272,7 +489,9 @@ def _demo_chunks(cfg: CsvTextConfig, log_: BadRowLog) -> list[RowChunk]:
     texts, labels = demo_corpus()
     rows = list(range(1, len(texts) + 1))
     log_.rows_read = log_.rows_kept = len(texts)
-    return [RowChunk(clean_texts(texts, cleaning_of(cfg)), labels, rows, rows)]
+    lines = [row + 1 for row in rows]  # after the header line a CSV of them would have
+    cleaned = clean_texts(texts, cleaning_of(cfg))
+    return [RowChunk(cleaned, labels, rows, lines, [False] * len(rows))]
 
 
 def _key_inputs(cfg: CsvTextConfig) -> dict:
@@ -288,7 +507,12 @@ def _key_inputs(cfg: CsvTextConfig) -> dict:
         "encoding": settings.encoding,
         "na_values": sorted(settings.na_values),
         "bad_rows": settings.bad_rows,
+        "labels": None if settings.labels is None else sorted(settings.labels),
+        "min_rows_per_class": cfg.min_rows_per_class,
+        "max_suspect_labels": cfg.max_suspect_labels,
+        "max_field_lines": cfg.max_field_lines,
         "cleaning": settings.cleaning.to_dict(),
+        "tokenizer": str(cfg.tokenizer),
         "vocab_size": cfg.vocab_size,
         "tokenizer_rows": cfg.tokenizer_rows,
         "max_length": cfg.max_length,
@@ -302,7 +526,9 @@ def prepare(cfg: CsvTextConfig) -> tuple[StoreEntry, dict]:
     if cfg.train_path is None:
         logs = {"train_file": BadRowLog("demo corpus")}
         entry = built_in_memory(
-            lambda d: build_entry(d, cfg, _demo_chunks(cfg, logs["train_file"]), None, logs, "demo")
+            lambda d: build_entry(
+                d, cfg, _demo_chunks(cfg, logs["train_file"]), None, logs, settings
+            )
         )
         cache = {"dir": None, "hit": False}
     else:
@@ -315,13 +541,15 @@ def prepare(cfg: CsvTextConfig) -> tuple[StoreEntry, dict]:
         if cfg.val_path is not None:
             logs["val_file"] = BadRowLog(str(cfg.val_path))
 
-        def read_val(class_names):
-            return read_labelled_rows(cfg.val_path, settings, logs["val_file"], classes=class_names)
-
         def build(directory: Path) -> None:
             train = read_labelled_rows(cfg.train_path, settings, logs["train_file"])
-            val = read_val if cfg.val_path is not None else None
-            build_entry(directory, cfg, train, val, logs, str(cfg.train_path))
+            val = None
+            if cfg.val_path is not None:
+                # Read on its own: its own labels re-synchronise it, and a label the training
+                # classes lack is judged after (unseen_label), data.labels or not.
+                own = dataclasses.replace(settings, labels=None)
+                val = read_labelled_rows(cfg.val_path, own, logs["val_file"])
+            build_entry(directory, cfg, train, val, logs, settings)
 
         entry, hit = cached_entry(root, name, build)
         cache = {"dir": str(root / name), "hit": hit}
@@ -330,9 +558,15 @@ def prepare(cfg: CsvTextConfig) -> tuple[StoreEntry, dict]:
 
 
 def log_report(report: dict) -> None:
+    """The files' totals, then the class table (label, train rows, val rows)."""
     for name in ("train_file", "val_file"):
         if name in report:
-            _log_file(report[name])
+            entry = report[name]
+            line = "data: " + summary_line(entry)
+            if entry["rows_dropped"]:
+                log.warning("%s; each is listed in data_report.json", line)
+            else:
+                log.info("%s", line)
     rows, cache = report["rows"], report["cache"]
     log.info(
         "data: %d train / %d val rows, %d classes, %.0f tokens per text on average; prepared in "
@@ -346,16 +580,19 @@ def log_report(report: dict) -> None:
         if cache["dir"] is None
         else f"cache {'hit' if cache['hit'] else 'built'}: {cache['dir']}",
     )
+    for line in class_table(report):
+        log.info("data: %s", line)
 
 
-def _log_file(entry: dict) -> None:
-    reasons = ", ".join(f"{r} {d['count']}" for r, d in entry["dropped"].items())
-    line = (
-        f"data: {entry['path']}: {entry['rows_read']} rows read, {entry['rows_kept']} kept, "
-        f"{entry['rows_dropped']} dropped"
-        + (f" ({reasons}; see data_report.json)" if reasons else "")
-    )
-    (log.warning if entry["rows_dropped"] else log.info)(line)
+def class_table(report: dict) -> list[str]:
+    """The classes with their rows in each split, one line each, aligned."""
+    counts = report["class_counts"]
+    width = max(len("label"), *(len(name) for name in report["classes"]))
+    lines = [f"{'label':<{width}}  {'train':>8}  {'val':>8}"]
+    for name in report["classes"]:
+        train, val = counts["train"][name], counts["val"][name]
+        lines.append(f"{name:<{width}}  {train:>8,}  {val:>8,}")
+    return lines
 
 
 def build_csv_text(cfg: CsvTextConfig) -> DataBundle:
@@ -374,7 +611,14 @@ def build_csv_text(cfg: CsvTextConfig) -> DataBundle:
         pad_id=PAD_ID,
     )
     recipe = TokenRecipe(
-        entry.tokenizer_json, cfg.max_length, class_names, PAD_ID, cleaning=cleaning_of(cfg)
+        entry.tokenizer_json,
+        cfg.max_length,
+        class_names,
+        PAD_ID,
+        cleaning=cleaning_of(cfg),
+        text_column=cfg.text_column,
+        label_column=cfg.label_column,
+        encoding=cfg.encoding,
     )
     return DataBundle(
         spec=spec,
@@ -385,13 +629,16 @@ def build_csv_text(cfg: CsvTextConfig) -> DataBundle:
         batch_metrics=token_batch_metrics,
         report=report,
         bucket_lengths=train.lengths if cfg.bucket_by_length else None,
-        sources={"val": val_sources(cfg, entry)},
+        sources={
+            "train": split_sources(cfg, entry, "train"),
+            "val": split_sources(cfg, entry, "val"),
+        },
     )
 
 
-def val_sources(cfg: CsvTextConfig, entry: StoreEntry) -> SourceNames:
-    """ "<file> row N" per validation item: rows of data.val_path, or of the training file the
-    split came from (numbered from 1 after the header, as data_report.json numbers them)."""
-    path = cfg.val_path or cfg.train_path
+def split_sources(cfg: CsvTextConfig, entry: StoreEntry, split: str) -> SourceNames:
+    """ "<file> row N" per item of the split: its row of data.val_path, or of the training file
+    the split came from (numbered from 1 after the header, as data_report.json numbers them)."""
+    path = cfg.val_path if split == "val" and cfg.val_path else cfg.train_path
     name = Path(path).name if path is not None else "demo corpus"
-    return SourceNames(f"{name} row {{}}", entry.source_rows[entry.val_rows])
+    return SourceNames(f"{name} row {{}}", entry.source_rows[getattr(entry, f"{split}_rows")])

@@ -6,9 +6,10 @@ tokenizing.
     <cache_dir>/<csv name>-<key>/
         ids.int32        token ids of every kept row (memory-mapped)
         offsets.npy      row i's ids are ids[offsets[i]:offsets[i + 1]]
-        labels.npy       class index per row
+        labels.npy       class index per row (-1: a row left out, e.g. a suspect label)
+        lines.npy        each row's line in its file (for reports)
+        source_rows.npy  each row's number in its file, from 1 after the header (for reports)
         train_index.npy, val_index.npy
-        source_rows.npy  the CSV row number (from 1 after the header) of each stored row
         tokenizer.json
         meta.json        class names, the data report, the key's inputs
 
@@ -28,12 +29,14 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
+
+from kiln.preprocessing.text import PAD_ID
 
 STORE_VERSION = 2  # bump when the layout or the meaning of a stored entry changes
 ID_DTYPE = np.int32
@@ -142,6 +145,13 @@ def open_ids(directory: Path) -> np.ndarray:
     return np.memmap(path, dtype=ID_DTYPE, mode="r")
 
 
+class PaddedTokens(NamedTuple):
+    """A batch as TokenDataset.__getitems__ makes it: ids (N, L) padded, labels (N,)."""
+
+    ids: Tensor
+    labels: Tensor
+
+
 class TokenDataset(Dataset):
     """One split of a TokenStore: item i is (token ids LongTensor (L_i,), label LongTensor ())."""
 
@@ -156,6 +166,20 @@ class TokenDataset(Dataset):
         row = self.rows[index]
         ids = torch.from_numpy(self.store.row_ids(row).astype(np.int64))
         return ids, torch.tensor(self.store.labels[row], dtype=torch.long)
+
+    def __getitems__(self, indices: list[int]) -> PaddedTokens:
+        """A whole batch at once (what a DataLoader asks for when it can): the rows' ids
+        gathered in one numpy step and padded to the longest, instead of a tensor per item."""
+        rows = self.rows[np.asarray(indices, dtype=np.int64)]
+        starts, ends = self.store.offsets[rows], self.store.offsets[rows + 1]
+        lengths = ends - starts
+        width = int(lengths.max()) if len(rows) else 0
+        position = np.arange(width)
+        inside = position < lengths[:, None]  # (N, width)
+        ids = np.full((len(rows), width), PAD_ID, dtype=np.int64)
+        ids[inside] = self.store.ids[(starts[:, None] + position)[inside]]
+        labels = torch.from_numpy(self.store.labels[rows].astype(np.int64))
+        return PaddedTokens(torch.from_numpy(ids), labels)
 
     @property
     def labels(self) -> Tensor:
@@ -185,6 +209,11 @@ class IdsWriter:
         self._file.write(flat.tobytes())
         self._lengths.append(lengths)
 
+    def append_flat(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Rows given as their ids back to back and each row's length."""
+        self._file.write(ids.astype(ID_DTYPE, copy=False).tobytes())
+        self._lengths.append(np.asarray(lengths, dtype=np.int64))
+
     def finish(self) -> np.ndarray:
         self._file.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
@@ -200,15 +229,17 @@ class StoreEntry:
     val_rows: np.ndarray
     tokenizer_json: str
     meta: dict[str, Any]
-    source_rows: np.ndarray | None = None  # CSV row number per stored row (its file's)
+    lines: np.ndarray  # each row's line in its file
+    source_rows: np.ndarray  # each row's number in its file (from 1 after the header)
 
 
 def save_entry(
-    directory: Path, offsets, labels, train_rows, val_rows, tokenizer_json, meta, source_rows
+    directory: Path, offsets, labels, lines, rows, train_rows, val_rows, tokenizer_json, meta
 ):
-    np.save(directory / "source_rows.npy", np.asarray(source_rows, dtype=np.int64))
     np.save(directory / "offsets.npy", offsets)
+    np.save(directory / "source_rows.npy", rows.astype(np.int64))
     np.save(directory / "labels.npy", labels.astype(np.int64))
+    np.save(directory / "lines.npy", lines.astype(np.int64))
     np.save(directory / "train_index.npy", train_rows.astype(np.int64))
     np.save(directory / "val_index.npy", val_rows.astype(np.int64))
     (directory / "tokenizer.json").write_text(tokenizer_json)
@@ -231,6 +262,7 @@ def load_entry(directory: Path, *, in_memory: bool = False) -> StoreEntry:
         val_rows=np.load(directory / "val_index.npy"),
         tokenizer_json=(directory / "tokenizer.json").read_text(),
         meta=json.loads((directory / "meta.json").read_text()),
+        lines=np.load(directory / "lines.npy"),
         source_rows=np.load(directory / "source_rows.npy"),
     )
 

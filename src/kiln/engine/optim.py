@@ -42,15 +42,100 @@ def fused_where_supported(params: list, sharded_ok: bool = True) -> bool:
     return bool(params) and devices <= {"cpu", "cuda"} and (sharded_ok or not sharded)
 
 
+class AdamW(torch.optim.AdamW):
+    """torch.optim.AdamW, lazy on a sparse gradient (an nn.EmbeddingBag(sparse=True) table):
+    only the rows the gradient holds are updated -- their moments, their decay, their values --
+    as TensorFlow's LazyAdam and torch's SparseAdam do, so a step costs what the batch touched,
+    not the table's size. Dense parameters take torch's (fused) AdamW step. It skips an update
+    on the device when the trainer sets `found_inf`, as the fused kernel does."""
+
+    def step(self, closure=None):
+        sparse = [
+            (group, p)
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None and p.grad.is_sparse
+        ]
+        grads = [p.grad for _, p in sparse]
+        for _, p in sparse:
+            p.grad = None  # torch's step skips a parameter without a gradient
+        try:
+            loss = super().step(closure)
+        finally:
+            for (_, p), grad in zip(sparse, grads, strict=True):
+                p.grad = grad
+        with torch.no_grad():
+            for (group, p), grad in zip(sparse, grads, strict=True):
+                self._lazy_step(group, p, grad)
+        return loss
+
+    def _lazy_step(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> None:
+        grad = grad.coalesce()  # one entry per row
+        rows, values = grad.indices()[0], grad.values()
+        scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if scale is not None:
+            values = values / scale
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        beta1, beta2 = group["betas"]
+        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        step = state["step"] + (1 if found_inf is None else 1 - found_inf)
+        m_old = state["exp_avg"].index_select(0, rows)
+        v_old = state["exp_avg_sq"].index_select(0, rows)
+        p_old = p.index_select(0, rows)
+        m = m_old.lerp(values, 1 - beta1)
+        v = v_old.mul(beta2).addcmul_(values, values, value=1 - beta2)
+        denom = (v / (1 - beta2**step)).sqrt_().add_(eps)
+        new = p_old * (1 - lr * decay) - (lr / (1 - beta1**step)) * m / denom
+        if found_inf is not None:  # a non-finite step: keep everything as it was
+            skip = found_inf > 0
+            m, v, new = (
+                torch.where(skip, old, x) for old, x in ((m_old, m), (v_old, v), (p_old, new))
+            )
+        state["step"] = step
+        state["exp_avg"].index_copy_(0, rows, m)
+        state["exp_avg_sq"].index_copy_(0, rows, v)
+        p.index_copy_(0, rows, new)
+
+
+def sparse_capable(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's embedding tables that may take sparse gradients: marked `sparse_ok` by the
+    model (text_bow's table), or built with sparse=True."""
+    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, kinds) and (m.sparse or getattr(m, "sparse_ok", False))
+    ]
+
+
+def settle_sparse_gradients(model: torch.nn.Module, cfg: OptimizerConfig, *, dense: bool) -> bool:
+    """Switch the tables that may take sparse gradients to them where the optimizer has a lazy
+    sparse step (kiln's adamw) and one process trains; under `dense` (several ranks: DDP/FSDP
+    reduce dense buckets; torch.compile) or with another optimizer, they stay dense. True when
+    some table went sparse."""
+    sparse = not dense and cfg.name in SPARSE_GRADIENT_OPTIMIZERS
+    tables = sparse_capable(model)
+    for module in tables:
+        module.sparse = sparse
+    return sparse and bool(tables)
+
+
 def build_adamw(params, cfg: AdamWConfig) -> torch.optim.Optimizer:
     params = list(params)
-    return torch.optim.AdamW(
+    return AdamW(
         params,
         lr=cfg.lr,
         betas=tuple(cfg.betas),
         weight_decay=cfg.weight_decay,
         fused=fused_where_supported(params),
     )
+
+
+SPARSE_GRADIENT_OPTIMIZERS = ("adamw",)  # optimizers with a lazy step for sparse gradients
 
 
 def build_sgd(params, cfg: SGDConfig) -> torch.optim.Optimizer:

@@ -39,6 +39,7 @@ from kiln.engine.optim import (
     build_optimizer,
     build_scheduler,
     schedule_at,
+    settle_sparse_gradients,
     total_optimizer_steps,
 )
 from kiln.engine.precision import resolve_precision
@@ -96,6 +97,9 @@ def build_trainer(
         cfg.trainer.unfreeze_at_epoch,
     )
     freeze.apply(model, epoch=0)  # before DDP registers the parameters it reduces
+    several_ranks = dist.enabled or is_sharded(cfg.trainer)
+    if settle_sparse_gradients(model, cfg.optimizer, dense=several_ranks or cfg.trainer.compile):
+        log.info("embedding tables take sparse gradients: each step updates the rows it touched")
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.trainer.log_activations:

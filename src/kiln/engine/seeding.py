@@ -23,7 +23,10 @@ def set_deterministic(enabled: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.deterministic = enabled
     torch.backends.cudnn.benchmark = not enabled
-    torch.use_deterministic_algorithms(enabled, warn_only=False)
+    if enabled or torch.are_deterministic_algorithms_enabled():
+        # Only when it changes something: the call imports torch._inductor (over a second of
+        # every run's start-up) even to switch off what is already off.
+        torch.use_deterministic_algorithms(enabled, warn_only=False)
 
 
 def rng_state() -> dict:

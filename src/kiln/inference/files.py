@@ -27,12 +27,13 @@ log = logging.getLogger(__name__)
 IMAGE_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 
 
-def read_inputs(path: str | Path, preprocess: Preprocessor, text_column: str = "text") -> Any:
+def read_inputs(path: str | Path, preprocess: Preprocessor, text_column: str | None = None) -> Any:
     """Image models: .npy (N, C, H, W) -- or (N, H, W) for one channel -- or a .csv with one
     image per row as C*H*W pixel columns; models trained on image files (data=image_folder) also
     an image file, a folder of them (recursively) or a glob: named (path, bytes) pairs, see
-    `read_image_files`. Text models: a .csv with a text column. Detectors: images of any sizes,
-    see `read_images`."""
+    `read_image_files`. Text models: a .csv read as training read its own (the text column and
+    encoding recorded in the checkpoint; `text_column` overrides the column). Detectors: images
+    of any sizes, see `read_images`."""
     text = str(path)
     path = Path(path)
     if isinstance(preprocess, ImageListPreprocessor):
@@ -54,9 +55,11 @@ def read_inputs(path: str | Path, preprocess: Preprocessor, text_column: str = "
             f"{path}: this image model reads .npy or .csv files of pixels, not "
             f"{suffix or 'that'} (its data was not read from image files)"
         )
+    recipe = preprocess.recipe
+    column = text_column or recipe.text_column
     if suffix != ".csv":
-        raise InputError(f"{path}: text models read a .csv file with a {text_column!r} column")
-    return _texts_from_csv(path, text_column)
+        raise InputError(f"{path}: text models read a .csv file with a {column!r} column")
+    return _texts_from_csv(path, column, recipe.encoding)
 
 
 def is_glob(text: str) -> bool:
@@ -193,8 +196,15 @@ def _images_from_csv(path: Path, preprocess: ImagePreprocessor) -> np.ndarray:
     return pixels.reshape(len(frame), *preprocess.shape)
 
 
-def _texts_from_csv(path: Path, text_column: str) -> list[str]:
-    frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+def _texts_from_csv(path: Path, text_column: str, encoding: str) -> list[str]:
+    try:
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False, encoding=encoding)
+    except UnicodeDecodeError as err:
+        raise InputError(
+            f"{path}: not valid {encoding} (the training data's encoding) at byte {err.start}"
+        ) from None
+    except (pd.errors.ParserError, pd.errors.EmptyDataError) as err:
+        raise InputError(f"{path}: cannot be read as CSV: {str(err).strip()}") from None
     if text_column not in frame.columns:
         raise InputError(
             f"{path}: no {text_column!r} column; columns present: {', '.join(frame.columns)} "
@@ -203,18 +213,42 @@ def _texts_from_csv(path: Path, text_column: str) -> list[str]:
     return frame[text_column].tolist()
 
 
+EMPTY_AFTER_CLEANING = "empty after cleaning"
+
+
+def predictable_texts(texts: list[str], preprocess) -> tuple[list[str], dict[int, str]]:
+    """(the texts to predict, {index: why not} for the others): a text that the training's
+    cleaning reduces to nothing has no words to predict from, so it is reported per row
+    instead of given a made-up label."""
+    cleaned = preprocess.recipe.clean(texts)
+    skipped = {i: EMPTY_AFTER_CLEANING for i, text in enumerate(cleaned) if not text}
+    return [text for i, text in enumerate(texts) if i not in skipped], skipped
+
+
 def write_predictions(
-    probs: np.ndarray, class_names: list[str], path: str | Path, sources: list[str] | None = None
+    probs: np.ndarray,
+    class_names: list[str],
+    path: str | Path,
+    sources: list[str] | None = None,
+    skipped: dict[int, str] | None = None,
 ) -> Path:
     """CSV: index, source (the input file, when inputs were files), label, then
-    prob_<class name> for every class."""
+    prob_<class name> for every class. With `skipped` (text models) a last column `error` says
+    why a row has no prediction; `probs` holds the other rows."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     frame = pd.DataFrame(probs, columns=[f"prob_{name}" for name in class_names])
     frame.insert(0, "label", [class_names[i] for i in probs.argmax(axis=1)])
+    if skipped is not None:
+        total = len(probs) + len(skipped)
+        predicted = [i for i in range(total) if i not in skipped]
+        frame.index = predicted
+        frame = frame.reindex(range(total))
+        frame["label"] = frame["label"].fillna("")
+        frame["error"] = [skipped.get(i, "") for i in range(total)]
     if sources is not None:
         frame.insert(0, "source", sources)
-    frame.insert(0, "index", np.arange(len(probs)))
+    frame.insert(0, "index", np.arange(len(frame)))
     frame.to_csv(path, index=False)
     return path
 

@@ -16,6 +16,7 @@ import math
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kiln.config.model import TextBowConfig, TextTransformerConfig
@@ -55,6 +56,63 @@ def hashed_ngrams(ids: Tensor, pad_id: int, ngrams: int, num_buckets: int, offse
     return torch.cat(grams, dim=1) if grams else ids[:, :0]
 
 
+class _WeightedBag(torch.autograd.Function):
+    """EmbeddingBag's weighted sum (its fast CPU kernel) with a sparse gradient that holds one
+    row per distinct feature, already coalesced: the rows a batch touched, reduced as one sparse
+    (distinct features x texts) matrix times the gradient of the pooled vectors. Built so, it
+    costs a third of EmbeddingBag's own sparse gradient plus the sort (coalesce) that the norm
+    and the optimizer would each need."""
+
+    @staticmethod
+    def forward(ctx, table: Tensor, features: Tensor, weights: Tensor) -> Tensor:
+        ctx.save_for_backward(features, weights)
+        ctx.table_shape = table.shape
+        return F.embedding_bag(features, table, mode="sum", per_sample_weights=weights)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # grad: (N, D), of the pooled vectors
+        features, weights = ctx.saved_tensors  # (N, F) each
+        flat = features.reshape(-1)
+        order = flat.argsort()
+        rows, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        texts = order // features.shape[1]  # which text each sorted position belongs to
+        # (distinct rows x N): row u holds, for each text, the weights of u's positions in it.
+        with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta": for torch devs
+            warnings.simplefilter("ignore", UserWarning)
+            touched = torch.sparse_csr_tensor(
+                starts,
+                texts,
+                weights.reshape(-1)[order],
+                size=(len(rows), features.shape[0]),
+                check_invariants=False,  # built sorted and in range above
+            )
+        values = touched @ grad.to(weights.dtype)  # (distinct rows, D)
+        table_grad = torch.sparse_coo_tensor(
+            rows.unsqueeze(0),
+            values.to(grad.dtype),
+            ctx.table_shape,
+            is_coalesced=True,
+            check_invariants=False,
+        )
+        return table_grad, None, None
+
+
+def _flag_coalesced(table: nn.Parameter) -> None:
+    """After autograd stores _WeightedBag's gradient in .grad it no longer says it is coalesced
+    (AccumulateGrad drops the flag), so the grad norm and the optimizer would each sort it again.
+    Row indices in strictly increasing order are exactly what coalesced means, so say so again
+    (CPU only: the check would wait for a GPU, whose sort is cheap anyway)."""
+    grad = table.grad
+    if grad is None or not grad.is_sparse or grad.is_coalesced() or grad.device.type != "cpu":
+        return
+    rows = grad._indices()[0]
+    if bool((rows[1:] > rows[:-1]).all()):  # else: gradients accumulated over micro-batches
+        table.grad = torch.sparse_coo_tensor(
+            grad._indices(), grad._values(), grad.shape, is_coalesced=True, check_invariants=False
+        )
+
+
 class FastText(nn.Module):
     """fastText's classifier: one EmbeddingBag over the tokens and their hashed n-grams (padding
     excluded), pooled, -> dropout -> linear. One table holds vocab_size token rows followed by
@@ -64,7 +122,15 @@ class FastText(nn.Module):
     sqrt(embed_dim) (as Transformer embeddings are): under Adam every parameter moves about lr per
     step, and a mean divides a feature's step by the text's length (~100 features), so
     fastText-style embeddings would learn far slower than the head. With these two scales a
-    first run converges in about three epochs at kiln's default learning rate."""
+    first run converges in about three epochs at kiln's default learning rate.
+
+    Speed: both scales and the padding mask are the bag's per-sample weights (0 at padding),
+    which keeps EmbeddingBag on its fast CPU kernel (a padding_idx takes it off that path: 40x
+    slower at a batch of 1024 texts). The table is built dense and marked `sparse_ok`: the
+    engine switches it to sparse gradients where it can (one process, optimizer=adamw; see
+    kiln.engine.optim.settle_sparse_gradients), and then the gradient holds only the rows a
+    batch touched and the optimizer updates only those: a step costs what the batch costs,
+    whatever the number of buckets."""
 
     def __init__(
         self,
@@ -77,13 +143,17 @@ class FastText(nn.Module):
         dropout: float,
         pad_id: int,
         aux_head: bool,
+        sparse_ok: bool = True,
     ):
         super().__init__()
         self.pad_id, self.ngrams = pad_id, ngrams
         self.vocab_size, self.num_buckets = vocab_size, num_buckets
         self.scale = math.sqrt(embed_dim)
         rows = vocab_size + (num_buckets if ngrams > 1 else 0)
-        self.embed = nn.EmbeddingBag(rows, embed_dim, mode="sum", padding_idx=pad_id)
+        # No padding_idx: padding weighs 0 in the sum (see forward), so its row gets no gradient.
+        self.embed = nn.EmbeddingBag(rows, embed_dim, mode="sum")
+        self.embed.sparse_ok = sparse_ok  # the engine may set embed.sparse (a gradient of rows)
+        self.embed.weight.register_post_accumulate_grad_hook(_flag_coalesced)
         # fastText's initialisation, uniform in +-1/embed_dim once scaled: small vectors, so a
         # text's sum starts near zero.
         bound = 1.0 / (embed_dim * self.scale)
@@ -103,8 +173,13 @@ class FastText(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor | dict[str, Tensor]:
         features = self.features(ids)  # (N, F)
-        count = (features != self.pad_id).sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1)
-        pooled = self.embed(features) * (self.scale / count.to(torch.float32).sqrt())  # (N, D)
+        keep = features != self.pad_id  # (N, F)
+        count = keep.sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1)
+        weights = keep * (self.scale / count.to(torch.float32).sqrt())  # (N, F), 0 at padding
+        if self.embed.sparse and torch.is_grad_enabled() and self.embed.weight.requires_grad:
+            pooled = _WeightedBag.apply(self.embed.weight, features, weights)  # (N, D)
+        else:
+            pooled = self.embed(features, per_sample_weights=weights)  # (N, D)
         return _outputs(self.head(self.dropout(pooled)), self.aux, pooled)
 
 
@@ -212,6 +287,7 @@ def build_text_bow(spec, cfg: TextBowConfig, *, aux_head: bool = False) -> FastT
         dropout=cfg.dropout,
         pad_id=spec.pad_id,
         aux_head=aux_head,
+        sparse_ok=cfg.sparse_grads,
     )
 
 

@@ -62,9 +62,11 @@ def clean_text(text: str, cleaning: TextCleaning) -> str:
     if cleaning.lowercase:
         text = text.lower()
     if cleaning.normalize_whitespace:
-        if not text.isprintable():  # control and format characters (NUL, zero-width space...)
-            text = "".join(ch for ch in text if ch.isprintable() or ch.isspace())
         text = " ".join(text.split())
+        # Control and format characters (NUL, zero-width space...) go; line breaks and tabs are
+        # gone already, so the character-by-character pass runs only for texts that have them.
+        if not text.isprintable():
+            text = " ".join("".join(ch for ch in text if ch.isprintable()).split())
     return text
 
 

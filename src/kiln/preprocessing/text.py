@@ -11,11 +11,16 @@ WordPiece trainer gives a different vocabulary from run to run on the same texts
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
+import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
@@ -29,31 +34,91 @@ PAD_ID = 0  # [PAD] is the first special token, so the trainer gives it id 0
 SPECIAL_TOKENS = [PAD_TOKEN, UNK_TOKEN]
 
 
+TOKENIZERS = ("bpe", "words")
+
+
 def train_tokenizer(
     text_batches: Iterable[Sequence[str]],
     vocab_size: int,
     max_length: int,
     num_texts: int | None = None,
+    kind: str = "bpe",
 ):
-    """A BPE tokenizer with [PAD]=0 and [UNK], truncating to max_length, trained on already-
-    cleaned texts. `text_batches` is consumed once, batch by batch, so the texts never need to
-    be in memory together (the trainer keeps word counts, not texts)."""
+    """A tokenizer with [PAD]=0 and [UNK], truncating to max_length, trained on already-cleaned
+    texts, split by BERT's pre-tokenizer (whitespace, then punctuation on its own). `kind`:
+    bpe -- byte-pair-encoding merges within each piece; words -- each piece a token, the
+    vocab_size - 2 most frequent ones (the rest [UNK]), counted in one pass. `text_batches` is
+    consumed once, batch by batch, so the texts never need to be in memory together."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        # Rare characters each cost an entry; keep at least half the vocabulary for merges.
-        limit_alphabet=max(1, (vocab_size - len(SPECIAL_TOKENS)) // 2),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(text_batches, trainer=trainer, length=num_texts)
+    if kind == "words":
+        tokenizer = Tokenizer(models.WordLevel(_word_vocab(text_batches, vocab_size), UNK_TOKEN))
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    else:
+        tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            # Rare characters each cost an entry; keep at least half the vocabulary for merges.
+            limit_alphabet=max(1, (vocab_size - len(SPECIAL_TOKENS)) // 2),
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator(text_batches, trainer=trainer, length=num_texts)
     tokenizer.enable_truncation(max_length)
     if tokenizer.token_to_id(PAD_TOKEN) != PAD_ID:  # invariant of the special-token order
         raise AssertionError("[PAD] must have id 0")
     return tokenizer
+
+
+def _word_vocab(text_batches: Iterable[Sequence[str]], vocab_size: int) -> dict[str, int]:
+    """The most frequent pieces (BERT pre-tokenized) of the texts, ties by the piece itself:
+    {"[PAD]": 0, "[UNK]": 1, piece: id, ...}. Whitespace words are counted first, and the
+    distinct words split into pieces together."""
+    words: collections.Counter[str] = collections.Counter()
+    for texts in text_batches:
+        for text in texts:
+            words.update(_words(text))
+    distinct = list(words)
+    counts = np.fromiter(words.values(), dtype=np.int64, count=len(distinct))
+    pieces: dict[str, int] = {}
+    for first in range(0, len(distinct), WORDS_PER_CALL):
+        chunk = distinct[first : first + WORDS_PER_CALL]
+        found, owner = _pieces(chunk)
+        for piece, count in zip(found, counts[first + owner].tolist(), strict=True):
+            pieces[piece] = pieces.get(piece, 0) + count
+    ranked = sorted(pieces.items(), key=lambda item: (-item[1], item[0]))
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for piece, _ in ranked[: max(0, vocab_size - len(SPECIAL_TOKENS))]:
+        vocab[piece] = len(vocab)
+    return vocab
+
+
+@functools.cache
+def _bert_split():
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.BertPreTokenizer().pre_tokenize_str
+
+
+def _pieces(words: list[str]) -> tuple[list[str], np.ndarray]:
+    """BERT's pre-tokenizer over whitespace-free words: (the pieces, the index of the word each
+    comes from). It splits off punctuation only, so a word of letters and digits alone
+    (str.isalnum) is one piece as it stands; the others go through it, joined into one call."""
+    plain = [w.isalnum() for w in words]
+    rest = [w for w, simple in zip(words, plain, strict=True) if not simple]
+    split = _bert_split()(" ".join(rest)) if rest else []
+    starts = np.cumsum([0] + [len(w) + 1 for w in rest[:-1]])
+    found = np.fromiter((start for _, (start, _) in split), np.int64, count=len(split))
+    rest_owner = np.flatnonzero(~np.array(plain, dtype=bool))[
+        np.searchsorted(starts, found, "right") - 1
+    ]
+    # Pieces in word order: the plain words' own, the others' from the pre-tokenizer.
+    owner = np.concatenate([np.flatnonzero(plain), rest_owner])
+    pieces = [w for w, simple in zip(words, plain, strict=True) if simple]
+    pieces += [piece for piece, _ in split]
+    order = np.argsort(owner, kind="stable")
+    return [pieces[i] for i in order.tolist()], owner[order]
 
 
 def encode_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
@@ -63,6 +128,102 @@ def encode_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     unk_id = tokenizer.token_to_id(UNK_TOKEN)
     # encode_batch_fast: the same ids without character offsets, which nothing here reads.
     return [encoding.ids or [unk_id] for encoding in tokenizer.encode_batch_fast(list(texts))]
+
+
+# Whitespace as the tokenizer's pre-tokenizer splits on it (Rust's char::is_whitespace, the
+# Unicode White_Space property); str.split() also takes \x1c-\x1f.
+_RUST_SPACE = re.compile("[\t\n\v\f\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]+")
+_PYTHON_ONLY_SPACE = re.compile("[\x1c-\x1f]")
+WORDS_PER_CALL = 100  # distinct words joined into one text per tokenizer call (longer: slower)
+
+
+def _words(text: str) -> list[str]:
+    if _PYTHON_ONLY_SPACE.search(text):
+        return [w for w in _RUST_SPACE.split(text) if w]
+    return text.split()
+
+
+class WordCachedEncoder:
+    """encode_ids for a whole corpus, fast: each distinct whitespace-separated word is encoded
+    once (many at a time, as one text), and each text's ids are its words' ids in order,
+    truncated to max_length. The tokenizer's pre-tokenizer splits on whitespace first and its
+    model works piece by piece, so these are exactly the ids of encoding each text whole
+    (tests/test_text.py holds it to that), at a fraction of the cost: a corpus's words repeat,
+    and the per-text work is numpy's. Returns (ids int32, lengths); the word cache is emptied
+    past `max_words` words."""
+
+    def __init__(self, tokenizer, max_length: int, max_words: int = 1_000_000):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self.tokenizer.no_truncation()  # words are encoded many to a text
+        self.tokenizer.no_padding()
+        # A WordLevel model is a lookup of each piece: done here, without the Rust encoder.
+        model = json.loads(tokenizer.to_str())["model"]
+        self.vocab = model["vocab"] if model["type"] == "WordLevel" else None
+        self.max_length, self.max_words = max_length, max_words
+        self.unk_id = tokenizer.token_to_id(UNK_TOKEN)
+        self.index: dict[str, int] = {}  # word -> its number in the cache
+        self._starts, self._ids = [np.zeros(1, np.int64)], []  # CSR of the cached words' ids
+
+    def _learn(self, words: list[str]) -> None:
+        """Encodes new words, WORDS_PER_CALL at a time, joined by spaces into one text."""
+        for first in range(0, len(words), WORDS_PER_CALL):
+            chunk = words[first : first + WORDS_PER_CALL]
+            if self.vocab is not None:
+                pieces, owner = _pieces(chunk)
+                get, unk = self.vocab.get, self.unk_id
+                ids = np.fromiter((get(p, unk) for p in pieces), np.int32, count=len(pieces))
+            else:
+                encoding = self.tokenizer.encode(" ".join(chunk))
+                word_starts = np.cumsum([0] + [len(w) + 1 for w in chunk[:-1]])
+                token_starts = np.array([start for start, _ in encoding.offsets], np.int64)
+                owner = np.searchsorted(word_starts, token_starts, side="right") - 1
+                ids = np.array(encoding.ids, dtype=np.int32)
+            counts = np.bincount(owner, minlength=len(chunk))
+            total = int(self._starts[-1][-1])
+            self._starts.append(total + np.cumsum(counts))
+            self._ids.append(ids)
+            for word in chunk:
+                self.index[word] = len(self.index)
+        self.starts = np.concatenate(self._starts)
+        self.ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int32)
+        self._starts, self._ids = [self.starts], [self.ids]
+
+    def __call__(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.index) > self.max_words:  # a fresh cache: memory stays bounded
+            self.__init__(self.tokenizer, self.max_length, self.max_words)
+        split = [_words(text) for text in texts]
+        index = self.index
+        new = list({w: None for words in split for w in words if w not in index})
+        if new or not hasattr(self, "starts"):
+            self._learn(new)
+        words_per_text = np.fromiter(map(len, split), dtype=np.int64, count=len(split))
+        word = np.fromiter(
+            map(index.__getitem__, itertools.chain.from_iterable(split)),
+            dtype=np.int64,
+            count=int(words_per_text.sum()),
+        )
+        first, count = self.starts[word], self.starts[word + 1] - self.starts[word]
+        ids = self.ids[_ranges(first, count)]
+        text_of_word = np.repeat(np.arange(len(texts)), words_per_text)
+        lengths = np.bincount(text_of_word, weights=count, minlength=len(texts)).astype(np.int64)
+        # Truncate: keep each text's first max_length ids.
+        position = np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        keep = position < self.max_length
+        ids, lengths = ids[keep], np.minimum(lengths, self.max_length)
+        empty = np.flatnonzero(lengths == 0)
+        if len(empty):  # as encode_ids: a text with no token gets [UNK]
+            ids = np.insert(ids, (np.cumsum(lengths) - lengths)[empty], self.unk_id)
+            lengths[empty] = 1
+        return ids.astype(np.int32), lengths
+
+
+def _ranges(first: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """The concatenation of range(first[i], first[i] + count[i]) for every i."""
+    total = int(count.sum())
+    offsets = np.repeat(first - (np.cumsum(count) - count), count)
+    return offsets + np.arange(total)
 
 
 def encode(tokenizer, texts: Sequence[str]) -> list[Tensor]:
@@ -94,6 +255,10 @@ class TokenRecipe:
     # How texts were cleaned before the tokenizer; None: not at all (checkpoints made before
     # cleaning existed, whose tokenizer normalised by itself).
     cleaning: TextCleaning | None = None
+    # How training read its CSV: infer.py reads an input CSV the same way unless told otherwise.
+    text_column: str = "text"
+    label_column: str = "label"
+    encoding: str = "utf-8"
     kind = "tokens"
 
     def __post_init__(self):
