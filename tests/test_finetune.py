@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from kiln.checkpoint import load_checkpoint
+from kiln.data import build_data
 from kiln.models.weights import WeightsError, init_from, read_state_dict
 
-from .conftest import read_metrics, read_summary, run_train, train_in_process
+from .conftest import compose_config, read_metrics, read_summary, run_train, train_in_process
 from .test_resume import final_weights, start_train, wait_for
 
 QUICK = ("trainer.max_epochs=1", "env.progress_bar=false", "logger=none")
@@ -197,3 +198,33 @@ def test_sigkill_mid_epoch_resume_is_exact_with_init_from_freeze_head_lr_and_ema
             assert torch.equal(value, actual[part][name]), f"{part}.{name} differs after resume"
     assert read_summary(interrupted)["steps"] == read_summary(reference)["steps"]
     assert final_weights(reference).keys() == final_weights(interrupted).keys()
+
+
+@pytest.mark.parametrize("library", ["torchvision", "timm"])
+def test_init_from_the_librarys_own_file_loads_into_the_zoo_model(tmp_path, library, caplog):
+    """A torchvision or timm state dict (resnet18-*.pth, model.safetensors) keyed by the
+    library's names loads into model=torchvision|timm as it does into the library's network."""
+    from kiln.models import build_model
+
+    cfg = compose_config(
+        "data=synthetic_images", "data.image_size=32", f"model={library}", "model.arch=resnet18"
+    )
+    if library == "timm":
+        import timm
+
+        net, path = timm.create_model("resnet18"), tmp_path / "model.safetensors"
+        save_file(net.state_dict(), str(path))
+    else:
+        import torchvision
+
+        net, path = torchvision.models.resnet18(), tmp_path / "resnet18.pth"
+        torch.save(net.state_dict(), path)
+    model = build_model(build_data(cfg.data).spec, cfg.model)
+    with caplog.at_level("INFO", logger="kiln.models.weights"):
+        match = init_from(model, path)
+    assert len(match.loaded) == 120 and not match.missing and not match.unexpected
+    assert sorted(k for k, _, _ in match.mismatched)[-1].endswith("weight")  # only the head
+    assert len(match.mismatched) == 2
+    conv = next(v for k, v in model.state_dict().items() if k.endswith("conv1.weight"))
+    assert torch.equal(conv, net.state_dict()["conv1.weight"])
+    assert "re-initialised (2)" in caplog.text

@@ -81,7 +81,9 @@ def test_connections_that_never_finish_their_headers_are_closed(digits):
     for sock in held:
         sock.close()
     assert HEADER_TIMEOUT_S <= seconds < HEADER_TIMEOUT_S + 5
-    assert metric(text, "kiln_header_timeouts_total") == NUM_HELD
+    # The test client's own kept-alive connection idles while the loop above waits; when that
+    # wait passes the timeout it is closed too (timed from its last answer), and counted.
+    assert NUM_HELD <= metric(text, "kiln_header_timeouts_total") <= NUM_HELD + 1
     # Normal requests keep their latency: a loose bound (a server stalled by the held
     # connections would take seconds), the ratio itself is for the load test to report.
     assert statistics.median(during) < 5 * statistics.median(before) + 50, (before, during)

@@ -110,6 +110,7 @@ def load_matching(
     """Copy every tensor whose name and shape match into `model` (in place: the optimizer's
     parameters stay the same objects); report the rest. Nothing matched is an error."""
     own = model.state_dict()
+    state_dict = in_model_keys(model, state_dict, own)
     match = WeightMatch(source)
     for key, value in state_dict.items():
         if key not in own:
@@ -129,6 +130,17 @@ def load_matching(
             "of the same architecture"
         )
     return match
+
+
+def in_model_keys(model: nn.Module, state_dict: dict, own: dict) -> dict:
+    """The state dict keyed as the model names its tensors: as it is, or -- for a zoo model
+    given its library's own file (torchvision's resnet18-*.pth) -- through the model's
+    `library_key`, whichever matches more of the model's keys."""
+    translate = getattr(model, "library_key", None)
+    if translate is None:
+        return state_dict
+    renamed = {translate(k): v for k, v in state_dict.items()}
+    return renamed if len(own.keys() & renamed) > len(own.keys() & state_dict) else state_dict
 
 
 def init_from(model: nn.Module, path: str | Path) -> WeightMatch:

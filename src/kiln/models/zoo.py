@@ -459,14 +459,26 @@ class ZooClassifier(nn.Module):
         dropout: float,
         aux_head: bool,
         fixed_input_size: bool,
+        library_head: str = "fc",
     ):
         super().__init__()
+        self.library_head = library_head  # the head's name in the library's own network
         self.backbone = backbone
         self.dropout = nn.Dropout(dropout)
         self.head = head
         self.aux = nn.Linear(num_features, num_classes) if aux_head else None
         self.head_prefixes = ("head", "aux")
         self.fixed_input_size = fixed_input_size
+
+    def library_key(self, key: str) -> str:
+        """A key of the library's own state dict (torchvision's file) as this model names it:
+        init_from= such a file loads like a kiln checkpoint."""
+        if self.library_head == "classifier.1":  # squeezenet: features -> classifier
+            first, _, rest = key.partition(".")
+            return {"features": f"backbone.{rest}", "classifier": f"head.{rest}"}.get(first, key)
+        if key.startswith(f"{self.library_head}."):
+            return "head." + key[len(self.library_head) + 1 :]
+        return f"backbone.{key}"
 
     def forward(self, x: Tensor) -> Tensor | dict[str, Tensor]:
         features = self.backbone(x)
@@ -523,7 +535,7 @@ def build_torchvision(spec, cfg: TorchvisionConfig, *, aux_head: bool = False) -
         )  # fmt: skip
     backbone, head_module, width = split_at_head(net, head)
     return ZooClassifier(
-        backbone, head_module, width, spec.num_classes, cfg.dropout, aux_head, fixed
+        backbone, head_module, width, spec.num_classes, cfg.dropout, aux_head, fixed, head
     )
 
 
@@ -671,6 +683,10 @@ class TimmClassifier(nn.Module):
         self.aux = nn.Linear(width, num_classes) if aux_head else None
         self.head_prefixes = (*(f"net.{c}" for c in classifiers), "aux")
         self.fixed_input_size = fixed
+
+    def library_key(self, key: str) -> str:
+        """A key of timm's own state dict as this model names it (see ZooClassifier)."""
+        return f"net.{key}"
 
     def forward(self, x: Tensor) -> Tensor | dict[str, Tensor]:
         if self.aux is None:
