@@ -83,6 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--check", action="store_true", help="exit 1 when a floor is missed")
     parser.add_argument(
+        "--fasttext",
+        choices=("auto", "venv", "off"),
+        default="auto",
+        help="auto: fastText if this python has it; venv: in the bench venv .bench/fasttext "
+        "(made on first use: fasttext-wheel from the index); off: leave it out",
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="extra Hydra overrides of kiln's runs (data.*, model.*, ...)"
     )
     args = parser.parse_args(argv)
@@ -268,8 +275,11 @@ def child_env(threads: int) -> dict[str, str]:
 class Tools:
     """The three commands on a (train, val) pair of files; each returns (val_acc, wall_s)."""
 
-    def __init__(self, workdir: Path, epochs: int, threads: int, overrides: list[str]):
+    def __init__(
+        self, workdir: Path, epochs: int, threads: int, overrides: list[str], fasttext_python=None
+    ):
         self.workdir, self.epochs, self.threads = workdir, epochs, threads
+        self.fasttext_python = str(fasttext_python or sys.executable)
         self.overrides = [
             o for o in overrides if not o.startswith(tuple(k + "=" for k in FILE_KEYS))
         ]
@@ -303,17 +313,35 @@ class Tools:
     def fasttext(self, train: Path, val: Path) -> tuple[float, float]:
         threads = str(self.threads or os.cpu_count())
         out, wall = self._run(
-            [sys.executable, "-c", FASTTEXT_SCRIPT, str(train), str(val), threads]
+            [self.fasttext_python, "-c", FASTTEXT_SCRIPT, str(train), str(val), threads]
         )
         return json.loads(out.strip().splitlines()[-1])["val_acc"], wall
 
 
+FASTTEXT_PACKAGES = ("fasttext-wheel==0.9.2", "pybind11==3.1.0")  # numpy: kiln's own
+
+
+def fasttext_python(choice: str):
+    """The python that runs fastText, or None to leave it out."""
+    if choice == "off":
+        return None
+    if choice == "venv":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_venv import bench_python
+
+        return bench_python("fasttext", FASTTEXT_PACKAGES)
+    return sys.executable if importlib.util.find_spec("fasttext") is not None else None
+
+
 def side_by_side(cfg, workdir: Path, args) -> dict:
     train, val, val_rows = write_split(cfg, workdir)
-    tools = Tools(workdir, args.epochs, args.threads, args.overrides)
+    python = fasttext_python(args.fasttext)
+    tools = Tools(workdir, args.epochs, args.threads, args.overrides, python)
     runners = {"kiln text_bow": tools.kiln, "TF-IDF + LinearSVC": tools.svc}
-    if importlib.util.find_spec("fasttext") is None:
-        progress("fastText is not installed (pip install fasttext-wheel): left out")
+    if python is None:
+        progress(
+            "fastText is not installed (pip install fasttext-wheel, or --fasttext venv): left out"
+        )
     else:
         runners["fastText"] = tools.fasttext
     progress("warm-up: each tool once on 300 rows (imports, bytecode, page cache)")

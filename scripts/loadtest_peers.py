@@ -26,7 +26,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
@@ -34,9 +33,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from bench_venv import bench_python
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH_VENV = REPO / ".bench" / "litserve"
 LITSERVE_PACKAGES = ("litserve==0.2.19", "pyzmq==27.3.0")  # --no-deps: the rest is kiln's
 READY_TIMEOUT_S = 180
 PROBS_TOLERANCE = 1e-4
@@ -88,27 +87,8 @@ def ensure_wrk() -> str:
 
 
 def litserve_python() -> Path:
-    """The bench venv's python, made on first use (and again if the pins change)."""
-    python = BENCH_VENV / "bin" / "python"
-    stamp = BENCH_VENV / ".installed"
-    wanted = " ".join(LITSERVE_PACKAGES)
-    if stamp.is_file() and stamp.read_text() == wanted and python.exists():
-        return python
-    print(f"making the LitServe venv {BENCH_VENV} ({wanted})", flush=True)
-    shutil.rmtree(BENCH_VENV, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(BENCH_VENV)], check=True)
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
-    # kiln's environment as a site dir (its .pth files too, so kiln's editable install works),
-    # after the venv's own packages.
-    kiln_site = sysconfig.get_paths()["purelib"]
-    Path(site, "kiln_env.pth").write_text(f"import site; site.addsitedir({kiln_site!r})\n")
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--no-deps", *LITSERVE_PACKAGES]
-    subprocess.run(pip, check=True)
-    stamp.write_text(wanted)
-    return python
+    """The LitServe venv's python (.bench/litserve), made on first use."""
+    return bench_python("litserve", LITSERVE_PACKAGES)
 
 
 # ---------------------------------------------------------------------------------------------
