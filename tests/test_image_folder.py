@@ -653,6 +653,14 @@ def test_server_takes_image_files_in_v1_base64_and_v2_bytes(photo_run):
             np.array(probs["data"]).reshape(len(files), -1), expected, atol=1e-5
         )
 
+        # The OpenAPI document says so, so a generated client knows it.
+        doc = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]
+        item = doc["V1Request"]["properties"]["inputs"]["items"]["anyOf"]
+        assert item[0]["contentEncoding"] == "base64" and item[1]["required"] == ["b64"]
+        (forms,) = [doc["InferRequest"]["properties"]["inputs"]["items"]["anyOf"]]
+        assert [f["properties"]["datatype"]["const"] for f in forms] == ["BYTES", "FP32"]
+        assert forms[0]["properties"]["data"]["items"]["contentEncoding"] == "base64"
+
         client = triton.InferenceServerClient(server.url.removeprefix("http://"))
         tensor = triton.InferInput("input", [len(files)], "BYTES")
         tensor.set_data_from_numpy(np.array(files, dtype=object), binary_data=True)

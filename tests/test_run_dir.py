@@ -127,8 +127,11 @@ def test_ctrl_c_checkpoints_at_the_step_exits_130_and_prints_the_resume_command(
     state = files.load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]
     assert state["global_step"] == summary["steps"] == steps_logged(run_dir)[-1]  # nothing lost
     assert "run interrupted (Ctrl-C); its state is in" in out
-    (command,) = [line[len("next: ") :] for line in out.splitlines() if line.startswith("next: ")]
-    assert command.startswith("python train.py ") and command.endswith("resume=auto")
+    (line,) = [line[len("next: ") :] for line in out.splitlines() if line.startswith("next: ")]
+    command, _, comment = line.partition("   # ")
+    # train.py as the test typed it (an absolute path), the run's overrides, resume=auto
+    assert command == f"python {REPO_ROOT / 'train.py'} {' '.join(cmd[3:])} resume=auto"
+    assert comment == f"continue it from that state, in {run_dir}"
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path):

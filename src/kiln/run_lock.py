@@ -1,8 +1,10 @@
-"""One run directory, one writer. A run holds an OS lock (flock) on `<run dir>/.lock` for its
-whole life, so a second process on the same directory (two `resume=auto` launches, a requeued job
+"""One run directory, one writer. A run holds an OS lock (a POSIX record lock, fcntl) on
+`<run dir>/.lock` for its whole life, so a second process on the same directory (two `resume=auto` launches, a requeued job
 while the first still runs) refuses at once, naming the process that holds it, instead of
 writing the same steps twice. The OS drops the lock when the holder exits, however it exits: a
-killed run never leaves a stale lock behind.
+killed run never leaves a stale lock behind. A record lock, not flock: flock's lock belongs to
+the open file, which the DataLoader's forked workers inherit, so a SIGKILLed run's workers kept
+it alive for seconds after it died; a record lock belongs to the process and is not inherited.
 
 A leaf: train.py takes the lock before Hydra writes anything into the directory, and `train()`
 takes it again (re-entrant within a process) for runs started in-process."""
@@ -40,8 +42,8 @@ def acquire(run_dir: Path) -> None:
     path = run_dir / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another process holds it
         holder, pid = _holder(fd)
         os.close(fd)
         stop = f"stop it (kill {pid})" if pid else "stop it"
@@ -77,7 +79,7 @@ def release(run_dir: Path) -> None:
     entry[1] -= 1
     if entry[1] == 0:
         del _held[run_dir]
-        os.close(entry[0])  # closing the descriptor drops the flock
+        os.close(entry[0])  # closing the descriptor drops the lock
 
 
 @contextlib.contextmanager

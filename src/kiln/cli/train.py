@@ -157,7 +157,7 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
 
         message = None
         if isinstance(err, ResumeError):  # its fixes as the exact commands to type
-            message = err.with_commands(list(command.overrides), dist.world_size, str(run_dir))
+            message = err.with_commands(list(hydra.overrides.task), dist.world_size, str(run_dir))
         if isinstance(err, DiskFullError):  # and what survived
             newest = report.newest_checkpoint(run_dir)
             kept = f"newest: {newest}" if newest else "none written yet"

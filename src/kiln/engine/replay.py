@@ -261,21 +261,21 @@ def _norm(tensors: list[torch.Tensor]) -> float:
 
 
 def group_updates(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """lr·|g|/|w| per parameter group, from the gradients the step is about to apply."""
-    found = []
+    """lr·|g|/|w| per learning rate, from the gradients the step is about to apply. Groups that
+    share a learning rate are measured together: kiln splits a classifier's head into its own
+    group (for optimizer.head_lr_mult), and a small head alone would read as an oversized update
+    that the model as a whole does not take."""
+    by_lr: dict[float, list[int]] = {}
     for i, group in enumerate(optimizer.param_groups):
-        grads = [p.grad.detach().float() for p in group["params"] if p.grad is not None]
-        weights = [p.detach().float() for p in group["params"]]
-        g = (
-            float(torch.linalg.vector_norm(torch.stack([x.norm() for x in grads])))
-            if grads
-            else 0.0
-        )
-        w = float(torch.linalg.vector_norm(torch.stack([x.norm() for x in weights])))
-        lr = float(group["lr"])
+        by_lr.setdefault(float(group["lr"]), []).append(i)
+    found = []
+    for lr, indices in by_lr.items():
+        params = [p for i in indices for p in optimizer.param_groups[i]["params"]]
+        g = _norm([p.grad.detach().float() for p in params if p.grad is not None])
+        w = _norm([p.detach().float() for p in params])
         found.append(
             {
-                "group": i,
+                "group": indices[0] if len(indices) == 1 else indices,
                 "lr": lr,
                 "grad_norm": g,
                 "weight_norm": w,

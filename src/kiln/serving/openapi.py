@@ -66,9 +66,29 @@ def _image(predictor: Predictor) -> dict:
     return {"anyOf": forms, "description": f"raw pixels, (C, H, W) = {tuple(shape)}"}
 
 
+def _takes_files(predictor: Predictor) -> bool:
+    return getattr(predictor.preprocess, "takes_files", False)
+
+
+ENCODED_FILE = {
+    "type": "string",
+    "contentEncoding": "base64",
+    "description": "an image file (PNG, JPEG, WEBP, ...) as base64: decoded and transformed "
+    "exactly as the training's evaluation data was",
+}
+
+
 def _input_item(predictor: Predictor) -> dict:
     if predictor.preprocess.input_kind == "tokens":
         return {"type": "string", "description": "a text"}
+    if _takes_files(predictor):  # an image file, as base64 or TF Serving's {"b64": ...}
+        wrapped = {
+            "type": "object",
+            "required": ["b64"],
+            "additionalProperties": False,
+            "properties": {"b64": ENCODED_FILE},
+        }
+        return {"anyOf": [ENCODED_FILE, wrapped, _image(predictor)]}
     return _image(predictor)
 
 
@@ -126,6 +146,38 @@ def _v2_examples(predictor: Predictor) -> list[dict]:
 
 
 def _v2_input(predictor: Predictor, config: ServerConfig) -> dict:
+    pixels = _v2_tensor_input(predictor, config)
+    if not _takes_files(predictor):
+        return pixels
+    return {"anyOf": [_v2_files_input(predictor, config), pixels]}
+
+
+def _v2_files_input(predictor: Predictor, config: ServerConfig) -> dict:
+    """The image files themselves: BYTES of shape [N], base64 in JSON, raw bytes in the binary
+    extension (with parameters.binary_data_size)."""
+    (spec,) = signature(predictor)[0].values()
+    batch = {"type": "integer", "minimum": 0, "maximum": config.max_inputs_per_request}
+    return {
+        "type": "object",
+        "required": ["name", "shape", "datatype", "data"],
+        "additionalProperties": False,
+        "description": "image files: " + DATA_MATCHES_SHAPE,
+        "properties": {
+            "name": {"const": spec.name},
+            "datatype": {"const": "BYTES"},
+            "shape": {
+                "type": "array",
+                "prefixItems": [batch],
+                "items": False,
+                "minItems": 1,
+                "maxItems": 1,
+            },  # fmt: skip
+            "data": {"type": "array", "items": ENCODED_FILE, "description": DATA_MATCHES_SHAPE},
+        },
+    }
+
+
+def _v2_tensor_input(predictor: Predictor, config: ServerConfig) -> dict:
     (spec,) = signature(predictor)[0].values()
     batch = {"type": "integer", "minimum": 0, "maximum": config.max_inputs_per_request}
     dims = [batch] + [
