@@ -1,10 +1,11 @@
-"""One run directory, one writer. A run holds an OS lock (a POSIX record lock, fcntl) on
-`<run dir>/.lock` for its whole life, so a second process on the same directory (two
-`resume=auto` launches, a requeued job while the first still runs) refuses at once, naming the
-process that holds it, instead of writing the same steps twice. The OS drops the lock when the
-holder exits, however it exits: a killed run never leaves a stale lock behind. A record lock,
-not flock: flock's lock belongs to the open file, which the DataLoader's forked workers inherit, so a SIGKILLed run's workers kept
-it alive for seconds after it died; a record lock belongs to the process and is not inherited.
+"""One run directory, one writer. A run holds an OS lock (a POSIX record lock, fcntl) on `<run
+dir>/.lock` for its whole life, so a second process on the same directory (two `resume=auto`
+launches, a requeued job while the first still runs) refuses at once, naming the process that
+holds it, instead of writing the same steps twice. The OS drops the lock when the holder exits,
+however it exits: a killed run never leaves a stale lock behind. A record lock, not flock:
+flock's lock belongs to the open file, which the DataLoader's forked workers inherit, so a
+SIGKILLed run's workers kept it alive for seconds after it died; a record lock belongs to the
+process and is not inherited.
 
 A leaf: train.py takes the lock before Hydra writes anything into the directory, and `train()`
 takes it again (re-entrant within a process) for runs started in-process."""
