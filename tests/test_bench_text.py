@@ -52,7 +52,8 @@ def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
     if importlib.util.find_spec("fasttext") is not None:
         expected.add("fastText")
     else:
-        assert "fastText is not installed (pip install fasttext-wheel, or --fasttext venv)" in done.stderr
+        missing = "fastText is not installed (pip install fasttext-wheel, or --fasttext venv)"
+        assert missing in done.stderr
     assert set(side["tools"]) == expected
     for row in side["tools"].values():
         assert len(row["val_acc_runs"]) == len(row["wall_s_runs"]) == 2
