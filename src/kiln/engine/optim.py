@@ -4,6 +4,7 @@ kiln.config.optim beside its schema); `build_optimizer`/`build_scheduler` look t
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 
 import torch
@@ -34,11 +35,10 @@ def fused_where_supported(params: list, sharded_ok: bool = True) -> bool:
     """The fused kernels (one per step, CPU and CUDA) also skip an update on the device when
     the trainer flags a non-finite loss, without waiting for the device. Sharded (DTensor)
     parameters have a fused kernel for Adam(W) only."""
-    from torch.distributed.tensor import DTensor
-
     params = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
     devices = {p.device.type for p in params}
-    sharded = any(isinstance(p, DTensor) for p in params)
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: nothing is sharded
+    sharded = dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in params)
     return bool(params) and devices <= {"cpu", "cuda"} and (sharded_ok or not sharded)
 
 

@@ -16,13 +16,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import FSDPModule
 
 from kiln import checkpoint as files
 from kiln.engine.checkpointer import ResumeError
+from kiln.engine.distributed import is_fsdp
 
 SHARDED_STATE = ("model", "optimizer")  # what DCP writes; the rest goes in the checkpoint file
 
@@ -30,7 +28,9 @@ SHARDED_STATE = ("model", "optimizer")  # what DCP writes; the rest goes in the 
 def model_and_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """{"model", "optimizer"} for a checkpoint. Sharded: DTensors keyed by parameter name (DCP
     needs the names to reshard); otherwise the plain state dicts."""
-    if isinstance(model, FSDPModule):
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_state, optimizer_state = get_state_dict(model, optimizer)
         return {"model": model_state, "optimizer": optimizer_state}
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -41,7 +41,7 @@ def load_model_and_optimizer(
 ) -> None:
     """Restores what model_and_optimizer_state saved. A sharded checkpoint is read straight into
     this run's shards (on every rank, any number of ranks); it is never consolidated here."""
-    sharded_model = isinstance(model, FSDPModule)
+    sharded_model = is_fsdp(model)
     if sharded_model and not files.is_sharded(checkpoint):
         raise ResumeError(
             "this checkpoint was written without sharding: resume it with the trainer that wrote "
@@ -56,6 +56,9 @@ def load_model_and_optimizer(
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_state, optimizer_state = get_state_dict(model, optimizer)  # this run's shards
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=files.shards_folder(checkpoint))  # in place, resharded
@@ -90,6 +93,8 @@ class ShardedWriter:
         return {key: value for key, value in state.items() if key not in SHARDED_STATE}
 
     def _write_shards(self, state: dict[str, Any]) -> Path:
+        import torch.distributed.checkpoint as dcp
+
         folder = self.directory / files.SHARDS_DIR / self._agreed_name(state)
         dcp.save({key: state[key] for key in SHARDED_STATE}, checkpoint_id=folder)
         if self.is_main:  # the folder describes itself too: load_checkpoint(folder) works

@@ -1,0 +1,46 @@
+"""data=digits: scikit-learn's split, cached after the first run so later runs skip importing
+scikit-learn (about 1.4 s of a short run): the cached arrays are exactly scikit-learn's, and a
+damaged cache file is rebuilt, never trusted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+
+from kiln.data.digits import digits_split, split_cache_path, split_with_sklearn
+
+from .conftest import SUBPROCESS_ENV, compose_config
+
+
+def test_the_cached_split_is_scikit_learns_and_later_runs_do_not_import_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = compose_config("data.split_seed=3", "data.val_fraction=0.25").data
+    expected = split_with_sklearn(cfg)
+    first = digits_split(cfg)
+    assert split_cache_path(cfg).is_file()
+    again = digits_split(cfg)
+    for key, value in expected.items():
+        assert np.array_equal(first[key], value) and np.array_equal(again[key], value), key
+        assert again[key].dtype == value.dtype
+    code = (
+        "import sys; from kiln.config import load_config; from kiln.data import build_data; "
+        "b = build_data(load_config(['data.split_seed=3', 'data.val_fraction=0.25']).data); "
+        "print(len(b.train), len(b.val), 'sklearn' in sys.modules)"
+    )
+    env = {**SUBPROCESS_ENV, "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == [str(len(first["y_train"])), str(len(first["y_val"])), "False"]
+
+
+def test_a_damaged_cache_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = compose_config().data
+    path = split_cache_path(cfg)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"PK\x03\x04 not a whole npz")
+    split = digits_split(cfg)
+    assert np.array_equal(split["i_val"], split_with_sklearn(cfg)["i_val"])
+    with np.load(path) as cached:  # written again, whole
+        assert np.array_equal(cached["i_val"], split["i_val"])
