@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -42,9 +43,8 @@ def classifier_output_problems(model: nn.Module, output: Any, size: int, spec: A
 def copy_or_build(model: nn.Module, build: Callable[[Any], nn.Module], spec: Any) -> nn.Module:
     """A throw-away model to probe: a copy, or (for a sharded FSDP model, which cannot be
     copied) a new unsharded build of the same architecture."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
         with torch.random.fork_rng():  # initialising weights draws random numbers: not ours
             return build(spec)
     return copy.deepcopy(model)
