@@ -72,9 +72,15 @@ def works(tiny: bool, resnet_steps: int, mlp_steps: int) -> dict[str, Work]:
         return {
             "resnet18": Work(
                 "resnet18 (8 px, small stem), batch 8",
-                ("data=synthetic_images", "model=resnet18", "model.small_input_stem=true",
-                 "data.image_size=8", "data.batch_size=8", "data.num_train=32",
-                 "data.num_val=16"),  # fmt: skip
+                (
+                    "data=synthetic_images",
+                    "model=resnet18",
+                    "model.small_input_stem=true",
+                    "data.image_size=8",
+                    "data.batch_size=8",
+                    "data.num_train=32",
+                    "data.num_val=16",
+                ),  # fmt: skip
                 4,
                 1,
             ),
@@ -88,9 +94,15 @@ def works(tiny: bool, resnet_steps: int, mlp_steps: int) -> dict[str, Work]:
     return {
         "resnet18": Work(
             "resnet18 (32 px, small stem), batch 64",
-            ("data=synthetic_images", "model=resnet18", "model.small_input_stem=true",
-             "data.image_size=32", "data.batch_size=64", f"data.num_train={64 * resnet_steps}",
-             "data.num_val=256"),  # fmt: skip
+            (
+                "data=synthetic_images",
+                "model=resnet18",
+                "model.small_input_stem=true",
+                "data.image_size=32",
+                "data.batch_size=64",
+                f"data.num_train={64 * resnet_steps}",
+                "data.num_val=256",
+            ),  # fmt: skip
             resnet_steps,
             5,
         ),
@@ -191,6 +203,7 @@ def run_kiln(job: dict, log: StepLog) -> None:
     Trainer.train_step = recorded
     import kiln.engine.run  # noqa: F401 -- imports are the wall's, not the run's
 
+    import_builders()
     log.begin()
     try:
         main([*job["kiln_overrides"], f"hydra.run.dir={job['run_dir']}"])
@@ -202,6 +215,8 @@ def import_builders() -> None:
     """What `built` uses, imported before the run's clock starts (imports are the wall's)."""
     import kiln.config
     import kiln.data
+    import kiln.data.digits
+    import kiln.data.synthetic
     import kiln.engine.finetune
     import kiln.engine.optim
     import kiln.models  # noqa: F401
@@ -347,8 +362,9 @@ def run_lightning(job: dict, log: StepLog) -> None:
         max_epochs=-1,
         precision="32-true",
         logger=CSVLogger(out, name="lightning"),
-        callbacks=[ModelCheckpoint(out / "checkpoints", monitor="val_acc", mode="max",
-                                   save_last=True)],  # fmt: skip
+        callbacks=[
+            ModelCheckpoint(out / "checkpoints", monitor="val_acc", mode="max", save_last=True)
+        ],  # fmt: skip
         log_every_n_steps=10,
         enable_progress_bar=False,
         default_root_dir=out,

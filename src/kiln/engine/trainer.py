@@ -217,6 +217,7 @@ class Trainer:
                 self.evaluate_and_checkpoint(epoch_end=True)
             if not self.last_eval or self.state.batch_in_epoch:
                 self.evaluate_and_checkpoint(epoch_end=False)
+        self.checkpointer.flush()  # every checkpoint on disk before the run reports done
         self.report_data_time()
         return self.last_eval
 
