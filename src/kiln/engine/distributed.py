@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -173,7 +174,8 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     total_norm = torch.nn.utils.get_total_norm(grads)
     if isinstance(total_norm, DTensor):  # each rank holds a partial norm: reduce it
         total_norm = total_norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    if math.isfinite(max_norm):  # inf: measured only (clipping would multiply every grad by 1)
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
     return total_norm
 
 

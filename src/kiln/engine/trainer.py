@@ -230,6 +230,7 @@ class Trainer:
         # hands its workers the same seeds as an uninterrupted one.
         self.train_loader.generator.manual_seed(self.seed * 1000 + s.epoch)
         batches = iter(self.train_loader)
+        self.model.train()  # once an epoch: the probes and evaluations before it switched modes
         with self._progress_bar() as bar:
             while s.batch_in_epoch < self.batches_per_epoch:
                 window = min(
@@ -248,10 +249,12 @@ class Trainer:
         waits for the device: a NaN/Inf loss sets a device flag that skips the update on the
         device; the flag is read with the metrics at the next log line."""
         model, optimizer, scaler = self.model, self.optimizer, self.scaler
-        model.train()
+        if not model.training:  # train_epoch sets it; a caller of train_step alone may not
+            model.train()
         start, data_time, samples = time.perf_counter(), 0.0, 0
-        loss_sum, terms_sum, batch_sums = torch.zeros((), device=self.device), {}, {}
-        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        # Summed over the window's micro-batches; the first is taken as it is (no zeros + x:
+        # each op is a dispatch, and a small model's step is a few dozen of them).
+        loss_sum, terms_sum, batch_sums, bad = None, {}, {}, None
         kept, micro_bad = [], []
         for micro in range(window):
             fetch_start = time.perf_counter()
@@ -269,12 +272,13 @@ class Trainer:
                 if self.state.global_step == 0 and micro == 0:
                     check_terms_reach_the_model(terms)  # rule 2, once: cheap
                 # Divide by the window so k micro-batches of b equal one batch of k*b.
-                scaler.scale(loss / window).backward()
+                scaler.scale(loss / window if window > 1 else loss).backward()
             micro_nonfinite = ~torch.isfinite(loss.detach())
-            bad |= micro_nonfinite
-            loss_sum += loss.detach()
+            bad = micro_nonfinite if bad is None else bad | micro_nonfinite
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             for name, term in terms.items():
-                terms_sum[name] = terms_sum.get(name, 0.0) + term.detach()
+                term = term.detach()
+                terms_sum[name] = terms_sum[name] + term if name in terms_sum else term
             samples += batch_size_of(batch)
             if self.parts.batch_metrics is not None:
                 for name, value in self.parts.batch_metrics(batch).items():
@@ -297,8 +301,10 @@ class Trainer:
             self.scheduler.step()  # per optimizer step, skipped steps too: the curve stays aligned
         return StepResult(
             step=self.state.global_step + 1,
-            loss=loss_sum / window,
-            terms={name: value / window for name, value in terms_sum.items()},
+            loss=loss_sum / window if window > 1 else loss_sum,
+            terms={name: value / window for name, value in terms_sum.items()}
+            if window > 1
+            else terms_sum,
             grad_norm=grad_norm,
             bad=bad,
             samples=samples,
