@@ -149,16 +149,19 @@ class StepLog:
     """Each training step's end time, epoch, samples and loss (a tensor: read once, at exit)."""
 
     ends: list[float] = field(default_factory=list)
+    cpu_ends: list[float] = field(default_factory=list)  # the process's CPU time (all threads)
     epochs: list[int] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
     losses: list = field(default_factory=list)
     started: float = 0.0  # after the side's imports: its run begins
+    extra: dict = field(default_factory=dict)
 
     def begin(self) -> None:
         self.started = time.perf_counter()
 
     def step(self, loss, epoch: int, samples: int) -> None:
         self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.process_time())
         self.epochs.append(int(epoch))
         self.samples.append(int(samples))
         self.losses.append(loss.detach())
@@ -180,10 +183,12 @@ def worker(side: str, job_file: Path) -> None:
         "to_first_step_s": log.ends[0] - started if log.ends else None,
         "after_last_step_s": finished - log.ends[-1] if log.ends else None,
         "ends": [t - started for t in log.ends],
+        "cpu_ends": log.cpu_ends,
         "epochs": log.epochs,
         "samples": log.samples,
         "losses": torch.stack(log.losses).tolist() if log.losses else [],
         "threads": torch.get_num_threads(),
+        **log.extra,
     }
     Path(job["result"]).write_text(json.dumps(result))
 
@@ -194,8 +199,10 @@ def run_kiln(job: dict, log: StepLog) -> None:
     from kiln.engine.trainer import Trainer
 
     train_step = Trainer.train_step
+    checks = log.extra  # kiln's start-up checks, as the trainer timed them
 
     def recorded(self, batches, window):
+        checks["probes_s"], checks["flops_s"] = self.probe_time_s, self.flops_time_s
         result = train_step(self, batches, window)
         log.step(result.loss, self.state.epoch, result.samples)
         return result
@@ -276,6 +283,10 @@ def run_plain(job: dict, log: StepLog) -> None:
     from kiln.models import logits_of
 
     import_builders()
+    if os.environ.get("BENCH_PLAIN_MALLOC") == "1":  # diagnosis only: kiln's malloc settings
+        from kiln.engine.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()
     log.begin()
     model, optimizer_and_schedule, sampler, train, val = built(job)
     optimizer, scheduler = optimizer_and_schedule(model)
@@ -418,14 +429,15 @@ def rates(result: dict, warmup: int) -> dict:
     """samples/s over the training steps (consecutive ends within an epoch, after warm-up) and
     over the whole run."""
     ends, epochs, samples = result["ends"], result["epochs"], result["samples"]
-    spans = [
-        (ends[i] - ends[i - 1], samples[i])
-        for i in range(max(1, warmup), len(ends))
-        if epochs[i] == epochs[i - 1]
-    ]
-    step_time = sum(t for t, _ in spans)
+    cpu = result["cpu_ends"]
+    counted = [i for i in range(max(1, warmup), len(ends)) if epochs[i] == epochs[i - 1]]
+    step_time = sum(ends[i] - ends[i - 1] for i in counted)
+    cpu_time = sum(cpu[i] - cpu[i - 1] for i in counted)
+    counted_samples = sum(samples[i] for i in counted)
     return {
-        "steps_sps": sum(n for _, n in spans) / step_time if step_time > 0 else math.nan,
+        "steps_sps": counted_samples / step_time if step_time > 0 else math.nan,
+        # Per CPU-second: what a neighbour's load takes from the wall clock is not in it.
+        "steps_cpu_sps": counted_samples / cpu_time if cpu_time > 0 else math.nan,
         "run_sps": sum(samples) / result["run_s"],
         "num_steps": len(ends),
     }
@@ -443,6 +455,7 @@ def loss_check(reference: list[float], other: list[float], rtol: float) -> dict:
 
 METRICS = (  # (key, label, higher is better)
     ("steps_sps", "samples/s, training steps", True),
+    ("steps_cpu_sps", "samples per CPU-s, training steps", True),
     ("run_sps", "samples/s, whole run", True),
     ("wall_s", "wall s, whole process", False),
 )
@@ -466,7 +479,13 @@ def summarize(rounds: list[dict], sides: list[str], work_names: list[str]) -> di
                 row[f"kiln/{peer}"] = spread([p["kiln"][key] / p[peer][key] for p in per])
             rows[key] = row
         checks = {peer: [p["loss_check"][peer] for p in per] for peer in sides[1:]}
-        table[name] = {"metrics": rows, "loss_check": checks}
+        startup = [
+            (p["kiln"].get("probes_s", 0.0) + p["kiln"].get("flops_s", 0.0), p["kiln"]["run_s"])
+            for p in per
+        ]
+        table[name] = {"metrics": rows, "loss_check": checks,
+                       "kiln_checks_s": spread([s for s, _ in startup]),
+                       "kiln_checks_share": spread([s / run for s, run in startup])}  # fmt: skip
     return table
 
 
@@ -498,6 +517,12 @@ def markdown(table: dict, works_: dict[str, Work], sides: list[str], note: str) 
                 f"{checks[0]['steps']} steps x {len(checks)} rounds "
                 f"({'within' if ok else 'OUTSIDE'} the tolerance)"
             )
+    for name, entry in table.items():
+        checks, share = entry["kiln_checks_s"], entry["kiln_checks_share"]
+        lines.append(
+            f"- kiln's start-up checks, {name} (rule 1 and 3 probes, FLOP count): "
+            f"{checks['median']:.2f} s, {100 * share['median']:.1f}% of kiln's run"
+        )
     lines.append(f"- {note}")
     return "\n".join(lines) + "\n"
 

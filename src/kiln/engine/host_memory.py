@@ -28,10 +28,10 @@ def keep_freed_host_memory(enabled: bool = True) -> bool:
     reuses the memory the previous step freed. A no-op elsewhere, when `enabled` is false, or
     when KILN_HOST_MALLOC=default. Returns whether the settings are in force."""
     global _applied
+    if not enabled or os.environ.get(ENV_SWITCH, "").lower() == "default":
+        return _applied  # process-wide: once set, they stay for the process's life
     if _applied:
         return True
-    if not enabled or os.environ.get(ENV_SWITCH, "").lower() == "default":
-        return False
     if not sys.platform.startswith("linux") or not _is_glibc():
         return False
     try:

@@ -200,6 +200,7 @@ class Trainer:
         self.preemption = PreemptionFlag(dist, device)
         self.last_eval: dict = {}
         self.probe_time_s = 0.0
+        self.flops_time_s = 0.0  # counting the model's FLOPs, once, before the first step
         self.flops_per_sample: float | None = None  # model FLOPs of a training step, per sample
         self.current_step = 0  # the step in progress: failures are reported "@ step N"
 
@@ -375,11 +376,12 @@ class Trainer:
         if self.dist.is_main and (self.cfg.probe_sizes or self.cfg.shape_check):
             log.info("pre-step probes (rules 1 and 3) took %.2f s", self.probe_time_s)
         if self.flops_per_sample is None and parts.build_fresh is not None:
-            size = parts.mode_probe_size
+            started, size = time.perf_counter(), parts.mode_probe_size
             counted = copy_or_build(self.raw_model, parts.build_fresh, parts.spec)
             self.flops_per_sample = flops_per_sample(
                 counted, self.criterion.forward, take(parts.probe_batch, size), size
             )
+            self.flops_time_s = time.perf_counter() - started
 
     def check_shapes(self) -> None:
         """Rule 3 on one real batch: train and eval mode agree on the output."""

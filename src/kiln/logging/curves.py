@@ -39,7 +39,9 @@ def draw(history: list[dict], path: Path, title: str) -> Path | None:
     val_metrics = sorted(
         {k for m in history for k in m if k.startswith("val_") and k != "val_loss"}
     )
-    figure = Figure(figsize=(11, 7), layout="constrained")
+    # Fixed margins: the constrained layout engine took over half of every draw.
+    figure = Figure(figsize=(11, 7))
+    figure.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.9, wspace=0.22, hspace=0.4)
     axes = figure.subplots(2, 2)
     loss, lr, norm, metrics = axes.flat
     loss.plot(*_series(history, "loss"), label="train loss (interval mean)")
