@@ -283,7 +283,7 @@ def run_plain(job: dict, log: StepLog) -> None:
     from kiln.models import logits_of
 
     import_builders()
-    if os.environ.get("BENCH_PLAIN_MALLOC") == "1":  # diagnosis only: kiln's malloc settings
+    if os.environ.get("BENCH_PLAIN_MALLOC") == "1":  # a diagnosis: the allocator's share
         from kiln.engine.host_memory import keep_freed_host_memory
 
         keep_freed_host_memory()
