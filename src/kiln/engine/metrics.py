@@ -86,9 +86,15 @@ class MetricWindow:
         steps = [p[0] for p in pending]
         bad = torch.stack([p[1] for p in pending])
         loss = torch.stack([p[2].float() for p in pending])
-        self.finite_steps = self.finite_steps + (~bad).sum().float()
-        self.bad_steps = self.bad_steps + bad.sum().float()
-        self.loss_sum = self.loss_sum + torch.where(bad, 0.0, loss).sum()
+        # On the CPU a read costs no wait: a window without a bad step skips their bookkeeping.
+        clean = bad.device.type == "cpu" and not bool(bad.any())
+        if clean:
+            self.finite_steps = self.finite_steps + float(len(pending))
+            self.loss_sum = self.loss_sum + loss.sum()
+        else:
+            self.finite_steps = self.finite_steps + (~bad).sum().float()
+            self.bad_steps = self.bad_steps + bad.sum().float()
+            self.loss_sum = self.loss_sum + torch.where(bad, 0.0, loss).sum()
         names = list(dict.fromkeys(name for p in pending for name in p[3]))
         term_values = {}
         for name in names:
@@ -96,24 +102,30 @@ class MetricWindow:
             values = torch.stack([pending[i][3][name].float() for i in have])
             flags = bad if len(have) == len(pending) else bad[have]
             term_values[name] = (have, values)
-            self.terms[name] = self.terms.get(name, 0.0) + torch.where(flags, 0.0, values).sum()
+            kept = values if clean else torch.where(flags, 0.0, values)
+            self.terms[name] = self.terms.get(name, 0.0) + kept.sum()
         normed = [i for i, p in enumerate(pending) if p[4] is not None]
         if normed:
             norms = torch.stack([pending[i][4].detach().float() for i in normed])
             flags = bad if len(normed) == len(pending) else bad[normed]
-            # The last finite step's norm, and the largest over the finite steps.
-            order = torch.arange(len(normed), device=norms.device)
-            last = torch.where(flags, -1, order).max()
-            self.grad_norm = torch.where(last >= 0, norms[last.clamp(min=0)], self.grad_norm)
-            largest = torch.where(flags, -math.inf, norms).max()
-            self.grad_norm_max = torch.where(
-                largest > -math.inf, self.grad_norm_max.maximum(largest), self.grad_norm_max
-            )
+            if clean:  # every step finite: the last norm, and the largest
+                self.grad_norm = norms[-1]
+                self.grad_norm_max = self.grad_norm_max.maximum(norms.max())
+            else:  # the last finite step's norm, and the largest over the finite steps
+                order = torch.arange(len(normed), device=norms.device)
+                last = torch.where(flags, -1, order).max()
+                self.grad_norm = torch.where(last >= 0, norms[last.clamp(min=0)], self.grad_norm)
+                largest = torch.where(flags, -math.inf, norms).max()
+                self.grad_norm_max = torch.where(
+                    largest > -math.inf, self.grad_norm_max.maximum(largest), self.grad_norm_max
+                )
         scaled = [i for i, p in enumerate(pending) if p[5] is not None]
         if scaled:
             found = torch.stack([pending[i][5] for i in scaled])
             flags = bad if len(scaled) == len(pending) else bad[scaled]
             self.scaler_skips = self.scaler_skips + (found & ~flags).sum().float()
+        if clean:  # no non-finite step here: the record of the first one stays as it is
+            return
         # The window's first non-finite step: its step number, NaN or Inf, its bad terms.
         first = bad.int().argmax()  # the first True (0 when none: masked by is_first)
         is_first = bad.any() & (self.first_bad < 0)

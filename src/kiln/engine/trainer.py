@@ -7,6 +7,7 @@ window (device-side sums between log lines)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import sys
@@ -638,9 +639,15 @@ def batches_per_epoch(train_loader, limit_train_batches: int) -> int:
 def memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    return _this_process().memory_info().rss / 2**20
+
+
+@functools.cache
+def _this_process():
+    """psutil's handle on this process, made once: making it costs more than reading it."""
     import psutil
 
-    return psutil.Process().memory_info().rss / 2**20
+    return psutil.Process()
 
 
 __all__ = [
