@@ -59,8 +59,9 @@ sweep: install ## a short multirun over num_workers x accumulation x precision; 
 	$(PY) train.py -m data.num_workers=0,2 trainer.accumulate_grad_batches=1,4 \
 		precision=fp32,amp trainer.max_epochs=1 $(ARGS)
 
-bench: install ## engine vs a hand-written loop (samples/s and ratio)
+bench: install ## engine vs a hand-written loop (samples/s and ratio); kiln vs Lightning
 	$(PY) scripts/bench_engine.py $(ARGS)
+	$(PY) scripts/bench_peers.py
 	$(PY) scripts/loadtest.py && $(PY) scripts/bench_infer.py
 	$(PY) scripts/bench_text.py --fasttext venv
 	$(PY) scripts/bench_image_folder.py

@@ -63,7 +63,31 @@ def atomic_save(obj: dict[str, Any], path: Path) -> None:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_directory(path.parent)
+
+
+def atomic_link(source: Path, path: Path) -> bool:
+    """`path` becomes a second name of the finished file `source` (a hard link put in place by
+    an atomic rename): the same bytes, not written again. False where the file system has no
+    hard links (then write it with atomic_save)."""
+    source, path = Path(source), Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        return False
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+    return True
+
+
+def _fsync_directory(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:

@@ -109,6 +109,7 @@ class TrainerConfig:
     compile: bool = False  # torch.compile the model (checkpoints and guards see the eager one)
     compile_mode: CompileMode = CompileMode.default  # torch.compile's mode
     channels_last: bool = False  # NHWC memory format for 4-D image batches and the model
+    host_malloc: bool = True  # glibc: freed host memory kept for the next step (fewer faults)
     matmul_precision: MatmulPrecision = MatmulPrecision.highest  # high: TF32 matmuls on GPUs
     peak_tflops: float | None = None  # the device's peak for MFU (null: known GPUs' table)
     find_batch_size: bool = False  # the largest data.batch_size that fits, found on real steps

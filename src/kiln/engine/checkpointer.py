@@ -1,14 +1,26 @@
 """The checkpoint policy of a run: last.pt after every evaluation (and every N steps when asked),
 best.pt when the monitored metric improves, epoch-N.pt at epoch ends with the newest k kept; and
-on resume, which file to continue from and whether this config can continue it."""
+on resume, which file to continue from and whether this config can continue it.
+
+With `background=True` (what the engine builds, unless sharded) a save copies the state to the
+host, on the training thread, and a writer thread writes it while training goes on: each file
+atomically as before (a kill mid-write leaves the previous file whole), in the order asked. A
+failed write is raised on the training thread at the next save or at `flush`, and nothing asked
+after it is written. The same snapshot under a second name (epoch-N.pt beside last.pt) is a hard
+link to the first file, not a second write."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
+import queue
 import shlex
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -101,6 +113,71 @@ def resumable(checkpoint: dict) -> bool:
     return "optimizer" in checkpoint or files.is_sharded(checkpoint)
 
 
+def host_copy(obj):
+    """A copy of a state tree that later steps cannot change: tensors copied to the host,
+    containers rebuilt (a state dict keeps its version metadata), other leaves deep-copied."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = {key: host_copy(value) for key, value in obj.items()}
+        if isinstance(obj, OrderedDict):
+            out = OrderedDict(out)
+            if hasattr(obj, "_metadata"):  # module versions: load_state_dict reads them
+                out._metadata = copy.deepcopy(obj._metadata)
+        return out
+    if isinstance(obj, list):
+        return [host_copy(value) for value in obj]
+    if type(obj) is tuple:
+        return tuple(host_copy(value) for value in obj)
+    return copy.deepcopy(obj)
+
+
+class BackgroundWriter:
+    """One thread running the checkpoint writes in the order they were asked."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.raise_failure()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kiln-checkpoints", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def flush(self) -> None:
+        """Waits until everything asked is on disk; raises a failed write."""
+        self._jobs.join()
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if self._failure is None:  # after a failed write, nothing later is written
+                    job()
+            except BaseException as err:  # noqa: BLE001 -- raised on the training thread
+                self._failure = err
+            finally:
+                self._jobs.task_done()
+
+
+def _link_or_save(first: Path, state: dict, path: Path) -> None:
+    """`path` as a second name of the file `first` holding `state`, else written anew."""
+    if first != path and first.is_file() and files.atomic_link(first, path):
+        return
+    files.atomic_save(state, path)
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -111,18 +188,52 @@ class Checkpointer:
         monitor_mode: str,
         is_main: bool,
         sharded: ShardedWriter | None = None,
+        background: bool = False,
     ):
         self.directory = Path(directory)
         self.cfg = cfg
         self.monitor, self.monitor_mode = monitor, str(monitor_mode)
         self.is_main = is_main  # only the main rank writes (but each rank its shards)
         self.sharded = sharded  # trainer=fsdp: every rank writes its shards through it
+        # DCP's sharded writes are collective: those stay on the training thread.
+        self.writer = BackgroundWriter() if background and sharded is None and is_main else None
+        self._last: tuple[dict, dict, Path] | None = None  # (state, its copy, its first file)
 
     def save(self, name: str, state: dict) -> None:
+        path = self.directory / name
         if self.sharded is not None:
-            self.sharded.save(self.directory / name, state)
-        elif self.is_main:
-            files.atomic_save(state, self.directory / name)
+            self.sharded.save(path, state)
+            return
+        if not self.is_main:
+            return
+        if self._last is None or self._last[0] is not state:
+            # The copy is taken here, on the training thread: the state as of this step.
+            snapshot = host_copy(state) if self.writer is not None else state
+            self._last = (state, snapshot, path)
+            job = partial(files.atomic_save, snapshot, path)
+        else:  # the same snapshot under another name (epoch-N.pt after last.pt)
+            _, snapshot, first = self._last
+            job = partial(_link_or_save, first, snapshot, path)
+        if self.writer is None:
+            job()
+        else:
+            self.writer.submit(job)
+
+    def flush(self) -> None:
+        """Waits for the background writes; raises one that failed (a full disk...)."""
+        self._last = None  # the host copy is no longer needed
+        if self.writer is not None:
+            self.writer.flush()
+
+    def prune(self) -> None:
+        """epoch-N.pt files beyond keep_last_k, after the writes before it."""
+        if not self.is_main:
+            return
+        prune = lambda: files.prune_epoch_checkpoints(self.directory, self.cfg.keep_last_k)  # noqa: E731
+        if self.writer is None:
+            prune()
+        else:
+            self.writer.submit(prune)
 
     def should_save_step(self, step: int) -> bool:
         every = self.cfg.checkpoint_every_n_steps
@@ -184,8 +295,7 @@ class Checkpointer:
             self.save("best.pt", best)
         if epoch_end and self.cfg.checkpoint_every_epoch:
             self.save(f"epoch-{state.epoch}.pt", snapshot)
-            if self.is_main:
-                files.prune_epoch_checkpoints(self.directory, self.cfg.keep_last_k)
+            self.prune()
 
     def adopt_best(self, source: Path, state) -> None:
         """A run resumed into a new directory keeps what a run has: the best.pt beside the

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -181,7 +182,8 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     dtensor = sys.modules.get("torch.distributed.tensor")  # imported by whatever sharded them
     if dtensor is not None and isinstance(total_norm, dtensor.DTensor):  # a partial norm: reduce
         total_norm = total_norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    if math.isfinite(max_norm):  # inf: measured only (clipping would multiply every grad by 1)
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
     return total_norm
 
 

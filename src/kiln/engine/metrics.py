@@ -6,12 +6,15 @@ all-reduce) per log line. Nothing in a step waits for the device."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kiln.engine.distributed import all_reduce_sum
+
+FOLD_EVERY = 64  # steps kept as they are before they are summed (however rare the log lines)
 
 
 @dataclass
@@ -53,9 +56,12 @@ class MetricWindow:
         self.first_nan = zeros(torch.bool)
         self.first_bad_terms: dict[str, torch.Tensor] = {}
         self.kept: list[tuple[int, list, list[torch.Tensor]]] = []  # (step, batches, bad flags)
+        self._pending: list[tuple] = []  # steps added since the last fold
 
     def add(self, result) -> None:
-        """One optimizer step's StepResult."""
+        """One optimizer step's StepResult. Its device scalars are kept as they are and summed
+        at the next log line (or every FOLD_EVERY steps) in a few vector ops: per step that
+        is no op at all, where a small model's whole step is a few dozen."""
         self.steps += 1
         self.samples += result.samples * self.world_size
         self.data_time_s += result.data_time_s
@@ -63,35 +69,87 @@ class MetricWindow:
         for name, value in result.batch_metrics.items():
             self.batch_sums[name] = self.batch_sums.get(name, 0.0) + value
         self.micro_batches += result.micro_batches
-        bad = result.bad
-        finite = (~bad).float()
-        self.finite_steps += finite
-        self.bad_steps += bad.float()
-        self.loss_sum += torch.where(bad, 0.0, result.loss.float())
-        for name, value in result.terms.items():
-            kept = torch.where(bad, 0.0, value.float())
-            self.terms[name] = self.terms.get(name, 0.0) + kept
-        if result.grad_norm is not None:
-            norm = result.grad_norm.detach().float()
-            self.grad_norm = torch.where(bad, self.grad_norm, norm)
-            self.grad_norm_max = torch.where(
-                bad, self.grad_norm_max, self.grad_norm_max.maximum(norm)
-            )
-        if result.scaler_found_inf is not None:
-            self.scaler_skips += (result.scaler_found_inf & ~bad).float()
-        is_first = bad & (self.first_bad < 0)
-        self.first_bad = torch.where(is_first, float(result.step), self.first_bad)
-        self.first_nan = torch.where(is_first, result.loss.isnan(), self.first_nan)
-        for name, value in result.terms.items():
+        self._pending.append(
+            (result.step, result.bad, result.loss, result.terms, result.grad_norm,
+             result.scaler_found_inf)
+        )  # fmt: skip
+        if self.keep_batches:
+            self.kept.append((result.step, result.batches, result.micro_bad))
+        if len(self._pending) >= FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
+        """The pending steps into the window's sums, in order (device ops, no host read)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        steps = [p[0] for p in pending]
+        bad = torch.stack([p[1] for p in pending])
+        loss = torch.stack([p[2].float() for p in pending])
+        # On the CPU a read costs no wait: a window without a bad step skips their bookkeeping.
+        clean = bad.device.type == "cpu" and not bool(bad.any())
+        if clean:
+            self.finite_steps = self.finite_steps + float(len(pending))
+            self.loss_sum = self.loss_sum + loss.sum()
+        else:
+            self.finite_steps = self.finite_steps + (~bad).sum().float()
+            self.bad_steps = self.bad_steps + bad.sum().float()
+            self.loss_sum = self.loss_sum + torch.where(bad, 0.0, loss).sum()
+        names = list(dict.fromkeys(name for p in pending for name in p[3]))
+        term_values = {}
+        for name in names:
+            have = [i for i, p in enumerate(pending) if name in p[3]]
+            values = torch.stack([pending[i][3][name].float() for i in have])
+            flags = bad if len(have) == len(pending) else bad[have]
+            term_values[name] = (have, values)
+            kept = values if clean else torch.where(flags, 0.0, values)
+            self.terms[name] = self.terms.get(name, 0.0) + kept.sum()
+        normed = [i for i, p in enumerate(pending) if p[4] is not None]
+        if normed:
+            norms = torch.stack([pending[i][4].detach().float() for i in normed])
+            flags = bad if len(normed) == len(pending) else bad[normed]
+            if clean:  # every step finite: the last norm, and the largest
+                self.grad_norm = norms[-1]
+                self.grad_norm_max = self.grad_norm_max.maximum(norms.max())
+            else:  # the last finite step's norm, and the largest over the finite steps
+                order = torch.arange(len(normed), device=norms.device)
+                last = torch.where(flags, -1, order).max()
+                self.grad_norm = torch.where(last >= 0, norms[last.clamp(min=0)], self.grad_norm)
+                largest = torch.where(flags, -math.inf, norms).max()
+                self.grad_norm_max = torch.where(
+                    largest > -math.inf, self.grad_norm_max.maximum(largest), self.grad_norm_max
+                )
+        scaled = [i for i, p in enumerate(pending) if p[5] is not None]
+        if scaled:
+            found = torch.stack([pending[i][5] for i in scaled])
+            flags = bad if len(scaled) == len(pending) else bad[scaled]
+            self.scaler_skips = self.scaler_skips + (found & ~flags).sum().float()
+        if clean:  # no non-finite step here: the record of the first one stays as it is
+            return
+        # The window's first non-finite step: its step number, NaN or Inf, its bad terms.
+        first = bad.int().argmax()  # the first True (0 when none: masked by is_first)
+        is_first = bad.any() & (self.first_bad < 0)
+        if steps == list(range(steps[0], steps[0] + len(steps))):
+            number = first.float() + float(steps[0])  # consecutive: no host-to-device copy
+        else:
+            number = torch.tensor(steps, device=bad.device, dtype=torch.float32)[first]
+        self.first_bad = torch.where(is_first, number, self.first_bad)
+        self.first_nan = torch.where(is_first, loss[first].isnan(), self.first_nan)
+        for name, (have, values) in term_values.items():
             stored = self.first_bad_terms.get(
                 name, torch.zeros((), dtype=torch.bool, device=bad.device)
             )
-            self.first_bad_terms[name] = torch.where(is_first, ~value.isfinite(), stored)
-        if self.keep_batches:
-            self.kept.append((result.step, result.batches, result.micro_bad))
+            if len(have) == len(pending):
+                flag = ~values[first].isfinite()
+            else:  # a term only some steps have: unset at the steps without it
+                per_step = torch.zeros(len(pending), dtype=torch.bool, device=bad.device)
+                per_step[have] = ~values.isfinite()
+                flag = per_step[first]
+            self.first_bad_terms[name] = torch.where(is_first, flag, stored)
 
     def read(self) -> tuple[dict[str, Any], NonFinite]:
         """The window's means, all ranks averaged, and its non-finite record: one transfer."""
+        self._fold()
         names, extra, flags = list(self.terms), list(self.batch_sums), list(self.first_bad_terms)
         summed = [self.finite_steps, self.loss_sum, *(self.terms[n] for n in names)]
         summed += [torch.as_tensor(self.batch_sums[n], device=self.device).float() for n in extra]

@@ -60,6 +60,7 @@ RULES: dict[str, str] = {
     "trainer.monitor_mode": HARMLESS,
     "trainer.deterministic": HARMLESS,
     "trainer.log_activations": HARMLESS,
+    "trainer.host_malloc": HARMLESS,  # where freed host memory goes, not what is computed
     "trainer.name": HARMLESS,
     "trainer.distributed": HARMLESS,
     "trainer.backend": HARMLESS,

@@ -33,6 +33,7 @@ from kiln.engine.distributed import (
 )
 from kiln.engine.evaluators import build_evaluator
 from kiln.engine.finetune import FreezePlan, WeightAverage, frozen_parameter_names, parameter_groups
+from kiln.engine.host_memory import keep_freed_host_memory
 from kiln.engine.loss import build_criterion
 from kiln.engine.optim import (
     apply_hyperparameters,
@@ -182,6 +183,7 @@ def build_trainer(
         monitor_mode=cfg.trainer.monitor_mode,
         is_main=dist.is_main,
         sharded=sharded_writer(cfg, run_dir, dist),
+        background=True,  # a host copy, then written while training goes on
     )
     contract = Contract(
         config=flatten(to_plain(cfg)),
@@ -413,6 +415,15 @@ def save_failing_batches(run_dir: Path, err: NonFiniteLossError) -> None:
         log.warning("could not save the failing batch to %s", run_dir / FAILING_BATCHES)
 
 
+def finish_writes(trainer: Trainer) -> None:
+    """On a failing run's way out: the background checkpoint writes end (a failure among
+    them is logged: the run's own error is the one reported)."""
+    try:
+        trainer.checkpointer.flush()
+    except Exception as err:  # noqa: BLE001 -- the run is already failing
+        log.error("a checkpoint write failed too: %s: %s", type(err).__name__, err)
+
+
 def close_run(run_dir: Path, recorder, summary: dict | None, draw: bool) -> DiskFullError | None:
     """The last writes of a run (curves, logs, summary.json), each tried even when one finds
     the disk full; returns that error (a run already failing keeps its own)."""
@@ -436,6 +447,7 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     set_deterministic(cfg.trainer.deterministic)
+    keep_freed_host_memory(cfg.trainer.host_malloc)  # glibc: no page faults on every step
     torch.set_float32_matmul_precision(str(cfg.trainer.matmul_precision))
     torch.backends.cudnn.allow_tf32 = str(cfg.trainer.matmul_precision) != "highest"
     device = resolve_device(str(cfg.device), int(os.environ.get("LOCAL_RANK", 0)))
@@ -472,6 +484,8 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
         last_eval = trainer.last_eval if trainer is not None else {}
         summary = summarize(trainer, last_eval, status=status, error=f"{type(err).__name__}: {err}")
         failing = True
+        if trainer is not None:  # what was asked before the failure, whole on disk
+            finish_writes(trainer)
         if isinstance(err, NonFiniteLossError) and err.batches and dist.is_main:
             save_failing_batches(run_dir, err)  # kiln triage replays the step with them
         raise

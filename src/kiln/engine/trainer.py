@@ -7,6 +7,7 @@ window (device-side sums between log lines)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import sys
@@ -200,6 +201,7 @@ class Trainer:
         self.preemption = PreemptionFlag(dist, device)
         self.last_eval: dict = {}
         self.probe_time_s = 0.0
+        self.flops_time_s = 0.0  # counting the model's FLOPs, once, before the first step
         self.flops_per_sample: float | None = None  # model FLOPs of a training step, per sample
         self.current_step = 0  # the step in progress: failures are reported "@ step N"
 
@@ -217,6 +219,7 @@ class Trainer:
                 self.evaluate_and_checkpoint(epoch_end=True)
             if not self.last_eval or self.state.batch_in_epoch:
                 self.evaluate_and_checkpoint(epoch_end=False)
+        self.checkpointer.flush()  # every checkpoint on disk before the run reports done
         self.report_data_time()
         return self.last_eval
 
@@ -229,6 +232,7 @@ class Trainer:
         # hands its workers the same seeds as an uninterrupted one.
         self.train_loader.generator.manual_seed(self.seed * 1000 + s.epoch)
         batches = iter(self.train_loader)
+        self.model.train()  # once an epoch: the probes and evaluations before it switched modes
         with self._progress_bar() as bar:
             while s.batch_in_epoch < self.batches_per_epoch:
                 window = min(
@@ -247,10 +251,12 @@ class Trainer:
         waits for the device: a NaN/Inf loss sets a device flag that skips the update on the
         device; the flag is read with the metrics at the next log line."""
         model, optimizer, scaler = self.model, self.optimizer, self.scaler
-        model.train()
+        if not model.training:  # train_epoch sets it; a caller of train_step alone may not
+            model.train()
         start, data_time, samples = time.perf_counter(), 0.0, 0
-        loss_sum, terms_sum, batch_sums = torch.zeros((), device=self.device), {}, {}
-        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        # Summed over the window's micro-batches; the first is taken as it is (no zeros + x:
+        # each op is a dispatch, and a small model's step is a few dozen of them).
+        loss_sum, terms_sum, batch_sums, bad = None, {}, {}, None
         kept, micro_bad = [], []
         for micro in range(window):
             fetch_start = time.perf_counter()
@@ -268,12 +274,13 @@ class Trainer:
                 if self.state.global_step == 0 and micro == 0:
                     check_terms_reach_the_model(terms)  # rule 2, once: cheap
                 # Divide by the window so k micro-batches of b equal one batch of k*b.
-                scaler.scale(loss / window).backward()
+                scaler.scale(loss / window if window > 1 else loss).backward()
             micro_nonfinite = ~torch.isfinite(loss.detach())
-            bad |= micro_nonfinite
-            loss_sum += loss.detach()
+            bad = micro_nonfinite if bad is None else bad | micro_nonfinite
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             for name, term in terms.items():
-                terms_sum[name] = terms_sum.get(name, 0.0) + term.detach()
+                term = term.detach()
+                terms_sum[name] = terms_sum[name] + term if name in terms_sum else term
             samples += batch_size_of(batch)
             if self.parts.batch_metrics is not None:
                 for name, value in self.parts.batch_metrics(batch).items():
@@ -296,8 +303,10 @@ class Trainer:
             self.scheduler.step()  # per optimizer step, skipped steps too: the curve stays aligned
         return StepResult(
             step=self.state.global_step + 1,
-            loss=loss_sum / window,
-            terms={name: value / window for name, value in terms_sum.items()},
+            loss=loss_sum / window if window > 1 else loss_sum,
+            terms={name: value / window for name, value in terms_sum.items()}
+            if window > 1
+            else terms_sum,
             grad_norm=grad_norm,
             bad=bad,
             samples=samples,
@@ -368,11 +377,12 @@ class Trainer:
         if self.dist.is_main and (self.cfg.probe_sizes or self.cfg.shape_check):
             log.info("pre-step probes (rules 1 and 3) took %.2f s", self.probe_time_s)
         if self.flops_per_sample is None and parts.build_fresh is not None:
-            size = parts.mode_probe_size
+            started, size = time.perf_counter(), parts.mode_probe_size
             counted = copy_or_build(self.raw_model, parts.build_fresh, parts.spec)
             self.flops_per_sample = flops_per_sample(
                 counted, self.criterion.forward, take(parts.probe_batch, size), size
             )
+            self.flops_time_s = time.perf_counter() - started
 
     def check_shapes(self) -> None:
         """Rule 3 on one real batch: train and eval mode agree on the output."""
@@ -629,9 +639,15 @@ def batches_per_epoch(train_loader, limit_train_batches: int) -> int:
 def memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    return _this_process().memory_info().rss / 2**20
+
+
+@functools.cache
+def _this_process():
+    """psutil's handle on this process, made once: making it costs more than reading it."""
     import psutil
 
-    return psutil.Process().memory_info().rss / 2**20
+    return psutil.Process()
 
 
 __all__ = [

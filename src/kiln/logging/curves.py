@@ -1,14 +1,19 @@
 """<run>/curves.png: a run's curves against optimizer step: training and validation loss, the
 learning rate, the grad norm (each step's largest in the interval too), and the validation
-metrics. Redrawn as the run goes (at each evaluation, at most every few seconds) and at its end."""
+metrics. Redrawn as the run goes (at each evaluation, at most every few seconds, off the training
+thread) and at its end."""
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
 from pathlib import Path
 
-from kiln.errors import disk_full, is_disk_full
+from kiln.errors import DiskFullError, disk_full, is_disk_full
+
+log = logging.getLogger(__name__)
 
 MIN_SECONDS_BETWEEN_DRAWS = 5.0
 
@@ -26,16 +31,18 @@ def draw(history: list[dict], path: Path, title: str) -> Path | None:
     """Write the figure; None when there is nothing to draw yet."""
     if not any("loss" in m for m in history):
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers
-    import matplotlib.pyplot as plt
+    # The Figure API, not pyplot: no GUI backend to pick (files only, any thread), no global
+    # figure registry to close, and a second less to import.
+    from matplotlib.figure import Figure
     from matplotlib.ticker import EngFormatter, MaxNLocator
 
     val_metrics = sorted(
         {k for m in history for k in m if k.startswith("val_") and k != "val_loss"}
     )
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    # Fixed margins: the constrained layout engine took over half of every draw.
+    figure = Figure(figsize=(11, 7))
+    figure.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.9, wspace=0.22, hspace=0.4)
+    axes = figure.subplots(2, 2)
     loss, lr, norm, metrics = axes.flat
     loss.plot(*_series(history, "loss"), label="train loss (interval mean)")
     if _series(history, "val_loss")[0]:
@@ -76,21 +83,55 @@ def draw(history: list[dict], path: Path, title: str) -> Path | None:
             tmp.unlink(missing_ok=True)
             raise disk_full(path) from None
         raise
-    finally:
-        plt.close(figure)
     tmp.replace(path)  # a viewer never sees half a file
     return path
 
 
 class CurvesFile:
-    """Redraws curves.png when an evaluation arrives (throttled) and when asked at the end."""
+    """curves.png as the run goes: an evaluation starts a redraw on a thread of its own (at most
+    one at a time, every few seconds at most, the first a few seconds into the run: a short run
+    draws once, at its end), so the step's thread never waits for a picture; `finish` draws the
+    whole run on the caller's thread."""
 
     def __init__(self, path: Path, title: str):
         self.path, self.title = path, title
-        self.drawn_at = 0.0
+        self.drawn_at = time.monotonic()
+        self._drawing: threading.Thread | None = None
+        self._failure: BaseException | None = None  # a background draw's, raised on our thread
 
-    def update(self, history: list[dict], force: bool = False) -> None:
+    def update(self, history: list[dict]) -> None:
+        self._raise_failure()
         now = time.monotonic()
-        if force or now - self.drawn_at >= MIN_SECONDS_BETWEEN_DRAWS:
+        busy = self._drawing is not None and self._drawing.is_alive()
+        if busy or now - self.drawn_at < MIN_SECONDS_BETWEEN_DRAWS:
+            return
+        self.drawn_at = now
+        # A copy of the list: the step's thread appends to it while the picture is drawn (the
+        # entries themselves are never changed once appended).
+        self._drawing = threading.Thread(
+            target=self._draw_in_background, args=(list(history),), name="kiln-curves", daemon=True
+        )
+        self._drawing.start()
+
+    def finish(self, history: list[dict], draw_now: bool = True) -> None:
+        """At the end: waits for a redraw in progress, then draws the whole run (`draw_now`);
+        without `draw_now` (a second Ctrl-C) it waits for nothing."""
+        if not draw_now:
+            return
+        if self._drawing is not None:
+            self._drawing.join()
+        self._raise_failure()
+        draw(history, self.path, self.title)
+
+    def _draw_in_background(self, history: list[dict]) -> None:
+        try:
             draw(history, self.path, self.title)
-            self.drawn_at = now
+        except BaseException as err:  # noqa: BLE001 -- handed to the caller's thread
+            self._failure = err
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if isinstance(failure, DiskFullError):  # a full disk ends the run, whatever write found it
+            raise failure
+        if failure is not None:  # a picture must never be why a run fails
+            log.warning("could not draw %s: %s: %s", self.path, type(failure).__name__, failure)

@@ -60,8 +60,8 @@ class RunRecorder:
         if self.enabled:
             self.jsonl.write({"step": step, **metrics})
             self.loggers.log_metrics(metrics, step)
-            if any(key.startswith("val_") for key in metrics):  # an evaluation: redraw
-                self.curves.update(self.history)
+            if any(key.startswith("val_") for key in metrics):  # an evaluation: redraw, on
+                self.curves.update(self.history)  # a thread of its own
 
     def close(self, draw: bool = True) -> None:
         """`draw=False`: no last redraw of curves.png (a second Ctrl-C stops at once)."""
@@ -70,8 +70,7 @@ class RunRecorder:
         if self.enabled:
             full = None
             try:
-                if draw:
-                    self.curves.update(self.history, force=True)
+                self.curves.finish(self.history, draw_now=draw)
             except DiskFullError as err:  # a full disk ends the run, whatever write found it
                 full = err
             except Exception:  # a picture must never be why a run fails

@@ -1,0 +1,124 @@
+"""What keeps the training thread from waiting: checkpoints copied to the host and written by a
+thread (each file still atomic, a failure still raised), curves.png drawn on a thread, and
+glibc keeping freed host memory for the next step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from kiln import checkpoint as files
+from kiln.config.run import TrainerConfig
+from kiln.engine.checkpointer import Checkpointer, host_copy
+from kiln.errors import DiskFullError
+from kiln.logging.curves import CurvesFile
+
+
+def checkpointer(directory, background=True) -> Checkpointer:
+    cfg = TrainerConfig(name="default")
+    return Checkpointer(directory, cfg, monitor="val_acc", monitor_mode="max", is_main=True,
+                        background=background)  # fmt: skip
+
+
+def state_of(weight: torch.Tensor) -> dict:
+    model = OrderedDict(weight=weight)
+    model._metadata = {"": {"version": 2}}
+    return {"model": model, "state": {"global_step": 3}, "rng": (1, [2.0])}
+
+
+def test_host_copy_is_the_state_as_of_the_save():
+    weight = torch.ones(4)
+    state = state_of(weight)
+    copied = host_copy(state)
+    weight.add_(1)  # the next step changes the parameters in place
+    state["state"]["global_step"] = 4
+    assert torch.equal(copied["model"]["weight"], torch.ones(4))
+    assert copied["state"]["global_step"] == 3 and copied["rng"] == (1, [2.0])
+    assert copied["model"]._metadata == {"": {"version": 2}}  # load_state_dict reads versions
+
+
+def test_background_saves_are_whole_in_order_and_a_second_name_is_a_link(tmp_path):
+    weight = torch.arange(6.0)
+    ckpt = checkpointer(tmp_path)
+    snapshot = state_of(weight)
+    ckpt.save("last.pt", snapshot)
+    ckpt.save("epoch-1.pt", snapshot)  # the same snapshot: one write, two names
+    weight.mul_(0)  # training goes on before the writer is done
+    ckpt.flush()
+    last, epoch = tmp_path / "last.pt", tmp_path / "epoch-1.pt"
+    assert os.stat(last).st_ino == os.stat(epoch).st_ino
+    for path in (last, epoch):
+        loaded = files.load_checkpoint(path)
+        assert torch.equal(loaded["model"]["weight"], torch.arange(6.0))
+    ckpt.save("last.pt", state_of(weight))  # a new snapshot replaces last.pt, not epoch-1.pt
+    ckpt.flush()
+    assert os.stat(last).st_ino != os.stat(epoch).st_ino
+    assert torch.equal(files.load_checkpoint(last)["model"]["weight"], torch.zeros(6))
+    assert torch.equal(files.load_checkpoint(epoch)["model"]["weight"], torch.arange(6.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-1.pt", "last.pt"]  # no temps
+
+
+def test_a_failed_background_write_is_raised_and_nothing_after_it_is_written(tmp_path):
+    ckpt = checkpointer(tmp_path)
+    ckpt.save("last.pt", state_of(torch.ones(2)))
+    ckpt.flush()
+    (tmp_path / "sub").write_text("a file where the checkpoint's folder should be")
+    ckpt.save("sub/best.pt", state_of(torch.zeros(2)))
+    with pytest.raises(OSError):  # on this thread: at the next save or at the flush
+        ckpt.save("last.pt", state_of(torch.zeros(2)))  # asked after the failure: not written
+        ckpt.flush()
+    ckpt.flush()  # raised once
+    assert torch.equal(files.load_checkpoint(tmp_path / "last.pt")["model"]["weight"],
+                       torch.ones(2))  # fmt: skip
+
+
+def test_curves_are_drawn_on_a_thread_and_a_full_disk_there_still_ends_the_run(tmp_path):
+    history = [{"step": 1, "loss": 2.0, "lr": 0.1}, {"step": 2, "loss": 1.0, "val_loss": 1.5}]
+    curves = CurvesFile(tmp_path / "curves.png", title="t")
+    curves.update(history)
+    assert curves._drawing is None  # the run's first seconds: no picture yet
+    curves.drawn_at = 0.0
+    curves.update(history)
+    assert curves._drawing is not None and curves._drawing.name == "kiln-curves"
+    curves.finish(history)
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    (tmp_path / ".curves.png.tmp.png").symlink_to("/dev/full")
+    curves.drawn_at = 0.0
+    curves.update(history)
+    curves._drawing.join()
+    with pytest.raises(DiskFullError):
+        curves.update(history)  # the next call on the run's thread raises it
+
+
+FAULTS = textwrap.dedent(
+    """
+    import resource, sys
+    from kiln.engine.host_memory import keep_freed_host_memory
+    applied = keep_freed_host_memory(sys.argv[1] == "on")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(40):  # a step's worth of large blocks, freed and asked for again
+        blocks = [bytearray(4 << 20) for _ in range(4)]
+        del blocks
+    print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_freed_host_memory_is_reused_instead_of_faulted_in_again():
+    def faults(mode: str, **env) -> tuple[str, int]:
+        env = {**os.environ, **env}
+        out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True,
+                             text=True, check=True, env=env).stdout.split()  # fmt: skip
+        return out[0], int(out[1])
+
+    applied, kept = faults("on")
+    _, default = faults("off")
+    assert applied == "True" and default > 10 * max(kept, 100)  # each block faulted in anew
+    assert faults("on", KILN_HOST_MALLOC="default")[0] == "False"  # the switch
