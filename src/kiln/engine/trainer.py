@@ -207,21 +207,38 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- the loop
     def fit(self) -> dict:
-        """Train until max_epochs or max_steps; returns the last evaluation's metrics."""
-        with self.preemption:
-            self.run_probes()
-            while self.state.epoch < self.cfg.max_epochs and not self.reached_max_steps():
-                self.train_epoch()
-                if self.reached_max_steps() and self.state.batch_in_epoch < self.batches_per_epoch:
-                    break  # stopped mid-epoch by max_steps: the final eval happens below
-                self.state.epoch += 1
-                self.state.batch_in_epoch = 0
-                self.evaluate_and_checkpoint(epoch_end=True)
-            if not self.last_eval or self.state.batch_in_epoch:
-                self.evaluate_and_checkpoint(epoch_end=False)
+        """Train until max_epochs or max_steps; returns the last evaluation's metrics. However
+        it ends (done, preempted, failing), the checkpoints asked for are on disk when it returns
+        or raises."""
+        try:
+            with self.preemption:
+                self.run_probes()
+                while self.state.epoch < self.cfg.max_epochs and not self.reached_max_steps():
+                    self.train_epoch()
+                    if (
+                        self.reached_max_steps()
+                        and self.state.batch_in_epoch < self.batches_per_epoch
+                    ):
+                        break  # stopped mid-epoch by max_steps: the final eval happens below
+                    self.state.epoch += 1
+                    self.state.batch_in_epoch = 0
+                    self.evaluate_and_checkpoint(epoch_end=True)
+                if not self.last_eval or self.state.batch_in_epoch:
+                    self.evaluate_and_checkpoint(epoch_end=False)
+        except BaseException:
+            self.finish_writes_quietly()  # the last.pt of a preemption is what resume reads
+            raise
         self.checkpointer.flush()  # every checkpoint on disk before the run reports done
         self.report_data_time()
         return self.last_eval
+
+    def finish_writes_quietly(self) -> None:
+        """On the way out of a failing or preempted fit: the background writes end; a failure
+        among them is logged (the run's own error, or the preemption, is what is reported)."""
+        try:
+            self.checkpointer.flush()
+        except Exception as err:  # noqa: BLE001 -- already on the way out
+            log.error("a checkpoint write failed too: %s: %s", type(err).__name__, err)
 
     def train_epoch(self) -> None:
         s = self.state
