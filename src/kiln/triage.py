@@ -102,7 +102,12 @@ def exploding_gradients(run: Run) -> Cause | None:
     norms = run.series("grad_norm_max") or run.series("grad_norm")
     if not run.went_nonfinite or len(norms) < 2:
         return None
-    first, last = norms[0], norms[-1]
+    then = f", then: {run.error or 'non-finite steps were skipped'}"
+    return explosion(run, norms[0], norms[-1], "grad norm", then)
+
+
+def explosion(run: Run, first, last, what: str, then: str) -> Cause | None:
+    """The exploding-gradients cause when the (step, norm) `last` is 5x or more `first`."""
     growth = last[1] / max(first[1], 1e-12)
     if growth < 5:
         return None
@@ -110,8 +115,8 @@ def exploding_gradients(run: Run) -> Cause | None:
     return Cause(
         3 + min(math.log10(growth), 5),
         "exploding gradients before the loss went non-finite",
-        f"grad norm rose from {first[1]:.3g} (step {first[0]}) to {last[1]:.3g} (step "
-        f"{last[0]}), x{growth:.3g}, then: {run.error or 'non-finite steps were skipped'}",
+        f"{what} rose from {first[1]:.3g} (step {first[0]}) to {last[1]:.3g} (step {last[0]}), "
+        f"x{growth:.3g}{then}",
         f"optimizer.lr={lr / 10:g} trainer.gradient_clip_val=1.0",
     )
 
@@ -278,18 +283,9 @@ def replayed_explosion(run: Run) -> Cause | None:
     norms = [(s.step, s.grad_norm) for s in r.steps if _finite(s.grad_norm)] if r else []
     if len(norms) < 3:
         return None
-    first, last = norms[0], max(norms[1:], key=lambda n: n[1])
-    growth = last[1] / max(first[1], 1e-12)
-    if growth < 5:
-        return None
-    lr = run.key("optimizer.lr", 0.0)
-    return Cause(
-        3 + min(math.log10(growth), 5),
-        "exploding gradients before the loss went non-finite",
-        f"replayed: the grad norm rose from {first[1]:.3g} (step {first[0]}) to {last[1]:.3g} "
-        f"(step {last[0]}), x{growth:.3g}; {r.what} at step {r.failing_step}",
-        f"optimizer.lr={lr / 10:g} trainer.gradient_clip_val=1.0",
-    )
+    last = max(norms[1:], key=lambda n: n[1])
+    then = f"; {r.what} at step {r.failing_step}"
+    return explosion(run, norms[0], last, "replayed: the grad norm", then)
 
 
 def replayed_first_op(run: Run) -> Cause | None:
