@@ -146,9 +146,11 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     env = {"SLOW_MARKER": str(marker)}  # plugins=[...] imports from the working directory
     proc = start_in_own_group(cmd, tmp_path, env)
     wait_for(lambda: (run_dir / "checkpoints" / "last.pt").is_file(), proc=proc)
-    before = files.load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]["global_step"]
     marker.touch()  # every step now takes 10 s
     time.sleep(2)
+    # Read once the slow step is under way: a checkpoint the fast steps asked for just before
+    # it (written by the background writer) is on disk by now, and none can follow it.
+    before = files.load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]["global_step"]
     ctrl_c(proc)  # the first asks for a checkpoint at the end of this step...
     time.sleep(0.5)
     ctrl_c(proc)  # ...the second stops now
