@@ -15,6 +15,7 @@ import torch
 
 from kiln import checkpoint as files
 from kiln.config.run import TrainerConfig
+from kiln.engine import checkpointer as checkpointer_module
 from kiln.engine.checkpointer import Checkpointer, host_copy
 from kiln.errors import DiskFullError
 from kiln.logging.curves import CurvesFile
@@ -43,7 +44,13 @@ def test_host_copy_is_the_state_as_of_the_save():
     assert copied["model"]._metadata == {"": {"version": 2}}  # load_state_dict reads versions
 
 
-def test_background_saves_are_whole_in_order_and_a_second_name_is_a_link(tmp_path):
+@pytest.mark.parametrize("serialized_up_to", [16 << 20, 0], ids=["bytes", "host-copy"])
+def test_background_saves_are_whole_in_order_and_a_second_name_is_a_link(
+    tmp_path, monkeypatch, serialized_up_to
+):
+    # A small state is serialized on the training thread, a large one copied to the host and
+    # serialized by the writer: both are the state as of the save.
+    monkeypatch.setattr(checkpointer_module, "SERIALIZE_ON_THE_STEP_BYTES", serialized_up_to)
     weight = torch.arange(6.0)
     ckpt = checkpointer(tmp_path)
     snapshot = state_of(weight)

@@ -185,8 +185,10 @@ def test_nan_policy_fail_raises_with_batch_statistics(tmp_path):
     assert inputs["shape"] == [64, 1, 8, 8] and inputs["nan"] == 0
 
 
-def test_nan_policy_skip_counts_and_leaves_weights_untouched(tmp_path):
+@pytest.mark.parametrize("on_host", [True, False], ids=["host", "device-flag"])
+def test_nan_policy_skip_counts_and_leaves_weights_untouched(tmp_path, on_host):
     trainer, _ = make_trainer(tmp_path, *DETERMINISTIC_MLP, "trainer.nan_policy=skip")
+    trainer.read_on_host(on_host)  # the CPU's way, and the GPU's (the fused step skips it)
     with torch.no_grad():
         trainer.raw_model.head.bias.fill_(float("nan"))
     weight = trainer.raw_model.head.weight.detach().clone()
@@ -196,7 +198,7 @@ def test_nan_policy_skip_counts_and_leaves_weights_untouched(tmp_path):
     trainer.window.add(result)
     trainer.log_window()
     assert trainer.state.nonfinite_skipped == 1
-    assert torch.equal(weight, trainer.raw_model.head.weight)  # skipped on the device
+    assert torch.equal(weight, trainer.raw_model.head.weight)  # the update was skipped
     assert all(p.grad is None for p in trainer.raw_model.parameters())
 
 

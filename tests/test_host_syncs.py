@@ -1,6 +1,8 @@
 """The hot loop does not wait for the device: between two log lines a training step reads no
 tensor on the host (no .item(), .tolist(), .cpu(), bool(), float(), ...), whatever the loss does.
-Counted on CPU by patching every Tensor method that would synchronise with a GPU."""
+Counted on CPU by patching every Tensor method that would synchronise with a GPU, with the
+trainer keeping its numbers on the device as it does on a GPU (on the CPU it reads them at once:
+free there, and fewer ops); both ways give the same log lines."""
 
 from __future__ import annotations
 
@@ -85,6 +87,7 @@ def test_no_host_read_in_the_steps_between_log_lines(tmp_path, overrides):
         *overrides,
     )
     trainer = build_trainer(cfg, tmp_path, DistInfo(), torch.device("cpu"), lambda m, s: None)
+    trainer.read_on_host(False)  # as on a GPU
     reads = HostReads()
     trainer.log_window = reads.around(trainer.log_window)
     loader = trainer.train_loader
@@ -101,3 +104,66 @@ def test_no_host_read_in_the_steps_between_log_lines(tmp_path, overrides):
     assert reads.in_steps == [], f"host reads inside training steps: {reads.in_steps}"
     assert reads.in_log_lines, "the log lines read the window: the count must see them"
     assert trainer.state.global_step == 12
+
+
+NAN_STEPS = (3, 4, 9)  # a run of two, and one alone
+
+
+@pytest.mark.parametrize("policy", ["skip", "fail"])
+def test_reading_on_the_host_gives_the_log_lines_of_the_device_way(tmp_path, policy):
+    """Same config, same seed: the CPU's way (each number read as it comes) and the GPU's way
+    (device sums read at the log line) log the same numbers, skip the same steps, and report
+    the same first non-finite step with its terms."""
+
+    def run(on_host: bool) -> tuple[list[dict], str | None]:
+        cfg = compose_config(
+            "trainer.log_every_n_steps=5", "trainer.max_steps=12", "env.progress_bar=false",
+            "logger=none", "loss.force_all_branches=true", "trainer.accumulate_grad_batches=2",
+            "data.batch_size=32",
+            f"trainer.nan_policy={policy}", "trainer.max_skipped_steps=-1",
+        )  # fmt: skip
+        lines: list[dict] = []
+        trainer = build_trainer(
+            cfg, tmp_path / str(on_host), DistInfo(), torch.device("cpu"),
+            lambda metrics, step: lines.append({"step": step, **metrics}),
+        )  # fmt: skip
+        trainer.read_on_host(on_host)
+        criterion = trainer.criterion
+
+        def poisoned(model, batch):  # NaN in one branch's term at the chosen steps
+            loss, terms = criterion(model, batch)
+            if trainer.state.global_step + 1 in NAN_STEPS:
+                terms = {**terms, "z_loss": terms["z_loss"] * float("nan")}
+                loss = loss + terms["z_loss"]
+            return loss, terms
+
+        trainer.criterion = poisoned
+        trainer.criterion.forward = criterion.forward
+        loader = trainer.train_loader
+        loader.sampler.set_epoch(0)
+        batches = iter(loader)
+        failure = None
+        try:
+            for _ in range(12):
+                result = trainer.train_step(batches, 2)
+                trainer.state.global_step += 1
+                trainer.after_step(result, None)
+        except Exception as err:  # noqa: BLE001 -- compared between the two ways
+            failure = f"{type(err).__name__}: {err} {getattr(err, 'bad_terms', None)}"
+        return lines, failure
+
+    host_lines, host_failure = run(True)
+    device_lines, device_failure = run(False)
+    assert host_failure == device_failure
+    if policy == "fail":
+        assert host_failure is not None and "@ step 3" in host_failure and "z_loss" in host_failure
+    else:
+        assert host_failure is None and host_lines[-1]["nonfinite_skipped"] == len(NAN_STEPS)
+    assert [line["step"] for line in host_lines] == [line["step"] for line in device_lines]
+    timing = ("samples_per_s", "data_time_frac", "memory_mb", "model_tflops_per_s", "mfu")
+    for host, device in zip(host_lines, device_lines, strict=True):
+        assert host.keys() == device.keys()
+        for key, value in host.items():
+            if key in timing:
+                continue
+            assert value == pytest.approx(device[key], rel=1e-5, nan_ok=True), key

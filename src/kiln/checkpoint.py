@@ -12,6 +12,7 @@ sharded_checkpoint), resharded to its own ranks."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import pickle
@@ -43,12 +44,31 @@ def atomic_save(obj: dict[str, Any], path: Path) -> None:
     the previous file at `path` survives any failure."""
     import torch  # here: listing checkpoints (resume=auto) must not pay torch's import
 
+    _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def serialized(obj: dict[str, Any]) -> bytes:
+    """`obj` as the bytes atomic_save would write."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def atomic_write_bytes(data: bytes, path: Path) -> None:
+    """atomic_save for a checkpoint already serialized (`serialized`): no pickling here, so a
+    writer thread holds the GIL for almost none of it."""
+    _atomic_write(path, lambda f: f.write(data))
+
+
+def _atomic_write(path: Path, write) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)

@@ -2,12 +2,13 @@
 best.pt when the monitored metric improves, epoch-N.pt at epoch ends with the newest k kept; and
 on resume, which file to continue from and whether this config can continue it.
 
-With `background=True` (what the engine builds, unless sharded) a save copies the state to the
-host, on the training thread, and a writer thread writes it while training goes on: each file
-atomically as before (a kill mid-write leaves the previous file whole), in the order asked. A
-failed write is raised on the training thread at the next save or at `flush`, and nothing asked
-after it is written. The same snapshot under a second name (epoch-N.pt beside last.pt) is a hard
-link to the first file, not a second write."""
+With `background=True` (what the engine builds, unless sharded) a save takes a snapshot of the
+state on the training thread (serialized when small, else copied to the host) and a writer
+thread writes it while training goes on: each file atomically as before (a kill mid-write
+leaves the previous file whole), in the order asked. A failed write is raised on the training
+thread at the next save or at `flush`, and nothing asked after it is written. The same
+snapshot under a second name (epoch-N.pt beside last.pt) is a hard link to the first file, not
+a second write."""
 
 from __future__ import annotations
 
@@ -134,6 +135,39 @@ def host_copy(obj):
     return copy.deepcopy(obj)
 
 
+# A state up to this size is serialized on the training thread and the writer thread only
+# writes its bytes: pickling holds the GIL, and from a thread it slows the next steps more than
+# doing it at once costs (a 1 MB MLP state: 2 ms). A larger state is copied to the host here
+# and serialized by the writer thread (a resnet18's 140 MB: 25 ms here against 160 ms there).
+SERIALIZE_ON_THE_STEP_BYTES = 16 << 20
+
+
+def tensor_bytes(obj) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(value) for value in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(tensor_bytes(value) for value in obj)
+    return 0
+
+
+def snapshot_of(state: dict) -> bytes | dict:
+    """What the writer thread writes: the state as of now, serialized or copied to the host."""
+    if tensor_bytes(state) <= SERIALIZE_ON_THE_STEP_BYTES:
+        return files.serialized(state)
+    return host_copy(state)
+
+
+def write_snapshot(snapshot: bytes | dict, path: Path) -> None:
+    if isinstance(snapshot, bytes):
+        files.atomic_write_bytes(snapshot, path)
+    else:
+        files.atomic_save(snapshot, path)
+
+
 class BackgroundWriter:
     """One thread running the checkpoint writes in the order they were asked."""
 
@@ -171,11 +205,11 @@ class BackgroundWriter:
                 self._jobs.task_done()
 
 
-def _link_or_save(first: Path, state: dict, path: Path) -> None:
-    """`path` as a second name of the file `first` holding `state`, else written anew."""
+def _link_or_save(first: Path, snapshot: bytes | dict, path: Path) -> None:
+    """`path` as a second name of the file `first` holding `snapshot`, else written anew."""
     if first != path and first.is_file() and files.atomic_link(first, path):
         return
-    files.atomic_save(state, path)
+    write_snapshot(snapshot, path)
 
 
 class Checkpointer:
@@ -197,7 +231,7 @@ class Checkpointer:
         self.sharded = sharded  # trainer=fsdp: every rank writes its shards through it
         # DCP's sharded writes are collective: those stay on the training thread.
         self.writer = BackgroundWriter() if background and sharded is None and is_main else None
-        self._last: tuple[dict, dict, Path] | None = None  # (state, its copy, its first file)
+        self._last: tuple[dict, bytes | dict, Path] | None = None  # (state, snapshot, file)
 
     def save(self, name: str, state: dict) -> None:
         path = self.directory / name
@@ -207,10 +241,10 @@ class Checkpointer:
         if not self.is_main:
             return
         if self._last is None or self._last[0] is not state:
-            # The copy is taken here, on the training thread: the state as of this step.
-            snapshot = host_copy(state) if self.writer is not None else state
+            # The snapshot is taken here, on the training thread: the state as of this step.
+            snapshot = snapshot_of(state) if self.writer is not None else state
             self._last = (state, snapshot, path)
-            job = partial(files.atomic_save, snapshot, path)
+            job = partial(write_snapshot, snapshot, path)
         else:  # the same snapshot under another name (epoch-N.pt after last.pt)
             _, snapshot, first = self._last
             job = partial(_link_or_save, first, snapshot, path)

@@ -173,18 +173,41 @@ def skip_gradient_sync(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_, also over sharded (DTensor) gradients: the total norm is
-    that of the whole model, all ranks' shards together, and the same number on every rank."""
-    parameters = list(parameters)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm(grads)
-    dtensor = sys.modules.get("torch.distributed.tensor")  # imported by whatever sharded them
-    if dtensor is not None and isinstance(total_norm, dtensor.DTensor):  # a partial norm: reduce
-        total_norm = total_norm.full_tensor()
-    if math.isfinite(max_norm):  # inf: measured only (clipping would multiply every grad by 1)
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
-    return total_norm
+class GradientNorm:
+    """torch.nn.utils.clip_grad_norm_ for the loop, also over sharded (DTensor) gradients: the
+    total 2-norm of the parameters' gradients (of the whole model, all ranks' shards together,
+    the same number on every rank), clipping them to `max_norm` when finite. Dense gradients of
+    one device and dtype (the usual case) take get_total_norm's arithmetic without its grouping,
+    whose Python cost is a good part of a small model's step; which way is decided once per set
+    of gradients."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor]):
+        self.parameters = list(parameters)
+        self._decided_for = -1  # how many gradients the decision saw
+        self._direct = False
+
+    def __call__(self, max_norm: float) -> torch.Tensor:
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        if len(grads) != self._decided_for:
+            self._decided_for, self._direct = len(grads), _one_dense_kind(grads)
+        if self._direct:
+            total_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        else:
+            total_norm = torch.nn.utils.get_total_norm(grads)
+            dtensor = sys.modules.get("torch.distributed.tensor")  # imported by what sharded them
+            if dtensor is not None and isinstance(total_norm, dtensor.DTensor):  # partial: reduce
+                total_norm = total_norm.full_tensor()
+        if math.isfinite(max_norm):  # inf: measured only (clipping would multiply every grad by 1)
+            torch.nn.utils.clip_grads_with_norm_(self.parameters, max_norm, total_norm)
+        return total_norm
+
+
+def _one_dense_kind(grads: list[torch.Tensor]) -> bool:
+    first = grads[0] if grads else None
+    return first is not None and all(
+        type(g) is torch.Tensor and g.layout == torch.strided and g.dtype == first.dtype
+        and g.device == first.device and not g.requires_grad for g in grads
+    )  # fmt: skip
 
 
 def run_mode(trainer: TrainerConfig, multi_rank: bool) -> str:

@@ -1,8 +1,12 @@
-"""MetricWindow: what happened between two log lines, kept on the device. Losses, loss terms, the
-largest grad norm, the dataset's batch metrics, and the non-finite record (how many steps had a
-NaN/Inf loss, the first of them, its terms and, under nan_policy=fail, its batch) are summed with
-device ops step after step; `read` makes the one host transfer (and, under DDP, the one
-all-reduce) per log line. Nothing in a step waits for the device."""
+"""MetricWindow: what happened between two log lines. Losses, loss terms, the largest grad norm,
+the dataset's batch metrics, and the non-finite record (how many steps had a NaN/Inf loss, the
+first of them, its terms and, under nan_policy=fail, its batch) are summed with device ops step
+after step; `read` makes the one host transfer (and, under DDP, the one all-reduce) per log
+line. Nothing in a step waits for the device.
+
+On the CPU in one process a read waits for nothing, while each device op costs a dispatch (a
+small model's whole step is a few dozen): there (`on_host`) each step's numbers are read as they
+come, a float each, and summed in Python. Both ways give the same metrics and the same record."""
 
 from __future__ import annotations
 
@@ -32,13 +36,24 @@ class NonFinite:
 
 
 class MetricWindow:
-    def __init__(self, device: torch.device, world_size: int, keep_batches: bool = False):
+    def __init__(
+        self,
+        device: torch.device,
+        world_size: int,
+        keep_batches: bool = False,
+        on_host: bool | None = None,
+    ):
         self.device, self.world_size = device, world_size
         self.keep_batches = keep_batches  # nan_policy=fail reports the offending batch
+        # None: on the host where reading is free (the CPU, one process).
+        self.on_host = device.type == "cpu" and world_size == 1 if on_host is None else on_host
         self.reset()
 
     def reset(self) -> None:
-        zeros = lambda dtype=torch.float32: torch.zeros((), device=self.device, dtype=dtype)  # noqa: E731
+        if self.on_host:
+            zeros = lambda dtype=None: False if dtype is torch.bool else 0.0  # noqa: E731
+        else:
+            zeros = lambda dtype=torch.float32: torch.zeros((), device=self.device, dtype=dtype)  # noqa: E731
         self.steps = 0
         self.micro_batches = 0  # a fraction among the batch metrics is a mean per micro-batch
         self.samples = 0  # over all ranks
@@ -52,7 +67,7 @@ class MetricWindow:
         self.batch_sums: dict[str, torch.Tensor] = {}
         self.bad_steps = zeros()
         self.scaler_skips = zeros()
-        self.first_bad = torch.full((), -1.0, device=self.device)
+        self.first_bad = -1.0 if self.on_host else torch.full((), -1.0, device=self.device)
         self.first_nan = zeros(torch.bool)
         self.first_bad_terms: dict[str, torch.Tensor] = {}
         self.kept: list[tuple[int, list, list[torch.Tensor]]] = []  # (step, batches, bad flags)
@@ -67,16 +82,45 @@ class MetricWindow:
         self.data_time_s += result.data_time_s
         self.step_time_s += result.step_time_s
         for name, value in result.batch_metrics.items():
+            value = value.item() if self.on_host else value
             self.batch_sums[name] = self.batch_sums.get(name, 0.0) + value
         self.micro_batches += result.micro_batches
+        if self.keep_batches:
+            self.kept.append((result.step, result.batches, result.micro_bad))
+        if self.on_host:
+            self._add_on_host(result)
+            return
         self._pending.append(
             (result.step, result.bad, result.loss, result.terms, result.grad_norm,
              result.scaler_found_inf)
         )  # fmt: skip
-        if self.keep_batches:
-            self.kept.append((result.step, result.batches, result.micro_bad))
         if len(self._pending) >= FOLD_EVERY:
             self._fold()
+
+    def _add_on_host(self, result) -> None:
+        """The step's numbers into the sums as floats: what _fold computes, one step at a time."""
+        loss = result.loss.item()
+        # The main term is often the loss itself: one read for both.
+        terms = {name: loss if value is result.loss else value.item()
+                 for name, value in result.terms.items()}  # fmt: skip
+        bad = bool(result.bad)
+        if result.scaler_found_inf is not None and not bad and bool(result.scaler_found_inf):
+            self.scaler_skips += 1.0
+        if bad:
+            self.bad_steps += 1.0
+            for name in terms:
+                self.terms.setdefault(name, 0.0)
+            if self.first_bad < 0:
+                self.first_bad, self.first_nan = float(result.step), math.isnan(loss)
+                self.first_bad_terms = {name: not math.isfinite(v) for name, v in terms.items()}
+            return
+        self.finite_steps += 1.0
+        self.loss_sum += loss
+        for name, value in terms.items():
+            self.terms[name] = self.terms.get(name, 0.0) + value
+        if result.grad_norm is not None:
+            self.grad_norm = result.grad_norm.item()
+            self.grad_norm_max = max(self.grad_norm_max, self.grad_norm)
 
     def _fold(self) -> None:
         """The pending steps into the window's sums, in order (device ops, no host read)."""
@@ -151,13 +195,18 @@ class MetricWindow:
         """The window's means, all ranks averaged, and its non-finite record: one transfer."""
         self._fold()
         names, extra, flags = list(self.terms), list(self.batch_sums), list(self.first_bad_terms)
-        summed = [self.finite_steps, self.loss_sum, *(self.terms[n] for n in names)]
-        summed += [torch.as_tensor(self.batch_sums[n], device=self.device).float() for n in extra]
-        local = [self.bad_steps, self.scaler_skips, self.first_bad, self.first_nan.float()]
-        local += [self.first_bad_terms[n].float() for n in flags]
-        local += [self.grad_norm, self.grad_norm_max]
-        sums = all_reduce_sum(torch.stack(summed))  # the bad-step flags are already global
-        values = torch.cat([sums, torch.stack(local)]).tolist()
+        if self.on_host:
+            values = self._read_on_host(names, extra, flags)
+        else:
+            summed = [self.finite_steps, self.loss_sum, *(self.terms[n] for n in names)]
+            summed += [
+                torch.as_tensor(self.batch_sums[n], device=self.device).float() for n in extra
+            ]
+            local = [self.bad_steps, self.scaler_skips, self.first_bad, self.first_nan.float()]
+            local += [self.first_bad_terms[n].float() for n in flags]
+            local += [self.grad_norm, self.grad_norm_max]
+            sums = all_reduce_sum(torch.stack(summed))  # the bad-step flags are already global
+            values = torch.cat([sums, torch.stack(local)]).tolist()
         finite_steps, loss_sum = values[0], values[1]
         at = 2
         term_sums = values[at : at + len(names)]
@@ -192,6 +241,14 @@ class MetricWindow:
             bad_micro=bad_micro,
         )
         return metrics, record
+
+    def _read_on_host(self, names: list[str], extra: list[str], flags: list[str]) -> list[float]:
+        """The sums in read()'s order, as they are (already floats)."""
+        values = [self.finite_steps, self.loss_sum, *(self.terms[n] for n in names)]
+        values += [float(self.batch_sums[n]) for n in extra]
+        values += [self.bad_steps, self.scaler_skips, self.first_bad, float(self.first_nan)]
+        values += [float(self.first_bad_terms[n]) for n in flags]
+        return [*values, self.grad_norm, self.grad_norm_max]
 
     def _step_batches(self, step: int) -> tuple[list, int]:
         """The kept micro-batches of `step` and the index of the first non-finite one."""

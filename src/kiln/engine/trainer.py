@@ -7,11 +7,12 @@ window (device-side sums between log lines)."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
+import resource
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ from torch import nn
 from kiln.config.run import NanPolicy, TrainerConfig
 from kiln.engine.batches import batch_size_of, move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer
-from kiln.engine.distributed import DistInfo, all_reduce_max, clip_grad_norm, skip_gradient_sync
+from kiln.engine.distributed import DistInfo, GradientNorm, all_reduce_max, skip_gradient_sync
 from kiln.engine.finetune import FreezePlan, WeightAverage
 from kiln.engine.loss import BRANCHES
 from kiln.engine.metrics import MetricWindow
@@ -154,7 +155,7 @@ class StepResult:
     loss: torch.Tensor  # the mean over the window's micro-batches
     terms: dict[str, torch.Tensor]
     grad_norm: torch.Tensor | None
-    bad: torch.Tensor  # bool: the loss was NaN/Inf on some rank; the update was skipped
+    bad: torch.Tensor | bool  # the loss was NaN/Inf (on some rank): the update was skipped
     samples: int
     data_time_s: float
     step_time_s: float
@@ -192,18 +193,27 @@ class Trainer:
         self.progress_bar = progress_bar
         self.state = TrainState()
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
+        self.grad_norm = GradientNorm(self.params)
         self.non_blocking = bool(getattr(self.train_loader, "pin_memory", False))
         self.batches_per_epoch = batches_per_epoch(self.train_loader, cfg.limit_train_batches)
-        fail = cfg.nan_policy == NanPolicy.fail
-        self.window = MetricWindow(device, dist.world_size, keep_batches=fail)
-        # Fused optimizers skip an update on the device when told a flag (as under GradScaler).
-        self.skips_on_device = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+        self.read_on_host(device.type == "cpu" and not dist.enabled)
         self.preemption = PreemptionFlag(dist, device)
         self.last_eval: dict = {}
         self.probe_time_s = 0.0
         self.flops_time_s = 0.0  # counting the model's FLOPs, once, before the first step
         self.flops_per_sample: float | None = None  # model FLOPs of a training step, per sample
         self.current_step = 0  # the step in progress: failures are reported "@ step N"
+
+    def read_on_host(self, on: bool) -> None:
+        """Where a step's flags and numbers live. On the host (the CPU, one process: a read
+        waits for nothing) each is read as it comes, fewer ops than keeping it. Else they stay
+        device tensors until the log line, and a fused optimizer skips a bad update on the
+        device when told a flag (as under GradScaler). The host-read test runs the device way
+        on the CPU (read_on_host(False))."""
+        fail = self.cfg.nan_policy == NanPolicy.fail
+        self.window = MetricWindow(self.device, self.dist.world_size, keep_batches=fail, on_host=on)
+        fused = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+        self.skips_on_device = fused and not on
 
     # ----------------------------------------------------------------------------- the loop
     def fit(self) -> dict:
@@ -284,19 +294,20 @@ class Trainer:
             if self.cfg.check_inputs:  # reads the batch on the host: opt-in
                 assert_finite_inputs(batch)
             # Under DDP and FSDP only the window's last backward reduces gradients.
-            sync = micro == window - 1 or not self.dist.enabled
-            with contextlib.nullcontext() if sync else skip_gradient_sync(model):
-                with self.precision.autocast():
-                    loss, terms = self.compute_loss(batch)
-                if self.state.global_step == 0 and micro == 0:
-                    check_terms_reach_the_model(terms)  # rule 2, once: cheap
-                # Divide by the window so k micro-batches of b equal one batch of k*b.
-                scaler.scale(loss / window if window > 1 else loss).backward()
-            micro_nonfinite = ~torch.isfinite(loss.detach())
+            if micro == window - 1 or not self.dist.enabled:
+                loss, terms = self.forward_backward(batch, window, micro)
+            else:
+                with skip_gradient_sync(model):
+                    loss, terms = self.forward_backward(batch, window, micro)
+            value = loss.detach()
+            if self.window.on_host:
+                micro_nonfinite = not math.isfinite(value.item())
+            else:
+                micro_nonfinite = ~torch.isfinite(value)
             bad = micro_nonfinite if bad is None else bad | micro_nonfinite
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            loss_sum = value if loss_sum is None else loss_sum + value
             for name, term in terms.items():
-                term = term.detach()
+                term = value if term is loss else term.detach()  # the window reads it once
                 terms_sum[name] = terms_sum[name] + term if name in terms_sum else term
             samples += batch_size_of(batch)
             if self.parts.batch_metrics is not None:
@@ -307,17 +318,18 @@ class Trainer:
                 micro_bad.append(micro_nonfinite)
         if self.state.global_step == 0:  # rule 2, once: a parameter no loss term reaches
             check_every_parameter_learns(self.raw_model, self.parts.flag_for_unused)
-        bad = all_reduce_max(bad)  # every rank skips the same steps
+        if not self.window.on_host:
+            bad = all_reduce_max(bad)  # every rank skips the same steps
         scaler.unscale_(optimizer)  # true-scale gradients before the norm and clipping
         max_norm = self.cfg.gradient_clip_val or math.inf  # inf: measure, never clip
-        grad_norm = clip_grad_norm(self.params, max_norm)  # of all ranks' shards under FSDP
+        grad_norm = self.grad_norm(max_norm)  # of all ranks' shards under FSDP
         scaler_found_inf = self.optimizer_step(bad)
         optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update(self.raw_model, step=self.state.global_step + 1)
         lr = optimizer.param_groups[0]["lr"]
-        if self.scheduler is not None:
-            self.scheduler.step()  # per optimizer step, skipped steps too: the curve stays aligned
+        if self.scheduler is not None:  # per optimizer step, skipped ones too: the curve stays
+            self.step_schedule(skipped=bad is True)  # aligned
         return StepResult(
             step=self.state.global_step + 1,
             loss=loss_sum / window if window > 1 else loss_sum,
@@ -337,7 +349,26 @@ class Trainer:
             micro_batches=window,
         )
 
-    def optimizer_step(self, bad: torch.Tensor) -> torch.Tensor | None:
+    def forward_backward(self, batch: Any, window: int, micro: int):
+        with self.precision.autocast():
+            loss, terms = self.compute_loss(batch)
+        if self.state.global_step == 0 and micro == 0:
+            check_terms_reach_the_model(terms)  # rule 2, once: cheap
+        # Divide by the window so k micro-batches of b equal one batch of k*b.
+        self.scaler.scale(loss / window if window > 1 else loss).backward()
+        return loss, terms
+
+    def step_schedule(self, skipped: bool) -> None:
+        if not skipped:
+            self.scheduler.step()
+            return
+        # A skipped first update makes torch warn of a schedule stepped before the optimizer:
+        # here that is on purpose.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step")
+            self.scheduler.step()
+
+    def optimizer_step(self, bad: torch.Tensor | bool) -> torch.Tensor | None:
         """Apply the update unless `bad` (or GradScaler) says skip, deciding on the device where
         the optimizer can; returns GradScaler's found-inf flag when it runs."""
         optimizer, scaler = self.optimizer, self.scaler
@@ -546,6 +577,7 @@ class Trainer:
         if plan is None or not plan.apply(self.raw_model, self.state.epoch):
             return
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
+        self.grad_norm = GradientNorm(self.params)
         state = "frozen" if plan.frozen_at(self.state.epoch) else "trainable from now on"
         if self.dist.is_main:
             log.info("epoch %d: %d parameter tensors of model.freeze %s",
@@ -654,17 +686,12 @@ def batches_per_epoch(train_loader, limit_train_batches: int) -> int:
 
 
 def memory_mb(device: torch.device) -> float:
+    """The run's peak memory so far: allocated on the GPU, resident on the CPU (one system call;
+    psutil's current RSS read a /proc file at every log line)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return _this_process().memory_info().rss / 2**20
-
-
-@functools.cache
-def _this_process():
-    """psutil's handle on this process, made once: making it costs more than reading it."""
-    import psutil
-
-    return psutil.Process()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
 __all__ = [
