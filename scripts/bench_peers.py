@@ -523,6 +523,11 @@ def markdown(table: dict, works_: dict[str, Work], sides: list[str], note: str) 
             f"- kiln's start-up checks, {name} (rule 1 and 3 probes, FLOP count): "
             f"{checks['median']:.2f} s, {100 * share['median']:.1f}% of kiln's run"
         )
+    lines.append(
+        "- the data: kiln's loaders read an in-memory TensorDataset a batch at a time (one "
+        "index per tensor: kiln.data.loaders.GatheredTensors); Lightning and the plain loop "
+        "read the same dataset with the textbook DataLoader (a select per sample, then a stack)"
+    )
     lines.append(f"- {note}")
     return "\n".join(lines) + "\n"
 

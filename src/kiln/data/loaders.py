@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from kiln.data.spec import DataBundle
@@ -111,6 +111,43 @@ class BucketedSampler(Sampler[int]):
         return self.num_samples - self.skip
 
 
+class GatheredBatch(list):
+    """A batch `GatheredTensors` fetched whole: a list holding the collated batch, which
+    `collate_gathered` hands on as it is."""
+
+
+class GatheredTensors(Dataset):
+    """A TensorDataset as kiln's loaders read it: a batch is gathered with one index per tensor
+    (`__getitems__`, the DataLoader's batched fetch) instead of a select per sample and a stack
+    of them -- the same tensors, a few ops instead of two per sample (digits' 64-sample batch:
+    ~0.2 ms of a 1.2 ms step)."""
+
+    def __init__(self, dataset: TensorDataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> GatheredBatch:
+        rows = torch.as_tensor(indices)
+        return GatheredBatch([tuple(tensor[rows] for tensor in self.dataset.tensors)])
+
+
+def collate_gathered(batch):
+    return batch[0] if isinstance(batch, GatheredBatch) else default_collate(batch)
+
+
+def gathered(dataset, collate_fn):
+    """(dataset, collate_fn) for a loader: a plain TensorDataset with the default collation
+    is gathered batch by batch; anything else is read as it is."""
+    if type(dataset) is TensorDataset and collate_fn is None:
+        return GatheredTensors(dataset), collate_gathered
+    return dataset, collate_fn
+
+
 def seed_worker(worker_id: int) -> None:
     # Ctrl-C in a terminal reaches the whole process group: a worker leaves it to the training
     # process, which checkpoints at the step boundary and then shuts its workers down.
@@ -126,6 +163,7 @@ def _loader(
     dataset, sampler, cfg, *, collate_fn, pin_memory: bool, seed: int, drop_last: bool = False
 ) -> DataLoader:
     workers = cfg.num_workers
+    dataset, collate_fn = gathered(dataset, collate_fn)
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
