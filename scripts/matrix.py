@@ -24,6 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("trainer.max_steps=3", "trainer.max_epochs=1", "trainer.limit_val_batches=2")
 QUIET = ("logger=none", "env.progress_bar=false", "data.batch_size=4")
+# Datasets that read the user's files get the ones the repo ships.
+DATA_FILES = {
+    "image_folder": (f"data.train_dir={REPO / 'examples/photos/train'}", "data.image_size=32"),
+}
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ def command(cell: Cell, out: Path, plugins: list[str], extra: list[str]) -> list
         f"model={cell.model}",
         f"data={cell.data}",
         f"precision={'amp' if cell.amp else 'fp32'}",
+        *DATA_FILES.get(cell.data, ()),
         "loss.force_all_branches=true",
         *STEPS,
         *QUIET,

@@ -63,7 +63,8 @@ def test_sigterm_drains_every_accepted_request_then_exits_0(tmp_path_factory):
     pixels = raw_digits_val()[0][:INPUTS_PER_REQUEST][:, None].astype("<f4")
     pixels = np.resize(pixels, (INPUTS_PER_REQUEST, 1, 8, 8))
     body, headers = binary_request(pixels)
-    overrides = ("server.max_batch_size=8", "server.max_delay_ms=1", "server.max_queue_size=65536")
+    # Batches of 2: the queue takes seconds to drain, longer than the probes below.
+    overrides = ("server.max_batch_size=2", "server.max_delay_ms=1", "server.max_queue_size=65536")
     with serve_process(run_dir / "checkpoints" / "best.pt", *overrides) as (proc, url):
         responses, threads = send_all(url, body, headers, NUM_REQUESTS)
         deadline = time.monotonic() + 60

@@ -60,3 +60,40 @@ def test_help_and_user_errors_do_not_import_the_heavy_stacks(name, tmp_path):
     if expected_rc == 2:
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1, result.stderr[-2000:]
+
+
+EXIT_PROBE = """
+import atexit, gc, sys
+from kiln.cli.script import run_script
+def report():  # registered before run_script: atexit runs it after the script's own handlers
+    print(f"frozen={gc.get_freeze_count() > 0}")
+atexit.register(report)
+def main():
+    out = open(sys.argv[1], "w")  # left open on purpose: exit must still flush it
+    out.write("every byte")
+    {end}
+run_script(main)
+"""
+
+
+@pytest.mark.parametrize(
+    ("end", "code"),
+    [("return", 0), ("raise SystemExit(3)", 3), ("raise ValueError('boom')", 1)],
+    ids=["returns", "exits 3", "raises"],
+)
+def test_the_scripts_exit_skips_the_final_collection_and_nothing_else(end, code, tmp_path):
+    """train.py and infer.py end through run_script: their objects are frozen (the collector's
+    passes at shutdown cost a torch process up to a second), while exit codes, atexit handlers
+    and files left open behave as Python's own exit."""
+    target = tmp_path / "out.txt"
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_PROBE.replace("{end}", end), str(target)],
+        capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == code, done.stderr
+    assert "frozen=True" in done.stdout
+    assert target.read_text() == "every byte"
+    if code == 1:
+        assert "ValueError: boom" in done.stderr
+    for script in ("train.py", "infer.py"):
+        assert "run_script(main)" in (REPO_ROOT / script).read_text()

@@ -37,4 +37,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kiln.cli.script import run_script
+
+    run_script(lambda: sys.exit(main()))
