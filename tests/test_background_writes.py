@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections import OrderedDict
 
 import pytest
@@ -90,13 +91,15 @@ def test_curves_are_drawn_on_a_thread_and_a_full_disk_there_still_ends_the_run(t
     curves = CurvesFile(tmp_path / "curves.png", title="t")
     curves.update(history)
     assert curves._drawing is None  # the run's first seconds: no picture yet
-    curves.drawn_at = 0.0
+    curves.due_at = 0.0
     curves.update(history)
     assert curves._drawing is not None and curves._drawing.name == "kiln-curves"
+    curves._drawing.join()
+    assert curves.due_at >= time.monotonic() + 4  # the next redraw: not before 5 s, 50 draws
     curves.finish(history)
     assert (tmp_path / "curves.png").stat().st_size > 0
     (tmp_path / ".curves.png.tmp.png").symlink_to("/dev/full")
-    curves.drawn_at = 0.0
+    curves.due_at = 0.0
     curves.update(history)
     curves._drawing.join()
     with pytest.raises(DiskFullError):

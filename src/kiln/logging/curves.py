@@ -1,7 +1,7 @@
 """<run>/curves.png: a run's curves against optimizer step: training and validation loss, the
 learning rate, the grad norm (each step's largest in the interval too), and the validation
-metrics. Redrawn as the run goes (at each evaluation, at most every few seconds, off the training
-thread) and at its end."""
+metrics. Redrawn as the run goes (at an evaluation, off the training thread, rarely enough that the
+interpreter lock the drawing holds costs the steps about 2%) and at its end."""
 
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ from kiln.errors import DiskFullError, disk_full, is_disk_full
 
 log = logging.getLogger(__name__)
 
+FIRST_DRAW_AFTER_S = 30.0  # a short run draws once, at its end: a redraw before it is thrown away
 MIN_SECONDS_BETWEEN_DRAWS = 5.0
+# The drawing thread takes the interpreter lock from the steps' thread while it draws (0.3-0.8 s
+# a picture, matplotlib's import the first time): the next redraw waits 1/DRAW_SHARE times as long.
+DRAW_SHARE = 0.02
 
 
 def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -88,14 +92,14 @@ def draw(history: list[dict], path: Path, title: str) -> Path | None:
 
 
 class CurvesFile:
-    """curves.png as the run goes: an evaluation starts a redraw on a thread of its own (at most
-    one at a time, every few seconds at most, the first a few seconds into the run: a short run
-    draws once, at its end), so the step's thread never waits for a picture; `finish` draws the
+    """curves.png as the run goes: an evaluation starts a redraw on a thread of its own (one at a
+    time, the first FIRST_DRAW_AFTER_S into the run, each next one 1/DRAW_SHARE times the last
+    one's duration later), so the step's thread never waits for a picture; `finish` draws the
     whole run on the caller's thread."""
 
     def __init__(self, path: Path, title: str):
         self.path, self.title = path, title
-        self.drawn_at = time.monotonic()
+        self.due_at = time.monotonic() + FIRST_DRAW_AFTER_S
         self._drawing: threading.Thread | None = None
         self._failure: BaseException | None = None  # a background draw's, raised on our thread
 
@@ -103,9 +107,8 @@ class CurvesFile:
         self._raise_failure()
         now = time.monotonic()
         busy = self._drawing is not None and self._drawing.is_alive()
-        if busy or now - self.drawn_at < MIN_SECONDS_BETWEEN_DRAWS:
+        if busy or now < self.due_at:
             return
-        self.drawn_at = now
         # A copy of the list: the step's thread appends to it while the picture is drawn (the
         # entries themselves are never changed once appended).
         self._drawing = threading.Thread(
@@ -124,10 +127,14 @@ class CurvesFile:
         draw(history, self.path, self.title)
 
     def _draw_in_background(self, history: list[dict]) -> None:
+        started = time.monotonic()
         try:
             draw(history, self.path, self.title)
         except BaseException as err:  # noqa: BLE001 -- handed to the caller's thread
             self._failure = err
+        finally:
+            took = time.monotonic() - started
+            self.due_at = time.monotonic() + max(MIN_SECONDS_BETWEEN_DRAWS, took / DRAW_SHARE)
 
     def _raise_failure(self) -> None:
         failure, self._failure = self._failure, None
