@@ -78,6 +78,31 @@ def test_nonfinite_loss_under_ddp_stops_every_rank_with_one_fail_line(tmp_path):
     assert read_summary(run_dir)["status"] == "failed"
 
 
+SLOW_REPORT = """
+import time
+import kiln.cli.train as train
+_record = train.record_failure
+def record_slowly(*args, **kwargs):
+    time.sleep(4)  # the main rank reports late: the other rank, already done, must wait for it
+    return _record(*args, **kwargs)
+train.record_failure = record_slowly
+"""
+
+
+def test_the_other_ranks_wait_for_the_main_ranks_fail_line_before_they_exit(tmp_path):
+    """torchrun stops every worker once one exits non-zero: rank 1 used to exit at once and cut
+    rank 0's [FAIL] line and summary whenever rank 0 was slower to report (here, 4 s slower)."""
+    (tmp_path / "slow_report.py").write_text(SLOW_REPORT)
+    run_dir = tmp_path / "run"
+    result = run_train(
+        run_dir, "trainer=ddp", *DIVERGING, "plugins=[slow_report]", "env.progress_bar=false",
+        f"output_root={tmp_path}/outputs", launcher=TORCHRUN, cwd=tmp_path, timeout=240,
+    )  # fmt: skip
+    fails = [line for line in result.stderr.splitlines() if line.startswith("[FAIL]")]
+    assert len(fails) == 1 and "| DDP | amp=False | loss" in fails[0], result.stderr[-2000:]
+    assert read_summary(run_dir)["status"] == "failed"
+
+
 def test_trainer_ddp_without_torchrun_trains_as_one_rank(tmp_path, caplog):
     """A plain `python train.py trainer=ddp` runs as a process group of one (it used to fail on a
     missing MASTER_ADDR), and says so."""

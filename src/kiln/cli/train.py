@@ -124,7 +124,7 @@ def user_error(err: BaseException, message: str | None = None) -> SystemExit:
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_main(raw_cfg: DictConfig) -> float | None:
 
-    from kiln.engine.distributed import env_dist_info, teardown
+    from kiln.engine.distributed import env_dist_info, leave_together, teardown
     from kiln.engine.preemption import Interrupted, Preempted
     from kiln.engine.run import train
 
@@ -134,11 +134,13 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     command = RunCommand.of(hydra.overrides.task, hydra.overrides.hydra)  # to type it again
     dist = env_dist_info()
     tidy_console()
+    finished = False
     try:
         cfg = to_typed(raw_cfg)
         if cfg.env.quiet:
             quiet_console()
         summary = train(cfg, run_dir)
+        finished = True
     except Preempted as err:
         log.warning("%s", err)
         interrupted = isinstance(err, Interrupted)
@@ -173,6 +175,8 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
             raise  # Hydra records the failed job and the sweep goes on
         raise SystemExit(EXIT_FAILED) from None
     finally:
+        if not finished:  # every rank exits non-zero: none may leave before the report
+            leave_together(dist)
         teardown()
     if dist.is_main:
         link = None if multirun else report.link_latest(cfg.output_root, run_dir)

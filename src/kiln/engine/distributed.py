@@ -53,7 +53,13 @@ def env_dist_info() -> DistInfo:
     )
 
 
+# The process group's key-value store, kept for the ranks' last word (leave_together).
+_group_store: dist.Store | None = None
+REPORT_WAIT_S = 20.0  # how long the other ranks wait for the main rank's failure report
+
+
 def init_distributed(requested: bool, backend: str, device: torch.device) -> DistInfo:
+    global _group_store
     info = env_dist_info()
     if not requested:
         if info.enabled:
@@ -72,6 +78,7 @@ def init_distributed(requested: bool, backend: str, device: torch.device) -> Dis
         # attempt, a restarted rank can read the addresses its dead predecessor published there
         # (gloo then fails with "connectFullMesh ... Connection refused").
         store = dist.PrefixStore(f"kiln/attempt-{restart_count()}", store)
+        _group_store = store
         dist.init_process_group(
             backend=backend,
             store=store,
@@ -94,8 +101,29 @@ def init_distributed(requested: bool, backend: str, device: torch.device) -> Dis
 
 
 def teardown() -> None:
+    global _group_store
+    _group_store = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_together(info: DistInfo, timeout_s: float = REPORT_WAIT_S) -> None:
+    """On the way out of a failed or stopped run: the main rank marks the group's store once it
+    has reported (the [FAIL] line, summary.json), and the other ranks wait for that mark before
+    they exit. torchrun stops every worker as soon as one exits non-zero: a rank that left first
+    would cut the main rank's report short. A main rank that never marks (it died, or is stuck in
+    a collective the failed rank left) costs the others timeout_s, never a hang."""
+    store = _group_store
+    if store is None or not info.enabled:
+        return
+    key = "kiln/reported"
+    try:
+        if info.is_main:
+            store.set(key, "1")
+        else:
+            store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except Exception as err:  # noqa: BLE001 -- already failing: the exit must go on
+        log.debug("leave_together: %s: %s", type(err).__name__, err)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
