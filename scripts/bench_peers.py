@@ -127,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.worker:
         return args
+    if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: a run that proves it works
+        args.tiny, args.rounds = True, 1
     args.sides = [s.strip() for s in args.peers.split(",") if s.strip()]
     unknown = [s for s in args.sides if s not in SIDES]
     if unknown or not args.sides or args.sides[0] != "kiln":
