@@ -17,7 +17,7 @@ from kiln.checkpoint import load_checkpoint
 from kiln.data import build_data
 from kiln.engine.optim import AdamW, settle_sparse_gradients
 from kiln.models.text import FastText
-from kiln.preprocessing.text import WordCachedEncoder, encode_ids, train_tokenizer
+from kiln.preprocessing.text import WordCachedEncoder, WordPieces, encode_ids, train_tokenizer
 
 from .conftest import compose_config, train_in_process
 from .damaged_csv import clean_rows
@@ -194,11 +194,17 @@ TRICKY = [
 ]
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own pieces", "the vocabulary's pieces"])
 @pytest.mark.parametrize("kind", ["words", "bpe"])
-def test_the_word_cached_encoder_gives_the_ids_of_encoding_each_text_whole(kind):
+def test_the_word_cached_encoder_gives_the_ids_of_encoding_each_text_whole(kind, shared):
     texts = [text for text, _ in clean_rows(300, seed=1)] + TRICKY
-    tokenizer = train_tokenizer([texts[:200]], 300, 64, 200, kind)
-    encode = WordCachedEncoder(tokenizer, 64)
+    pieces = WordPieces() if shared else None
+    tokenizer = train_tokenizer([texts[:200]], 300, 64, 200, kind, pieces)
+    encode = WordCachedEncoder(tokenizer, 64, pieces=pieces)
+    if shared and kind == "words":  # the training words were split once, for the vocabulary
+        split_for_the_vocabulary = dict(pieces._of)
+        encode(texts[:200])
+        assert pieces._of == split_for_the_vocabulary
     parts = [encode(texts[i : i + 97]) for i in range(0, len(texts), 97)]  # the cache carries on
     flat, lengths = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     cached = [ids.tolist() for ids in np.split(flat, np.cumsum(lengths)[:-1])]

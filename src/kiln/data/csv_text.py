@@ -64,6 +64,7 @@ from kiln.preprocessing.cleaning import TextCleaning, clean_texts
 from kiln.preprocessing.text import (
     PAD_ID,
     WordCachedEncoder,
+    WordPieces,
     pad_token_ids,
     train_tokenizer,
 )
@@ -410,10 +411,12 @@ def _tokenizer_sample(train_rows: np.ndarray, size: int, seed: int) -> np.ndarra
     return np.random.default_rng(seed).choice(train_rows, size=size, replace=False)
 
 
-def _encode_spool(spool: TextSpool, tokenizer, max_length: int, directory: Path) -> np.ndarray:
+def _encode_spool(
+    spool: TextSpool, tokenizer, max_length: int, directory: Path, pieces: WordPieces
+) -> np.ndarray:
     """Every spooled text's ids into the store's ids file; returns the offsets."""
     writer = IdsWriter(directory)
-    encode = WordCachedEncoder(tokenizer, max_length)
+    encode = WordCachedEncoder(tokenizer, max_length, pieces=pieces)
     for texts in spool.batches(ENCODE_BATCH):
         writer.append_flat(*encode(texts))
     spool.path.unlink()  # the cleaned texts were only needed until now
@@ -471,11 +474,12 @@ def build_entry(
         keep = np.zeros(len(labels), dtype=bool)
         keep[learn_from] = True
         texts = spool.batches(ENCODE_BATCH, keep=keep)
+        pieces = WordPieces()  # the training words, split once for the vocabulary and the ids
         tokenizer = train_tokenizer(
-            texts, cfg.vocab_size, cfg.max_length, len(learn_from), str(cfg.tokenizer)
+            texts, cfg.vocab_size, cfg.max_length, len(learn_from), str(cfg.tokenizer), pieces
         )
     with _timed(timings, "encode_s"):
-        offsets = _encode_spool(spool, tokenizer, cfg.max_length, directory)
+        offsets = _encode_spool(spool, tokenizer, cfg.max_length, directory, pieces)
     report = _store_report(cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets)
     report.update(left_out)
     report["build_timings_s"] = timings  # read + clean, tokenizer, encode: when it was built

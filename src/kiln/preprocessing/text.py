@@ -43,16 +43,19 @@ def train_tokenizer(
     max_length: int,
     num_texts: int | None = None,
     kind: str = "bpe",
+    pieces: WordPieces | None = None,
 ):
     """A tokenizer with [PAD]=0 and [UNK], truncating to max_length, trained on already-cleaned
     texts, split by BERT's pre-tokenizer (whitespace, then punctuation on its own). `kind`:
     bpe -- byte-pair-encoding merges within each piece; words -- each piece a token, the
     vocab_size - 2 most frequent ones (the rest [UNK]), counted in one pass. `text_batches` is
-    consumed once, batch by batch, so the texts never need to be in memory together."""
+    consumed once, batch by batch, so the texts never need to be in memory together. `pieces`
+    (words): the words' pieces are kept there for a WordCachedEncoder given the same object."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     if kind == "words":
-        tokenizer = Tokenizer(models.WordLevel(_word_vocab(text_batches, vocab_size), UNK_TOKEN))
+        vocab = _word_vocab(text_batches, vocab_size, pieces or WordPieces())
+        tokenizer = Tokenizer(models.WordLevel(vocab, UNK_TOKEN))
         tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     else:
         tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
@@ -71,7 +74,9 @@ def train_tokenizer(
     return tokenizer
 
 
-def _word_vocab(text_batches: Iterable[Sequence[str]], vocab_size: int) -> dict[str, int]:
+def _word_vocab(
+    text_batches: Iterable[Sequence[str]], vocab_size: int, word_pieces: WordPieces
+) -> dict[str, int]:
     """The most frequent pieces (BERT pre-tokenized) of the texts, ties by the piece itself:
     {"[PAD]": 0, "[UNK]": 1, piece: id, ...}. Whitespace words are counted first, and the
     distinct words split into pieces together."""
@@ -81,12 +86,10 @@ def _word_vocab(text_batches: Iterable[Sequence[str]], vocab_size: int) -> dict[
             words.update(_words(text))
     distinct = list(words)
     counts = np.fromiter(words.values(), dtype=np.int64, count=len(distinct))
+    found, owner = word_pieces.split(distinct)
     pieces: dict[str, int] = {}
-    for first in range(0, len(distinct), WORDS_PER_CALL):
-        chunk = distinct[first : first + WORDS_PER_CALL]
-        found, owner = _pieces(chunk)
-        for piece, count in zip(found, counts[first + owner].tolist(), strict=True):
-            pieces[piece] = pieces.get(piece, 0) + count
+    for piece, count in zip(found, counts[owner].tolist(), strict=True):
+        pieces[piece] = pieces.get(piece, 0) + count
     ranked = sorted(pieces.items(), key=lambda item: (-item[1], item[0]))
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for piece, _ in ranked[: max(0, vocab_size - len(SPECIAL_TOKENS))]:
@@ -121,6 +124,33 @@ def _pieces(words: list[str]) -> tuple[list[str], np.ndarray]:
     return [pieces[i] for i in order.tolist()], owner[order]
 
 
+class WordPieces:
+    """Whitespace-free words -> their pieces (BERT's pre-tokenizer), each distinct word split
+    once and kept: the word vocabulary counts the pieces of the training words, and an encoder
+    given the same object looks those words up instead of splitting them again (at most
+    `max_words` kept; past that the store starts afresh)."""
+
+    def __init__(self, max_words: int = 1_000_000):
+        self.max_words = max_words
+        self._of: dict[str, tuple[str, ...]] = {}
+
+    def split(self, words: list[str]) -> tuple[list[str], np.ndarray]:
+        """Distinct `words` -> (their pieces in word order, the index of the word each is of)."""
+        of = self._of
+        if len(of) + len(words) > self.max_words:
+            of.clear()
+        new = [w for w in words if w not in of]
+        for first in range(0, len(new), WORDS_PER_CALL):
+            chunk = new[first : first + WORDS_PER_CALL]
+            found, owner = _pieces(chunk)
+            ends = np.searchsorted(owner, np.arange(1, len(chunk) + 1)).tolist()
+            for word, start, end in zip(chunk, [0, *ends[:-1]], ends, strict=True):
+                of[word] = tuple(found[start:end])
+        split = [of[w] for w in words]
+        counts = np.fromiter(map(len, split), dtype=np.int64, count=len(split))
+        return list(itertools.chain.from_iterable(split)), np.repeat(np.arange(len(words)), counts)
+
+
 def encode_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """Cleaned texts -> token ids (unpadded), by the Rust tokenizer's batch encoding. A text that
     cleans to nothing still gets one token ([UNK]), so no row is all padding (an all-padding row
@@ -152,7 +182,13 @@ class WordCachedEncoder:
     and the per-text work is numpy's. Returns (ids int32, lengths); the word cache is emptied
     past `max_words` words."""
 
-    def __init__(self, tokenizer, max_length: int, max_words: int = 1_000_000):
+    def __init__(
+        self,
+        tokenizer,
+        max_length: int,
+        max_words: int = 1_000_000,
+        pieces: WordPieces | None = None,
+    ):
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
@@ -162,6 +198,7 @@ class WordCachedEncoder:
         model = json.loads(tokenizer.to_str())["model"]
         self.vocab = model["vocab"] if model["type"] == "WordLevel" else None
         self.max_length, self.max_words = max_length, max_words
+        self.pieces = pieces or WordPieces(max_words)  # a WordLevel model's: see _learn
         self.unk_id = tokenizer.token_to_id(UNK_TOKEN)
         self.index: dict[str, int] = {}  # word -> its number in the cache
         self._starts, self._ids = [np.zeros(1, np.int64)], []  # CSR of the cached words' ids
@@ -171,7 +208,7 @@ class WordCachedEncoder:
         for first in range(0, len(words), WORDS_PER_CALL):
             chunk = words[first : first + WORDS_PER_CALL]
             if self.vocab is not None:
-                pieces, owner = _pieces(chunk)
+                pieces, owner = self.pieces.split(chunk)
                 get, unk = self.vocab.get, self.unk_id
                 ids = np.fromiter((get(p, unk) for p in pieces), np.int32, count=len(pieces))
             else:
@@ -192,7 +229,7 @@ class WordCachedEncoder:
 
     def __call__(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         if len(self.index) > self.max_words:  # a fresh cache: memory stays bounded
-            self.__init__(self.tokenizer, self.max_length, self.max_words)
+            self.__init__(self.tokenizer, self.max_length, self.max_words, self.pieces)
         split = [_words(text) for text in texts]
         index = self.index
         new = list({w: None for words in split for w in words if w not in index})
