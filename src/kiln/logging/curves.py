@@ -15,7 +15,7 @@ from kiln.errors import DiskFullError, disk_full, is_disk_full
 
 log = logging.getLogger(__name__)
 
-FIRST_DRAW_AFTER_S = 30.0  # a short run draws once, at its end: a redraw before it is thrown away
+FIRST_DRAW_AFTER_S = 10.0  # a run of seconds draws once, at its end: a redraw before is thrown away
 MIN_SECONDS_BETWEEN_DRAWS = 5.0
 # The drawing thread takes the interpreter lock from the steps' thread while it draws (0.3-0.8 s
 # a picture, matplotlib's import the first time): the next redraw waits 1/DRAW_SHARE times as long.
