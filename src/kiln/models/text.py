@@ -87,7 +87,9 @@ class _WeightedBag(torch.autograd.Function):
                 size=(len(rows), features.shape[0]),
                 check_invariants=False,  # built sorted and in range above
             )
-        values = touched @ grad.to(weights.dtype)  # (distinct rows, D)
+        # In fp32 under autocast too: the sparse product has no bf16/fp16 kernel (CPU's MKL).
+        with torch.autocast(grad.device.type, enabled=False):
+            values = touched @ grad.to(weights.dtype)  # (distinct rows, D)
         table_grad = torch.sparse_coo_tensor(
             rows.unsqueeze(0),
             values.to(grad.dtype),
