@@ -136,17 +136,19 @@ class WordPieces:
 
     def split(self, words: list[str]) -> tuple[list[str], np.ndarray]:
         """Distinct `words` -> (their pieces in word order, the index of the word each is of)."""
-        of = self._of
-        if len(of) + len(words) > self.max_words:
-            of.clear()
+        of, fresh = self._of, {}
         new = [w for w in words if w not in of]
         for first in range(0, len(new), WORDS_PER_CALL):
             chunk = new[first : first + WORDS_PER_CALL]
             found, owner = _pieces(chunk)
             ends = np.searchsorted(owner, np.arange(1, len(chunk) + 1)).tolist()
             for word, start, end in zip(chunk, [0, *ends[:-1]], ends, strict=True):
-                of[word] = tuple(found[start:end])
-        split = [of[w] for w in words]
+                fresh[word] = tuple(found[start:end])
+        split = [of[w] if w in of else fresh[w] for w in words]
+        if len(of) + len(fresh) > self.max_words:  # the bound holds, even for one large call
+            of.clear()
+        if len(fresh) <= self.max_words:
+            of.update(fresh)
         counts = np.fromiter(map(len, split), dtype=np.int64, count=len(split))
         return list(itertools.chain.from_iterable(split)), np.repeat(np.arange(len(words)), counts)
 
