@@ -42,12 +42,55 @@ def fused_where_supported(params: list, sharded_ok: bool = True) -> bool:
     return bool(params) and devices <= {"cpu", "cuda"} and (sharded_ok or not sharded)
 
 
-class AdamW(torch.optim.AdamW):
+def undecorated(cls: type, name: str):
+    """`cls.name` as torch wrote it, without the wrapper torch puts around it to keep
+    torch.compile out (`torch._disable_dynamo`, `_use_grad_for_differentiable`). Each wrapper
+    imports torch._dynamo on its first call -- 1.0-1.3 s of a run's start-up here (sympy,
+    triton, torch.distributed.fsdp) -- which an eager optimizer never uses. While dynamo traces,
+    torch's wrapped method."""
+    method = cls.__dict__[name]
+    if torch.compiler.is_compiling():
+        return method
+    return getattr(method, "__wrapped__", method)
+
+
+class EagerOptimizer(torch.optim.Optimizer):
+    """Optimizer methods run eagerly, without importing torch._dynamo (see `undecorated`);
+    a subclass's `step` calls `eager_step(<torch's optimizer class>, closure)`."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        undecorated(torch.optim.Optimizer, "add_param_group")(self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        undecorated(torch.optim.Optimizer, "zero_grad")(self, set_to_none)
+
+    def state_dict(self) -> dict:
+        return undecorated(torch.optim.Optimizer, "state_dict")(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        undecorated(torch.optim.Optimizer, "load_state_dict")(self, state_dict)
+
+    def eager_step(self, torch_class: type, closure=None):
+        # What torch's _use_grad_for_differentiable does around the step, less the dynamo
+        # graph breaks (no-ops in eager mode).
+        with torch.set_grad_enabled(self.defaults["differentiable"]):
+            return undecorated(torch_class, "step")(self, closure)
+
+
+class SGD(EagerOptimizer, torch.optim.SGD):
+    """torch.optim.SGD, without importing torch._dynamo."""
+
+    def step(self, closure=None):
+        return self.eager_step(torch.optim.SGD, closure)
+
+
+class AdamW(EagerOptimizer, torch.optim.AdamW):
     """torch.optim.AdamW, lazy on a sparse gradient (an nn.EmbeddingBag(sparse=True) table):
     only the rows the gradient holds are updated -- their moments, their decay, their values --
     as TensorFlow's LazyAdam and torch's SparseAdam do, so a step costs what the batch touched,
     not the table's size. Dense parameters take torch's (fused) AdamW step. It skips an update
-    on the device when the trainer sets `found_inf`, as the fused kernel does."""
+    on the device when the trainer sets `found_inf`, as the fused kernel does. Without
+    importing torch._dynamo (`EagerOptimizer`)."""
 
     def step(self, closure=None):
         sparse = [
@@ -60,7 +103,7 @@ class AdamW(torch.optim.AdamW):
         for _, p in sparse:
             p.grad = None  # torch's step skips a parameter without a gradient
         try:
-            loss = super().step(closure)
+            loss = self.eager_step(torch.optim.Adam, closure)
         finally:
             for (_, p), grad in zip(sparse, grads, strict=True):
                 p.grad = grad
@@ -140,7 +183,7 @@ SPARSE_GRADIENT_OPTIMIZERS = ("adamw",)  # optimizers with a lazy step for spars
 
 def build_sgd(params, cfg: SGDConfig) -> torch.optim.Optimizer:
     params = list(params)
-    return torch.optim.SGD(
+    return SGD(
         params,
         lr=cfg.lr,
         momentum=cfg.momentum,

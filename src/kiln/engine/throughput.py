@@ -51,8 +51,7 @@ def peak_flops(device: torch.device, precision, override_tflops: float | None) -
 def flops_per_sample(model: nn.Module, forward, batch: Any, samples: int) -> float | None:
     """Model FLOPs of one training step (forward and backward) per sample, on `batch`. The
     model's gradients, buffers, RNG and mode are left as they were."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+    from kiln.engine.flop_count import FlopCount
     from kiln.guards.probes import _rng_state, _set_rng_state
     from kiln.guards.tree import iter_tensors
 
@@ -62,11 +61,11 @@ def flops_per_sample(model: nn.Module, forward, batch: Any, samples: int) -> flo
     rng = _rng_state()
     try:
         model.train()
-        with FlopCounterMode(display=False) as counter:
+        with FlopCount() as counter:
             output = forward(model, batch, True)
             tensors = [t for _, t in iter_tensors(output, "output") if t.is_floating_point()]
             sum(t.float().sum() for t in tensors).backward()
-        total = counter.get_total_flops()
+        total = counter.total
     except Exception as err:  # counting is a nicety: never the reason a run fails
         log.info("model FLOPs not counted: %s", err)
         total = 0
