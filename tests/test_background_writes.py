@@ -1,6 +1,6 @@
 """What keeps the training thread from waiting: checkpoints copied to the host and written by a
-thread (each file still atomic, a failure still raised), curves.png drawn on a thread, and
-glibc keeping freed host memory for the next step."""
+thread (each file still atomic, a failure still raised), curves.png drawn by a painter process
+or on a thread, and glibc keeping freed host memory for the next step."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from kiln.config.run import TrainerConfig
 from kiln.engine import checkpointer as checkpointer_module
 from kiln.engine.checkpointer import Checkpointer, host_copy
 from kiln.errors import DiskFullError
-from kiln.logging.curves import CurvesFile
+from kiln.logging import curves as curves_module
+from kiln.logging.curves import CurvesFile, Painter
 
 
 def checkpointer(directory, background=True) -> Checkpointer:
@@ -86,8 +87,14 @@ def test_a_failed_background_write_is_raised_and_nothing_after_it_is_written(tmp
                        torch.ones(2))  # fmt: skip
 
 
-def test_curves_are_drawn_on_a_thread_and_a_full_disk_there_still_ends_the_run(tmp_path):
-    history = [{"step": 1, "loss": 2.0, "lr": 0.1}, {"step": 2, "loss": 1.0, "val_loss": 1.5}]
+HISTORY = [{"step": 1, "loss": 2.0, "lr": 0.1}, {"step": 2, "loss": 1.0, "val_loss": 1.5}]
+
+
+def test_curves_are_drawn_on_a_thread_and_a_full_disk_there_still_ends_the_run(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(curves_module, "_painter", None)  # none started in this process
+    history = [dict(row) for row in HISTORY]
     curves = CurvesFile(tmp_path / "curves.png", title="t")
     curves.update(history)
     assert curves._drawing is None  # the run's first seconds: no picture yet
@@ -104,6 +111,50 @@ def test_curves_are_drawn_on_a_thread_and_a_full_disk_there_still_ends_the_run(t
     curves._drawing.join()
     with pytest.raises(DiskFullError):
         curves.update(history)  # the next call on the run's thread raises it
+
+
+@pytest.fixture
+def painter():
+    painter = Painter()
+    yield painter
+    painter.close()
+
+
+def _not_here(*args, **kwargs):
+    raise AssertionError("drawn in the run's process")
+
+
+def test_the_painter_process_draws_the_curves_and_answers_a_full_disk(
+    tmp_path, painter, monkeypatch
+):
+    monkeypatch.setattr(curves_module, "draw", _not_here)  # only the painter can draw
+    history = [dict(row) for row in HISTORY]
+    curves = CurvesFile(tmp_path / "curves.png", title="t", painter=painter)
+    curves.update(history)
+    assert not painter.busy  # the run's first seconds: no picture yet
+    curves.due_at = 0.0
+    curves.update(history)
+    assert painter.busy  # sent; the step's thread goes on
+    history.append({"step": 3, "loss": 0.5, "val_loss": 1.0})  # only this row is sent next
+    curves.finish(history)  # waits for the redraw in progress, then draws the whole run
+    assert not painter.busy and painter.sent[str(tmp_path / "curves.png")][1] == 3
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert curves.due_at >= time.monotonic() + 4  # as on a thread: not before 5 s
+    (tmp_path / ".curves.png.tmp.png").symlink_to("/dev/full")
+    with pytest.raises(DiskFullError):
+        curves.finish(history)
+
+
+def test_a_run_whose_painter_died_draws_its_curves_itself(tmp_path, painter):
+    curves = CurvesFile(tmp_path / "curves.png", title="t", painter=painter)
+    painter.process.kill()
+    painter.process.wait()
+    curves.due_at = 0.0
+    curves.update(HISTORY)  # the pipe is broken: a thread takes over
+    assert curves._painter is None
+    curves.finish(HISTORY)
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert CurvesFile(tmp_path / "other.png", title="t", painter=painter)._painter is None
 
 
 FAULTS = textwrap.dedent(

@@ -56,8 +56,10 @@ def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
         assert missing in done.stderr
     assert set(side["tools"]) == expected
     for row in side["tools"].values():
-        assert len(row["val_acc_runs"]) == len(row["wall_s_runs"]) == 2
+        assert len(row["val_acc_runs"]) == len(row["wall_s_runs"]) == len(row["cpu_s_runs"]) == 2
         assert 0 <= row["val_acc"] <= 1 and row["wall_s"] > 0
+        # CPU s of the command's processes: at least the interpreter's start-up, each run
+        assert min(row["cpu_s_runs"]) > 0.05 and row["cpu_s"] == sum(row["cpu_s_runs"]) / 2
         assert (
             row["wall_s"]
             == sorted(row["wall_s_runs"])[0]

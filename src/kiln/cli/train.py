@@ -246,6 +246,10 @@ def main(argv: list[str] | None = None) -> None:
         if any(arg in HELP_FLAGS for arg in argv):
             print(help_text(argv))
             return
+        if not int(os.environ.get("RANK", 0)):  # the main rank draws curves.png
+            from kiln.logging.curves import start_painter
+
+            start_painter()  # matplotlib's import, beside this process's own start-up
         register_configs()
         if not is_multirun(argv):  # a sweep's jobs are checked one by one as they start
             cfg = load_config(config_overrides(argv))  # a mistake fails here, before any work

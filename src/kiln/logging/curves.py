@@ -1,12 +1,23 @@
 """<run>/curves.png: a run's curves against optimizer step: training and validation loss, the
 learning rate, the grad norm (each step's largest in the interval too), and the validation
-metrics. Redrawn as the run goes (at an evaluation, off the training thread, rarely enough that the
-interpreter lock the drawing holds costs the steps about 2%) and at its end."""
+metrics. Redrawn as the run goes (at an evaluation, off the training thread) and at its end.
+
+A run started from the command line draws in a painter process started with it
+(`start_painter`): matplotlib's import (0.3 s) and every draw (0.15 s and up) run beside the
+run, on another core, and never hold its interpreter lock. Elsewhere (a run inside a Python
+session, or when the painter is gone) a thread of the run draws, rarely enough that the lock it
+holds costs the steps about 2%."""
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
 import math
+import os
+import select
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -91,20 +102,110 @@ def draw(history: list[dict], path: Path, title: str) -> Path | None:
     return path
 
 
-class CurvesFile:
-    """curves.png as the run goes: an evaluation starts a redraw on a thread of its own (one at a
-    time, the first FIRST_DRAW_AFTER_S into the run, each next one 1/DRAW_SHARE times the last
-    one's duration later), so the step's thread never waits for a picture; `finish` draws the
-    whole run on the caller's thread."""
+KILN_ROOT = str(Path(__file__).resolve().parents[2])  # where `import kiln` finds this kiln
+PATHS = os.environ.get("PYTHONPATH", "")
 
-    def __init__(self, path: Path, title: str):
+
+class Painter:
+    """A process that draws curves.png files for this one: one job at a time, a line of JSON
+    each way. A job names the file and sends the history rows the painter does not have yet
+    (rows never change once appended); the answer says drawn, a full disk, or another error."""
+
+    def __init__(self):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kiln.logging.curves"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            # Its own session: a Ctrl-C at the terminal is the run's to handle, and the run
+            # still wants its last picture after one.
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (KILN_ROOT, PATHS)))},
+        )
+        self.sent: dict[str, tuple[object, int]] = {}  # path: (its first row, rows sent)
+        self.busy = False
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def send(self, history: list[dict], path: Path, title: str) -> None:
+        first, count = self.sent.get(str(path), (None, 0))
+        if not history or history[0] is not first or count > len(history):
+            count = 0  # a new file, or rows put before the ones sent (a resumed run's past)
+        job = {"path": str(path), "title": title, "from": count, "rows": history[count:]}
+        self.process.stdin.write(json.dumps(job, default=str) + "\n")
+        self.process.stdin.flush()
+        self.sent[str(path)] = (history[0] if history else None, len(history))
+        self.busy = True
+
+    def answer(self, timeout: float | None) -> dict | None:
+        """The answer to the job sent, or None when none came in `timeout` s (None: wait)."""
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self.process.stdout.readline()
+        if not line:
+            raise BrokenPipeError("the painter process ended")
+        self.busy = False
+        return json.loads(line)
+
+    def close(self) -> None:
+        try:
+            self.process.stdin.close()  # it ends at the end of its input
+            self.process.wait(timeout=2)
+        except (OSError, subprocess.TimeoutExpired):
+            self.process.kill()
+
+
+_painter: Painter | None = None
+
+
+def start_painter() -> None:
+    """Start this process's painter (once; a no-op where select cannot wait on a pipe)."""
+    global _painter
+    if _painter is None and os.name == "posix":
+        try:
+            _painter = Painter()
+        except OSError as err:
+            log.debug("no painter process (%s): curves.png is drawn on a thread", err)
+            return
+        atexit.register(_painter.close)
+
+
+def _failure_of(answer: dict, path: Path) -> BaseException | None:
+    if answer.get("disk_full"):
+        return disk_full(path)
+    if answer.get("error"):
+        return RuntimeError(answer["error"])
+    return None
+
+
+class CurvesFile:
+    """curves.png as the run goes: an evaluation starts a redraw in the painter process, or on
+    a thread of its own (one at a time, the first FIRST_DRAW_AFTER_S into the run, each next one
+    1/DRAW_SHARE times the last one's duration later), so the step's thread never waits for a
+    picture; `finish` draws the whole run before it returns."""
+
+    # The longest `finish` waits for the painter before drawing here instead.
+    PAINTER_WAIT_S = 120.0
+
+    def __init__(self, path: Path, title: str, painter: Painter | None = None):
+        """`painter`: the process that draws (default: this process's, if started and alive;
+        else a thread)."""
         self.path, self.title = path, title
         self.due_at = time.monotonic() + FIRST_DRAW_AFTER_S
         self._drawing: threading.Thread | None = None
         self._failure: BaseException | None = None  # a background draw's, raised on our thread
+        painter = painter or _painter
+        self._painter = painter if painter is not None and painter.alive() else None
+        self._sent_at = 0.0
 
     def update(self, history: list[dict]) -> None:
         self._raise_failure()
+        if self._painter is not None:
+            self._paint(history, wait=False)
+            return
         now = time.monotonic()
         busy = self._drawing is not None and self._drawing.is_alive()
         if busy or now < self.due_at:
@@ -121,10 +222,45 @@ class CurvesFile:
         without `draw_now` (a second Ctrl-C) it waits for nothing."""
         if not draw_now:
             return
+        if self._painter is not None and self._paint(history, wait=True):
+            self._raise_failure()
+            return
         if self._drawing is not None:
             self._drawing.join()
         self._raise_failure()
         draw(history, self.path, self.title)
+
+    def _paint(self, history: list[dict], wait: bool) -> bool:
+        """The painter's part: collect its answer, send the next job when due (at once when
+        `wait`, then wait for it). False when the painter is gone (the thread takes over)."""
+        painter = self._painter
+        try:
+            if painter.busy:
+                self._took(painter.answer(self.PAINTER_WAIT_S if wait else 0))
+            if painter.busy and wait:  # stuck: drawn here instead
+                raise TimeoutError(f"no answer in {self.PAINTER_WAIT_S:.0f} s")
+            if painter.busy:  # still drawing
+                return True
+            if not history or not (wait or time.monotonic() >= self.due_at):
+                return True
+            self._sent_at = time.monotonic()
+            painter.send(history, self.path, self.title)
+            if wait:
+                self._took(painter.answer(self.PAINTER_WAIT_S))
+                if painter.busy:
+                    raise TimeoutError(f"no answer in {self.PAINTER_WAIT_S:.0f} s")
+            return True
+        except (OSError, ValueError) as err:  # it ended, or its pipe did
+            log.debug("the painter process is gone (%s): curves.png is drawn on a thread", err)
+            self._painter = None
+            return False
+
+    def _took(self, answer: dict | None) -> None:
+        if answer is None:
+            return
+        took = time.monotonic() - self._sent_at
+        self.due_at = time.monotonic() + max(MIN_SECONDS_BETWEEN_DRAWS, took / DRAW_SHARE)
+        self._failure = _failure_of(answer, self.path) or self._failure
 
     def _draw_in_background(self, history: list[dict]) -> None:
         started = time.monotonic()
@@ -142,3 +278,31 @@ class CurvesFile:
             raise failure
         if failure is not None:  # a picture must never be why a run fails
             log.warning("could not draw %s: %s: %s", self.path, type(failure).__name__, failure)
+
+
+def paint_jobs() -> None:
+    """The painter process: jobs from stdin, answers to stdout, until stdin ends."""
+    os.nice(5)  # behind the run it draws for, on a busy machine
+    from matplotlib.figure import Figure  # noqa: F401 -- the import paid before the first job
+
+    histories: dict[str, list[dict]] = {}
+    for line in sys.stdin:
+        job = json.loads(line)
+        history = histories.setdefault(job["path"], [])
+        del history[job["from"] :]
+        history.extend(job["rows"])
+        try:
+            draw(history, Path(job["path"]), job["title"])
+            answer = {}
+        except DiskFullError:
+            answer = {"disk_full": True}
+        except Exception as err:  # noqa: BLE001 -- reported to the run, which carries on
+            answer = {"error": f"{type(err).__name__}: {err}"}
+        print(json.dumps(answer), flush=True)
+    # Nothing is left to write: an interpreter's teardown with matplotlib loaded (0.15 s) would
+    # only keep the run, which waits for this process to end, from ending.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    paint_jobs()
