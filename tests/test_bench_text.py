@@ -69,6 +69,10 @@ def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
     assert math.isclose(svc["over_svc"], 1.0)
     kiln = side["tools"]["kiln text_bow"]
     assert math.isclose(kiln["over_svc"], kiln["wall_s"] / svc["wall_s"])
+    assert svc["over_svc_rounds"] == [1.0, 1.0]
+    assert kiln["over_svc_rounds"] == [
+        k / b for k, b in zip(kiln["wall_s_runs"], svc["wall_s_runs"], strict=True)
+    ]
     split = [tmp_path / "work" / name for name in ("split-train.csv", "split-val.csv")]
     assert [sum(1 for _ in csv.reader(p.open())) - 1 for p in split] == [192, 48]
     assert result["transformer"]["val_acc"] >= 0 and result["transformer"]["samples_per_s"] > 0
