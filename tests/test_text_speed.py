@@ -8,6 +8,7 @@ itself is measured in scripts/bench_text.py, never here."""
 from __future__ import annotations
 
 import copy
+import random
 
 import numpy as np
 import pytest
@@ -17,7 +18,13 @@ from kiln.checkpoint import load_checkpoint
 from kiln.data import build_data
 from kiln.engine.optim import AdamW, settle_sparse_gradients
 from kiln.models.text import FastText
-from kiln.preprocessing.text import WordCachedEncoder, WordPieces, encode_ids, train_tokenizer
+from kiln.preprocessing.text import (
+    WordCachedEncoder,
+    WordPieces,
+    _words,
+    encode_ids,
+    train_tokenizer,
+)
 
 from .conftest import compose_config, train_in_process
 from .damaged_csv import clean_rows
@@ -222,6 +229,23 @@ def test_the_word_cached_encoder_gives_the_ids_of_encoding_each_text_whole(kind,
     flat, lengths = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     cached = [ids.tolist() for ids in np.split(flat, np.cumsum(lengths)[:-1])]
     assert cached == encode_ids(tokenizer, texts)
+
+
+def test_word_pieces_are_the_pre_tokenizer_s_for_every_ascii_character_and_beyond():
+    """ASCII words are split here, the others by the Rust pre-tokenizer: the same pieces for
+    words of every printable and control ASCII character (whitespace aside; \x1c-\x1f are
+    not whitespace to it), mixed with letters, digits and non-ASCII punctuation."""
+    from tokenizers import pre_tokenizers
+
+    rng = random.Random(0)
+    chars = [chr(i) for i in range(1, 128) if not chr(i).isspace() or 0x1C <= i <= 0x1F]
+    chars += ["\u00e9", "\u00df", "\u2014", "\u3002", "\u066b", "\u203d", "\u00bf", "\u20ac"]
+    words = {"".join(rng.choices(chars, k=rng.randint(1, 8))) for _ in range(5000)}
+    words = sorted(w for w in words if len(_words(w)) == 1)
+    pieces, owner = WordPieces().split(words)
+    split = pre_tokenizers.BertPreTokenizer().pre_tokenize_str
+    assert pieces == [p for w in words for p, _ in split(w)]
+    assert owner.tolist() == [i for i, w in enumerate(words) for _ in split(w)]
 
 
 def test_the_words_tokenizer_is_the_same_every_time():

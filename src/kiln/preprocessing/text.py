@@ -124,6 +124,12 @@ def _pieces(words: list[str]) -> tuple[list[str], np.ndarray]:
     return [pieces[i] for i in order.tolist()], owner[order]
 
 
+# BERT's pre-tokenizer on an ASCII word: each ASCII punctuation character (Rust's
+# is_ascii_punctuation, which holds Unicode's punctuation in ASCII) a piece of its own, each run
+# of the other characters one piece.
+_ASCII_PIECES = re.compile(r"[^!-/:-@\[-`{-~]+|[!-/:-@\[-`{-~]")
+
+
 class WordPieces:
     """Whitespace-free words -> their pieces (BERT's pre-tokenizer), each distinct word split
     once and kept: the word vocabulary counts the pieces of the training words, and an encoder
@@ -137,7 +143,16 @@ class WordPieces:
     def split(self, words: list[str]) -> tuple[list[str], np.ndarray]:
         """Distinct `words` -> (their pieces in word order, the index of the word each is of)."""
         of, fresh = self._of, {}
-        new = [w for w in words if w not in of]
+        new = []  # for the pre-tokenizer: words with a character past ASCII and punctuation
+        for w in words:
+            if w in of:
+                continue
+            if w.isalnum():  # no punctuation to split off
+                fresh[w] = (w,)
+            elif w.isascii():  # the pre-tokenizer's rule, here 3x faster than through it
+                fresh[w] = tuple(_ASCII_PIECES.findall(w))
+            else:
+                new.append(w)
         for first in range(0, len(new), WORDS_PER_CALL):
             chunk = new[first : first + WORDS_PER_CALL]
             found, owner = _pieces(chunk)
