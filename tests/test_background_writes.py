@@ -140,6 +140,10 @@ def test_the_painter_process_draws_the_curves_and_answers_a_full_disk(
     assert not painter.busy and painter.sent[str(tmp_path / "curves.png")][1] == 3
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert curves.due_at >= time.monotonic() + 4  # as on a thread: not before 5 s
+    other = CurvesFile(tmp_path / "other.png", title="next run", painter=painter)
+    other.finish(HISTORY)  # the next run of the process: the painter keeps its rows alone
+    assert list(painter.sent) == [str(tmp_path / "other.png")]
+    assert (tmp_path / "other.png").stat().st_size > 0
     (tmp_path / ".curves.png.tmp.png").symlink_to("/dev/full")
     with pytest.raises(DiskFullError):
         curves.finish(history)

@@ -103,7 +103,6 @@ def draw(history: list[dict], path: Path, title: str) -> Path | None:
 
 
 KILN_ROOT = str(Path(__file__).resolve().parents[2])  # where `import kiln` finds this kiln
-PATHS = os.environ.get("PYTHONPATH", "")
 
 
 class Painter:
@@ -112,6 +111,7 @@ class Painter:
     (rows never change once appended); the answer says drawn, a full disk, or another error."""
 
     def __init__(self):
+        paths = os.environ.get("PYTHONPATH", "")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kiln.logging.curves"],
             stdin=subprocess.PIPE,
@@ -121,15 +121,18 @@ class Painter:
             # Its own session: a Ctrl-C at the terminal is the run's to handle, and the run
             # still wants its last picture after one.
             start_new_session=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (KILN_ROOT, PATHS)))},
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (KILN_ROOT, paths)))},
         )
-        self.sent: dict[str, tuple[object, int]] = {}  # path: (its first row, rows sent)
+        # path: (its first row, rows sent); one path, as the painter keeps one run's rows
+        self.sent: dict[str, tuple[object, int]] = {}
         self.busy = False
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def send(self, history: list[dict], path: Path, title: str) -> None:
+        if str(path) not in self.sent:  # another run: the painter forgets the last one
+            self.sent.clear()
         first, count = self.sent.get(str(path), (None, 0))
         if not history or history[0] is not first or count > len(history):
             count = 0  # a new file, or rows put before the ones sent (a resumed run's past)
@@ -236,9 +239,7 @@ class CurvesFile:
         painter = self._painter
         try:
             if painter.busy:
-                self._took(painter.answer(self.PAINTER_WAIT_S if wait else 0))
-            if painter.busy and wait:  # stuck: drawn here instead
-                raise TimeoutError(f"no answer in {self.PAINTER_WAIT_S:.0f} s")
+                self._collect(wait)
             if painter.busy:  # still drawing
                 return True
             if not history or not (wait or time.monotonic() >= self.due_at):
@@ -246,21 +247,25 @@ class CurvesFile:
             self._sent_at = time.monotonic()
             painter.send(history, self.path, self.title)
             if wait:
-                self._took(painter.answer(self.PAINTER_WAIT_S))
-                if painter.busy:
-                    raise TimeoutError(f"no answer in {self.PAINTER_WAIT_S:.0f} s")
+                self._collect(wait)
             return True
         except (OSError, ValueError) as err:  # it ended, or its pipe did
             log.debug("the painter process is gone (%s): curves.png is drawn on a thread", err)
             self._painter = None
             return False
 
-    def _took(self, answer: dict | None) -> None:
+    def _collect(self, wait: bool) -> None:
+        """The painter's answer, if in (waiting for it when `wait`: stuck, it raises)."""
+        answer = self._painter.answer(self.PAINTER_WAIT_S if wait else 0)
         if answer is None:
+            if wait:  # stuck: drawn here instead
+                raise TimeoutError(f"no answer in {self.PAINTER_WAIT_S:.0f} s")
             return
-        took = time.monotonic() - self._sent_at
-        self.due_at = time.monotonic() + max(MIN_SECONDS_BETWEEN_DRAWS, took / DRAW_SHARE)
+        self._next_draw_after(time.monotonic() - self._sent_at)
         self._failure = _failure_of(answer, self.path) or self._failure
+
+    def _next_draw_after(self, took: float) -> None:
+        self.due_at = time.monotonic() + max(MIN_SECONDS_BETWEEN_DRAWS, took / DRAW_SHARE)
 
     def _draw_in_background(self, history: list[dict]) -> None:
         started = time.monotonic()
@@ -269,8 +274,7 @@ class CurvesFile:
         except BaseException as err:  # noqa: BLE001 -- handed to the caller's thread
             self._failure = err
         finally:
-            took = time.monotonic() - started
-            self.due_at = time.monotonic() + max(MIN_SECONDS_BETWEEN_DRAWS, took / DRAW_SHARE)
+            self._next_draw_after(time.monotonic() - started)
 
     def _raise_failure(self) -> None:
         failure, self._failure = self._failure, None
@@ -288,6 +292,8 @@ def paint_jobs() -> None:
     histories: dict[str, list[dict]] = {}
     for line in sys.stdin:
         job = json.loads(line)
+        if job["path"] not in histories:  # another run's file: the last run's rows go
+            histories.clear()
         history = histories.setdefault(job["path"], [])
         del history[job["from"] :]
         history.extend(job["rows"])

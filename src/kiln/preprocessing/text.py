@@ -105,23 +105,12 @@ def _bert_split():
 
 
 def _pieces(words: list[str]) -> tuple[list[str], np.ndarray]:
-    """BERT's pre-tokenizer over whitespace-free words: (the pieces, the index of the word each
-    comes from). It splits off punctuation only, so a word of letters and digits alone
-    (str.isalnum) is one piece as it stands; the others go through it, joined into one call."""
-    plain = [w.isalnum() for w in words]
-    rest = [w for w, simple in zip(words, plain, strict=True) if not simple]
-    split = _bert_split()(" ".join(rest)) if rest else []
-    starts = np.cumsum([0] + [len(w) + 1 for w in rest[:-1]])
+    """BERT's pre-tokenizer over whitespace-free words, joined into one call: (the pieces, the
+    index of the word each comes from)."""
+    split = _bert_split()(" ".join(words)) if words else []
+    starts = np.cumsum([0] + [len(w) + 1 for w in words[:-1]])
     found = np.fromiter((start for _, (start, _) in split), np.int64, count=len(split))
-    rest_owner = np.flatnonzero(~np.array(plain, dtype=bool))[
-        np.searchsorted(starts, found, "right") - 1
-    ]
-    # Pieces in word order: the plain words' own, the others' from the pre-tokenizer.
-    owner = np.concatenate([np.flatnonzero(plain), rest_owner])
-    pieces = [w for w, simple in zip(words, plain, strict=True) if simple]
-    pieces += [piece for piece, _ in split]
-    order = np.argsort(owner, kind="stable")
-    return [pieces[i] for i in order.tolist()], owner[order]
+    return [piece for piece, _ in split], np.searchsorted(starts, found, "right") - 1
 
 
 # BERT's pre-tokenizer on an ASCII word: each ASCII punctuation character (Rust's
