@@ -2,15 +2,16 @@
 its own process, in one interleaved run (the sides' order rotates every round, so a neighbour's
 load hits them alike; every ratio is taken within a round).
 
-The sides share everything but the loop: kiln's config (composed once, here) gives the data
-(kiln's build_data: the same tensors), the model (kiln's build_model after the same seed: the
-same initial weights), the optimizer and LR schedule (kiln's builders), the batch size, fp32 on
-the CPU, one intra-op thread each, and the same shuffled order (DistributedSampler with kiln's
-seed, as kiln's own sampler draws it). kiln runs as a user runs it (`train.py`'s main, its
-guards on, its files written); Lightning as its docs show (a LightningModule, Trainer.fit, a
-CSV logger and a ModelCheckpoint of the best and last weights); the plain loop as a textbook
-(zero_grad, forward, loss, backward, step, schedule; an evaluation and a torch.save at each
-epoch end). Per side and round it measures:
+The sides share everything but the loop: kiln's config (composed once, here) gives the data (kiln's
+build_data: the same tensors), the model (kiln's build_model after the same seed: the same initial
+weights), the optimizer's settings and the LR schedule (kiln's builders; the peers step torch's own
+optimizer class, as their users write it, or kiln's with --peer-optimizer kiln: the same fused
+kernel either way), the batch size, fp32 on the CPU, one intra-op thread each, and the same
+shuffled order (DistributedSampler with kiln's seed, as kiln's own sampler draws it). kiln runs as
+a user runs it (`train.py`'s main, its guards on, its files written); Lightning as its docs show (a
+LightningModule, Trainer.fit, a CSV logger and a ModelCheckpoint of the best and last weights); the
+plain loop as a textbook (zero_grad, forward, loss, backward, step, schedule; an evaluation and a
+torch.save at each epoch end). Per side and round it measures:
 
     steps/s  samples/s over the training steps: the time between consecutive step ends inside an
              epoch, after the warm-up steps (the step, its data, its bookkeeping, its log lines)
@@ -118,6 +119,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resnet-steps", type=int, default=40)
     parser.add_argument("--mlp-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads, every side")
+    parser.add_argument(
+        "--peer-optimizer",
+        choices=("torch", "kiln"),
+        default="torch",
+        help="the peers' optimizer class: torch's own, as their users write it (default), or "
+        "kiln's (the same arithmetic either way: only the loops differ then)",
+    )
     parser.add_argument("--tiny", action="store_true", help="a few steps of tiny models")
     parser.add_argument("--loss-rtol", type=float, default=LOSS_RTOL)
     parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON")
@@ -253,7 +261,10 @@ def built(job: dict):
 
     def optimizer_and_schedule(module):
         groups = parameter_groups(module, opt_cfg.lr, opt_cfg.head_lr_mult)
-        optimizer = build_optimizer(groups, opt_cfg)
+        if job["peer_optimizer"] == "kiln":
+            optimizer = build_optimizer(groups, opt_cfg)
+        else:
+            optimizer = torch_optimizer(groups, opt_cfg)
         return optimizer, build_scheduler(optimizer, cfg["scheduler"], job["steps"])
 
     batch = cfg["data"].batch_size
@@ -268,6 +279,25 @@ def built(job: dict):
     )  # fmt: skip
     torch.manual_seed(seed)  # kiln re-seeds before training (dropout's stream)
     return model, optimizer_and_schedule, sampler, train, val
+
+
+def torch_optimizer(groups: list, cfg):
+    """torch's own class with kiln's settings, as build_adamw / build_sgd set them (the same
+    fused kernel: the same arithmetic)."""
+    import torch
+
+    from kiln.engine.optim import fused_where_supported
+
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas),
+                                 weight_decay=cfg.weight_decay,
+                                 fused=fused_where_supported(groups))  # fmt: skip
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
+                               nesterov=cfg.nesterov and cfg.momentum > 0,
+                               weight_decay=cfg.weight_decay,
+                               fused=fused_where_supported(groups, sharded_ok=False))  # fmt: skip
+    raise ValueError(f"no torch optimizer for optimizer={cfg.name} (adamw, sgd)")
 
 
 def run_peer(side: str, job: dict, log: StepLog) -> None:
@@ -403,12 +433,16 @@ def compose_config(work: Work) -> dict:
     return to_plain(load_config(work.kiln_overrides()))
 
 
-def run_side(side: str, python: Path, work: Work, config: dict, threads: int, tmp: Path) -> dict:
+def run_side(
+    side: str, python: Path, work: Work, config: dict, args: argparse.Namespace, tmp: Path
+) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"{side}-", dir=tmp))
+    threads = args.threads
     job = {
         "kiln_overrides": work.kiln_overrides(),
         "config": config,
         "steps": work.steps,
+        "peer_optimizer": args.peer_optimizer,
         "run_dir": str(run_dir / "run"),
         "result": str(run_dir / "result.json"),
     }
@@ -554,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
                 results = {}
                 for side in order:
                     results[side] = run_side(
-                        side, pythons[side], work, configs[name], args.threads, Path(tmp)
+                        side, pythons[side], work, configs[name], args, Path(tmp)
                     )
                     print(
                         f"round {r + 1}/{args.rounds} {name} {side}: "
@@ -574,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [s for s in SIDES if s not in sides]
     note = (
         f"{args.rounds} interleaved rounds, medians (ratio: median (min–max) of the per-round "
-        f"ratios); fp32, CPU, {args.threads} intra-op thread(s) a side; loss tolerance "
+        f"ratios); fp32, CPU, {args.threads} intra-op thread(s) a side; the peers' optimizer: "
+        f"{args.peer_optimizer}'s class (--peer-optimizer); loss tolerance "
         f"rtol {args.loss_rtol:g}; load average {load_before[0]:.2f} before, "
         f"{load_after[0]:.2f} after, on {os.cpu_count()} CPUs"
         + (f"; not run: {', '.join(missing)} (--peers)" if missing else "")
@@ -588,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         "table": table,
         "load_average": {"before": load_before, "after": load_after},
         "threads": args.threads,
+        "peer_optimizer": args.peer_optimizer,
         "loss_rtol": args.loss_rtol,
         "not_run": missing,
     }

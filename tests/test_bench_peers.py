@@ -46,6 +46,8 @@ def test_kiln_and_a_plain_loop_train_the_same_losses_and_the_table_says_so(tmp_p
     ]  # fmt: skip
     assert "loss check, mlp, plain vs kiln: bitwise equal over 26 steps x 1 rounds" in text
     assert "not run: lightning (--peers)" in text and "load average" in text
+    # The plain loop stepped torch's own AdamW, as its users write it: the same losses.
+    assert report["peer_optimizer"] == "torch" and "the peers' optimizer: torch's class" in text
     assert kiln["probes_s"] > 0 and kiln["flops_s"] > 0  # timed by the trainer itself
     assert "kiln's start-up checks, mlp (rule 1 and 3 probes, FLOP count): " in text
 

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.flop_counter import FlopCounterMode
 
 from kiln.config.optim import AdamWConfig, SGDConfig
@@ -137,3 +138,48 @@ def test_the_flop_count_equals_torch_s_flop_counter(build, inputs):
         model(*inputs).float().sum().backward()
     assert ours.total > 0
     assert ours.total == theirs.get_total_flops()
+
+
+def test_kiln_s_steps_are_seen_by_step_hooks_and_the_profiler_and_skip_its_ranges_unwatched(
+    monkeypatch,
+):
+    """Nothing watching: no profiler range entered on a step or a zero_grad (torch's wrapper
+    enters one on every step). Watched -- a hook of its own, a global hook, a profiler -- each
+    sees the step as it would a torch optimizer's."""
+    model = nn.Linear(4, 2)
+    optimizer = build_adamw(model.parameters(), AdamWConfig())
+    ranges = []
+    enter = torch.autograd.profiler.record_function.__enter__
+
+    def counted(self):
+        ranges.append(self.name)
+        return enter(self)
+
+    monkeypatch.setattr(torch.autograd.profiler.record_function, "__enter__", counted)
+
+    def step():
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    assert ranges == []
+    assert model.weight.grad is None  # zero_grad set every gradient to None
+    seen = []
+    own = optimizer.register_step_post_hook(lambda opt, args, kwargs: seen.append("post"))
+    everyone = register_optimizer_step_pre_hook(
+        lambda opt, args, kwargs: seen.append("global pre")
+    )
+    step()
+    own.remove()
+    everyone.remove()
+    assert seen == ["global pre", "post"]
+    assert ranges == ["Optimizer.step#AdamW.step"]
+    ranges.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    names = {event.key for event in prof.key_averages()}
+    assert {"Optimizer.step#AdamW.step", "Optimizer.zero_grad#AdamW.zero_grad"} <= names
+    ranges.clear()
+    step()  # the profiler gone: unwatched again
+    assert ranges == []

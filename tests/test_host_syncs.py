@@ -7,12 +7,13 @@ free there, and fewer ops); both ways give the same log lines."""
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 
 import pytest
 import torch
 
-from kiln.engine.distributed import DistInfo
+from kiln.engine.distributed import DistInfo, GradientNorm
 from kiln.engine.run import build_trainer
 
 from .conftest import compose_config
@@ -109,8 +110,9 @@ def test_no_host_read_in_the_steps_between_log_lines(tmp_path, overrides):
 NAN_STEPS = (3, 4, 9)  # a run of two, and one alone
 
 
+@pytest.mark.parametrize("window", [1, 2], ids=["one-batch", "accumulated"])
 @pytest.mark.parametrize("policy", ["skip", "fail"])
-def test_reading_on_the_host_gives_the_log_lines_of_the_device_way(tmp_path, policy):
+def test_reading_on_the_host_gives_the_log_lines_of_the_device_way(tmp_path, policy, window):
     """Same config, same seed: the CPU's way (each number read as it comes) and the GPU's way
     (device sums read at the log line) log the same numbers, skip the same steps, and report
     the same first non-finite step with its terms."""
@@ -118,7 +120,8 @@ def test_reading_on_the_host_gives_the_log_lines_of_the_device_way(tmp_path, pol
     def run(on_host: bool) -> tuple[list[dict], str | None]:
         cfg = compose_config(
             "trainer.log_every_n_steps=5", "trainer.max_steps=12", "env.progress_bar=false",
-            "logger=none", "loss.force_all_branches=true", "trainer.accumulate_grad_batches=2",
+            "logger=none", "loss.force_all_branches=true",
+            f"trainer.accumulate_grad_batches={window}",
             "data.batch_size=32",
             f"trainer.nan_policy={policy}", "trainer.max_skipped_steps=-1",
         )  # fmt: skip
@@ -145,7 +148,7 @@ def test_reading_on_the_host_gives_the_log_lines_of_the_device_way(tmp_path, pol
         failure = None
         try:
             for _ in range(12):
-                result = trainer.train_step(batches, 2)
+                result = trainer.train_step(batches, window)
                 trainer.state.global_step += 1
                 trainer.after_step(result, None)
         except Exception as err:  # noqa: BLE001 -- compared between the two ways
@@ -167,3 +170,24 @@ def test_reading_on_the_host_gives_the_log_lines_of_the_device_way(tmp_path, pol
             if key in timing:
                 continue
             assert value == pytest.approx(device[key], rel=1e-5, nan_ok=True), key
+
+
+def test_the_gradient_norm_read_on_the_host_is_torch_s_total_norm():
+    """Measured only and read at once (the CPU, one process), the norm comes back as a float
+    combined on the host; clipping, or a norm kept on the device, is torch's tensor."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4))
+    model(torch.randn(16, 9)).pow(2).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    expected = float(torch.nn.utils.get_total_norm(grads))
+    norm = GradientNorm(list(model.parameters()))
+    on_host = norm(math.inf, on_host=True)
+    assert isinstance(on_host, float) and on_host == pytest.approx(expected, rel=1e-6)
+    kept = norm(math.inf)
+    assert isinstance(kept, torch.Tensor) and float(kept) == pytest.approx(expected, rel=1e-6)
+    clipped = norm(expected / 2, on_host=True)  # clipping: torch's arithmetic, then the clip
+    assert isinstance(clipped, torch.Tensor) and float(clipped) == pytest.approx(expected)
+    after = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    assert after == pytest.approx(expected / 2, rel=1e-5)
+    model[0].weight.grad[0, 0] = math.inf  # a non-finite gradient stays visible
+    assert norm(math.inf, on_host=True) == math.inf

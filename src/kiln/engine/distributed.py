@@ -214,10 +214,14 @@ class GradientNorm:
         self._decided_for = -1  # how many gradients the decision saw
         self._direct = False
 
-    def __call__(self, max_norm: float) -> torch.Tensor:
+    def __call__(self, max_norm: float, on_host: bool = False) -> torch.Tensor | float:
+        """`on_host`: the caller reads the norm at once (the CPU, one process); measured only,
+        it comes back as a float, the per-tensor norms combined on the host (two fewer ops)."""
         grads = [p.grad for p in self.parameters if p.grad is not None]
         if len(grads) != self._decided_for:
             self._decided_for, self._direct = len(grads), _one_dense_kind(grads)
+        if self._direct and on_host and not math.isfinite(max_norm):
+            return math.hypot(*[norm.item() for norm in torch._foreach_norm(grads)])
         if self._direct:
             total_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         else:

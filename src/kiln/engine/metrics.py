@@ -99,7 +99,7 @@ class MetricWindow:
 
     def _add_on_host(self, result) -> None:
         """The step's numbers into the sums as floats: what _fold computes, one step at a time."""
-        loss = result.loss.item()
+        loss = result.loss.item() if result.loss_value is None else result.loss_value
         # The main term is often the loss itself: one read for both.
         terms = {name: loss if value is result.loss else value.item()
                  for name, value in result.terms.items()}  # fmt: skip
@@ -119,7 +119,7 @@ class MetricWindow:
         for name, value in terms.items():
             self.terms[name] = self.terms.get(name, 0.0) + value
         if result.grad_norm is not None:
-            self.grad_norm = result.grad_norm.item()
+            self.grad_norm = float(result.grad_norm)
             self.grad_norm_max = max(self.grad_norm_max, self.grad_norm)
 
     def _fold(self) -> None:

@@ -3,12 +3,15 @@ kiln.config.optim beside its schema); `build_optimizer`/`build_scheduler` look t
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
 
 import torch
+from torch._C._autograd import _profiler_enabled as profiler_enabled
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from kiln.config.optim import (
     AdamWConfig,
@@ -54,15 +57,52 @@ def undecorated(cls: type, name: str):
     return getattr(method, "__wrapped__", method)
 
 
+def observed(optimizer: torch.optim.Optimizer) -> bool:
+    """Something watches this optimizer's steps: a profiler, or step hooks (its own or global)."""
+    return bool(
+        profiler_enabled()
+        or optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or _global_optimizer_pre_hooks
+        or _global_optimizer_post_hooks
+    )
+
+
+def with_step_hooks(step):
+    """`step` with torch's wrapper (`Optimizer.profile_hook_step`: the step hooks, a profiler
+    range, the profiler's entry point) when something watches, and without it when nothing
+    does: its record_function is entered and left on every step, watched or not (a few percent
+    of a small model's step here). Marked `hooked`, so torch does not wrap it again."""
+    watched = torch.optim.Optimizer.profile_hook_step(step)
+
+    @functools.wraps(step)
+    def wrapper(self, *args, **kwargs):
+        return (watched if observed(self) else step)(self, *args, **kwargs)
+
+    wrapper.hooked = True
+    return wrapper
+
+
 class EagerOptimizer(torch.optim.Optimizer):
-    """Optimizer methods run eagerly, without importing torch._dynamo (see `undecorated`);
-    a subclass's `step` calls `eager_step(<torch's optimizer class>, closure)`."""
+    """Optimizer methods run eagerly, without importing torch._dynamo (see `undecorated`) and
+    without the profiler's ranges when no profiler runs; a subclass's `step` calls
+    `eager_step(<torch's optimizer class>, closure)`."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "step" in cls.__dict__:
+            cls.step = with_step_hooks(cls.__dict__["step"])
 
     def add_param_group(self, param_group: dict) -> None:
         undecorated(torch.optim.Optimizer, "add_param_group")(self, param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        undecorated(torch.optim.Optimizer, "zero_grad")(self, set_to_none)
+        if not set_to_none or profiler_enabled():
+            undecorated(torch.optim.Optimizer, "zero_grad")(self, set_to_none)
+            return
+        for group in self.param_groups:  # torch's loop, less its profiler range
+            for p in group["params"]:
+                p.grad = None
 
     def state_dict(self) -> dict:
         return undecorated(torch.optim.Optimizer, "state_dict")(self)
@@ -73,8 +113,12 @@ class EagerOptimizer(torch.optim.Optimizer):
     def eager_step(self, torch_class: type, closure=None):
         # What torch's _use_grad_for_differentiable does around the step, less the dynamo
         # graph breaks (no-ops in eager mode).
-        with torch.set_grad_enabled(self.defaults["differentiable"]):
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(self.defaults["differentiable"])
+        try:
             return undecorated(torch_class, "step")(self, closure)
+        finally:
+            torch._C._set_grad_enabled(grad_was)
 
 
 class SGD(EagerOptimizer, torch.optim.SGD):

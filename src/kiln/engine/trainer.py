@@ -153,8 +153,9 @@ class StepResult:
 
     step: int
     loss: torch.Tensor  # the mean over the window's micro-batches
+    loss_value: float | None  # the same, already read to the host (a one-batch step on the host)
     terms: dict[str, torch.Tensor]
-    grad_norm: torch.Tensor | None
+    grad_norm: torch.Tensor | float | None  # a float where it was read on the host
     bad: torch.Tensor | bool  # the loss was NaN/Inf (on some rank): the update was skipped
     samples: int
     data_time_s: float
@@ -195,6 +196,7 @@ class Trainer:
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
         self.grad_norm = GradientNorm(self.params)
         self.non_blocking = bool(getattr(self.train_loader, "pin_memory", False))
+        self.moves_batches = device.type != "cpu"
         self.batches_per_epoch = batches_per_epoch(self.train_loader, cfg.limit_train_batches)
         self.read_on_host(device.type == "cpu" and not dist.enabled)
         self.preemption = PreemptionFlag(dist, device)
@@ -283,11 +285,13 @@ class Trainer:
         start, data_time, samples = time.perf_counter(), 0.0, 0
         # Summed over the window's micro-batches; the first is taken as it is (no zeros + x:
         # each op is a dispatch, and a small model's step is a few dozen of them).
-        loss_sum, terms_sum, batch_sums, bad = None, {}, {}, None
+        loss_sum, terms_sum, batch_sums, bad, loss_value = None, {}, {}, None, None
         kept, micro_bad = [], []
         for micro in range(window):
             fetch_start = time.perf_counter()
-            batch = move_to(next(batches), self.device, self.non_blocking)
+            batch = next(batches)
+            if self.moves_batches:  # a CPU run's batches are where they train already
+                batch = move_to(batch, self.device, self.non_blocking)
             if self.cfg.channels_last:
                 batch = to_channels_last(batch)
             data_time += time.perf_counter() - fetch_start
@@ -301,7 +305,8 @@ class Trainer:
                     loss, terms = self.forward_backward(batch, window, micro)
             value = loss.detach()
             if self.window.on_host:
-                micro_nonfinite = not math.isfinite(value.item())
+                loss_value = value.item()  # read once: a one-batch step's window sums it
+                micro_nonfinite = not math.isfinite(loss_value)
             else:
                 micro_nonfinite = ~torch.isfinite(value)
             bad = micro_nonfinite if bad is None else bad | micro_nonfinite
@@ -320,9 +325,10 @@ class Trainer:
             check_every_parameter_learns(self.raw_model, self.parts.flag_for_unused)
         if not self.window.on_host:
             bad = all_reduce_max(bad)  # every rank skips the same steps
-        scaler.unscale_(optimizer)  # true-scale gradients before the norm and clipping
+        if scaler.is_enabled():
+            scaler.unscale_(optimizer)  # true-scale gradients before the norm and clipping
         max_norm = self.cfg.gradient_clip_val or math.inf  # inf: measure, never clip
-        grad_norm = self.grad_norm(max_norm)  # of all ranks' shards under FSDP
+        grad_norm = self.grad_norm(max_norm, self.window.on_host)  # all ranks' shards (FSDP)
         scaler_found_inf = self.optimizer_step(bad)
         optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
@@ -333,6 +339,7 @@ class Trainer:
         return StepResult(
             step=self.state.global_step + 1,
             loss=loss_sum / window if window > 1 else loss_sum,
+            loss_value=loss_value if window == 1 else None,
             terms={name: value / window for name, value in terms_sum.items()}
             if window > 1
             else terms_sum,
@@ -355,7 +362,8 @@ class Trainer:
         if self.state.global_step == 0 and micro == 0:
             check_terms_reach_the_model(terms)  # rule 2, once: cheap
         # Divide by the window so k micro-batches of b equal one batch of k*b.
-        self.scaler.scale(loss / window if window > 1 else loss).backward()
+        scaled = loss / window if window > 1 else loss
+        (self.scaler.scale(scaled) if self.scaler.is_enabled() else scaled).backward()
         return loss, terms
 
     def step_schedule(self, skipped: bool) -> None:

@@ -52,8 +52,10 @@ class JsonlWriter:
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: Mapping[str, Any]) -> None:
-        # allow_nan=False: to_jsonable already replaced NaN/Inf, so this only guards the invariant.
-        line = json.dumps(to_jsonable(record), allow_nan=False, ensure_ascii=False)
+        try:  # plain numbers and strings, every float finite: as they are (a log line's case)
+            line = json.dumps(record, allow_nan=False, ensure_ascii=False)
+        except (TypeError, ValueError):  # a NaN, a tensor, a path: made JSON-safe first
+            line = json.dumps(to_jsonable(record), allow_nan=False, ensure_ascii=False)
         try:
             self._file.write(line + "\n")
             self._file.flush()
