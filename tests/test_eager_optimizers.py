@@ -167,9 +167,7 @@ def test_kiln_s_steps_are_seen_by_step_hooks_and_the_profiler_and_skip_its_range
     assert model.weight.grad is None  # zero_grad set every gradient to None
     seen = []
     own = optimizer.register_step_post_hook(lambda opt, args, kwargs: seen.append("post"))
-    everyone = register_optimizer_step_pre_hook(
-        lambda opt, args, kwargs: seen.append("global pre")
-    )
+    everyone = register_optimizer_step_pre_hook(lambda opt, args, kwargs: seen.append("global pre"))
     step()
     own.remove()
     everyone.remove()
