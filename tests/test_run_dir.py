@@ -263,3 +263,25 @@ def test_a_disk_that_fills_during_the_run_is_one_line_and_the_checkpoints_load(
     loaded = [files.load_checkpoint(p) for p in (run_dir / "checkpoints").glob("*.pt")]
     assert loaded, "no checkpoint was written before the disk filled"
     assert not list((run_dir / "checkpoints").glob(".*.tmp"))  # no half-written file left
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_handler_writes_nothing_and_the_loop_says_what_arrived(signum, caplog):
+    """A handler runs between two bytecodes of the main thread, perhaps in the middle of a log
+    line's write to the same stream, where a second write fails ("reentrant call", printed as a
+    '--- Logging error ---' traceback); so it only records, and the loop's next check logs it."""
+    import logging
+
+    import torch
+
+    from kiln.engine.distributed import DistInfo
+    from kiln.engine.preemption import PreemptionFlag
+
+    flag = PreemptionFlag(DistInfo(), torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="kiln.engine.preemption"), flag:
+        signal.raise_signal(signum)  # the handler runs here, as it would mid-step
+        assert flag.requested and caplog.records == []
+        assert flag.agreed() is True
+        (record,) = caplog.records
+    assert "checkpointing at the next step boundary" in record.getMessage()
+    assert ("Ctrl-C" in record.getMessage()) == (signum == signal.SIGINT)
