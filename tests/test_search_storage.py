@@ -16,7 +16,7 @@ import optuna
 import pytest
 import yaml
 from optuna.trial import TrialState
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from .conftest import SUBPROCESS_ENV
 
@@ -102,9 +102,10 @@ def wait_for_a_trial(proc: subprocess.Popen, tmp_path: Path, complete: int) -> N
     while True:
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert time.monotonic() < deadline, "the search did not get going"
-        try:
-            states = [t.state for t in load_study(tmp_path).trials]
-        except (KeyError, OperationalError):  # the database or the study is not there yet
+        try:  # not before the worker made the file: opening a missing one would create it
+            made = (tmp_path / "studies" / "search.db").is_file()
+            states = [t.state for t in load_study(tmp_path).trials] if made else []
+        except (KeyError, OperationalError, IntegrityError):  # half made, or no study yet
             states = []
         if states.count(TrialState.COMPLETE) == complete and TrialState.RUNNING in states:
             return
