@@ -282,22 +282,16 @@ def built(job: dict):
 
 
 def torch_optimizer(groups: list, cfg):
-    """torch's own class with kiln's settings, as build_adamw / build_sgd set them (the same
-    fused kernel: the same arithmetic)."""
-    import torch
+    """torch's own class under kiln's optimizer, with the settings kiln's builder gave it (the
+    same fused kernel: the same arithmetic)."""
+    import inspect
 
-    from kiln.engine.optim import fused_where_supported
+    from kiln.engine.optim import build_optimizer
 
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas),
-                                 weight_decay=cfg.weight_decay,
-                                 fused=fused_where_supported(groups))  # fmt: skip
-    if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
-                               nesterov=cfg.nesterov and cfg.momentum > 0,
-                               weight_decay=cfg.weight_decay,
-                               fused=fused_where_supported(groups, sharded_ok=False))  # fmt: skip
-    raise ValueError(f"no torch optimizer for optimizer={cfg.name} (adamw, sgd)")
+    ours = build_optimizer([dict(group) for group in groups], cfg)
+    theirs = next(c for c in type(ours).__mro__[1:] if c.__module__.startswith("torch.optim."))
+    accepted = inspect.signature(theirs).parameters
+    return theirs(groups, **{k: v for k, v in ours.defaults.items() if k in accepted})
 
 
 def run_peer(side: str, job: dict, log: StepLog) -> None:
