@@ -39,6 +39,12 @@ class ServerConfig:
     drain_grace_s: float = 30.0  # on SIGTERM: time to answer accepted requests, then 503 the rest
     header_timeout_s: float = 10.0  # a request's headers must arrive within this, or it is closed
     model_threads: int = 0  # CPU threads per model call (0: all cores but one, kept for HTTP)
+    # Image files (models trained on them): each file's width x height (x a GIF's frames) is read
+    # from its header before decoding; more pixels than this is a 4xx naming the item. The
+    # default is Pillow's MAX_IMAGE_PIXELS (about 0.25 GiB of 24-bit pixels).
+    max_image_pixels: int = 89_478_485
+    decode_threads: int = 0  # threads decoding image files off the event loop (0: cores, >= 2)
+    max_decode_queue_size: int = 4096  # image files waiting for a decode thread; beyond: 503
     model_name: str = "kiln"  # the <name> in /v2/models/<name> (and the Triton model's folder)
 
 
@@ -190,6 +196,9 @@ def validate_server(s: ServerConfig) -> None:
     _at_least("server.max_inputs_per_request", s.max_inputs_per_request, 1)
     _at_least("server.max_body_bytes", s.max_body_bytes, 1024)
     _at_least("server.model_threads", s.model_threads, 0)
+    _at_least("server.max_image_pixels", s.max_image_pixels, 1)
+    _at_least("server.decode_threads", s.decode_threads, 0)
+    _at_least("server.max_decode_queue_size", s.max_decode_queue_size, 1)
     if s.timeout_ms <= 0:
         raise ArgumentError(f"server.timeout_ms={s.timeout_ms:g}: must be > 0")
     if s.drain_grace_s <= 0:
@@ -201,6 +210,13 @@ def validate_server(s: ServerConfig) -> None:
             f"server.max_inputs_per_request={s.max_inputs_per_request} is larger than "
             f"server.max_queue_size={s.max_queue_size}: such a request could never be queued; "
             "raise server.max_queue_size or lower server.max_inputs_per_request"
+        )
+    if s.max_inputs_per_request > s.max_decode_queue_size:
+        raise ArgumentError(
+            f"server.max_inputs_per_request={s.max_inputs_per_request} is larger than "
+            f"server.max_decode_queue_size={s.max_decode_queue_size}: a request of that many "
+            "image files could never be queued for decoding; raise server.max_decode_queue_size "
+            "or lower server.max_inputs_per_request"
         )
     # Every accepted request is answered by its deadline (504 at worst), so a grace longer than
     # the deadline answers every accepted request before the process exits.
@@ -214,6 +230,14 @@ def validate_server(s: ServerConfig) -> None:
         raise ArgumentError(
             f"server.model_name={s.model_name!r}: use letters, digits, '_', '.' or '-' only"
         )
+
+
+def decode_threads(setting: int) -> int:
+    """server.decode_threads resolved: 0 means one per core, at least two, so one slow image (a
+    large photo within the pixel limit) never holds every decoder."""
+    import os
+
+    return setting or max(2, os.cpu_count() or 2)
 
 
 def model_threads(setting: int) -> int:

@@ -14,10 +14,12 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from kiln.config.infer import ServerConfig, validate_server
+from kiln.config.infer import ServerConfig, decode_threads, validate_server
 from kiln.inference import Predictor
 from kiln.inference.predictor import join
+from kiln.preprocessing import InputError
 from kiln.serving.batcher import DynamicBatcher
+from kiln.serving.decoding import DecodePool, warmup_files
 from kiln.serving.example import add_example_route, example_paths
 from kiln.serving.metrics import CountStatuses, ServingMetrics
 from kiln.serving.openapi import openapi_document
@@ -60,6 +62,48 @@ class CloseWhenDraining:
         await self.app(scope, receive, send_closing)
 
 
+def _file_decoder(predictor: Predictor):
+    """(file bytes, index) -> the decoded, eval-transformed image; InputError naming the index
+    (a model that takes no files refuses them)."""
+    file_item = getattr(predictor.preprocess, "file_item", None)
+    if file_item is not None:
+        return file_item
+
+    def refuse(data: bytes, index: int):
+        kind = predictor.preprocess.input_kind
+        raise InputError(f"item {index}: got the bytes of a file; this model takes {kind}", index)
+
+    return refuse
+
+
+async def warm_decoders(state: ServingState, deadline: float) -> list[str]:
+    """A small image of every format Pillow writes (kiln.serving.decoding.warmup_files) decoded
+    in the decode threads and run through the model, so the first request after ready does not
+    set up a decoder (seconds of imports and library loading). Returns the formats warmed."""
+    started = time.perf_counter()
+    files = warmup_files()
+    jobs = [state.decoder.decode([(i, data)], deadline) for i, data in enumerate(files.values())]
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    warmed, images, skipped = [], [], []
+    for fmt, result in zip(files, results, strict=True):
+        if isinstance(result, InputError):  # e.g. EPS, which needs Ghostscript to be read
+            skipped.append(fmt)
+            continue
+        if isinstance(result, BaseException):
+            raise result
+        warmed.append(fmt)
+        images.extend(result.values())
+    items = state.predictor.convert(images)
+    await state.batcher.submit(items, len(images), deadline)
+    log.info(
+        "image decoders warmed in %.2f s: %s%s",
+        time.perf_counter() - started,
+        ", ".join(warmed),
+        f" (not readable here: {', '.join(skipped)})" if skipped else "",
+    )
+    return warmed
+
+
 def create_app(predictor: Predictor, config: ServerConfig | None = None, **overrides) -> FastAPI:
     """The app for one predictor. `overrides` replace fields of `config` (e.g. max_batch_size=8);
     the result is validated as `python infer.py mode=serve` would."""
@@ -74,16 +118,27 @@ def create_app(predictor: Predictor, config: ServerConfig | None = None, **overr
         max_queue_size=config.max_queue_size,
         metrics=metrics,
     )
-    state = ServingState(predictor, batcher, metrics, config)
+    decoder = DecodePool(
+        _file_decoder(predictor),
+        threads=decode_threads(config.decode_threads),
+        max_queued=config.max_decode_queue_size,
+        metrics=metrics,
+    )
+    state = ServingState(predictor, batcher, decoder, metrics, config)
     batcher.more_coming = lambda: bool(state.arriving)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
         await batcher.start()
-        # Warm-up: one real input through the model before readiness says yes.
+        decoder.start()
+        # Warm-up: one real input through the model before readiness says yes, and for a model
+        # that takes image files, a file of every format through the decoders and the model.
+        deadline = time.monotonic() + WARMUP_TIMEOUT_S
         example = predictor.convert([predictor.example_input()])
-        await batcher.submit(example, 1, time.monotonic() + WARMUP_TIMEOUT_S)
+        await batcher.submit(example, 1, deadline)
+        if getattr(predictor.preprocess, "takes_files", False):
+            await warm_decoders(state, deadline)
         # The objects of start-up (torch, the model, the web stack: millions) never become
         # garbage: frozen, the collector stops re-scanning them, which was a pause of tens of
         # milliseconds that every request in flight waited out (the p99).

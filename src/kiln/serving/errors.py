@@ -47,6 +47,10 @@ class QueueFull(Unavailable):
     """More inputs are waiting than server.max_queue_size allows."""
 
 
+class DecodeQueueFull(Unavailable):
+    """More image files are waiting to be decoded than server.max_decode_queue_size allows."""
+
+
 class BatcherClosed(Unavailable):
     """The server is shutting down (or not started): the request was not run."""
 

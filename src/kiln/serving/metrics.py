@@ -78,6 +78,22 @@ class ServingMetrics:
             "server.header_timeout_s",
             registry=r,
         )
+        self.decode_seconds = Histogram(
+            "kiln_decode_seconds",
+            "Time a decode thread took for one image file (header, decode, eval transform)",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.decode_queue_depth = Gauge(
+            "kiln_decode_queue_depth", "Image files waiting for a decode thread", registry=r
+        )
+        self.decoding = Gauge("kiln_decoding", "Image files in a decode thread now", registry=r)
+        self.bad_image_files = Counter(
+            "kiln_bad_image_files",
+            "Image files refused (too many pixels, unreadable, truncated, empty); each failed "
+            "its request with a 4xx naming the item",
+            registry=r,
+        )
         self.draining = Gauge("kiln_draining", "1 while shutting down (SIGTERM seen)", registry=r)
 
     def render(self) -> bytes:

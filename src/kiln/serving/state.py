@@ -3,8 +3,12 @@
 
     async with state.admitted() as deadline:        # 503 while loading or draining
         body = await state.read_body(request, deadline)      # 413 past the limit, 504 too late
-        items = await state.offload(size, parse_and_convert, body)     # 4xx naming the item
-        outputs = await state.infer(request, items, count, deadline)   # 503, 504, 499"""
+        inputs = await state.offload(size, parse, body)               # 4xx naming the field
+        items = await state.convert(request, inputs, size, deadline)  # 4xx naming the item
+        outputs = await state.infer(request, items, count, deadline)  # 503, 504, 499
+
+Image files among the inputs are decoded in the decode pool (kiln.serving.decoding), always off
+the event loop and under the request's deadline."""
 
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ from starlette.requests import ClientDisconnect, Request
 
 from kiln.config.infer import ServerConfig
 from kiln.inference import Predictor
+from kiln.preprocessing.image import ENCODED
 from kiln.serving.batcher import DynamicBatcher
+from kiln.serving.decoding import DecodePool
 from kiln.serving.errors import (
     BadRequest,
     BatcherClosed,
@@ -48,6 +54,7 @@ class UnsupportedEncoding(BadRequest):
 class ServingState:
     predictor: Predictor
     batcher: DynamicBatcher
+    decoder: DecodePool
     metrics: ServingMetrics
     config: ServerConfig
     ready: bool = False
@@ -124,6 +131,21 @@ class ServingState:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._parser, functools.partial(fn, *args))
 
+    async def convert(
+        self, request: Request | None, inputs: list, size: int, deadline: float
+    ) -> Any:
+        """Raw inputs -> the batcher's items (InputError naming the first bad one). Image files
+        are decoded in the decode pool, whatever the body's size; the rest is converted here,
+        or in the parsing thread for a large body. ClientGone if the client leaves meanwhile
+        (its files not started are never decoded)."""
+        files = [(i, item) for i, item in enumerate(inputs) if isinstance(item, ENCODED)]
+        if files:
+            decoding = self.decoder.decode(files, deadline)
+            decoded = await (decoding if request is None else self._watched(request, decoding))
+            inputs = [decoded.get(i, item) for i, item in enumerate(inputs)]
+            size = sum(image.nbytes for image in decoded.values())
+        return await self.offload(size, self.predictor.convert, inputs)
+
     async def infer(self, request: Request, items: Any, count: int, deadline: float) -> Any:
         """The outputs for `items` from the batcher; ClientGone if the client leaves first (its
         inputs leave the queue)."""
@@ -132,13 +154,18 @@ class ServingState:
         work = asyncio.ensure_future(self.batcher.submit(items, count, deadline))
         await asyncio.sleep(0)  # submit() queues the job before its first await
         self._queued(asyncio.current_task())
+        return self._finite(await self._watched(request, work))
+
+    async def _watched(self, request: Request, work) -> Any:
+        """The result of `work`, or ClientGone (work cancelled) if the client leaves first."""
+        work = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(_until_disconnected(request))
         try:
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
         if work in done:
-            return self._finite(work.result())
+            return work.result()
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
         raise client_gone(request, "before its answer")
@@ -156,6 +183,7 @@ class ServingState:
         return outputs
 
     def close(self) -> None:
+        self.decoder.stop()
         self._parser.shutdown(wait=False)
 
 

@@ -69,11 +69,11 @@ def add_v1_routes(app: FastAPI, state: ServingState) -> None:
 
     takes_files = getattr(predictor.preprocess, "takes_files", False)
 
-    def parse_and_convert(body: bytes):
+    def parse(body: bytes) -> list:
         inputs = parse_inputs(body, config.max_inputs_per_request)
         if takes_files:  # image files as base64 strings (or {"b64": ...}, as TF Serving sends)
             inputs = [encoded_file(item, i) for i, item in enumerate(inputs)]
-        return predictor.convert(inputs), len(inputs)
+        return inputs
 
     def render(outputs) -> bytes:
         answers = predictor.answers(outputs)
@@ -83,7 +83,9 @@ def add_v1_routes(app: FastAPI, state: ServingState) -> None:
         try:
             async with state.admitted() as deadline:
                 body = await state.read_body(request, deadline)
-                items, count = await state.offload(len(body), parse_and_convert, body)
+                inputs = await state.offload(len(body), parse, body)
+                items = await state.convert(request, inputs, len(body), deadline)
+                count = len(inputs)
                 outputs = await state.infer(request, items, count, deadline)
                 answer = await state.offload(count * PER_INPUT_BYTES, render, outputs)
         except (InputError, ServingError) as err:

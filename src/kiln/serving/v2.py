@@ -112,12 +112,16 @@ def output_tensors(predictor: Predictor, outputs: Any) -> list[OutputTensor]:
 
 
 def model_metadata(state: ServingState) -> dict[str, Any]:
+    """The v2 model metadata. A model trained on image files lists its input twice: FP32 raw
+    pixels, then BYTES [-1], the encoded files themselves -- the two forms the server takes."""
     inputs, outputs = signature(state.predictor)
+    forms = [t.metadata() for t in inputs.values()]
+    forms += [t.files_variant().metadata() for t in inputs.values() if t.image_files]
     return {
         "name": state.model_name,
         "versions": [VERSION],
         "platform": state.predictor.backend.platform,
-        "inputs": [t.metadata() for t in inputs.values()],
+        "inputs": forms,
         "outputs": [t.metadata() for t in outputs.values()],
     }
 
@@ -164,17 +168,16 @@ def add_v2_routes(app: FastAPI, state: ServingState) -> None:
     (input_spec,) = inputs.values()
     per_input = max_elements_per_input(predictor)
 
-    def parse_and_convert(body: bytes, header_length: str | None, model: ModelPath):
+    def parse(body: bytes, header_length: str | None, model: ModelPath):
+        """(the request, its items): numeric tensors converted here, BYTES (texts, or an image
+        model's files) left as they are for `state.convert`."""
         request = parse_infer_request(
             body, header_length, model, inputs, outputs, config.max_inputs_per_request, per_input
         )
         tensor = request.inputs[0]
-        count = tensor.shape[0]
-        if tensor.datatype == "BYTES":  # texts, or an image model's encoded files
-            items = predictor.convert(tensor.data)
-        else:
-            items = predictor.convert_tensor(np.asarray(tensor.data).reshape(tensor.shape))
-        return request, items, count
+        if tensor.datatype == "BYTES":
+            return request, tensor.data
+        return request, predictor.convert_tensor(np.asarray(tensor.data).reshape(tensor.shape))
 
     def render(request, results) -> tuple[bytes, dict[str, str], str]:
         tensors = output_tensors(predictor, results)
@@ -191,12 +194,13 @@ def add_v2_routes(app: FastAPI, state: ServingState) -> None:
                 body = await state.read_body(request, deadline)
                 header_length = request.headers.get(HEADER_LENGTH)
                 model = ModelPath(name, version, VERSION)
-                parsed, items, count = await state.offload(
-                    len(body), parse_and_convert, body, header_length, model
-                )
+                parsed, items = await state.offload(len(body), parse, body, header_length, model)
                 if parsed.timeout_us is not None:  # the client's own deadline, if sooner
                     deadline = min(deadline, time.monotonic() + parsed.timeout_us / 1e6)
-                results = await state.infer(request, items, count, deadline)
+                tensor = parsed.inputs[0]
+                if tensor.datatype == "BYTES":  # image files: decoded in the decode pool
+                    items = await state.convert(request, items, len(body), deadline)
+                results = await state.infer(request, items, tensor.shape[0], deadline)
                 answer, headers, media_type = await state.offload(
                     len(body), render, parsed, results
                 )
