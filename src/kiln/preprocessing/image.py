@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kiln.preprocessing.errors import InputError, describe_shape
+from kiln.preprocessing.image_files import DEFAULT_MAX_PIXELS
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT64_MAX = float(np.finfo(np.float64).max)
@@ -66,6 +67,9 @@ class ImagePreprocessor:
         self.shape = (recipe.channels, *recipe.image_size)
         self.value_range = recipe.value_range
         self.takes_files = recipe.resize_size is not None
+        # Image files whose header asks for more pixels are refused before decoding (the
+        # server's and infer.py's limit; None: none). Set before the first file is read.
+        self.max_image_pixels: int | None = DEFAULT_MAX_PIXELS
         self._loader = None  # the decoder + eval transform, built on the first file
 
     @property
@@ -81,12 +85,18 @@ class ImagePreprocessor:
                 f"{self.expected} (its data was not read from image files)",
                 index,
             )
-        from kiln.preprocessing.image_files import EncodedImageLoader, ImageDecodeError
+        from kiln.preprocessing.image_files import (
+            EncodedImageLoader,
+            ImageDecodeError,
+            ImageTooLargeError,
+        )
 
-        if self._loader is None:
-            self._loader = EncodedImageLoader.for_recipe(self.recipe)
+        if self._loader is None or self._loader.max_pixels != self.max_image_pixels:
+            self._loader = EncodedImageLoader.for_recipe(self.recipe, self.max_image_pixels)
         try:
             return self._loader(item).numpy()
+        except ImageTooLargeError as err:
+            raise InputError(f"item {index}: image too large: {err.detail}", index) from None
         except ImageDecodeError as err:
             raise InputError(f"item {index}: not a readable image ({err})", index) from None
 

@@ -1,0 +1,149 @@
+"""Hostile image files, made small and fast for tests: decompression bombs of every format the
+header reader parses (a few KB to ~110 KB each, asking for hundreds of millions to billions of
+pixels), animated images whose frames differ, and small good images.
+
+    png_bomb()               a 1-bit grey PNG of 30000 x 30000 (valid: a decoder would allocate
+                             900 M pixels), ~110 KB
+    gif_bomb()               a GIF of 240 one-pixel frames on a 4000 x 4000 logical screen: every
+                             frame is rendered at the screen's size (3.84 G pixels), ~5.5 KB
+    patched_bomb(fmt)        a small real JPEG / WEBP / BMP / TIFF / animated WEBP whose header
+                             is rewritten to claim 60000 x 60000 (or a 16000 x 16000 canvas)
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import struct
+import zlib
+
+import numpy as np
+from PIL import Image
+
+BOMB_SIDE = 30_000
+GIF_SCREEN, GIF_FRAMES = 4000, 240
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+@functools.cache
+def png_bomb(side: int = BOMB_SIDE) -> bytes:
+    """A valid 1-bit grey PNG of side x side pixels, all black: zlib squeezes its
+    side * (side / 8 + 1) bytes of rows ~1000:1. Compressed in slices, never held whole."""
+    row = bytes(1 + (side + 7) // 8)  # filter byte 0, then the packed bits
+    packer = zlib.compressobj(9)
+    rows_per_slice = 1000
+    parts = [packer.compress(row * min(rows_per_slice, side - start))
+             for start in range(0, side, rows_per_slice)]  # fmt: skip
+    parts.append(packer.flush())
+    header = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)  # 1-bit greyscale
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", header)
+        + _png_chunk(b"IDAT", b"".join(parts))
+        + _png_chunk(b"IEND", b"")
+    )
+
+
+def gif(screen: tuple[int, int], frames: list[tuple[int, int, int, int]], colours=None) -> bytes:
+    """A GIF89a of one-colour frames (left, top, width, height) on a logical screen, each
+    frame's pixels palette index i % 2, LZW-coded by hand (code size 2: clear, the indices
+    in runs, end), with a two-colour global palette."""
+    colours = colours or [(0, 0, 0), (255, 255, 255)]
+    out = bytearray(b"GIF89a")
+    out += struct.pack("<HHBBB", *screen, 0x80, 0, 0)  # a global colour table of 2 entries
+    for colour in colours[:2]:
+        out += bytes(colour)
+    for i, (left, top, width, height) in enumerate(frames):
+        out += b"\x21\xf9\x04\x00\x00\x00\x00\x00"  # graphic control: no disposal, no delay
+        out += b"\x2c" + struct.pack("<HHHHB", left, top, width, height, 0)
+        out += b"\x02" + _lzw_sub_blocks(i % 2, width * height)
+    out += b"\x3b"
+    return bytes(out)
+
+
+def _lzw_sub_blocks(index: int, count: int) -> bytes:
+    """LZW (minimum code size 2) of `count` pixels of one palette index, emitted as single
+    codes with a clear code every two pixels, so the table never needs 4-bit codes."""
+    codes, bits, nbits, out = [4], 0, 0, bytearray()
+    for n in range(count):
+        if n and n % 2 == 0:
+            codes.append(4)  # clear: the table never outgrows 3-bit codes
+        codes.append(index)
+    codes.append(5)
+    for code in codes:
+        bits |= code << nbits
+        nbits += 3
+        while nbits >= 8:
+            out.append(bits & 0xFF)
+            bits >>= 8
+            nbits -= 8
+    if nbits:
+        out.append(bits & 0xFF)
+    blocks = bytearray()
+    for start in range(0, len(out), 255):
+        piece = out[start : start + 255]
+        blocks += bytes([len(piece)]) + piece
+    return bytes(blocks + b"\x00")
+
+
+@functools.cache
+def gif_bomb() -> bytes:
+    """~5.5 KB: 240 one-pixel frames on a 4000 x 4000 screen (torchvision renders every frame
+    at the screen's size: 11.5 GB of RGB)."""
+    return gif((GIF_SCREEN, GIF_SCREEN), [(0, 0, 1, 1)] * GIF_FRAMES)
+
+
+def photo(size: tuple[int, int] = (53, 37), seed: int = 0) -> Image.Image:
+    rgb = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), np.uint8)
+    return Image.fromarray(rgb)
+
+
+def encoded(image: Image.Image, fmt: str, **options) -> bytes:
+    out = io.BytesIO()
+    image.save(out, fmt, **options)
+    return out.getvalue()
+
+
+def animated(fmt: str, num_frames: int = 4, size=(30, 20)) -> bytes:
+    """An animated GIF / PNG / WEBP whose frame i is filled with grey level 40 * i + 20."""
+    frames = [Image.new("RGB", size, (40 * i + 20,) * 3) for i in range(num_frames)]
+    out = io.BytesIO()
+    frames[0].save(out, fmt, save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return out.getvalue()
+
+
+CLAIMED = 60_000  # the side a patched header claims
+
+
+def patched_bomb(fmt: str) -> bytes:
+    """A small real file whose header claims CLAIMED x CLAIMED pixels (3.6 G), or for the
+    animated WEBP a 16000 x 16000 canvas of its 4 frames."""
+    if fmt == "JPEG":
+        data = bytearray(encoded(photo(), "JPEG"))
+        at = data.index(b"\xff\xc0") + 5  # SOF0: length(2), precision(1), height, width
+        data[at : at + 4] = struct.pack(">HH", CLAIMED, CLAIMED)
+    elif fmt == "WEBP":  # lossy VP8: 14-bit sides, so the most it can claim is 16383
+        data = bytearray(encoded(photo(), "WEBP"))
+        data[26:30] = struct.pack("<HH", 16383, 16383)
+    elif fmt == "animated WEBP":
+        data = bytearray(animated("WEBP"))
+        at = data.index(b"VP8X") + 8 + 4
+        data[at : at + 6] = (16000 - 1).to_bytes(3, "little") * 2
+    elif fmt == "BMP":
+        data = bytearray(encoded(photo(), "BMP"))
+        data[18:26] = struct.pack("<ii", CLAIMED, -CLAIMED)  # top-down rows: height < 0
+    elif fmt == "TIFF":
+        data = bytearray(encoded(photo(), "TIFF"))
+        (offset,) = struct.unpack("<I", data[4:8])
+        (count,) = struct.unpack("<H", data[offset : offset + 2])
+        for entry in range(offset + 2, offset + 2 + 12 * count, 12):
+            tag, kind = struct.unpack("<HH", data[entry : entry + 4])
+            if tag in (256, 257):
+                value = struct.pack("<H" if kind == 3 else "<I", CLAIMED)
+                data[entry + 8 : entry + 8 + len(value)] = value
+    else:
+        raise ValueError(fmt)
+    return bytes(data)
