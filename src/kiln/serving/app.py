@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import gc
 import logging
 import time
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -62,12 +64,14 @@ class CloseWhenDraining:
         await self.app(scope, receive, send_closing)
 
 
-def _file_decoder(predictor: Predictor):
-    """(file bytes, index) -> the decoded, eval-transformed image; InputError naming the index
-    (a model that takes no files refuses them)."""
-    file_item = getattr(predictor.preprocess, "file_item", None)
-    if file_item is not None:
-        return file_item
+def _file_decoder(predictor: Predictor, max_image_pixels: int):
+    """(file bytes, index) -> the decoded, eval-transformed image, by the preprocessing's own
+    `file_item` with this server's pixel limit (read from the header, before decoding);
+    InputError naming the index. A model that takes no files refuses them."""
+    if hasattr(predictor.preprocess, "file_item"):
+        preprocess = copy.copy(predictor.preprocess)  # the limit is this app's, not the caller's
+        preprocess.max_image_pixels = max_image_pixels
+        return preprocess.file_item
 
     def refuse(data: bytes, index: int):
         kind = predictor.preprocess.input_kind
@@ -82,24 +86,34 @@ async def warm_decoders(state: ServingState, deadline: float) -> list[str]:
     set up a decoder (seconds of imports and library loading). Returns the formats warmed."""
     started = time.perf_counter()
     files = warmup_files()
-    jobs = [state.decoder.decode([(i, data)], deadline) for i, data in enumerate(files.values())]
-    results = await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def timed(fmt: str, data: bytes) -> Any:
+        began = time.perf_counter()
+        (image,) = (await state.decoder.decode([(0, data)], deadline)).values()
+        state.metrics.warmup_decode.labels(fmt).set(time.perf_counter() - began)
+        return image
+
+    pending, results = list(files.items()), []
+    while pending:  # as many at once as there are threads: none waits in the (bounded) queue
+        chunk, pending = pending[: state.decoder.threads], pending[state.decoder.threads :]
+        results += await asyncio.gather(*(timed(*f) for f in chunk), return_exceptions=True)
     warmed, images, skipped = [], [], []
     for fmt, result in zip(files, results, strict=True):
-        if isinstance(result, InputError):  # e.g. EPS, which needs Ghostscript to be read
+        if isinstance(result, InputError):  # Pillow reads it, kiln's decoder does not
+            log.warning("warm-up: %s not decoded: %s", fmt, result)
             skipped.append(fmt)
             continue
         if isinstance(result, BaseException):
             raise result
         warmed.append(fmt)
-        images.extend(result.values())
+        images.append(result)
     items = state.predictor.convert(images)
     await state.batcher.submit(items, len(images), deadline)
     log.info(
         "image decoders warmed in %.2f s: %s%s",
         time.perf_counter() - started,
         ", ".join(warmed),
-        f" (not readable here: {', '.join(skipped)})" if skipped else "",
+        f" (not decoded: {', '.join(skipped)})" if skipped else "",
     )
     return warmed
 
@@ -119,7 +133,7 @@ def create_app(predictor: Predictor, config: ServerConfig | None = None, **overr
         metrics=metrics,
     )
     decoder = DecodePool(
-        _file_decoder(predictor),
+        _file_decoder(predictor, config.max_image_pixels),
         threads=decode_threads(config.decode_threads),
         max_queued=config.max_decode_queue_size,
         metrics=metrics,

@@ -206,8 +206,8 @@ class DecodePool:
 def warmup_files() -> dict[str, bytes]:
     """A small real image in every format Pillow can write and read ({format: file bytes}): the
     warm-up decodes each before the server says ready, so no decoder is first set up by a
-    user's request. Formats Pillow cannot write here (no encoder, an RGB it refuses) are not
-    in it; those it writes but cannot read back (EPS without Ghostscript) are dropped later."""
+    user's request. Formats Pillow cannot write here (no encoder, an RGB it refuses) or read
+    back (EPS without Ghostscript) are not in it."""
     import numpy as np
     from PIL import Image
 
@@ -222,6 +222,8 @@ def warmup_files() -> dict[str, bytes]:
         buffer = io.BytesIO()
         try:
             image.save(buffer, fmt)
+            with Image.open(io.BytesIO(buffer.getvalue())) as written:
+                written.load()
         except (OSError, ValueError, KeyError):
             continue
         files[fmt] = buffer.getvalue()

@@ -94,6 +94,12 @@ class ServingMetrics:
             "its request with a 4xx naming the item",
             registry=r,
         )
+        self.warmup_decode = Gauge(
+            "kiln_warmup_decode_seconds",
+            "Seconds a decode thread took for the warm-up's image of each format, before ready",
+            ["format"],
+            registry=r,
+        )
         self.draining = Gauge("kiln_draining", "1 while shutting down (SIGTERM seen)", registry=r)
 
     def render(self) -> bytes:
