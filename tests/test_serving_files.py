@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ from kiln.config.infer import ArgumentError, ServerConfig
 from kiln.inference import Predictor
 from kiln.serving import create_app
 
+from .conftest import SUBPROCESS_ENV
 from .inference_helpers import live_server, serve_process, trained_run
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -230,6 +233,34 @@ def test_a_one_photo_request_is_not_stuck_behind_many_large_images(photos):
     assert finished == ["small", "big"]
 
 
+def test_large_images_never_take_every_decode_thread(photos):
+    """Two requests of one legal 64 M-pixel image each, two decode threads: large images
+    decode on at most one of them, so a one-photo request sent meanwhile finds the other free
+    and is answered before either large one (with both threads on large images it waited for
+    one of them)."""
+    slow, photo = grey_png(), good_files(1)[0]
+    with live_server(create_app(photos, decode_threads=2)) as server:
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                finished: list[str] = []
+
+                async def send(name, files):
+                    response = await client.post("/v1/predict", json=v1(files))
+                    finished.append(name)
+                    return response.status_code
+
+                large = [asyncio.ensure_future(send(f"large{i}", [slow])) for i in range(2)]
+                while metric((await client.get("/metrics")).text, "kiln_decoding") < 1:
+                    await asyncio.sleep(0.01)
+                small = await send("small", [photo])
+                return [*(await asyncio.gather(*large)), small], finished
+
+        statuses, finished = asyncio.run(scenario())
+    assert statuses == [200, 200, 200]
+    assert finished[0] == "small", finished
+
+
 # --- limits while decoding ----------------------------------------------------------------------
 
 
@@ -367,3 +398,34 @@ def test_v2_metadata_lists_the_image_file_form_and_tritonclient_sends_files(phot
 def test_decode_settings_are_checked_naming_the_key(photos, overrides, message):
     with pytest.raises(ArgumentError, match=re.escape(message)):
         create_app(photos, **overrides)
+
+
+# --- the load test ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # a server process and a client process per kind; the small form is above
+def test_the_bomb_load_test_checks_every_answer_and_reports_the_floors(photos_ckpt, tmp_path):
+    out = tmp_path / "bombs.json"
+    cmd = [
+        sys.executable,
+        str(REPO_ROOT / "scripts" / "loadtest_bombs.py"),
+        "--ckpt",
+        str(photos_ckpt),
+    ]
+    cmd += ["--seconds", "2", "--rounds", "1", "--good-clients", "2", "--bomb-clients", "2"]
+    cmd += ["--huge-clients", "1", "--out", str(out), "--check", "--max-latency-ratio", "0"]
+    done = subprocess.run(
+        cmd, cwd=REPO_ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 1, done.stdout + done.stderr  # --check: a ratio of 0 is not met
+    result = json.loads(out.read_text())
+    assert result["wrong_answers"] == 0
+    phases = {row["phase"]: row for row in result["summary"]}
+    assert set(phases) == {"quiet", "bombs", "huge"}
+    assert (
+        phases["quiet"]["bombs"] == 0
+        and phases["bombs"]["bombs"] > 0
+        and phases["huge"]["huge"] > 0
+    )
+    assert all(row["good_requests"] > 0 and row["health_polls"] > 0 for row in phases.values())
+    assert "bombs: good p50" in done.stdout and "NOT met" in done.stdout

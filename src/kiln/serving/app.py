@@ -21,7 +21,7 @@ from kiln.inference import Predictor
 from kiln.inference.predictor import join
 from kiln.preprocessing import InputError
 from kiln.serving.batcher import DynamicBatcher
-from kiln.serving.decoding import DecodePool, warmup_files
+from kiln.serving.decoding import DecodePool, header_pixels, warmup_files
 from kiln.serving.example import add_example_route, example_paths
 from kiln.serving.metrics import CountStatuses, ServingMetrics
 from kiln.serving.openapi import openapi_document
@@ -134,6 +134,8 @@ def create_app(predictor: Predictor, config: ServerConfig | None = None, **overr
     )
     decoder = DecodePool(
         _file_decoder(predictor, config.max_image_pixels),
+        pixels=header_pixels,
+        max_pixels=config.max_image_pixels,
         threads=decode_threads(config.decode_threads),
         max_queued=config.max_decode_queue_size,
         metrics=metrics,

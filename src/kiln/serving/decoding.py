@@ -16,7 +16,10 @@ A request's files are one `DecodeJob`. They wait here, not in an executor's queu
 thread is free, the loop hands it the next file of the waiting job with the fewest files in a
 thread now (the oldest of those), so a request of many large photos holds at most the threads
 nobody else is waiting for, and a one-photo request arriving behind it gets the next free
-thread, not the turn after all of that request's photos. A job ends
+thread, not the turn after all of that request's photos. Large images (over LARGE_IMAGE_PIXELS
+by their header, e.g. a 12 MP phone photo) decode on at most threads - 1 threads at once: a
+thread that finds one with no room left for large files hands it back to wait for a large
+slot, so however many large images arrive, small ones always find a thread. A job ends
 at its first bad file (InputError naming the item; its other files are not decoded), at its
 deadline (DeadlineExceeded: files not started never start), or when its client leaves. A file
 already in a thread finishes there -- a decoder cannot be stopped midway; the pixel limit bounds
@@ -30,6 +33,7 @@ import collections
 import functools
 import io
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +45,9 @@ from kiln.serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 
+# An image of more pixels than this (2048 x 2048; decoding takes ~50 ms and up) is large: at
+# most threads - 1 threads decode large images at once.
+LARGE_IMAGE_PIXELS = 2048 * 2048
 SECONDS_PER_FILE_PRIOR = 0.01  # the Retry-After estimate before the first file is timed
 EMA_WEIGHT = 0.2  # how fast the per-file time estimate follows new files
 WARMUP_SIZE = (40, 48)  # (H, W) of the warm-up images: not square, so the resize really runs
@@ -57,12 +64,18 @@ class DecodeJob:
     count: int
     deadline: float  # time.monotonic() by which every file must be decoded
     future: asyncio.Future  # -> {index: decoded image}
+    # Large files a thread handed back (no large slot was free), waiting for one.
+    large: collections.deque = field(default_factory=collections.deque)
     decoded: dict[int, Any] = field(default_factory=dict)
     running: int = 0  # its files in a thread now
 
     @property
     def finished(self) -> bool:
         return self.future.done()
+
+    @property
+    def waiting(self) -> int:
+        return len(self.files) + len(self.large)
 
     def fail(self, error: BaseException) -> None:
         if not self.future.done():
@@ -75,18 +88,25 @@ class DecodePool:
         self,
         decode: Callable[[bytes, int], Any],
         *,
+        pixels: Callable[[bytes], int],
+        max_pixels: int,
         threads: int,
         max_queued: int,
         metrics: ServingMetrics,
     ):
         self.decode_one = decode  # (file bytes, index in its request) -> image; InputError
+        self.pixels = pixels  # file bytes -> the pixels its header claims (0: unknown)
+        self.max_pixels = max_pixels  # above it, `decode` refuses the file at once
         self.threads = threads
+        self.large_threads = max(1, threads - 1)
         self.max_queued = max_queued  # files waiting for a thread, all requests together
         self.metrics = metrics
         self.seconds_per_file = SECONDS_PER_FILE_PRIOR
         self._jobs: collections.deque[DecodeJob] = collections.deque()
-        self._queued = 0  # files of waiting jobs not yet handed to a thread
+        self._queued = 0  # files of waiting jobs not yet in a thread
         self._running = 0  # files in a thread now (also those whose job has ended)
+        self._large_running = 0  # large files decoding now (threads claim a slot: the lock)
+        self._large_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
 
     # --- life cycle --------------------------------------------------------------------------
@@ -131,7 +151,7 @@ class DecodePool:
             self._drop(job, ClientGone("the client closed the connection"))
             raise
         if not done:
-            never = len(job.files)
+            never = job.waiting
             self._drop(job, DeadlineExceeded("deadline exceeded while decoding"))
             self.metrics.deadline_exceeded.inc()
             raise DeadlineExceeded(
@@ -141,35 +161,55 @@ class DecodePool:
         return job.future.result()
 
     def _dispatch(self) -> None:
-        """Hand each free thread the next file of the waiting job with the fewest files in a
-        thread (the oldest such job)."""
+        """Hand each free thread a file: first a large one handed back, if a large slot is
+        free; else the next file of the waiting job with the fewest files in a thread (the
+        oldest such job). Jobs past their deadline start nothing more (their waiters take
+        them out)."""
         now = time.monotonic()
         while self._running < self.threads and self._executor is not None:
-            # Jobs past their deadline start nothing more; their waiters take them out.
-            waiting = [job for job in self._jobs if job.deadline > now]
-            if not waiting:
+            live = [job for job in self._jobs if job.deadline > now]
+            large = [job for job in live if job.large]
+            if large and self._large_running < self.large_threads:
+                job = min(large, key=lambda job: job.running)  # the first of the least served
+                self._start(job, *job.large.popleft(), known_large=True)
+                continue
+            fresh = [job for job in live if job.files]
+            if not fresh:
                 break
-            job = min(waiting, key=lambda job: job.running)  # the first of the least served
-            index, data = job.files.popleft()
-            self._queued -= 1
-            if not job.files:
-                self._jobs.remove(job)
-            job.running += 1
-            self._running += 1
-            loop = asyncio.get_running_loop()
-            running = loop.run_in_executor(self._executor, self._timed, data, index)
-            running.add_done_callback(functools.partial(self._finished, job, index))
+            job = min(fresh, key=lambda job: job.running)
+            self._start(job, *job.files.popleft(), known_large=False)
         self._update_gauges()
 
-    def _timed(self, data: bytes, index: int) -> tuple[Any, BaseException | None, float]:
-        """In a decode thread: (image, None, seconds) or (None, the error, seconds)."""
+    def _start(self, job: DecodeJob, index: int, data: bytes, known_large: bool) -> None:
+        self._queued -= 1
+        if not job.waiting:
+            self._jobs.remove(job)
+        job.running += 1
+        self._running += 1
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._executor, self._timed, data, index, known_large)
+        running.add_done_callback(functools.partial(self._finished, job, index, data))
+
+    def _timed(self, data: bytes, index: int, known_large: bool) -> tuple:
+        """In a decode thread: (image, None, seconds), (None, the error, seconds), or
+        (HANDED_BACK, None, 0) for a large file while every large slot is taken."""
         started = time.perf_counter()
+        large = known_large or LARGE_IMAGE_PIXELS < self.pixels(data) <= self.max_pixels
+        if large:
+            with self._large_lock:
+                if self._large_running >= self.large_threads:
+                    return HANDED_BACK, None, 0.0
+                self._large_running += 1
         try:
             return self.decode_one(data, index), None, time.perf_counter() - started
         except Exception as err:
             return None, err, time.perf_counter() - started
+        finally:
+            if large:
+                with self._large_lock:
+                    self._large_running -= 1
 
-    def _finished(self, job: DecodeJob, index: int, running: asyncio.Future) -> None:
+    def _finished(self, job: DecodeJob, index: int, data: bytes, running: asyncio.Future) -> None:
         """On the loop, when a thread is done with one file."""
         self._running -= 1
         job.running -= 1
@@ -177,12 +217,19 @@ class DecodePool:
             job.fail(BatcherClosed("the server shut down before decoding it"))
         else:
             image, error, seconds = running.result()
-            self.seconds_per_file += EMA_WEIGHT * (seconds - self.seconds_per_file)
-            self.metrics.decode_seconds.observe(seconds)
+            if image is HANDED_BACK:
+                if not job.finished:  # it waits for a large slot, first among its job's
+                    job.large.append((index, data))
+                    self._queued += 1
+                    if job not in self._jobs:
+                        self._jobs.append(job)
+            else:
+                self.seconds_per_file += EMA_WEIGHT * (seconds - self.seconds_per_file)
+                self.metrics.decode_seconds.observe(seconds)
             if error is not None:
                 self.metrics.bad_image_files.inc()
                 self._drop(job, error)  # the first bad file ends its request
-            elif not job.finished:
+            elif image is not HANDED_BACK and not job.finished:
                 job.decoded[index] = image
                 if len(job.decoded) == job.count:
                     job.future.set_result(job.decoded)
@@ -192,14 +239,29 @@ class DecodePool:
         """The job leaves the queue: its files not started never start."""
         if job in self._jobs:
             self._jobs.remove(job)
-        self._queued -= len(job.files)
+        self._queued -= job.waiting
         job.files.clear()
+        job.large.clear()
         job.fail(error)
         self._update_gauges()
 
     def _update_gauges(self) -> None:
         self.metrics.decode_queue_depth.set(self._queued)
         self.metrics.decoding.set(self._running)
+
+
+HANDED_BACK = object()  # what a thread returns for a large file while no large slot is free
+
+
+def header_pixels(data: bytes) -> int:
+    """The pixels an encoded image's header claims (frames x canvas); 0 when it has no readable
+    header (decoding it then says why)."""
+    from kiln.preprocessing.image_files import ImageDecodeError, read_image_header
+
+    try:
+        return read_image_header(data).pixels
+    except ImageDecodeError:
+        return 0
 
 
 @functools.cache
