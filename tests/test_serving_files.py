@@ -12,6 +12,7 @@ and a 62 KB greyscale PNG of 8000x8000 -- legal (64 M pixels), ~0.5 s to decode.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import base64
 import io
@@ -20,6 +21,7 @@ import re
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -378,6 +380,31 @@ def test_v2_metadata_lists_the_image_file_form_and_tritonclient_sends_files(phot
         {"name": "input", "datatype": "BYTES", "shape": [-1]},
     ]
     np.testing.assert_allclose(result.as_numpy("probs"), expected, atol=1e-5)
+
+
+def readme_tritonclient_block() -> str:
+    """The ```python block of the README's Serving section, as a user copies it."""
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text[text.index("### Serving") :].split("\n### ", 1)[0]
+    return textwrap.dedent(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+
+
+def test_the_readmes_tritonclient_block_sends_image_files_as_typed(photos):
+    code = readme_tritonclient_block()
+    paths = ast.literal_eval(re.search(r"^paths = (\[.*\])$", code, re.M).group(1))
+    expected = [p["label"] for p in photos.predict([(REPO_ROOT / p).read_bytes() for p in paths])]
+    with live_server(create_app(photos)) as server:
+        code = code.replace("localhost:8000", server.url.removeprefix("http://"))
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=REPO_ROOT,
+            env=SUBPROCESS_ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert done.returncode == 0, done.stderr
+    assert ast.literal_eval(done.stdout.strip()) == expected
 
 
 # --- settings -----------------------------------------------------------------------------------

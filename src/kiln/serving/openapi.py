@@ -383,8 +383,12 @@ def _errors(error: str, bad_request: int) -> dict[str, dict]:
         "415": _json(body, "a Content-Encoding other than identity, gzip or deflate"),
         "499": _json(body, "the client left before its answer (never received; in /metrics)"),
         "500": _json(body, "the model failed on this request's input alone"),
-        "503": _json(body, "queue full, model loading or server draining", RETRY_AFTER),
-        "504": _json(body, "no answer within server.timeout_ms; unrun inputs left the queue"),
+        "503": _json(
+            body, "queue (or image decode queue) full, model loading or draining", RETRY_AFTER
+        ),
+        "504": _json(
+            body, "no answer within server.timeout_ms (decoding included); unrun inputs left"
+        ),
     }
 
 
