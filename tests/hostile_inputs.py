@@ -147,3 +147,97 @@ def patched_bomb(fmt: str) -> bytes:
     else:
         raise ValueError(fmt)
     return bytes(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# A hostile image folder
+
+
+def unreadable_file(path) -> str | None:
+    """Make `path` a file that reading really fails on, even as root: chmod 000 where that
+    stops us; as root (which chmod does not stop) a link to a kernel file that refuses reads
+    to everyone (/proc/sys/vm/drop_caches, write-only). None when neither is possible here."""
+    import os
+
+    if os.geteuid() != 0:
+        path.write_bytes(encoded(photo((8, 8)), "PNG"))
+        path.chmod(0)
+        return "chmod 000"
+    target = "/proc/sys/vm/drop_caches"
+    try:
+        with open(target, "rb") as f:
+            f.read(1)
+    except PermissionError:
+        path.symlink_to(target)
+        return "a link to a file no one may read"
+    except OSError:
+        return None
+    return None
+
+
+def unlistable_folder(path) -> str | None:
+    """Make `path` a folder that listing really fails on (see unreadable_file); None if not
+    possible here (root on a system where every folder can be listed)."""
+    import os
+
+    if os.geteuid() != 0:
+        path.mkdir()
+        (path / "inside.png").write_bytes(encoded(photo((8, 8)), "PNG"))
+        path.chmod(0)
+        return "chmod 000"
+    for target in ("/proc/1/map_files", "/proc/1/fdinfo"):
+        try:
+            os.listdir(target)
+        except PermissionError:
+            path.symlink_to(target, target_is_directory=True)
+            return f"a link to {target}"
+        except OSError:
+            continue
+    return None
+
+
+def make_hostile_tree(base) -> dict:
+    """base/train: three classes of small good PNGs (bird is a symlinked folder outside the
+    tree) among every hostile entry the walk and the decoder must survive; returns what the
+    scan must report. Unreadable entries are made only where this machine allows (see
+    unreadable_file): the counts say what was made."""
+    import os
+
+    train, outside = base / "train", base / "outside_birds"
+    for offset, name in enumerate(("cat", "dog")):
+        (train / name).mkdir(parents=True)
+        for i in range(1, 5):
+            good = encoded(photo((24, 24), seed=10 * offset + i), "PNG")
+            (train / name / f"{name}_{i}.png").write_bytes(good)
+    outside.mkdir()
+    for i in range(1, 4):
+        (outside / f"bird_{i}.png").write_bytes(encoded(photo((24, 24), seed=50 + i), "PNG"))
+    (train / "bird").symlink_to(outside, target_is_directory=True)  # followed: outside the tree
+    cat, dog = train / "cat", train / "dog"
+    (cat / "bomb.png").write_bytes(png_bomb())
+    (dog / "bomb.gif").write_bytes(gif_bomb())
+    (cat / "loop").symlink_to(".", target_is_directory=True)
+    (dog / "up").symlink_to("..", target_is_directory=True)
+    os.mkfifo(cat / "x.jpg")
+    (cat / "gone.jpg").symlink_to("nowhere.jpg")
+    (cat / "self1.jpg").symlink_to("self1.jpg")
+    (cat / "self2.jpg").symlink_to("self2.jpg")
+    (dog / "again.png").symlink_to("../cat/cat_1.png")  # cat_1.png is met first: a duplicate
+    cannot_open = [cat / "gone.jpg", cat / "self1.jpg", cat / "self2.jpg"]
+    how = {"file": unreadable_file(dog / "locked.png"), "folder": unlistable_folder(dog / "sub")}
+    if how["file"]:
+        cannot_open.append(dog / "locked.png")
+    if how["folder"]:
+        cannot_open.append(dog / "sub")
+    return {
+        "train_dir": train,
+        "classes": ["bird", "cat", "dog"],
+        "kept": {"bird": 3, "cat": 4, "dog": 4},
+        "too_large": sorted([str(cat / "bomb.png"), str(dog / "bomb.gif")]),
+        "cannot_open": sorted(map(str, cannot_open)),
+        "skipped": {"link_into_tree": 2, "not_regular": 1, "duplicate": 1},
+        "how": how,
+        "links": 7
+        + (how["file"] == "a link to a file no one may read")
+        + (how["folder"] is not None and how["folder"].startswith("a link")),
+    }

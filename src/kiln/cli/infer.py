@@ -24,6 +24,7 @@ USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, ValueError)
 def run_predict(cfg: InferConfig) -> None:
     from kiln.inference import InputError, Predictor
     from kiln.inference.files import (
+        FileListing,
         predictable_texts,
         read_inputs,
         split_named,
@@ -33,8 +34,13 @@ def run_predict(cfg: InferConfig) -> None:
 
     output = cfg.output or "preds.csv"
     predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8)
-    # Named inputs (detectors' images, image files): (path, item) pairs.
-    sources, inputs = split_named(read_inputs(cfg.input, predictor.preprocess, cfg.text_column))
+    inputs = read_inputs(
+        cfg.input, predictor.preprocess, cfg.text_column, follow_symlinks=cfg.follow_symlinks
+    )
+    if isinstance(inputs, FileListing):
+        return predict_files(cfg, predictor, inputs, output)
+    # Named inputs (a detector's .npz or .npy): (name, array) pairs.
+    sources, inputs = split_named(inputs)
     skipped = None
     if predictor.preprocess.input_kind == "tokens":
         inputs, skipped = predictable_texts(inputs, predictor.preprocess)
@@ -54,6 +60,35 @@ def run_predict(cfg: InferConfig) -> None:
         total = len(outputs) + len(skipped)
         print(f"{len(skipped)} of {total} inputs were empty after cleaning: no prediction, see "
               f"the error column of {path}", flush=True)  # fmt: skip
+
+
+def predict_files(cfg: InferConfig, predictor, listing, output: str) -> None:
+    """Input files (a folder, a glob, one file), read and predicted one batch at a time; a
+    file that cannot be predicted gets a row with its error (strict=true: stops at it)."""
+    from functools import partial
+
+    from kiln.inference import InputError
+    from kiln.inference.files import load_file_input
+    from kiln.inference.stream import predict_files_to_csv
+
+    if listing.skipped:
+        print(f"{cfg.input}: skipped {listing.skipped_line()}", flush=True)
+    load = partial(load_file_input, predictor.preprocess, max_image_pixels=cfg.max_image_pixels)
+    outcome = predict_files_to_csv(predictor, listing.files, output, load=load,
+                                   batch_size=cfg.batch_size, strict=cfg.strict)  # fmt: skip
+    what = f"{outcome.boxes} boxes for " if outcome.boxes is not None else ""
+    unit = "images" if outcome.boxes is not None else "predictions"
+    print(f"wrote {what}{outcome.predicted} {unit} to {outcome.path} ({cfg.backend} backend)",
+          flush=True)  # fmt: skip
+    if outcome.failed:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in outcome.errors.items())
+        message = (
+            f"{outcome.failed} of {outcome.inputs} inputs could not be predicted ({reasons}): "
+            f"see the error column of {outcome.path}"
+        )
+        if not outcome.predicted:
+            raise InputError(f"{cfg.input}: none of the inputs could be predicted; {message}")
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def run_export(cfg: InferConfig) -> None:
@@ -96,6 +131,8 @@ def run_evaluate(cfg: InferConfig) -> None:
         device=cfg.device,
         batch_size=cfg.batch_size,
         num_errors=cfg.num_errors,
+        max_image_pixels=cfg.max_image_pixels,
+        follow_symlinks=cfg.follow_symlinks,
     )
     print("\n".join(report.lines()), flush=True)
 

@@ -197,8 +197,14 @@ class ImageFolderConfig(DataConfig):
     mixup_alpha: float = 0.0  # MixUp's Beta(alpha, alpha) (0: off); soft targets
     cutmix_alpha: float = 0.0  # CutMix's Beta(alpha, alpha) (0: off); with mixup, one per batch
     normalize: Normalize = Normalize.auto  # auto | imagenet | dataset | none
-    bad_rows: BadRows = BadRows.drop  # unreadable, empty or truncated files: drop | error
+    bad_rows: BadRows = BadRows.drop  # unreadable, empty, truncated, too large files: drop | error
     cache_dir: str | None = None  # file checks and dataset statistics; null: ~/.cache/kiln/images
+    # An image whose header asks for more pixels (every frame of an animated one) is dropped as
+    # too_large before it is decoded; Pillow's MAX_IMAGE_PIXELS by default; null: no limit.
+    max_image_pixels: int | None = 89_478_485
+    # Symlinked files are read once (by their resolved path) and symlinked folders walked when
+    # they do not lead back into the folder; false: no link is followed (each one reported).
+    follow_symlinks: bool = True
 
     def check(self, key: str) -> None:
         super().check(key)
@@ -217,6 +223,8 @@ class ImageFolderConfig(DataConfig):
             in_range(self.crop_pct, 0, 1, f"{key}.crop_pct", open_low=True)
         at_least(self.mixup_alpha, 0, f"{key}.mixup_alpha")
         at_least(self.cutmix_alpha, 0, f"{key}.cutmix_alpha")
+        if self.max_image_pixels is not None:
+            at_least(self.max_image_pixels, 1, f"{key}.max_image_pixels")
 
     def with_all_branches(self) -> ImageFolderConfig:
         """loss.force_all_branches (rule 2's forced run): MixUp and CutMix on as well, at

@@ -5,6 +5,7 @@ wrong type is an error naming the key, the valid keys and the closest match."""
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import types
 import typing
@@ -20,6 +21,7 @@ BACKENDS = ("torch", "onnx", "echo")
 EXPORT_FORMATS = ("onnx", "triton")
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")  # safe in a URL path and a folder name
 MIB = 1024 * 1024
+PATH_KEYS = frozenset(["ckpt", "input", "output", "data", "export_dir"])
 
 
 class ArgumentError(UserError, ValueError):
@@ -63,7 +65,14 @@ class InferConfig:
     int8: bool = False  # backend=onnx: use model.int8.onnx; mode=export: also write it
     format: str = "onnx"  # export: onnx (model.onnx beside the checkpoint) | triton (a repository)
     export_dir: str | None = None  # format=triton: the repository (null: triton/ beside ckpt)
-    batch_size: int = 256  # predict: inputs per model call
+    batch_size: int = 256  # predict: inputs per model call (image files: read per batch too)
+    # predict: an input file that cannot be read, is too large or cannot be decoded gets a row
+    # with its error (the others are predicted); true: stop at the first, writing nothing
+    strict: bool = False
+    # predict, evaluate: image files whose header asks for more pixels (every frame of an
+    # animated one) are refused before decoding; Pillow's MAX_IMAGE_PIXELS; null: no limit
+    max_image_pixels: int | None = 89_478_485
+    follow_symlinks: bool = True  # predict, evaluate: follow links in input folders (see README)
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -127,7 +136,10 @@ def parse_args(argv: list[str]) -> InferConfig:
         if key not in KEYS:
             raise _unknown_key(key)
         target, _, name = key.rpartition(".")
-        setattr(getattr(cfg, target) if target else cfg, name, _convert(key, text, KEYS[key]))
+        value = _convert(key, text, KEYS[key])
+        if key in PATH_KEYS and isinstance(value, str):
+            value = os.path.expanduser(value)  # as train.py's path keys: ~ is the home folder
+        setattr(getattr(cfg, target) if target else cfg, name, value)
     validate(cfg)
     return cfg
 
@@ -144,10 +156,14 @@ def validate(cfg: InferConfig) -> None:
     if cfg.format not in EXPORT_FORMATS:
         raise ArgumentError(f"format={cfg.format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     _at_least("batch_size", cfg.batch_size, 1)
+    if cfg.max_image_pixels is not None:
+        _at_least("max_image_pixels", cfg.max_image_pixels, 1)
     validate_server(cfg.server)
     if cfg.mode == "evaluate":
         validate_evaluate(cfg)
     # Missing files are reported here, before the model stack (seconds of imports) is loaded.
+    if Path(cfg.ckpt).is_dir():
+        raise ArgumentError(checkpoint_folder_message(Path(cfg.ckpt)))
     if not Path(cfg.ckpt).exists():
         raise ArgumentError(f"checkpoint {cfg.ckpt} does not exist (ckpt=)")
     globbed = any(c in cfg.input for c in "*?[") if cfg.mode == "predict" else False
@@ -156,6 +172,18 @@ def validate(cfg: InferConfig) -> None:
             f"input {cfg.input} does not exist (input=): a .npy, .npz, .csv file, an image "
             "file, a folder or a glob"
         )
+
+
+def checkpoint_folder_message(folder: Path) -> str:
+    """ckpt= naming a folder: say so, and name the checkpoints it (or its checkpoints/) holds."""
+    found = [
+        p
+        for name in ("best.pt", "last.pt", "model.onnx")
+        for p in (folder / name, folder / "checkpoints" / name)
+        if p.is_file()
+    ]
+    hint = f"e.g. ckpt={found[0]}" if found else "a .pt file (a run's checkpoints/best.pt)"
+    return f"ckpt={folder} is a folder, not a checkpoint file (ckpt=): give the file, {hint}"
 
 
 def validate_evaluate(cfg: InferConfig) -> None:

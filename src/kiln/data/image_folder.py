@@ -50,9 +50,10 @@ from kiln.preprocessing import ImageRecipe
 from kiln.preprocessing.image_files import (
     DEFAULT_CROP_PCT,
     DEFAULT_IMAGE_SIZE,
-    decode,
+    DEFAULT_MAX_PIXELS,
     eval_transform,
     interpolation_mode,
+    read_image_file,
     resize_size_for,
     to_unit,
 )
@@ -66,6 +67,9 @@ __all__ = ["ImageCollate", "ImageFiles", "ImageFolderError", "build_image_folder
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 STATS_VERSION = 1  # bump when the statistics' meaning changes
+# A channel's std below this (a quarter of one 8-bit level) is a channel of one value: dividing
+# by it would multiply any difference at inference a million-fold, so it is divided by 1.
+MIN_STD = 1 / 1020
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,11 +159,12 @@ class ImageFiles(Dataset):
 
     def __init__(
         self, paths: Sequence[str], labels: Sequence[int], *, channels: int, transform, finish,
-        train: bool,
+        train: bool, max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ):  # fmt: skip
         self.paths = list(paths)
         self.labels = [int(y) for y in labels]
         self.channels, self.transform, self.finish = channels, transform, finish
+        self.max_pixels = max_pixels
         self.train = train
         self.seeded_keys = train  # kiln.data.loaders: send (index, seed, epoch) keys
 
@@ -170,7 +175,7 @@ class ImageFiles(Dataset):
         """The decoded uint8 image (C, H, W) of item `index`."""
         path = self.paths[index]
         try:
-            return decode(Path(path).read_bytes(), self.channels)
+            return read_image_file(path, self.channels, self.max_pixels)
         except (OSError, ValueError) as err:  # changed or removed since the scan
             raise ImageFolderError(
                 f"{path}: {err} (the file changed since it was checked)"
@@ -231,10 +236,12 @@ def _channel_stats(values: Sequence[float], channels: int) -> tuple[float, ...]:
 
 
 def dataset_stats(
-    paths: Sequence[str], channels: int, size: InputSize, cache_dir: Path
-) -> tuple[tuple[float, ...], tuple[float, ...], bool]:
+    paths: Sequence[str], channels: int, size: InputSize, cache_dir: Path,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+) -> tuple[tuple[float, ...], tuple[float, ...], bool]:  # fmt: skip
     """(mean, std, cache hit) of the pixels in [0, 1] of these files through the eval
-    transform; cached by the files (path, size, mtime) and the settings."""
+    transform; cached by the files (path, size, mtime) and the settings. A std may be 0 (a
+    channel of one value): `normalisation` decides what to divide by."""
     stamps = [(os.path.abspath(p), *_stamp(p)) for p in paths]
     key_inputs = {"version": STATS_VERSION, "files": stamps, "channels": channels,
                   "size": [size.image_size, size.resize_size, size.interpolation]}  # fmt: skip
@@ -248,7 +255,7 @@ def dataset_stats(
     transform = eval_transform(size.image_size, size.resize_size, size.interpolation)
 
     def sums(path: str) -> torch.Tensor:
-        pixels = to_unit(transform(decode(Path(path).read_bytes(), channels))).double()
+        pixels = to_unit(transform(read_image_file(path, channels, max_pixels))).double()
         flat = pixels.reshape(channels, -1)
         return torch.stack([flat.sum(1), flat.square().sum(1)])
 
@@ -256,7 +263,7 @@ def dataset_stats(
         total = sum(pool.map(sums, paths))
     count = len(paths) * size.image_size**2
     mean = total[0] / count
-    std = (total[1] / count - mean.square()).clamp_min(0).sqrt().clamp_min(1e-6)
+    std = (total[1] / count - mean.square()).clamp_min(0).sqrt()
     mean_t, std_t = tuple(mean.tolist()), tuple(std.tolist())
     _write_json_atomic(cached, {"mean": mean_t, "std": std_t, "images": len(paths)})
     return mean_t, std_t, False
@@ -296,9 +303,25 @@ def normalisation(
     elif mode == Normalize.none:
         mean, std, source = (0.0,) * channels, (1.0,) * channels, "none (pixels in [0, 1])"
     else:
-        mean, std, hit = dataset_stats(train_paths, channels, size, cache_dir)
+        mean, std, hit = dataset_stats(train_paths, channels, size, cache_dir,
+                                       cfg.max_image_pixels)  # fmt: skip
         source = f"the training split's pixels ({'cached' if hit else 'computed'})"
-    return mean, std, {"mode": str(cfg.normalize), "source": source, "mean": mean, "std": std}
+    report = {"mode": str(cfg.normalize), "source": source, "mean": mean, "std": std}
+    flat = [c for c, value in enumerate(std) if value < MIN_STD]
+    if flat:
+        measured = ", ".join(f"{std[c]:.2g}" for c in flat)
+        std = tuple(1.0 if c in flat else value for c, value in enumerate(std))
+        report |= {"std": std, "measured_std": report["std"], "flat_channels": flat}
+        log.warning(
+            "data: channel(s) %s of the training images hold one value (std %s, below %.5f: "
+            "less than a quarter of an 8-bit level), so they are divided by 1, not by their "
+            "std (which would multiply any difference at inference a million-fold); such a "
+            "channel tells the model nothing (see data_report.json, normalize)",
+            ", ".join(map(str, flat)),
+            measured,
+            MIN_STD,
+        )
+    return mean, std, report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,6 +362,8 @@ def _read(cfg: ImageFolderConfig, key: str, cache_dir: Path, classes=None) -> Fo
         bad_rows=str(cfg.bad_rows),
         cache_dir=cache_dir,
         classes=classes,
+        max_pixels=cfg.max_image_pixels,
+        follow_symlinks=cfg.follow_symlinks,
     )
 
 
@@ -438,7 +463,8 @@ def build_image_folder(
 
     def dataset(split: str, transform, train_mode: bool) -> ImageFiles:
         return ImageFiles(paths[split], targets[split], channels=cfg.channels,
-                          transform=transform, finish=finish, train=train_mode)  # fmt: skip
+                          transform=transform, finish=finish, train=train_mode,
+                          max_pixels=cfg.max_image_pixels)  # fmt: skip
 
     train_set = dataset("train", train_transform(cfg.augment, size), True)
     side = size.image_size

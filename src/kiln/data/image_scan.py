@@ -1,11 +1,15 @@
 """Finding the images of a class-folder tree (torchvision's ImageFolder layout) and accounting
-for every file: kept, skipped (hidden, not an image, outside a class folder) or dropped for a
-named reason (empty, truncated, unreadable), never silently.
+for every file: kept, skipped (hidden, not an image, outside a class folder, a symlink not
+followed or leading back into the tree, a file reached twice, a FIFO/socket/device) or dropped
+for a named reason (empty, truncated, unreadable, too large, cannot be opened), never silently.
 
-Every candidate is decoded in full once (the dataset's own decoder, kiln.preprocessing
-.image_files), so a truncated file never reaches a training step; the verdicts are cached per
-folder under the cache directory, keyed by path, size and modification time, so a second run
-reads only the files that changed."""
+The walk is kiln.preprocessing.file_tree's: it cannot loop (a symlinked folder leading back
+into the tree is not entered, a file is read once by its resolved path) nor hang (non-regular
+files are never opened). Every candidate's header is checked against data.max_image_pixels and
+then decoded in full once (the dataset's own decoder, kiln.preprocessing.image_files), so a
+truncated file or a decompression bomb never reaches a training step; the verdicts are cached
+per folder under the cache directory, keyed by path, size and modification time, so a second
+run reads only the files that changed."""
 
 from __future__ import annotations
 
@@ -21,19 +25,39 @@ from importlib.metadata import version
 from pathlib import Path
 
 from kiln.errors import UserError
+from kiln.preprocessing.file_tree import (
+    CANNOT_OPEN,
+    DUPLICATE,
+    FILE,
+    FOLDER,
+    HIDDEN,
+    LINK_INTO_TREE,
+    NOT_REGULAR,
+    SYMLINK,
+    FileAccessError,
+    TreeEntry,
+    walk_tree,
+)
 from kiln.preprocessing.image_files import (
     BAD_IMAGE_REASONS,
+    DEFAULT_MAX_PIXELS,
     ImageDecodeError,
-    decode,
+    ImageTooLargeError,
     is_image_name,
+    read_image_file,
 )
 from kiln.sorting import natural_key
 
 log = logging.getLogger(__name__)
 
 FIRST_FILES_KEPT = 100  # the report lists this many files per reason, then a count
-VERDICTS_VERSION = 1  # bump when what a verdict means changes
-SKIP_REASONS = ("hidden", "not_image", "outside_class")
+VERDICTS_VERSION = 2  # bump when what a verdict means changes (2: too_large, GIFs by Pillow)
+SKIP_REASONS = (
+    HIDDEN, "not_image", "outside_class", SYMLINK, LINK_INTO_TREE, DUPLICATE, NOT_REGULAR,
+)  # fmt: skip
+BAD_FILE_REASONS = (*BAD_IMAGE_REASONS, CANNOT_OPEN)
+# A bad file: an ImageDecodeError or a FileAccessError (both carry .reason and .detail).
+BadFile = ImageDecodeError | FileAccessError
 
 
 class ImageFolderError(UserError, ValueError):
@@ -63,12 +87,15 @@ class FolderLog:
     def skip(self, reason: str, count: int = 1) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + count
 
-    def drop(self, path: str, error: ImageDecodeError) -> None:
+    def drop(self, path: str, error: BadFile) -> None:
         reason = error.reason
         self.dropped_counts[reason] = self.dropped_counts.get(reason, 0) + 1
         shown = self.dropped.setdefault(reason, [])
         if len(shown) < FIRST_FILES_KEPT:
-            shown.append({"path": path, "detail": error.detail})
+            entry = {"path": path, "detail": error.detail}
+            if isinstance(error, ImageTooLargeError):
+                entry |= {"pixels": error.pixels, "max_pixels": error.max_pixels}
+            shown.append(entry)
 
     @property
     def images_dropped(self) -> int:
@@ -85,7 +112,7 @@ class FolderLog:
             "skipped": {r: self.skipped[r] for r in SKIP_REASONS if r in self.skipped},
             "dropped": {
                 reason: {"count": self.dropped_counts[reason], "first": self.dropped[reason]}
-                for reason in BAD_IMAGE_REASONS
+                for reason in BAD_FILE_REASONS
                 if reason in self.dropped_counts
             },
         }
@@ -114,69 +141,89 @@ class FolderLog:
 # Listing
 
 
-def list_classes(root: Path, log_: FolderLog) -> dict[str, list[Path]]:
+def list_classes(
+    root: Path, log_: FolderLog, follow_symlinks: bool = True
+) -> dict[str, list[Path]]:
     """Class folder name -> its image files (recursively, natural order), in natural order of
-    the names. Hidden entries, non-image files and files outside a class folder are counted."""
+    the names. Hidden entries, non-image files, files outside a class folder, links not
+    followed, duplicates and non-regular files are counted as skipped; entries that cannot be
+    opened (a dangling link, a link loop, a folder that cannot be listed) are dropped."""
     if not root.is_dir():
         raise FileNotFoundError(root)
-    classes = {}
-    for entry in sorted(os.scandir(root), key=lambda e: natural_key(e.name)):
-        if entry.name.startswith("."):
-            log_.skip("hidden")
-            log_.files += not entry.is_dir()
-        elif entry.is_dir():
-            classes[entry.name] = _images_under(Path(entry.path), log_)
-        else:
-            log_.files += 1
-            log_.skip("outside_class")
+    classes: dict[str, list[Path]] = {}
+    for entry in walk_tree(root, follow_symlinks=follow_symlinks):
+        _account(entry, classes, log_)
+    for name, paths in classes.items():
+        folder = root / name
+        paths.sort(key=lambda p: natural_key(p.relative_to(folder).as_posix()))
     return classes
 
 
-def _images_under(folder: Path, log_: FolderLog) -> list[Path]:
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        hidden = [d for d in dirnames if d.startswith(".")]
-        if hidden:
-            log_.skip("hidden", len(hidden))
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in filenames:
-            log_.files += 1
-            if name.startswith("."):
-                log_.skip("hidden")
-            elif not is_image_name(name):
-                log_.skip("not_image")
-            else:
-                found.append(Path(dirpath) / name)
-    return sorted(found, key=lambda p: natural_key(p.relative_to(folder).as_posix()))
+def _account(entry: TreeEntry, classes: dict[str, list[Path]], log_: FolderLog) -> None:
+    """One walked entry, counted where it belongs."""
+    status, top_level = entry.status, len(entry.parts) == 1
+    if status == FOLDER:
+        if top_level:
+            classes[entry.parts[0]] = []
+        return
+    log_.files += not entry.is_folder
+    if status == FILE:
+        if top_level:
+            log_.skip("outside_class")
+        elif not is_image_name(entry.path.name):
+            log_.skip("not_image")
+        else:
+            classes[entry.parts[0]].append(entry.path)
+    elif status == CANNOT_OPEN and (entry.is_folder or is_image_name(entry.path.name)):
+        log_.drop(str(entry.path), FileAccessError(CANNOT_OPEN, entry.path, entry.detail))
+    elif status == CANNOT_OPEN:
+        log_.skip("not_image")  # a broken link named notes.txt would not be read anyway
+    else:
+        log_.skip(status)
 
 
 # ---------------------------------------------------------------------------------------------
 # Verifying
 
 
-def _stamp(path: Path) -> tuple[int, int]:
-    st = path.stat()
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None  # gone since the walk: verify says why
     return st.st_size, st.st_mtime_ns
 
 
-def verify_file(path: Path, channels: int) -> ImageDecodeError | None:
-    """A full decode, as the dataset will make it: None if the file is a good image."""
+def verify_file(
+    path: Path, channels: int, max_pixels: int | None = DEFAULT_MAX_PIXELS
+) -> BadFile | None:
+    """The header checked against `max_pixels`, then a full decode, as the dataset will make
+    it: None if the file is a good image, else why not."""
     try:
-        decode(path.read_bytes(), channels)
-    except ImageDecodeError as err:
+        read_image_file(path, channels, max_pixels)
+    except (ImageDecodeError, FileAccessError) as err:
         return err
     return None
+
+
+def _cached_verdict(cached: list) -> BadFile | None:
+    reason, detail = cached[2], cached[3]
+    if reason is None:
+        return None
+    if reason == "too_large":
+        return ImageTooLargeError(detail, cached[4], cached[5], None)
+    return ImageDecodeError(reason, detail)
 
 
 class VerdictCache:
     """Per folder: absolute path -> [size, mtime_ns, reason or None, detail or None], in one
     JSON file under the cache directory (written atomically: parallel runs never see half)."""
 
-    def __init__(self, cache_dir: Path, root: Path):
+    def __init__(self, cache_dir: Path, root: Path, max_pixels: int | None = DEFAULT_MAX_PIXELS):
         digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
         self.path = cache_dir / f"verdicts-{root.resolve().name}-{digest}.json"
         self.tag = f"{VERDICTS_VERSION} torchvision {version('torchvision')} "
-        self.tag += f"pillow {version('pillow')}"
+        self.tag += f"pillow {version('pillow')} max_pixels {max_pixels}"
         self.entries: dict[str, list] = {}
         self.hits = self.checked = 0
         try:
@@ -186,27 +233,33 @@ class VerdictCache:
         except (OSError, ValueError, KeyError):
             pass  # no cache yet, or an unreadable one: verify again
 
-    def verdicts(self, paths: list[Path], check: Callable[[Path], ImageDecodeError | None]):
-        """path -> ImageDecodeError or None, for every path: cached verdicts whose size and
-        mtime still match, the rest checked (in threads: decoders release the GIL)."""
-        out: dict[Path, ImageDecodeError | None] = {}
+    def verdicts(self, paths: list[Path], check: Callable[[Path], BadFile | None]):
+        """path -> why it is a bad file, or None, for every path: cached verdicts whose size
+        and mtime still match, the rest checked (in threads: decoders release the GIL). A
+        file that cannot be opened is not cached (a permission changes no mtime)."""
+        out: dict[Path, BadFile | None] = {}
         todo = []
         for path in paths:
             stamp = _stamp(path)
-            cached = self.entries.get(str(path.resolve()))
-            if cached is not None and tuple(cached[:2]) == stamp:
-                out[path] = None if cached[2] is None else ImageDecodeError(cached[2], cached[3])
+            key = os.path.realpath(path)
+            cached = self.entries.get(key)
+            if stamp is not None and cached is not None and tuple(cached[:2]) == stamp:
+                out[path] = _cached_verdict(cached)
                 self.hits += 1
             else:
-                todo.append((path, stamp))
+                todo.append((path, key, stamp))
         workers = min(len(todo), os.cpu_count() or 1, 8)
         if todo:
             with ThreadPoolExecutor(max(1, workers)) as pool:
                 results = list(pool.map(lambda item: check(item[0]), todo))
-            for (path, stamp), error in zip(todo, results, strict=True):
+            for (path, key, stamp), error in zip(todo, results, strict=True):
                 out[path] = error
-                reason, detail = (None, None) if error is None else (error.reason, error.detail)
-                self.entries[str(path.resolve())] = [*stamp, reason, detail]
+                if stamp is None or (error is not None and error.reason == CANNOT_OPEN):
+                    continue
+                verdict = [None, None] if error is None else [error.reason, error.detail]
+                if isinstance(error, ImageTooLargeError):
+                    verdict += [error.pixels, error.max_pixels]
+                self.entries[key] = [*stamp, *verdict]
             self.checked += len(todo)
         return out
 
@@ -242,6 +295,8 @@ def read_folder(
     bad_rows: str,
     cache_dir: Path | None,
     classes: Iterable[str] | None = None,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    follow_symlinks: bool = True,
 ) -> FolderImages:
     """Every image of `root` (data.<key>) verified and accounted for. `classes`: the training
     classes (val/test folders); a folder naming another class is reported, its images unused.
@@ -250,19 +305,26 @@ def read_folder(
     folder = Path(root)
     log_ = FolderLog(str(folder))
     try:
-        listed = list_classes(folder, log_)
+        listed = list_classes(folder, log_, follow_symlinks)
     except FileNotFoundError:
         raise ImageFolderError(
             f"no such folder: {folder} (data.{key}): give a folder with one subfolder per class"
         ) from None
+    except OSError as err:
+        raise ImageFolderError(
+            f"cannot list {folder}: {err.strerror or err} (data.{key}): give a folder you can read"
+        ) from None
+    if bad_rows == "error" and log_.dropped:
+        reason, shown = next(iter(log_.dropped.items()))
+        raise ImageFolderError(_bad_file_error(shown[0]["path"], reason, shown[0]["detail"]))
     if not listed:
         raise ImageFolderError(
             f"{folder} has no class subfolders (data.{key}): put each class's images in a "
             f"folder of its own, e.g. {folder}/cat/1.jpg"
         )
-    cache = VerdictCache(cache_dir, folder) if cache_dir is not None else None
+    cache = VerdictCache(cache_dir, folder, max_pixels) if cache_dir is not None else None
     candidates = [path for paths in listed.values() for path in paths]
-    check = lambda path: verify_file(path, channels)  # noqa: E731
+    check = lambda path: verify_file(path, channels, max_pixels)  # noqa: E731
     if cache is None:
         verdicts = {path: check(path) for path in candidates}
     else:
@@ -279,11 +341,7 @@ def read_folder(
                 good.append(str(path))
                 continue
             if bad_rows == "error":
-                raise ImageFolderError(
-                    f"{error.reason.replace('_', ' ')} image: {error.detail} ({path}): fix or "
-                    "remove the file, or set data.bad_rows=drop to skip such files (listed in "
-                    "data_report.json)"
-                )
+                raise ImageFolderError(_bad_file_error(str(path), error.reason, error.detail))
             log_.drop(str(path), error)
         unusable = _unusable_class(name, len(good), known)
         if unusable is not None:
@@ -299,6 +357,19 @@ def read_folder(
     if cache is not None:
         images.cache = {"file": str(cache.path), "hits": cache.hits, "checked": cache.checked}
     return images
+
+
+def _bad_file_error(path: str, reason: str, detail: str) -> str:
+    what = "file" if reason == CANNOT_OPEN else "image"
+    fix = "fix or remove the file"
+    if reason == "too_large":
+        fix = "shrink or remove the file, or raise data.max_image_pixels"
+    elif reason == CANNOT_OPEN:
+        fix = "fix its link or permissions, or remove it"
+    return (
+        f"{reason.replace('_', ' ')} {what}: {detail} ({path}): {fix}, or set data.bad_rows=drop "
+        "to skip such files (listed in data_report.json)"
+    )
 
 
 def _unusable_class(name: str, good: int, known: set[str] | None) -> str | None:

@@ -29,9 +29,16 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import UserError
-from kiln.inference.labelled import LabelledInputs, read_labelled_csv, read_labelled_folder
+from kiln.inference.labelled import (
+    FIRST_SKIPPED,
+    LabelledDataError,
+    LabelledInputs,
+    read_labelled_csv,
+    read_labelled_folder,
+)
 from kiln.inference.predictor import Predictor
 from kiln.preprocessing import InputError
+from kiln.preprocessing.image_files import DEFAULT_MAX_PIXELS
 
 log = logging.getLogger(__name__)
 
@@ -274,9 +281,18 @@ def predict_split(
     return np.concatenate(outputs), np.concatenate([np.asarray(t) for t in targets])
 
 
-def predict_labelled(predictor: Predictor, labelled: LabelledInputs, batch_size: int) -> Any:
-    """Raw inputs through `convert` + `run`, in chunks as `infer.py` predict runs them; a bad
-    input is named by its source."""
+def predict_labelled(
+    predictor: Predictor,
+    labelled: LabelledInputs,
+    batch_size: int,
+    max_image_pixels: int | None = DEFAULT_MAX_PIXELS,
+) -> tuple[Any, LabelledInputs]:
+    """(outputs, the inputs they are of). Texts: through `convert` + `run` in chunks as
+    `infer.py` predict runs them, a bad one named by its source. Files: read, decoded and
+    predicted one batch at a time (kiln.inference.stream); one that cannot be opened, is too
+    large or cannot be decoded is left out and reported under `skipped` with its reason."""
+    if labelled.inputs and isinstance(labelled.inputs[0], Path):
+        return _predict_files(predictor, labelled, batch_size, max_image_pixels)
     chunks = []
     for start in range(0, len(labelled.inputs), batch_size):
         try:
@@ -286,7 +302,40 @@ def predict_labelled(predictor: Predictor, labelled: LabelledInputs, batch_size:
         except InputError as err:
             where = labelled.sources[start + err.index] if err.index is not None else "an input"
             raise InputError(f"{where}: {err}", None) from None
-    return np.concatenate(chunks)
+    return np.concatenate(chunks), labelled
+
+
+def _predict_files(predictor, labelled: LabelledInputs, batch_size: int, max_image_pixels):
+    from functools import partial
+
+    from kiln.inference.files import NamedFile, load_file_input
+    from kiln.inference.stream import predict_batches
+
+    files = [NamedFile(path, source) for path, source in zip(labelled.inputs, labelled.sources,
+                                                              strict=True)]  # fmt: skip
+    load = partial(load_file_input, predictor.preprocess, max_image_pixels=max_image_pixels)
+    outputs, kept, failed = [], [], {}
+    for batch in predict_batches(predictor, files, load, batch_size):
+        outputs.append(batch.outputs)
+        kept += batch.good
+        for i, error in batch.errors.items():
+            reason, _, detail = error.partition(": ")
+            failed.setdefault(reason, []).append(f"{labelled.sources[i]}: {detail}")
+    if not kept:
+        raise LabelledDataError(
+            f"none of the {len(files)} inputs could be read: "
+            + "; ".join(f"{len(v)} {k} (e.g. {v[0]})" for k, v in failed.items())
+        )
+    skipped = dict(labelled.skipped)
+    for reason, where in failed.items():
+        skipped[reason] = {"count": len(where), "first": where[:FIRST_SKIPPED]}
+    survivors = LabelledInputs(
+        [labelled.inputs[i] for i in kept],
+        labelled.targets[kept],
+        [labelled.sources[i] for i in kept],
+        skipped=skipped,
+    )
+    return np.concatenate(outputs), survivors
 
 
 def write_report(
@@ -353,6 +402,8 @@ def evaluate_checkpoint(
     device: str = "cpu",
     batch_size: int = 256,
     num_errors: int = DEFAULT_NUM_ERRORS,
+    max_image_pixels: int | None = DEFAULT_MAX_PIXELS,
+    follow_symlinks: bool = True,
 ) -> Report:
     """`python infer.py mode=evaluate`: on a labelled folder or CSV (`data`), else on the
     checkpoint's own recorded data, rebuilt (its test split when it has one, else val)."""
@@ -365,12 +416,10 @@ def evaluate_checkpoint(
         )
         sources = split_sources(sources, described["split"], len(targets))
     else:
-        labelled, described = read_labelled(predictor, Path(data))
-        outputs, targets, sources = (
-            predict_labelled(predictor, labelled, batch_size),
-            labelled.targets,
-            labelled.sources,
-        )
+        labelled, described = read_labelled(predictor, Path(data), follow_symlinks)
+        outputs, labelled = predict_labelled(predictor, labelled, batch_size, max_image_pixels)
+        targets, sources = labelled.targets, labelled.sources
+        described["skipped"] = labelled.skipped
     return write_report(
         predictor, outputs, targets, sources, directory, _about(predictor, described), num_errors
     )
@@ -382,7 +431,9 @@ def default_directory(ckpt: Path) -> Path:
     return (parent.parent if parent.name == "checkpoints" else parent) / EVAL_DIR
 
 
-def read_labelled(predictor: Predictor, path: Path) -> tuple[LabelledInputs, dict[str, Any]]:
+def read_labelled(
+    predictor: Predictor, path: Path, follow_symlinks: bool = True
+) -> tuple[LabelledInputs, dict[str, Any]]:
     kind = predictor.preprocess.input_kind
     names = predictor.class_names
     if kind == "image_list":
@@ -397,7 +448,9 @@ def read_labelled(predictor: Predictor, path: Path) -> tuple[LabelledInputs, dic
                 "subfolder per class, not a file"
             )
         takes_encoded = getattr(predictor.preprocess.recipe, "resize_size", None) is not None
-        labelled = read_labelled_folder(path, names, takes_encoded=takes_encoded)
+        labelled = read_labelled_folder(
+            path, names, takes_encoded=takes_encoded, follow_symlinks=follow_symlinks
+        )
         described = {"path": str(path.resolve()), "layout": "class subfolders"}
     else:
         if path.is_dir() or path.suffix.lower() != ".csv":

@@ -4,10 +4,12 @@ was expected and what arrived."""
 
 from __future__ import annotations
 
-import glob
+import fnmatch
 import logging
 import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,36 +23,57 @@ from kiln.preprocessing import (
     Preprocessor,
     describe_shape,
 )
+from kiln.preprocessing.file_tree import (
+    CANNOT_OPEN,
+    FILE,
+    FOLDER,
+    NOT_REGULAR,
+    FileAccessError,
+    open_regular,
+    os_detail,
+    walk_tree,
+)
+from kiln.preprocessing.image_files import DEFAULT_MAX_PIXELS
+from kiln.sorting import natural_key
 
 log = logging.getLogger(__name__)
 
-IMAGE_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 
-
-def read_inputs(path: str | Path, preprocess: Preprocessor, text_column: str | None = None) -> Any:
+def read_inputs(
+    path: str | Path,
+    preprocess: Preprocessor,
+    text_column: str | None = None,
+    *,
+    follow_symlinks: bool = True,
+) -> Any:
     """Image models: .npy (N, C, H, W) -- or (N, H, W) for one channel -- or a .csv with one
     image per row as C*H*W pixel columns; models trained on image files (data=image_folder) also
-    an image file, a folder of them (recursively) or a glob: named (path, bytes) pairs, see
-    `read_image_files`. Text models: a .csv read as training read its own (the text column and
-    encoding recorded in the checkpoint; `text_column` overrides the column). Detectors: images
-    of any sizes, see `read_images`."""
+    an image file, a folder of them (recursively) or a glob: a FileListing, read file by file
+    when predicted (`load_file_input`). Text models: a .csv read as training read its own (the
+    text column and encoding recorded in the checkpoint; `text_column` overrides the column).
+    Detectors: images of any sizes, see `read_images`."""
     text = str(path)
     path = Path(path)
     if isinstance(preprocess, ImageListPreprocessor):
-        return read_images(path)
+        return read_images(path, follow_symlinks=follow_symlinks)
     files = isinstance(preprocess, ImagePreprocessor) and preprocess.takes_files
-    if files and (path.is_dir() or (not path.exists() and is_glob(text))):
-        return read_image_files(text)
-    if not path.is_file():
+    if files and (path.is_dir() or (not os.path.lexists(path) and is_glob(text))):
+        return list_image_files(text, follow_symlinks=follow_symlinks)
+    if path.is_dir():
+        raise InputError(
+            f"{path} is a folder; this model reads a .npy or .csv file (its data was not read "
+            "from image files)"
+        )
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"input file {path} does not exist")
     suffix = path.suffix.lower()
     if isinstance(preprocess, ImagePreprocessor):
         if suffix == ".npy":
-            return _images_from_npy(path, preprocess)
+            return _images_from_npy(_regular(path), preprocess)
         if suffix == ".csv":
-            return _images_from_csv(path, preprocess)
+            return _images_from_csv(_regular(path), preprocess)
         if files:
-            return read_image_files(text)
+            return list_image_files(text)
         raise InputError(
             f"{path}: this image model reads .npy or .csv files of pixels, not "
             f"{suffix or 'that'} (its data was not read from image files)"
@@ -59,58 +82,149 @@ def read_inputs(path: str | Path, preprocess: Preprocessor, text_column: str | N
     column = text_column or recipe.text_column
     if suffix != ".csv":
         raise InputError(f"{path}: text models read a .csv file with a {column!r} column")
-    return _texts_from_csv(path, column, recipe.encoding)
+    return _texts_from_csv(_regular(path), column, recipe.encoding)
+
+
+def _regular(path: Path) -> Path:
+    """`path` if it is a regular file (so reading it cannot block); InputError if not."""
+    try:
+        open_regular(path).close()
+    except FileAccessError as err:
+        raise InputError(f"{path}: {err.detail}") from None
+    return path
 
 
 def is_glob(text: str) -> bool:
     return any(c in text for c in "*?[")
 
 
-def list_image_files(spec: str) -> tuple[list[Path], int]:
-    """(image files, files skipped) of a file, a folder (recursively: class subfolders are
-    fine) or a glob, in natural order. Hidden files and folders and names without an image
-    extension are skipped (a file named on its own is always read)."""
+@dataclass(frozen=True)
+class NamedFile:
+    """One input file: its path, the name the CSV shows, and (for an entry the walk already
+    knows cannot be read: a dangling link, a FIFO) why not."""
+
+    path: Path
+    source: str  # printable: the bytes of a name that are not UTF-8 escaped (caf\\xe9.jpg)
+    error: str | None = None
+
+
+@dataclass
+class FileListing:
+    """The input files of a folder, a glob or one file, and what was skipped (reason ->
+    count): read one batch at a time when predicted, never all at once."""
+
+    files: list[NamedFile]
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skipped_line(self) -> str:
+        return ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in self.skipped.items())
+
+
+def source_name(path: Path | str) -> str:
+    """A path as text that any UTF-8 writer takes: the bytes of a name that are not UTF-8
+    (which Python holds as surrogates) written as backslash escapes, e.g. caf\\xe9.jpg."""
+    text = str(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(text).decode("utf-8", "backslashreplace")
+    return text
+
+
+def list_image_files(
+    spec: str,
+    *,
+    follow_symlinks: bool = True,
+    is_input: Callable[[str], bool] | None = None,
+    relative_sources: bool = False,
+    max_depth: int | None = None,
+) -> FileListing:
+    """The input files of a file, a folder (recursively: class subfolders are fine) or a glob
+    (`**` for any depth), in natural order, walked by kiln.preprocessing.file_tree (no loop, no
+    hang: a FIFO is never opened, a file reached twice is listed once). An entry named like an
+    input that cannot be read (a dangling link, a FIFO, a folder that cannot be listed) is
+    listed with its error, so it gets a row of its own; hidden files and folders and other
+    names are skipped and counted. A file named on its own is always listed.
+    `is_input(name)`: which names are inputs (default: image extensions); `relative_sources`:
+    sources relative to the folder (else the path as reached)."""
     from kiln.preprocessing.image_files import is_image_name
-    from kiln.sorting import natural_key
 
+    is_input = is_input or is_image_name
     path = Path(spec)
-    if path.is_file():
-        return [path], 0
+    if os.path.lexists(path) and not path.is_dir():
+        return FileListing([NamedFile(path, source_name(path.name if relative_sources else path))])
     if path.is_dir():
-        found, skipped = [], 0
-        for dirpath, dirnames, filenames in os.walk(path, followlinks=True):
-            skipped += sum(d.startswith(".") for d in dirnames)
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            for name in filenames:
-                if is_image_name(name):
-                    found.append(Path(dirpath) / name)
-                else:
-                    skipped += 1
-        order = lambda p: natural_key(p.relative_to(path).as_posix())  # noqa: E731
-        where = f"{path}: no image files in this folder or below"
+        base, pattern, where = path, None, f"{path}: no input files in this folder or below"
     else:
-        matches = [Path(m) for m in glob.glob(spec, recursive=True)]
-        files = [m for m in matches if m.is_file() and not _hidden(m)]
-        found = [m for m in files if is_image_name(m.name)]
-        skipped = len(matches) - len(found)
-        order = lambda p: natural_key(p.as_posix())  # noqa: E731
-        where = f"{spec}: no image files match"
-    if not found:
-        raise InputError(f"{where} ({skipped} other files skipped)")
-    return sorted(found, key=order), skipped
+        base, pattern = _glob_base(spec)
+        where = f"{spec}: no input files match"
+    if pattern is not None and "**" not in pattern:
+        max_depth = len(pattern)
+    try:
+        entries = list(walk_tree(base, follow_symlinks=follow_symlinks, max_depth=max_depth))
+    except FileNotFoundError:
+        entries = []  # a glob below a folder that does not exist matches nothing
+    except OSError as err:
+        raise InputError(f"{base}: cannot list this folder: {os_detail(err)}") from None
+    listing = FileListing([])
+    for entry in entries:
+        if entry.status == FOLDER:
+            continue
+        if pattern is not None and not _glob_match(pattern, entry.parts):
+            continue
+        unreadable_folder = entry.is_folder and entry.status == CANNOT_OPEN
+        if unreadable_folder or (
+            entry.status in (FILE, CANNOT_OPEN, NOT_REGULAR) and is_input(entry.path.name)
+        ):
+            error = None if entry.status == FILE else f"{entry.status}: {entry.detail}"
+            shown = Path(*entry.parts) if relative_sources else entry.path
+            listing.files.append(NamedFile(entry.path, source_name(shown), error))
+        else:
+            reason = "not_input" if entry.status in (FILE, CANNOT_OPEN) else entry.status
+            listing.skipped[reason] = listing.skipped.get(reason, 0) + 1
+    if not listing.files:
+        raise InputError(f"{where} ({sum(listing.skipped.values())} other entries skipped)")
+    listing.files.sort(key=lambda f: natural_key(f.path.relative_to(base).as_posix()))
+    return listing
 
 
-def _hidden(path: Path) -> bool:
-    return any(part.startswith(".") and part not in (".", "..") for part in path.parts)
+def _glob_base(spec: str) -> tuple[Path, tuple[str, ...]]:
+    """The folder a glob starts from (its leading components without wildcards) and the
+    pattern of the rest, one entry per path component."""
+    parts = Path(spec).parts
+    fixed = 0
+    while fixed < len(parts) - 1 and not is_glob(parts[fixed]):
+        fixed += 1
+    return (Path(*parts[:fixed]) if fixed else Path(".")), tuple(parts[fixed:])
 
 
-def read_image_files(spec: str) -> list[tuple[str, bytes]]:
-    """(path, the file's bytes) of every image file `spec` names (see list_image_files); each
-    is decoded by the model's preprocessing, as the training data was."""
-    files, skipped = list_image_files(spec)
-    if skipped:
-        log.info("%s: %d files skipped (hidden, or not image files)", spec, skipped)
-    return [(str(p), p.read_bytes()) for p in files]
+def _glob_match(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    """glob's rules on a walked path: `*`, `?`, `[...]` within one name; `**` any number of
+    folders (none included)."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_glob_match(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
+    if not parts or not fnmatch.fnmatchcase(parts[0], pattern[0]):
+        return False
+    return _glob_match(pattern[1:], parts[1:])
+
+
+def load_file_input(
+    preprocess: Preprocessor, path: Path, max_image_pixels: int | None = DEFAULT_MAX_PIXELS
+) -> Any:
+    """One input file -> the raw item the predictor converts, its bytes freed at once: for a
+    model trained on image files, float32 (C, S, S) in [0, 1] (decoded, eval-transformed);
+    for a detector, float32 (3, H, W) in [0, 1] or a .npy array. Only a regular file is opened
+    and an image's header is checked against `max_image_pixels` first. Raises FileAccessError,
+    ImageDecodeError or InputError."""
+    if path.suffix.lower() == ".npy":
+        return _load_npy(_regular(path))
+    if isinstance(preprocess, ImageListPreprocessor):
+        from kiln.preprocessing.image_files import read_image_file
+
+        return read_image_file(path, 3, max_image_pixels).numpy().astype(np.float32) / 255.0
+    return preprocess.file_loader(max_image_pixels).load_file(path).numpy()
 
 
 def split_named(inputs: Any) -> tuple[list[str] | None, Any]:
@@ -120,44 +234,39 @@ def split_named(inputs: Any) -> tuple[list[str] | None, Any]:
     return None, inputs
 
 
-def read_images(path: Path) -> list[tuple[str, np.ndarray]]:
-    """Images of mixed sizes, named: a folder of image files (.png/.jpg, pixels scaled from
-    0..255 to 0..1) and .npy arrays (C, H, W), sorted by name; a .npz of (C, H, W) arrays (one
-    per key); or a .npy (N, C, H, W) of same-size images."""
+DETECTOR_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".npy")
+
+
+def read_images(path: Path, *, follow_symlinks: bool = True) -> FileListing | list:
+    """Images of mixed sizes: a folder of image files (.png/.jpg/.bmp, pixels scaled from
+    0..255 to 0..1) and .npy arrays (C, H, W), by name (a FileListing, read when predicted);
+    one such file; a .npz of (C, H, W) arrays (one per key); or a .npy (N, C, H, W) of
+    same-size images (named (source, array) pairs)."""
     if path.is_dir():
-        files = sorted(
-            p for p in path.iterdir() if p.suffix.lower() in (*IMAGE_FILE_SUFFIXES, ".npy")
+        return list_image_files(
+            str(path),
+            follow_symlinks=follow_symlinks,
+            is_input=lambda name: Path(name).suffix.lower() in DETECTOR_SUFFIXES,
+            relative_sources=True,
+            max_depth=1,
         )
-        if not files:
-            raise InputError(f"{path}: no image files (.png, .jpg, .npy) in this folder")
-        return [(p.name, _image_file(p)) for p in files]
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"input {path} does not exist (a file or a folder of images)")
     suffix = path.suffix.lower()
     if suffix == ".npz":
-        with np.load(path, allow_pickle=False) as arrays:
+        with np.load(_regular(path), allow_pickle=False) as arrays:
             return [(key, arrays[key]) for key in arrays.files]
     if suffix == ".npy":
-        array = _load_npy(path)
+        array = _load_npy(_regular(path))
         if array.ndim != 4:
             raise InputError(
                 f"{path}: expected an array of shape (N, C, H, W), got "
                 f"{describe_shape(array.shape)}; for images of mixed sizes use a .npz or a folder"
             )
         return [(f"{path.name}[{i}]", image) for i, image in enumerate(array)]
-    if suffix in IMAGE_FILE_SUFFIXES:
-        return [(path.name, _image_file(path))]
+    if suffix in DETECTOR_SUFFIXES:
+        return list_image_files(str(path), relative_sources=True)
     raise InputError(f"{path}: detectors read a folder of images, a .npz or a .npy file")
-
-
-def _image_file(path: Path) -> np.ndarray:
-    if path.suffix.lower() == ".npy":
-        return _load_npy(path)
-    from PIL import Image
-
-    with Image.open(path) as image:
-        pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
-    return pixels.transpose(2, 0, 1)  # (H, W, 3) -> (3, H, W)
 
 
 def _load_npy(path: Path) -> np.ndarray:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import UserError
+from kiln.preprocessing.file_tree import FILE, FOLDER, HIDDEN, TreeEntry, os_detail, walk_tree
 from kiln.preprocessing.image_files import image_extensions
 from kiln.sorting import natural_key
 
@@ -40,7 +41,7 @@ class LabelledDataError(UserError, ValueError):
 class LabelledInputs:
     """Raw inputs (what `Predictor.convert` takes), their class indices and what each one is."""
 
-    inputs: Sequence[Any]
+    inputs: Sequence[Any]  # texts, or the paths of the files (read when predicted)
     targets: np.ndarray  # int64 (N,), indices into the checkpoint's class names
     sources: list[str]  # a file path or "<file> row N", per input
     # reason -> {"count": n, "first": [the first FIRST_SKIPPED sources]}, as data_report.json
@@ -55,80 +56,71 @@ def _skipped(found: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
     }
 
 
-class FileInputs(Sequence[Any]):
-    """Files read when their chunk is predicted, so a large folder is never all in memory:
-    `.npy` as a pixel array, any other file as its encoded bytes."""
-
-    def __init__(self, files: list[Path]):
-        self.files = files
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [_read_file(f) for f in self.files[index]]
-        return _read_file(self.files[index])
-
-
-def _read_file(path: Path) -> Any:
-    return _load_npy(path) if path.suffix.lower() == ".npy" else path.read_bytes()
-
-
 def read_labelled_folder(
-    path: Path, class_names: list[str], *, takes_encoded: bool
+    path: Path, class_names: list[str], *, takes_encoded: bool, follow_symlinks: bool = True
 ) -> LabelledInputs:
-    """<path>/<class>/<file>: image files as bytes, .npy files as arrays, in natural order.
+    """<path>/<class>/<file>: image files and .npy arrays, in natural order, as paths (each read
+    when its batch is predicted: a large folder is never all in memory). Walked by
+    kiln.preprocessing.file_tree: no loop, no hang; FIFOs, links not followed, files reached
+    twice and entries that cannot be opened are skipped, counted and named.
     `takes_encoded`: the model's recipe decodes image files (else only .npy arrays fit)."""
     path = Path(path)
-    folders = sorted(
-        (d for d in path.iterdir() if d.is_dir() and not _hidden(d)),
-        key=lambda d: natural_key(d.name),
-    )
+    try:
+        entries = list(walk_tree(path, follow_symlinks=follow_symlinks))
+    except OSError as err:
+        raise LabelledDataError(f"{path}: cannot list this folder: {os_detail(err)}") from None
+    folders = [e.parts[0] for e in entries if e.status == FOLDER and len(e.parts) == 1]
     if not folders:
         raise LabelledDataError(
             f"{path}: no class subfolders; evaluate reads <folder>/<class name>/<image files> "
             f"with the checkpoint's class names ({_some(class_names)})"
         )
-    _check_classes(path, [d.name for d in folders], class_names)
+    _check_classes(path, folders, class_names)
     suffixes = image_extensions()
     files: list[Path] = []
     targets: list[int] = []
     sources: list[str] = []
     skipped: dict[str, list[str]] = defaultdict(list)
-    skipped["top_level_file"] = [
-        str(f) for f in sorted(path.iterdir()) if f.is_file() and not _hidden(f)
-    ]
-    for target, folder in ((class_names.index(d.name), d) for d in folders):
-        for file in sorted(folder.rglob("*"), key=lambda f: natural_key(str(f))):
-            if not file.is_file():
-                continue
-            suffix = file.suffix.lower()
-            if any(part.startswith(".") for part in file.relative_to(folder).parts):
-                skipped["hidden"].append(str(file))  # .DS_Store, .ipynb_checkpoints/, ...
-                continue
-            if suffix in suffixes and not takes_encoded:
-                raise LabelledDataError(
-                    f"{file}: this checkpoint's model takes pixel arrays, not image files (it "
-                    "was trained on arrays); put .npy arrays (C, H, W) in the class folders"
-                )
-            if suffix != ".npy" and suffix not in suffixes:
-                skipped["not_an_image"].append(str(file))
-                continue
-            files.append(file)
-            targets.append(target)
-            sources.append(str(file))
+    for entry in entries:
+        if entry.status == FOLDER:
+            continue
+        if len(entry.parts) == 1:
+            if entry.status == FILE:
+                skipped["top_level_file"].append(str(entry.path))
+            elif entry.status != HIDDEN:
+                skipped[entry.status].append(_named(entry))
+            continue
+        if entry.status != FILE:
+            skipped[entry.status].append(_named(entry))  # .DS_Store, a FIFO, a dangling link
+            continue
+        suffix = entry.path.suffix.lower()
+        if suffix in suffixes and not takes_encoded:
+            raise LabelledDataError(
+                f"{entry.path}: this checkpoint's model takes pixel arrays, not image files (it "
+                "was trained on arrays); put .npy arrays (C, H, W) in the class folders"
+            )
+        if suffix != ".npy" and suffix not in suffixes:
+            skipped["not_an_image"].append(str(entry.path))
+            continue
+        files.append(entry.path)
+        targets.append(class_names.index(entry.parts[0]))
+        sources.append(str(entry.path))
     if not files:
         raise LabelledDataError(
             f"{path}: no image files (or .npy arrays) in its class subfolders "
-            f"({', '.join(d.name for d in folders)})"
+            f"({', '.join(folders)})"
         )
+    order = sorted(range(len(files)), key=lambda i: (targets[i], natural_key(sources[i])))
     return LabelledInputs(
-        FileInputs(files),
-        np.asarray(targets, dtype=np.int64),
-        sources,
+        [files[i] for i in order],
+        np.asarray([targets[i] for i in order], dtype=np.int64),
+        [sources[i] for i in order],
         skipped=_skipped(skipped),
     )
+
+
+def _named(entry: TreeEntry) -> str:
+    return f"{entry.path}: {entry.detail}" if entry.detail else str(entry.path)
 
 
 def read_labelled_csv(
@@ -201,14 +193,3 @@ def _unknown_rows(unknown: list[tuple[int, str]]) -> str:
 def _some(names: list[str], limit: int = 12) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... {len(names)} in all" if len(names) > limit else "")
-
-
-def _hidden(path: Path) -> bool:
-    return path.name.startswith(".")
-
-
-def _load_npy(path: Path) -> np.ndarray:
-    try:
-        return np.load(path, allow_pickle=False)  # never unpickle user files
-    except ValueError as err:
-        raise LabelledDataError(f"{path}: not a plain numeric .npy array ({err})") from None

@@ -86,6 +86,10 @@ class Predictor:
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
+        if path.is_dir():
+            from kiln.config.infer import checkpoint_folder_message
+
+            raise FileNotFoundError(checkpoint_folder_message(path))
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} does not exist")
         torch_device = resolve_device(device)

@@ -1,15 +1,34 @@
-"""Files a user points at, treated as hostile until bounded: opening only regular files (a FIFO
-named x.jpg would block the reader forever, a device never ends), so every reader of user files
-(the image scan, the loaders, `infer.py`, the evaluation report) opens them here."""
+"""Files and folders a user points at, treated as hostile until bounded, for every reader of user
+files (the image scan and loaders, `infer.py`, the evaluation report, the server's files):
+
+- `open_regular` / `read_regular`: only regular files are opened. A FIFO named x.jpg would block
+  its reader forever and a device never ends: both are refused from their stat().
+- `walk_tree`: a folder's files, walked so that it cannot loop or hang. A symlinked file is
+  followed and read once by its resolved path (a second way to it is a `duplicate`); a symlinked
+  folder is followed only when it does not lead back into the tree (`link_into_tree`: `a/loop
+  -> .` or `-> ..` would walk the tree again and again) and was not walked before; with
+  `follow_symlinks=False` no link is followed (`symlink`). FIFOs, sockets and devices are
+  `not_regular`: counted, never opened. A dangling link, a link loop or a folder that cannot be
+  listed is `cannot_open`: reported with its reason, never a crash."""
 
 from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
+
+from kiln.sorting import natural_key
 
 NOT_REGULAR = "not_regular"  # a FIFO, socket or device: never opened
 CANNOT_OPEN = "cannot_open"  # a dangling link, a link loop, no permission, an I/O error
+HIDDEN = "hidden"  # a name starting with "." (.DS_Store, .ipynb_checkpoints/, ._x.jpg)
+SYMLINK = "symlink"  # a link, not followed (follow_symlinks=False)
+LINK_INTO_TREE = "link_into_tree"  # a folder link leading back into the walked tree
+DUPLICATE = "duplicate"  # a file or folder already reached by another path
+FILE, FOLDER = "file", "folder"  # what walk_tree yields to read, and folders it enters
 
 
 class FileAccessError(OSError):
@@ -82,12 +101,124 @@ def read_regular(path: str | os.PathLike) -> bytes:
             raise FileAccessError(CANNOT_OPEN, path, os_detail(err)) from None
 
 
+@dataclass(frozen=True)
+class TreeEntry:
+    """One entry met by walk_tree. `status`: file (a regular file to read), folder (a folder
+    entered), or why it is not read: hidden, symlink, link_into_tree, duplicate, not_regular
+    (skipped) or cannot_open (a bad entry, `detail` says why)."""
+
+    path: Path  # as reached: the root joined with the names walked (links not resolved)
+    parts: tuple[str, ...]  # the names below the root
+    status: str
+    is_folder: bool = False
+    detail: str = ""
+
+
+def walk_tree(
+    root: str | os.PathLike, *, follow_symlinks: bool = True, max_depth: int | None = None
+) -> Iterator[TreeEntry]:
+    """Every entry under `root` (a folder), depth first, each folder's names in natural order:
+    regular files as `file`, folders entered as `folder` (before their entries), the rest with
+    the reason they are not read (see the module's doc). `max_depth`: enter folders at most
+    this deep (1: the root's entries only; their folders are yielded, not entered).
+    OSError (FileNotFoundError, NotADirectoryError, ...) if the root cannot be listed."""
+    root = Path(root)
+    real_root = os.path.realpath(root)
+    seen_folders, seen_files = {real_root}, set()
+    stack = [(root, (), real_root, _listing(root))]
+    while stack:
+        folder, parts, real_folder, entries = stack[-1]
+        entry = next(entries, None)
+        if entry is None:
+            stack.pop()
+            continue
+        path, names = folder / entry.name, (*parts, entry.name)
+        status, real, detail = _classify(entry, path, real_folder, follow_symlinks)
+        is_folder = status == FOLDER or (status in (HIDDEN, SYMLINK) and _is_dir(entry))
+        if status == FOLDER:
+            if _within(real_root, real) or (entry.is_symlink() and _within(real, real_root)):
+                # a link to the tree's ancestor holds the whole tree; a link inside it reaches
+                # what the walk reaches by its own path
+                status = LINK_INTO_TREE
+            elif real in seen_folders:
+                status = DUPLICATE
+        elif status == FILE:
+            status = DUPLICATE if real in seen_files else FILE
+            seen_files.add(real)
+        if status == FOLDER:
+            seen_folders.add(real)
+        if status != FOLDER or (max_depth is not None and len(names) >= max_depth):
+            yield TreeEntry(path, names, status, is_folder, detail)
+            continue
+        try:
+            listing = _listing(path)
+        except OSError as err:
+            yield TreeEntry(path, names, CANNOT_OPEN, True, f"a folder: {os_detail(err)}")
+            continue
+        yield TreeEntry(path, names, FOLDER, True)
+        stack.append((path, names, real, listing))
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _listing(folder: Path) -> Iterator[os.DirEntry]:
+    """The folder's entries in natural order of their names (read now: errors raise here)."""
+    with os.scandir(folder) as scan:
+        entries = sorted(scan, key=lambda e: natural_key(e.name))
+    return iter(entries)
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _classify(
+    entry: os.DirEntry, path: Path, real_folder: str, follow_symlinks: bool
+) -> tuple[str, str, str]:
+    """(status, resolved path, detail) of one entry, from its directory entry and, for a
+    link, one stat() of its target: nothing is opened."""
+    if entry.name.startswith("."):
+        return HIDDEN, "", ""
+    real = os.path.join(real_folder, entry.name)
+    try:
+        if entry.is_symlink():
+            if not follow_symlinks:
+                return SYMLINK, "", "a symbolic link, not followed (follow_symlinks is off)"
+            try:
+                mode = os.stat(path).st_mode
+            except FileNotFoundError:
+                return CANNOT_OPEN, "", "a dangling symbolic link"
+            real = os.path.realpath(path)
+        else:
+            mode = entry.stat(follow_symlinks=False).st_mode
+    except OSError as err:
+        return CANNOT_OPEN, "", os_detail(err)
+    if stat.S_ISDIR(mode):
+        return FOLDER, real, ""
+    if stat.S_ISREG(mode):
+        return FILE, real, ""
+    return NOT_REGULAR, "", f"{file_kind(mode)}, not a regular file: never opened"
+
+
 __all__ = [
     "CANNOT_OPEN",
+    "DUPLICATE",
+    "FILE",
+    "FOLDER",
+    "HIDDEN",
+    "LINK_INTO_TREE",
     "NOT_REGULAR",
+    "SYMLINK",
     "FileAccessError",
+    "TreeEntry",
     "file_kind",
     "open_regular",
     "os_detail",
     "read_regular",
+    "walk_tree",
 ]

@@ -85,20 +85,24 @@ class ImagePreprocessor:
                 f"{self.expected} (its data was not read from image files)",
                 index,
             )
-        from kiln.preprocessing.image_files import (
-            EncodedImageLoader,
-            ImageDecodeError,
-            ImageTooLargeError,
-        )
+        from kiln.preprocessing.image_files import ImageDecodeError, ImageTooLargeError
 
-        if self._loader is None or self._loader.max_pixels != self.max_image_pixels:
-            self._loader = EncodedImageLoader.for_recipe(self.recipe, self.max_image_pixels)
+        loader = self.file_loader(self.max_image_pixels)
         try:
-            return self._loader(item).numpy()
+            return loader(item).numpy()
         except ImageTooLargeError as err:
             raise InputError(f"item {index}: image too large: {err.detail}", index) from None
         except ImageDecodeError as err:
             raise InputError(f"item {index}: not a readable image ({err})", index) from None
+
+    def file_loader(self, max_image_pixels: int | None):
+        """The decoder + eval transform of this recipe's image files (an EncodedImageLoader),
+        refusing images above `max_image_pixels`; built once per limit."""
+        from kiln.preprocessing.image_files import EncodedImageLoader
+
+        if self._loader is None or self._loader.max_pixels != max_image_pixels:
+            self._loader = EncodedImageLoader.for_recipe(self.recipe, max_image_pixels)
+        return self._loader
 
     def item_array(self, item: Any, index: int) -> np.ndarray:
         """One raw item -> float32 (C, H, W); InputError naming `index` if it does not fit."""

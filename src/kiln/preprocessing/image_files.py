@@ -546,6 +546,11 @@ class EncodedImageLoader:
     def __call__(self, data: bytes | bytearray | memoryview) -> torch.Tensor:
         return to_unit(self.transform(decode(data, self.channels, self.max_pixels)))
 
+    def load_file(self, path: str | os.PathLike) -> torch.Tensor:
+        """The same from a file (read_image_file: a regular file only, its header checked
+        before the rest is read); FileAccessError as well."""
+        return to_unit(self.transform(read_image_file(path, self.channels, self.max_pixels)))
+
     @classmethod
     def for_recipe(
         cls, recipe: Any, max_pixels: int | None = DEFAULT_MAX_PIXELS
