@@ -239,13 +239,6 @@ def validate_server(s: ServerConfig) -> None:
             f"server.max_queue_size={s.max_queue_size}: such a request could never be queued; "
             "raise server.max_queue_size or lower server.max_inputs_per_request"
         )
-    if s.max_inputs_per_request > s.max_decode_queue_size:
-        raise ArgumentError(
-            f"server.max_inputs_per_request={s.max_inputs_per_request} is larger than "
-            f"server.max_decode_queue_size={s.max_decode_queue_size}: a request of that many "
-            "image files could never be queued for decoding; raise server.max_decode_queue_size "
-            "or lower server.max_inputs_per_request"
-        )
     # Every accepted request is answered by its deadline (504 at worst), so a grace longer than
     # the deadline answers every accepted request before the process exits.
     if s.drain_grace_s * 1000 <= s.timeout_ms:
@@ -257,6 +250,17 @@ def validate_server(s: ServerConfig) -> None:
     if not MODEL_NAME_PATTERN.fullmatch(s.model_name):
         raise ArgumentError(
             f"server.model_name={s.model_name!r}: use letters, digits, '_', '.' or '-' only"
+        )
+
+
+def validate_file_server(s: ServerConfig) -> None:
+    """What only a server of a model that takes image files must also hold."""
+    if s.max_inputs_per_request > s.max_decode_queue_size:
+        raise ArgumentError(
+            f"server.max_inputs_per_request={s.max_inputs_per_request} is larger than "
+            f"server.max_decode_queue_size={s.max_decode_queue_size}: a request of that many "
+            "image files could never be queued for decoding; raise server.max_decode_queue_size "
+            "or lower server.max_inputs_per_request"
         )
 
 

@@ -5,6 +5,7 @@ web stack.
     v1.py       kiln's API (/v1/predict, /healthz, /readyz, /metrics)
     v2.py       Open Inference Protocol v2 routes; oip.py its wire format (JSON and binary)
     state.py    admission, body limits, deadlines, clients that leave
+    decoding.py image files decoded off the event loop: a bounded, fair pool of threads
     batcher.py  fair dynamic batching with failure isolation
     server.py   uvicorn with a drain on SIGTERM
     openapi.py  the document of every status and body

@@ -16,7 +16,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from kiln.config.infer import ServerConfig, decode_threads, validate_server
+from kiln.config.infer import (
+    ServerConfig,
+    decode_threads,
+    validate_file_server,
+    validate_server,
+)
 from kiln.inference import Predictor
 from kiln.inference.predictor import join
 from kiln.preprocessing import InputError
@@ -123,6 +128,9 @@ def create_app(predictor: Predictor, config: ServerConfig | None = None, **overr
     the result is validated as `python infer.py mode=serve` would."""
     config = dataclasses.replace(config or ServerConfig(), **overrides)
     validate_server(config)
+    takes_files = getattr(predictor.preprocess, "takes_files", False)
+    if takes_files:
+        validate_file_server(config)
     metrics = ServingMetrics()
     batcher = DynamicBatcher(
         predictor.run,
@@ -153,7 +161,7 @@ def create_app(predictor: Predictor, config: ServerConfig | None = None, **overr
         deadline = time.monotonic() + WARMUP_TIMEOUT_S
         example = predictor.convert([predictor.example_input()])
         await batcher.submit(example, 1, deadline)
-        if getattr(predictor.preprocess, "takes_files", False):
+        if takes_files:
             await warm_decoders(state, deadline)
         # The objects of start-up (torch, the model, the web stack: millions) never become
         # garbage: frozen, the collector stops re-scanning them, which was a pause of tens of
