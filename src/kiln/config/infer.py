@@ -45,7 +45,7 @@ class ServerConfig:
     # from its header before decoding; more pixels than this is a 4xx naming the item. The
     # default is Pillow's MAX_IMAGE_PIXELS (about 0.25 GiB of 24-bit pixels).
     max_image_pixels: int = 89_478_485
-    decode_threads: int = 0  # threads decoding image files off the event loop (0: cores, >= 2)
+    decode_threads: int = 0  # threads decoding image files off the event loop (0: cores, 2..8)
     max_decode_queue_size: int = 4096  # image files waiting for a decode thread; beyond: 503
     model_name: str = "kiln"  # the <name> in /v2/models/<name> (and the Triton model's folder)
 
@@ -264,12 +264,18 @@ def validate_file_server(s: ServerConfig) -> None:
         )
 
 
+# A decode at the default pixel limit holds up to 1.4 GB (Pillow's path; 0.24 GB through
+# torchvision's), and up to threads - 1 large images decode at once.
+DEFAULT_DECODE_THREADS_MAX = 8
+
+
 def decode_threads(setting: int) -> int:
-    """server.decode_threads resolved: 0 means one per core, at least two, so one slow image (a
-    large photo within the pixel limit) never holds every decoder."""
+    """server.decode_threads resolved: 0 means one per core, at least two (so one large image
+    never holds every decoder) and at most DEFAULT_DECODE_THREADS_MAX (memory: up to threads - 1
+    images at server.max_image_pixels decode at once)."""
     import os
 
-    return setting or max(2, os.cpu_count() or 2)
+    return setting or min(DEFAULT_DECODE_THREADS_MAX, max(2, os.cpu_count() or 2))
 
 
 def model_threads(setting: int) -> int:

@@ -8,9 +8,10 @@ bomb costs the microseconds of reading its header.
 
 Threads, not processes, because the decoders let go of the GIL while they decode: a thread
 decoding 3000x3000 JPEGs or PNGs in a loop leaves Python on another thread running at the same
-speed (measured 1.0x, with one intra-op thread as the server runs), and the event loop wakes as
-soon as before. What decoders and the loop compete for is the CPU, which processes would not give
-back -- at the price of a torch import in each and a copy of every decoded image.
+speed (1.0x, with one intra-op thread as the server runs; scripts/measure_decode_gil.py), and
+the event loop wakes as soon as before. What decoders and the loop compete for is the CPU, which
+processes would not give back -- at the price of a torch import in each and a copy of every
+decoded image.
 
 A request's files are one `DecodeJob`. They wait here, not in an executor's queue: each time a
 thread is free, the loop hands it the next file of the waiting job with the fewest files in a
@@ -218,22 +219,29 @@ class DecodePool:
         else:
             image, error, seconds = running.result()
             if image is HANDED_BACK:
-                if not job.finished:  # it waits for a large slot, first among its job's
-                    job.large.append((index, data))
-                    self._queued += 1
-                    if job not in self._jobs:
-                        self._jobs.append(job)
+                self._wait_for_large_slot(job, index, data)
             else:
-                self.seconds_per_file += EMA_WEIGHT * (seconds - self.seconds_per_file)
-                self.metrics.decode_seconds.observe(seconds)
-            if error is not None:
-                self.metrics.bad_image_files.inc()
-                self._drop(job, error)  # the first bad file ends its request
-            elif image is not HANDED_BACK and not job.finished:
-                job.decoded[index] = image
-                if len(job.decoded) == job.count:
-                    job.future.set_result(job.decoded)
+                self._record(job, index, image, error, seconds)
         self._dispatch()
+
+    def _wait_for_large_slot(self, job: DecodeJob, index: int, data: bytes) -> None:
+        if job.finished:
+            return
+        job.large.append((index, data))
+        self._queued += 1
+        if job not in self._jobs:
+            self._jobs.append(job)
+
+    def _record(self, job: DecodeJob, index: int, image, error, seconds: float) -> None:
+        self.seconds_per_file += EMA_WEIGHT * (seconds - self.seconds_per_file)
+        self.metrics.decode_seconds.observe(seconds)
+        if error is not None:
+            self.metrics.bad_image_files.inc()
+            self._drop(job, error)  # the first bad file ends its request
+        elif not job.finished:
+            job.decoded[index] = image
+            if len(job.decoded) == job.count:
+                job.future.set_result(job.decoded)
 
     def _drop(self, job: DecodeJob, error: BaseException) -> None:
         """The job leaves the queue: its files not started never start."""
