@@ -95,6 +95,9 @@ class CsvTextConfig(DataConfig):
     min_rows_per_class: int = 2  # a label in fewer training rows is a suspect, not a class
     max_suspect_labels: int = 0  # more suspect labels stop the run; up to this many are dropped
     max_field_lines: int = 1000  # a quoted field spanning more lines is an unbalanced quote
+    # a record longer than this (a line, or a quoted field's lines) is a bad row, passed over
+    # in pieces, never held whole: one 100 MB field cannot cost gigabytes
+    max_field_bytes: int = 1_048_576
     chunk_rows: int = 100_000  # records read at a time: bounds memory
     cache_dir: str | None = None  # token cache; null: $XDG_CACHE_HOME or ~/.cache, /kiln/text
     tokenizer: Tokenizer = Tokenizer.words  # words | bpe (both split on spaces and punctuation)
@@ -118,6 +121,7 @@ class CsvTextConfig(DataConfig):
         at_least(self.min_rows_per_class, 1, f"{key}.min_rows_per_class")
         at_least(self.max_suspect_labels, 0, f"{key}.max_suspect_labels")
         at_least(self.max_field_lines, 1, f"{key}.max_field_lines")
+        at_least(self.max_field_bytes, 1024, f"{key}.max_field_bytes")
         if self.labels is not None:
             names = [str(label).strip() for label in self.labels]
             if len(set(names)) < 2 or len(set(names)) != len(names) or not all(names):
