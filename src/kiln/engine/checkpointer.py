@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln import checkpoint as files
+from kiln.config.overrides import override
 from kiln.config.run import TrainerConfig
 from kiln.errors import UserError
 
@@ -49,11 +50,11 @@ class Fix:
     def overrides(self, given: list[str]) -> list[str]:
         """`given` with each key of `set` replaced where it stands (else appended)."""
         values, out = dict(self.set), []
-        for override in given:
-            key = override.split("=", 1)[0].lstrip("+~")
+        for typed in given:
+            key = typed.split("=", 1)[0].lstrip("+~")
             if key in self.drop:
                 continue
-            out.append(f"{key}={values.pop(key)}" if key in values else override)
+            out.append(f"{key}={values.pop(key)}" if key in values else typed)
         return out + [f"{key}={value}" for key, value in values.items()]
 
     def fragment(self) -> str:
@@ -71,7 +72,7 @@ class Fix:
         )
         args = self.overrides(given)
         if self.same_run and run_dir is not None:
-            args.append(f"hydra.run.dir={run_dir}")
+            args.append(override("hydra.run.dir", run_dir))
         return " ".join([launcher, *(shlex.quote(a) for a in args)])
 
 
