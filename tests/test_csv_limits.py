@@ -76,3 +76,16 @@ def test_a_utf16_file_read_as_utf8_is_named_with_the_fix(tmp_path, encoding):
     if encoding == "utf-16":  # with its byte-order mark: utf-16 reads it
         texts, _, _ = read_all(path, encoding="utf-16")
         assert texts == ["hello", "bye"]
+
+
+def test_a_fifo_named_like_a_csv_is_refused_without_opening_it(tmp_path):
+    import os
+
+    from kiln.inference.labelled import LabelledDataError, read_labelled_csv
+
+    fifo = tmp_path / "train.csv"
+    os.mkfifo(fifo)
+    with pytest.raises(CsvTextError, match=r"train.csv: a FIFO \(named pipe\), not a regular"):
+        read_all(fifo)  # would block forever if opened
+    with pytest.raises(LabelledDataError, match="not a regular file"):
+        read_labelled_csv(fifo, ["a", "b"], text_column="text", label_column="label")

@@ -523,6 +523,13 @@ class _Records:
 
 
 def _open(path: Path, settings: CsvSettings):
+    if path.exists() and not path.is_file():  # a FIFO would block the reader: never opened
+        from kiln.preprocessing.file_tree import file_kind
+
+        raise CsvTextError(
+            f"{path}: {file_kind(path.stat().st_mode)}, not a regular file (data.train_path / "
+            "data.val_path): give a CSV file"
+        )
     if not path.is_file():
         raise CsvTextError(f"{path}: no such file (set data.train_path / data.val_path)")
     try:
