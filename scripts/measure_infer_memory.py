@@ -1,7 +1,9 @@
 """Peak RSS of `python infer.py` predicting a folder of 1 large JPEG and of many (1,000 by
 default): infer.py streams files (read, decode, predict, write one batch at a time), so its peak
 must not grow with the number of files. Each count runs in a fresh process whose own peak RSS
-(ru_maxrss from wait4) is reported, with the date and the commit, as JSON.
+(ru_maxrss from wait4) is reported, with the date and the commit, as JSON. This process stays
+small (training and the JPEGs are made by children of their own): a child's ru_maxrss starts
+from its parent's resident size (vfork), reported as measurer_rss_mib, a floor.
 
     python scripts/measure_infer_memory.py                      # 1 and 1,000 JPEGs of 4000x3000
     python scripts/measure_infer_memory.py --counts 1 40 1000 --out infer_memory.json
@@ -111,6 +113,12 @@ def commit() -> str:
         return "unknown"
 
 
+def make_jpegs(argv: list[str]) -> None:
+    folder, count, width, height = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
+    for i in range(count):
+        large_jpeg(folder / f"{i}.jpg", i, (width, height))
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--counts", type=int, nargs="+", default=[1, 1000])
@@ -126,7 +134,10 @@ def main(argv=None) -> dict:
         ckpt = train_checkpoint(work)
         (work / "originals").mkdir()
         originals = [work / "originals" / f"{i}.jpg" for i in range(args.distinct)]
-        sizes = [large_jpeg(p, i, tuple(args.side)) for i, p in enumerate(originals)]
+        # made by a child process: this one's resident size stays small (see train_checkpoint)
+        maker = [sys.executable, __file__, "--make", str(work / "originals"), str(args.distinct)]
+        subprocess.run([*maker, *map(str, args.side)], check=True)
+        sizes = [p.stat().st_size for p in originals]
         progress(
             f"{args.distinct} JPEGs of {args.side[0]}x{args.side[1]}, "
             f"{np.mean(sizes) / 2**20:.1f} MiB each"
@@ -175,4 +186,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--make"]:
+        make_jpegs(sys.argv[2:])
+    else:
+        main()

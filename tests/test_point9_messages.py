@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 from PIL import Image
 
 from kiln.data import build_data
 
-from .conftest import compose_config
+from .conftest import compose_config, train_in_process
 
 
 def test_a_channel_of_one_value_is_divided_by_one_and_said(tmp_path, caplog):
@@ -37,3 +45,127 @@ def test_a_channel_of_one_value_is_divided_by_one_and_said(tmp_path, caplog):
     normalize = json.loads(json.dumps(bundle.report["normalize"]))
     assert normalize["flat_channels"] == [1, 2] and normalize["measured_std"][1] < 1e-6
     assert "channel(s) 1, 2 of the training images hold one value" in caplog.text
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_with_a_bogus_profile(pixels: np.ndarray) -> bytes:
+    """A good PNG plus an iCCP chunk libpng warns about ("iCCP: too short") on every decode."""
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    png = buffer.getvalue()
+    profile = _chunk(b"iCCP", b"bogus\x00\x00" + zlib.compress(b"\x00\x00\x01\x00" + bytes(252)))
+    return png[:33] + profile + png[33:]  # after IHDR
+
+
+def png_libpng_rejects(width: int = 16, height: int = 8) -> bytes:
+    """~100 bytes: valid chunks and zlib stream, rows with filter type 9 (none such). libpng
+    errors on it; torchvision 0.29's decode_png then segfaults, decode_image hangs."""
+    rows = b"".join(bytes([9]) + bytes(range(width * 3)) for _ in range(height))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(rows))
+            + _chunk(b"IEND", b""))  # fmt: skip
+
+
+def test_a_png_libpng_rejects_is_an_unreadable_file_not_a_crash(tmp_path):
+    """In a process of its own: before the fix, this decode killed the process (SIGSEGV)."""
+    path = tmp_path / "bad.png"
+    path.write_bytes(png_libpng_rejects())
+    code = (
+        "import sys; from kiln.preprocessing.image_files import read_image_file, "
+        "ImageDecodeError\ntry:\n    read_image_file(sys.argv[1], 3)\n"
+        "except ImageDecodeError as err:\n    print(err.reason)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-500:]}"
+    assert done.stdout.strip() == "unreadable" and "libpng" not in done.stderr
+
+
+def test_no_libpng_warning_is_printed_at_any_epoch_and_a_rejected_png_is_dropped(tmp_path, capfd):
+    for name in ("a", "b"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        for i in range(4):
+            pixels = np.random.default_rng(10 * len(name) + i).integers(0, 256, (12, 12, 3))
+            (tmp_path / "train" / name / f"{i}.png").write_bytes(
+                png_with_a_bogus_profile(pixels.astype(np.uint8))
+            )
+    (tmp_path / "train" / "a" / "bad.png").write_bytes(png_libpng_rejects())
+    run = tmp_path / "run"
+    summary = train_in_process(
+        run, "data=image_folder", f"data.train_dir={tmp_path / 'train'}",
+        f"data.cache_dir={tmp_path / 'cache'}", "data.image_size=8", "model=mlp",
+        "trainer.max_epochs=2", "data.batch_size=2", "data.val_fraction=0.25",
+        "env.progress_bar=false", "logger=none",
+    )  # fmt: skip
+    assert summary["status"] == "ok"
+    printed = capfd.readouterr()
+    assert "libpng" not in printed.err + printed.out  # neither at the scan nor at any epoch
+    report = json.loads((run / "data_report.json").read_text())["train_dir"]
+    (dropped,) = report["dropped"]["unreadable"]["first"]
+    assert Path(dropped["path"]).name == "bad.png" and report["images_kept"] == 8
+
+
+def _small_net(tmp_path):
+    from kiln.checkpoint import atomic_save
+
+    weights = {"0.weight": torch.ones(4, 3), "0.bias": torch.zeros(4)}
+    path = tmp_path / "w.pt"
+    atomic_save({"model": weights}, path)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4)), weights, path
+
+
+def test_init_from_names_nan_weights_int8_weights_and_mismatched_shapes(tmp_path):
+    from kiln.checkpoint import atomic_save
+    from kiln.models.weights import WeightsError, init_from
+
+    model, weights, path = _small_net(tmp_path)
+    assert init_from(model, path).loaded == ["0.weight", "0.bias"]
+    poisoned = {**weights, "0.weight": weights["0.weight"].clone()}
+    poisoned["0.weight"][1, 2] = float("nan")
+    atomic_save({"model": poisoned}, tmp_path / "nan.pt")
+    with pytest.raises(WeightsError, match=r"nan.pt: tensor 0.weight holds 1 NaN or Inf value"):
+        init_from(model, tmp_path / "nan.pt")
+    quantised = {**weights, "0.weight": torch.ones(4, 3, dtype=torch.int8)}
+    atomic_save({"model": quantised}, tmp_path / "int8.pt")
+    with pytest.raises(WeightsError, match=r"1 tensor\(s\) are integers where the model's are "
+                                           r"float32, e.g. 0.weight \(int8\)"):  # fmt: skip
+        init_from(model, tmp_path / "int8.pt")
+    wider = {"0.weight": torch.ones(5, 3), "0.bias": torch.zeros(5)}
+    atomic_save({"model": wider}, tmp_path / "wide.pt")
+    shapes = r"0.weight: \[5, 3\] in the file, \[4, 3\] in the model; 0.bias: \[5\] in the"
+    with pytest.raises(WeightsError, match=shapes):
+        init_from(model, tmp_path / "wide.pt")
+
+
+def test_the_export_sidecar_says_the_graph_takes_standardised_pixels(tmp_path):
+    import onnxruntime
+
+    from kiln.inference import Predictor, export
+
+    run = tmp_path / "run"
+    summary = train_in_process(run, "trainer.max_steps=3", "env.progress_bar=false",
+                               "logger=none")  # fmt: skip
+    assert summary["status"] == "ok"
+    report = export(run / "checkpoints" / "best.pt")
+    sidecar = json.loads(report.onnx_path.with_suffix(".onnx.json").read_text())
+    graph = sidecar["graph_input"]
+    assert "standardised" in graph["holds"] and "NOT raw pixels" in graph["holds"]
+    recipe = sidecar["preprocessing"]
+    low, high = recipe["value_range"]
+    mean, std = recipe["mean"], recipe["std"]
+    ranges = graph["value_range_per_channel"]
+    assert ranges == [[(low - m) / s, (high - m) / s] for m, s in zip(mean, std, strict=True)]
+    predictor = Predictor.from_checkpoint(run / "checkpoints" / "best.pt")
+    raw = np.random.default_rng(0).uniform(low, high, (5, *predictor.preprocess.shape))
+    raw = raw.astype(np.float32)
+    standardised = (raw - np.array(mean, np.float32)[:, None, None]) / np.array(std, np.float32)[
+        :, None, None
+    ]  # as graph_input says
+    session = onnxruntime.InferenceSession(str(report.onnx_path))
+    (probs,) = session.run(["probs"], {graph["name"]: standardised.astype(np.float32)})
+    np.testing.assert_allclose(probs, predictor.predict_probs(raw), atol=1e-4)
+    assert all(lo - 1e-4 <= standardised[:, c].min() and standardised[:, c].max() <= hi + 1e-4
+               for c, (lo, hi) in enumerate(ranges))  # fmt: skip

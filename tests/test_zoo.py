@@ -352,10 +352,11 @@ def test_a_weights_file_is_taken_to_expect_the_arch_default_preprocessing(tmp_pa
     path = tmp_path / "mine.pth"
     path.write_bytes(b"not read")
     found = pretrained_input(zoo_cfg("timm", f"model.weights={path}"))
-    assert found.source == f"file {path} (preprocessing of timm resnet18.a1_in1k)"
+    # the file's name, not its absolute path: the recipe travels in checkpoints and exports
+    assert found.source == "file mine.pth (preprocessing of timm resnet18.a1_in1k)"
     assert (found.crop_pct, found.interpolation) == (0.95, "bicubic")
     found = pretrained_input(zoo_cfg("torchvision", f"model.weights={path}"))
-    assert found.source == f"file {path} (preprocessing of ResNet18_Weights.IMAGENET1K_V1)"
+    assert found.source == "file mine.pth (preprocessing of ResNet18_Weights.IMAGENET1K_V1)"
 
 
 # ---------------------------------------------------------------------------------------------

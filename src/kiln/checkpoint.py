@@ -167,22 +167,75 @@ def load_weights_file(path: Path) -> Any:
 
 
 def _load_weights_only(path: Path, map_location) -> Any:
+    """torch.load(weights_only=True) of the zip archive torch.save writes, or of its legacy
+    (pre-1.6, `_use_new_zipfile_serialization=False`) format, which torch still reads."""
     import torch
 
-    if not zipfile.is_zipfile(path):
-        raise CheckpointError(
-            f"checkpoint {path} is truncated or corrupt, or not a checkpoint at all (it is not "
-            "the zip archive torch.save writes)"
-        )
+    zipped = zipfile.is_zipfile(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
+        if not zipped and not _legacy_magic(path):
+            raise CheckpointError(_not_a_checkpoint(path)) from None
         raise CheckpointError(
             f"refusing {path}: it cannot be loaded with weights_only=True (it holds Python "
             f"objects beyond tensors and plain data, which kiln never unpickles): {err}"
         ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as err:
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as err:
+        if not zipped and not _legacy_magic(path):
+            raise CheckpointError(_not_a_checkpoint(path)) from None
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {err}") from None
+
+
+# A legacy torch.save file starts with a pickled magic number (protocol 2: 0x80 0x02, then
+# the long 0x1950a86a20f9469cfc6c).
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
+
+
+def _legacy_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC
+    except OSError:
+        return False
+
+
+def _not_a_checkpoint(path: Path) -> str:
+    return (
+        f"checkpoint {path} is truncated or corrupt, or not a checkpoint at all (neither the zip "
+        "archive torch.save writes nor its legacy format)"
+    )
+
+
+def unreadable(path: Path) -> str | None:
+    """Why the checkpoint file at `path` cannot be read back (None: it can): every entry of its
+    zip archive checked against its CRC, without unpickling or allocating tensors; a legacy
+    file is loaded."""
+    path = Path(path)
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+            return None if bad is None else f"entry {bad} fails its CRC check"
+        _load_weights_only(path, "cpu")
+    except CheckpointError as err:
+        return str(err)
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def set_aside(path: Path) -> Path:
+    """Rename an unreadable checkpoint out of the way (<name>.corrupt, then .corrupt-2, ...):
+    no run, no `outputs/latest` and no printed command points at it, and its bytes are kept
+    for a look."""
+    path = Path(path)
+    target, n = path.with_name(path.name + ".corrupt"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt-{n}")
+    os.replace(path, target)
+    return target
 
 
 # ---------------------------------------------------------------------- sharded checkpoints
@@ -292,9 +345,10 @@ def load_newest_valid(
     *,
     consolidate: bool = True,
     accept=lambda checkpoint: True,
+    corrupt: list[tuple[Path, str]] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """The newest checkpoint that loads (and that `accept` takes); each unusable one is reported
-    and skipped."""
+    and skipped, and those that do not load are appended to `corrupt` as (path, why)."""
     problems = []
     for path in candidates(checkpoint_dir):
         try:
@@ -302,6 +356,8 @@ def load_newest_valid(
         except CheckpointError as err:
             log.warning("skipping unusable checkpoint: %s", err)
             problems.append(str(err))
+            if corrupt is not None:
+                corrupt.append((path, str(err)))
             continue
         if accept(checkpoint):
             return path, checkpoint

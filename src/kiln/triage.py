@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from kiln.errors import UserError
 from kiln.logging.jsonl import read_jsonl
 from kiln.logging.summary import read_summary
 
@@ -43,16 +44,26 @@ class Run:
 
     @classmethod
     def read(cls, path: Path) -> Run:
-        metrics = read_jsonl(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
-        config = run_config(path)
+        """The run's files, checked to be what train.py writes: a damaged or foreign file
+        (a metrics.jsonl line cut off or without its step, another tool's summary.json) is a
+        TriageError naming it, not a guess built on it."""
+        metrics_file = path / "metrics.jsonl"
+        metrics = read_jsonl(metrics_file) if metrics_file.is_file() else []
+        for number, record in enumerate(metrics, start=1):
+            if not isinstance(record.get("step"), int) or isinstance(record["step"], bool):
+                raise TriageError(
+                    f"{metrics_file}: record {number} has no integer 'step' "
+                    f"({', '.join(list(record)[:6]) or 'no keys'}): not a kiln metrics record; "
+                    "kiln triage reads the run directories train.py writes"
+                )
         stats_file = path / "nan_batch_stats.json"
         return cls(
             path=path,
-            summary=read_summary(path),
+            summary=kiln_summary(path),
             steps=[m for m in metrics if "loss" in m],
             evals=[m for m in metrics if any(k.startswith("val_") for k in m)],
-            config=config or {},
-            batch_stats=json.loads(stats_file.read_text()) if stats_file.is_file() else None,
+            config=run_config(path) or {},
+            batch_stats=_json_object(stats_file) if stats_file.is_file() else None,
         )
 
     def key(self, dotted: str, default: Any = None) -> Any:
@@ -79,11 +90,56 @@ class Run:
         )
 
 
+class TriageError(UserError, ValueError):
+    """A run directory whose files are damaged or not kiln's; the message names the file."""
+
+
+STATUSES = ("ok", "failed", "interrupted", "preempted", "at_chance")
+
+
+def kiln_summary(path: Path) -> dict[str, Any]:
+    """summary.json as train.py writes it (a status, an error string or null); none at all is
+    a run killed before its end (status failed); anything else is a TriageError."""
+    summary_file = path / "summary.json"
+    if not summary_file.is_file():
+        return read_summary(path)
+    summary = _json_object(summary_file)
+    status, error = summary.get("status"), summary.get("error")
+    if status not in STATUSES or not isinstance(error, str | None):
+        raise TriageError(
+            f"{summary_file} is not a kiln run summary (status {status!r}, expected one of "
+            f"{', '.join(STATUSES)}; error {type(error).__name__}): kiln triage reads the run "
+            "directories train.py writes"
+        )
+    return summary
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError) as err:
+        raise TriageError(f"{path} cannot be read as JSON ({err}): is the run damaged?") from None
+    if not isinstance(data, dict):
+        raise TriageError(f"{path} holds a JSON {type(data).__name__}, not kiln's object")
+    return data
+
+
 def run_config(path: Path) -> dict[str, Any]:
     """The run's config: Hydra's copy, or (for runs started in-process) the checkpoint's."""
     config_file = path / ".hydra" / "config.yaml"
     if config_file.is_file():
-        return yaml.safe_load(config_file.read_text()) or {}
+        try:
+            config = yaml.safe_load(config_file.read_text(encoding="utf-8", errors="replace"))
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise TriageError(
+                f"{config_file} cannot be read as YAML ({problem}{where}): is the run damaged?"
+            ) from None
+        if not isinstance(config, dict | None):
+            raise TriageError(f"{config_file} holds a YAML {type(config).__name__}, not a config")
+        return config or {}
     from kiln.checkpoint import CheckpointError, candidates, load_checkpoint
 
     for candidate in candidates(path / "checkpoints"):

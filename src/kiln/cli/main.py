@@ -27,9 +27,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"error: {args.run_dir} is not a run directory (no summary.json)", file=sys.stderr
             )
             return 2
+        from kiln.errors import UserError
         from kiln.triage import report
 
-        print(report(args.run_dir))
+        try:
+            print(report(args.run_dir))
+        except UserError as err:  # damaged or foreign files (TriageError, MetricsFileError)
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         return 0
     from kiln.doctor import main as doctor
 

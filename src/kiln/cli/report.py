@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from kiln.commands import RunCommand, infer, shown
+from kiln.config.overrides import override
 
 log = logging.getLogger("kiln")
 
@@ -131,7 +132,7 @@ def next_commands(run_dir: Path, link: Path | None, command: RunCommand, config:
     if last.is_file():
         lines.append(
             commented(
-                command.train(f"init_from={shown(last)}"),
+                command.train(override("init_from", shown(last))),
                 "train longer: a new run from these weights (new optimizer and schedule)",
             )
         )

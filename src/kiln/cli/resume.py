@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from kiln.checkpoint import candidates
 from kiln.cli.paths import has_override, is_multirun
+from kiln.config.overrides import override
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,17 @@ def run_of_checkpoint(path: Path) -> Path | None:
 
 
 def resume_value(argv: list[str]) -> str | None:
-    found = [a.split("=", 1)[1] for a in argv if has_override([a], "resume")]
-    return found[-1] if found else None
+    """The last resume=... value as Hydra reads it (quotes removed), `~` expanded as in every
+    path key."""
+    import os
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    found = [a for a in argv if has_override([a], "resume")]
+    if not found:
+        return None
+    value = OverridesParser.create().parse_overrides(found[-1:])[0].value()
+    return None if value is None else os.path.expanduser(str(value))
 
 
 def with_resume_run_dir(
@@ -64,7 +74,7 @@ def with_resume_run_dir(
         run_dir = run_of_checkpoint(Path(resume))
         if run_dir is None:  # a checkpoint outside any run: a new run directory
             return argv
-    return [*argv, f"hydra.run.dir={_typed(run_dir)}"]
+    return [*argv, override("hydra.run.dir", _typed(run_dir))]
 
 
 def _typed(run_dir: Path) -> str:

@@ -31,6 +31,7 @@ from kiln.cli.paths import (
 from kiln.cli.resume import with_resume_run_dir
 from kiln.commands import RunCommand
 from kiln.config import load_config, register_configs, to_plain, to_typed
+from kiln.config.overrides import check_grammar
 from kiln.errors import UserError
 from kiln.registry import load_plugins, register_config_dir
 
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = with_env_overrides(with_env_profile(argv))
     try:
+        check_grammar(argv)  # Hydra's parse errors as one line, before anything else
         with_plugins(argv)
         if any(arg in HELP_FLAGS for arg in argv):
             print(help_text(argv))

@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kiln.config.base import ConfigError, check_tree, field_help
+from kiln.config.base import ConfigError, check_tree, expand_user_paths, field_help
 from kiln.config.data import DataConfig
 from kiln.config.model import ModelConfig
 from kiln.config.optim import OptimizerConfig, SchedulerConfig
@@ -89,6 +89,7 @@ def to_typed(cfg: DictConfig) -> KilnConfig:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", "") or ""
         raise ConfigError("invalid value", key, _first_line(err)) from None
+    expand_user_paths(typed)
     check_option_names(typed)
     check_pairing(typed)
     check_tree(typed)

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import os
 import textwrap
 import tokenize
 from dataclasses import fields, is_dataclass
@@ -64,6 +65,20 @@ def check_branch_defaults(schema: type, flags: tuple[str, ...], key: str, option
                 f"make {schema.__name__}.{flag} default to False and switch it on with "
                 f"{key}.{flag}=true where a run wants it",
             )
+
+
+def expand_user_paths(cfg: Any) -> None:
+    """`~` and `~user` expanded in every path key of the tree -- the keys a schema lists in its
+    PATH_KEYS -- as the shell would, once, where the typed config is built: `init_from=~/w.pt`,
+    'data.train_dir="~/photos"' and `resume=~/run/last.pt` mean the same home folder."""
+    if not is_dataclass(cfg):
+        return
+    for key in getattr(type(cfg), "PATH_KEYS", ()):
+        value = getattr(cfg, key)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(cfg, key, os.path.expanduser(value))
+    for f in fields(cfg):
+        expand_user_paths(getattr(cfg, f.name))
 
 
 def check_tree(cfg: Any, path: str = "") -> None:

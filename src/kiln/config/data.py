@@ -6,6 +6,7 @@ import codecs
 import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import ClassVar
 
 from omegaconf import MISSING
 
@@ -82,6 +83,8 @@ class CsvTextConfig(DataConfig):
     tokenized (BPE) into a token cache on disk. A first run on tens of thousands of rows
     is good with these defaults."""
 
+    PATH_KEYS: ClassVar[tuple[str, ...]] = ("train_path", "val_path", "cache_dir")
+
     batch_size: int = 256
     train_path: str | None = None  # the training CSV; null: the bundled demo corpus
     val_path: str | None = None  # a validation CSV; null: split val_fraction off train_path
@@ -95,6 +98,7 @@ class CsvTextConfig(DataConfig):
     min_rows_per_class: int = 2  # a label in fewer training rows is a suspect, not a class
     max_suspect_labels: int = 0  # more suspect labels stop the run; up to this many are dropped
     max_field_lines: int = 1000  # a quoted field spanning more lines is an unbalanced quote
+    max_field_bytes: int = 1_048_576  # a longer record is a bad row, passed over unread
     chunk_rows: int = 100_000  # records read at a time: bounds memory
     cache_dir: str | None = None  # token cache; null: $XDG_CACHE_HOME or ~/.cache, /kiln/text
     tokenizer: Tokenizer = Tokenizer.words  # words | bpe (both split on spaces and punctuation)
@@ -118,6 +122,7 @@ class CsvTextConfig(DataConfig):
         at_least(self.min_rows_per_class, 1, f"{key}.min_rows_per_class")
         at_least(self.max_suspect_labels, 0, f"{key}.max_suspect_labels")
         at_least(self.max_field_lines, 1, f"{key}.max_field_lines")
+        at_least(self.max_field_bytes, 1024, f"{key}.max_field_bytes")
         if self.labels is not None:
             names = [str(label).strip() for label in self.labels]
             if len(set(names)) < 2 or len(set(names)) != len(names) or not all(names):
@@ -185,6 +190,8 @@ class ImageFolderConfig(DataConfig):
     """Your images in class subfolders (torchvision ImageFolder layout): train_dir/<class>/*.jpg,
     decoded and augmented with torchvision (decode_image, transforms v2)."""
 
+    PATH_KEYS: ClassVar[tuple[str, ...]] = ("train_dir", "val_dir", "test_dir", "cache_dir")
+
     batch_size: int = 32
     train_dir: str | None = None  # folder of class subfolders (required)
     val_dir: str | None = None  # same layout; null: a stratified val_fraction of train_dir
@@ -200,11 +207,10 @@ class ImageFolderConfig(DataConfig):
     bad_rows: BadRows = BadRows.drop  # unreadable, empty, truncated, too large files: drop | error
     cache_dir: str | None = None  # file checks and dataset statistics; null: ~/.cache/kiln/images
     # An image whose header asks for more pixels (every frame of an animated one) is dropped as
-    # too_large before it is decoded; Pillow's MAX_IMAGE_PIXELS by default; null: no limit.
-    max_image_pixels: int | None = 89_478_485
-    # Symlinked files are read once (by their resolved path) and symlinked folders walked when
-    # they do not lead back into the folder; false: no link is followed (each one reported).
-    follow_symlinks: bool = True
+    # too_large before it is decoded (Pillow's MAX_IMAGE_PIXELS). Symlinked files are read once
+    # (by resolved path), symlinked folders walked unless they lead back into the folder.
+    max_image_pixels: int | None = 89_478_485  # header pixels above: too_large (null: no limit)
+    follow_symlinks: bool = True  # false: no link is followed (each one is reported)
 
     def check(self, key: str) -> None:
         super().check(key)

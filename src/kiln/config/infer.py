@@ -67,11 +67,11 @@ class InferConfig:
     export_dir: str | None = None  # format=triton: the repository (null: triton/ beside ckpt)
     batch_size: int = 256  # predict: inputs per model call (image files: read per batch too)
     # predict: an input file that cannot be read, is too large or cannot be decoded gets a row
-    # with its error (the others are predicted); true: stop at the first, writing nothing
-    strict: bool = False
-    # predict, evaluate: image files whose header asks for more pixels (every frame of an
-    # animated one) are refused before decoding; Pillow's MAX_IMAGE_PIXELS; null: no limit
-    max_image_pixels: int | None = 89_478_485
+    # with its error (the others are predicted); strict=true stops at the first, writing nothing.
+    # Image files whose header asks for more pixels (every frame of an animated one) are refused
+    # before decoding.
+    strict: bool = False  # predict: stop at the first input that cannot be predicted
+    max_image_pixels: int | None = 89_478_485  # predict, evaluate: header pixels above: refused
     follow_symlinks: bool = True  # predict, evaluate: follow links in input folders (see README)
     server: ServerConfig = field(default_factory=ServerConfig)
 

@@ -133,6 +133,8 @@ class DetectorConfig(ModelConfig):
 class ZooConfig(ClassifierConfig):
     """Options every model-zoo entry has: an architecture of the library and its weights."""
 
+    PATH_KEYS: ClassVar[tuple[str, ...]] = ("weights",)
+
     arch: str = MISSING  # the library's architecture name
     weights: str | None = None  # null (random) | a name or tag | a .pth/.pt/.safetensors file
 

@@ -230,6 +230,8 @@ class Device(StrEnum):
 class KilnConfig:
     """One option of every group plus the run-wide keys."""
 
+    PATH_KEYS: ClassVar[tuple[str, ...]] = ("resume", "init_from", "output_root")
+
     data: DataConfig = MISSING  # the dataset and its loaders (data=<option>)
     model: ModelConfig = MISSING  # the network (model=<option>)
     optimizer: OptimizerConfig = MISSING  # optimizer=<option>

@@ -15,6 +15,9 @@ Rows are numbered from 1 after the header (row 1 is the first record); lines are
 physical lines (the header is line 1), so a quoted field spanning lines moves later rows' lines.
 What counts as a bad record (`BAD_ROW_REASONS`):
 
+- field_too_large: a record (a line, or the lines of one quoted field) longer than
+  data.max_field_bytes: never held in memory whole -- read in pieces and passed over, so one
+  100 MB field costs what one piece does; reading resumes after it;
 - wrong_field_count: more or fewer fields than the header (an unquoted delimiter in a text);
 - empty_row: no text and no label (a blank line, or a row of empty fields);
 - undecodable: bytes that are not valid in data.encoding;
@@ -32,6 +35,7 @@ naming the file, row, line and column."""
 
 from __future__ import annotations
 
+import codecs
 import csv
 import re
 import sys
@@ -44,6 +48,7 @@ from kiln.errors import UserError
 from kiln.preprocessing.cleaning import TextCleaning, clean_text
 
 BAD_ROW_REASONS = (
+    "field_too_large",
     "wrong_field_count",
     "empty_row",
     "undecodable",
@@ -55,7 +60,7 @@ BAD_ROW_REASONS = (
     "suspect_label",
     "unseen_label",
 )
-STRUCTURAL = frozenset({"wrong_field_count", "unbalanced_quote"})  # broken, not just incomplete
+STRUCTURAL = frozenset({"wrong_field_count", "unbalanced_quote", "field_too_large"})
 DELIMITER, QUOTE = ",", '"'
 PREVIEW_CHARS = 60  # of each dropped record, in the report
 
@@ -80,6 +85,7 @@ class CsvSettings:
     cleaning: TextCleaning = TextCleaning()
     max_field_lines: int = 1000  # a quoted field running longer is taken as broken
     labels: frozenset[str] | None = None  # data.labels: the classes, when the user names them
+    max_field_bytes: int = 1 << 20  # a longer record is dropped, read in pieces, never whole
 
 
 @dataclass
@@ -196,19 +202,34 @@ class _Runaway(Exception):
         self.why = why
 
 
+class _TooLong(Exception):
+    """A line (or the lines of one record) past max_field_bytes: the line was read in pieces
+    and passed over; `head` is its beginning, for the report."""
+
+    def __init__(self, line: int, head: str, size: int, limit: int, quotes: int):
+        super().__init__(f"line {line}")
+        self.line, self.head, self.size, self.limit = line, head, size, limit
+        self.quotes = quotes  # quote characters in the line: is a quoted field left open?
+
+
+SKIP_PIECE = 1 << 20  # characters read at a time from a line being passed over
+
+
 class _Lines:
     """The file's physical lines, numbered, as csv.reader pulls them one at a time. The lines
     of the record being parsed are kept (`record`), so a broken record can be read again from
     its second line; `guard` is called whenever the parser asks for one more line of a record
-    (its field runs on), and may stop it by raising _Runaway."""
+    (its field runs on), and may stop it by raising _Runaway. A line -- or a record's lines
+    together -- longer than `max_chars` is never held whole: _TooLong, with the line skipped."""
 
-    def __init__(self, file, first_line: int):
+    def __init__(self, file, first_line: int, max_chars: int = 1 << 20, encoding: str = "utf-8"):
         self._file = file
         self.next_number = first_line
-        self.pushed: deque[tuple[int, str]] = deque()
+        self.pushed: deque[tuple[int, str | _TooLong]] = deque()
         self.record: list[tuple[int, str]] = []
         self.reread_until = 0  # lines up to this one were read again after a broken quote
         self.guard = None
+        self.max_chars, self.encoding = max_chars, encoding
 
     def __iter__(self):
         return self
@@ -219,15 +240,44 @@ class _Lines:
             self.guard(record)
         item = self.pull()
         record.append(item)
+        if len(record) > 1 and sum(len(text) for _, text in record) > self.max_chars:
+            number, text = record.pop()
+            size = sum(len(t) for _, t in record) + len(text)
+            raise _TooLong(number, text[:PREVIEW_CHARS], size, self.max_chars, text.count(QUOTE))
         return item[1]
 
     def pull(self) -> tuple[int, str]:
         if self.pushed:
-            return self.pushed.popleft()
-        text = next(self._file)  # StopIteration at the end of the file
-        item = (self.next_number, text)
+            item = self.pushed.popleft()
+            if isinstance(item[1], _TooLong):
+                raise item[1]
+            return item
+        number = self.next_number
+        text = self._file.readline(self.max_chars + 1)
+        if not text:
+            raise StopIteration  # the end of the file
         self.next_number += 1
-        return item
+        if len(text) > self.max_chars or self._too_many_bytes(text):
+            size, quotes = self._pass_over(text)
+            raise _TooLong(number, text[:PREVIEW_CHARS], size, self.max_chars, quotes)
+        return number, text
+
+    def _too_many_bytes(self, text: str) -> bool:
+        """Characters within the limit may still be more bytes (UTF-8: up to 4 each)."""
+        if len(text) * 4 <= self.max_chars:
+            return False
+        return len(text.encode(self.encoding, "surrogateescape")) > self.max_chars + 2
+
+    def _pass_over(self, text: str) -> tuple[int, int]:
+        """The rest of a too-long line read in pieces and dropped: (its length, the quote
+        characters in it)."""
+        size, quotes = len(text), text.count(QUOTE)
+        while not text.endswith(("\n", "\r")):
+            text = self._file.readline(SKIP_PIECE)
+            if not text:
+                break
+            size, quotes = size + len(text), quotes + text.count(QUOTE)
+        return size, quotes
 
     def push_back(self, items: list[tuple[int, str]]) -> None:
         if items:
@@ -318,6 +368,7 @@ class _Record:
     reread: bool
     broken: str = ""  # what is wrong with a broken record, for its message
     column: int = 0  # broken: the field index the bad quote is in
+    too_long: _TooLong | None = None  # a record past max_field_bytes
 
     @property
     def first_line(self) -> int:
@@ -334,7 +385,7 @@ class _Records:
 
     def __init__(self, file, settings: CsvSettings, path: Path):
         self.settings, self.path = settings, path
-        self.lines = _Lines(file, first_line=1)
+        self.lines = _Lines(file, 1, settings.max_field_bytes, settings.encoding)
         self.reader = csv.reader(self.lines, strict=True)
         try:
             header = next(self.reader)
@@ -342,6 +393,11 @@ class _Records:
             raise CsvTextError(f"{path}: the file is empty; expected a header row") from None
         except csv.Error as err:
             raise CsvTextError(f"{path}: the header row cannot be read as CSV ({err})") from None
+        except _TooLong as long:
+            raise CsvTextError(
+                f"{path}: the header row is longer than data.max_field_bytes={long.limit:,} "
+                f"({long.size:,} characters, starting {preview(long.head)!r}): is this a CSV?"
+            ) from None
         if header and header[0].startswith("\ufeff"):  # a byte-order mark (Excel's UTF-8)
             header[0] = header[0][1:]
         self.columns = header
@@ -383,12 +439,41 @@ class _Records:
             except _Runaway as stop:
                 yield self._broken(row := row + 1, stop.why)
                 continue
+            except _TooLong as long:
+                taken = [*lines.record, (long.line, long.head)]
+                last = self._rest_of_field(long, sum(t.count(QUOTE) for _, t in lines.record))
+                taken += [(last, "")] if last > long.line else []
+                yield _Record(row := row + 1, taken, None, False, "too long", 0, long)
+                continue
             except csv.Error as err:
                 yield self._after_error(row := row + 1, str(err))
                 continue
             record = lines.record
             row += 1
             yield _Record(row, record, fields, record[0][0] <= lines.reread_until)
+
+    def _rest_of_field(self, long: _TooLong, quotes_before: int) -> int:
+        """After a too-long line that leaves a quoted field open (an odd count of quotes in the
+        record so far: doubled quotes come in pairs), the field's remaining lines are passed
+        over too, up to the line that closes it, a line that reads as a row of its own (read
+        again), or max_field_lines; the last line passed over."""
+        open_field = (quotes_before + long.quotes) % 2 == 1
+        last, skipped = long.line, 0
+        while open_field and skipped < self.settings.max_field_lines:
+            try:
+                number, text = self.lines.pull()
+            except StopIteration:
+                break
+            except _TooLong as more:
+                number, text, quotes = more.line, "", more.quotes
+            else:
+                if self._row_like(text):
+                    self.lines.push_back([(number, text)])
+                    break
+                quotes = text.count(QUOTE)
+            last, skipped = number, skipped + 1
+            open_field = open_field != (quotes % 2 == 1)
+        return last
 
     def _broken(self, row: int, why: str) -> _Record:
         """A record broken at its opening quote: its first line only; the rest is read again."""
@@ -417,6 +502,9 @@ class _Records:
                     taken.append(lines.pull())
                 except StopIteration:
                     break
+                except _TooLong as long:  # read again in order, reported in its turn
+                    taken.append((long.line, long))
+                    break
             if used and _opens_a_field(taken[used][1]):  # a record of its own starts here
                 break
             if used > 1 and self._row_like(taken[used - 1][1]):  # the field ran past a row
@@ -435,15 +523,50 @@ class _Records:
 
 
 def _open(path: Path, settings: CsvSettings):
+    if path.exists() and not path.is_file():  # a FIFO would block the reader: never opened
+        from kiln.preprocessing.file_tree import file_kind
+
+        raise CsvTextError(
+            f"{path}: {file_kind(path.stat().st_mode)}, not a regular file (data.train_path / "
+            "data.val_path): give a CSV file"
+        )
     if not path.is_file():
         raise CsvTextError(f"{path}: no such file (set data.train_path / data.val_path)")
     try:
-        return path.open(encoding=settings.encoding, errors="surrogateescape", newline="")
+        codecs.lookup(settings.encoding)
     except LookupError:
         raise CsvTextError(
             f"{path}: unknown encoding {settings.encoding!r} (data.encoding); "
             "use a Python codec name such as utf-8, latin-1 or cp1252"
         ) from None
+    wide = wide_encoding(path)
+    if wide is not None and not codecs.lookup(settings.encoding).name.startswith(wide[:6]):
+        raise CsvTextError(encoding_mismatch(path, wide, settings.encoding, "data.encoding"))
+    return path.open(encoding=settings.encoding, errors="surrogateescape", newline="")
+
+
+def wide_encoding(path: Path) -> str | None:
+    """ "utf-16" or "utf-32" when a file's first bytes say so (a byte-order mark, or the zero
+    bytes every other byte of ASCII text has in UTF-16); None otherwise. A file in a wide
+    encoding read as UTF-8 has no column a user named: this says why."""
+    with path.open("rb") as file:
+        head = file.read(4096)
+    if head.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
+        return "utf-32"
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "utf-16"
+    sample = head[: len(head) // 2 * 2]
+    if len(sample) >= 8 and (sample[1::2].count(0) > 0.8 * len(sample) / 2
+                             or sample[0::2].count(0) > 0.8 * len(sample) / 2):  # fmt: skip
+        return "utf-16"
+    return None
+
+
+def encoding_mismatch(path: Path, wide: str, encoding: str, key: str) -> str:
+    return (
+        f"{path}: the file is {wide.upper()} (its first bytes say so) but is read as {encoding} "
+        f"({key}): set {key}={wide}"
+    )
 
 
 def _check_columns(path: Path, columns: list[str], settings: CsvSettings) -> None:
@@ -479,6 +602,15 @@ class _Checker:
     def problem(self, record: _Record):
         """(reason, column, what is wrong) of a record's first problem, or None."""
         s, fields = self.settings, record.fields
+        if record.too_long is not None:
+            long = record.too_long
+            return (
+                "field_too_large",
+                None,
+                f"is longer than data.max_field_bytes={long.limit:,} (line {long.line}: "
+                f"{long.size:,} characters); it was passed over unread, reading resumes after "
+                f"line {record.last_line} (raise data.max_field_bytes to read such texts)",
+            )
         if fields is None:
             column = self.columns[record.column] if record.column < self.width else None
             where = f" in column {column!r}" if column else ""

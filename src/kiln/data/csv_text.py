@@ -95,6 +95,7 @@ def csv_settings(cfg: CsvTextConfig) -> CsvSettings:
         chunk_rows=cfg.chunk_rows,
         cleaning=cleaning_of(cfg),
         max_field_lines=cfg.max_field_lines,
+        max_field_bytes=cfg.max_field_bytes,
         labels=None if cfg.labels is None else frozenset(str(x).strip() for x in cfg.labels),
     )
 
@@ -515,6 +516,7 @@ def _key_inputs(cfg: CsvTextConfig) -> dict:
         "min_rows_per_class": cfg.min_rows_per_class,
         "max_suspect_labels": cfg.max_suspect_labels,
         "max_field_lines": cfg.max_field_lines,
+        "max_field_bytes": cfg.max_field_bytes,
         "cleaning": settings.cleaning.to_dict(),
         "tokenizer": str(cfg.tokenizer),
         "vocab_size": cfg.vocab_size,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln import checkpoint as files
+from kiln.config.overrides import override
 from kiln.config.run import TrainerConfig
 from kiln.errors import UserError
 
@@ -49,11 +50,11 @@ class Fix:
     def overrides(self, given: list[str]) -> list[str]:
         """`given` with each key of `set` replaced where it stands (else appended)."""
         values, out = dict(self.set), []
-        for override in given:
-            key = override.split("=", 1)[0].lstrip("+~")
+        for typed in given:
+            key = typed.split("=", 1)[0].lstrip("+~")
             if key in self.drop:
                 continue
-            out.append(f"{key}={values.pop(key)}" if key in values else override)
+            out.append(f"{key}={values.pop(key)}" if key in values else typed)
         return out + [f"{key}={value}" for key, value in values.items()]
 
     def fragment(self) -> str:
@@ -71,7 +72,7 @@ class Fix:
         )
         args = self.overrides(given)
         if self.same_run and run_dir is not None:
-            args.append(f"hydra.run.dir={run_dir}")
+            args.append(override("hydra.run.dir", run_dir))
         return " ".join([launcher, *(shlex.quote(a) for a in args)])
 
 
@@ -232,6 +233,7 @@ class Checkpointer:
         # DCP's sharded writes are collective: those stay on the training thread.
         self.writer = BackgroundWriter() if background and sharded is None and is_main else None
         self._last: tuple[dict, bytes | dict, Path] | None = None  # (state, snapshot, file)
+        self.best_set_aside = False  # resume found best.pt unreadable and moved it aside
 
     def save(self, name: str, state: dict) -> None:
         path = self.directory / name
@@ -252,6 +254,20 @@ class Checkpointer:
             job()
         else:
             self.writer.submit(job)
+
+    def check_pointed_files(self) -> None:
+        """At the end of a run: last.pt and best.pt, what the run points to, read back (their
+        CRCs); CheckpointError naming one that cannot be, so the run does not end ok."""
+        if not self.is_main or self.sharded is not None:
+            return
+        for name in ("last.pt", "best.pt"):
+            path = self.directory / name
+            problem = files.unreadable(path) if path.is_file() else None
+            if problem is not None:
+                raise files.CheckpointError(
+                    f"{path} cannot be read back at the end of the run ({problem}); the run's "
+                    "other checkpoints are listed in its checkpoints/ folder"
+                )
 
     def flush(self) -> None:
         """Waits for the background writes; raises one that failed (a full disk...)."""
@@ -331,6 +347,32 @@ class Checkpointer:
             self.save(f"epoch-{state.epoch}.pt", snapshot)
             self.prune()
 
+    def set_aside_unreadable(self, corrupt: list[tuple[Path, str]], resumed_from: Path) -> None:
+        """last.pt and best.pt of this run that cannot be read (found so while looking for a
+        checkpoint, or checked here: best.pt comes last in that search) are renamed
+        <name>.corrupt, said, and remembered (`best_set_aside`: the next evaluation writes a
+        best.pt again); other unreadable files (epoch-N.pt) are only reported."""
+        found = {Path(p).name: why for p, why in corrupt}
+        best = self.directory / "best.pt"
+        if "best.pt" not in found and best.is_file() and best.resolve() != resumed_from.resolve():
+            problem = files.unreadable(best)
+            if problem is not None:
+                found["best.pt"] = problem
+        for name in ("last.pt", "best.pt"):
+            if name not in found:
+                continue
+            path = self.directory / name
+            if self.is_main and path.is_file():
+                aside = files.set_aside(path)
+                why = found[name].replace(f"checkpoint {path} ", "").replace(f"{path} ", "")
+                log.warning(
+                    "%s cannot be read (%s): moved aside to %s, so nothing points at it; %s",
+                    path, why, aside.name,
+                    "the next evaluation writes a new best.pt" if name == "best.pt"
+                    else "the next save writes a new last.pt",
+                )  # fmt: skip
+            self.best_set_aside |= name == "best.pt"
+
     def adopt_best(self, source: Path, state) -> None:
         """A run resumed into a new directory keeps what a run has: the best.pt beside the
         checkpoint it resumed when that best.pt is from no later than the resumed step (so it
@@ -338,7 +380,11 @@ class Checkpointer:
         theirs = Path(source).parent / "best.pt"
         best = None
         if self.sharded is None and theirs.is_file():  # a sharded best.pt names its own folder
-            best = files.load_checkpoint(theirs, consolidate=False)
+            try:
+                best = files.load_checkpoint(theirs, consolidate=False)
+            except files.CheckpointError as err:
+                log.warning("not copying %s into %s: %s", theirs, self.directory, err)
+                best = {}
             if best.get("state", {}).get("global_step", math.inf) > state.global_step:
                 best = None  # from a later point of the original run: not this run's past
         if best is None:
@@ -351,14 +397,23 @@ class Checkpointer:
 
     def resume_source(self, resume: str | None) -> tuple[Path, dict] | None:
         """(path, checkpoint) to continue from: resume=auto takes the newest valid file in this
-        run's checkpoints/ (None when there is none yet); a path takes that file."""
+        run's checkpoints/ (None when there is none yet); a path takes that file. Whatever the
+        run will point to and cannot be read (last.pt, best.pt: `outputs/latest`, the printed
+        commands) is set aside first (`set_aside_unreadable`)."""
         if resume is None:
             return None
         if resume == "auto":
             if not files.candidates(self.directory):
                 log.info("resume=auto: no checkpoint in %s, starting fresh", self.directory)
                 return None
-            return files.load_newest_valid(self.directory, consolidate=False, accept=resumable)
+            corrupt: list[tuple[Path, str]] = []
+            found = files.load_newest_valid(
+                self.directory, consolidate=False, accept=resumable, corrupt=corrupt
+            )
+            self.set_aside_unreadable(corrupt, resumed_from=found[0])
+            return found
+        if Path(resume).resolve().parent == self.directory.resolve():
+            self.set_aside_unreadable([], resumed_from=Path(resume))
         checkpoint = files.load_checkpoint(Path(resume), consolidate=False)
         if not resumable(checkpoint):
             raise ResumeError(

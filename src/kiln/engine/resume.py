@@ -16,10 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kiln.config.overrides import override_value
 from kiln.engine.checkpointer import Fix, ResumeError
 
 log = logging.getLogger(__name__)
@@ -291,18 +291,6 @@ GROUP_OPTIONS = ("data", "model", "optimizer", "scheduler", "precision", "traine
                  "env", "debug")  # fmt: skip
 
 
-def override_value(value: Any) -> str:
-    """A value as Hydra's override grammar writes it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list | tuple):
-        return "[" + ",".join(override_value(v) for v in value) + "]"
-    text = str(value)
-    return text if re.fullmatch(r"[\w./:+-]+", text) else "'" + text.replace("'", "\\'") + "'"
-
-
 def _as_saved(found: list[Difference], judgement: Judgement) -> Fix | None:
     """Every changed key back to the checkpoint's value (and the ranks it ran on)."""
     keys = [d for d in found if d.key != RANKS and d.saved != "<absent>"]
@@ -342,7 +330,13 @@ def incompatible_fixes(judgement: Judgement, source: str) -> list[Fix]:
         fixes.append(Fix("for a new run", drop=new_run, same_run=False))
     else:  # init_from: the weights only, a new run (schedule, optimizer and steps start anew)
         fixes.append(
-            Fix("for a new run from these weights", (("init_from", source),), new_run, None, False)
+            Fix(
+                "for a new run from these weights",
+                (("init_from", override_value(source)),),
+                new_run,
+                None,
+                False,
+            )  # fmt: skip
         )
     return fixes
 

@@ -320,6 +320,8 @@ def resume_if_asked(trainer: Trainer, cfg: KilnConfig) -> Path | None:
     trainer.load_state_dict(checkpoint)
     if path.resolve().parent != trainer.checkpointer.directory.resolve():
         trainer.checkpointer.adopt_best(path, trainer.state)  # resumed into a new directory
+    elif trainer.checkpointer.best_set_aside:
+        trainer.state.best_metric = None  # the next evaluation writes best.pt again
     if any(d.key.startswith(("optimizer.", "scheduler.")) for d in judgement.changes):
         apply_hyperparameters(trainer.optimizer, cfg.optimizer)
         trainer.scheduler = schedule_at(
@@ -469,6 +471,7 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
         if resumed is not None:
             recorder.carry_on(run_of(resumed) / "metrics.jsonl", trainer.state.global_step)
         final = trainer.fit()
+        trainer.checkpointer.check_pointed_files()  # no run ends ok pointing at a bad file
         summary = summarize(trainer, final, status="ok", error=None)
         summary.update(report_test_split(trainer, cfg, run_dir, device))
         if cfg.trainer.overfit_batches:

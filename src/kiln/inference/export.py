@@ -301,9 +301,41 @@ def declare_output_dims(onnx_path: Path, output_dims: dict[str, tuple[int, ...]]
 
 
 def write_sidecar(record: ModelRecord, onnx_path: Path) -> Path:
+    """model.onnx.json: the record kiln reads back (its `preprocessing` is what kiln does to raw
+    inputs, `value_range` the raw pixels'), and `graph_input`: what the graph itself takes, for
+    anyone feeding it without kiln."""
     path = sidecar_path(onnx_path)
-    path.write_text(json.dumps(record.to_json(), indent=1) + "\n")
+    path.write_text(json.dumps({"graph_input": graph_input(record), **record.to_json()},
+                               indent=1) + "\n")  # fmt: skip
     return path
+
+
+def graph_input(record: ModelRecord) -> dict[str, Any]:
+    """The graph's input as it must arrive: name, dtype, shape and the range of its values. An
+    image classifier's graph takes standardised pixels ((pixel - mean) / std per channel), so
+    its range is the raw range standardised, per channel -- not the raw pixels' range."""
+    spec, recipe = record.spec, record.recipe
+    if spec.input_kind == "tokens":
+        return {"name": ONNX_INPUT, "dtype": "int64", "shape": ["batch", "sequence"],
+                "holds": "token ids of the recipe's tokenizer, padded with pad_id",
+                "value_range": [0, spec.vocab_size - 1]}  # fmt: skip
+    low, high = recipe.value_range or (None, None)
+    if spec.input_kind == "image_list":
+        return {"name": ONNX_INPUT, "dtype": "float32", "shape": ["batch", 3, "height", "width"],
+                "holds": "raw pixels (the graph resizes and normalises them itself)",
+                "value_range": [low, high]}  # fmt: skip
+    channels = [
+        [None if low is None else (low - m) / s, None if high is None else (high - m) / s]
+        for m, s in zip(recipe.mean, recipe.std, strict=True)
+    ]
+    return {
+        "name": ONNX_INPUT,
+        "dtype": "float32",
+        "shape": ["batch", spec.channels, *spec.image_size],
+        "holds": "standardised pixels: (pixel - preprocessing.mean[c]) / preprocessing.std[c], "
+        "for pixels in preprocessing.value_range; NOT raw pixels",
+        "value_range_per_channel": channels,
+    }
 
 
 @torch.inference_mode()

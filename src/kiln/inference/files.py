@@ -309,6 +309,14 @@ def _texts_from_csv(path: Path, text_column: str, encoding: str) -> list[str]:
     try:
         frame = pd.read_csv(path, dtype=str, keep_default_na=False, encoding=encoding)
     except UnicodeDecodeError as err:
+        from kiln.data.csv_reader import wide_encoding
+
+        wide = wide_encoding(path)
+        if wide is not None:
+            raise InputError(
+                f"{path}: the file is {wide.upper()} (its first bytes say so), but this model "
+                f"reads {encoding} (the training data's encoding): save it as {encoding}"
+            ) from None
         raise InputError(
             f"{path}: not valid {encoding} (the training data's encoding) at byte {err.start}"
         ) from None

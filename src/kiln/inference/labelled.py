@@ -131,6 +131,8 @@ def read_labelled_csv(
     import pandas as pd
 
     path = Path(path)
+    if not path.is_file():  # a FIFO named x.csv would block pandas: never opened
+        raise LabelledDataError(f"{path}: not a regular file; evaluate reads a .csv file")
     try:
         frame = pd.read_csv(path, dtype=str, keep_default_na=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:

@@ -54,6 +54,7 @@ class ModelRecord:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ModelRecord:
         fields = dict(d)
+        fields.pop("graph_input", None)  # for readers without kiln (export.graph_input)
         spec = DataSpec.from_dict(fields.pop("data_spec"))
         recipe = recipe_from_dict(fields.pop("preprocessing"))
         return cls(spec=spec, recipe=recipe, **fields)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import disk_full, is_disk_full
+from kiln.errors import UserError, disk_full, is_disk_full
 
 _NON_FINITE_TO_TEXT = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 _TEXT_TO_NON_FINITE = {text: float(name) for name, text in _NON_FINITE_TO_TEXT.items()}
@@ -40,6 +40,18 @@ def to_jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _ends_mid_line(path: Path) -> bool:
+    try:
+        with path.open("rb") as file:
+            file.seek(0, 2)
+            if file.tell() == 0:
+                return False
+            file.seek(-1, 2)
+            return file.read(1) != b"\n"
+    except OSError:
+        return False
+
+
 class JsonlWriter:
     """Appends one JSON object per `write` call to `path` (created with its parent directory).
 
@@ -49,7 +61,10 @@ class JsonlWriter:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        cut = _ends_mid_line(self.path)
         self._file = self.path.open("a", encoding="utf-8")
+        if cut:  # a killed run's last line, cut off: the next record starts a line of its own
+            self._file.write("\n")
 
     def write(self, record: Mapping[str, Any]) -> None:
         try:  # plain numbers and strings, every float finite: as they are (a log line's case)
@@ -85,12 +100,35 @@ def _restore_non_finite(value: Any) -> Any:
     return value
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Every record in a metrics.jsonl; "NaN", "Infinity" and "-Infinity" become floats again."""
+class MetricsFileError(UserError, ValueError):
+    """A metrics.jsonl line that is not a JSON object (cut off by a kill, or not kiln's)."""
+
+
+def read_jsonl(path: str | Path, *, damaged: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every record in a metrics.jsonl; "NaN", "Infinity" and "-Infinity" become floats again.
+    A line that is not a JSON object -- the last line of a killed run, cut mid-record, or a line
+    another tool wrote -- is a MetricsFileError naming the file and the line; with `damaged` (a
+    list) it is skipped and described there instead."""
     records = []
-    with Path(path).open(encoding="utf-8") as file:
-        for line in file:
-            if line.strip():
+    path = Path(path)
+    with path.open(encoding="utf-8", errors="replace") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
                 record = json.loads(line)
-                records.append({key: _restore_non_finite(v) for key, v in record.items()})
+            except ValueError as err:
+                cut = "" if line.endswith("\n") else ", cut off mid-record (a killed run leaves so)"
+                problem = f"line {number} is not JSON ({err.msg}{cut})"
+            else:
+                if isinstance(record, dict):
+                    records.append({key: _restore_non_finite(v) for key, v in record.items()})
+                    continue
+                problem = f"line {number} is a JSON {type(record).__name__}, not an object"
+            if damaged is None:
+                raise MetricsFileError(
+                    f"{path}: {problem}: kiln's metrics.jsonl holds one JSON object per line; "
+                    f"delete that line to read the rest"
+                )
+            damaged.append(problem)
     return records

@@ -48,8 +48,12 @@ class RunRecorder:
         from kiln.logging.jsonl import read_jsonl
 
         if metrics_file.is_file():
-            earlier = [m for m in read_jsonl(metrics_file) if m.get("step", 0) <= step]
-            self.history[:0] = earlier
+            damaged: list[str] = []
+            records = read_jsonl(metrics_file, damaged=damaged)
+            for problem in damaged:  # a killed run's last line, cut off: its curves do without
+                log.warning("%s: %s; left out of the curves", metrics_file, problem)
+            step_of = lambda m: m.get("step") if isinstance(m.get("step"), int) else 0  # noqa: E731
+            self.history[:0] = [m for m in records if step_of(m) <= step]
 
     def __call__(self, metrics: dict, step: int) -> None:
         if self.activations is not None and "loss" in metrics:

@@ -111,6 +111,7 @@ def load_matching(
     parameters stay the same objects); report the rest. Nothing matched is an error."""
     own = model.state_dict()
     state_dict = in_model_keys(model, state_dict, own)
+    check_values(state_dict, own, source)
     match = WeightMatch(source)
     for key, value in state_dict.items():
         if key not in own:
@@ -123,6 +124,15 @@ def load_matching(
     seen = set(state_dict)
     match.missing = [k for k in own if k not in seen]
     if not match.loaded:
+        if match.mismatched:  # the names match: say the shapes
+            shapes = "; ".join(f"{k}: {list(f)} in the file, {list(m)} in the model"
+                               for k, f, m in match.mismatched[:4])  # fmt: skip
+            more = f"; ... {len(match.mismatched)} in all" if len(match.mismatched) > 4 else ""
+            raise WeightsError(
+                f"{source}: every tensor the model shares a name with has another shape "
+                f"({shapes}{more}): init_from needs weights of the same architecture and size "
+                "(model.* as the run that saved them)"
+            )
         close = ", ".join(list(state_dict)[:3])
         raise WeightsError(
             f"{source}: no tensor matches the model by name and shape (the file has "
@@ -130,6 +140,32 @@ def load_matching(
             "of the same architecture"
         )
     return match
+
+
+def check_values(state_dict: dict[str, torch.Tensor], own: dict, source: str) -> None:
+    """Refuse what loading would change silently: NaN or Inf weights (else the run fails at
+    step 1 with `loss NaN`, the file unnamed), and integer tensors where the model has floating
+    ones (quantised weights: a cast would keep the integers and lose their scale)."""
+    cast = [
+        (k, v.dtype, own[k].dtype)
+        for k, v in state_dict.items()
+        if k in own and own[k].is_floating_point() and not v.is_floating_point()
+    ]
+    if cast:
+        shown = ", ".join(f"{k} ({str(f).removeprefix('torch.')})" for k, f, _ in cast[:4])
+        raise WeightsError(
+            f"{source}: {len(cast)} tensor(s) are integers where the model's are "
+            f"{str(cast[0][2]).removeprefix('torch.')}, e.g. {shown}: quantised weights, which "
+            "a cast would not de-quantise; give the floating-point weights they came from"
+        )
+    for key, value in state_dict.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise WeightsError(
+                f"{source}: tensor {key} holds {bad} NaN or Inf value(s) of {value.numel()}: "
+                "the run would fail at its first step; give weights from a run that did not "
+                "diverge (its best.pt, or an earlier epoch-N.pt)"
+            )
 
 
 def in_model_keys(model: nn.Module, state_dict: dict, own: dict) -> dict:

@@ -255,7 +255,7 @@ def resolve_torchvision_weights(cfg: TorchvisionConfig) -> TorchvisionWeights | 
         return None
     if is_weight_file(cfg.weights):
         path = weight_file(cfg.weights)
-        return TorchvisionWeights(f"file {path}", path)
+        return TorchvisionWeights(f"file {path.name}", path)  # the name: no absolute path kept
     named = torchvision_weights(cfg.arch, cfg.weights)
     return TorchvisionWeights(f"torchvision {named!r}", torchvision_cached_file(named), named)
 
@@ -644,7 +644,7 @@ def resolve_timm_weights(cfg: TimmConfig) -> TimmWeights | None:
         return None
     if is_weight_file(cfg.weights):
         path = weight_file(cfg.weights)
-        return TimmWeights(f"file {path}", path, cfg.arch, from_file=True)
+        return TimmWeights(f"file {path.name}", path, cfg.arch, from_file=True)
     name = timm_tag(cfg.arch, cfg.weights)
     return TimmWeights(f"timm {name}", timm_cached_file(name), name)
 

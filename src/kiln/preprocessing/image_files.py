@@ -2,8 +2,9 @@
 decoding and the eval transform that the image-folder dataset, `infer.py` and the server share,
 so a photo is prepared the same way everywhere (one function, not three copies of it).
 
-Decoding: `torchvision.io.decode_image` for the formats it reads (JPEG, PNG, GIF, WEBP), Pillow
-for the rest (BMP, TIFF, ...). Every image comes out uint8 (C, H, W) with C = `channels`:
+Decoding: `torchvision.io.decode_image` for JPEG and still WEBP, Pillow for the rest (PNG, GIF,
+BMP, TIFF, ...; see _TORCHVISION_FORMATS for why not PNG). Every image comes out uint8 (C, H, W)
+with C = `channels`:
 grayscale is repeated to RGB, palette images expanded, an alpha channel dropped (not composited:
 as PIL's convert("RGB") and torchvision's ImageFolder do), CMYK converted, 16-bit PNG/TIFF scaled
 to 8 bits (`to_dtype(scale=True)`), and the EXIF orientation applied (phone photos stand up).
@@ -45,8 +46,10 @@ DEFAULT_MAX_PIXELS = 89_478_485
 
 # What decoders say about a file that ends early (libjpeg, libpng, Pillow).
 _TRUNCATION = re.compile(r"truncated|incomplete|premature end|out of bound read", re.IGNORECASE)
-# torchvision prefixes its C++ errors with "<function>, <file>.cpp:<line>, ".
-_CPP_PREFIX = re.compile(r"^\w+, \S+\.cpp:\d+, ")
+# torchvision prefixes its C++ errors with "<function>, <file>.cpp:<line>, " (the function may
+# be "operator()"); any other source location left in a message goes too.
+_CPP_PREFIX = re.compile(r"^[^,\n]*, \S+\.(?:cpp|cc|h|cu):\d+, ")
+_SOURCE_PATH = re.compile(r"\S*/\S+\.(?:cpp|cc|h|cu):\d+,?\s*")
 _UNSUPPORTED = "Unsupported image file"
 
 
@@ -403,9 +406,13 @@ def _pillow_too_large(err: Exception) -> ImageTooLargeError:
 # ---------------------------------------------------------------------------------------------
 # Decoding
 
-# What torchvision's decode_image reads (a still WEBP only: it refuses animated ones, and it
-# would decode every frame of a GIF); every other format goes to Pillow (first frame only).
-_TORCHVISION_FORMATS = frozenset(["PNG", "JPEG", "WEBP"])
+# What torchvision's decode_image reads: JPEG and a still WEBP (it refuses animated ones, and it
+# would decode every frame of a GIF). Never PNG: torchvision 0.29's libpng path crashes the
+# process (a segfault in decode_png) or hangs (decode_image) on any PNG libpng rejects -- a
+# corrupt IDAT stream, a bad row filter byte: a 100-byte file -- and libpng prints its warnings
+# on stderr at every decode, naming no file. Pillow decodes PNG (and every other format, the
+# first frame only) and raises on such a file, which is then dropped and named.
+_TORCHVISION_FORMATS = frozenset(["JPEG", "WEBP"])
 
 
 def decode(
@@ -419,7 +426,9 @@ def decode(
 
 
 def read_image_file(
-    path: str | os.PathLike, channels: int, max_pixels: int | None = DEFAULT_MAX_PIXELS
+    path: str | os.PathLike,
+    channels: int,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
 ) -> torch.Tensor:
     """An image file -> uint8 (channels, H, W). Only a regular file is opened (a FIFO or a
     device is refused from its stat, so nothing blocks), and its header is checked against
@@ -442,7 +451,7 @@ def _decode_checked(data, header: ImageHeader, channels: int) -> torch.Tensor:
         try:
             image = _decode_torchvision(data, channels)
         except RuntimeError as err:
-            message = _CPP_PREFIX.sub("", str(err).strip().splitlines()[-1])
+            message = _SOURCE_PATH.sub("", _CPP_PREFIX.sub("", str(err).strip().splitlines()[-1]))
             if _UNSUPPORTED not in message:
                 raise _decode_error(message) from None
             image = _decode_pillow(data, channels)
@@ -488,8 +497,8 @@ def _decode_pillow(data, channels: int) -> torch.Tensor:
         grey = np.clip(np.asarray(image), 0, 65535).astype(np.uint16)
         pixels = torch.from_numpy(grey)[None]  # scaled to 8 bits by decode()
         return pixels.expand(channels, -1, -1).contiguous() if channels == 3 else pixels
-    converted = np.asarray(image.convert("RGB" if channels == 3 else "L"))
-    pixels = torch.from_numpy(converted.copy())
+    wanted = "RGB" if channels == 3 else "L"
+    pixels = torch.from_numpy(np.array(image if image.mode == wanted else image.convert(wanted)))
     return pixels.permute(2, 0, 1).contiguous() if channels == 3 else pixels[None]
 
 
