@@ -5,8 +5,9 @@ the server's load test (scripts/loadtest_bombs.py) and its tests:
                   renders every frame at the screen's size: 1.44 G pixels, 4.3 GB as RGB.
     png_bomb()    ~110 KB: a 1-bit greyscale PNG of 30000 x 30000, all zeros: 900 M pixels,
                   2.7 GB as RGB (deflate packs the 112 MB of 1-bit rows about 1000:1).
-    grey_png()    ~62 KB: an 8-bit greyscale PNG of 8000 x 8000 (64 M pixels, within the limit):
-                  a legal file in a small body that takes ~0.5 s to decode.
+    grey_png()    ~16 KB: an 8-bit greyscale PNG of 4000 x 4000 (16 M pixels, within the limit
+                  and over the server's large-image mark): a legal file in a small body that
+                  takes ~0.3-0.7 s to decode (Pillow); grey_png(8000): 64 M pixels, ~4x that.
     large_jpeg()  a real photo-like JPEG within Pillow's pixel limit (default 6000 x 6000, 36 M
                   pixels): allowed, and slow to decode -- the "huge but legal" input.
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 GIF_SIDE, GIF_FRAMES = 4000, 90
 PNG_SIDE = 30_000
-SLOW_PNG_SIDE = 8000
+SLOW_PNG_SIDE = 4000
 
 
 @functools.cache
@@ -50,8 +51,8 @@ def png_bomb(side: int = PNG_SIDE) -> bytes:
 
 @functools.cache
 def grey_png(side: int = SLOW_PNG_SIDE, bit_depth: int = 8) -> bytes:
-    """A greyscale PNG of side x side, every pixel 0. At 8 bits and the default 8000 x 8000 (64 M
-    pixels, within Pillow's limit) it is a legal image whose 62 KB take ~0.5 s to decode."""
+    """A greyscale PNG of side x side, every pixel 0. At 8 bits and the default 4000 x 4000 (16 M
+    pixels, within Pillow's limit) it is a legal image whose 16 KB take ~0.5 s to decode."""
     row = b"\x00" + bytes((side * bit_depth + 7) // 8)  # filter type 0, then the packed pixels
     packer = zlib.compressobj(9)
     parts = [packer.compress(row) for _ in range(side)]
@@ -94,7 +95,7 @@ def main() -> None:
     for name, data in [
         ("gif_bomb.gif", gif_bomb()),
         ("png_bomb.png", png_bomb()),
-        ("grey_8000.png", grey_png()),
+        ("grey_4000.png", grey_png()),
         ("large.jpg", large_jpeg()),
     ]:
         (args.out / name).write_bytes(data)

@@ -15,7 +15,8 @@ change in the machine's load hits them alike):
             (scripts/image_bombs.py: the 1.4 KB GIF of 90 frames at 4000x4000 and the 110 KB
             1-bit PNG of 30000x30000, in turn)
     huge    the bombs phase, plus --huge-clients (2) sending a legal but slow image (an 8-bit
-            8000x8000 PNG, 64 M pixels within the limit, ~0.5 s to decode)
+            greyscale PNG of --huge-side (8000) x the same: 64 M pixels, within the limit, a
+            second or more to decode)
 
 and all the while one separate process polls /healthz (a kept-alive connection, every
 --health-interval-ms). Every good answer is checked against the offline prediction of the same
@@ -117,7 +118,9 @@ def b64_body(data: bytes) -> bytes:
     return json.dumps({"inputs": [base64.b64encode(data).decode()]}).encode()
 
 
-async def worker(kind: str, url: str, clients: int, seconds: float, expected: Path | None):
+async def worker(
+    kind: str, url: str, clients: int, seconds: float, expected: Path | None, huge_side: int
+):
     """`clients` clients of one kind sending back to back for `seconds`; returns what they saw."""
     import aiohttp
 
@@ -129,7 +132,7 @@ async def worker(kind: str, url: str, clients: int, seconds: float, expected: Pa
     elif kind == "bombs":
         bodies = [b64_body(gif_bomb()), b64_body(png_bomb())]
     else:
-        bodies = [b64_body(grey_png())]
+        bodies = [b64_body(grey_png(huge_side))]
     end = time.monotonic() + seconds
     headers = {"content-type": "application/json"}
     timeout = aiohttp.ClientTimeout(total=120)
@@ -165,9 +168,10 @@ def good_photos() -> list[Path]:
     return sorted((PHOTOS / "test").rglob("*.jpg"))
 
 
-def start_worker(kind: str, url: str, clients: int, seconds: float, expected: Path):
+def start_worker(kind: str, url: str, clients: int, seconds: float, expected: Path, huge_side: int):
     cmd = [sys.executable, __file__, "--worker", kind, "--url", url, "--clients", str(clients)]
     cmd += ["--seconds", str(seconds), "--expected", str(expected)]
+    cmd += ["--huge-side", str(huge_side)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
@@ -190,7 +194,9 @@ def run_phase(name: str, url: str, args, expected: Path, seconds: float) -> Phas
         kinds["bombs"] = args.bomb_clients
     if name == "huge":
         kinds["huge"] = args.huge_clients
-    workers = {k: start_worker(k, url, n, seconds, expected) for k, n in kinds.items() if n}
+    workers = {
+        k: start_worker(k, url, n, seconds, expected, args.huge_side) for k, n in kinds.items() if n
+    }
     seen = {k: json.loads(w.communicate(timeout=seconds + 300)[0]) for k, w in workers.items()}
     polled = json.loads(poller.communicate(timeout=seconds + 60)[0])
     good = seen["good"]
@@ -318,6 +324,7 @@ def parse_args(argv=None):
     parser.add_argument("--good-clients", type=int, default=10)
     parser.add_argument("--bomb-clients", type=int, default=10)
     parser.add_argument("--huge-clients", type=int, default=2)
+    parser.add_argument("--huge-side", type=int, default=8000, help="the huge PNG's side")
     parser.add_argument("--health-interval-ms", type=float, default=10.0)
     parser.add_argument("--max-latency-ratio", type=float, default=1.5)
     parser.add_argument(
@@ -336,7 +343,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:  # one kind of client, in its own process (run_phase starts it)
-        seen = asyncio.run(worker(args.worker, args.url, args.clients, args.seconds, args.expected))
+        seen = asyncio.run(
+            worker(args.worker, args.url, args.clients, args.seconds, args.expected, args.huge_side)
+        )
         print(json.dumps(seen))
         return 0
     phases = args.phases.split(",")

@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=1.5)
     parser.add_argument("--side", type=int, default=3000)
+    parser.add_argument("--formats", default=",".join(FORMATS))
     args = parser.parse_args(argv)
     import torch
 
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
           f" / p99 {np.percentile(quiet, 99):.2f} ms")  # fmt: skip
     print(f"{'format':<6} {'MB':>6} {'decode ms':>9} {'threads':>7} {'work x alone':>12} "
           f"{'late p50 ms':>11} {'late p99 ms':>11}")  # fmt: skip
-    for fmt in FORMATS:
+    for fmt in args.formats.split(","):
         data = photo_like(args.side, fmt)
         loader(data)
         started = time.perf_counter()

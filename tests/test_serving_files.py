@@ -8,7 +8,8 @@ the image-file form, which tritonclient sends.
 
 The bombs and slow images are written byte by byte by scripts/image_bombs.py (also the load
 test's): a 1.4 KB GIF of 90 frames on a 4000x4000 screen, a 110 KB 1-bit PNG of 30000x30000,
-and a 62 KB greyscale PNG of 8000x8000 -- legal (64 M pixels), ~0.5 s to decode."""
+and a 16 KB greyscale PNG of 4000x4000 -- legal (16 M pixels, a "large" image to the decode
+pool), ~0.3-0.7 s to decode here."""
 
 from __future__ import annotations
 
@@ -187,7 +188,7 @@ async def _health_while(url: str, requests: list[tuple[str, dict]]):
 
 def test_health_answers_while_slow_images_decode_and_bombs_arrive(photos):
     """Today bodies under 256 KB were decoded on the event loop: one bomb blocked /healthz for
-    4.6-15.6 s. Here two 62 KB PNGs that take ~0.5 s each to decode (legal: 64 M pixels), 4
+    4.6-15.6 s. Here two 16 KB PNGs that take ~0.5 s each to decode (legal: 16 M pixels), 4
     bomb requests and 4 good ones arrive together: health checks keep answering all the while
     -- many of them, each far quicker than a slow decode, however busy the machine is."""
     slow, good = grey_png(), good_files(3)
@@ -239,7 +240,7 @@ def test_a_one_photo_request_is_not_stuck_behind_many_large_images(photos):
 
 
 def test_large_images_never_take_every_decode_thread(photos):
-    """Two requests of one legal 64 M-pixel image each, two decode threads: large images
+    """Two requests of one legal 16 M-pixel image each, two decode threads: large images
     decode on at most one of them, so a one-photo request sent meanwhile finds the other free
     and is answered before either large one (with both threads on large images it waited for
     one of them)."""
