@@ -4,10 +4,14 @@ decode threads over processes (kiln.serving.decoding).
 For each format, 1 and 2 threads decode a 3000x3000 photo-like image in a loop through kiln's
 own decoder and eval transform (kiln.preprocessing.image_files.EncodedImageLoader), while the
 main thread -- standing in for the event loop -- times a fixed piece of pure-Python work and
-how late a 1 ms sleep wakes up. Reported: that work's time with the decoders running over its
-time alone (1.0: the decoders never held the GIL it needed), and the wake-up lateness p50 /
-p99. One intra-op torch thread, as the server runs (server.model_threads on 2 cores), and the
-server's 0.5 ms GIL switch interval.
+how late a 1 ms sleep wakes up. Two baselines run the same way in the same run: threads
+hashing a buffer with sha256 (which releases the GIL: they cost the main thread only CPU) and
+threads running pure Python (which hold it: the worst case). Reported: the work's time with
+the threads running over its time alone, and over its time beside the sha256 threads (1.0: the
+decoders cost the loop no more than any CPU-bound work that releases the GIL -- what is left
+is the cores being shared, which processes would share too), and the wake-up lateness. One
+intra-op torch thread, as the server runs (server.model_threads on 2 cores), and the server's
+0.5 ms GIL switch interval.
 
     python scripts/measure_decode_gil.py [--seconds 1.5] [--side 3000]
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import hashlib
 import io
 import subprocess
 import sys
@@ -67,13 +73,14 @@ def lateness_ms(seconds: float) -> np.ndarray:
     return np.asarray(late) * 1000
 
 
-def measure(loader, data: bytes, threads: int, seconds: float, alone_ms: float) -> dict:
+def measure(job, threads: int, seconds: float, alone_ms: float) -> dict:
+    """The main thread's work and wake-ups while `threads` threads run `job()` in a loop."""
     stop = threading.Event()
     decoded = [0]
 
     def decode_forever():
         while not stop.is_set():
-            loader(data)
+            job()
             decoded[0] += 1
 
     workers = [threading.Thread(target=decode_forever) for _ in range(threads)]
@@ -114,20 +121,30 @@ def main(argv=None) -> int:
     quiet = lateness_ms(args.seconds)
     print(f"alone: python work {alone:.2f} ms, wake-up lateness p50 {np.percentile(quiet, 50):.2f}"
           f" / p99 {np.percentile(quiet, 99):.2f} ms")  # fmt: skip
-    print(f"{'format':<6} {'MB':>6} {'decode ms':>9} {'threads':>7} {'work x alone':>12} "
-          f"{'late p50 ms':>11} {'late p99 ms':>11}")  # fmt: skip
+    print(f"{'threads run':<12} {'MB':>5} {'one ms':>6} {'threads':>7} {'x alone':>7} "
+          f"{'x sha256':>8} {'late p50':>8} {'late p99':>8}")  # fmt: skip
+    buffer = bytes(8 << 20)
+    baselines = {
+        "sha256": lambda: hashlib.sha256(buffer).digest(),  # releases the GIL
+        "python": python_work,  # holds it
+    }
+    rows = [(name, job, 0) for name, job in baselines.items()]
     for fmt in args.formats.split(","):
         data = photo_like(args.side, fmt)
-        loader(data)
+        rows.append((fmt, functools.partial(loader, data), len(data)))
+    cpu_only = {}
+    for name, job, size in rows:
+        job()
         started = time.perf_counter()
-        loader(data)
-        decode_ms = (time.perf_counter() - started) * 1000
+        job()
+        one_ms = (time.perf_counter() - started) * 1000
         for threads in (1, 2):
-            got = measure(loader, data, threads, args.seconds, alone)
+            got = measure(job, threads, args.seconds, alone)
+            cpu_only.setdefault(threads, got["work_ratio"])  # sha256 runs first
             print(
-                f"{fmt:<6} {len(data) / 1e6:>6.1f} {decode_ms:>9.0f} {threads:>7} "
-                f"{got['work_ratio']:>12.2f} {got['late_p50_ms']:>11.2f} "
-                f"{got['late_p99_ms']:>11.2f}"
+                f"{name:<12} {size / 1e6:>5.1f} {one_ms:>6.0f} {threads:>7} "
+                f"{got['work_ratio']:>7.2f} {got['work_ratio'] / cpu_only[threads]:>8.2f} "
+                f"{got['late_p50_ms']:>8.2f} {got['late_p99_ms']:>8.2f}"
             )
     return 0
 
