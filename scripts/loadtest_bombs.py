@@ -19,12 +19,18 @@ change in the machine's load hits them alike):
             second or more to decode)
 
 and all the while one separate process polls /healthz (a kept-alive connection, every
---health-interval-ms). Every good answer is checked against the offline prediction of the same
-checkpoint, every bomb must be answered 422 naming "image too large", every huge image 200;
-anything else exits 1.
+--health-interval-ms). The bomb and huge clients run under `nice -n 10` (--attacker-nice): in
+life they are other machines; on one small machine their own CPU would otherwise be the
+server's loss. The good clients and the poller run at the server's priority.
 
-Reported per phase: good requests' p50 / p99 and requests/s, /healthz p50 / p99 / max, and the
-ratios against quiet (over all rounds, and round by round). Floors, checked with --check:
+Every good answer is checked against the offline prediction of the same checkpoint, every bomb
+must be answered 422 naming "image too large", every huge image 200 (or 504: its deadline
+passed while it waited for the large-image slot; counted apart); anything else exits 1.
+
+Reported per phase: good requests' p50 / p99 and requests/s, /healthz p50 / p99 / max, the
+ratios against quiet (over all rounds, and round by round), and the cores the server and the
+clients used (CPU time over wall time: on a small machine the clients' share is the server's
+loss). Floors, checked with --check:
 
     /healthz p99 < 50 ms in every phase
     good p50 and p99 under bombs <= --max-latency-ratio (1.5) x quiet
@@ -39,6 +45,8 @@ import base64
 import datetime
 import json
 import math
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -99,8 +107,11 @@ class Phase:
     bombs: int = 0
     bombs_refused: int = 0  # 422 naming "image too large"
     huge: int = 0
-    huge_ok: int = 0
+    huge_ok: int = 0  # 200, or 504: past the deadline while the one large slot was busy
+    huge_late: int = 0  # of those, 504
     other: list[str] = field(default_factory=list)  # unexpected answers, a few kept
+    server_cpu_s: float = 0.0  # the server process's CPU time during the phase
+    clients_cpu_s: float = 0.0  # the client processes' (this machine's cores are shared)
 
 
 def quantile_ms(values: list[float], q: float) -> float:
@@ -153,8 +164,9 @@ async def worker(
                     )
                 elif kind == "bombs":
                     ok = status == 422 and b"image too large" in body
-                else:
-                    ok = status == 200
+                else:  # answered, or past its deadline (504) when the large slot is busy
+                    ok = status in (200, 504)
+                    seen["late"] = seen.get("late", 0) + (status == 504)
                 seen["ok"] += ok
                 if not ok and len(seen["other"]) < 5:
                     seen["other"].append(f"{kind} {status}: {body[:200]!r}")
@@ -168,8 +180,12 @@ def good_photos() -> list[Path]:
     return sorted((PHOTOS / "test").rglob("*.jpg"))
 
 
-def start_worker(kind: str, url: str, clients: int, seconds: float, expected: Path, huge_side: int):
+def start_worker(
+    kind: str, url: str, clients: int, seconds: float, expected: Path, huge_side: int, nice: int
+):
     cmd = [sys.executable, __file__, "--worker", kind, "--url", url, "--clients", str(clients)]
+    if kind != "good" and nice:  # the attackers: elsewhere in life, lower priority here
+        cmd = ["nice", "-n", str(nice), *cmd]
     cmd += ["--seconds", str(seconds), "--expected", str(expected)]
     cmd += ["--huge-side", str(huge_side)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -179,9 +195,18 @@ def _sent_ok(seen: dict | None) -> tuple[int, int]:
     return (seen["sent"], seen["ok"]) if seen else (0, 0)
 
 
-def run_phase(name: str, url: str, args, expected: Path, seconds: float) -> Phase:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_phase(name: str, server: Server, args, expected: Path, seconds: float) -> Phase:
     """`seconds` of this phase's load, each kind of client and the health poller in its own
-    process, all started together."""
+    process, all started together; the server's and the clients' CPU time meanwhile."""
+    url = server.url
+    server_cpu = cpu_seconds(server.proc.pid)
+    clients_cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     host, port = url.removeprefix("http://").split(":")
     interval = str(args.health_interval_ms / 1e3)
     poller = subprocess.Popen(
@@ -195,7 +220,9 @@ def run_phase(name: str, url: str, args, expected: Path, seconds: float) -> Phas
     if name == "huge":
         kinds["huge"] = args.huge_clients
     workers = {
-        k: start_worker(k, url, n, seconds, expected, args.huge_side) for k, n in kinds.items() if n
+        k: start_worker(k, url, n, seconds, expected, args.huge_side, args.attacker_nice)
+        for k, n in kinds.items()
+        if n
     }
     seen = {k: json.loads(w.communicate(timeout=seconds + 300)[0]) for k, w in workers.items()}
     polled = json.loads(poller.communicate(timeout=seconds + 60)[0])
@@ -205,7 +232,13 @@ def run_phase(name: str, url: str, args, expected: Path, seconds: float) -> Phas
     phase.health_failures = polled["failures"]
     phase.bombs, phase.bombs_refused = _sent_ok(seen.get("bombs"))
     phase.huge, phase.huge_ok = _sent_ok(seen.get("huge"))
+    phase.huge_late = seen.get("huge", {}).get("late", 0)
     phase.other = [line for s in seen.values() for line in s["other"]][:5]
+    phase.server_cpu_s = cpu_seconds(server.proc.pid) - server_cpu
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    phase.clients_cpu_s = (after.ru_utime + after.ru_stime) - (
+        clients_cpu.ru_utime + clients_cpu.ru_stime
+    )
     return phase
 
 
@@ -222,6 +255,9 @@ class Summary:
     health_max_ms: float
     bombs: int
     huge: int
+    huge_late: int  # huge images answered 504
+    server_cores: float  # the server's CPU time over the phase's time (median round)
+    clients_cores: float
     p50_ratio: float  # against quiet, over every round's requests
     p99_ratio: float
     p50_ratios_per_round: list[float]
@@ -250,6 +286,9 @@ def summarise(rounds: list[dict[str, Phase]], phases: list[str]) -> list[Summary
                 health_max_ms=max(health, default=math.nan) * 1000,
                 bombs=sum(p.bombs for p in runs),
                 huge=sum(p.huge for p in runs),
+                huge_late=sum(p.huge_late for p in runs),
+                server_cores=statistics.median(p.server_cpu_s / p.seconds for p in runs),
+                clients_cores=statistics.median(p.clients_cpu_s / p.seconds for p in runs),
                 p50_ratio=p50 / quantile_ms(base, 0.5) if base else math.nan,
                 p99_ratio=p99 / quantile_ms(base, 0.99) if base else math.nan,
                 p50_ratios_per_round=[
@@ -269,14 +308,16 @@ def print_summary(rows: list[Summary]) -> None:
     print(
         f"\n{'phase':<6} {'good req':>8} {'good/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
         f"{'x quiet p50':>11} {'x quiet p99':>11} {'healthz n':>9} {'p50 ms':>7} {'p99 ms':>7} "
-        f"{'max ms':>7} {'bombs':>6} {'huge':>5}"
+        f"{'max ms':>7} {'bombs':>6} {'huge':>5} {'504':>5} {'server cores':>12} "
+        f"{'client cores':>12}"
     )
     for r in rows:
         print(
             f"{r.phase:<6} {r.good_requests:>8} {r.good_per_s:>7.1f} {r.good_p50_ms:>7.1f} "
             f"{r.good_p99_ms:>7.1f} {r.p50_ratio:>11.2f} {r.p99_ratio:>11.2f} "
             f"{r.health_polls:>9} {r.health_p50_ms:>7.2f} {r.health_p99_ms:>7.2f} "
-            f"{r.health_max_ms:>7.1f} {r.bombs:>6} {r.huge:>5}"
+            f"{r.health_max_ms:>7.1f} {r.bombs:>6} {r.huge:>5} {r.huge_late:>5} "
+            f"{r.server_cores:>12.2f} {r.clients_cores:>12.2f}"
         )
     for r in rows:
         if r.phase != "quiet":
@@ -325,6 +366,11 @@ def parse_args(argv=None):
     parser.add_argument("--bomb-clients", type=int, default=10)
     parser.add_argument("--huge-clients", type=int, default=2)
     parser.add_argument("--huge-side", type=int, default=8000, help="the huge PNG's side")
+    parser.add_argument(
+        "--attacker-nice", type=int, default=10,
+        help="niceness of the bomb and huge clients (0: none); the good ones and the poller run "
+        "at the server's priority",
+    )  # fmt: skip
     parser.add_argument("--health-interval-ms", type=float, default=10.0)
     parser.add_argument("--max-latency-ratio", type=float, default=1.5)
     parser.add_argument(
@@ -363,12 +409,12 @@ def main(argv=None) -> int:
         server = Server(ckpt, args.server)
         rounds: list[dict[str, Phase]] = []
         try:
-            run_phase("quiet", server.url, args, expected, 2.0)  # warm the path and the client
+            run_phase("quiet", server, args, expected, 2.0)  # warm the path and the client
             for k in range(args.rounds):
                 order = phases[k % len(phases) :] + phases[: k % len(phases)]
                 results = {}
                 for name in order:
-                    results[name] = p = run_phase(name, server.url, args, expected, args.seconds)
+                    results[name] = p = run_phase(name, server, args, expected, args.seconds)
                     print(
                         f"round {k + 1} {name}: {len(p.good)} good (p50 "
                         f"{quantile_ms(p.good, 0.5):.1f} ms, p99 "
