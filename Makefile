@@ -62,7 +62,7 @@ sweep: install ## a short multirun over num_workers x accumulation x precision; 
 bench: install ## engine vs a hand-written loop (samples/s and ratio); kiln vs Lightning
 	$(PY) scripts/bench_engine.py $(ARGS)
 	$(PY) scripts/bench_peers.py
-	$(PY) scripts/loadtest.py && $(PY) scripts/bench_infer.py
+	$(PY) scripts/loadtest.py && $(PY) scripts/loadtest_bombs.py && $(PY) scripts/bench_infer.py
 	$(PY) scripts/bench_text.py --fasttext venv
 	$(PY) scripts/bench_image_folder.py
 
