@@ -19,7 +19,6 @@ from kiln.cli.paths import CONF_DIR
 from kiln.config import ConfigError
 from kiln.data import build_data
 from kiln.engine.loss import build_criterion
-from kiln.engine.trainer import NonFiniteLossError
 from kiln.guards import (
     DeviceMismatchError,
     LossBranchError,
@@ -29,15 +28,35 @@ from kiln.guards import (
     check_sizes_follow_inputs,
     check_train_eval_agreement,
 )
+from kiln.guards.batch_independence import BatchDependenceError
 from kiln.guards.contract import (
+    check_behaviour,
     check_device_diagnosis,
     check_outputs_are_logits,
     check_rule1,
     check_rule2,
     check_rule3,
 )
-from kiln.guards.input_sizes import EpochPlan
-from kiln.guards.rules import DEVICES, LOGITS, RULE_1, RULE_2, RULE_3
+from kiln.guards.determinism import NondeterministicEvalError
+from kiln.guards.input_sizes import EpochPlan, MemoryLayoutError
+from kiln.guards.learn_probe import CannotLearnError
+from kiln.guards.numerics import NumericsError
+from kiln.guards.purity import ImpureForwardError
+from kiln.guards.rules import (
+    BATCH,
+    DEAD,
+    DETERMINISM,
+    DEVICES,
+    LAYOUT,
+    LEARN,
+    LOGITS,
+    NUMERICS,
+    PURITY,
+    RULE_1,
+    RULE_2,
+    RULE_3,
+    ProbeFailure,
+)
 from kiln.models import build_model
 from kiln.registry import MODELS, compatible_pairs, dataset_provides
 
@@ -72,7 +91,10 @@ IDS = [
     for model, data, over in CASES
 ]
 ERRORS = {RULE_1: ShapeInferenceError, RULE_2: LossBranchError, RULE_3: ShapeContractError,
-          DEVICES: DeviceMismatchError, LOGITS: ProbabilitiesNotLogitsError}  # fmt: skip
+          DEVICES: DeviceMismatchError, LOGITS: ProbabilitiesNotLogitsError,
+          NUMERICS: NumericsError, BATCH: BatchDependenceError,
+          DETERMINISM: NondeterministicEvalError, PURITY: ImpureForwardError,
+          DEAD: ProbeFailure, LEARN: CannotLearnError, LAYOUT: MemoryLayoutError}  # fmt: skip
 
 _bundles: dict[tuple[str, ...], object] = {}
 
@@ -115,6 +137,18 @@ def parts(model: str, data: str, *overrides: str, model_overrides=(), data_overr
 
     bundle = bundle_for(data, data_overrides)
     return build, build_criterion(build(bundle.spec), cfg.loss), bundle
+
+
+def optimizer_for_config(cfg):
+    """The run's optimizer for a model (what the learn probe builds for its copy)."""
+    from kiln.engine.finetune import parameter_groups
+    from kiln.engine.optim import build_optimizer
+
+    def build(model, lr_scale):
+        scaled = dataclasses.replace(cfg.optimizer, lr=cfg.optimizer.lr * lr_scale)
+        return build_optimizer(parameter_groups(model, scaled.lr, scaled.head_lr_mult), scaled)
+
+    return build
 
 
 def test_every_registered_model_has_a_dataset_to_be_tested_on():
@@ -167,6 +201,16 @@ def test_rule3_holds_under_bf16_autocast_as_amp_runs_on_cpu(model, data, model_o
 @pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
 def test_classifiers_return_logits_not_probabilities(model, data, model_overrides):
     check_outputs_are_logits(*parts(model, data, model_overrides=model_overrides))
+
+
+@pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
+def test_behaviour_checks_and_the_learn_probe_pass(model, data, model_overrides):
+    """Determinism in eval, batch independence, purity, finite values, live gradients, no
+    parameter used only in some steps (as DDP would need), the device and fp16 probes, and a
+    few steps on one batch lowering its loss at the option's own optimizer settings."""
+    fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}[dataset_provides(data)]
+    cfg = compose_config(f"data={data}", f"model={fits}", *SMALL.get(data, ()))
+    check_behaviour(*parts(model, data, model_overrides=model_overrides), optimizer_for_config(cfg))
 
 
 @pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
@@ -272,15 +316,28 @@ def config_check(build, criterion, bundle, broken: Broken):
     broken.config(name=broken.name).check("model")
 
 
+def behaviour_check(build, criterion, bundle, cfg=None):
+    return check_behaviour(build, criterion, bundle, optimizer_for_config(cfg), fp16=False)
+
+
+def fp16_check(build, criterion, bundle, cfg=None):
+    return check_behaviour(build, criterion, bundle, optimizer_for_config(cfg), fp16=True)
+
+
 CHECKS = {"rule1": check_rule1, "rule2": check_rule2, "rule3": check_rule3,
-          "logits": check_outputs_are_logits}  # fmt: skip
+          "logits": check_outputs_are_logits, "behaviour": behaviour_check,
+          "fp16": fp16_check}  # fmt: skip
+WHAT = {RULE_1: "shapes", RULE_3: "shapes", DEVICES: "device", NUMERICS: "numerics",
+        BATCH: "batch dependence", DETERMINISM: "determinism", PURITY: "purity",
+        DEAD: "dead gradients", LEARN: "cannot learn", LAYOUT: "shapes"}  # fmt: skip
 
 
 @pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
 def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
     registered(broken)
-    cfg = broken_parts(broken, "loss.force_all_branches=true")
     aux = broken.check == "rule2"
+    cfg = broken_parts(broken, *(["loss.force_all_branches=true"] if aux or broken.check
+                                 in ("rule1", "rule3", "logits") else []))  # fmt: skip
 
     def build(spec):
         return build_model(spec, cfg.model, aux_head=aux).to("cpu")
@@ -293,15 +350,22 @@ def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
         return
     criterion = build_criterion(build(bundle.spec), cfg.loss)
     # The epoch's plan as the run would cut it (batch size from the broken model's data).
-    plan = {"plan": EpochPlan(len(bundle.train), cfg.data.batch_size)}
+    extra = {"plan": EpochPlan(len(bundle.train), cfg.data.batch_size)}
+    extra = extra if broken.check == "rule1" else {}
+    extra = {"cfg": cfg} if broken.check in ("behaviour", "fp16") else extra
     with pytest.raises(ERRORS[broken.rule]) as info:
-        CHECKS[broken.check](build, criterion, bundle, **(plan if broken.check == "rule1" else {}))
+        CHECKS[broken.check](build, criterion, bundle, **extra)
     message = str(info.value)
     assert message.startswith(broken.rule), message
     assert broken.needle in message, message
+    if broken.rule in WHAT and broken.name != "eval_only_nan":  # the [FAIL] line's <what>
+        assert info.value.what == WHAT[broken.rule] or info.value.what.startswith("device")
 
 
-@pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
+STOPPED_BY_TRAIN = [b for b in BROKEN if b.name != "conditional_refine"]  # DDP only: below
+
+
+@pytest.mark.parametrize("broken", STOPPED_BY_TRAIN, ids=[b.name for b in STOPPED_BY_TRAIN])
 def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_path):
     """train() with the default settings (rule-2 models with every branch on, as the suite
     runs them): the rule's error before the first optimizer step."""
@@ -320,13 +384,16 @@ def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_
     cfg = broken_parts(broken, *overrides)
     from kiln.engine.run import train
 
-    expected = NonFiniteLossError if broken.name == "nan_aux" else ERRORS[broken.rule]
-    with pytest.raises(expected) as info:
+    # A NaN branch is met by the numerics check first: a batch of 1's output holds it.
+    rule = NUMERICS if broken.name == "nan_aux" else broken.rule
+    with pytest.raises(ERRORS[rule]) as info:
         train(cfg, tmp_path / "run")
     message = str(info.value)
-    assert message.startswith(broken.rule), message
+    assert message.startswith(rule), message
     summary = (tmp_path / "run" / "summary.json").read_text()
     assert '"steps": 0' in summary or '"steps": 1' in summary  # at the first step at the latest
+    if broken.check in ("behaviour", "fp16"):  # before step 1, naming the module
+        assert '"steps": 0' in summary and broken.needle in message, message
 
 
 def test_a_correct_model_passes_every_check_at_train_time(tmp_path):

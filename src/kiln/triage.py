@@ -219,12 +219,6 @@ def validation_far_below_training(run: Run) -> Cause | None:
 # ------------------------------------------------------------------ from the replayed step
 
 
-def _where(op) -> str:
-    if op.module:
-        return f"{op.module} ({op.kind})"
-    return f"{op.kind}.forward" if op.kind else "the criterion (outside the model)"
-
-
 def _stats(inputs: list[dict]) -> str:
     shown = []
     for t in inputs[:2]:
@@ -295,7 +289,7 @@ def replayed_first_op(run: Run) -> Cause | None:
     op = r.first_op if r is not None else None
     if op is None or r.nonfinite_inputs or r.what.startswith("val_"):
         return None
-    name, where = op.op.split(".")[0], _where(op)
+    name, where = op.op.split(".")[0], op.where
     evidence = f"replayed step {r.failing_step}: {op.op} in {where} ({op.dtype}) made NaN/Inf "
     evidence += f"out of finite inputs ({_stats(op.inputs)})"
     terms = f" (term {', '.join(repr(t) for t in r.bad_terms)})" if r.bad_terms else ""

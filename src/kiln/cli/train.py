@@ -126,6 +126,7 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
 
     from kiln.engine.distributed import env_dist_info, leave_together, teardown
     from kiln.engine.preemption import Interrupted, Preempted
+    from kiln.engine.rank_watch import claim_report, post_failure
     from kiln.engine.run import train
 
     hydra = HydraConfig.get()
@@ -139,7 +140,7 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
         cfg = to_typed(raw_cfg)
         if cfg.env.quiet:
             quiet_console()
-        summary = train(cfg, run_dir)
+        summary = train(cfg, run_dir, lambda err: record_failure(cfg, run_dir, err, True))
         finished = True
     except Preempted as err:
         log.warning("%s", err)
@@ -168,9 +169,17 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
             )
         raise user_error(err, message) from None
     except Exception as err:  # the run died: one [FAIL] line, whatever killed it
-        if dist.is_main:
+        if dist.is_main and claim_report():
             record_failure(cfg, run_dir, err, dist.enabled)
             print(report.failed(run_dir), file=sys.stderr, flush=True)
+        elif dist.enabled and not dist.is_main:  # the main rank reports it if it is stuck
+            from kiln.cli.failures import what_failed
+
+            post_failure(
+                dist,
+                what_failed(err)[0],
+                str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__,
+            )
         if multirun:
             raise  # Hydra records the failed job and the sweep goes on
         raise SystemExit(EXIT_FAILED) from None

@@ -26,18 +26,21 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kiln import checkpoint as files
 from kiln.config import GROUP_SCHEMAS, KilnConfig, option_from_dict
 from kiln.engine.batches import move_to
 from kiln.engine.distributed import DistInfo
-from kiln.guards.numerics import nonfinite_count
+from kiln.guards.numerics import (
+    FirstNonFinite,
+    FirstOp,
+    ModuleStack,
+    nonfinite_count,
+    tensor_summary,
+)
 from kiln.guards.tree import iter_tensors
 from kiln.registry import GROUP_REGISTRIES, load_plugins
 
@@ -57,18 +60,6 @@ class StepRecord:
     loss: float
     grad_norm: float
     update: list[dict]  # per parameter group: lr, grad_norm, weight_norm, ratio (lr·|g|/|w|)
-
-
-@dataclass
-class FirstOp:
-    """The first operation that made NaN/Inf out of finite inputs."""
-
-    op: str  # aten name: "div.Tensor", "log.default", "mul.Tensor", ...
-    module: str  # the module path it ran in ("" outside any module: the criterion)
-    kind: str  # that module's class name
-    dtype: str  # of its output
-    inputs: list[dict]  # per tensor input: shape, dtype, min, max, abs max, zeros
-    backward: bool = False  # found in the backward pass
 
 
 @dataclass
@@ -173,83 +164,6 @@ def start_checkpoint(run_dir: Path, before: int, at_most: bool = False):
 
 
 # ------------------------------------------------------------------------------ instruments
-
-
-def tensor_summary(t: torch.Tensor) -> dict:
-    t = t.detach()
-    stats: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-    if t.numel() and (t.is_floating_point() or not t.dtype.is_complex):
-        f = t.float()
-        finite = f[torch.isfinite(f)]
-        if finite.numel():
-            stats.update(min=float(finite.min()), max=float(finite.max()))
-            stats["abs_max"] = float(finite.abs().max())
-        stats["zeros"] = int((f == 0).sum())
-        stats["nonfinite"] = int((~torch.isfinite(f)).sum())
-    return stats
-
-
-class ModuleStack:
-    """Which module is running (forward hooks), for the ops traced inside it."""
-
-    def __init__(self, model: nn.Module):
-        self.stack: list[tuple[str, str]] = []
-        self.first_bad: tuple[str, str] | None = None
-        self.handles = []
-        for path, module in model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(self._enter(path)))
-            self.handles.append(module.register_forward_hook(self._leave(path)))
-
-    def _enter(self, path):
-        def hook(module, args):
-            self.stack.append((path, type(module).__name__))
-
-        return hook
-
-    def _leave(self, path):
-        def hook(module, args, output):
-            if self.stack:
-                self.stack.pop()
-            if self.first_bad is None and nonfinite_count(output):
-                self.first_bad = (path, type(module).__name__)
-
-        return hook
-
-    @property
-    def current(self) -> tuple[str, str]:
-        return self.stack[-1] if self.stack else ("", "")
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-class FirstNonFinite(TorchDispatchMode):
-    """Records the first op whose floating output holds NaN/Inf while its inputs hold none."""
-
-    def __init__(self, modules: ModuleStack | None = None):
-        super().__init__()
-        self.modules, self.found, self.backward = modules, None, False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.found is None:
-            outputs = [t for _, t in iter_tensors(out) if t.is_floating_point()]
-            if any(not torch.isfinite(t).all() for t in outputs if t.numel()):
-                inputs = [t for _, t in iter_tensors((args, kwargs or {})) if t.is_floating_point()]
-                if all(torch.isfinite(t).all() for t in inputs if t.numel()):
-                    path, kind = self.modules.current if self.modules else ("", "")
-                    self.found = FirstOp(
-                        op=str(func).removeprefix("aten."),
-                        module="" if self.backward else path,
-                        kind="" if self.backward else kind,
-                        dtype=str(outputs[0].dtype).removeprefix("torch."),
-                        inputs=[tensor_summary(t) for _, t in iter_tensors((args, kwargs or {}))][
-                            :4
-                        ],
-                        backward=self.backward,
-                    )
-        return out
 
 
 def _norm(tensors: list[torch.Tensor]) -> float:

@@ -1,0 +1,157 @@
+"""Can it learn (trainer.learn_probe): the "overfit one batch" habit, automatic. On a copy of the
+model and a new optimizer built as the run's (its configured learning rates, no schedule), a few
+steps on one fixed batch must lower that batch's loss. The loss is measured before and after in
+train mode with the same random numbers (the same dropout masks), so a change is the steps' own,
+and the steps run in fp32 (no loss scaling to skip one). A loss that does not fall by 0.1% is a
+failure naming what the probe saw: no gradient reaching the weights, dead layers, an update too
+small to matter, or a learning rate that makes the loss rise or go non-finite at every step
+(then a tenth of it is tried, and named when it works). The loss after any step counts: an
+optimizer that overshoots on one batch and comes back has still shown it can lower it."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.guards.rules import LEARN, ProbeFailure
+
+STEPS = 5  # optimizer steps on the fixed batch
+MIN_DROP = 1e-3  # the loss must fall by this share of itself
+MEASURE_SEED = 0  # the same dropout masks before and after
+HEALTHY_UPDATE = 1e-3  # lr·|g|/|w| of a first step that neither stalls nor diverges
+
+
+class CannotLearnError(ProbeFailure):
+    """A few steps on one fixed batch did not lower its loss."""
+
+    what = "cannot learn"
+
+
+@dataclass
+class LearnResult:
+    losses: list[float]  # before, then after each step
+    lr: float  # the largest learning rate of the optimizer's groups
+    update: float  # lr·|g|/|w| of the first step (the whole model)
+
+    @property
+    def fell(self) -> bool:
+        """Whether some step took the loss below where it started (by MIN_DROP): an optimizer
+        that oscillates on one batch (Adam without warm-up) still shows it can learn."""
+        first = self.losses[0]
+        lowest = min((v for v in self.losses[1:] if math.isfinite(v)), default=math.inf)
+        return lowest < first - MIN_DROP * abs(first)
+
+    @property
+    def shown(self) -> str:
+        return " -> ".join(f"{v:.4g}" for v in self.losses)
+
+
+def measured_loss(model: nn.Module, criterion, batch: Any) -> float:
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(MEASURE_SEED)
+        model.train()
+        loss, _ = criterion(model, batch)
+    return float(loss)
+
+
+def learn(
+    model: nn.Module, optimizer: torch.optim.Optimizer, criterion, batch: Any, steps: int = STEPS
+) -> LearnResult:
+    """`steps` optimizer steps of `model` (a copy: it is trained) on `batch`."""
+    lr = max(float(g["lr"]) for g in optimizer.param_groups)
+    losses, update = [measured_loss(model, criterion, batch)], 0.0
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        model.train()
+        loss, _ = criterion(model, batch)
+        if not loss.requires_grad:
+            break
+        loss.backward()
+        if step == 0:
+            update = _update_ratio(params, lr)
+        optimizer.step()
+        losses.append(measured_loss(model, criterion, batch))
+        if not math.isfinite(losses[-1]):
+            break
+    optimizer.zero_grad(set_to_none=True)
+    return LearnResult(losses, lr, update)
+
+
+def _update_ratio(params: list[torch.Tensor], lr: float) -> float:
+    grads = [p.grad.detach().float() for p in params if p.grad is not None]
+    dense = [g.coalesce().values() if g.is_sparse else g for g in grads]
+    g = math.sqrt(sum(float(t.pow(2).sum()) for t in dense)) if dense else 0.0
+    w = math.sqrt(sum(float(p.detach().float().pow(2).sum()) for p in params))
+    return lr * g / max(w, 1e-12)
+
+
+def check_can_learn(
+    model: nn.Module,
+    optimizer_for: Callable[[nn.Module, float], torch.optim.Optimizer],
+    criterion,
+    batch: Any,
+    *,
+    steps: int = STEPS,
+    dead_layers: dict[str, str] | None = None,
+) -> LearnResult:
+    """`model` is a copy to train; `optimizer_for(model, lr_scale)` builds the run's optimizer for
+    it (lr_scale 1: as configured). Raises CannotLearnError."""
+    initial = copy.deepcopy(model.state_dict())
+    result = learn(model, optimizer_for(model, 1.0), criterion, batch, steps)
+    if result.fell:
+        return result
+    name, n = type(model).__name__, len(batch[0])
+    saw = f"{steps} steps on one fixed batch of {n} at lr {result.lr:g}: its loss {result.shown}"
+    first, last = result.losses[0], result.losses[-1]
+    if not math.isfinite(last) or last > first * (1 + MIN_DROP):
+        model.load_state_dict(initial)
+        tenth = learn(model, optimizer_for(model, 0.1), criterion, batch, steps)
+        went = "went non-finite" if not math.isfinite(last) else "rose"
+        healthy = result.lr * HEALTHY_UPDATE / result.update if result.update > 0 else None
+        sized = (
+            f"; an lr that moves the weights by {HEALTHY_UPDATE:g} of their size at the first "
+            f"step would be about {healthy:.1g} (optimizer.lr)"
+            if healthy is not None
+            else ""
+        )
+        then = (
+            f"at a tenth of it ({tenth.lr:g}) the loss falls ({tenth.shown}): try that lr"
+            if tenth.fell
+            else f"a tenth of it ({tenth.lr:g}) does not lower it either ({tenth.shown}){sized}"
+        )
+        raise CannotLearnError(
+            f"{LEARN}: {name}: {saw}: it {went}: the learning rate diverges on one batch; {then}"
+        )
+    why = _why_flat(result, dead_layers or {})
+    raise CannotLearnError(f"{LEARN}: {name}: {saw}: it does not fall (by {MIN_DROP:.1%}); {why}")
+
+
+def _why_flat(result: LearnResult, dead: dict[str, str]) -> str:
+    if len(result.losses) == 1:
+        return "the loss needs no gradient: the output is detached from the graph"
+    if result.update == 0.0:
+        return "no gradient reaches the weights (zero gradients)" + _dead(dead)
+    if result.update < 1e-6:
+        return (
+            f"the first update moves the weights by {result.update:.2g} of their size "
+            f"(lr·|g|/|w|; about 1e-3 is healthy): the learning rate {result.lr:g} is too small "
+            "to matter" + _dead(dead)
+        )
+    return (
+        f"the weights move (lr·|g|/|w| = {result.update:.2g}) but the loss does not follow: "
+        "a loss that ignores the model's output, labels that do not match the inputs, or "
+        "layers that do not pass the signal on" + _dead(dead)
+    )
+
+
+def _dead(dead: dict[str, str]) -> str:
+    if not dead:
+        return ""
+    return "; dead layers: " + "; ".join(f"{p}: {d}" for p, d in dead.items())
