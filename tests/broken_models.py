@@ -250,6 +250,8 @@ class UnsetRunningScale(nn.Module):
     """Scales by the batch's spread in training and by a running spread in eval mode, but never
     updates the running one (left at its initial 0): evaluation divides by zero."""
 
+    uses_batch_statistics = True  # BatchNorm-like in train mode, as declared to the probes
+
     def __init__(self, width):
         super().__init__()
         self.register_buffer("running_std", torch.zeros(width))

@@ -32,6 +32,7 @@ from kiln.engine.distributed import (
     resume_after_restart,
     wrap_model,
 )
+from kiln.engine.environment import write_environment
 from kiln.engine.evaluators import build_evaluator
 from kiln.engine.finetune import FreezePlan, WeightAverage, frozen_parameter_names, parameter_groups
 from kiln.engine.host_memory import keep_freed_host_memory
@@ -494,10 +495,14 @@ def train(
     def report(err: BaseException) -> None:  # from the rank watch's thread
         stuck = built[0] if built else None
         last = stuck.last_eval if stuck is not None else {}
-        write_summary(run_dir, summarize(stuck, last, status="failed", error=f"{err}"))
+        summary = summarize(stuck, last, status="failed", error=f"{type(err).__name__}: {err}")
+        summary["failed_check"] = {"what": getattr(err, "what", ""), "module": ""}
+        write_summary(run_dir, summary)
         if report_failure is not None:
             report_failure(err)
 
+    if dist.is_main:  # what the run's own environment was, for kiln triage's replay
+        write_environment(run_dir)
     watch = RankWatch(dist, step=lambda: built[0].current_step if built else 0, report=report)
     try:
         watch.__enter__()
@@ -529,6 +534,8 @@ def train(
         at_once = isinstance(err, KeyboardInterrupt)
         last_eval = trainer.last_eval if trainer is not None else {}
         summary = summarize(trainer, last_eval, status=status, error=f"{type(err).__name__}: {err}")
+        if isinstance(getattr(err, "what", None), str):  # a check's finding: what kiln triage reads
+            summary["failed_check"] = {"what": err.what, "module": getattr(err, "module", "")}
         failing = True
         if trainer is not None:  # what was asked before the failure, whole on disk
             finish_writes(trainer)

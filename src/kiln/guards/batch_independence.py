@@ -3,7 +3,8 @@ runs in eval mode whole, reversed, and sample by sample (the first and the last 
 sample's output must be the same wherever it sits (tolerance: 1e-3 of the output's scale in
 fp32, 5e-2 in half precision). In train mode, for models without batch-statistics layers
 (BatchNorm, the declared exception), the gradient of one sample's output must be exactly zero on
-every other sample: a backward from the first and the last samples' outputs.
+every other sample: a backward from the first and the last samples' outputs (a normalisation
+layer of your own declares `uses_batch_statistics = True` to be treated as BatchNorm is).
 
 Where samples leak, the module is named from the same backward: every module's inputs and
 outputs whose first dimension is the batch are recorded, and the leak sits where the gradient
@@ -74,8 +75,12 @@ def difference(a: torch.Tensor, b: torch.Tensor) -> float | None:
 
 
 def has_batch_statistics(model: nn.Module) -> bool:
-    """BatchNorm layers normalise a training batch by its own statistics: declared exception."""
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    """BatchNorm layers normalise a training batch by its own statistics: the declared
+    exception, as is a module of your own that says so (`uses_batch_statistics = True`)."""
+    return any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) or getattr(m, "uses_batch_statistics", False)
+        for m in model.modules()
+    )
 
 
 def check_batch_independence(model: nn.Module, batch: Any, forward: Forward) -> None:
