@@ -60,7 +60,7 @@ from kiln.guards.rules import (
 from kiln.models import build_model
 from kiln.registry import MODELS, compatible_pairs, dataset_provides
 
-from .broken_models import BROKEN, Broken
+from .broken_models import BROKEN, TWINS, Broken, Twin
 from .conftest import compose_config, train_in_process
 from .image_folder_helpers import EXAMPLES
 from .test_engine import make_trainer
@@ -362,10 +362,13 @@ def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
         assert info.value.what == WHAT[broken.rule] or info.value.what.startswith("device")
 
 
-STOPPED_BY_TRAIN = [b for b in BROKEN if b.name != "conditional_refine"]  # DDP only: below
+SINGLE_PROCESS_NEEDLE = {
+    "conditional_refine": "sample 0's output changes with its neighbours: alone (a batch of 1) "
+    "vs in its batch of 8"
+}
 
 
-@pytest.mark.parametrize("broken", STOPPED_BY_TRAIN, ids=[b.name for b in STOPPED_BY_TRAIN])
+@pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
 def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_path):
     """train() with the default settings (rule-2 models with every branch on, as the suite
     runs them): the rule's error before the first optimizer step."""
@@ -384,8 +387,12 @@ def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_
     cfg = broken_parts(broken, *overrides)
     from kiln.engine.run import train
 
-    # A NaN branch is met by the numerics check first: a batch of 1's output holds it.
-    rule = NUMERICS if broken.name == "nan_aux" else broken.rule
+    # A NaN branch is met by the numerics check first: a batch of 1's output holds it. A
+    # branch taken when some sample of the batch asks for it makes each sample's output depend
+    # on its neighbours: one process stops it there (under DDP, tests/test_ddp.py, the
+    # parameters it leaves without a gradient stop it first).
+    rule = {"nan_aux": NUMERICS, "conditional_refine": BATCH}.get(broken.name, broken.rule)
+    needle = SINGLE_PROCESS_NEEDLE.get(broken.name, broken.needle)
     with pytest.raises(ERRORS[rule]) as info:
         train(cfg, tmp_path / "run")
     message = str(info.value)
@@ -393,7 +400,115 @@ def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_
     summary = (tmp_path / "run" / "summary.json").read_text()
     assert '"steps": 0' in summary or '"steps": 1' in summary  # at the first step at the latest
     if broken.check in ("behaviour", "fp16"):  # before step 1, naming the module
-        assert '"steps": 0' in summary and broken.needle in message, message
+        assert '"steps": 0' in summary and needle in message, message
+
+
+def register_twin(twin: Twin) -> Broken:
+    """The twin registered under its own name, with its broken model's schema and data."""
+    broken = twin.broken()
+    MODELS.register(twin.name, config=broken.config, inputs=broken.inputs)(twin.builder)
+    return dataclasses.replace(broken, name=twin.name, builder=twin.builder)
+
+
+@pytest.fixture
+def twin_registered():
+    added = []
+
+    def register(twin: Twin) -> Broken:
+        added.append(twin.name)
+        return register_twin(twin)
+
+    yield register
+    for name in added:
+        del MODELS._entries[name]
+
+
+@pytest.mark.parametrize("twin", TWINS, ids=[t.name for t in TWINS])
+def test_each_correct_twin_passes_the_check_its_broken_model_fails(twin, twin_registered):
+    """The same model with the bug mended: the check that stops the broken one lets it by (the
+    checks look at the behaviour, not at a name or a shape)."""
+    as_broken = twin_registered(twin)
+    aux = as_broken.check == "rule2"
+    cfg = broken_parts(as_broken)
+
+    def build(spec):
+        return build_model(spec, cfg.model, aux_head=aux).to("cpu")
+
+    bundle = bundle_for(as_broken.data)
+    criterion = build_criterion(build(bundle.spec), cfg.loss)
+    extra = {"cfg": cfg} if as_broken.check in ("behaviour", "fp16") else {}
+    CHECKS[as_broken.check](build, criterion, bundle, **extra)
+
+
+PROBES_OFF = (
+    "trainer.probe_sizes=false",
+    "trainer.shape_check=false",
+    "trainer.learn_probe=false",
+    "trainer.skip_checks=[batch_dependence,determinism,purity,numerics,dead_gradients,device]",
+)
+
+
+@pytest.mark.parametrize("twin", TWINS, ids=[t.name for t in TWINS])
+def test_each_correct_twin_trains_as_it_does_without_the_probes(twin, twin_registered, tmp_path):
+    """train() with every probe on and with every one off: the same steps, the same accuracy
+    (the probes leave no trace on the run, and stop no correct model)."""
+    from kiln.checkpoint import load_checkpoint
+    from kiln.engine.run import train
+
+    as_broken = twin_registered(twin)
+    steps = 4 if as_broken.data == "shapes_detection" else 30  # a detector's step: seconds
+    short = ("env.progress_bar=false", "logger=none", f"trainer.max_steps={steps}")
+    summaries, weights = [], []
+    for extra in ((), PROBES_OFF):
+        run_dir = tmp_path / ("on" if not extra else "off")
+        summaries.append(train(broken_parts(as_broken, *short, *extra), run_dir))
+        weights.append(load_checkpoint(run_dir / "checkpoints" / "last.pt")["model"])
+    on, off = summaries
+    assert on["steps"] == off["steps"] > 0
+    monitor = on["monitor"]
+    assert on[monitor] == off[monitor] and on["status"] == off["status"], (on, off)
+    for name, value in weights[0].items():
+        assert torch.equal(value, weights[1][name]), name
+    assert on["probe_times_s"] and not any(
+        k in off["probe_times_s"] for k in ("learn probe", "step probe", "batch dependence")
+    )
+
+
+def test_the_step_names_a_parameter_that_gets_no_gradient_in_a_later_step(caplog):
+    """GradientPresence, as train_step runs it: the first step's parameters with a gradient are
+    the expectation; a later step without one of them is named at once, once on one process;
+    under DDP (fatal) the step raises before its next collective, after telling the other
+    ranks why (on_fatal)."""
+    import logging
+
+    from kiln.guards.conditional_params import ConditionalParametersError, GradientPresence
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    def step(use_second: bool) -> None:
+        model.zero_grad(set_to_none=True)
+        h = model[0](torch.randn(3, 4))
+        (model[1](h) if use_second else h).sum().backward()
+
+    warned = GradientPresence(model, fatal=False)
+    with caplog.at_level(logging.WARNING):
+        for number, use in enumerate([True, True, False, False], start=1):
+            step(use)
+            warned.check(number)
+    said = [r.getMessage() for r in caplog.records if "used only in some steps" in r.getMessage()]
+    assert (
+        len(said) == 1
+        and "1.weight, 1.bias (in 1 (Linear)) got no gradient at step 3" in (said[0])
+        and "trainer.find_unused_parameters=true" in said[0]
+    )
+    told = []
+    fatal = GradientPresence(model, fatal=True, on_fatal=told.append)
+    step(True)
+    fatal.check(1)
+    step(False)
+    with pytest.raises(ConditionalParametersError, match="got no gradient at step 2") as info:
+        fatal.check(2)
+    assert told == [str(info.value)] and info.value.what == "dead gradients"
 
 
 def test_a_correct_model_passes_every_check_at_train_time(tmp_path):

@@ -388,8 +388,8 @@ def replayed_probe(run: Run) -> Cause | None:
     r = run.replay
     if r is None or not r.probe_error or "returns probabilities" in r.probe_error:
         return None
-    if r.probe_check[0] in FOUND_BY:  # named by its own cause (found_before_step_1)
-        return None
+    if r.probe_check[0] in FOUND_BY or "memory layout (" in r.probe_error:
+        return None  # named by its own cause (found_before_step_1)
     return Cause(
         7,
         "a probe before step 1 refused the model",
@@ -432,6 +432,10 @@ FOUND_BY = {
         "a tensor a GPU run would have on the CPU",
         "create it with device=x.device (or x.new_zeros), or register it as a buffer",
     ),
+    "memory layout": (
+        "a .view of memory it cannot view",
+        "use .reshape(...) (or .contiguous().view(...)) where the message says",
+    ),
     "numerics": (
         "non-finite values before step 1",
         "fix the module the message names (a division by a value that can be 0, a constant "
@@ -449,6 +453,8 @@ def found_before_step_1(run: Run) -> Cause | None:
     replayed = run.replay.probe_error if run.replay is not None else ""
     if replayed and run.replay.probe_check[0]:
         what = run.replay.probe_check[0]
+    if what == "shapes" and "memory layout (" in (replayed or run.error):
+        what = "memory layout"
     if what not in FOUND_BY or (run.summary.get("steps") or 0) > 1:
         return None
     r = run.replay
@@ -543,25 +549,23 @@ def check_first_fix(run: Run, causes: list[Cause]) -> None:
         if not changes_learning(overrides) or tries == 0:
             return
         tries -= 1
-        candidates = [overrides]
-        lr = [o for o in overrides if o.startswith("optimizer.lr=")]
-        if len(lr) == 1:  # a suggested lr that does not work: a tenth, a hundredth of it
-            value = float(lr[0].split("=", 1)[1])
-            rest = [o for o in overrides if o != lr[0]]
-            candidates += [[f"optimizer.lr={value / f:g}", *rest] for f in (10, 100)]
-        if _checked(run, cause, overrides, candidates):
+        if _checked(run, cause, overrides):
             return
 
 
-def _checked(run: Run, cause: Cause, suggested: list[str], candidates: list[list[str]]) -> bool:
-    """Try each candidate in turn; the first that lowers the loss replaces the suggestion.
-    Returns whether one did (or none could be tried: the suggestion then stands, unchecked)."""
+def _checked(run: Run, cause: Cause, suggested: list[str]) -> bool:
+    """Try the suggestion; where it does not lower the loss and sets optimizer.lr, try the lr
+    whose first step would be a healthy size (measured on the way), then its tenth. The first
+    that lowers the loss replaces the suggestion. Returns whether one did (or none could be
+    tried: the suggestion then stands, unchecked, and says so)."""
     from kiln.engine.replay import check_override
 
-    saw = []
-    for overrides in candidates:
+    saw, candidates, tried = [], [suggested], set()
+    while candidates and len(tried) < 3:
+        overrides = candidates.pop(0)
+        tried.add(" ".join(overrides))
         try:
-            lowered, what = check_override(run.path, run.config, overrides)
+            lowered, what, healthy = check_override(run.path, run.config, overrides)
         except Exception as err:  # noqa: BLE001 -- said, and the suggestion stands unchecked
             cause.evidence += (
                 f"; could not check {' '.join(overrides)} ({type(err).__name__}: {err})"
@@ -570,12 +574,19 @@ def _checked(run: Run, cause: Cause, suggested: list[str], candidates: list[list
         saw.append(what)
         if lowered:
             cause.evidence += f"; checked: {what}" + (
-                f" (not {' '.join(suggested)}: {saw[0]}, the loss does not fall)"
+                f" (before it: {'; '.join(saw[:-1])}: the loss does not fall)"
                 if overrides != suggested
                 else ""
             )
             cause.try_ = cause.try_.replace(" ".join(suggested), " ".join(overrides), 1)
             return True
+        lr = [o for o in overrides if o.startswith("optimizer.lr=")]
+        if lr and healthy is not None:
+            rest = [o for o in overrides if o != lr[0]]
+            for value in (healthy, healthy / 10):
+                candidate = [f"optimizer.lr={float(f'{value:.1g}'):g}", *rest]
+                if " ".join(candidate) not in tried:
+                    candidates.append(candidate)
     cause.evidence += "; checked and not suggested: " + "; ".join(saw) + ": the loss does not fall"
     cause.try_ = (
         f"(not {' '.join(suggested)}: it did not lower the loss) "

@@ -109,7 +109,9 @@ class TrainerConfig:
     probe_sizes: bool = True  # rule 1 before the first step: other batch and input sizes
     learn_probe: bool = True  # before step 1, a few steps on one batch (on copies) must lower it
     fp16_check: bool = False  # the fp16 overflow probe also without precision=amp
-    skip_checks: list[str] = field(default_factory=list)  # behaviour checks to leave out, by name
+    skip_checks: list[str] = field(
+        default_factory=list
+    )  # checks to leave out: [batch_dependence,...]
     find_unused_parameters: bool = False  # DDP: parameters may go unused in some steps (slower)
     max_skipped_steps: int = 20  # nan_policy=skip fails the run past this many (-1: no limit)
     checkpoint_every_n_steps: int = 0  # also save last.pt every N optimizer steps (0: off)
@@ -150,7 +152,7 @@ class TrainerConfig:
         at_least(self.overfit_batches, 0, f"{key}.overfit_batches")
         at_least(self.max_skipped_steps, -1, f"{key}.max_skipped_steps", "-1: no limit")
         for check in self.skip_checks:
-            if check not in SKIPPABLE_CHECKS:
+            if check.replace("_", " ") not in SKIPPABLE_CHECKS:
                 raise invalid(
                     f"{key}.skip_checks",
                     f"unknown check {check!r}; the checks a run can skip: "

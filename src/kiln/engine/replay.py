@@ -526,10 +526,12 @@ def changes_learning(overrides: list[str]) -> bool:
     return any(o.split("=", 1)[0].startswith(LEARNING_KEYS) for o in overrides)
 
 
-def check_override(run_dir: Path, plain_config: dict, overrides: list[str]) -> tuple[bool, str]:
+def check_override(
+    run_dir: Path, plain_config: dict, overrides: list[str]
+) -> tuple[bool, str, float | None]:
     """Whether the run with `overrides` (key=value) lowers the loss: the learn probe's steps on
-    the run's own probe batch, on a model built as the run built it. (True, what it saw) or
-    (False, what it saw); raises when it cannot run."""
+    the run's own probe batch, on a model built as the run built it. Returns (whether it fell,
+    what it saw, the lr whose first step would be a healthy one); raises when it cannot run."""
     from kiln.guards.input_sizes import take
     from kiln.guards.learn_probe import STEPS, learn
 
@@ -551,7 +553,8 @@ def check_override(run_dir: Path, plain_config: dict, overrides: list[str]) -> t
         model = copy.deepcopy(trainer.raw_model)
         batch = take(parts.probe_batch, parts.mode_probe_size)
         result = learn(model, parts.optimizer_for(model, 1.0), trainer.criterion, batch, STEPS)
-    return result.fell, (
+    saw = (
         f"{STEPS} steps with {' '.join(overrides)} on one fixed batch of {len(batch[0])}: its "
         f"loss {result.shown}"
     )
+    return result.fell, saw, result.healthy_lr

@@ -233,7 +233,7 @@ def probe_plan(cfg: KilnConfig, criterion, dist: DistInfo) -> ProbePlan:
         sizes=t.probe_sizes,
         modes=t.shape_check,
         logits=getattr(criterion, "expects_logits", False),
-        skip=frozenset(t.skip_checks),
+        skip=frozenset(name.replace("_", " ") for name in t.skip_checks),
         learn_steps=LEARN_PROBE_STEPS if t.learn_probe else 0,
         fp16=t.fp16_check or cfg.precision.name == "amp",  # amp is fp16 on CUDA
         conditional_is_fatal=dist.enabled and not is_sharded(t) and not t.find_unused_parameters,

@@ -37,7 +37,13 @@ class CannotLearnError(ProbeFailure):
 class LearnResult:
     losses: list[float]  # before, then after each step
     lr: float  # the largest learning rate of the optimizer's groups
-    update: float  # lr·|g|/|w| of the first step (the whole model)
+    update: float  # |Δw|/|w| of the first step (the whole model), whatever the optimizer
+
+    @property
+    def healthy_lr(self) -> float | None:
+        """The lr whose first step would move the weights by HEALTHY_UPDATE of their size (a
+        step's size grows with lr, for SGD and Adam alike)."""
+        return self.lr * HEALTHY_UPDATE / self.update if self.update > 0 else None
 
     @property
     def fell(self) -> bool:
@@ -74,9 +80,10 @@ def learn(
         if not loss.requires_grad:
             break
         loss.backward()
-        if step == 0:
-            update = _update_ratio(params, lr)
+        before = [p.detach().clone() for p in params] if step == 0 else None
         optimizer.step()
+        if before is not None:
+            update = _update_ratio(params, before)
         losses.append(measured_loss(model, criterion, batch))
         if not math.isfinite(losses[-1]):
             break
@@ -84,12 +91,16 @@ def learn(
     return LearnResult(losses, lr, update)
 
 
-def _update_ratio(params: list[torch.Tensor], lr: float) -> float:
-    grads = [p.grad.detach().float() for p in params if p.grad is not None]
-    dense = [g.coalesce().values() if g.is_sparse else g for g in grads]
-    g = math.sqrt(sum(float(t.pow(2).sum()) for t in dense)) if dense else 0.0
-    w = math.sqrt(sum(float(p.detach().float().pow(2).sum()) for p in params))
-    return lr * g / max(w, 1e-12)
+def _update_ratio(params: list[torch.Tensor], before: list[torch.Tensor]) -> float:
+    """|Δw|/|w| of a step: how far it moved the weights, relative to their size."""
+    moved = math.sqrt(
+        sum(
+            float((p.detach() - b).float().pow(2).sum())
+            for p, b in zip(params, before, strict=True)
+        )
+    )
+    size = math.sqrt(sum(float(b.float().pow(2).sum()) for b in before))
+    return moved / max(size, 1e-12)
 
 
 def check_can_learn(
@@ -114,7 +125,7 @@ def check_can_learn(
         model.load_state_dict(initial)
         tenth = learn(model, optimizer_for(model, 0.1), criterion, batch, steps)
         went = "went non-finite" if not math.isfinite(last) else "rose"
-        healthy = result.lr * HEALTHY_UPDATE / result.update if result.update > 0 else None
+        healthy = result.healthy_lr
         sized = (
             f"; an lr that moves the weights by {HEALTHY_UPDATE:g} of their size at the first "
             f"step would be about {healthy:.1g} (optimizer.lr)"
@@ -138,14 +149,16 @@ def _why_flat(result: LearnResult, dead: dict[str, str]) -> str:
         return "the loss needs no gradient: the output is detached from the graph"
     if result.update == 0.0:
         return "no gradient reaches the weights (zero gradients)" + _dead(dead)
-    if result.update < 1e-6:
+    if result.update < 1e-5:
         return (
-            f"the first update moves the weights by {result.update:.2g} of their size "
-            f"(lr·|g|/|w|; about 1e-3 is healthy): the learning rate {result.lr:g} is too small "
-            "to matter" + _dead(dead)
+            f"the first step moves the weights by {result.update:.2g} of their size (about "
+            f"{HEALTHY_UPDATE:g} is healthy): the learning rate {result.lr:g} is too small to "
+            f"matter; about {result.healthy_lr:.1g} would move them by {HEALTHY_UPDATE:g}"
+            + _dead(dead)
         )
     return (
-        f"the weights move (lr·|g|/|w| = {result.update:.2g}) but the loss does not follow: "
+        f"the weights move (|Δw|/|w| = {result.update:.2g} at the first step) but the loss does "
+        "not follow: "
         "a loss that ignores the model's output, labels that do not match the inputs, or "
         "layers that do not pass the signal on" + _dead(dead)
     )
