@@ -126,7 +126,7 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
 
     from kiln.engine.distributed import env_dist_info, leave_together, teardown
     from kiln.engine.preemption import Interrupted, Preempted
-    from kiln.engine.rank_watch import claim_report, post_failure
+    from kiln.engine.rank_watch import claim_report, hold_sigterm_while_reporting, post_failure
     from kiln.engine.run import train
 
     hydra = HydraConfig.get()
@@ -135,6 +135,7 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     command = RunCommand.of(hydra.overrides.task, hydra.overrides.hydra)  # to type it again
     dist = env_dist_info()
     tidy_console()
+    hold_sigterm_while_reporting()
     finished = False
     try:
         cfg = to_typed(raw_cfg)

@@ -41,6 +41,30 @@ EXIT_FAILED = 1
 
 _claim = threading.Lock()
 _claimed = False
+_reporting = threading.Event()  # a failure is being reported: SIGTERM waits for it
+_deferred: list[int] = []
+
+
+def hold_sigterm_while_reporting() -> None:
+    """From now on (the training process's main thread), a SIGTERM that arrives while a failure
+    is being reported waits until the report is written: torchrun sends it to every rank once
+    one died, often while the main rank writes the [FAIL] line and summary.json. Any other
+    time it ends the process as before (the preemption handlers take it over during fit)."""
+
+    def handler(signum, frame):
+        if _reporting.is_set():
+            _deferred.append(signum)
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    with contextlib.suppress(ValueError):  # not the main thread (a test's): as before
+        signal.signal(signal.SIGTERM, handler)
+
+
+def reporting_failure() -> None:
+    """The run is failing: its report is written from here on (see hold_sigterm_while_...)."""
+    _reporting.set()
 
 
 def claim_report() -> bool:

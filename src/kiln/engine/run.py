@@ -47,7 +47,7 @@ from kiln.engine.optim import (
 )
 from kiln.engine.precision import resolve_precision
 from kiln.engine.preemption import Interrupted, Preempted
-from kiln.engine.rank_watch import RankWatch
+from kiln.engine.rank_watch import RankWatch, reporting_failure
 from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge, map_position
 from kiln.engine.seeding import seed_everything, set_deterministic
 from kiln.engine.sharded_checkpoint import ShardedWriter
@@ -526,6 +526,7 @@ def train(
             summary.update(check_overfit(recorder.history))
         return summary
     except BaseException as err:
+        reporting_failure()  # a SIGTERM now (torchrun's, after a rank died) waits for the report
         if trainer is not None and not hasattr(err, "step"):
             err.kiln_step = trainer.current_step  # where the failure line says it happened
         status = "preempted" if isinstance(err, Preempted) else "failed"

@@ -246,7 +246,8 @@ def _observed_step(
         whole = probe_backward_reached(scratch)
         varied = find_conditional_parameters(scratch, criterion, seen.batch, whole)
         if varied is not None:
-            error = conditional_error(scratch, varied[0])
+            first = next(iter(sorted(varied[1])), "")
+            error = conditional_error(scratch, varied[0], first.rpartition(".")[0])
             if plan.conditional_is_fatal:
                 raise error
             log.warning("%s", error)
