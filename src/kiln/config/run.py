@@ -109,9 +109,7 @@ class TrainerConfig:
     probe_sizes: bool = True  # rule 1 before the first step: other batch and input sizes
     learn_probe: bool = True  # before step 1, a few steps on one batch (on copies) must lower it
     fp16_check: bool = False  # the fp16 overflow probe also without precision=amp
-    skip_checks: list[str] = field(
-        default_factory=list
-    )  # checks to leave out: [batch_dependence,...]
+    skip_checks: list[str] = field(default_factory=list)  # checks left out: [determinism,...]
     find_unused_parameters: bool = False  # DDP: parameters may go unused in some steps (slower)
     max_skipped_steps: int = 20  # nan_policy=skip fails the run past this many (-1: no limit)
     checkpoint_every_n_steps: int = 0  # also save last.pt every N optimizer steps (0: off)

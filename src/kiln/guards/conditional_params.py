@@ -3,9 +3,10 @@ on regardless, but under DDP every rank must reduce the same parameters in every
 ranks' gradient reductions stop matching (gloo aborts a few dozen steps in, NCCL hangs) unless
 DDP is told to look for unused parameters (trainer.find_unused_parameters=true).
 
-Before step 1 the probe backpropagates each of the probe batch's samples alone (pairs where a
-batch of 1 cannot train: BatchNorm) and the whole batch, and compares which parameters got a
-gradient. During the run, GradientPresence records it at every step and names a change at once:
+Before step 1 the probe runs each of the probe batch's samples alone (pairs where a batch of 1
+cannot train: BatchNorm) and compares the parameters each one's autograd graph reaches (what a
+backward would give a gradient, read without running it) with those the whole batch's backward
+reached. During the run, GradientPresence records it at every step and names a change at once:
 one process logs it; under DDP the step fails before its next collective."""
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def find_conditional_parameters(
     varied), or None."""
     n = len(batch[0])
     groups = [[i] for i in range(min(n, SAMPLES))]
+    for p in model.parameters():
+        p.grad = None
     runs: list[tuple[str, frozenset[str]]] = []
     try:
         for group in groups:

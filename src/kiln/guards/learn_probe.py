@@ -58,35 +58,39 @@ class LearnResult:
         return " -> ".join(f"{v:.4g}" for v in self.losses)
 
 
-def measured_loss(model: nn.Module, criterion, batch: Any) -> float:
-    with torch.no_grad(), torch.random.fork_rng():
+def seeded_loss(model: nn.Module, criterion, batch: Any, grad: bool) -> torch.Tensor:
+    """The batch's loss in train mode with the same random numbers every time (the same dropout
+    masks): a change between two calls is the weights' own."""
+    with torch.set_grad_enabled(grad), torch.random.fork_rng():
         torch.manual_seed(MEASURE_SEED)
         model.train()
         loss, _ = criterion(model, batch)
-    return float(loss)
+    return loss
 
 
 def learn(
     model: nn.Module, optimizer: torch.optim.Optimizer, criterion, batch: Any, steps: int = STEPS
 ) -> LearnResult:
-    """`steps` optimizer steps of `model` (a copy: it is trained) on `batch`."""
+    """`steps` optimizer steps of `model` (a copy: it is trained) on `batch`. Each step's own
+    forward, seeded alike, measures the loss the previous step left (one more forward measures
+    the last): steps + 1 forwards in all."""
     lr = max(float(g["lr"]) for g in optimizer.param_groups)
-    losses, update = [measured_loss(model, criterion, batch)], 0.0
+    losses, update = [], 0.0
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        model.train()
-        loss, _ = criterion(model, batch)
-        if not loss.requires_grad:
+        loss = seeded_loss(model, criterion, batch, grad=True)
+        losses.append(float(loss))
+        if not loss.requires_grad or not math.isfinite(losses[-1]):
             break
         loss.backward()
         before = [p.detach().clone() for p in params] if step == 0 else None
         optimizer.step()
         if before is not None:
             update = _update_ratio(params, before)
-        losses.append(measured_loss(model, criterion, batch))
-        if not math.isfinite(losses[-1]):
-            break
+    else:
+        with torch.no_grad():
+            losses.append(float(seeded_loss(model, criterion, batch, grad=False)))
     optimizer.zero_grad(set_to_none=True)
     return LearnResult(losses, lr, update)
 
@@ -145,7 +149,7 @@ def check_can_learn(
 
 
 def _why_flat(result: LearnResult, dead: dict[str, str]) -> str:
-    if len(result.losses) == 1:
+    if len(result.losses) == 1 and math.isfinite(result.losses[0]):
         return "the loss needs no gradient: the output is detached from the graph"
     if result.update == 0.0:
         return "no gradient reaches the weights (zero gradients)" + _dead(dead)
