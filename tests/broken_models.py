@@ -8,10 +8,24 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kiln.config.model import DetectorConfig, MlpConfig, TextBowConfig
-from kiln.guards.rules import DEVICES, LOGITS, RULE_1, RULE_2, RULE_3
+from kiln.guards.rules import (
+    BATCH,
+    DEAD,
+    DETERMINISM,
+    DEVICES,
+    LAYOUT,
+    LEARN,
+    LOGITS,
+    NUMERICS,
+    PURITY,
+    RULE_1,
+    RULE_2,
+    RULE_3,
+)
 
 
 def features(spec) -> int:
@@ -236,6 +250,8 @@ class UnsetRunningScale(nn.Module):
     """Scales by the batch's spread in training and by a running spread in eval mode, but never
     updates the running one (left at its initial 0): evaluation divides by zero."""
 
+    uses_batch_statistics = True  # BatchNorm-like in train mode, as declared to the probes
+
     def __init__(self, width):
         super().__init__()
         self.register_buffer("running_std", torch.zeros(width))
@@ -447,6 +463,492 @@ class LoudActivations(nn.Module):
         return self.head(self.energy(self.body(x.flatten(1))) * 1e-5)
 
 
+# ---------------------------------------------------------------------------------------------
+# Issue 31: bugs that check what a model computes, not its shapes. Each kind has a correct twin
+# (TWINS below) that must pass the same check and train as before.
+
+
+def rows_as_sequence(x):
+    """An image batch (N, C, H, W) as sequences (N, H, C*W): each image row a token."""
+    n, c, h, w = x.shape
+    return x.permute(0, 2, 1, 3).reshape(n, h, c * w)
+
+
+class RowAttention(nn.Module):
+    """Self-attention over an image's rows, nn.MultiheadAttention in its default (L, N, D)."""
+
+    def __init__(self, spec, cfg, *, aux_head=False, transpose=False):
+        super().__init__()
+        self.transpose = transpose
+        width = spec.channels * spec.image_size[1]
+        self.embed = nn.Linear(width, 16)
+        self.attend = nn.MultiheadAttention(16, 2)
+        self.head = nn.Linear(16, spec.num_classes)
+
+    def forward(self, x):
+        h = self.embed(rows_as_sequence(x))  # (N, L, D)
+        n, length, d = h.shape
+        # The bug: a .view where a transpose was meant: the rows of different images mix.
+        seq = h.transpose(0, 1) if self.transpose else h.view(length, n, d)
+        mixed, _ = self.attend(seq, seq, seq, need_weights=False)
+        back = mixed.transpose(0, 1) if self.transpose else mixed.view(n, length, d)
+        return self.head(back.mean(dim=1))
+
+
+class RowAttentionTransposed(RowAttention):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, transpose=True)
+
+
+class RowRNN(nn.Module):
+    """A GRU over an image's rows, fed (N, L, D) while it expects (L, N, D) (batch_first left at
+    its default): it runs along the batch, each image's state carried into the next image's."""
+
+    def __init__(self, spec, cfg, *, aux_head=False, batch_first=False):
+        super().__init__()
+        width = spec.channels * spec.image_size[1]
+        self.embed = nn.Linear(width, 16)
+        self.rnn = nn.GRU(16, 16, batch_first=batch_first)
+        self.head = nn.Linear(16, spec.num_classes)
+
+    def forward(self, x):
+        out, _ = self.rnn(self.embed(rows_as_sequence(x)))  # (N, L, 16)
+        return self.head(out[:, -1])
+
+
+class RowRNNBatchFirst(RowRNN):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, batch_first=True)
+
+
+class Standardise(nn.Module):
+    """Standardises features: over the batch (dim 0, the bug) or over each sample's features."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, h):
+        return (h - h.mean(self.dim, keepdim=True)) / (h.std(self.dim, keepdim=True) + 1e-5)
+
+
+class BatchStatistics(nn.Module):
+    """A hand-written normalisation over the batch dimension, in both modes: each sample's
+    output depends on whatever else is in its batch (evaluation included)."""
+
+    def __init__(self, spec, cfg, *, aux_head=False, dim=0):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 32)
+        self.norm = Standardise(dim)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.norm(self.body(x.flatten(1))).relu())
+
+
+class SampleStatistics(BatchStatistics):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, dim=1)
+
+
+class RunningCentre(nn.Module):
+    """Centres features by a running mean kept on self as a plain tensor (not a buffer) and
+    updated in every call, evaluation included."""
+
+    def __init__(self, width, keep_state=True):
+        super().__init__()
+        self.keep_state = keep_state
+        self.centre = torch.zeros(width)
+        self.register_buffer("running", torch.zeros(width))
+
+    def forward(self, h):
+        if not self.keep_state:  # the twin: a buffer, updated in train mode only
+            if self.training:
+                self.running.mul_(0.9).add_(0.1 * h.detach().mean(0))
+            return h - self.running
+        self.centre = 0.9 * self.centre + 0.1 * h.detach().mean(0)
+        return h - self.centre
+
+
+class StateOnSelf(nn.Module):
+    def __init__(self, spec, cfg, *, aux_head=False, keep_state=True):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 32)
+        self.centre = RunningCentre(32, keep_state)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.centre(self.body(x.flatten(1))).relu())
+
+
+class StateInABuffer(StateOnSelf):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, keep_state=False)
+
+
+class FunctionalDropout(nn.Module):
+    """F.dropout without training=self.training: dropout in evaluation too."""
+
+    def __init__(self, spec, cfg, *, aux_head=False, follow_mode=False):
+        super().__init__()
+        self.follow_mode = follow_mode
+        self.body = nn.Linear(features(spec), 64)
+        self.head = nn.Linear(64, spec.num_classes)
+
+    def forward(self, x):
+        h = self.body(x.flatten(1)).relu()
+        h = F.dropout(h, 0.3, training=self.training) if self.follow_mode else F.dropout(h, 0.3)
+        return self.head(h)
+
+
+class FunctionalDropoutFollowsMode(FunctionalDropout):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, follow_mode=True)
+
+
+class GaussianNoise(nn.Module):
+    """Noise injection for robustness, left on in eval (the twin checks self.training)."""
+
+    def __init__(self, std, train_only=False):
+        super().__init__()
+        self.std, self.train_only = std, train_only
+
+    def forward(self, h):
+        if self.train_only and not self.training:
+            return h
+        return h + self.std * torch.randn_like(h)
+
+
+class NoiseInEval(nn.Module):
+    def __init__(self, spec, cfg, *, aux_head=False, train_only=False):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 32)
+        self.noise = GaussianNoise(0.3, train_only)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.noise(self.body(x.flatten(1)).relu()))
+
+
+class NoiseInTrainingOnly(NoiseInEval):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, train_only=True)
+
+
+class ScalesInputsInPlace(nn.Module):
+    """Rescales the pixel batch in place (x /= 16): the batch the loss, the metrics and the
+    probes see is no longer what was loaded."""
+
+    def __init__(self, spec, cfg, *, aux_head=False, in_place=True):
+        super().__init__()
+        self.in_place = in_place
+        self.body = nn.Linear(features(spec), 32)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        if self.in_place:
+            x /= 16.0
+        else:
+            x = x / 16.0
+        return self.head(self.body(x.flatten(1)).relu())
+
+
+class ScalesInputsOnACopy(ScalesInputsInPlace):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, in_place=False)
+
+
+def build_kiln_detector(cls, spec, cfg):
+    from kiln.models.detector import input_side
+
+    return cls(spec.num_classes, input_side(spec), cfg)
+
+
+class _BoxStatistics:
+    """Logs the mean box size relative to each image (the twin on copies, the bug in place)."""
+
+    in_place = True
+
+    def forward(self, images, targets=None):
+        if self.training and targets is not None:
+            for image, target in zip(images, targets, strict=True):
+                if self.in_place:  # the bug: the dataset's own boxes shrink every time
+                    target["boxes"] /= image.shape[-1]
+                    relative = target["boxes"]
+                else:
+                    relative = target["boxes"] / image.shape[-1]
+                self.last_box_size = (
+                    float(relative[:, 2:].sub(relative[:, :2]).mean()) if len(relative) else 0.0
+                )
+        return super().forward(images, targets)
+
+
+def _detector_classes():
+    from kiln.models.detector import KilnDetector
+
+    class RescalesTargetsInPlace(_BoxStatistics, KilnDetector):
+        in_place = True
+
+    class RescalesTargetsOnCopies(_BoxStatistics, KilnDetector):
+        in_place = False
+
+    return RescalesTargetsInPlace, RescalesTargetsOnCopies
+
+
+def rescales_targets_in_place(spec, cfg, *, aux_head=False):
+    return build_kiln_detector(_detector_classes()[0], spec, cfg)
+
+
+def rescales_targets_on_copies(spec, cfg, *, aux_head=False):
+    return build_kiln_detector(_detector_classes()[1], spec, cfg)
+
+
+class DeadUnits(nn.Module):
+    """Every layer's bias initialised to -30, an initialisation copied from one layer to all:
+    with standardised inputs and small weights, no ReLU ever fires."""
+
+    def __init__(self, spec, cfg, *, aux_head=False, bias=-30.0):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(features(spec), 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU()
+        )
+        self.head = nn.Linear(32, spec.num_classes)
+        with torch.no_grad():
+            for layer in (self.body[0], self.body[2]):
+                layer.bias.fill_(bias)
+
+    def forward(self, x):
+        return self.head(self.body(x.flatten(1)))
+
+
+class LiveUnits(DeadUnits):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, bias=0.0)
+
+
+class DetachedOutput(nn.Module):
+    """Returns its logits detached (a .detach() meant for a logged copy): nothing trains."""
+
+    def __init__(self, spec, cfg, *, aux_head=False, detach=True):
+        super().__init__()
+        self.detach = detach
+        self.body = nn.Linear(features(spec), 32)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        logits = self.head(self.body(x.flatten(1)).relu())
+        return logits.detach() if self.detach else logits
+
+
+class AttachedOutput(DetachedOutput):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, detach=False)
+
+
+class ZeroGate(nn.Module):
+    """A learned layer behind a gate buffer initialised to zeros where ones were meant."""
+
+    def __init__(self, width, opened=False):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.register_buffer("gate", torch.ones(width) if opened else torch.zeros(width))
+
+    def forward(self, h):
+        return h + self.gate * self.fc(h)
+
+
+class ZeroGradients(nn.Module):
+    """Its residual branch is multiplied by a zero gate: the branch's gradients are exactly zero
+    (not None), so rule 2's check of missing gradients passes it."""
+
+    def __init__(self, spec, cfg, *, aux_head=False, opened=False):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 32)
+        self.branch = ZeroGate(32, opened)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.branch(self.body(x.flatten(1)).relu()))
+
+
+class OpenGate(ZeroGradients):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, opened=True)
+
+
+class ConditionalRefine(nn.Module):
+    """Refines the features only when some image in the batch is bright (`if cond.any()`): a
+    batch of dim digits skips `refine`, and under DDP the ranks' gradient reductions mismatch."""
+
+    def __init__(self, spec, cfg, *, aux_head=False, always=False):
+        super().__init__()
+        self.always = always
+        self.body = nn.Linear(features(spec), 32)
+        self.refine = nn.Linear(32, 32)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        h = self.body(x.flatten(1)).relu()
+        bright = x.flatten(1).mean(dim=1) > BRIGHT
+        if self.always:
+            h = h + bright.to(h.dtype)[:, None] * self.refine(h)  # every step: weighted, no branch
+        elif bright.any():
+            h = h + self.refine(h)
+        return self.head(h)
+
+
+BRIGHT = 0.04  # a standardised digit's mean pixel: some of the first digits are above, some not
+
+
+class RefineEveryStep(ConditionalRefine):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, always=True)
+
+
+class PositionBias(nn.Module):
+    def __init__(self, width, on_device=False):
+        super().__init__()
+        self.on_device = on_device
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, h):
+        positions = (
+            torch.arange(h.shape[-1], device=h.device)
+            if self.on_device
+            else torch.arange(h.shape[-1])
+        )  # the bug: made on the CPU whatever the device
+        return h * self.scale + positions / h.shape[-1]
+
+
+class TensorWithoutDevice(nn.Module):
+    """Creates a tensor in forward without device=: fine on a CPU run, a device mismatch at the
+    first step of a GPU run."""
+
+    def __init__(self, spec, cfg, *, aux_head=False, on_device=False):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 16)
+        self.position = PositionBias(16, on_device)
+        self.head = nn.Linear(16, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.position(self.body(x.flatten(1))).relu())
+
+
+class TensorOnTheInputsDevice(TensorWithoutDevice):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, on_device=True)
+
+
+class MaskedScores(nn.Module):
+    """Attention-style scores masked with -1e9 (float16 holds +-65504) or with the dtype's
+    own minimum (the twin)."""
+
+    def __init__(self, width, from_dtype=False):
+        super().__init__()
+        self.from_dtype = from_dtype
+        self.score = nn.Linear(width, width)
+
+    def forward(self, h):
+        scores = self.score(h)
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        mask[:, -1] = True  # the last feature is padding
+        fill = torch.finfo(scores.dtype).min if self.from_dtype else -1e9
+        return scores.masked_fill(mask, fill).softmax(dim=-1) * h
+
+
+class MaskFillMinus1e9(nn.Module):
+    def __init__(self, spec, cfg, *, aux_head=False, from_dtype=False):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 32)
+        self.mask = MaskedScores(32, from_dtype)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.mask(self.body(x.flatten(1))))
+
+
+class MaskFillFromDtype(MaskFillMinus1e9):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, from_dtype=True)
+
+
+class HandSoftmax(nn.Module):
+    """A softmax written by hand, exp(scores) / sum: exp of a float16 score above 11 is Inf
+    (the twin subtracts the row's maximum first)."""
+
+    def __init__(self, width, stable=False):
+        super().__init__()
+        self.stable = stable
+        self.score = nn.Linear(width, width)
+
+    def forward(self, h):
+        scores = self.score(h) * 16.0
+        if self.stable:
+            scores = scores - scores.amax(dim=-1, keepdim=True)
+        weights = scores.exp()
+        return weights / weights.sum(dim=-1, keepdim=True) * h
+
+
+class ExpOfHalf(nn.Module):
+    def __init__(self, spec, cfg, *, aux_head=False, stable=False):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 32)
+        self.attend = HandSoftmax(32, stable)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.attend(self.body(x.flatten(1))))
+
+
+class ExpOfHalfStable(ExpOfHalf):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, stable=True)
+
+
+class ViewOnPermuted(nn.Module):
+    """Moves channels last with permute, then .view: the sizes are right but the memory is not
+    contiguous (the twin uses .reshape)."""
+
+    def __init__(self, spec, cfg, *, aux_head=False, reshape=False):
+        super().__init__()
+        self.reshape = reshape
+        self.head = nn.Linear(features(spec), spec.num_classes)
+
+    def forward(self, x):
+        channels_last = x.permute(0, 2, 3, 1)
+        flat = (
+            channels_last.reshape(x.shape[0], -1)
+            if self.reshape
+            else channels_last.view(x.shape[0], -1)
+        )
+        return self.head(flat)
+
+
+class ReshapeOnPermuted(ViewOnPermuted):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, reshape=True)
+
+
+class TinyLogits(nn.Module):
+    """A temperature multiplied where it should divide (logits * 1e-4, not / 1e-4 or / 1):
+    gradients flow and the weights move, the loss stays at ln(classes)."""
+
+    def __init__(self, spec, cfg, *, aux_head=False, temperature=1e-4, divide=False):
+        super().__init__()
+        self.temperature, self.divide = temperature, divide
+        self.body = nn.Linear(features(spec), 32)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        logits = self.head(self.body(x.flatten(1)).relu())
+        return logits / self.temperature if self.divide else logits * self.temperature
+
+
+class UnitTemperature(TinyLogits):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, temperature=1.0, divide=True)
+
+
 @dataclass(frozen=True)
 class Broken:
     name: str
@@ -454,6 +956,8 @@ class Broken:
     data: str  # a dataset whose inputs it takes (where the breakage shows)
     rule: str  # the rule whose message must name it
     # which check catches it: rule1 | rule2 | rule3 (any forward) | logits | config (start-up)
+    # | behaviour (the probe plan's behaviour checks and the learn probe) | fp16 (the same, with
+    # the fp16 probe that precision=amp plans)
     check: str
     needle: str  # a fragment the message must hold
     config: type = MlpConfig
@@ -516,7 +1020,9 @@ BROKEN = [
         "rule3",
         "device mismatch in mix (Mixer)",
     ),  # fmt: skip
-    Broken("eval_only_nan", EvalOnlyNaN, "digits", RULE_3, "rule3", "eval-mode output is non-fin"),
+    Broken(
+        "eval_only_nan", EvalOnlyNaN, "digits", NUMERICS, "rule3", "eval-mode output is non-fin"
+    ),
     Broken("softmax_head", SoftmaxHead, "digits", LOGITS, "logits", "come from head.1 (Softmax)"),
     Broken(
         "aux_on_by_default",
@@ -575,4 +1081,85 @@ BROKEN = [
         "output; without grad, as evaluation and inference run, it does not; the first module "
         "whose output differs: head (GradModeHead): (1, 10) in the with-grad run vs (1, 11)",
     ),  # fmt: skip
+]
+
+# Issue 31's kinds: what a model computes. Each is stopped before step 1 by its own check, which
+# names the module; conditional_refine only under DDP (one process trains on, warned).
+BROKEN += [
+    Broken("view_for_transpose", RowAttention, "digits", BATCH, "behaviour",
+           "<model> (RowAttention).forward, between embed (Linear)'s output and head (Linear)'s "
+           "input"),
+    Broken("rnn_batch_first", RowRNN, "digits", BATCH, "behaviour",
+           "rnn (GRU): row i of its output depends on other rows of its input"),
+    Broken("batch_statistics", BatchStatistics, "digits", BATCH, "behaviour", "norm (Standardise)"),
+    Broken("state_on_self", StateOnSelf, "digits", DETERMINISM, "behaviour",
+           "the model changes itself on every call: the first module call where they part: "
+           "centre (RunningCentre)"),
+    Broken("eval_dropout", FunctionalDropout, "digits", DETERMINISM, "behaviour",
+           "randomness is left on in eval mode; the first module call where they part: <model> "
+           "(FunctionalDropout).forward, before it calls head (Linear)"),
+    Broken("eval_noise", NoiseInEval, "digits", DETERMINISM, "behaviour",
+           "randomness is left on in eval mode; the first module call where they part: noise "
+           "(GaussianNoise)"),
+    Broken("inputs_in_place", ScalesInputsInPlace, "digits", PURITY, "behaviour",
+           "changed the batch it was given: batch[0]: "),
+    Broken("targets_in_place", rescales_targets_in_place, "shapes_detection", PURITY, "behaviour",
+           "changed the batch it was given: batch[1][1]['boxes']: 12 of 12 values changed",
+           DetectorConfig, ("image_list",)),
+    Broken("dead_units", DeadUnits, "digits", DEAD, "behaviour",
+           "Layers with every unit off on the probe batch: body.1: 32 of 32 units off (ReLU)"),
+    Broken("detached_output", DetachedOutput, "digits", DEAD, "behaviour",
+           "output is detached from the graph"),
+    Broken("zero_gradients", ZeroGradients, "digits", DEAD, "behaviour",
+           "got a gradient that is exactly zero in the probe step before step 1, and again after "
+           "one optimizer step: branch.fc.weight, branch.fc.bias, in branch.fc (Linear)"),
+    Broken("conditional_refine", ConditionalRefine, "digits", DEAD, "behaviour",
+           "parameters used only in some steps: refine.weight, refine.bias (in refine (Linear)) "
+           "got a gradient from samples 5, 6, 7 (each alone), the whole batch of 8 and none from "
+           "samples 0, 1, 2, 3, 4 (each alone)"),
+    Broken("tensor_without_device", TensorWithoutDevice, "digits", DEVICES, "behaviour",
+           "in position (PositionBias) combines a tensor of shape (16,) made by "
+           "torch.arange(...) without device= in position (PositionBias)"),
+    Broken("mask_fill_minus_1e9", MaskFillMinus1e9, "digits", NUMERICS, "fp16",
+           "under fp16 autocast (precision=amp on CUDA) mask (MaskedScores) uses a value float16 "
+           "cannot hold", overrides=("precision=amp",)),
+    Broken("exp_of_half", ExpOfHalf, "digits", NUMERICS, "fp16",
+           "in attend (HandSoftmax) makes Inf/NaN out of finite", overrides=("precision=amp",)),
+    Broken("view_on_permuted", ViewOnPermuted, "synthetic_images", LAYOUT, "rule1",
+           "use .reshape(...)"),
+    Broken("tiny_logits", TinyLogits, "digits", LEARN, "behaviour",
+           "5 steps on one fixed batch of 8 at lr 0.003: its loss"),
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Twin:
+    """The correct twin of a broken model: the same model with the bug fixed."""
+
+    name: str
+    builder: type
+    of: str  # the Broken entry it mends
+
+    def broken(self) -> Broken:
+        return next(b for b in BROKEN if b.name == self.of)
+
+
+TWINS = [
+    Twin("view_for_transpose_fixed", RowAttentionTransposed, "view_for_transpose"),
+    Twin("rnn_batch_first_fixed", RowRNNBatchFirst, "rnn_batch_first"),
+    Twin("sample_statistics", SampleStatistics, "batch_statistics"),
+    Twin("state_in_a_buffer", StateInABuffer, "state_on_self"),
+    Twin("dropout_follows_mode", FunctionalDropoutFollowsMode, "eval_dropout"),
+    Twin("noise_in_training_only", NoiseInTrainingOnly, "eval_noise"),
+    Twin("inputs_on_a_copy", ScalesInputsOnACopy, "inputs_in_place"),
+    Twin("targets_on_copies", rescales_targets_on_copies, "targets_in_place"),
+    Twin("live_units", LiveUnits, "dead_units"),
+    Twin("attached_output", AttachedOutput, "detached_output"),
+    Twin("open_gate", OpenGate, "zero_gradients"),
+    Twin("refine_every_step", RefineEveryStep, "conditional_refine"),
+    Twin("tensor_on_the_inputs_device", TensorOnTheInputsDevice, "tensor_without_device"),
+    Twin("mask_fill_from_dtype", MaskFillFromDtype, "mask_fill_minus_1e9"),
+    Twin("exp_of_half_stable", ExpOfHalfStable, "exp_of_half"),
+    Twin("reshape_on_permuted", ReshapeOnPermuted, "view_on_permuted"),
+    Twin("unit_temperature", UnitTemperature, "tiny_logits"),
 ]

@@ -19,7 +19,6 @@ from kiln.cli.paths import CONF_DIR
 from kiln.config import ConfigError
 from kiln.data import build_data
 from kiln.engine.loss import build_criterion
-from kiln.engine.trainer import NonFiniteLossError
 from kiln.guards import (
     DeviceMismatchError,
     LossBranchError,
@@ -29,19 +28,39 @@ from kiln.guards import (
     check_sizes_follow_inputs,
     check_train_eval_agreement,
 )
+from kiln.guards.batch_independence import BatchDependenceError
 from kiln.guards.contract import (
+    check_behaviour,
     check_device_diagnosis,
     check_outputs_are_logits,
     check_rule1,
     check_rule2,
     check_rule3,
 )
-from kiln.guards.input_sizes import EpochPlan
-from kiln.guards.rules import DEVICES, LOGITS, RULE_1, RULE_2, RULE_3
+from kiln.guards.determinism import NondeterministicEvalError
+from kiln.guards.input_sizes import EpochPlan, MemoryLayoutError
+from kiln.guards.learn_probe import CannotLearnError
+from kiln.guards.numerics import NumericsError
+from kiln.guards.purity import ImpureForwardError
+from kiln.guards.rules import (
+    BATCH,
+    DEAD,
+    DETERMINISM,
+    DEVICES,
+    LAYOUT,
+    LEARN,
+    LOGITS,
+    NUMERICS,
+    PURITY,
+    RULE_1,
+    RULE_2,
+    RULE_3,
+    ProbeFailure,
+)
 from kiln.models import build_model
 from kiln.registry import MODELS, compatible_pairs, dataset_provides
 
-from .broken_models import BROKEN, Broken
+from .broken_models import BROKEN, TWINS, Broken, Twin
 from .conftest import compose_config, train_in_process
 from .image_folder_helpers import EXAMPLES
 from .test_engine import make_trainer
@@ -72,7 +91,10 @@ IDS = [
     for model, data, over in CASES
 ]
 ERRORS = {RULE_1: ShapeInferenceError, RULE_2: LossBranchError, RULE_3: ShapeContractError,
-          DEVICES: DeviceMismatchError, LOGITS: ProbabilitiesNotLogitsError}  # fmt: skip
+          DEVICES: DeviceMismatchError, LOGITS: ProbabilitiesNotLogitsError,
+          NUMERICS: NumericsError, BATCH: BatchDependenceError,
+          DETERMINISM: NondeterministicEvalError, PURITY: ImpureForwardError,
+          DEAD: ProbeFailure, LEARN: CannotLearnError, LAYOUT: MemoryLayoutError}  # fmt: skip
 
 _bundles: dict[tuple[str, ...], object] = {}
 
@@ -115,6 +137,18 @@ def parts(model: str, data: str, *overrides: str, model_overrides=(), data_overr
 
     bundle = bundle_for(data, data_overrides)
     return build, build_criterion(build(bundle.spec), cfg.loss), bundle
+
+
+def optimizer_for_config(cfg):
+    """The run's optimizer for a model (what the learn probe builds for its copy)."""
+    from kiln.engine.finetune import parameter_groups
+    from kiln.engine.optim import build_optimizer
+
+    def build(model, lr_scale):
+        scaled = dataclasses.replace(cfg.optimizer, lr=cfg.optimizer.lr * lr_scale)
+        return build_optimizer(parameter_groups(model, scaled.lr, scaled.head_lr_mult), scaled)
+
+    return build
 
 
 def test_every_registered_model_has_a_dataset_to_be_tested_on():
@@ -167,6 +201,16 @@ def test_rule3_holds_under_bf16_autocast_as_amp_runs_on_cpu(model, data, model_o
 @pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
 def test_classifiers_return_logits_not_probabilities(model, data, model_overrides):
     check_outputs_are_logits(*parts(model, data, model_overrides=model_overrides))
+
+
+@pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
+def test_behaviour_checks_and_the_learn_probe_pass(model, data, model_overrides):
+    """Determinism in eval, batch independence, purity, finite values, live gradients, no
+    parameter used only in some steps (as DDP would need), the device and fp16 probes, and a
+    few steps on one batch lowering its loss at the option's own optimizer settings."""
+    fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}[dataset_provides(data)]
+    cfg = compose_config(f"data={data}", f"model={fits}", *SMALL.get(data, ()))
+    check_behaviour(*parts(model, data, model_overrides=model_overrides), optimizer_for_config(cfg))
 
 
 @pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
@@ -272,15 +316,28 @@ def config_check(build, criterion, bundle, broken: Broken):
     broken.config(name=broken.name).check("model")
 
 
+def behaviour_check(build, criterion, bundle, cfg=None):
+    return check_behaviour(build, criterion, bundle, optimizer_for_config(cfg), fp16=False)
+
+
+def fp16_check(build, criterion, bundle, cfg=None):
+    return check_behaviour(build, criterion, bundle, optimizer_for_config(cfg), fp16=True)
+
+
 CHECKS = {"rule1": check_rule1, "rule2": check_rule2, "rule3": check_rule3,
-          "logits": check_outputs_are_logits}  # fmt: skip
+          "logits": check_outputs_are_logits, "behaviour": behaviour_check,
+          "fp16": fp16_check}  # fmt: skip
+WHAT = {RULE_1: "shapes", RULE_3: "shapes", DEVICES: "device", NUMERICS: "numerics",
+        BATCH: "batch dependence", DETERMINISM: "determinism", PURITY: "purity",
+        DEAD: "dead gradients", LEARN: "cannot learn", LAYOUT: "shapes"}  # fmt: skip
 
 
 @pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
 def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
     registered(broken)
-    cfg = broken_parts(broken, "loss.force_all_branches=true")
     aux = broken.check == "rule2"
+    cfg = broken_parts(broken, *(["loss.force_all_branches=true"] if aux or broken.check
+                                 in ("rule1", "rule3", "logits") else []))  # fmt: skip
 
     def build(spec):
         return build_model(spec, cfg.model, aux_head=aux).to("cpu")
@@ -293,12 +350,22 @@ def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
         return
     criterion = build_criterion(build(bundle.spec), cfg.loss)
     # The epoch's plan as the run would cut it (batch size from the broken model's data).
-    plan = {"plan": EpochPlan(len(bundle.train), cfg.data.batch_size)}
+    extra = {"plan": EpochPlan(len(bundle.train), cfg.data.batch_size)}
+    extra = extra if broken.check == "rule1" else {}
+    extra = {"cfg": cfg} if broken.check in ("behaviour", "fp16") else extra
     with pytest.raises(ERRORS[broken.rule]) as info:
-        CHECKS[broken.check](build, criterion, bundle, **(plan if broken.check == "rule1" else {}))
+        CHECKS[broken.check](build, criterion, bundle, **extra)
     message = str(info.value)
     assert message.startswith(broken.rule), message
     assert broken.needle in message, message
+    if broken.rule in WHAT and broken.name != "eval_only_nan":  # the [FAIL] line's <what>
+        assert info.value.what == WHAT[broken.rule] or info.value.what.startswith("device")
+
+
+SINGLE_PROCESS_NEEDLE = {
+    "conditional_refine": "sample 0's output changes with its neighbours: alone (a batch of 1) "
+    "vs in its batch of 8"
+}
 
 
 @pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
@@ -320,13 +387,128 @@ def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_
     cfg = broken_parts(broken, *overrides)
     from kiln.engine.run import train
 
-    expected = NonFiniteLossError if broken.name == "nan_aux" else ERRORS[broken.rule]
-    with pytest.raises(expected) as info:
+    # A NaN branch is met by the numerics check first: a batch of 1's output holds it. A
+    # branch taken when some sample of the batch asks for it makes each sample's output depend
+    # on its neighbours: one process stops it there (under DDP, tests/test_ddp.py, the
+    # parameters it leaves without a gradient stop it first).
+    rule = {"nan_aux": NUMERICS, "conditional_refine": BATCH}.get(broken.name, broken.rule)
+    needle = SINGLE_PROCESS_NEEDLE.get(broken.name, broken.needle)
+    with pytest.raises(ERRORS[rule]) as info:
         train(cfg, tmp_path / "run")
     message = str(info.value)
-    assert message.startswith(broken.rule), message
+    assert message.startswith(rule), message
     summary = (tmp_path / "run" / "summary.json").read_text()
     assert '"steps": 0' in summary or '"steps": 1' in summary  # at the first step at the latest
+    if broken.check in ("behaviour", "fp16"):  # before step 1, naming the module
+        assert '"steps": 0' in summary and needle in message, message
+
+
+def register_twin(twin: Twin) -> Broken:
+    """The twin registered under its own name, with its broken model's schema and data."""
+    broken = twin.broken()
+    MODELS.register(twin.name, config=broken.config, inputs=broken.inputs)(twin.builder)
+    return dataclasses.replace(broken, name=twin.name, builder=twin.builder)
+
+
+@pytest.fixture
+def twin_registered():
+    added = []
+
+    def register(twin: Twin) -> Broken:
+        added.append(twin.name)
+        return register_twin(twin)
+
+    yield register
+    for name in added:
+        del MODELS._entries[name]
+
+
+@pytest.mark.parametrize("twin", TWINS, ids=[t.name for t in TWINS])
+def test_each_correct_twin_passes_the_check_its_broken_model_fails(twin, twin_registered):
+    """The same model with the bug mended: the check that stops the broken one lets it by (the
+    checks look at the behaviour, not at a name or a shape)."""
+    as_broken = twin_registered(twin)
+    aux = as_broken.check == "rule2"
+    cfg = broken_parts(as_broken)
+
+    def build(spec):
+        return build_model(spec, cfg.model, aux_head=aux).to("cpu")
+
+    bundle = bundle_for(as_broken.data)
+    criterion = build_criterion(build(bundle.spec), cfg.loss)
+    extra = {"cfg": cfg} if as_broken.check in ("behaviour", "fp16") else {}
+    CHECKS[as_broken.check](build, criterion, bundle, **extra)
+
+
+PROBES_OFF = (
+    "trainer.probe_sizes=false",
+    "trainer.shape_check=false",
+    "trainer.learn_probe=false",
+    "trainer.skip_checks=[batch_dependence,determinism,purity,numerics,dead_gradients,device]",
+)
+
+
+@pytest.mark.parametrize("twin", TWINS, ids=[t.name for t in TWINS])
+def test_each_correct_twin_trains_as_it_does_without_the_probes(twin, twin_registered, tmp_path):
+    """train() with every probe on and with every one off: the same steps, the same accuracy
+    (the probes leave no trace on the run, and stop no correct model)."""
+    from kiln.checkpoint import load_checkpoint
+    from kiln.engine.run import train
+
+    as_broken = twin_registered(twin)
+    steps = 4 if as_broken.data == "shapes_detection" else 30  # a detector's step: seconds
+    short = ("env.progress_bar=false", "logger=none", f"trainer.max_steps={steps}")
+    summaries, weights = [], []
+    for extra in ((), PROBES_OFF):
+        run_dir = tmp_path / ("on" if not extra else "off")
+        summaries.append(train(broken_parts(as_broken, *short, *extra), run_dir))
+        weights.append(load_checkpoint(run_dir / "checkpoints" / "last.pt")["model"])
+    on, off = summaries
+    assert on["steps"] == off["steps"] > 0
+    monitor = on["monitor"]
+    assert on[monitor] == off[monitor] and on["status"] == off["status"], (on, off)
+    for name, value in weights[0].items():
+        assert torch.equal(value, weights[1][name]), name
+    assert on["probe_times_s"] and not any(
+        k in off["probe_times_s"] for k in ("learn probe", "step probe", "batch dependence")
+    )
+
+
+def test_the_step_names_a_parameter_that_gets_no_gradient_in_a_later_step(caplog):
+    """GradientPresence, as train_step runs it: the first step's parameters with a gradient are
+    the expectation; a later step without one of them is named at once, once on one process;
+    under DDP (fatal) the step raises before its next collective, after telling the other
+    ranks why (on_fatal)."""
+    import logging
+
+    from kiln.guards.conditional_params import ConditionalParametersError, GradientPresence
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    def step(use_second: bool) -> None:
+        model.zero_grad(set_to_none=True)
+        h = model[0](torch.randn(3, 4))
+        (model[1](h) if use_second else h).sum().backward()
+
+    warned = GradientPresence(model, fatal=False)
+    with caplog.at_level(logging.WARNING):
+        for number, use in enumerate([True, True, False, False], start=1):
+            step(use)
+            warned.check(number)
+    said = [r.getMessage() for r in caplog.records if "used only in some steps" in r.getMessage()]
+    assert (
+        len(said) == 1
+        and "1.weight, 1.bias (in 1 (Linear)) got no gradient at step 3" in (said[0])
+        and "trainer.find_unused_parameters=true" in said[0]
+    )
+    told = []
+    fatal = GradientPresence(model, fatal=True, on_fatal=told.append)
+    step(True)
+    fatal.check(1)
+    step(False)
+    with pytest.raises(ConditionalParametersError, match="got no gradient at step 2") as info:
+        fatal.check(2)
+    assert told == [str(info.value)] and info.value.what == "dead gradients"
 
 
 def test_a_correct_model_passes_every_check_at_train_time(tmp_path):

@@ -3,10 +3,12 @@ as one line naming the key, the option and what is valid."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from kiln.engine.loss import build_criterion
 from kiln.engine.optim import build_optimizer, build_scheduler
 from kiln.engine.precision import resolve_precision
 from kiln.models import build_model, logits_of
-from kiln.registry import DATASETS, GROUP_REGISTRIES, MODELS
+from kiln.registry import DATASETS, GROUP_REGISTRIES, MODELS, config_dirs
 
 from .conftest import SUBPROCESS_ENV, compose_config
 
@@ -48,7 +50,10 @@ MODEL_FOR_DATA = {"csv_text": "text_bow", "shapes_detection": "detector"}
 
 
 def yaml_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    """The group's option files: kiln's conf/, and the folders plugins register (a user's
+    `KILN_PLUGINS=my_parts make test` brings theirs)."""
+    folders = [CONF_DIR, *(Path(d.removeprefix("file://")) for d in config_dirs())]
+    return sorted({p.stem for folder in folders for p in (folder / group).glob("*.yaml")})
 
 
 ALL_OPTIONS = [(group, option) for group in GROUPS for option in yaml_options(group)]
@@ -259,7 +264,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_help_lists_every_group_with_the_registry_choices_and_an_options_keys():
-    overview = run_cli("--help")
+    plugins = [m for m in os.environ.get("KILN_PLUGINS", "").split(",") if m]
+    overview = run_cli("--help", *([f"plugins=[{','.join(plugins)}]"] if plugins else []))
     assert overview.returncode == 0, overview.stderr
     for group in GROUPS:
         assert f"\n  {group} " in overview.stdout

@@ -48,7 +48,7 @@ def train_py(cwd, *args):
 @pytest.mark.parametrize(
     ("model", "what", "detail"),
     [
-        ("eval_only_crash", "ShapeContractError", "rule 3 (train and eval must agree): the eval"),
+        ("eval_only_crash", "shapes", "rule 3 (train and eval must agree): the eval"),
         ("layer_on_meta", "device mismatch in head", "devices (one model, one device): device"),
     ],
 )
@@ -144,9 +144,10 @@ def test_a_users_models_join_the_registry_wide_tests_without_any_test_edit(tmp_p
     passed = re.findall(r"^PASSED tests/test_antibodies.py::(\S+)", out, flags=re.MULTILINE)
     failed = re.findall(r"^FAILED tests/test_antibodies.py::(\S+)", out, flags=re.MULTILINE)
     # The correct model: every registry-wide check (rules 1-3, rule 3 under bf16, logits,
-    # devices), on each of the three image datasets (digits, synthetic_images, image_folder).
+    # the behaviour checks and the learn probe, devices), on each of the three image datasets
+    # (digits, synthetic_images, image_folder).
     ok = {p for p in passed if "tiny_ok-on-" in p}
-    assert len(ok) == 6 * 3, out[-3000:]
+    assert len(ok) == 7 * 3, out[-3000:]
     # The literal view: rule 1 fails, on the data where 64 is not the input size.
     assert "test_rule1_sizes_follow_inputs[tiny_view-on-synthetic_images]" in failed, out[-3000:]
     assert "rule 1 (shapes come from inputs)" in out

@@ -50,9 +50,7 @@ def test_a_broken_cell_fails_the_matrix_with_its_fail_line(tmp_path):
     args = ("--plugins", "broken_parts", "--models", "eval_structure", "--reduced", searchpath)
     result = matrix(tmp_path, *args, env=env)
     assert result.returncode == 1
-    assert "[FAIL] digits-eval_structure | single | amp=False | ShapeContractError @ step 0" in (
-        result.stdout
-    )
+    assert "[FAIL] digits-eval_structure | single | amp=False | shapes @ step 0" in (result.stdout)
     failures = (tmp_path / "m" / "failures.log").read_text()
     assert "rule 3 (train and eval must agree)" in failures
 

@@ -4,6 +4,7 @@ and the override to try."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import time
@@ -24,9 +25,11 @@ from kiln.registry import DATASETS, MODELS
 from kiln.triage import triage
 
 from .broken_models import BROKEN
-from .conftest import SUBPROCESS_ENV, compose_config
+from .conftest import SUBPROCESS_ENV, compose_config, read_summary
 
 QUIET = ("env.progress_bar=false", "logger=none", "trainer.log_every_n_steps=1")
+# Runs made to reach the loop's own failures: the learn probe would stop them before step 1.
+NO_LEARN_PROBE = "trainer.learn_probe=false"
 
 
 def top_cause(run_dir):
@@ -62,7 +65,12 @@ def config_with_data(name, *overrides):
 def test_exploding_gradients_before_a_nan(tmp_path):
     run_dir = tmp_path / "run"
     cfg = compose_config(
-        *QUIET, "optimizer=sgd", "optimizer.lr=10", "scheduler=none", "trainer.max_epochs=1"
+        *QUIET,
+        "optimizer=sgd",
+        "optimizer.lr=10",
+        "scheduler=none",
+        "trainer.max_epochs=1",
+        NO_LEARN_PROBE,
     )
     with pytest.raises(RuntimeError, match="loss (NaN|Inf)"):
         train(cfg, run_dir)
@@ -152,12 +160,23 @@ def test_train_eval_disagreement(tmp_path):
 
 def test_a_flat_loss(tmp_path):
     run_dir = tmp_path / "run"
-    train(compose_config(*QUIET, "optimizer.lr=1e-9", "scheduler=none", "trainer.max_steps=12"),
+    train(compose_config(*QUIET, "optimizer.lr=1e-9", "scheduler=none", "trainer.max_steps=12",
+                        NO_LEARN_PROBE),
           run_dir)  # fmt: skip
-    cause = top_cause(run_dir)
-    assert cause.title == "the loss is flat from the first step" and "optimizer.lr=1e-07" in (
-        cause.try_
+    assert read_summary(run_dir)["status"] == "at_chance"  # it learned nothing, and says so
+    run, causes = triage(run_dir)
+    cause = causes[0]
+    assert cause.title == "the loss is flat from the first step"
+    # The suggestion is checked before it is made: a hundred times the lr (1e-07) still does
+    # not lower one batch's loss in the learn probe's steps, the lr whose first step is a
+    # healthy size does, and that is the one suggested.
+    assert "5 steps with optimizer.lr=1e-07 on one fixed batch of 8" in cause.evidence
+    checked = re.search(
+        r"; checked: 5 steps with (optimizer\.lr=\S+) on one fixed batch", cause.evidence
     )
+    assert checked and cause.try_.startswith(checked.group(1) + " "), cause
+    assert float(checked.group(1).split("=")[1]) > 1e-6
+    assert any(c.title.startswith("the run learned nothing") for c in causes)
 
 
 def test_validation_far_below_training(tmp_path, dataset):
@@ -175,7 +194,8 @@ def test_validation_far_below_training(tmp_path, dataset):
 
 def test_the_command_prints_the_ranked_causes(tmp_path):
     run_dir = tmp_path / "run"
-    train(compose_config(*QUIET, "optimizer.lr=1e-9", "scheduler=none", "trainer.max_steps=12"),
+    train(compose_config(*QUIET, "optimizer.lr=1e-9", "scheduler=none", "trainer.max_steps=12",
+                        NO_LEARN_PROBE),
           run_dir)  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "kiln.cli.main", "triage", str(run_dir)],
@@ -183,7 +203,7 @@ def test_the_command_prints_the_ranked_causes(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith(f"triage of {run_dir}: status ok")
+    assert lines[0].startswith(f"triage of {run_dir}: status at_chance")
     assert lines[1] == "1. the loss is flat from the first step"
     assert lines[2].startswith("   evidence: loss ") and lines[3].startswith("   try: ")
     missing = subprocess.run(
@@ -222,7 +242,8 @@ def fails(cfg, run_dir):
 
 def test_replay_a_learning_rate_too_high_at_the_first_update(tmp_path):
     run_dir = tmp_path / "run"
-    fails(compose_config(*QUIET, "optimizer.lr=1e30", "trainer.max_epochs=1"), run_dir)
+    fails(compose_config(*QUIET, "optimizer.lr=1e30", "trainer.max_epochs=1", NO_LEARN_PROBE),
+          run_dir)  # fmt: skip
     run, causes = triage(run_dir)
     cause = causes[0]
     assert cause.title == "learning rate too high at the first update", causes
@@ -304,13 +325,22 @@ def test_replay_non_finite_inputs(tmp_path, dataset):
     fails(config_with_data("digits_nan_inputs", "trainer.max_epochs=1"), run_dir)
     cause = top_cause(run_dir)  # no nan_batch_stats.json: in-process, the replay finds it
     assert cause.title == "non-finite values in the input batch"
-    assert "replayed step 1: its batch holds batch[0]: " in cause.evidence
+    # The numerics probe meets the NaN before step 1; the replay traces the probes' batch.
+    assert (
+        "replayed the probes before step 1, then their batch traced: its batch holds batch[0]: "
+        in (cause.evidence)
+    )
 
 
 def test_replay_exploding_gradients(tmp_path):
     run_dir = tmp_path / "run"
     cfg = compose_config(
-        *QUIET, "optimizer=sgd", "optimizer.lr=10", "scheduler=none", "trainer.max_epochs=1"
+        *QUIET,
+        "optimizer=sgd",
+        "optimizer.lr=10",
+        "scheduler=none",
+        "trainer.max_epochs=1",
+        NO_LEARN_PROBE,
     )
     fails(cfg, run_dir)
     run, causes = triage(run_dir)
@@ -344,7 +374,8 @@ def test_replay_a_softmax_head(tmp_path, model_named):
 
 def test_the_command_prints_the_replay_after_the_causes(tmp_path):
     run_dir = tmp_path / "run"
-    fails(compose_config(*QUIET, "optimizer.lr=1e30", "trainer.max_epochs=1"), run_dir)
+    fails(compose_config(*QUIET, "optimizer.lr=1e30", "trainer.max_epochs=1", NO_LEARN_PROBE),
+          run_dir)  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "kiln.cli.main", "triage", str(run_dir)],
         capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300,
@@ -360,3 +391,81 @@ def test_the_command_prints_the_replay_after_the_causes(tmp_path):
     assert "  re-ran step 1 through the run's loader" in replay
     assert "  the loader's batch at step 2 equals the saved one" in replay
     assert "  the failure reproduced" in replay
+
+
+# ---------------------------------------------------------------------------------------------
+# The behaviour checks' findings: each broken kind of tests/broken_models.py, stopped before
+# step 1, is the first cause triage names, with the module and what to do.
+
+TRIAGE_TITLES = {
+    "view_for_transpose": "samples leak across the batch",
+    "rnn_batch_first": "samples leak across the batch in rnn",
+    "batch_statistics": "samples leak across the batch in norm",
+    "state_on_self": "evaluation is not deterministic in centre",
+    "eval_dropout": "evaluation is not deterministic",
+    "eval_noise": "evaluation is not deterministic in noise",
+    "inputs_in_place": "the forward changes the batch in place",
+    "targets_in_place": "the forward changes the batch in place",
+    "dead_units": "dead gradients in body.0",
+    "detached_output": "dead gradients",
+    "zero_gradients": "dead gradients in branch.fc",
+    "conditional_refine": "samples leak across the batch",  # one process: see test_ddp.py
+    "tensor_without_device": "a tensor a GPU run would have on the CPU in position",
+    "mask_fill_minus_1e9": "fp16 overflow (found by the fp16 probe) in mask",
+    "exp_of_half": "fp16 overflow in attend (HandSoftmax)",
+    "view_on_permuted": "a .view of memory it cannot view",
+    "tiny_logits": "the model cannot lower the loss of one batch",
+}
+KINDS = [b for b in BROKEN if b.name in TRIAGE_TITLES]
+
+
+@pytest.mark.parametrize("broken", KINDS, ids=[b.name for b in KINDS])
+def test_triage_ranks_each_behaviour_finding_first(broken, tmp_path):
+    from .test_antibodies import broken_parts
+
+    MODELS.register(broken.name, config=broken.config, inputs=broken.inputs)(broken.builder)
+    try:
+        run_dir = tmp_path / "run"
+        fails(broken_parts(broken, *QUIET, "trainer.max_epochs=1"), run_dir)
+        run, causes = triage(run_dir)
+    finally:
+        del MODELS._entries[broken.name]
+    assert causes[0].title == TRIAGE_TITLES[broken.name], causes
+    assert causes[0].try_ and causes[0].evidence, causes[0]
+    assert run.replay.reproduced is True  # the probes, replayed, fail the same way
+
+
+class ReadsItsEnvironment(torch.nn.Module):
+    """A plugin's model that reads a variable of the environment (a debugging switch left on):
+    NaN outputs when TRIAGE_DEMO_POISON=1."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, spec.num_classes)
+
+    def forward(self, x):
+        import os
+
+        logits = self.fc(x.flatten(1))
+        return logits * float("nan") if os.environ.get("TRIAGE_DEMO_POISON") == "1" else logits
+
+
+def test_the_replay_runs_with_the_runs_environment(tmp_path, model_named, monkeypatch):
+    """The run had TRIAGE_DEMO_POISON=1 (a plugin reads it), triage's shell does not: the
+    replay sets the run's recorded environment, reproduces the failure and says so. A secret's
+    value is never written down (environment.json holds a digest)."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("TRIAGE_DEMO_POISON", "1")
+    monkeypatch.setenv("TRIAGE_DEMO_API_TOKEN", "hunter2")
+    fails(model_named("reads_env", ReadsItsEnvironment, "trainer.max_epochs=1"), run_dir)
+    recorded = (run_dir / "environment.json").read_text()
+    assert '"TRIAGE_DEMO_POISON": "1"' in recorded and "hunter2" not in recorded
+    monkeypatch.delenv("TRIAGE_DEMO_POISON")
+    monkeypatch.setenv("TRIAGE_DEMO_API_TOKEN", "another")
+    run, causes = triage(run_dir)
+    assert run.replay.reproduced is True, run.replay
+    assert any("replayed with the run's environment: " in n and "TRIAGE_DEMO_POISON=1" in n
+               for n in run.replay.notes), run.replay.notes  # fmt: skip
+    assert any("differs from the run's in TRIAGE_DEMO_API_TOKEN" in n for n in run.replay.notes)
+    assert causes[0].title == "NaN/Inf first appears in ReadsItsEnvironment.forward", causes
+    assert "TRIAGE_DEMO_POISON" not in __import__("os").environ  # put back after the replay

@@ -275,12 +275,6 @@ def validation_far_below_training(run: Run) -> Cause | None:
 # ------------------------------------------------------------------ from the replayed step
 
 
-def _where(op) -> str:
-    if op.module:
-        return f"{op.module} ({op.kind})"
-    return f"{op.kind}.forward" if op.kind else "the criterion (outside the model)"
-
-
 def _stats(inputs: list[dict]) -> str:
     shown = []
     for t in inputs[:2]:
@@ -293,6 +287,12 @@ def _stats(inputs: list[dict]) -> str:
     return "; ".join(shown)
 
 
+def _replayed(r) -> str:
+    if r.what == "probe":
+        return "replayed the probes before step 1, then their batch traced"
+    return f"replayed step {r.failing_step}"
+
+
 def replayed_inputs(run: Run) -> Cause | None:
     r = run.replay
     if r is None or not r.nonfinite_inputs:
@@ -301,7 +301,7 @@ def replayed_inputs(run: Run) -> Cause | None:
     return Cause(
         10,
         "non-finite values in the input batch",
-        f"replayed step {r.failing_step}: its batch holds {shown}, before any module ran",
+        f"{_replayed(r)}: its batch holds {shown}, before any module ran",
         "fix the data; trainer.check_inputs=true stops at the first bad batch, naming the tensor",
     )
 
@@ -351,8 +351,8 @@ def replayed_first_op(run: Run) -> Cause | None:
     op = r.first_op if r is not None else None
     if op is None or r.nonfinite_inputs or r.what.startswith("val_"):
         return None
-    name, where = op.op.split(".")[0], _where(op)
-    evidence = f"replayed step {r.failing_step}: {op.op} in {where} ({op.dtype}) made NaN/Inf "
+    name, where = op.op.split(".")[0], op.where
+    evidence = f"{_replayed(r)}: {op.op} in {where} ({op.dtype}) made NaN/Inf "
     evidence += f"out of finite inputs ({_stats(op.inputs)})"
     terms = f" (term {', '.join(repr(t) for t in r.bad_terms)})" if r.bad_terms else ""
     if op.backward:
@@ -444,6 +444,8 @@ def replayed_probe(run: Run) -> Cause | None:
     r = run.replay
     if r is None or not r.probe_error or "returns probabilities" in r.probe_error:
         return None
+    if r.probe_check[0] in FOUND_BY or "memory layout (" in r.probe_error:
+        return None  # named by its own cause (found_before_step_1)
     return Cause(
         7,
         "a probe before step 1 refused the model",
@@ -452,7 +454,111 @@ def replayed_probe(run: Run) -> Cause | None:
     )
 
 
+# ------------------------------------------------------------- from the checks before step 1
+
+# What each behaviour check's finding means, and what to do: (title, fix).
+FOUND_BY = {
+    "batch dependence": (
+        "samples leak across the batch",
+        "make each sample's output depend on that sample alone: transpose/permute where a .view "
+        "regrouped the batch, batch_first=True for a recurrent layer fed (N, L, D), statistics "
+        "over features instead of dim 0, no state kept on self",
+    ),
+    "determinism": (
+        "evaluation is not deterministic",
+        "switch randomness off in eval mode (F.dropout(..., training=self.training), noise only "
+        "under self.training) and keep no state on self that forward updates",
+    ),
+    "purity": (
+        "the forward changes the batch in place",
+        "work on copies in forward and in the loss (x = x / s, not x /= s; clone() a target "
+        "before rescaling it)",
+    ),
+    "dead gradients": (
+        "dead gradients",
+        "reconnect what the message names: a zero that never learns, a detached tensor, an "
+        "initialisation that keeps every ReLU off; for parameters used only in some steps, "
+        "trainer.find_unused_parameters=true under DDP or compute the module in every step",
+    ),
+    "cannot learn": (
+        "the model cannot lower the loss of one batch",
+        "fix what the learn probe saw (its message says what moved and what did not)",
+    ),
+    "device": (
+        "a tensor a GPU run would have on the CPU",
+        "create it with device=x.device (or x.new_zeros), or register it as a buffer",
+    ),
+    "memory layout": (
+        "a .view of memory it cannot view",
+        "use .reshape(...) (or .contiguous().view(...)) where the message says",
+    ),
+    "numerics": (
+        "non-finite values before step 1",
+        "fix the module the message names (a division by a value that can be 0, a constant "
+        "beyond the dtype's range)",
+    ),
+}
+FP16 = "under fp16 autocast"
+
+
+def found_before_step_1(run: Run) -> Cause | None:
+    """A behaviour check stopped the run (summary.json's failed_check; the replayed probes'
+    message is the evidence when the replay ran)."""
+    check = run.summary.get("failed_check") or {}
+    what = check.get("what") or ""
+    replayed = run.replay.probe_error if run.replay is not None else ""
+    if replayed and run.replay.probe_check[0]:
+        what = run.replay.probe_check[0]
+    if what == "shapes" and "memory layout (" in (replayed or run.error):
+        what = "memory layout"
+    if what not in FOUND_BY or (run.summary.get("steps") or 0) > 1:
+        return None
+    r = run.replay
+    if what == "numerics" and r is not None and (r.first_op is not None or r.nonfinite_inputs):
+        return None  # the replay's op-level causes name it (log(0), fp16 overflow, the data)
+    message = (replayed or run.error).split(": ", 1)[-1]  # without the exception's class name
+    module = check.get("module") or (run.replay.probe_check[1] if replayed else "")
+    title, fix = FOUND_BY[what]
+    if what == "numerics" and FP16 in message:
+        title, fix = (
+            "fp16 overflow (found by the fp16 probe)",
+            ("precision=bf16 (fp32's range, no loss scaling), or keep that module in fp32"),
+        )
+    if what == "dead gradients" and "used only in some steps" in message:
+        title = "parameters used only in some steps"
+        fix = (
+            "trainer.find_unused_parameters=true (DDP then looks for unused parameters in every "
+            "step), or compute the module in every step and let the condition weight its output"
+        )
+    if what == "cannot learn":
+        tenth = re.search(r"at a tenth of it \(([^)]+)\) the loss falls", message)
+        if tenth:
+            title = "the learning rate diverges on one batch"
+            fix = (
+                f"optimizer.lr={tenth.group(1)} (a tenth: the learn probe's steps lowered the loss)"
+            )
+    where = f" in {module}" if module else ""
+    source = "replayed the probes: " if replayed else "the run's probes before step 1: "
+    return Cause(9.6, f"{title}{where}", source + message[:600], fix)
+
+
+def at_chance(run: Run) -> Cause | None:
+    """A run that ended at chance: its best evaluation said no more than always answering the
+    most frequent class would."""
+    if run.summary.get("status") != "at_chance":
+        return None
+    return Cause(
+        3,  # the symptom: a cause that explains it (a flat loss, ...) ranks above
+        "the run learned nothing: its best evaluation is at chance",
+        run.summary.get("at_chance") or "summary.json: status at_chance",
+        "the causes below; a learning rate off by orders of magnitude is the usual one "
+        "(the learn probe, on by default, stops a run that cannot lower one batch's loss)",
+    )
+
+
 CHECKS = (
+    found_before_step_1,
+    at_chance,
     replayed_inputs,
     lr_too_high_at_the_first_update,
     replayed_explosion,
@@ -479,7 +585,70 @@ def triage(path: Path, replay: bool = True) -> tuple[Run, list[Cause]]:
     kept: dict[str, Cause] = {}
     for cause in sorted(causes, key=lambda c: c.score, reverse=True):
         kept.setdefault(cause.title, cause)  # the same cause from the replay and the files
-    return run, list(kept.values())
+    ranked = list(kept.values())
+    if replay and run.config:
+        check_first_fix(run, ranked)
+    return run, ranked
+
+
+def check_first_fix(run: Run, causes: list[Cause]) -> None:
+    """The first override the report would suggest that changes learning (optimizer.lr, ...)
+    is tried before it is suggested: the learn probe's steps with it must lower the loss. One
+    that does not is not suggested; one that could not be tried says so."""
+    from kiln.engine.replay import changes_learning
+
+    tries = 2  # a rejected fix lets the next cause's be tried, once
+    for cause in causes:
+        overrides = overrides_in(cause.try_)
+        if not overrides:
+            continue
+        if not changes_learning(overrides) or tries == 0:
+            return
+        tries -= 1
+        if _checked(run, cause, overrides):
+            return
+
+
+def _checked(run: Run, cause: Cause, suggested: list[str]) -> bool:
+    """Try the suggestion; where it does not lower the loss and sets optimizer.lr, try the lr
+    whose first step would be a healthy size (measured on the way), then its tenth. The first
+    that lowers the loss replaces the suggestion. Returns whether one did (or none could be
+    tried: the suggestion then stands, unchecked, and says so)."""
+    from kiln.engine.replay import check_override
+
+    saw, candidates, tried = [], [suggested], set()
+    while candidates and len(tried) < 3:
+        overrides = candidates.pop(0)
+        tried.add(" ".join(overrides))
+        try:
+            lowered, what, healthy = check_override(run.path, run.config, overrides)
+        except Exception as err:  # noqa: BLE001 -- said, and the suggestion stands unchecked
+            cause.evidence += (
+                f"; could not check {' '.join(overrides)} ({type(err).__name__}: {err})"
+            )
+            return True
+        saw.append(what)
+        if lowered:
+            cause.evidence += f"; checked: {what}" + (
+                f" (before it: {'; '.join(saw[:-1])}: the loss does not fall)"
+                if overrides != suggested
+                else ""
+            )
+            cause.try_ = cause.try_.replace(" ".join(suggested), " ".join(overrides), 1)
+            return True
+        lr = [o for o in overrides if o.startswith("optimizer.lr=")]
+        if lr and healthy is not None:
+            rest = [o for o in overrides if o != lr[0]]
+            for value in (healthy, healthy / 10):
+                candidate = [f"optimizer.lr={float(f'{value:.1g}'):g}", *rest]
+                if " ".join(candidate) not in tried:
+                    candidates.append(candidate)
+    cause.evidence += "; checked and not suggested: " + "; ".join(saw) + ": the loss does not fall"
+    cause.try_ = (
+        f"(not {' '.join(suggested)}: it did not lower the loss) "
+        + cause.try_.split(" ", len(suggested))[-1]
+    )
+    return False
 
 
 def replayed(run: Run):

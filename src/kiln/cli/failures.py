@@ -22,7 +22,6 @@ log = logging.getLogger("kiln")
 def what_failed(err: BaseException) -> tuple[str, str]:
     """(the line's <what>, a one-line detail) for an exception that ended a run."""
     from kiln.engine.trainer import NonFiniteEvalError, NonFiniteLossError, TooManySkippedSteps
-    from kiln.guards import DeviceMismatchError, ProbabilitiesNotLogitsError
 
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
     if isinstance(err, NonFiniteLossError):
@@ -30,14 +29,13 @@ def what_failed(err: BaseException) -> tuple[str, str]:
         return f"loss {err.kind}", f"non-finite terms: {terms}"
     if isinstance(err, NonFiniteEvalError):
         return f"{err.metric} {err.kind}", first_line.split(": ", 1)[-1]
-    if isinstance(err, ProbabilitiesNotLogitsError):
-        return f"probabilities, not logits, from {err.module or 'the forward'}", first_line
-    if isinstance(err, DeviceMismatchError):
-        return f"device mismatch in {err.module or 'the model'}", first_line
     if isinstance(err, TooManySkippedSteps):
         return f"{err.skipped} non-finite steps skipped (limit {err.limit})", first_line
     if type(err).__name__ == "OutOfMemoryError":
         return "OOM", "out of memory; " + oom_advice(cfg_of(err))
+    what = getattr(err, "what", None)  # a check's name (shapes, numerics, ...), a rank stopped
+    if isinstance(what, str) and what:
+        return what, first_line
     return type(err).__name__, first_line
 
 

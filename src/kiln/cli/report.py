@@ -73,6 +73,7 @@ def finished(
     lines = [
         f"run {summary['status']}: {metric}, {summary['steps']} steps, {summary['epochs']} "
         f"epochs, {duration(seconds)} training, {speed}",
+        *([f"at chance: {summary['at_chance']}"] if summary.get("at_chance") else []),
         *data_lines(run_dir),
         f"run directory: {where(run_dir, link)}",
         *test_report(summary),

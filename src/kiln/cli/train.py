@@ -127,6 +127,7 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
 
     from kiln.engine.distributed import env_dist_info, leave_together, teardown
     from kiln.engine.preemption import Interrupted, Preempted
+    from kiln.engine.rank_watch import claim_report, hold_sigterm_while_reporting, post_failure
     from kiln.engine.run import train
 
     hydra = HydraConfig.get()
@@ -135,12 +136,13 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     command = RunCommand.of(hydra.overrides.task, hydra.overrides.hydra)  # to type it again
     dist = env_dist_info()
     tidy_console()
+    hold_sigterm_while_reporting()
     finished = False
     try:
         cfg = to_typed(raw_cfg)
         if cfg.env.quiet:
             quiet_console()
-        summary = train(cfg, run_dir)
+        summary = train(cfg, run_dir, lambda err: record_failure(cfg, run_dir, err, True))
         finished = True
     except Preempted as err:
         log.warning("%s", err)
@@ -169,9 +171,17 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
             )
         raise user_error(err, message) from None
     except Exception as err:  # the run died: one [FAIL] line, whatever killed it
-        if dist.is_main:
+        if dist.is_main and claim_report():
             record_failure(cfg, run_dir, err, dist.enabled)
             print(report.failed(run_dir), file=sys.stderr, flush=True)
+        elif dist.enabled and not dist.is_main:  # the main rank reports it if it is stuck
+            from kiln.cli.failures import what_failed
+
+            post_failure(
+                dist,
+                what_failed(err)[0],
+                str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__,
+            )
         if multirun:
             raise  # Hydra records the failed job and the sweep goes on
         raise SystemExit(EXIT_FAILED) from None

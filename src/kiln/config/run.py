@@ -76,6 +76,19 @@ class FsdpConfig:
         at_least(self.min_block_params, 1, f"{key}.min_block_params")
 
 
+# The behaviour checks of the probes before step 1 a run can leave out (trainer.skip_checks), by
+# the name its [FAIL] line gives them. Rules 1 and 3 have their own switches (trainer.probe_sizes,
+# trainer.shape_check), the learn probe and the fp16 probe theirs.
+SKIPPABLE_CHECKS = (
+    "batch dependence",
+    "determinism",
+    "purity",
+    "numerics",
+    "dead gradients",
+    "device",
+)
+
+
 @dataclass
 class TrainerConfig:
     """The training loop: length, accumulation, clipping, checkpoints, guards, logging."""
@@ -94,6 +107,10 @@ class TrainerConfig:
     check_inputs: bool = False  # raise on NaN/Inf in a batch, naming the tensor
     shape_check: bool = True  # rule 3 before the first step and before every evaluation
     probe_sizes: bool = True  # rule 1 before the first step: other batch and input sizes
+    learn_probe: bool = True  # before step 1, a few steps on one batch (on copies) must lower it
+    fp16_check: bool = False  # the fp16 overflow probe also without precision=amp
+    skip_checks: list[str] = field(default_factory=list)  # checks left out: [determinism,...]
+    find_unused_parameters: bool = False  # DDP: parameters may go unused in some steps (slower)
     max_skipped_steps: int = 20  # nan_policy=skip fails the run past this many (-1: no limit)
     checkpoint_every_n_steps: int = 0  # also save last.pt every N optimizer steps (0: off)
     checkpoint_every_epoch: bool = True  # keep an epoch-N.pt at every epoch end
@@ -132,6 +149,15 @@ class TrainerConfig:
         limit_or_all(self.limit_val_batches, f"{key}.limit_val_batches")
         at_least(self.overfit_batches, 0, f"{key}.overfit_batches")
         at_least(self.max_skipped_steps, -1, f"{key}.max_skipped_steps", "-1: no limit")
+        for check in self.skip_checks:
+            if check.replace("_", " ") not in SKIPPABLE_CHECKS:
+                raise invalid(
+                    f"{key}.skip_checks",
+                    f"unknown check {check!r}; the checks a run can skip: "
+                    f"{', '.join(SKIPPABLE_CHECKS)} "
+                    "(rules 1 and 3: trainer.probe_sizes, trainer.shape_check; "
+                    "trainer.learn_probe)",
+                )
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise invalid(f"{key}.ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
         if self.unfreeze_at_epoch is not None:

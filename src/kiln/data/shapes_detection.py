@@ -119,9 +119,15 @@ class ShapesDataset(Dataset):
 
 def collate_image_list(batch):
     """[(image (3, H_i, W_i), target)] -> (list of images, list of targets): sizes differ, so
-    nothing is stacked. Module-level so DataLoader workers can pickle it."""
+    nothing is stacked. Each tensor is a copy: the items are the dataset's own tensors (kept in
+    memory), and a model that rescaled a batch's boxes or images in place would otherwise change
+    the dataset itself, every time the item is drawn (stacking copies for other kinds).
+    Module-level so DataLoader workers can pickle it."""
     images, targets = zip(*batch, strict=True)
-    return list(images), list(targets)
+    return [image.clone() for image in images], [
+        {key: value.clone() if isinstance(value, Tensor) else value for key, value in t.items()}
+        for t in targets
+    ]
 
 
 def build_shapes_detection(cfg: ShapesDetectionConfig) -> DataBundle:

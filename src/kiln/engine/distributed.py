@@ -100,6 +100,11 @@ def init_distributed(requested: bool, backend: str, device: torch.device) -> Dis
     return info
 
 
+def group_store() -> dist.Store | None:
+    """The process group's key-value store under torchrun (None otherwise)."""
+    return _group_store
+
+
 def teardown() -> None:
     global _group_store
     _group_store = None
@@ -163,7 +168,9 @@ def wrap_model(
         return shard_model(model, trainer.fsdp, precision, device)
     if info.enabled:
         device_ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        return DistributedDataParallel(
+            model, device_ids=device_ids, find_unused_parameters=trainer.find_unused_parameters
+        )
     return model
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.engine.chance import Chance, classification_chance, detection_chance
 from kiln.engine.distributed import DistInfo, all_reduce_sum
 from kiln.engine.precision import Precision
 from kiln.models import logits_of
@@ -21,15 +22,18 @@ def build_evaluator(task: str, *, precision: Precision, device: torch.device, di
 
 
 class ClassificationEvaluator:
-    """val_loss (cross-entropy) and val_acc over every validation sample, all ranks summed."""
+    """val_loss (cross-entropy) and val_acc over every validation sample, all ranks summed; and
+    what they would be for a model that knows nothing (`chance`, from the labels' counts)."""
 
     monitor, monitor_mode = "val_acc", "max"
 
     def __init__(self, *, precision: Precision, device: torch.device, dist: DistInfo):
         self.precision, self.device, self.dist = precision, device, dist
+        self.chance: dict[str, Chance] = {}
 
     def __call__(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         totals = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss sum, correct, n
+        counts = None  # validation labels per class
         for inputs, targets in batches:
             with self.precision.autocast():
                 logits = logits_of(model(inputs)).float()
@@ -39,7 +43,13 @@ class ClassificationEvaluator:
             correct = (logits.argmax(dim=-1) == labels).sum()
             count = torch.tensor(len(targets), device=self.device)
             totals += torch.stack([loss.double(), correct.double(), count.double()])
-        loss_sum, correct, count = all_reduce_sum(totals).tolist()
+            per_class = torch.bincount(labels, minlength=logits.shape[-1]).double()
+            counts = per_class if counts is None else counts + per_class
+        if counts is None:
+            counts = torch.zeros(1, device=self.device, dtype=torch.float64)
+        totals = all_reduce_sum(torch.cat([totals, counts]))
+        loss_sum, correct, count = totals[:3].tolist()
+        self.chance = classification_chance(totals[3:].tolist())
         count = max(count, 1.0)
         return {"val_loss": loss_sum / count, "val_acc": correct / count}
 
@@ -51,6 +61,7 @@ class DetectionEvaluator:
 
     def __init__(self, *, precision: Precision, device: torch.device, dist: DistInfo):
         self.precision, self.device, self.dist = precision, device, dist
+        self.chance: dict[str, Chance] = {}
 
     def __call__(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         from kiln.engine.detection_eval import mean_average_precision
@@ -70,6 +81,7 @@ class DetectionEvaluator:
             torch.distributed.all_gather_object(gathered, (predictions, targets))
             predictions = [p for part in gathered for p in part[0]]
             targets = [t for part in gathered for t in part[1]]
+        self.chance = detection_chance(len(targets))
         return {"val_map50": mean_average_precision(predictions, targets, iou_threshold=0.5)}
 
 

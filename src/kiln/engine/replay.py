@@ -19,6 +19,7 @@ stopped before step 1 by a probe replays the probes."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import math
@@ -26,18 +27,23 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
+import yaml
 from omegaconf import OmegaConf
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kiln import checkpoint as files
 from kiln.config import GROUP_SCHEMAS, KilnConfig, option_from_dict
 from kiln.engine.batches import move_to
 from kiln.engine.distributed import DistInfo
-from kiln.guards.numerics import nonfinite_count
+from kiln.engine.environment import run_environment
+from kiln.guards.numerics import (
+    FirstNonFinite,
+    FirstOp,
+    ModuleStack,
+    nonfinite_count,
+    tensor_summary,
+)
 from kiln.guards.tree import iter_tensors
 from kiln.registry import GROUP_REGISTRIES, load_plugins
 
@@ -60,18 +66,6 @@ class StepRecord:
 
 
 @dataclass
-class FirstOp:
-    """The first operation that made NaN/Inf out of finite inputs."""
-
-    op: str  # aten name: "div.Tensor", "log.default", "mul.Tensor", ...
-    module: str  # the module path it ran in ("" outside any module: the criterion)
-    kind: str  # that module's class name
-    dtype: str  # of its output
-    inputs: list[dict]  # per tensor input: shape, dtype, min, max, abs max, zeros
-    backward: bool = False  # found in the backward pass
-
-
-@dataclass
 class Replay:
     failing_step: int | None = None
     what: str = ""  # "loss NaN", "val_loss NaN", "probe"
@@ -91,6 +85,7 @@ class Replay:
     train_mode_finite: bool | None = None  # that batch in train mode
     buffers: dict[str, str] = field(default_factory=dict)  # the failing module's buffers
     probe_error: str = ""  # a run stopped by a probe: its message, replayed
+    probe_check: tuple[str, str] = ("", "")  # (the check's name, the module it named), replayed
     notes: list[str] = field(default_factory=list)
 
 
@@ -175,83 +170,6 @@ def start_checkpoint(run_dir: Path, before: int, at_most: bool = False):
 # ------------------------------------------------------------------------------ instruments
 
 
-def tensor_summary(t: torch.Tensor) -> dict:
-    t = t.detach()
-    stats: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-    if t.numel() and (t.is_floating_point() or not t.dtype.is_complex):
-        f = t.float()
-        finite = f[torch.isfinite(f)]
-        if finite.numel():
-            stats.update(min=float(finite.min()), max=float(finite.max()))
-            stats["abs_max"] = float(finite.abs().max())
-        stats["zeros"] = int((f == 0).sum())
-        stats["nonfinite"] = int((~torch.isfinite(f)).sum())
-    return stats
-
-
-class ModuleStack:
-    """Which module is running (forward hooks), for the ops traced inside it."""
-
-    def __init__(self, model: nn.Module):
-        self.stack: list[tuple[str, str]] = []
-        self.first_bad: tuple[str, str] | None = None
-        self.handles = []
-        for path, module in model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(self._enter(path)))
-            self.handles.append(module.register_forward_hook(self._leave(path)))
-
-    def _enter(self, path):
-        def hook(module, args):
-            self.stack.append((path, type(module).__name__))
-
-        return hook
-
-    def _leave(self, path):
-        def hook(module, args, output):
-            if self.stack:
-                self.stack.pop()
-            if self.first_bad is None and nonfinite_count(output):
-                self.first_bad = (path, type(module).__name__)
-
-        return hook
-
-    @property
-    def current(self) -> tuple[str, str]:
-        return self.stack[-1] if self.stack else ("", "")
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-class FirstNonFinite(TorchDispatchMode):
-    """Records the first op whose floating output holds NaN/Inf while its inputs hold none."""
-
-    def __init__(self, modules: ModuleStack | None = None):
-        super().__init__()
-        self.modules, self.found, self.backward = modules, None, False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.found is None:
-            outputs = [t for _, t in iter_tensors(out) if t.is_floating_point()]
-            if any(not torch.isfinite(t).all() for t in outputs if t.numel()):
-                inputs = [t for _, t in iter_tensors((args, kwargs or {})) if t.is_floating_point()]
-                if all(torch.isfinite(t).all() for t in inputs if t.numel()):
-                    path, kind = self.modules.current if self.modules else ("", "")
-                    self.found = FirstOp(
-                        op=str(func).removeprefix("aten."),
-                        module="" if self.backward else path,
-                        kind="" if self.backward else kind,
-                        dtype=str(outputs[0].dtype).removeprefix("torch."),
-                        inputs=[tensor_summary(t) for _, t in iter_tensors((args, kwargs or {}))][
-                            :4
-                        ],
-                        backward=self.backward,
-                    )
-        return out
-
-
 def _norm(tensors: list[torch.Tensor]) -> float:
     return (
         float(torch.linalg.vector_norm(torch.stack([t.norm() for t in tensors])))
@@ -295,16 +213,23 @@ def replay(run_dir: Path, summary: dict, plain_config: dict) -> Replay:
     found.failing_step, found.what = step, what
     if step is None:
         return found
-    run_cfg = config_from_plain(plain_config)
-    if run_cfg.trainer.distributed:
-        found.notes.append(
-            "a distributed run, replayed in one process: rank 0's saved batch at the failing "
-            "step, the steps before it on one rank's share of the data"
-        )
-    cfg = for_replay(run_cfg)
-    with tempfile.TemporaryDirectory(prefix="kiln-replay-") as scratch:
+    # The run's own environment variables: a plugin may read them (kiln.engine.environment).
+    with (
+        run_environment(run_dir) as notes,
+        tempfile.TemporaryDirectory(prefix="kiln-replay-") as scratch,
+    ):
+        found.notes += notes
+        run_cfg = config_from_plain(plain_config)
+        if run_cfg.trainer.distributed:
+            found.notes.append(
+                "a distributed run, replayed in one process: rank 0's saved batch at the failing "
+                "step, the steps before it on one rank's share of the data"
+            )
+        cfg = for_replay(run_cfg)
         if what == "probe":
-            return _replay_probes(cfg, Path(scratch), found)
+            ddp = run_cfg.trainer.distributed and run_cfg.trainer.strategy == "ddp"
+            fatal = ddp and not run_cfg.trainer.find_unused_parameters
+            return _replay_probes(cfg, Path(scratch), found, conditional_is_fatal=fatal)
         trainer = _build(cfg, Path(scratch))
         if what.startswith("val_"):
             return _replay_evaluation(trainer, run_dir, step, found)
@@ -525,15 +450,111 @@ def _replay_evaluation(trainer, run_dir: Path, step: int, found: Replay) -> Repl
     return found
 
 
-def _replay_probes(cfg: KilnConfig, scratch: Path, found: Replay) -> Replay:
+def _replay_probes(
+    cfg: KilnConfig, scratch: Path, found: Replay, conditional_is_fatal: bool = False
+) -> Replay:
     """A run stopped before step 1: its probes again (they take the data's extremes, never a
-    sample, so they fail again the same way)."""
+    sample, so they fail again the same way; parameters used only in some steps stop a run
+    that was distributed, as they stopped it)."""
     trainer_cfg = dataclasses.replace(cfg.trainer, probe_sizes=True, shape_check=True)
     trainer = _build(dataclasses.replace(cfg, trainer=trainer_cfg), scratch)
+    plan = trainer.parts.probe_plan
+    trainer.parts.probe_plan = dataclasses.replace(
+        plan, conditional_is_fatal=plan.conditional_is_fatal or conditional_is_fatal
+    )
     try:
         trainer.run_probes()
     except Exception as err:  # the probe's own message is the evidence
         found.probe_error, found.reproduced = f"{type(err).__name__}: {err}", True
+        found.probe_check = (getattr(err, "what", "") or "", getattr(err, "module", "") or "")
+        if found.probe_check[0] == "numerics":
+            _bisect_probe(trainer, found, fp16="under fp16 autocast" in str(err))
     else:
         found.reproduced = False
     return found
+
+
+def _bisect_probe(trainer, found: Replay, fp16: bool) -> None:
+    """A NaN/Inf a probe met, traced: the probe batch's own values, then the first operation
+    that made NaN/Inf out of finite inputs in a training forward and loss (the batch, then one
+    sample of it), under the run's autocast (fp16's when the fp16 probe met it), and whether the
+    same forward is finite in fp32."""
+    from kiln.guards.input_sizes import take
+
+    parts, criterion = trainer.parts, trainer.criterion
+    batch = take(parts.probe_batch, parts.mode_probe_size)
+    for path, t in iter_tensors(batch):
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            found.nonfinite_inputs[path] = {
+                "nan": int(torch.isnan(t).sum()), "inf": int(torch.isinf(t).sum()),
+                "shape": list(t.shape),
+            }  # fmt: skip
+    if found.nonfinite_inputs:
+        return
+    model = copy.deepcopy(trainer.raw_model)
+    model.train()
+    device = next((t.device.type for _, t in iter_tensors(batch)), "cpu")
+    autocast = (
+        (lambda: torch.autocast(device, dtype=torch.float16))
+        if fp16
+        else trainer.precision.autocast
+    )
+    for candidate in (batch, take(batch, 1)):
+        modules = ModuleStack(model)
+        tracer = FirstNonFinite(modules)
+        try:
+            with torch.no_grad(), tracer, autocast():
+                _, terms = criterion(model, candidate)
+        except Exception:  # noqa: BLE001 -- what was traced up to it stands
+            terms = {}
+        finally:
+            modules.close()
+        if tracer.found is not None:
+            found.first_op, found.first_module = tracer.found, modules.first_bad
+            found.bad_terms = [n for n, t in terms.items() if not torch.isfinite(t).all()]
+            with torch.no_grad():
+                found.fp32_finite = bool(torch.isfinite(criterion(model, candidate)[0]))
+            return
+
+
+# ------------------------------------------------------------------ checking a suggested fix
+
+LEARNING_KEYS = ("optimizer.", "scheduler.", "trainer.gradient_clip_val", "model.", "loss.")
+
+
+def changes_learning(overrides: list[str]) -> bool:
+    return any(o.split("=", 1)[0].startswith(LEARNING_KEYS) for o in overrides)
+
+
+def check_override(
+    run_dir: Path, plain_config: dict, overrides: list[str]
+) -> tuple[bool, str, float | None]:
+    """Whether the run with `overrides` (key=value) lowers the loss: the learn probe's steps on
+    the run's own probe batch, on a model built as the run built it. Returns (whether it fell,
+    what it saw, the lr whose first step would be a healthy one); raises when it cannot run."""
+    from kiln.guards.input_sizes import take
+    from kiln.guards.learn_probe import STEPS, learn
+
+    plain = copy.deepcopy(plain_config)
+    for override in overrides:
+        key, _, value = override.partition("=")
+        node = plain
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    with (
+        run_environment(run_dir),
+        tempfile.TemporaryDirectory(prefix="kiln-check-") as scratch,
+    ):
+        cfg = for_replay(config_from_plain(plain))
+        trainer = _build(cfg, Path(scratch))
+        parts = trainer.parts
+        model = copy.deepcopy(trainer.raw_model)
+        batch = take(parts.probe_batch, parts.mode_probe_size)
+        result = learn(model, parts.optimizer_for(model, 1.0), trainer.criterion, batch, STEPS)
+    saw = (
+        f"{STEPS} steps with {' '.join(overrides)} on one fixed batch of {len(batch[0])}: its "
+        f"loss {result.shown}"
+    )
+    return result.fell, saw, result.healthy_lr

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from kiln.engine.distributed import (
     resume_after_restart,
     wrap_model,
 )
+from kiln.engine.environment import write_environment
 from kiln.engine.evaluators import build_evaluator
 from kiln.engine.finetune import FreezePlan, WeightAverage, frozen_parameter_names, parameter_groups
 from kiln.engine.host_memory import keep_freed_host_memory
@@ -45,6 +47,7 @@ from kiln.engine.optim import (
 )
 from kiln.engine.precision import resolve_precision
 from kiln.engine.preemption import Interrupted, Preempted
+from kiln.engine.rank_watch import RankWatch, reporting_failure
 from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge, map_position
 from kiln.engine.seeding import seed_everything, set_deterministic
 from kiln.engine.sharded_checkpoint import ShardedWriter
@@ -52,7 +55,8 @@ from kiln.engine.throughput import peak_flops
 from kiln.engine.trainer import NonFiniteLossError, Trainer, TrainingParts, batches_per_epoch
 from kiln.errors import DiskFullError
 from kiln.guards.input_sizes import EpochPlan
-from kiln.guards.probes import probe_batch_sizes
+from kiln.guards.learn_probe import STEPS as LEARN_PROBE_STEPS
+from kiln.guards.probes import ProbePlan, probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import summarize, write_json, write_summary
 from kiln.models import build_model, without_weights
@@ -142,6 +146,13 @@ def build_trainer(
     pool = max([mode_probe_size, *probe_sizes])
     # The data's own extremes, never a sample: the same probes whatever the seed.
     probes = probe_batches(bundle, pool, batch_size)
+    criterion = build_criterion(model, cfg.loss)
+
+    def optimizer_for(copy: torch.nn.Module, lr_scale: float) -> torch.optim.Optimizer:
+        """The run's optimizer for another model (the learn probe's copy), lr scaled."""
+        scaled = dataclasses.replace(cfg.optimizer, lr=cfg.optimizer.lr * lr_scale)
+        return build_optimizer(parameter_groups(copy, scaled.lr, scaled.head_lr_mult), scaled)
+
     on_device = lambda batch: (  # noqa: E731
         to_channels_last(move_to(batch, device)) if cfg.trainer.channels_last
         else move_to(batch, device)
@@ -154,7 +165,7 @@ def build_trainer(
         scheduler=build_scheduler(optimizer, cfg.scheduler, planned_steps),
         scaler=grad_scaler(cfg.trainer, device, precision),
         precision=precision,
-        criterion=build_criterion(model, cfg.loss),
+        criterion=criterion,
         evaluator=evaluator,
         train_loader=train_loader,
         val_loader=val_loader,
@@ -171,6 +182,8 @@ def build_trainer(
         rewrap=wrap if dist.enabled and freeze.unfreeze_at_epoch is not None else None,
         ema=WeightAverage(model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None,
         data=bundle,
+        probe_plan=probe_plan(cfg, criterion, dist),
+        optimizer_for=optimizer_for,
     )
     parts.flag_for_unused = lambda names: option_behind(names, bundle.spec, cfg, want_aux)
     if bundle.report is not None and dist.is_main:
@@ -211,6 +224,20 @@ def build_trainer(
     trainer.state.planned_steps = planned_steps
     trainer.contract = contract
     return trainer
+
+
+def probe_plan(cfg: KilnConfig, criterion, dist: DistInfo) -> ProbePlan:
+    """Which checks run before step 1, from the config (kiln.guards.probes)."""
+    t = cfg.trainer
+    return ProbePlan(
+        sizes=t.probe_sizes,
+        modes=t.shape_check,
+        logits=getattr(criterion, "expects_logits", False),
+        skip=frozenset(name.replace("_", " ") for name in t.skip_checks),
+        learn_steps=LEARN_PROBE_STEPS if t.learn_probe else 0,
+        fp16=t.fp16_check or cfg.precision.name == "amp",  # amp is fp16 on CUDA
+        conditional_is_fatal=dist.enabled and not is_sharded(t) and not t.find_unused_parameters,
+    )
 
 
 def will_resume(cfg: KilnConfig, run_dir: Path) -> bool:
@@ -443,9 +470,13 @@ def close_run(run_dir: Path, recorder, summary: dict | None, draw: bool) -> Disk
     return full
 
 
-def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
+def train(
+    cfg: KilnConfig, run_dir: Path, report_failure: Callable[[BaseException], Any] | None = None
+) -> dict[str, Any]:
     """Train per `cfg` (typed: kiln.config.load_config) in `run_dir`. summary.json is written on
-    every exit, failures included."""
+    every exit, failures included. Under DDP a rank watch (kiln.engine.rank_watch) reports a
+    failure the main thread cannot (stuck in a collective a failed rank never joins):
+    summary.json, then `report_failure(err)` (train.py's [FAIL] line and failures.log)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     set_deterministic(cfg.trainer.deterministic)
@@ -461,23 +492,44 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
         # Hydra writes this for train.py runs; in-process runs leave the same record.
         (run_dir / ".hydra").mkdir(exist_ok=True)
         OmegaConf.save(OmegaConf.create(to_plain(cfg)), run_dir / ".hydra" / "config.yaml")
+    built: list[Trainer] = []  # for the rank watch, which may report before train() returns
+
+    def report(err: BaseException) -> None:  # from the rank watch's thread
+        stuck = built[0] if built else None
+        last = stuck.last_eval if stuck is not None else {}
+        summary = summarize(stuck, last, status="failed", error=f"{type(err).__name__}: {err}")
+        summary["failed_check"] = {"what": getattr(err, "what", ""), "module": ""}
+        write_summary(run_dir, summary)
+        if report_failure is not None:
+            report_failure(err)
+
+    if dist.is_main:  # what the run's own environment was, for kiln triage's replay
+        write_environment(run_dir)
+    watch = RankWatch(dist, step=lambda: built[0].current_step if built else 0, report=report)
     try:
+        watch.__enter__()
         recorder = RunRecorder(
             cfg.logger, run_dir, run_name=cfg.name, config=to_plain(cfg), is_main=dist.is_main
         )
         cfg.resume = resume_after_restart(cfg.resume, run_dir / "checkpoints")
         trainer = build_trainer(cfg, run_dir, dist, device, recorder)
+        built.append(trainer)
         resumed = resume_if_asked(trainer, cfg)
         if resumed is not None:
             recorder.carry_on(run_of(resumed) / "metrics.jsonl", trainer.state.global_step)
         final = trainer.fit()
         trainer.checkpointer.check_pointed_files()  # no run ends ok pointing at a bad file
-        summary = summarize(trainer, final, status="ok", error=None)
+        status, at_chance = trainer.outcome()
+        summary = summarize(trainer, final, status=status, error=None)
+        if at_chance is not None:
+            summary["at_chance"] = at_chance
+            log.info("%s", at_chance)  # train.log; the console gets it with the run's end
         summary.update(report_test_split(trainer, cfg, run_dir, device))
         if cfg.trainer.overfit_batches:
             summary.update(check_overfit(recorder.history))
         return summary
     except BaseException as err:
+        reporting_failure()  # a SIGTERM now (torchrun's, after a rank died) waits for the report
         if trainer is not None and not hasattr(err, "step"):
             err.kiln_step = trainer.current_step  # where the failure line says it happened
         status = "preempted" if isinstance(err, Preempted) else "failed"
@@ -486,6 +538,8 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
         at_once = isinstance(err, KeyboardInterrupt)
         last_eval = trainer.last_eval if trainer is not None else {}
         summary = summarize(trainer, last_eval, status=status, error=f"{type(err).__name__}: {err}")
+        if isinstance(getattr(err, "what", None), str):  # a check's finding: what kiln triage reads
+            summary["failed_check"] = {"what": err.what, "module": getattr(err, "module", "")}
         failing = True
         if trainer is not None:  # what was asked before the failure, whole on disk
             finish_writes(trainer)
@@ -493,6 +547,7 @@ def train(cfg: KilnConfig, run_dir: Path) -> dict[str, Any]:
             save_failing_batches(run_dir, err)  # kiln triage replays the step with them
         raise
     finally:
+        watch.__exit__(None, None, None)
         full = close_run(run_dir, recorder, summary if dist.is_main else None, draw=not at_once)
         if dist.is_main:
             run_lock.release(run_dir)

@@ -52,30 +52,18 @@ def flops_per_sample(model: nn.Module, forward, batch: Any, samples: int) -> flo
     """Model FLOPs of one training step (forward and backward) per sample, on `batch`. The
     model's gradients, buffers, RNG and mode are left as they were."""
     from kiln.engine.flop_count import FlopCount
-    from kiln.guards.probes import _rng_state, _set_rng_state
+    from kiln.guards.no_trace import untouched
     from kiln.guards.tree import iter_tensors
 
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    grads = {name: p.grad for name, p in model.named_parameters()}
-    modes = {name: m.training for name, m in model.named_modules()}
-    rng = _rng_state()
-    try:
-        model.train()
-        with FlopCount() as counter:
-            output = forward(model, batch, True)
-            tensors = [t for _, t in iter_tensors(output, "output") if t.is_floating_point()]
-            sum(t.float().sum() for t in tensors).backward()
-        total = counter.total
-    except Exception as err:  # counting is a nicety: never the reason a run fails
-        log.info("model FLOPs not counted: %s", err)
-        total = 0
-    finally:
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                buffer.copy_(buffers[name])
-        for name, param in model.named_parameters():
-            param.grad = grads[name]
-        for name, module in model.named_modules():
-            module.training = modes[name]
-        _set_rng_state(rng)
+    with untouched(model):
+        try:
+            model.train()
+            with FlopCount() as counter:
+                output = forward(model, batch, True)
+                tensors = [t for _, t in iter_tensors(output, "output") if t.is_floating_point()]
+                sum(t.float().sum() for t in tensors).backward()
+            total = counter.total
+        except Exception as err:  # counting is a nicety: never the reason a run fails
+            log.info("model FLOPs not counted: %s", err)
+            total = 0
     return total / samples if total else None

@@ -23,26 +23,27 @@ from torch import nn
 from kiln.config.run import NanPolicy, TrainerConfig
 from kiln.engine.batches import batch_size_of, move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer
-from kiln.engine.distributed import DistInfo, GradientNorm, all_reduce_max, skip_gradient_sync
+from kiln.engine.distributed import (
+    DistInfo,
+    GradientNorm,
+    all_reduce_max,
+    is_fsdp,
+    skip_gradient_sync,
+)
 from kiln.engine.finetune import FreezePlan, WeightAverage
 from kiln.engine.loss import BRANCHES
 from kiln.engine.metrics import MetricWindow
 from kiln.engine.precision import Precision
 from kiln.engine.preemption import Preempted, PreemptionFlag
-from kiln.engine.seeding import rng_state, set_rng_state
 from kiln.engine.sharded_checkpoint import load_model_and_optimizer, model_and_optimizer_state
 from kiln.engine.throughput import flops_per_sample
-from kiln.guards import (
-    assert_finite_inputs,
-    check_every_parameter_learns,
-    check_train_eval_agreement,
-    describe,
-    tensor_stats,
-)
+from kiln.guards import assert_finite_inputs, check_train_eval_agreement, describe, tensor_stats
+from kiln.guards.conditional_params import GradientPresence
 from kiln.guards.devices import diagnose, is_device_mismatch
 from kiln.guards.input_sizes import take
-from kiln.guards.probes import copy_or_build, run_probes
+from kiln.guards.probes import ProbePlan, ProbeReport, ProbeSubject, copy_or_build, run_probe_plan
 from kiln.guards.rules import RULE_2
+from kiln.rng import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class TrainState:
     # checkpoints written before it was kept: any finite loss then wins the next tie).
     best_tiebreak: float | None = None
     best_step: int | None = None  # the step best.pt was saved at
+    lowest_val_loss: float | None = None  # over the evaluations: a run at chance never fell
     nonfinite_skipped: int = 0  # steps skipped under nan_policy=skip
     scaler_skipped: int = 0  # steps GradScaler skipped for inf/NaN gradients
     samples_seen: int = 0
@@ -145,6 +147,9 @@ class TrainingParts:
     flag_for_unused: Callable[[list[str]], str | None] | None = None  # the option behind params
     epoch_plan: Any = None  # kiln.guards.input_sizes.EpochPlan: the batches rule 1 must survive
     probe_cases: list = field(default_factory=list)  # (label, batch): the data's extremes
+    probe_plan: ProbePlan = field(default_factory=ProbePlan)  # which checks run before step 1
+    # The run's optimizer for another model (the learn probe's copy), its lr scaled by the float.
+    optimizer_for: Callable[[nn.Module, float], torch.optim.Optimizer] | None = None
 
 
 @dataclass
@@ -202,6 +207,10 @@ class Trainer:
         self.preemption = PreemptionFlag(dist, device)
         self.last_eval: dict = {}
         self.probe_time_s = 0.0
+        self.probe_report = ProbeReport()
+        # Which parameters got gradients, step by step: one used only in some steps is named at
+        # once (under DDP without find_unused_parameters the step fails before its collective).
+        self.gradient_presence = self.new_gradient_presence()
         self.flops_time_s = 0.0  # counting the model's FLOPs, once, before the first step
         self.flops_per_sample: float | None = None  # model FLOPs of a training step, per sample
         self.current_step = 0  # the step in progress: failures are reported "@ step N"
@@ -321,8 +330,7 @@ class Trainer:
             if self.window.keep_batches:
                 kept.append(batch)
                 micro_bad.append(micro_nonfinite)
-        if self.state.global_step == 0:  # rule 2, once: a parameter no loss term reaches
-            check_every_parameter_learns(self.raw_model, self.parts.flag_for_unused)
+        self.gradient_presence.check(self.state.global_step + 1)  # before the next collective
         if not self.window.on_host:
             bad = all_reduce_max(bad)  # every rank skips the same steps
         if scaler.is_enabled():
@@ -410,28 +418,32 @@ class Trainer:
             raise
 
     def run_probes(self) -> None:
-        """Before the first step: rule 1 at other batch and input sizes, rule 3 in both modes."""
+        """Before the first step: the probe plan (rules 1 and 3, the behaviour checks, the learn
+        probe; kiln.guards.probes), on the run's real samples, leaving no trace on the run."""
         parts = self.parts
         self.current_step = self.state.global_step
-        # Under the run's autocast, as training and evaluation run: a path that breaks only in
-        # bf16/fp16 is caught here, not at the first evaluation.
-        with self.precision.autocast():
-            self.probe_time_s = run_probes(
-                model=self.raw_model,
-                build=parts.build_fresh,
-                forward=self.criterion.forward,
-                batch=parts.probe_batch,
-                spec=parts.spec,
-                batch_sizes=parts.probe_batch_sizes,
-                mode_batch_size=parts.mode_probe_size,
-                sizes=self.cfg.probe_sizes and parts.build_fresh is not None,
-                modes=self.cfg.shape_check,
-                expects_logits=getattr(self.criterion, "expects_logits", False),
-                plan=parts.epoch_plan,
-                cases=parts.probe_cases,
-            )
-        if self.dist.is_main and (self.cfg.probe_sizes or self.cfg.shape_check):
-            log.info("pre-step probes (rules 1 and 3) took %.2f s", self.probe_time_s)
+        subject = ProbeSubject(
+            model=self.raw_model,
+            build=parts.build_fresh,
+            criterion=self.criterion,
+            batch=parts.probe_batch,
+            spec=parts.spec,
+            batch_sizes=parts.probe_batch_sizes,
+            mode_batch_size=parts.mode_probe_size,
+            epoch_plan=parts.epoch_plan,
+            cases=parts.probe_cases,
+            optimizer_for=parts.optimizer_for,
+            flag_for_unused=parts.flag_for_unused,
+            # Under the run's autocast, as training and evaluation run: a path that breaks only
+            # in bf16/fp16 is caught here, not at the first evaluation.
+            autocast=self.precision.autocast,
+        )
+        started = time.perf_counter()
+        self.probe_report = run_probe_plan(parts.probe_plan, subject)
+        self.probe_time_s = time.perf_counter() - started
+        if self.dist.is_main and parts.probe_plan.anything:
+            shown = ", ".join(f"{k} {v:.2f}" for k, v in self.probe_report.seconds.items())
+            log.info("pre-step probes took %.2f s (%s)", self.probe_time_s, shown)
         if self.flops_per_sample is None and parts.build_fresh is not None:
             started, size = time.perf_counter(), parts.mode_probe_size
             counted = copy_or_build(self.raw_model, parts.build_fresh, parts.spec)
@@ -439,6 +451,16 @@ class Trainer:
                 counted, self.criterion.forward, take(parts.probe_batch, size), size
             )
             self.flops_time_s = time.perf_counter() - started
+
+    def new_gradient_presence(self) -> GradientPresence:
+        from kiln.engine.rank_watch import post_failure
+
+        ddp = self.dist.enabled and not is_fsdp(self.raw_model)
+        return GradientPresence(
+            self.raw_model,
+            fatal=ddp and not self.cfg.find_unused_parameters,
+            on_fatal=lambda message: post_failure(self.dist, "dead gradients", message),
+        )
 
     def check_shapes(self) -> None:
         """Rule 3 on one real batch: train and eval mode agree on the output."""
@@ -560,6 +582,10 @@ class Trainer:
         self.checkpointer.after_evaluation(
             chosen, s, self.state_dict, epoch_end, best_weights="ema" if use_ema else "raw"
         )
+        loss = self.last_eval.get("val_loss")
+        if isinstance(loss, float) and math.isfinite(loss):
+            s.lowest_val_loss = loss if s.lowest_val_loss is None else min(s.lowest_val_loss, loss)
+        self.say_if_at_chance(self.last_eval)
         bad = nonfinite_metrics(self.last_eval)
         if bad and self.cfg.nan_policy == NanPolicy.fail:
             raise NonFiniteEvalError(self.last_eval, bad, s.global_step)
@@ -571,6 +597,47 @@ class Trainer:
                 ", ".join(f"{k}={self.last_eval[k]}" for k in bad),
                 kept,
             )
+
+    def chance(self):
+        """What the monitored metric is for a model that knows nothing (kiln.engine.chance), as
+        the evaluator measured it; None when the metric has no known chance level."""
+        chances = getattr(self.parts.evaluator, "chance", None) or {}
+        return chances.get(self.checkpointer.monitor)
+
+    def at_chance(self, monitored: float | None, loss: float | None) -> str | None:
+        """Why the run is at chance, or None: the monitored metric is there, or the validation
+        loss has not fallen below what always predicting the labels' frequencies gives."""
+        chances = getattr(self.parts.evaluator, "chance", None) or {}
+        monitor, mode = self.checkpointer.monitor, self.checkpointer.monitor_mode
+        chance = chances.get(monitor)
+        if chance is not None and chance.reached(monitored, mode):
+            return chance.describe(monitored)
+        by_loss = chances.get("val_loss")
+        if monitor != "val_loss" and by_loss is not None and by_loss.reached(loss, "min"):
+            return by_loss.describe(loss)
+        return None
+
+    def say_if_at_chance(self, metrics: dict) -> None:
+        why = self.at_chance(metrics.get(self.checkpointer.monitor), metrics.get("val_loss"))
+        if why is not None and self.dist.is_main:
+            log.warning("at chance after step %d: %s", self.state.global_step, why)
+
+    def outcome(self) -> tuple[str, str | None]:
+        """("ok", None), or ("at_chance", the line) when the run's best evaluation stayed at
+        chance: a run that learned nothing is not ok."""
+        s = self.state
+        best = (
+            s.best_metric
+            if s.best_metric is not None
+            else self.last_eval.get(self.checkpointer.monitor)
+        )
+        why = self.at_chance(best, s.lowest_val_loss)
+        if why is None:
+            return "ok", None
+        return "at_chance", (
+            f"the run learned nothing: at its best, {why}; kiln triage <run dir> ranks the "
+            "likely causes"
+        )
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -586,6 +653,7 @@ class Trainer:
             return
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
         self.grad_norm = GradientNorm(self.params)
+        self.gradient_presence = self.new_gradient_presence()  # other parameters train now
         state = "frozen" if plan.frozen_at(self.state.epoch) else "trainable from now on"
         if self.dist.is_main:
             log.info("epoch %d: %d parameter tensors of model.freeze %s",

@@ -9,11 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.guards.rules import RULE_2
+from kiln.guards.rules import RULE_2, ProbeFailure
 
 
-class LossBranchError(RuntimeError):
+class LossBranchError(ProbeFailure):
     """A loss term that is not finite, is exactly zero, or reaches no parameter."""
+
+    what = "loss branches"
 
 
 def check_loss_branches(model: nn.Module, criterion, batch: Any) -> dict[str, torch.Tensor]:
@@ -57,8 +59,18 @@ def check_every_parameter_learns(
     uses). Raises naming the parameters, their modules and, from `flag_for(names)`, the flag
     that would turn the branch off."""
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    if not missing:
-        return
+    if missing:
+        raise no_gradient_error(model, missing, flag_for, f"at step {step}")
+
+
+def no_gradient_error(
+    model: nn.Module,
+    missing: list[str],
+    flag_for: Callable[[list[str]], str | None] | None,
+    when: str,
+) -> LossBranchError:
+    """Rule 2's error for the trainable parameters `missing` that got no gradient `when` ("in
+    the probe step before step 1"): a "dead gradients" failure in the run's [FAIL] line."""
     modules = sorted({name.rpartition(".")[0] for name in missing})
     kinds = {m: type(model.get_submodule(m)).__name__ for m in modules}
     where = ", ".join(f"{m or '<model>'} ({kind})" for m, kind in kinds.items())
@@ -70,7 +82,9 @@ def check_every_parameter_learns(
         else "no boolean option of the model removes them: make the loss use the module, or "
         "build it only behind a flag that defaults to off"
     )
-    raise LossBranchError(
-        f"{RULE_2}: {len(missing)} trainable parameter(s) got no gradient at step {step}: "
-        f"{shown}, in {where}; nothing the loss computes reaches them; {todo}"
+    return LossBranchError(
+        f"{RULE_2}: {len(missing)} trainable parameter(s) got no gradient {when}: "
+        f"{shown}, in {where}; nothing the loss computes reaches them; {todo}",
+        module=modules[0],
+        what="dead gradients",
     )

@@ -1,7 +1,9 @@
 """The model contract as one set of checks any registered model can be put through (the test
 suite runs it over every registered model and every dataset whose inputs it accepts; use it for
 your own): rule 1 at other batch and input sizes, rule 2 with every loss branch on, rule 3 in both
-modes, and device diagnosis with one layer left on another device."""
+modes, device diagnosis with one layer left on another device, and the behaviour checks of the
+probe plan (determinism, batch independence, purity, finite values, live gradients, parameters
+used only in some steps as DDP would see them, the device and fp16 probes, the learn probe)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,13 @@ from kiln.guards.branches import check_loss_branches
 from kiln.guards.devices import DeviceMismatchError, diagnose, is_device_mismatch
 from kiln.guards.input_sizes import EpochPlan, plan_probes, run_size_probe, size_probes
 from kiln.guards.outputs import check_logits
-from kiln.guards.probes import classifier_output_problems
+from kiln.guards.probes import (
+    ProbePlan,
+    ProbeReport,
+    ProbeSubject,
+    classifier_output_problems,
+    run_probe_plan,
+)
 from kiln.guards.shape_check import check_train_eval_agreement
 
 Build = Callable[[Any], nn.Module]  # DataSpec -> a fresh model
@@ -64,6 +72,39 @@ def check_outputs_are_logits(build: Build, criterion, bundle: DataBundle) -> Non
         check_logits(build(bundle.spec), _batch(bundle, 4), criterion.forward)
 
 
+def check_behaviour(
+    build: Build,
+    criterion,
+    bundle: DataBundle,
+    optimizer_for: Callable[[nn.Module, float], torch.optim.Optimizer] | None = None,
+    *,
+    fp16: bool = True,
+) -> ProbeReport:
+    """The behaviour checks a run makes before step 1, on a model built for the data and 8 of
+    its items (the extremes first): determinism, batch independence, one observed step (purity,
+    a finite loss, live gradients, parameters used only in some steps, fatal as under DDP), the
+    device probe, the fp16 probe and, given the run's optimizer (`optimizer_for(model,
+    lr_scale)`), the learn probe."""
+    from kiln.guards.learn_probe import STEPS
+
+    plan = ProbePlan(
+        sizes=False,
+        modes=False,
+        learn_steps=STEPS if optimizer_for is not None else 0,
+        fp16=fp16,
+        conditional_is_fatal=True,
+    )
+    subject = ProbeSubject(
+        model=build(bundle.spec),
+        build=build,
+        criterion=criterion,
+        batch=_batch(bundle, 8),
+        spec=bundle.spec,
+        optimizer_for=optimizer_for,
+    )
+    return run_probe_plan(plan, subject)
+
+
 def last_layer_with_weights(model: nn.Module) -> str:
     """The head, usually. (On CPU a convolution with `meta` weights quietly returns a CPU
     tensor, so the first layer, often a convolution, would not stand in for another device.)"""
@@ -101,6 +142,7 @@ def check_device_diagnosis(build: Build, criterion, bundle: DataBundle) -> str:
 
 __all__ = [
     "DeviceMismatchError",
+    "check_behaviour",
     "check_device_diagnosis",
     "check_outputs_are_logits",
     "check_rule1",

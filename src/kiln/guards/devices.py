@@ -5,12 +5,16 @@ including a tensor created inside a module's forward on another device."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from kiln.guards.rules import DEVICES
+from kiln.guards.numerics import ModuleStack
+from kiln.guards.rules import DEVICES, ProbeFailure
 from kiln.guards.trace import Call, traced
 from kiln.guards.tree import iter_tensors
 
@@ -21,12 +25,15 @@ MISMATCH_MARKERS = (
 )
 
 
-class DeviceMismatchError(RuntimeError):
-    """Tensors of one step live on different devices; the message names the module."""
+log = logging.getLogger(__name__)
 
-    def __init__(self, message: str, module: str = ""):
-        super().__init__(message)
-        self.module = module  # the module path where devices first mix
+
+class DeviceMismatchError(ProbeFailure):
+    """Tensors of one step live on different devices; the message names the module (the path
+    where devices first mix)."""
+
+    def __init__(self, message: str, module: str = "", what: str | None = None):
+        super().__init__(message, module, what or f"device mismatch in {module or 'the model'}")
 
 
 def is_device_mismatch(err: BaseException) -> bool:
@@ -76,3 +83,123 @@ def diagnose(err: BaseException, model: nn.Module, run: Callable[[], Any], batch
         "(model.to(device); torch.zeros(..., device=x.device)).",
     ]
     return DeviceMismatchError("\n".join(lines), call.path if call is not None else "")
+
+
+# Factories that make a tensor on the default device (the CPU) unless given device=.
+FACTORIES = {
+    torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.linspace,
+    torch.logspace, torch.eye, torch.rand, torch.randn, torch.randint, torch.randperm,
+    torch.tensor, torch.as_tensor, torch.from_numpy, torch.empty_strided,
+}  # fmt: skip
+MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as}  # to the named device
+TO_CPU = {torch.Tensor.cpu}
+INDEXING = {torch.Tensor.__getitem__}  # a CPU index into a GPU tensor is allowed
+
+
+class StrayTensors(TorchFunctionMode):
+    """Follows, through one forward, the tensors a GPU run would have on the CPU: made by a
+    factory without device= (torch.zeros(n), torch.arange(L), torch.tensor([...])), by .cpu(),
+    kept as plain attributes (which .to(device) never moves), and computed from those alone.
+    The first operation that combines one (not a 0-dim scalar, which PyTorch allows) with a
+    tensor on the run's device is recorded with the module it ran in and the one that made it."""
+
+    def __init__(self, modules: ModuleStack, attributes: dict[int, str]):
+        super().__init__()
+        self.modules = modules
+        self.stray: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (tensor, how it was made)
+        for tensor_id, how in attributes.items():
+            self.stray[tensor_id] = (None, how)
+        self.found: str | None = None
+        self.module = ""
+
+    def _mark(self, out: Any, how: str) -> None:
+        for _, t in iter_tensors(out):
+            self.stray[id(t)] = (t, how)  # the tensor is kept: its id is not reused meanwhile
+
+    def _is_stray(self, t: torch.Tensor) -> bool:
+        return id(t) in self.stray and t.dim() > 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.found is not None:
+            return out
+        path, kind = self.modules.current
+        where = f"{path or '<model>'} ({kind})" if kind else "the model's forward"
+        name = getattr(func, "__name__", str(func))
+        if func in FACTORIES:
+            inherits = func is torch.as_tensor and isinstance(
+                args[0] if args else None, torch.Tensor
+            )
+            if kwargs.get("device") is None and not inherits:
+                self._mark(out, f"torch.{name}(...) without device= in {where}")
+            return out
+        if func in TO_CPU:
+            self._mark(out, f".cpu() in {where}")
+            return out
+        if func in MOVES and (kwargs.get("device") is not None or any(
+            isinstance(a, torch.device | str | torch.Tensor) for a in args[1:]
+        )):  # fmt: skip
+            return out
+        tensors = [t for _, t in iter_tensors((args, kwargs)) if isinstance(t, torch.Tensor)]
+        stray = [t for t in tensors if self._is_stray(t)]
+        if not stray:
+            return out
+        placed = [t for t in tensors if id(t) not in self.stray]
+        if placed and func not in INDEXING:
+            made = self.stray[id(stray[0])][1]
+            self.found = (
+                f"{name} in {where} combines a tensor of shape {tuple(stray[0].shape)} made by "
+                f"{made} (on the CPU whatever the run's device) with the run's own tensors"
+            )
+            self.module = path
+            return out
+        self._mark(out, self.stray[id(stray[0])][1])
+        return out
+
+
+def plain_attribute_tensors(model: nn.Module) -> dict[int, str]:
+    """Tensors kept on modules as plain attributes: .to(device) moves parameters and buffers
+    only, so on a GPU these stay on the CPU."""
+    found = {}
+    for path, module in model.named_modules():
+        kept = {*module._parameters, *module._buffers}
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and attr not in kept and not attr.startswith("__"):
+                found[id(value)] = (
+                    f"the plain attribute {path + '.' if path else ''}{attr} of "
+                    f"{type(module).__name__} (not a buffer: .to(device) never moves it)"
+                )
+    return found
+
+
+def check_devices_follow(
+    model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any, bool], Any]
+):
+    """The device probe: one train-mode forward (no grad) watched by StrayTensors. What a GPU
+    run would find at its first step (a device mismatch) is named before step 1, on any
+    device, at the cost of one forward's Python overhead."""
+    from kiln.guards.no_trace import untouched
+
+    with untouched(model), torch.no_grad():
+        model.train()
+        modules = ModuleStack(model)
+        watch = StrayTensors(modules, plain_attribute_tensors(model))
+        try:
+            with watch:
+                forward(model, batch, True)
+        except Exception as err:  # noqa: BLE001 -- the other probes name a failing forward
+            log.debug("device probe: the forward raised %s: not concluded", err)
+            return
+        finally:
+            modules.close()
+    if watch.found is None:
+        return
+    raise DeviceMismatchError(
+        f"{DEVICES}: {type(model).__name__}: {watch.found}: on a GPU run that is a device "
+        "mismatch at the first step. Create tensors on the input's device "
+        "(torch.zeros(n, device=x.device), x.new_zeros(n), torch.arange(L, device=x.device)) and "
+        "register constant tensors as buffers (self.register_buffer), which .to(device) moves",
+        watch.module,
+        what="device",
+    )

@@ -17,17 +17,65 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.guards.rules import RULE_1
+from kiln.guards.rules import DEAD, LAYOUT, NUMERICS, RULE_1, ProbeFailure
 from kiln.guards.trace import failing_call
 from kiln.guards.tree import describe, iter_tensors
 
 log = logging.getLogger(__name__)
 
 BN_SINGLE_SAMPLE = "Expected more than 1 value per channel when training"
+VIEW_MARKER = "view size is not compatible with input tensor's size and stride"
+DETACHED_MARKER = "does not require grad and does not have a grad_fn"
 
 
-class ShapeInferenceError(RuntimeError):
+class ShapeInferenceError(ProbeFailure):
     """A model failed on an input size it should handle: a shape is hard-coded somewhere."""
+
+    what = "shapes"
+
+
+class MemoryLayoutError(ShapeInferenceError):
+    """A .view of memory it cannot view (a transposed, permuted or channels-last tensor): no
+    literal size is wrong, the memory layout is."""
+
+
+def probe_error(
+    model: nn.Module, label: str, inputs: Any, err: BaseException, trace, fix: str = ""
+) -> ProbeFailure:
+    """A probe's exception, named by what it is: a .view on memory it cannot view (memory
+    layout), a value the dtype cannot hold (numerics), else a size that does not follow the
+    input (rule 1)."""
+    from kiln.guards.numerics import NumericsError, is_overflow
+
+    call = trace.innermost_open if trace is not None else None
+    module = call.path if call is not None else ""
+    where = f" in {call.where} (its inputs {call.inputs})" if call else ""
+    name, shapes = type(model).__name__, describe(inputs)
+    if VIEW_MARKER in str(err):
+        return MemoryLayoutError(
+            f"{LAYOUT}: {name} failed on {label} (input shapes {shapes}){where}: {err}. The "
+            "sizes are right but the memory is not contiguous (a transposed or permuted tensor, "
+            "channels-last images): use .reshape(...) there (or .contiguous().view(...)); "
+            "this is no size written as a literal",
+            module=module,
+        )
+    if DETACHED_MARKER in str(err):
+        from kiln.guards.live_gradients import DeadGradientError
+
+        return DeadGradientError(
+            f"{DEAD}: {name} on {label} (input shapes {shapes}){where}: {err}. The output is "
+            "detached from the graph (a .detach(), torch.no_grad(), or a trip through "
+            ".item()/.numpy() in forward): no gradient reaches any parameter",
+            module=module,
+        )
+    if is_overflow(err):
+        return NumericsError(
+            f"{NUMERICS}: {name} failed on {label} (input shapes {shapes}){where}: {err}. A "
+            "constant beyond the range of the tensor's dtype (masked_fill(mask, -1e9) on a "
+            "float16 tensor): take it from the dtype (torch.finfo(x.dtype).min)",
+            module=module,
+        )
+    return ShapeInferenceError(_failure(model, label, inputs, err, trace, fix), module=module)
 
 
 @dataclass
@@ -127,7 +175,7 @@ def check_sizes_follow_inputs(
             model, lambda m=model, x=inputs: _scalar_objective(call(m, x)).backward()
         )
         if err is not None:
-            raise ShapeInferenceError(_failure(model, label, inputs, err, trace)) from err
+            raise probe_error(model, label, inputs, err, trace) from err
         for name, param in model.named_parameters():
             if param.grad is not None and not torch.isfinite(param.grad).all():
                 raise ShapeInferenceError(f"{RULE_1}: {label}: non-finite gradient in {name}")
@@ -140,8 +188,13 @@ def check_sizes_follow_inputs(
 def take(batch: Any, n: int) -> Any:
     """The first n samples of a collated (inputs, targets) batch, repeating samples when it has
     fewer."""
+    return select(batch, [i % len(batch[0]) for i in range(n)])
+
+
+def select(batch: Any, index: list[int]) -> Any:
+    """The samples `index` of a collated (inputs, targets) batch, in that order (every tensor
+    whose first dimension is the batch, every per-sample list entry)."""
     size = len(batch[0])
-    index = [i % size for i in range(n)]
     return type(batch)(_index(part, index, size) for part in batch)
 
 
@@ -210,10 +263,12 @@ def run_size_probe(
     probe: SizeProbe,
     forward: Callable[[nn.Module, Any, bool], Any],
     check_output: Callable[[nn.Module, Any, int, Any], list[str]],
+    finite: bool = True,
 ) -> None:
     """`model` (built for the probe's spec, and free to be changed) runs a train-mode forward on
-    the probe's batch, and backward too at a new input size; its output must fit the batch.
-    BatchNorm cannot train on a single sample, so such a batch runs in eval mode only."""
+    the probe's batch, and backward too at a new input size; its output must fit the batch and
+    (`finite`: the numerics check) hold no NaN or Inf. BatchNorm cannot train on a single
+    sample, so such a batch runs in eval mode only."""
     size = len(probe.batch[0])
     model.train()
     outputs = []
@@ -228,8 +283,7 @@ def run_size_probe(
 
     err, trace = failing_call(model, step)
     if err is not None and BN_SINGLE_SAMPLE in str(err) and probe.train_only:
-        message = _failure(model, probe.label, probe.batch[0], err, trace, probe.fix)
-        raise ShapeInferenceError(message) from err
+        raise probe_error(model, probe.label, probe.batch[0], err, trace, probe.fix) from err
     if err is not None and BN_SINGLE_SAMPLE in str(err):
         model.eval()
         outputs.clear()
@@ -260,8 +314,16 @@ def run_size_probe(
                 "through; without grad (as evaluation and inference run) it raises. A forward "
                 "must not depend on torch.is_grad_enabled()."
             )
-        message = _failure(model, probe.label + _grad_note(grad), probe.batch[0], err, trace, fix)
-        raise ShapeInferenceError(message) from err
+        label = probe.label + _grad_note(grad)
+        raise probe_error(model, label, probe.batch[0], err, trace, fix) from err
+    if finite:
+        from kiln.guards.numerics import check_finite
+
+        mode = "train" if model.training else "eval"
+        check_finite(
+            model, outputs[0], probe=f"{probe.label} in {mode} mode{_grad_note(grad)}",
+            batch=probe.batch, rerun=lambda: forward(model, probe.batch, model.training),
+        )  # fmt: skip
     problems = check_output(model, outputs[0], size, probe.spec) if model.training else []
     if problems:
         raise ShapeInferenceError(

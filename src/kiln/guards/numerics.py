@@ -1,18 +1,31 @@
-"""Non-finite values: input checks that name the tensor, and statistics of an offending batch."""
+"""Non-finite values: input checks that name the tensor, statistics of an offending batch, and
+the probes' own check (numerics): every output and loss a probe meets is finite, or the run
+stops naming the probe and the first module whose output is not. Also what finds the first
+operation that made NaN/Inf out of finite inputs (FirstNonFinite, a TorchDispatchMode), which the
+fp16 probe and `kiln triage`'s replay use."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from kiln.guards.rules import NUMERICS, ProbeFailure
 from kiln.guards.tree import iter_tensors
 
 
 class NonFiniteInputError(ValueError):
     """A batch holds NaN or Inf; the message names the tensor and counts."""
+
+
+class NumericsError(ProbeFailure):
+    """A probe met a NaN or Inf (or a value its dtype cannot hold); names the probe and module."""
+
+    what = "numerics"
 
 
 def assert_finite_inputs(batch: Any) -> None:
@@ -72,3 +85,146 @@ def first_nonfinite_module(model: nn.Module, run: Callable[[], Any]) -> tuple[st
         for handle in handles:
             handle.remove()
     return found[0] if found else None
+
+
+def nonfinite_inputs(batch: Any) -> dict[str, str]:
+    """{tensor path: "N NaN, M Inf"} for the floating tensors of a batch that hold any."""
+    found = {}
+    for path, t in iter_tensors(batch):
+        if t.is_floating_point() and not t.is_nested and not torch.isfinite(t).all():
+            found[path] = f"{int(torch.isnan(t).sum())} NaN, {int(torch.isinf(t).sum())} Inf"
+    return found
+
+
+def check_finite(
+    model: nn.Module, output: Any, *, probe: str, batch: Any, rerun: Callable[[], Any]
+) -> None:
+    """Raises NumericsError when `output` (of `probe`: "batch 1 in train mode", ...) holds NaN
+    or Inf, naming the batch's own non-finite tensors when it has any (the data, not the model),
+    else the first module whose output is non-finite (`rerun()` repeats the forward)."""
+    bad = nonfinite_count(output)
+    if not bad:
+        return
+    name = type(model).__name__
+    inputs = nonfinite_inputs(batch)
+    if inputs:
+        shown = "; ".join(f"{path}: {counts}" for path, counts in inputs.items())
+        raise NumericsError(
+            f"{NUMERICS}: {name}: the probe batch itself holds non-finite values ({shown}), so "
+            f"{probe} gives {bad} NaN/Inf output values: fix the data (the probes take the "
+            "training set's first items; trainer.check_inputs=true names each bad batch)"
+        )
+    found = first_nonfinite_module(model, rerun)
+    where = f"{found[0] or '<model>'} ({found[1]})" if found else f"{name}.forward itself"
+    raise NumericsError(
+        f"{NUMERICS}: {name}: {probe} gives {bad} NaN/Inf output values from a finite batch; "
+        f"the first module whose output is non-finite: {where}. Look for a division by a value "
+        "that can be 0, a log or sqrt of a value that can be <= 0, or a constant beyond the "
+        "dtype's range",
+        module=found[0] if found else "",
+    )
+
+
+OVERFLOW_MARKERS = ("without overflow", "value cannot be converted to type")
+
+
+def is_overflow(err: BaseException) -> bool:
+    """A value too large for the tensor's dtype (masked_fill(-1e9) on a float16 tensor...)."""
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in OVERFLOW_MARKERS)
+
+
+def tensor_summary(t: torch.Tensor) -> dict:
+    """shape, dtype, min, max, abs max, zeros and non-finite count of a tensor, as plain data."""
+    t = t.detach()
+    stats: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    if t.numel() and (t.is_floating_point() or not t.dtype.is_complex):
+        f = t.float()
+        finite = f[torch.isfinite(f)]
+        if finite.numel():
+            stats.update(min=float(finite.min()), max=float(finite.max()))
+            stats["abs_max"] = float(finite.abs().max())
+        stats["zeros"] = int((f == 0).sum())
+        stats["nonfinite"] = int((~torch.isfinite(f)).sum())
+    return stats
+
+
+class ModuleStack:
+    """Which module is running (forward hooks), for the ops traced inside it; and the first
+    module whose output is non-finite."""
+
+    def __init__(self, model: nn.Module):
+        self.stack: list[tuple[str, str]] = []
+        self.first_bad: tuple[str, str] | None = None
+        self.handles = []
+        for path, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(self._enter(path)))
+            self.handles.append(module.register_forward_hook(self._leave(path)))
+
+    def _enter(self, path):
+        def hook(module, args):
+            self.stack.append((path, type(module).__name__))
+
+        return hook
+
+    def _leave(self, path):
+        def hook(module, args, output):
+            if self.stack:
+                self.stack.pop()
+            if self.first_bad is None and nonfinite_count(output):
+                self.first_bad = (path, type(module).__name__)
+
+        return hook
+
+    @property
+    def current(self) -> tuple[str, str]:
+        return self.stack[-1] if self.stack else ("", "")
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@dataclass
+class FirstOp:
+    """The first operation that made NaN/Inf out of finite inputs."""
+
+    op: str  # aten name: "div.Tensor", "log.default", "mul.Tensor", ...
+    module: str  # the module path it ran in ("" outside any module: the criterion)
+    kind: str  # that module's class name
+    dtype: str  # of its output
+    inputs: list[dict]  # per tensor input: shape, dtype, min, max, abs max, zeros
+    backward: bool = False  # found in the backward pass
+
+    @property
+    def where(self) -> str:
+        if self.module:
+            return f"{self.module} ({self.kind})"
+        return f"{self.kind}.forward" if self.kind else "the criterion (outside the model)"
+
+
+class FirstNonFinite(TorchDispatchMode):
+    """Records the first op whose floating output holds NaN/Inf while its inputs hold none."""
+
+    def __init__(self, modules: ModuleStack | None = None):
+        super().__init__()
+        self.modules, self.found, self.backward = modules, None, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.found is None:
+            outputs = [t for _, t in iter_tensors(out) if t.is_floating_point()]
+            if any(not torch.isfinite(t).all() for t in outputs if t.numel()):
+                inputs = [t for _, t in iter_tensors((args, kwargs or {})) if t.is_floating_point()]
+                if all(torch.isfinite(t).all() for t in inputs if t.numel()):
+                    path, kind = self.modules.current if self.modules else ("", "")
+                    self.found = FirstOp(
+                        op=str(func).removeprefix("aten."),
+                        module="" if self.backward else path,
+                        kind="" if self.backward else kind,
+                        dtype=str(outputs[0].dtype).removeprefix("torch."),
+                        inputs=[tensor_summary(t) for _, t in iter_tensors((args, kwargs or {}))][
+                            :4
+                        ],
+                        backward=self.backward,
+                    )
+        return out

@@ -12,18 +12,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.guards.rules import LOGITS
+from kiln.guards.rules import LOGITS, ProbeFailure
 from kiln.models import logits_of
 
 SUM_TOLERANCE = 2e-2  # bf16 probabilities sum to 1 within about 1e-2
 
 
-class ProbabilitiesNotLogitsError(RuntimeError):
-    """A classifier returned probabilities where its criterion expects logits."""
+class ProbabilitiesNotLogitsError(ProbeFailure):
+    """A classifier returned probabilities where its criterion expects logits (`module`: the
+    path that produced them, "" for the model's own forward)."""
 
     def __init__(self, message: str, module: str):
-        super().__init__(message)
-        self.module = module  # the module path that produced them ("" for the model's forward)
+        what = f"probabilities, not logits, from {module or 'the forward'}"
+        super().__init__(message, module, what)
 
 
 def looks_like_probabilities(scores: torch.Tensor) -> bool:

@@ -1,8 +1,29 @@
-"""The three rules every model is held to, by name: each guard message starts with its rule, so a
-user can find it in the README ("### The antibodies")."""
+"""The rules and checks every model is held to, by name: each guard message starts with its rule
+or check, so a user can find it in the README ("### The antibodies"), and the run's [FAIL] line
+names the check that stopped it (`<what>`: shapes, numerics, batch dependence, ...)."""
 
 RULE_1 = "rule 1 (shapes come from inputs)"
 RULE_2 = "rule 2 (every optional loss branch has a flag and must work)"
 RULE_3 = "rule 3 (train and eval must agree)"
 DEVICES = "devices (one model, one device)"
 LOGITS = "logits (the criterion takes raw scores, not probabilities)"
+NUMERICS = "numerics (every value the probes meet is finite)"
+BATCH = "batch dependence (a sample's output depends on that sample alone)"
+DETERMINISM = "determinism (an eval forward is a function of its batch)"
+PURITY = "purity (forward and loss leave the batch as they found it)"
+DEAD = "dead gradients (every trainable parameter gets a gradient, in every step)"
+LEARN = "cannot learn (a few steps on one fixed batch must lower its loss)"
+LAYOUT = "memory layout (.view needs memory it can view)"
+
+
+class ProbeFailure(RuntimeError):
+    """A check before step 1 (or a guard during the run) refused the model. `what` is the
+    check's name in the run's [FAIL] line; `module` the module path it names ("" for none)."""
+
+    what = "probe"
+
+    def __init__(self, message: str, module: str = "", what: str | None = None):
+        super().__init__(message)
+        self.module = module
+        if what is not None:
+            self.what = what

@@ -3,26 +3,28 @@ in eval mode must agree on the output's structure and shapes. Models whose outpu
 design between modes (detectors) declare a contract per mode via
 `check_output(mode, output) -> list[str]` instead.
 
-An eval-mode forward must not change any buffer (BatchNorm statistics leaking in eval mode).
+An eval-mode forward must not change any buffer (BatchNorm statistics leaking in eval mode). A
+NaN/Inf met here (before step 1) is a numerics fault, not a shape error (NumericsError).
 The check leaves no trace: parameters' gradients (no-grad forward), BatchNorm running statistics
 and every other buffer, the RNG states and the model's mode are exactly as before."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from kiln.guards.rules import RULE_3
+from kiln.guards.no_trace import changed_buffers, restore, untouched
+from kiln.guards.rules import NUMERICS, RULE_3, ProbeFailure
 from kiln.guards.tree import describe
 
 
-class ShapeContractError(RuntimeError):
+class ShapeContractError(ProbeFailure):
     """Train-mode and eval-mode outputs disagree, or an output breaks its declared contract."""
+
+    what = "shapes"
 
 
 def first_difference(train: Any, eval_: Any, path: str = "output") -> str | None:
@@ -53,36 +55,6 @@ def _kind(described: Any) -> str:
     return "tensor of shape " + str(described) if isinstance(described, tuple) else str(described)
 
 
-def _snapshot(model: nn.Module):
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    rng = (
-        random.getstate(),
-        np.random.get_state(),
-        torch.get_rng_state(),
-        torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    )
-    modes = {name: m.training for name, m in model.named_modules()}
-    return buffers, rng, modes
-
-
-def _restore(model: nn.Module, snapshot) -> None:
-    buffers, (py_rng, np_rng, torch_rng, cuda_rng), modes = snapshot
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[name])
-    random.setstate(py_rng)
-    np.random.set_state(np_rng)
-    torch.set_rng_state(torch_rng)
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state_all(cuda_rng)
-    for name, module in model.named_modules():
-        module.training = modes[name]
-
-
-def _changed_buffers(model: nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
-    return [name for name, b in model.named_buffers() if not torch.equal(b, before[name])]
-
-
 def run_mode(model: nn.Module, batch: Any, forward, train_mode: bool) -> Any:
     """One no-grad forward in a mode; an exception becomes a rule-3 error naming the mode, the
     module that raised and the shapes going into it (a device mismatch is diagnosed instead)."""
@@ -106,10 +78,17 @@ def run_mode(model: nn.Module, batch: Any, forward, train_mode: bool) -> Any:
         )
     else:
         where = f"in {call.where} with inputs {call.inputs}" if call else "before any module ran"
+    from kiln.guards.input_sizes import MemoryLayoutError, probe_error
+    from kiln.guards.numerics import NumericsError
+
+    named = probe_error(model, f"rule 3's {mode}-mode forward", batch[0], err, trace)
+    if isinstance(named, MemoryLayoutError | NumericsError):
+        raise named from err
     raise ShapeContractError(
         f"{RULE_3}: the {mode}-mode forward raised {type(err).__name__} {where}: {err}. Both "
         "modes must run on the same batch; look for code that only runs in one mode "
-        "(branches on self.training)."
+        "(branches on self.training).",
+        module=call.path if call else "",
     ) from err
 
 
@@ -123,16 +102,12 @@ def check_train_eval_agreement(
     """`forward(model, batch, train_mode)` calls the model the way the engine does. With
     `finite` (before step 1) an eval-mode output with NaN/Inf where the train-mode output of the
     same batch has none is a disagreement too."""
-    snapshot = _snapshot(model)
     name = type(model).__name__
-    try:
-        with torch.no_grad():
-            outputs = {"train": run_mode(model, batch, forward, True)}
-            _restore(model, snapshot)
-            outputs["eval"] = run_mode(model, batch, forward, False)
-            changed = _changed_buffers(model, snapshot[0])
-    finally:
-        _restore(model, snapshot)
+    with untouched(model) as saved, torch.no_grad():
+        outputs = {"train": run_mode(model, batch, forward, True)}
+        restore(model, saved)
+        outputs["eval"] = run_mode(model, batch, forward, False)
+        changed = changed_buffers(model, saved)
     if changed:
         raise ShapeContractError(
             f"{RULE_3}: {name}: an eval-mode forward changed buffers {', '.join(changed)}. "
@@ -164,40 +139,45 @@ def check_train_eval_agreement(
 def _mode_divergence(model: nn.Module, batch: Any, forward) -> str | None:
     from kiln.guards.varied import first_divergence, module_outputs
 
-    snapshot = _snapshot(model)
-    try:
-        with torch.no_grad():
-            calls = {}
-            for mode in ("train", "eval"):
-                train_mode = mode == "train"
-                model.train(train_mode)
-                calls[mode] = module_outputs(model, lambda t=train_mode: forward(model, batch, t))
-                _restore(model, snapshot)
-    finally:
-        _restore(model, snapshot)
+    with untouched(model) as saved, torch.no_grad():
+        calls = {}
+        for mode in ("train", "eval"):
+            train_mode = mode == "train"
+            model.train(train_mode)
+            calls[mode] = module_outputs(model, lambda t=train_mode: forward(model, batch, t))
+            restore(model, saved)
     return first_divergence(calls["train"], calls["eval"], ("train-mode", "eval-mode"))
 
 
 def check_eval_is_finite(model: nn.Module, batch: Any, forward, outputs: dict) -> None:
     """An eval-only NaN (running statistics never updated, a division by a buffer): the eval
-    forward of the same batch is non-finite where the train forward is not."""
-    from kiln.guards.numerics import first_nonfinite_module, nonfinite_count
+    forward of the same batch is non-finite where the train forward is not. A numerics fault
+    (NumericsError), named by rule 3's probe; a train-mode NaN is the numerics probe's too."""
+    from kiln.guards.numerics import (
+        NumericsError,
+        check_finite,
+        first_nonfinite_module,
+        nonfinite_count,
+    )
 
+    with untouched(model):
+        model.train()
+        check_finite(
+            model, outputs["train"], probe="rule 3's train-mode forward (no grad)", batch=batch,
+            rerun=lambda: forward(model, batch, True),
+        )  # fmt: skip
     bad = nonfinite_count(outputs["eval"])
-    if not bad or nonfinite_count(outputs["train"]):
+    if not bad:
         return
-    snapshot = _snapshot(model)
-    try:
+    with untouched(model), torch.no_grad():
         model.eval()
-        with torch.no_grad():
-            found = first_nonfinite_module(model, lambda: forward(model, batch, False))
-    finally:
-        _restore(model, snapshot)
+        found = first_nonfinite_module(model, lambda: forward(model, batch, False))
     where = f"{found[0] or '<model>'} ({found[1]})" if found else "the model's own forward"
-    raise ShapeContractError(
-        f"{RULE_3}: {type(model).__name__}: the eval-mode output is non-finite ({bad} NaN/Inf "
-        f"values) where the train-mode output of the same batch is finite (mode varied: train "
-        f"vs eval, no grad in both); the first module whose eval-mode output is non-finite: "
-        f"{where}. Look for what only evaluation uses: running statistics never updated, a "
-        "division by a buffer, a branch on self.training"
+    raise NumericsError(
+        f"{NUMERICS}: {type(model).__name__}: the eval-mode output is non-finite ({bad} NaN/Inf "
+        f"values) where the train-mode output of the same batch is finite (rule 3's probe; what "
+        f"varied: the mode, train vs eval, no grad in both); the first module whose eval-mode "
+        f"output is non-finite: {where}. Look for what only evaluation uses: running statistics "
+        "never updated, a division by a buffer, a branch on self.training",
+        module=found[0] if found else "",
     )

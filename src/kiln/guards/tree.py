@@ -30,3 +30,14 @@ def describe(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return type(obj)(describe(value) for value in obj)
     return type(obj).__name__
+
+
+def copy_batch(batch: Any) -> Any:
+    """The batch with every tensor cloned (a model that changes it in place changes a copy)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, dict):
+        return {k: copy_batch(v) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(copy_batch(v) for v in batch)
+    return batch

@@ -30,6 +30,7 @@ def summarize(trainer, final: dict[str, Any], *, status: str, error: str | None)
         "status": status,
         "val_acc": final.get("val_acc"),
         "val_loss": final.get("val_loss"),
+        **_chance(trainer),
         **{k: v for k, v in final.items() if k not in ("val_acc", "val_loss", "epoch")},
         "monitor": trainer.checkpointer.monitor if trainer else None,
         "best": s.best_metric if s else None,
@@ -39,12 +40,22 @@ def summarize(trainer, final: dict[str, Any], *, status: str, error: str | None)
         "data_time_frac": trainer.data_time_frac if trainer else None,
         "nonfinite_skipped": s.nonfinite_skipped if s else 0,
         "scaler_skipped": s.scaler_skipped if s else 0,
-        "probe_time_s": trainer.probe_time_s if trainer else None,  # rules 1 and 3, pre-step
+        "probe_time_s": trainer.probe_time_s if trainer else None,  # the probes before step 1
+        "probe_times_s": dict(trainer.probe_report.seconds) if trainer else {},  # per check
         "model_flops_per_sample": trainer.flops_per_sample if trainer else None,
         **(trainer.utilisation(trainer.samples_per_s) if trainer else {}),
         "train_time_s": s.step_time_s if s else None,
         "error": error,
     }
+
+
+def _chance(trainer) -> dict:
+    """The monitored metric's chance level, as the evaluator measured it (kiln.engine.chance)."""
+    chance = trainer.chance() if trainer is not None else None
+    if chance is None:
+        return {}
+    return {"chance": {"metric": chance.metric, "value": chance.value, "margin": chance.margin,
+                       "what": chance.what}}  # fmt: skip
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -1,0 +1,220 @@
+"""Under DDP a run ends in one [FAIL] line, summary.json and failures.log however a rank stops:
+also when the main rank's own thread is stuck in a collective that will never complete (a peer
+raised before reaching it, or died in C++: gloo aborts the whole process on a collective
+mismatch, and no Python handler runs there).
+
+Each rank runs a RankWatch thread beside training. Through the process group's store (TCPStore:
+its client serialises operations, so a second thread may use it) every rank beats a heartbeat,
+and a rank that fails posts why before it stops (`post_failure`). The lowest live rank's watch:
+
+- reports a failure another rank posted, when its own thread has not reported within a moment
+  (it is waiting in a collective the failed rank will never join);
+- after SIGTERM (torchrun stops every worker once one died), reports a stopped run when its own
+  thread has not moved for STALL_S (it is stuck in a collective): "rank N stopped", naming the
+  ranks whose heartbeat ended.
+
+Then it leaves at once (os._exit), as it does on SIGTERM once the run is reported: the stuck
+thread would only wait for torchrun's SIGKILL. One report per run: the first to claim it
+(`claim_report`, shared with the main thread's own failure path) writes it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from kiln.engine.distributed import DistInfo, group_store
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0  # between two looks at the store
+STALL_S = 10.0  # a thread whose Python frame has not moved this long is stuck in C++
+ANSWER_S = 3.0  # how long the main thread may take to report a peer's failure itself
+DEAD_S = 5.0  # a heartbeat older than this: the rank is gone
+EXIT_FAILED = 1
+
+_claim = threading.Lock()
+_claimed = False
+_reporting = threading.Event()  # a failure is being reported: SIGTERM waits for it
+_deferred: list[int] = []
+
+
+def hold_sigterm_while_reporting() -> None:
+    """From now on (the training process's main thread), a SIGTERM that arrives while a failure
+    is being reported waits until the report is written: torchrun sends it to every rank once
+    one died, often while the main rank writes the [FAIL] line and summary.json. Any other
+    time it ends the process as before (the preemption handlers take it over during fit)."""
+
+    def handler(signum, frame):
+        if _reporting.is_set():
+            _deferred.append(signum)
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    with contextlib.suppress(ValueError):  # not the main thread (a test's): as before
+        signal.signal(signal.SIGTERM, handler)
+
+
+def reporting_failure() -> None:
+    """The run is failing: its report is written from here on (see hold_sigterm_while_...)."""
+    _reporting.set()
+
+
+def claim_report() -> bool:
+    """True for the first caller in this process (the one that writes the run's report)."""
+    global _claimed
+    with _claim:
+        if _claimed:
+            return False
+        _claimed = True
+        return True
+
+
+class RankFailed(RuntimeError):
+    """A failure another rank posted, or a rank that stopped without a word."""
+
+    def __init__(self, message: str, what: str, step: int):
+        super().__init__(message)
+        self.what, self.step = what, step
+
+
+def post_failure(dist: DistInfo, what: str, message: str) -> None:
+    """Tell the other ranks why this rank stops (before it raises)."""
+    store = group_store()
+    if store is None or not dist.enabled:
+        return
+    with contextlib.suppress(Exception):
+        store.set(f"kiln/failed/{dist.rank}", f"{what}\n{message}")
+
+
+class RankWatch:
+    """The watch thread of one rank (a no-op on one process). `step()` reads the step in
+    progress; `report(err)` writes the run's failure record (summary.json, the [FAIL] line,
+    failures.log) for `err`, a RankFailed."""
+
+    def __init__(
+        self,
+        dist: DistInfo,
+        step: Callable[[], int],
+        report: Callable[[BaseException], None],
+    ):
+        self.dist, self.step, self.report = dist, step, report
+        self.stop = threading.Event()
+        self.main_thread = threading.main_thread().ident
+        self.thread: threading.Thread | None = None
+        self.signals: socket.socket | None = None
+        self.previous_fd = -1
+
+    def __enter__(self) -> RankWatch:
+        if not self.dist.enabled or group_store() is None:
+            return self
+        reader, writer = socket.socketpair()
+        reader.setblocking(False)
+        writer.setblocking(False)
+        with contextlib.suppress(ValueError):  # not the main thread: no signal wake-ups
+            self.previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            self.signals, self._writer = reader, writer
+        self.thread = threading.Thread(target=self._run, name="kiln-rank-watch", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=2 * POLL_S)
+        if self.signals is not None:
+            with contextlib.suppress(ValueError):
+                signal.set_wakeup_fd(self.previous_fd)
+            self.signals.close()
+            self._writer.close()
+
+    # ------------------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        store, rank, world = group_store(), self.dist.rank, self.dist.world_size
+        sigterm_at, frame, still_since = None, None, time.monotonic()
+        posted_at: dict[int, float] = {}
+        while not self.stop.wait(POLL_S):
+            now = time.monotonic()
+            try:
+                store.set(f"kiln/alive/{rank}", str(time.time()))
+                if sigterm_at is None and self._sigterm():
+                    sigterm_at = now
+                current = self._main_frame()
+                if current != frame:
+                    frame, still_since = current, now
+                stuck = now - still_since >= STALL_S
+                if sigterm_at is not None and store.check(["kiln/reported"]):
+                    os._exit(EXIT_FAILED)  # reported: waiting for a collective helps no one
+                if not self._reporter(store, world):
+                    continue
+                for other in range(world):
+                    key = f"kiln/failed/{other}"
+                    if other == rank or not store.check([key]):
+                        continue
+                    posted_at.setdefault(other, now)
+                    if now - posted_at[other] >= ANSWER_S:  # this rank's thread did not answer
+                        what, _, message = store.get(key).decode().partition("\n")
+                        failed = RankFailed(f"rank {other}: {message}", what, self.step())
+                        self._report(store, failed)
+                if sigterm_at is not None and stuck:
+                    gone = self._gone(store, world)
+                    message = (
+                        f"torchrun stopped the run while rank {rank} waited in a collective at "
+                        f"step {self.step()}: rank(s) {', '.join(map(str, gone)) or '?'} stopped "
+                        "without a word (their own output above says why: a collective mismatch "
+                        "aborts gloo; a parameter used only in some steps mismatches the "
+                        "gradient reduction, see trainer.find_unused_parameters)"
+                    )
+                    what = f"rank {gone[0]} stopped" if gone else "a rank stopped"
+                    self._report(store, RankFailed(message, what, self.step()))
+            except Exception as err:  # noqa: BLE001 -- the store went away: nothing to watch
+                log.debug("rank watch: %s: %s", type(err).__name__, err)
+                return
+
+    def _report(self, store, err: RankFailed) -> None:
+        """Write the run's report and leave; when this process's own thread already claimed it
+        (it is reporting its own failure), leave that to it."""
+        if not claim_report():
+            self.stop.set()
+            return
+        try:
+            self.report(err)
+        finally:
+            with contextlib.suppress(Exception):
+                store.set("kiln/reported", "1")
+            sys.stderr.flush()
+            os._exit(EXIT_FAILED)
+
+    def _sigterm(self) -> bool:
+        if self.signals is None:
+            return False
+        try:
+            received = self.signals.recv(64)
+        except BlockingIOError:
+            return False
+        # Other signals (SIGINT...) go on to their handlers; SIGTERM is the one torchrun sends.
+        return signal.SIGTERM in received
+
+    def _main_frame(self):
+        frame = sys._current_frames().get(self.main_thread)
+        return (id(frame), frame.f_lasti) if frame is not None else None
+
+    def _reporter(self, store, world: int) -> bool:
+        """Whether this rank is the lowest one still alive (the main rank while it lives)."""
+        return all(other in self._gone(store, world) for other in range(self.dist.rank))
+
+    @staticmethod
+    def _gone(store, world: int) -> list[int]:
+        now, gone = time.time(), []
+        for other in range(world):
+            key = f"kiln/alive/{other}"
+            if store.check([key]) and now - float(store.get(key).decode()) > DEAD_S:
+                gone.append(other)
+        return gone

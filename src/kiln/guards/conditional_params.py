@@ -1,0 +1,178 @@
+"""Parameters used only in some steps (`if cond.any(): x = self.refine(x)`): one process trains
+on regardless, but under DDP every rank must reduce the same parameters in every step, or the
+ranks' gradient reductions stop matching (gloo aborts a few dozen steps in, NCCL hangs) unless
+DDP is told to look for unused parameters (trainer.find_unused_parameters=true).
+
+Before step 1 the probe runs each of the probe batch's samples alone (pairs where a batch of 1
+cannot train: BatchNorm) and compares the parameters each one's autograd graph reaches (what a
+backward would give a gradient, read without running it) with those the whole batch's backward
+reached. During the run, GradientPresence records it at every step and names a change at once:
+one process logs it; under DDP the step fails before its next collective."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from kiln.guards.input_sizes import select
+from kiln.guards.rules import DEAD, ProbeFailure
+
+log = logging.getLogger(__name__)
+
+SAMPLES = 8  # samples of the probe batch backpropagated one by one
+
+DDP_ADVICE = (
+    "Under DDP every rank must use the same parameters in every step, or the ranks' gradient "
+    "reductions stop matching (gloo aborts, NCCL hangs): set trainer.find_unused_parameters=true "
+    "(DDP then looks for unused parameters in every step, at some cost), or compute the module in "
+    "every step and let the condition weight its output (x + cond * self.refine(x)) instead of "
+    "branching on it"
+)
+
+
+class ConditionalParametersError(ProbeFailure):
+    """Parameters that get a gradient in some steps and not in others (fatal under DDP)."""
+
+    what = "dead gradients"
+
+
+def _with_gradient(model: nn.Module, criterion, batch: Any) -> frozenset[str]:
+    for p in model.parameters():
+        p.grad = None
+    loss, _ = criterion(model, batch)
+    if loss.requires_grad:
+        loss.backward()
+    return frozenset(
+        n for n, p in model.named_parameters() if p.requires_grad and p.grad is not None
+    )
+
+
+def find_conditional_parameters(
+    model: nn.Module, criterion, batch: Any, whole: frozenset[str]
+) -> tuple[str, frozenset[str]] | None:
+    """`model` is the probe's copy (train mode; its gradients are the probe's); `whole` the
+    parameters the whole batch's backward reached. Returns (what varied, the parameters that
+    varied), or None."""
+    n = len(batch[0])
+    groups = [[i] for i in range(min(n, SAMPLES))]
+    for p in model.parameters():
+        p.grad = None
+    runs: list[tuple[str, frozenset[str]]] = []
+    try:
+        for group in groups:
+            used = _with_gradient(model, criterion, select(batch, group))
+            runs.append((f"sample {group[0]}", used))
+    except Exception:  # a batch of 1 cannot train (BatchNorm): pairs of samples
+        runs = []
+        pairs = [[i, i + 1] for i in range(0, min(n, SAMPLES) - 1, 2)]
+        try:
+            for pair in pairs:
+                label = f"samples {pair[0]} and {pair[1]}"
+                runs.append((label, _with_gradient(model, criterion, select(batch, pair))))
+        except Exception as err:  # noqa: BLE001 -- the check cannot run: said, not fatal
+            log.info("conditional parameters: not checked (%s: %s)", type(err).__name__, err)
+            return None
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    runs.append((f"the whole batch of {n}", whole))
+    every = frozenset.intersection(*(used for _, used in runs))
+    union = frozenset.union(*(used for _, used in runs))
+    varying = [name for name, _ in model.named_parameters() if name in union - every]
+    if not varying:
+        return None
+    used_by = _listed([label for label, used in runs if set(varying) & used])
+    not_by = _listed([label for label, used in runs if not set(varying) & used])
+    varied = f"{_named(model, varying)} got a gradient from {used_by} and none from {not_by}"
+    return varied, frozenset(varying)
+
+
+def _listed(labels: list[str]) -> str:
+    """ "samples 0, 3 (each alone), the whole batch of 8" from the runs' labels."""
+    alone = [label.removeprefix("sample ") for label in labels if label.startswith("sample ")]
+    rest = [label for label in labels if not label.startswith("sample ")]
+    parts = (
+        [f"sample{'s' if len(alone) > 1 else ''} {', '.join(alone)} (each alone)"] if alone else []
+    )
+    return ", ".join(parts + rest)
+
+
+def _named(model: nn.Module, names: list[str]) -> str:
+    modules = sorted({n.rpartition(".")[0] for n in names})
+    where = ", ".join(
+        f"{m or '<model>'} ({type(model.get_submodule(m)).__name__})" for m in modules
+    )
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return f"{shown} (in {where})"
+
+
+def conditional_error(
+    model: nn.Module, varied: str, module: str = ""
+) -> ConditionalParametersError:
+    return ConditionalParametersError(
+        f"{DEAD}: {type(model).__name__}: parameters used only in some steps: {varied}. "
+        + DDP_ADVICE,
+        module=module,
+    )
+
+
+class GradientPresence:
+    """Which trainable parameters got a gradient, step by step: the first step's set is the
+    expectation, and a step that differs names the parameters at once (`fatal`: raises, as under
+    DDP without find_unused_parameters, before the step's next collective; else logs once per
+    set). `on_fatal(message)` is told first (the ranks' shared record of why a rank stopped)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        fatal: bool,
+        on_fatal: Callable[[str], None] | None = None,
+    ):
+        self.model = model
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.fatal, self.on_fatal = fatal, on_fatal
+        self.expected: list[bool] | None = None
+        self.first_step = 0
+        self.said: set[tuple[str, ...]] = set()
+
+    def check(self, step: int) -> None:
+        present = [p.grad is not None for _, p in self.named]
+        if self.expected is None:
+            self.expected, self.first_step = present, step
+            return
+        if present == self.expected:
+            return
+        pairs = list(zip(self.named, present, self.expected, strict=True))
+        missing = [n for (n, _), now, then in pairs if then and not now]
+        extra = [n for (n, _), now, then in pairs if now and not then]
+        first, parts = self.first_step, []
+        if missing:
+            parts.append(
+                f"{_named(self.model, missing)} got no gradient at step {step} (they did at "
+                f"step {first})"
+            )
+        if extra:
+            parts.append(
+                f"{_named(self.model, extra)} got one at step {step} (not at step {first})"
+            )
+        varied = "; ".join(parts)
+        if self.fatal:
+            error = conditional_error(self.model, varied, (missing or extra)[0].rpartition(".")[0])
+            if self.on_fatal is not None:
+                self.on_fatal(str(error))
+            raise error
+        key = tuple(missing + extra)
+        if key not in self.said:
+            self.said.add(key)
+            log.warning("%s: parameters used only in some steps: %s. %s", DEAD, varied, DDP_ADVICE)
+
+
+def probe_backward_reached(model: nn.Module) -> frozenset[str]:
+    """The trainable parameters with a gradient now (after the probe step's backward)."""
+    return frozenset(
+        n for n, p in model.named_parameters() if p.requires_grad and p.grad is not None
+    )

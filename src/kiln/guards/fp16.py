@@ -1,0 +1,78 @@
+"""Values a GPU's fp16 would overflow, found wherever the run is (precision=amp, which is fp16 on
+CUDA, or trainer.fp16_check=true): one probe forward under fp16 autocast, traced op by op. The
+first operation that makes Inf/NaN out of finite inputs (float16's largest value is 65504: an
+activation squared, an exp of a logit) is named with its module, and so is a constant a float16
+tensor cannot hold (masked_fill(mask, -1e9)). On a CPU run this is the only place the fault
+shows before the run reaches a GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.guards.no_trace import untouched
+from kiln.guards.numerics import (
+    FirstNonFinite,
+    ModuleStack,
+    NumericsError,
+    is_overflow,
+    nonfinite_count,
+)
+from kiln.guards.rules import NUMERICS
+from kiln.guards.trace import failing_call
+from kiln.guards.tree import iter_tensors
+
+Forward = Callable[[nn.Module, Any, bool], Any]
+FP16_MAX = 65504.0
+
+
+def check_fp16(model: nn.Module, batch: Any, forward: Forward) -> None:
+    """A train-mode forward (no grad) under fp16 autocast on the batch's device. Raises
+    NumericsError; a forward that is non-finite in fp32 too is the numerics probe's, not this."""
+    device = next((t.device.type for _, t in iter_tensors(batch)), "cpu")
+    name = type(model).__name__
+    with untouched(model), torch.no_grad():
+        model.train()
+        modules = ModuleStack(model)
+        tracer = FirstNonFinite(modules)
+        try:
+            with tracer, torch.autocast(device, dtype=torch.float16):
+                output = forward(model, batch, True)
+        except Exception as err:  # noqa: BLE001 -- only an overflow is this probe's finding
+            if not is_overflow(err):
+                return  # an op without a float16 kernel here: not what this probe looks for
+            modules.close()
+            _, trace = failing_call(model, lambda: _fp16_forward(model, batch, forward, device))
+            call = trace.innermost_open
+            where = call.where if call is not None else f"{name}.forward itself"
+            raise NumericsError(
+                f"{NUMERICS}: {name}: under fp16 autocast (precision=amp on CUDA) {where} uses a "
+                f"value float16 cannot hold ({err}): float16 spans +-65504; write the constant "
+                "from the tensor's dtype (torch.finfo(x.dtype).min for a mask), or keep that "
+                "module in fp32",
+                module=call.path if call is not None else "",
+            ) from err
+        finally:
+            modules.close()
+        if not nonfinite_count(output) or tracer.found is None:
+            return
+        if nonfinite_count(forward(model, batch, True)):
+            return  # non-finite in fp32 too: the numerics probe names it
+    op = tracer.found
+    biggest = max((t.get("abs_max", 0.0) for t in op.inputs), default=0.0)
+    raise NumericsError(
+        f"{NUMERICS}: {name}: under fp16 autocast (precision=amp on CUDA) {op.op} in {op.where} "
+        f"makes Inf/NaN out of finite {op.dtype} inputs (up to {biggest:.3g}; float16's largest "
+        f"value is {FP16_MAX:g}), and the same forward in fp32 is finite: a value beyond "
+        "float16's range. precision=bf16 (fp32's range), or keep that module in fp32 "
+        "(torch.autocast(..., enabled=False) around it), or scale it down",
+        module=op.module,
+    )
+
+
+def _fp16_forward(model: nn.Module, batch: Any, forward: Forward, device: str) -> Any:
+    with torch.autocast(device, dtype=torch.float16):
+        return forward(model, batch, True)
