@@ -38,7 +38,9 @@ class ServerConfig:
     timeout_ms: float = 10_000.0  # per-request deadline: 504 past it; unrun inputs leave the queue
     drain_grace_s: float = 30.0  # on SIGTERM: time to answer accepted requests, then 503 the rest
     header_timeout_s: float = 10.0  # a request's headers must arrive within this, or it is closed
-    model_threads: int = 0  # CPU threads per model call (0: all cores but one, kept for HTTP)
+    # CPU threads per model call (0: kiln's rule, kiln.threads: one for a small model call,
+    # else the usable physical cores but one, kept for HTTP)
+    model_threads: int = 0
     model_name: str = "kiln"  # the <name> in /v2/models/<name> (and the Triton model's folder)
 
 
@@ -216,9 +218,8 @@ def validate_server(s: ServerConfig) -> None:
         )
 
 
-def model_threads(setting: int) -> int:
-    """server.model_threads resolved: 0 means every core but one (at least one). A serving
-    process also parses and answers HTTP; model threads that take every core spin against it."""
-    import os
-
-    return setting or max(1, (os.cpu_count() or 2) - 1)
+def model_threads(setting: int) -> int | str:
+    """server.model_threads resolved: 0 means kiln's rule ("auto": the predictor counts a call
+    of server.max_batch_size inputs and keeps one core for HTTP). A serving process also parses
+    and answers HTTP; model threads that take every core spin against it."""
+    return setting or "auto"

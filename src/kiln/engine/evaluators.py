@@ -21,7 +21,9 @@ def build_evaluator(task: str, *, precision: Precision, device: torch.device, di
 
 
 class ClassificationEvaluator:
-    """val_loss (cross-entropy) and val_acc over every validation sample, all ranks summed."""
+    """val_loss (cross-entropy), val_acc and val_macro_f1 (the mean over classes of each one's
+    F1, as scikit-learn's f1_score(average="macro") over the classes seen or predicted: a rare
+    class counts as much as a common one) over every validation sample, all ranks summed."""
 
     monitor, monitor_mode = "val_acc", "max"
 
@@ -30,18 +32,38 @@ class ClassificationEvaluator:
 
     def __call__(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         totals = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss sum, correct, n
+        confusion = None  # (C * C,) counts of label * C + prediction
         for inputs, targets in batches:
             with self.precision.autocast():
                 logits = logits_of(model(inputs)).float()
             loss = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
             # Soft targets (N, C) too: MixUp batches, validated under trainer.overfit_batches.
             labels = targets.argmax(dim=-1) if targets.dim() == 2 else targets
-            correct = (logits.argmax(dim=-1) == labels).sum()
+            predicted = logits.argmax(dim=-1)
+            correct = (predicted == labels).sum()
             count = torch.tensor(len(targets), device=self.device)
             totals += torch.stack([loss.double(), correct.double(), count.double()])
+            classes = logits.shape[-1]
+            pairs = torch.bincount(labels * classes + predicted, minlength=classes * classes)
+            confusion = pairs if confusion is None else confusion + pairs
         loss_sum, correct, count = all_reduce_sum(totals).tolist()
         count = max(count, 1.0)
-        return {"val_loss": loss_sum / count, "val_acc": correct / count}
+        metrics = {"val_loss": loss_sum / count, "val_acc": correct / count}
+        if confusion is not None:
+            metrics["val_macro_f1"] = macro_f1(all_reduce_sum(confusion.double()))
+        return metrics
+
+
+def macro_f1(confusion: torch.Tensor) -> float:
+    """Macro-F1 from flat (C * C,) counts of label * C + prediction: 2TP / (2TP + FP + FN) per
+    class, averaged over the classes that occur as a label or a prediction."""
+    classes = int(round(confusion.numel() ** 0.5))
+    matrix = confusion.reshape(classes, classes)
+    hits = matrix.diagonal()
+    labelled, predicted = matrix.sum(dim=1), matrix.sum(dim=0)
+    seen = (labelled + predicted) > 0
+    f1 = 2 * hits / (labelled + predicted).clamp(min=1)
+    return float(f1[seen].mean()) if bool(seen.any()) else 0.0
 
 
 class DetectionEvaluator:

@@ -58,6 +58,7 @@ from kiln.logging.summary import summarize, write_json, write_summary
 from kiln.models import build_model, without_weights
 from kiln.preprocessing.pretrained import PretrainedInput, pretrained_input
 from kiln.registry import config_dirs, plugin_sources
+from kiln.threads import BusyElsewhere
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> Dat
 def build_trainer(
     cfg: KilnConfig, run_dir: Path, dist: DistInfo, device: torch.device, recorder
 ) -> Trainer:
+    cpu_watch = BusyElsewhere()  # what other processes keep busy while this run starts
     seed_everything(cfg.seed)  # the same initial weights on every rank and in single runs
     pretrained = pretrained_input(cfg.model)  # checks a zoo model's arch and weights first
     bundle = load_data(cfg, pretrained)
@@ -171,6 +173,8 @@ def build_trainer(
         rewrap=wrap if dist.enabled and freeze.unfreeze_at_epoch is not None else None,
         ema=WeightAverage(model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None,
         data=bundle,
+        cpu_watch=cpu_watch,
+        early_stopping=early_stopping_patience(cfg.trainer.early_stopping, bundle.spec),
     )
     parts.flag_for_unused = lambda names: option_behind(names, bundle.spec, cfg, want_aux)
     if bundle.report is not None and dist.is_main:
@@ -211,6 +215,17 @@ def build_trainer(
     trainer.state.planned_steps = planned_steps
     trainer.contract = contract
     return trainer
+
+
+TEXT_PATIENCE = 2  # trainer.early_stopping=auto on text data: text models overfit within epochs
+
+
+def early_stopping_patience(setting, spec) -> int | None:
+    """trainer.early_stopping resolved: auto is TEXT_PATIENCE epochs for text (token) data,
+    where the default run would otherwise train past its best, and off for the rest."""
+    if setting == "auto":
+        return TEXT_PATIENCE if spec.input_kind == "tokens" else None
+    return setting
 
 
 def will_resume(cfg: KilnConfig, run_dir: Path) -> bool:
