@@ -782,6 +782,7 @@ def main(argv=None) -> int:
         for name, train, val, val_rows, meta in files:
             progress(f"{name or csv_path.name}: kiln text_bow, TF-IDF + LinearSVC and fastText")
             where = workdir / (name or "csv")
+            where.mkdir(parents=True, exist_ok=True)
             side = side_by_side(train, val, val_rows, where, args)
             side["corpus"] = meta
             if not args.skip_transformer:

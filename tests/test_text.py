@@ -389,7 +389,7 @@ def test_text_bow_reads_its_words_from_the_data(demo_bundle):
     spec = demo_bundle.spec
     assert len(spec.tokens) == spec.vocab_size and spec.tokens[:2] == ("[PAD]", "[UNK]")
     assert DataSpec.from_dict(spec.to_dict()) == spec  # as a checkpoint stores it
-    cfg = model_cfg("text_bow")
+    cfg = model_cfg("text_bow", char_ngrams=[2, 5])
     model = build_model(spec, cfg)
     word = spec.tokens[5]
     prefix = spec.vocab_size + zlib.crc32(f"<{word[0]}".encode()) % cfg.num_buckets
