@@ -196,7 +196,11 @@ def build_trainer(
         world_size=dist.world_size,
         accumulate=cfg.trainer.accumulate_grad_batches,
         data_fingerprint=data_fingerprint(
-            bundle.spec.to_dict(), bundle.recipe.to_dict(), (len(bundle.train), len(bundle.val))
+            # spec.tokens come from the recipe's tokenizer, fingerprinted with the recipe (and
+            # a checkpoint made before the spec held them resumes as before)
+            {k: v for k, v in bundle.spec.to_dict().items() if k != "tokens"},
+            bundle.recipe.to_dict(),
+            (len(bundle.train), len(bundle.val)),
         ),
         has_schedule=parts.scheduler is not None,
     )
@@ -395,7 +399,7 @@ def report_test_split(
             collate_fn=bundle.collate_fn,
             device=device.type,
             batch_size=cfg.data.batch_size,
-            num_workers=cfg.data.num_workers,
+            num_workers=trainer.train_loader.num_workers,  # data.num_workers resolved
         )
     except Exception as err:  # noqa: BLE001 -- reported, never raised: training succeeded
         log.error(
