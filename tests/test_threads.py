@@ -263,3 +263,25 @@ def test_bad_thread_settings_are_config_errors(value):
 
     with pytest.raises(ConfigError, match="trainer.threads"):
         compose_config(f"trainer.threads={value}")
+
+
+def test_prediction_and_serving_take_the_same_rule(tmp_path_factory, caplog, monkeypatch):
+    """infer.py sizes a model call of its batch by the checkpoint's own forward FLOPs; the
+    server (server.model_threads=0) does the same for server.max_batch_size, a core kept."""
+    from kiln.config.infer import model_threads
+    from kiln.inference.predictor import Predictor, auto_threads
+
+    from .inference_helpers import digits_run
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    run_dir, _ = digits_run(tmp_path_factory)
+    ckpt = run_dir / "checkpoints" / "best.pt"
+    torch.set_num_threads(2)
+    with caplog.at_level(logging.INFO):
+        Predictor.from_checkpoint(ckpt, threads="auto", batch_size=256)
+    assert torch.get_num_threads() == 1  # the digits MLP: a few MFLOP a call
+    assert "threads: 1 intra-op (a model call of 256 input(s) is " in caplog.text
+    assert model_threads(0) == "auto" and model_threads(3) == 3
+    assert auto_threads(ckpt, "torch", 32, reserve=1) == 1
+    # An ONNX file alone has no model to count: the usable cores, less the reserve.
+    assert auto_threads(tmp_path_factory.mktemp("x") / "m.onnx", "onnx", 32, reserve=0) >= 1
