@@ -26,6 +26,15 @@ made on first use by scripts/bench_venv.py); without it (--peers kiln,plain) the
     python scripts/bench_peers.py                          # resnet18 and the digits MLP, 5 rounds
     python scripts/bench_peers.py --works mlp --rounds 3 --out peers.json
     python scripts/bench_peers.py --peers kiln,plain --tiny   # seconds: what the test suite runs
+    python scripts/bench_peers.py --contention 1   # each side quiet and beside 1 busy process
+
+--contention N: in every round each side runs twice, quiet and beside N busy processes (the same
+N for every side, started before it and stopped after it; which of the two goes first alternates
+with the rounds), and the table gives each side's slowdown, loaded over quiet, per round. In this
+mode no side's threads are pinned: each runs with its own defaults, as its users run it (kiln's
+trainer.threads=auto; torch's own pool for Lightning and the plain loop). The floor: kiln's
+slowdown at most the plain loop's. The losses are still compared, but the sides' thread counts
+differ by design there, so a difference is reported, not failed.
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from contention import busy_processes, their_defaults  # noqa: E402
+
 SIDES = ("kiln", "lightning", "plain")
 LIGHTNING = ("pytorch-lightning==2.6.6",)  # its other requirements are in kiln's environment
 LOSS_RTOL = 1e-6  # the loss check's tolerance, relative; the sides normally agree bitwise
@@ -120,6 +132,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mlp-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads, every side")
     parser.add_argument(
+        "--contention",
+        type=int,
+        default=0,
+        help="N busy processes beside each side's second run of a round; sides unpinned",
+    )
+    parser.add_argument(
         "--peer-optimizer",
         choices=("torch", "kiln"),
         default="torch",
@@ -148,6 +166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("rounds", "resnet_steps", "mlp_steps", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.contention < 0:
+        parser.error("--contention must be >= 0")
     return args
 
 
@@ -428,8 +448,15 @@ def compose_config(work: Work) -> dict:
 
 
 def run_side(
-    side: str, python: Path, work: Work, config: dict, args: argparse.Namespace, tmp: Path
+    side: str,
+    python: Path,
+    work: Work,
+    config: dict,
+    args: argparse.Namespace,
+    tmp: Path,
+    busy: int = 0,
 ) -> dict:
+    """One run of one side, beside `busy` busy processes; in --contention mode unpinned."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"{side}-", dir=tmp))
     threads = args.threads
     job = {
@@ -443,10 +470,13 @@ def run_side(
     (run_dir / "job.json").write_text(json.dumps(job))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONWARNINGS": "ignore", "KILN_OVERRIDES": ""}  # fmt: skip
+    if args.contention:
+        env = their_defaults(env)
     command = [str(python), __file__, "--worker", side, "--job", str(run_dir / "job.json")]
-    started = time.perf_counter()
-    proc = subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - started
+    with busy_processes(busy):
+        started = time.perf_counter()
+        proc = subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise RuntimeError(f"the {side} side failed ({work.label}):\n{proc.stdout}{proc.stderr}")
     result = json.loads((run_dir / "result.json").read_text())
@@ -562,6 +592,70 @@ def markdown(table: dict, works_: dict[str, Work], sides: list[str], note: str) 
     return "\n".join(lines) + "\n"
 
 
+def contention_summary(rounds: list[dict], sides: list[str], work_names: list[str]) -> dict:
+    """Per work and side: quiet and loaded medians, and the slowdown (loaded / quiet) of each
+    round, on the whole process's wall and on the training-step rate."""
+    table = {}
+    for name in work_names:
+        per = [r[name] for r in rounds]
+        table[name] = {
+            side: {
+                "quiet_wall_s": spread([p[side]["wall_s"] for p in per]),
+                "loaded_wall_s": spread([p[f"{side}+busy"]["wall_s"] for p in per]),
+                "slowdown_wall": spread(
+                    [p[f"{side}+busy"]["wall_s"] / p[side]["wall_s"] for p in per]
+                ),  # fmt: skip
+                "slowdown_steps": spread(
+                    [p[side]["steps_sps"] / p[f"{side}+busy"]["steps_sps"] for p in per]
+                ),  # fmt: skip
+                "threads": [p[side]["threads"] for p in per],
+                "loaded_threads": [p[f"{side}+busy"]["threads"] for p in per],
+            }
+            for side in sides
+        }
+    return table
+
+
+def contention_floors(table: dict) -> dict[str, tuple[str, bool]]:
+    """kiln's slowdown (wall, median over rounds) at most the plain loop's, per work."""
+    out = {}
+    for name, row in table.items():
+        if "plain" not in row:
+            continue
+        kiln, plain = row["kiln"]["slowdown_wall"], row["plain"]["slowdown_wall"]
+        out[f"{name}: kiln's slowdown <= the plain loop's"] = (
+            f"{kiln['median']:.2f}x vs {plain['median']:.2f}x",
+            kiln["median"] <= plain["median"],
+        )
+    return out
+
+
+def contention_markdown(table: dict, works_: dict[str, Work], sides: list[str], busy: int) -> str:
+    lines = [
+        f"| work | side | threads quiet / loaded | wall s quiet | wall s beside {busy} busy | "
+        "slowdown, wall (min-max) | slowdown, step rate (min-max) |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for name, row in table.items():
+        for side in sides:
+            cell = row[side]
+            wall, steps = cell["slowdown_wall"], cell["slowdown_steps"]
+            threads = (
+                f"{'/'.join(map(str, sorted(set(cell['threads']))))} / "
+                f"{'/'.join(map(str, sorted(set(cell['loaded_threads']))))}"
+            )
+            lines.append(
+                f"| {works_[name].label if side == sides[0] else ''} | {side} | {threads} | "
+                f"{cell['quiet_wall_s']['median']:.2f} | {cell['loaded_wall_s']['median']:.2f} | "
+                f"{wall['median']:.2f}x ({wall['min']:.2f}-{wall['max']:.2f}) | "
+                f"{steps['median']:.2f}x ({steps['min']:.2f}-{steps['max']:.2f}) |"
+            )
+    lines += ["", "| floor | measured | met |", "|---|---:|---|"]
+    for floor, (measured, met) in contention_floors(table).items():
+        lines.append(f"| {floor} | {measured} | {'yes' if met else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -581,15 +675,20 @@ def main(argv: list[str] | None = None) -> int:
             for name, work in chosen.items():
                 results = {}
                 for side in order:
-                    results[side] = run_side(
-                        side, pythons[side], work, configs[name], args, Path(tmp)
-                    )
-                    print(
-                        f"round {r + 1}/{args.rounds} {name} {side}: "
-                        f"{results[side]['steps_sps']:.0f} samples/s (steps), "
-                        f"{results[side]['wall_s']:.2f} s wall",
-                        flush=True,
-                    )
+                    # Quiet and loaded in turn, which first alternating with the rounds.
+                    loads = [0, args.contention] if args.contention else [0]
+                    for busy in loads if r % 2 == 0 else loads[::-1]:
+                        key = f"{side}+busy" if busy else side
+                        results[key] = run_side(
+                            side, pythons[side], work, configs[name], args, Path(tmp), busy
+                        )
+                        print(
+                            f"round {r + 1}/{args.rounds} {name} {key}: "
+                            f"{results[key]['steps_sps']:.0f} samples/s (steps), "
+                            f"{results[key]['wall_s']:.2f} s wall, "
+                            f"{results[key]['threads']} thread(s)",
+                            flush=True,
+                        )
                 reference = results["kiln"]["losses"]
                 results["loss_check"] = {
                     peer: loss_check(reference, results[peer]["losses"], args.loss_rtol)
@@ -602,13 +701,22 @@ def main(argv: list[str] | None = None) -> int:
     missing = [s for s in SIDES if s not in sides]
     note = (
         f"{args.rounds} interleaved rounds, medians (ratio: median (min–max) of the per-round "
-        f"ratios); fp32, CPU, {args.threads} intra-op thread(s) a side; the peers' optimizer: "
+        f"ratios); fp32, CPU, "
+        + (
+            "each side's own threads (unpinned: --contention)"
+            if args.contention
+            else f"{args.threads} intra-op thread(s) a side"
+        )
+        + "; the peers' optimizer: "
         f"{args.peer_optimizer}'s class (--peer-optimizer); loss tolerance "
         f"rtol {args.loss_rtol:g}; load average {load_before[0]:.2f} before, "
         f"{load_after[0]:.2f} after, on {os.cpu_count()} CPUs"
         + (f"; not run: {', '.join(missing)} (--peers)" if missing else "")
     )
     text = markdown(table, chosen, sides, note)
+    if args.contention:
+        slow = contention_summary(rounds, sides, list(chosen))
+        text += "\n" + contention_markdown(slow, chosen, sides, args.contention)
     print(text, end="")
     report = {
         "sides": sides,
@@ -621,13 +729,16 @@ def main(argv: list[str] | None = None) -> int:
         "loss_rtol": args.loss_rtol,
         "not_run": missing,
     }
+    if args.contention:
+        floors = contention_floors(slow)
+        report["contention"] = {"busy": args.contention, "table": slow, "floors": floors}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     if args.markdown is not None:
         args.markdown.write_text(text)
     checks = [c for e in table.values() for cs in e["loss_check"].values() for c in cs]
-    if not all(c["within"] for c in checks):
+    if not args.contention and not all(c["within"] for c in checks):
         print("error: the sides computed different losses (see the loss check above)")
         return 1
     return 0

@@ -1,29 +1,35 @@
-"""Benchmark kiln's text path on a CSV (default: generated issue-tracker tickets), in one run:
+"""Benchmark kiln's text path, in one run:
 
 1. data path: rows/s for read + clean + tokenize, with the Rust tokenizer's batch encoding and
    with the plain-Python reference of the same BPE over the same vocabulary (their ids are
-   checked identical), and their ratio;
+   checked identical), and their ratio (on generated issue-tracker tickets, or --csv);
 2. padded share of the tokens in training batches: padding every batch to data.max_length, to
    the longest text of a random batch (dynamic), and of a length-bucketed batch;
-3. kiln's text_bow against linear models, side by side: the same train and validation files
-   (the CSV's kept rows, split by data.split_seed), each tool a fresh process timed from start
-   to exit (start-up, reading, featurising, training, scoring): `python train.py ...
-   model=text_bow`, a TF-IDF (word 1-2 grams) + LinearSVC script (scikit-learn), and fastText
-   (`pip install fasttext-wheel`; left out, and said so, when it is not installed). One thread
-   each (--threads), an untimed warm-up of each on a few rows first (imports, page cache), then
-   --repeats timed runs per tool in turn; the table has accuracy, median wall time, and each
-   wall time over TF-IDF + LinearSVC's;
-4. text_transformer: validation accuracy, wall time and training samples/s in this process;
+3. kiln's text_bow against linear models, side by side, on three real corpora built from the
+   text installed packages ship (kiln.data.package_text: docstrings by library, exception
+   messages by exception class, numpydoc sections by heading), or on --csv: the same train and
+   validation files (the kept rows, split by data.split_seed), each tool a fresh process timed
+   from start to exit (start-up, reading, featurising, training, scoring): `python train.py
+   ... model=text_bow` with kiln's defaults (best.pt's accuracy and macro-F1, from its
+   evaluation in metrics.jsonl), TF-IDF (word 1-2 + char 2-5 grams) + LinearSVC
+   (scikit-learn), and fastText (`pip install fasttext-wheel`; left out, and said so, when it
+   is not installed). An untimed warm-up of each on a few rows first (imports, page cache),
+   then --repeats timed runs per tool in turn; each wall time over TF-IDF + LinearSVC's of the
+   same round. With --contention N every run is made twice, quiet and beside N busy processes
+   (which first alternating with the rounds), and no tool's threads are pinned (each as its
+   users run it); without it one thread each (--threads);
+4. text_transformer with its defaults on the same files: best.pt's accuracy and the wall time;
 5. optionally (--prepare-rows N): a generated N-row CSV prepared twice in fresh processes --
    peak memory against the file's size, and the first (read, clean, tokenize, cache) against
    the second (cache hit) preparation time.
 
 Speed is reported as ratios measured in the same run, never asserted, unless --check (exit 1
-when a floor is missed). Floors: Rust >= 10x Python; bucketed padding < 10%; text_bow at least
-TF-IDF + LinearSVC's accuracy in less wall time.
+when a floor is missed). Floors: Rust >= 10x Python; bucketed padding < 10%; on each corpus
+text_bow's accuracy and macro-F1 at least TF-IDF + LinearSVC's and its wall at most the SVC's
+(quiet and, with --contention, loaded), its slowdown at most the SVC's and at most 1.5x.
 
-    python scripts/bench_text.py                               # 30,000 generated tickets
-    python scripts/bench_text.py --csv my.csv --epochs 5 data.text_column=body
+    python scripts/bench_text.py --fasttext venv --contention 1   # what make bench runs
+    python scripts/bench_text.py --csv my.csv data.text_column=body
     python scripts/bench_text.py --rows 2000 --skip-models --prepare-rows 1000000
 """
 
@@ -50,13 +56,15 @@ from kiln.data.bpe_reference import ReferenceBPE
 from kiln.data.csv_reader import BadRowLog, read_labelled_rows
 from kiln.data.csv_text import csv_settings, prepare, split_rows
 from kiln.data.loaders import BucketedSampler, ResumableSampler
+from kiln.data.package_text import CORPORA, write_corpus
 from kiln.data.text_corpus import write_ticket_csv
 from kiln.data.token_store import ENCODE_BATCH
-from kiln.engine.run import train
 from kiln.preprocessing.cleaning import NO_CLEANING
 from kiln.preprocessing.text import WordCachedEncoder, encode_ids, train_tokenizer
 
-FLOORS = {"rust_over_python": 10.0, "bucketed_padding": 0.10}
+FLOORS = {"rust_over_python": 10.0, "bucketed_padding": 0.10, "text_bow_slowdown": 1.5}
+sys.path.insert(0, str(Path(__file__).parent))
+from contention import busy_processes, load_average, their_defaults  # noqa: E402
 
 
 def progress(message: str) -> None:
@@ -67,7 +75,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", help="a CSV with text and label columns (default: generated)")
     parser.add_argument("--rows", type=int, default=30_000, help="rows of the generated CSV")
-    parser.add_argument("--epochs", type=int, default=3, help="training epochs of kiln's models")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="training epochs of kiln's models (default: "
+        "kiln's own, trainer.max_epochs with early stopping)",
+    )
+    parser.add_argument(
+        "--corpora",
+        default=",".join(CORPORA),
+        help="the package-text corpora of the side-by-side table (without --csv); '' for none",
+    )
+    parser.add_argument(
+        "--contention",
+        type=int,
+        default=0,
+        help="N busy processes beside each tool's second run of a round; tools unpinned",
+    )
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs of each tool (kiln: seeds 0..N-1)"
     )
@@ -93,13 +118,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         "overrides", nargs="*", help="extra Hydra overrides of kiln's runs (data.*, model.*, ...)"
     )
     args = parser.parse_args(argv)
-    if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: a run that proves it works
+    args.smoke = os.environ.get("KILN_SMOKE") == "1"
+    if args.smoke:  # the README's own test: a run that proves it works
         args.rows, args.repeats, args.skip_transformer = min(args.rows, 1000), 1, True
+        args.corpora = "errors"  # the smallest
         args.prepare_rows = min(args.prepare_rows, 20_000)
-    if min(args.rows - 9, args.epochs, args.repeats, args.threads + 1, args.prepare_rows + 1) < 1:
+    epochs = 1 if args.epochs is None else args.epochs
+    if min(args.rows - 9, epochs, args.repeats, args.threads + 1, args.prepare_rows + 1) < 1:
         parser.error(
             "--rows >= 10, --epochs >= 1, --repeats >= 1, --threads >= 0, --prepare-rows >= 0"
         )
+    if args.contention < 0:
+        parser.error("--contention >= 0")
+    args.corpus_names = [] if args.csv else [c for c in args.corpora.split(",") if c]
+    unknown = [c for c in args.corpus_names if c not in CORPORA]
+    if unknown:
+        parser.error(f"--corpora: choose from {', '.join(CORPORA)} (got {', '.join(unknown)})")
+    if args.contention:
+        args.threads = 0  # each tool as its users run it
     return args
 
 
@@ -202,38 +238,74 @@ def padding(lengths: np.ndarray, batch_size: int, max_length: int, seed: int = 0
 # 3. text_bow against linear models, side by side
 
 REPO = Path(__file__).resolve().parents[1]
-SVC_SCRIPT = """
+# Accuracy and macro-F1 in plain Python: the fastText venv needs nothing else.
+SCORES = """
+def scores(truth, predicted):
+    labels = set(truth) | set(predicted)
+    f1 = []
+    for label in labels:
+        hits = sum(t == p == label for t, p in zip(truth, predicted))
+        both = sum(t == label for t in truth) + sum(p == label for p in predicted)
+        f1.append(2 * hits / both)
+    accuracy = sum(t == p for t, p in zip(truth, predicted)) / len(truth)
+    return {"val_acc": accuracy, "val_macro_f1": sum(f1) / len(f1)}
+"""
+SVC_SCRIPT = (
+    """
 import json, sys
 import pandas as pd
 from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.pipeline import make_union
 from sklearn.svm import LinearSVC
-train, val = (pd.read_csv(p, dtype=str, keep_default_na=False) for p in sys.argv[1:3])
-vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=2)
-classifier = LinearSVC().fit(vectorizer.fit_transform(train.text), train.label)
-print(json.dumps({"val_acc": classifier.score(vectorizer.transform(val.text), val.label)}))
 """
+    + SCORES
+    + """
+train, val = (pd.read_csv(p, dtype=str, keep_default_na=False) for p in sys.argv[1:3])
+vectorizer = make_union(
+    TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=2),
+    TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), sublinear_tf=True, min_df=2),
+)
+classifier = LinearSVC().fit(vectorizer.fit_transform(train.text), train.label)
+predicted = classifier.predict(vectorizer.transform(val.text))
+print(json.dumps(scores(list(val.label), list(predicted))))
+"""
+)
+SVC_SETTINGS = "TF-IDF (word 1-2 + char 2-5 grams, sublinear tf, min_df 2) + LinearSVC (C=1)"
 # fastText reads one example a line: `__label__<label> <words>`, lowercased with punctuation
-# split off (as fastText's own tutorial prepares its data).
-FASTTEXT_SCRIPT = """
+# split off (as fastText's own tutorial prepares its data). Its threads: the bench's --threads,
+# else its own default (12).
+FASTTEXT_SCRIPT = (
+    """
 import csv, json, re, sys, tempfile
 import fasttext
+"""
+    + SCORES
+    + """
 def lines(path, out):
+    labels, texts = [], []
     with open(path, newline="", encoding="utf-8") as f, open(out, "w", encoding="utf-8") as o:
         for row in csv.DictReader(f):
-            words = re.findall(r"\\w+|[^\\w\\s]", row["text"].lower())
-            o.write("__label__" + row["label"].replace(" ", "_") + " " + " ".join(words) + "\\n")
+            words = " ".join(re.findall(r"\\w+|[^\\w\\s]", row["text"].lower()))
+            label = row["label"].replace(" ", "_")
+            o.write("__label__" + label + " " + words + "\\n")
+            labels.append(label)
+            texts.append(words)
+    return labels, texts
+threads = {"thread": int(sys.argv[3])} if int(sys.argv[3]) else {}
 with tempfile.TemporaryDirectory() as tmp:
     lines(sys.argv[1], tmp + "/train.txt")
-    lines(sys.argv[2], tmp + "/val.txt")
+    truth, texts = lines(sys.argv[2], tmp + "/val.txt")
     model = fasttext.train_supervised(tmp + "/train.txt", epoch=5, lr=0.5, wordNgrams=2, dim=50,
-                                      thread=int(sys.argv[3]), verbose=0)
-    _, precision, _ = model.test(tmp + "/val.txt")
-print(json.dumps({"val_acc": precision}))
+                                      verbose=0, **threads)
+    predicted = [found[0][len("__label__"):] for found in model.predict(texts)[0]]
+print(json.dumps(scores(truth, predicted)))
 """
+)
 FASTTEXT_SETTINGS = "5 epochs, lr 0.5, word bigrams, dim 50"
 # The columns of the split files: the bench writes them, so these settings are not passed on.
 FILE_KEYS = ("data.train_path", "data.val_path", "data.text_column", "data.label_column",
              "data.encoding")  # fmt: skip
+KILN, SVC, FASTTEXT = "kiln text_bow", "TF-IDF + LinearSVC", "fastText"
 
 
 def write_split(cfg, workdir: Path) -> tuple[Path, Path, int]:
@@ -246,6 +318,7 @@ def write_split(cfg, workdir: Path) -> tuple[Path, Path, int]:
         labels += chunk.labels
     names = {name: i for i, name in enumerate(sorted(set(labels)))}
     train, val = split_rows(np.array([names[y] for y in labels]), cfg.val_fraction, cfg.split_seed)
+    workdir.mkdir(parents=True, exist_ok=True)
     paths = workdir / "split-train.csv", workdir / "split-val.csv"
     for path, rows in zip(paths, (train, val), strict=True):
         with path.open("w", newline="", encoding="utf-8") as f:
@@ -262,21 +335,32 @@ def _head(path: Path, out: Path, rows: int) -> Path:
 
 
 def child_env(threads: int) -> dict[str, str]:
-    """One thread (or --threads) for every library of every tool; bytecode may be cached (the
-    warm-up writes it), as on any machine where a library was imported before."""
+    """One thread (or --threads) for every library of every tool; 0: each library's own
+    default (no pin at all). Bytecode may be cached (the warm-up writes it), as on any machine
+    where a library was imported before."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    if threads:
-        for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                    "RAYON_NUM_THREADS"):  # fmt: skip
-            env[key] = str(threads)
+    if not threads:
+        return their_defaults(env)
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                "RAYON_NUM_THREADS"):  # fmt: skip
+        env[key] = str(threads)
     return env
 
 
+def best_evaluation(run_dir: Path) -> dict:
+    """best.pt's evaluation: metrics.jsonl's evaluation at summary.json's best_step."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    found = [r for r in rows if "val_acc" in r and r["step"] == summary["best_step"]]
+    return {**found[-1], "best_epoch": summary["best_epoch"], "epochs": summary["epochs"],
+            "threads": summary.get("threads")}  # fmt: skip
+
+
 class Tools:
-    """The three commands on a (train, val) pair of files; each returns (val_acc, wall_s)."""
+    """The commands on a (train, val) pair of files; each returns its scores and wall s."""
 
     def __init__(
-        self, workdir: Path, epochs: int, threads: int, overrides: list[str], fasttext_python=None
+        self, workdir: Path, epochs, threads: int, overrides: list[str], fasttext_python=None
     ):
         self.workdir, self.epochs, self.threads = workdir, epochs, threads
         self.fasttext_python = str(fasttext_python or sys.executable)
@@ -301,28 +385,27 @@ class Tools:
             raise RuntimeError(f"{command[:3]} failed: {done.stderr[-2000:]}")
         return done.stdout, wall
 
-    def kiln(self, train: Path, val: Path, seed: int = 0) -> tuple[float, float]:
+    def kiln(self, train: Path, val: Path, seed: int = 0, model: str = "text_bow"):
         self.runs += 1
         run_dir = self.workdir / "side-by-side" / f"kiln-{self.runs}"
+        epochs = [] if self.epochs is None else [f"trainer.max_epochs={self.epochs}"]
         _, wall = self._run(
             [sys.executable, "train.py", "data=csv_text", f"data.train_path={train}",
-             f"data.val_path={val}", "model=text_bow", f"trainer.max_epochs={self.epochs}",
+             f"data.val_path={val}", f"model={model}", *epochs,
              f"data.cache_dir={run_dir}-cache", f"hydra.run.dir={run_dir}", "logger=none",
              "env.progress_bar=false", f"seed={seed}", *self.overrides]
         )  # fmt: skip
-        summary = json.loads((run_dir / "summary.json").read_text())
-        return summary["val_acc"], wall
+        return best_evaluation(run_dir), wall
 
-    def svc(self, train: Path, val: Path) -> tuple[float, float]:
+    def svc(self, train: Path, val: Path, seed: int = 0):
         out, wall = self._run([sys.executable, "-c", SVC_SCRIPT, str(train), str(val)])
-        return json.loads(out.strip().splitlines()[-1])["val_acc"], wall
+        return json.loads(out.strip().splitlines()[-1]), wall
 
-    def fasttext(self, train: Path, val: Path) -> tuple[float, float]:
-        threads = str(self.threads or os.cpu_count())
+    def fasttext(self, train: Path, val: Path, seed: int = 0):
         out, wall = self._run(
-            [self.fasttext_python, "-c", FASTTEXT_SCRIPT, str(train), str(val), threads]
+            [self.fasttext_python, "-c", FASTTEXT_SCRIPT, str(train), str(val), str(self.threads)]
         )
-        return json.loads(out.strip().splitlines()[-1])["val_acc"], wall
+        return json.loads(out.strip().splitlines()[-1]), wall
 
 
 FASTTEXT_PACKAGES = ("fasttext-wheel==0.9.2", "pybind11==3.1.0")  # numpy: kiln's own
@@ -333,67 +416,111 @@ def fasttext_python(choice: str):
     if choice == "off":
         return None
     if choice == "venv":
-        sys.path.insert(0, str(Path(__file__).parent))
         from bench_venv import bench_python
 
         return bench_python("fasttext", FASTTEXT_PACKAGES)
     return sys.executable if importlib.util.find_spec("fasttext") is not None else None
 
 
-def side_by_side(cfg, workdir: Path, args) -> dict:
-    train, val, val_rows = write_split(cfg, workdir)
+def side_by_side(train: Path, val: Path, val_rows: int, workdir: Path, args) -> dict:
+    """Each tool --repeats times in turn on the same files, quiet and (--contention) beside
+    busy processes; per tool its runs, medians, and ratios within each round."""
     python = fasttext_python(args.fasttext)
     tools = Tools(workdir, args.epochs, args.threads, args.overrides, python)
-    runners = {"kiln text_bow": tools.kiln, "TF-IDF + LinearSVC": tools.svc}
+    runners = {KILN: tools.kiln, SVC: tools.svc}
     if python is None:
         progress(
             "fastText is not installed (pip install fasttext-wheel, or --fasttext venv): left out"
         )
     else:
-        runners["fastText"] = tools.fasttext
+        runners[FASTTEXT] = tools.fasttext
     progress("warm-up: each tool once on 300 rows (imports, bytecode, page cache)")
     small = _head(train, workdir / "warm-train.csv", 300), _head(val, workdir / "warm-val.csv", 100)
     for run in runners.values():
         run(*small)
-    rows = {name: {"val_acc_runs": [], "wall_s_runs": [], "cpu_s_runs": []} for name in runners}
+    loads = [0, args.contention] if args.contention else [0]
+    rows = {
+        name: {
+            f"{key}{suffix}": []
+            for key in (
+                "val_acc_runs",
+                "val_macro_f1_runs",
+                "wall_s_runs",
+                "cpu_s_runs",
+                "load_runs",
+            )
+            for suffix in ("", "_loaded")
+        }  # fmt: skip
+        for name in runners
+    }
     for repeat in range(args.repeats):
-        for name, run in runners.items():
-            progress(f"{name}: run {repeat + 1} of {args.repeats}")
-            acc, wall = run(train, val, seed=repeat) if name == "kiln text_bow" else run(train, val)
-            rows[name]["val_acc_runs"].append(acc)
-            rows[name]["wall_s_runs"].append(wall)
-            rows[name]["cpu_s_runs"].append(tools.last_cpu_s)
-    svc_runs = rows["TF-IDF + LinearSVC"]["wall_s_runs"]
-    baseline = float(np.median(svc_runs))
-    for row in rows.values():
-        row["val_acc"] = float(np.mean(row["val_acc_runs"]))
-        row["wall_s"] = float(np.median(row["wall_s_runs"]))
-        row["cpu_s"] = float(np.median(row["cpu_s_runs"]))
-        row["over_svc"] = row["wall_s"] / baseline
-        # Each run over the SVC's run of the same round: the machine's drift between rounds
-        # (+-15% here) cancels out of these.
-        rounds = [w / b for w, b in zip(row["wall_s_runs"], svc_runs, strict=True)]
-        row["over_svc_rounds"] = rounds
+        for busy in loads if repeat % 2 == 0 else loads[::-1]:
+            suffix = "_loaded" if busy else ""
+            for name, run in runners.items():
+                what = f" beside {busy} busy process(es)" if busy else ""
+                progress(f"{name}: run {repeat + 1} of {args.repeats}{what}")
+                with busy_processes(busy):
+                    load = load_average()
+                    scores, wall = run(train, val, seed=repeat)
+                row = rows[name]
+                row[f"val_acc_runs{suffix}"].append(scores["val_acc"])
+                row[f"val_macro_f1_runs{suffix}"].append(scores["val_macro_f1"])
+                row[f"wall_s_runs{suffix}"].append(wall)
+                row[f"cpu_s_runs{suffix}"].append(tools.last_cpu_s)
+                row[f"load_runs{suffix}"].append(load)
+                if name == KILN:
+                    row.setdefault(f"threads{suffix}", []).append(scores.get("threads"))
+                    row.setdefault(f"best_epoch{suffix}", []).append(scores.get("best_epoch"))
+    for suffix in ("", "_loaded") if args.contention else ("",):
+        svc_runs = rows[SVC][f"wall_s_runs{suffix}"]
+        baseline = float(np.median(svc_runs))
+        for row in rows.values():
+            walls = row[f"wall_s_runs{suffix}"]
+            row[f"val_acc{suffix}"] = float(np.mean(row[f"val_acc_runs{suffix}"]))
+            row[f"val_macro_f1{suffix}"] = float(np.mean(row[f"val_macro_f1_runs{suffix}"]))
+            row[f"wall_s{suffix}"] = float(np.median(walls))
+            row[f"cpu_s{suffix}"] = float(np.median(row[f"cpu_s_runs{suffix}"]))
+            row[f"over_svc{suffix}"] = row[f"wall_s{suffix}"] / baseline
+            # Each run over the SVC's run of the same round: the machine's drift between rounds
+            # cancels out of these.
+            row[f"over_svc_rounds{suffix}"] = [w / b for w, b in zip(walls, svc_runs, strict=True)]
+    if args.contention:
+        for row in rows.values():
+            slowdowns = [
+                loaded / quiet
+                for loaded, quiet in zip(row["wall_s_runs_loaded"], row["wall_s_runs"], strict=True)
+            ]
+            row["slowdown_rounds"] = slowdowns
+            row["slowdown"] = float(np.median(slowdowns))
     return {"val_rows": val_rows, "epochs": args.epochs, "repeats": args.repeats,
-            "threads": args.threads, "tools": rows}  # fmt: skip
+            "threads": args.threads, "contention": args.contention, "tools": rows}  # fmt: skip
+
+
+def corpus_files(name: str, workdir: Path, args) -> tuple[Path, Path, int, dict]:
+    """The corpus written once per workdir, then split as kiln splits it."""
+    path = workdir / "corpora" / f"{name}.csv"
+    meta_path = path.with_suffix(".json")
+    if not meta_path.exists():
+        progress(f"building the {name} corpus from the installed packages' text")
+        small = {"max_bytes_per_library": 400_000, "max_rows_per_class": 60,
+                 "min_rows_per_class": 20} if args.smoke else {}  # fmt: skip
+        meta_path.parent.mkdir(parents=True, exist_ok=True)
+        meta_path.write_text(json.dumps(write_corpus(name, path, **small)))
+    cfg = load_config(["data=csv_text", "model=text_bow", f"data.train_path={path}"]).data
+    train, val, val_rows = write_split(cfg, workdir / name)
+    return train, val, val_rows, json.loads(meta_path.read_text())
 
 
 # ---------------------------------------------------------------------------------------------
 # 4. text_transformer
 
 
-def kiln_model(name: str, overrides: list[str], run_dir: Path) -> dict:
-    """The model trained through kiln's train() (what train.py runs): validation accuracy, wall
-    time and samples/s."""
-    cfg = load_config(["data=csv_text", f"model={name}", "logger=none", *overrides])
-    start = time.perf_counter()
-    summary = train(cfg, run_dir)
-    return {
-        "val_acc": summary["val_acc"],
-        "wall_s": time.perf_counter() - start,
-        "samples_per_s": summary["samples_per_s"],
-        "steps": summary["steps"],
-    }
+def transformer_row(tools: Tools, train: Path, val: Path) -> dict:
+    """text_transformer with its defaults on the same files, one quiet run: best.pt's scores
+    and the wall."""
+    scores, wall = tools.kiln(train, val, model="text_transformer")
+    keys = ("val_acc", "val_macro_f1", "best_epoch", "epochs")
+    return {**{key: scores[key] for key in keys}, "wall_s": wall}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,43 +614,23 @@ def table(result: dict) -> str:
         f"| bucketed by length | {pad['bucketed']:.1%} |",
         "",
     ]
-    if "side_by_side" in result:
-        side = result["side_by_side"]
+    for title, side in comparisons(result):
+        lines += side_table(title, side) + [""]
+    transformers = {title: side["transformer"] for title, side in comparisons(result)
+                    if "transformer" in side}  # fmt: skip
+    if transformers:
         lines += [
-            f"| same train/val files ({side['val_rows']:,} val rows), fresh process, "
-            f"{side['threads'] or 'all'} thread(s) | val_acc | wall s (median of "
-            f"{side['repeats']}) | / TF-IDF + LinearSVC | per round: median (min-max) | "
-            "CPU s (median) |",
+            "| text_transformer, kiln's defaults (one quiet run) | val_acc | macro-F1 | "
+            "best.pt epoch | wall s | text_bow's val_acc |",
             "|---|---:|---:|---:|---:|---:|",
         ]
-        for name, row in side["tools"].items():
-            runs = row["val_acc_runs"]
-            spread = f" ({min(runs):.4f}-{max(runs):.4f})" if max(runs) > min(runs) else ""
-            label = {
-                "kiln text_bow": f"kiln text_bow ({side['epochs']} epochs)",
-                "fastText": f"fastText ({FASTTEXT_SETTINGS})",
-            }.get(name, name)
-            rounds = row["over_svc_rounds"]
+        for title, row in transformers.items():
+            bow = dict(comparisons(result))[title]["tools"][KILN]["val_acc"]
             lines.append(
-                f"| {label} | {row['val_acc']:.4f}{spread} | {row['wall_s']:.1f} | "
-                f"{row['over_svc']:.2f}x | {np.median(rounds):.2f}x "
-                f"({min(rounds):.2f}-{max(rounds):.2f}) | {row['cpu_s']:.1f} |"
+                f"| {title} | {row['val_acc']:.4f} | {row['val_macro_f1']:.4f} | "
+                f"{row['best_epoch']} of {row['epochs']} | {row['wall_s']:.1f} | {bow:.4f} |"
             )
-        lines.append(
-            f"(a 95% interval is about +-{1.96 * (0.25 / side['val_rows']) ** 0.5:.3f} at "
-            "accuracy 0.5, less near 1)"
-        )
         lines.append("")
-    if "transformer" in result:
-        row = result["transformer"]
-        lines += [
-            f"| text_transformer ({result['epochs']} epochs, in this process) | val_acc | "
-            "wall s | train samples/s |",
-            "|---|---:|---:|---:|",
-            f"| text_transformer | {row['val_acc']:.4f} | {row['wall_s']:.1f} | "
-            f"{row['samples_per_s']:,.0f} |",
-            "",
-        ]
     if "streaming" in result:
         s = result["streaming"]
         lines += [
@@ -543,6 +650,53 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def comparisons(result: dict) -> list[tuple[str, dict]]:
+    """(title, side-by-side result) of each corpus, or of the --csv file."""
+    if "side_by_side" in result:
+        return [(Path(result["csv"]).name, result["side_by_side"])]
+    return [(f"{name} corpus", side) for name, side in result.get("corpora", {}).items()]
+
+
+def side_table(title: str, side: dict) -> list[str]:
+    loaded = side["contention"]
+    threads = "each tool's own threads" if not side["threads"] else f"{side['threads']} thread(s)"
+    head = (
+        f"| {title} ({side['val_rows']:,} val rows; {threads}) | val_acc | macro-F1 | "
+        f"wall s (median of {side['repeats']}) | / SVC, per round: median (min-max) | CPU s |"
+    )
+    rule = "|---|---:|---:|---:|---:|---:|"
+    if loaded:
+        head += f" wall s beside {loaded} busy | / SVC, per round | slowdown (min-max) |"
+        rule += "---:|---:|---:|"
+    lines = [head, rule]
+    for name, row in side["tools"].items():
+        runs = row["val_acc_runs"]
+        spread = f" ({min(runs):.4f}-{max(runs):.4f})" if max(runs) > min(runs) else ""
+        label = {
+            KILN: f"kiln text_bow (defaults{'' if side['epochs'] is None else ', epochs'})",
+            SVC: SVC_SETTINGS,
+            FASTTEXT: f"fastText ({FASTTEXT_SETTINGS})",
+        }[name]
+        rounds = row["over_svc_rounds"]
+        cells = (
+            f"| {label} | {row['val_acc']:.4f}{spread} | {row['val_macro_f1']:.4f} | "
+            f"{row['wall_s']:.1f} | {np.median(rounds):.2f}x ({min(rounds):.2f}-"
+            f"{max(rounds):.2f}) | {row['cpu_s']:.1f} |"
+        )
+        if loaded:
+            rounds, slow = row["over_svc_rounds_loaded"], row["slowdown_rounds"]
+            cells += (
+                f" {row['wall_s_loaded']:.1f} | {np.median(rounds):.2f}x | "
+                f"{row['slowdown']:.2f}x ({min(slow):.2f}-{max(slow):.2f}) |"
+            )
+        lines.append(cells)
+    lines.append(
+        f"(a 95% interval of an accuracy is about +-{1.96 * (0.25 / side['val_rows']) ** 0.5:.3f} "
+        "at 0.5, less near 1)"
+    )
+    return lines
+
+
 def floors(result: dict) -> dict:
     data, pad = result["data_path"], result["padding"]
     out = {
@@ -555,17 +709,36 @@ def floors(result: dict) -> dict:
             pad["bucketed"] < FLOORS["bucketed_padding"],
         ),
     }
-    if "side_by_side" in result:
-        tools = result["side_by_side"]["tools"]
-        bow, svc = tools["kiln text_bow"], tools["TF-IDF + LinearSVC"]
-        out["text_bow accuracy >= TF-IDF + LinearSVC"] = (
+    for title, side in comparisons(result):
+        bow, svc = side["tools"][KILN], side["tools"][SVC]
+        out[f"{title}: text_bow accuracy >= TF-IDF + LinearSVC"] = (
             f"{bow['val_acc']:.4f} vs {svc['val_acc']:.4f}",
             bow["val_acc"] >= svc["val_acc"],
         )
-        out["text_bow wall < TF-IDF + LinearSVC"] = (
-            f"{bow['wall_s']:.1f} s vs {svc['wall_s']:.1f} s ({bow['over_svc']:.2f}x)",
-            bow["wall_s"] < svc["wall_s"],
+        out[f"{title}: text_bow macro-F1 >= TF-IDF + LinearSVC"] = (
+            f"{bow['val_macro_f1']:.4f} vs {svc['val_macro_f1']:.4f}",
+            bow["val_macro_f1"] >= svc["val_macro_f1"],
         )
+        out[f"{title}: text_bow wall <= TF-IDF + LinearSVC, quiet"] = (
+            f"{bow['wall_s']:.1f} s vs {svc['wall_s']:.1f} s ({bow['over_svc']:.2f}x)",
+            bow["wall_s"] <= svc["wall_s"],
+        )
+        busy = side["contention"]
+        if busy:
+            out[f"{title}: text_bow wall <= TF-IDF + LinearSVC, beside {busy} busy"] = (
+                f"{bow['wall_s_loaded']:.1f} s vs {svc['wall_s_loaded']:.1f} s "
+                f"({bow['over_svc_loaded']:.2f}x)",
+                bow["wall_s_loaded"] <= svc["wall_s_loaded"],
+            )
+            out[f"{title}: text_bow slowdown <= TF-IDF + LinearSVC's"] = (
+                f"{bow['slowdown']:.2f}x vs {svc['slowdown']:.2f}x",
+                bow["slowdown"] <= svc["slowdown"],
+            )
+            if busy == 1:
+                out[f"{title}: text_bow beside 1 busy process <= 1.5x its quiet wall"] = (
+                    f"{bow['slowdown']:.2f}x",
+                    bow["slowdown"] <= FLOORS["text_bow_slowdown"],
+                )
     return out
 
 
@@ -600,14 +773,27 @@ def main(argv=None) -> int:
     lengths = entry.store.lengths(entry.train_rows)
     result["padding"] = padding(lengths, cfg.batch_size, cfg.max_length)
     if not args.skip_models:
-        progress("kiln text_bow, TF-IDF + LinearSVC and fastText, side by side")
-        result["side_by_side"] = side_by_side(cfg, workdir, args)
-        if not args.skip_transformer:
-            progress(f"training text_transformer for {args.epochs} epochs")
-            train_args = [*overrides, f"trainer.max_epochs={args.epochs}", "env.progress_bar=false"]
-            result["transformer"] = kiln_model(
-                "text_transformer", train_args, workdir / "runs" / "text_transformer"
-            )
+        files = []
+        if args.csv:
+            files.append((None, *write_split(cfg, workdir), {}))
+        for name in args.corpus_names:
+            files.append((name, *corpus_files(name, workdir, args)))
+        result["load_average_before"] = load_average()
+        for name, train, val, val_rows, meta in files:
+            progress(f"{name or csv_path.name}: kiln text_bow, TF-IDF + LinearSVC and fastText")
+            where = workdir / (name or "csv")
+            where.mkdir(parents=True, exist_ok=True)
+            side = side_by_side(train, val, val_rows, where, args)
+            side["corpus"] = meta
+            if not args.skip_transformer:
+                progress(f"{name or csv_path.name}: text_transformer with its defaults")
+                tools = Tools(where, args.epochs, args.threads, args.overrides)
+                side["transformer"] = transformer_row(tools, train, val)
+            if name is None:
+                result["side_by_side"] = side
+            else:
+                result.setdefault("corpora", {})[name] = side
+        result["load_average_after"] = load_average()
     if args.prepare_rows:
         result["streaming"] = streaming(args.prepare_rows, workdir, args.overrides)
     result["floors"] = floors(result)

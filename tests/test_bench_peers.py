@@ -82,3 +82,29 @@ def test_ratios_are_per_round_and_a_loss_difference_fails_the_check():
     assert "FLOP count): 0.20 s, 2.0% of kiln's run" in text
     # Different step counts are a failed check, not an exception.
     assert bench_peers.loss_check([1.0, 2.0], [1.0], 1e-6)["within"] is False
+
+
+def test_contention_slowdowns_are_loaded_over_quiet_within_each_round():
+    def side(wall: float, sps: float, threads: int) -> dict:
+        return {"wall_s": wall, "steps_sps": sps, "threads": threads}
+
+    rounds = [
+        {"mlp": {"kiln": side(2.0, 100, 1), "kiln+busy": side(2.2, 90, 1),
+                 "plain": side(2.0, 100, 2), "plain+busy": side(5.0, 40, 2)}},
+        {"mlp": {"kiln": side(4.0, 50, 1), "kiln+busy": side(4.8, 45, 1),
+                 "plain": side(1.0, 200, 2), "plain+busy": side(1.1, 190, 2)}},
+    ]  # fmt: skip
+    table = bench_peers.contention_summary(rounds, ["kiln", "plain"], ["mlp"])
+    kiln, plain = table["mlp"]["kiln"], table["mlp"]["plain"]
+    assert kiln["slowdown_wall"]["values"] == [2.2 / 2.0, 4.8 / 4.0]  # never across rounds
+    assert plain["slowdown_wall"]["values"] == [2.5, 1.1 / 1.0]
+    assert kiln["slowdown_steps"]["values"] == [100 / 90, 50 / 45]
+    assert kiln["threads"] == [1, 1] and plain["loaded_threads"] == [2, 2]
+    floors = bench_peers.contention_floors(table)
+    measured, met = floors["mlp: kiln's slowdown <= the plain loop's"]
+    assert met == (kiln["slowdown_wall"]["median"] <= plain["slowdown_wall"]["median"])
+    assert measured == f"{kiln['slowdown_wall']['median']:.2f}x vs 1.80x"
+    works = {"mlp": bench_peers.works(True, 4, 30)["mlp"]}
+    text = bench_peers.contention_markdown(table, works, ["kiln", "plain"], busy=1)
+    assert "| digits MLP, batch 64 | kiln | 1 / 1 |" in text and "wall s beside 1 busy" in text
+    assert "| mlp: kiln's slowdown <= the plain loop's |" in text

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kiln.data.text_corpus import ticket_rows
 
 from .conftest import SUBPROCESS_ENV
@@ -19,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_text.py"
 
 
+@pytest.mark.timeout(900)
 def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
     path = tmp_path / "mine.csv"
     with path.open("w", newline="") as f:
@@ -27,14 +30,14 @@ def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
         writer.writerows((i, text, label) for i, (text, label) in enumerate(ticket_rows(240)))
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--csv", str(path), "--epochs", "1", "--repeats", "2"]
-        + ["--workdir", str(tmp_path / "work"), "--out", str(out)]
+        [sys.executable, str(SCRIPT), "--csv", str(path), "--epochs", "1", "--repeats", "1"]
+        + ["--contention", "1", "--workdir", str(tmp_path / "work"), "--out", str(out)]
         + ["data.text_column=body", "data.label_column=topic", "data.batch_size=16"],
         cwd=REPO,
         env=SUBPROCESS_ENV,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
@@ -45,9 +48,11 @@ def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
     )
     pad = result["padding"]
     assert 0 <= pad["bucketed"] <= pad["dynamic"] <= pad["pad_to_max"] < 1
-    # The side-by-side table: the same split files, each tool a timed fresh process.
+    # The side-by-side table: the same split files, each tool a timed fresh process, quiet and
+    # beside one busy process in each round, no tool's threads pinned.
     side = result["side_by_side"]
-    assert side["val_rows"] == 48 and side["repeats"] == 2
+    assert side["val_rows"] == 48 and side["repeats"] == 1 and side["contention"] == 1
+    assert side["threads"] == 0 and "corpora" not in result  # --csv: that file only
     expected = {"kiln text_bow", "TF-IDF + LinearSVC"}
     if importlib.util.find_spec("fasttext") is not None:
         expected.add("fastText")
@@ -56,28 +61,46 @@ def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
         assert missing in done.stderr
     assert set(side["tools"]) == expected
     for row in side["tools"].values():
-        assert len(row["val_acc_runs"]) == len(row["wall_s_runs"]) == len(row["cpu_s_runs"]) == 2
-        assert 0 <= row["val_acc"] <= 1 and row["wall_s"] > 0
-        # CPU s of the command's processes: at least the interpreter's start-up, each run
-        assert min(row["cpu_s_runs"]) > 0.05 and row["cpu_s"] == sum(row["cpu_s_runs"]) / 2
-        assert (
-            row["wall_s"]
-            == sorted(row["wall_s_runs"])[0]
-            + (sorted(row["wall_s_runs"])[1] - sorted(row["wall_s_runs"])[0]) / 2
-        )  # the median of two
+        for suffix in ("", "_loaded"):
+            runs = [row[f"{key}_runs{suffix}"] for key in ("val_acc", "val_macro_f1", "wall_s")]
+            assert [len(r) for r in runs] == [1, 1, 1]
+            assert 0 <= row[f"val_acc{suffix}"] <= 1 and 0 <= row[f"val_macro_f1{suffix}"] <= 1
+            assert row[f"wall_s{suffix}"] == row[f"wall_s_runs{suffix}"][0] > 0
+            # CPU s of the command's processes: at least the interpreter's start-up, each run
+            assert min(row[f"cpu_s_runs{suffix}"]) > 0.05
+        # The slowdown: each round's loaded run over its quiet run.
+        assert row["slowdown_rounds"] == [
+            loaded / quiet
+            for loaded, quiet in zip(row["wall_s_runs_loaded"], row["wall_s_runs"], strict=True)
+        ]
     svc = side["tools"]["TF-IDF + LinearSVC"]
-    assert math.isclose(svc["over_svc"], 1.0)
+    assert math.isclose(svc["over_svc"], 1.0) and svc["over_svc_rounds"] == [1.0]
     kiln = side["tools"]["kiln text_bow"]
     assert math.isclose(kiln["over_svc"], kiln["wall_s"] / svc["wall_s"])
-    assert svc["over_svc_rounds"] == [1.0, 1.0]
     assert kiln["over_svc_rounds"] == [
         k / b for k, b in zip(kiln["wall_s_runs"], svc["wall_s_runs"], strict=True)
     ]
+    assert kiln["best_epoch"] == [1] and kiln["threads"] == [1]  # --epochs 1; a small step
     split = [tmp_path / "work" / name for name in ("split-train.csv", "split-val.csv")]
     assert [sum(1 for _ in csv.reader(p.open())) - 1 for p in split] == [192, 48]
-    assert result["transformer"]["val_acc"] >= 0 and result["transformer"]["samples_per_s"] > 0
+    transformer = side["transformer"]
+    assert 0 <= transformer["val_acc"] <= 1 and transformer["wall_s"] > 0
     floors = result["floors"]
     assert floors["bucketed padding < 10%"][1] == (pad["bucketed"] < 0.10)
-    assert floors["text_bow wall < TF-IDF + LinearSVC"][1] == (kiln["wall_s"] < svc["wall_s"])
-    assert "| bucketed by length |" in done.stdout and "| TF-IDF + LinearSVC |" in done.stdout
-    assert "[bench_text] kiln text_bow: run 1 of 2" in done.stderr  # progress while it runs
+    title = "mine.csv: text_bow"
+    assert floors[f"{title} wall <= TF-IDF + LinearSVC, quiet"][1] == (
+        kiln["wall_s"] <= svc["wall_s"]
+    )
+    assert floors[f"{title} accuracy >= TF-IDF + LinearSVC"][1] == (
+        kiln["val_acc"] >= svc["val_acc"]
+    )
+    assert floors[f"{title} slowdown <= TF-IDF + LinearSVC's"][1] == (
+        kiln["slowdown"] <= svc["slowdown"]
+    )
+    assert floors[f"{title} beside 1 busy process <= 1.5x its quiet wall"][1] == (
+        kiln["slowdown"] <= 1.5
+    )
+    assert "| TF-IDF (word 1-2 + char 2-5 grams" in done.stdout and "beside 1 busy" in done.stdout
+    assert "| bucketed by length |" in done.stdout
+    assert "[bench_text] kiln text_bow: run 1 of 1" in done.stderr  # progress while it runs
+    assert "run 1 of 1 beside 1 busy process(es)" in done.stderr

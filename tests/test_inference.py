@@ -159,6 +159,20 @@ def test_text_model_predict_and_export_two_lengths(text_ckpt):
         predictor.predict(["fine", 3])
 
 
+def test_text_bow_with_character_ngrams_exports_with_parity(tmp_path_factory, tmp_path):
+    """The character n-grams are a table inside the model: the ONNX graph holds it, and takes
+    the same ids (two lengths, batch 1 and more)."""
+    overrides = ("data=csv_text", "model=text_bow", "model.char_ngrams=[2,5]")
+    run_dir, _ = trained_run(tmp_path_factory, "infer_chars", *overrides)
+    ckpt = run_dir / "checkpoints" / "best.pt"
+    report = export(ckpt, tmp_path / "model.onnx")
+    assert len(report.parity) == 3 and all(c.max_abs_diff <= PROBS_TOLERANCE for c in report.parity)
+    texts, _ = demo_corpus()
+    torch_labels = [p["label"] for p in Predictor.from_checkpoint(ckpt).predict(texts[:50])]
+    onnx = Predictor.from_checkpoint(tmp_path / "model.onnx", backend="onnx")
+    assert [p["label"] for p in onnx.predict(texts[:50])] == torch_labels
+
+
 def test_text_transformer_export_keeps_batch_and_length_dynamic(tmp_path_factory, tmp_path):
     """nn.MultiheadAttention: the legacy exporter bakes the batch size in (parity fails), and
     the dynamo exporter must be traced on a batch of two, or it specialises the batch to 1."""

@@ -134,9 +134,8 @@ def test_harmless_changes_are_accepted_and_listed(tmp_path, caplog):
             run_dir, "trainer.max_epochs=1", "data.num_workers=1", "trainer.keep_last_k=5"
         )
     assert summary["status"] == "ok"
-    assert (
-        "data.num_workers: 0 -> 1" in caplog.text and "trainer.keep_last_k: 2 -> 5" in caplog.text
-    )
+    assert "data.num_workers: 'auto' -> 1" in caplog.text
+    assert "trainer.keep_last_k: 2 -> 5" in caplog.text
 
 
 def test_an_unknown_override_key_is_a_config_error():

@@ -9,6 +9,7 @@ import json
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -346,6 +347,62 @@ def test_fasttext_sees_word_order_only_through_its_ngrams(demo_bundle):
         assert not torch.allclose(bigrams(ids), bigrams(swapped))
         tokens_only = build_model(spec, model_cfg("text_bow", ngrams=1)).eval()
         torch.testing.assert_close(tokens_only(ids), tokens_only(swapped))
+
+
+def test_a_word_is_its_own_row_and_its_character_ngrams(demo_bundle):
+    from kiln.models.text import FastText, word_pieces
+
+    tokens = ("[PAD]", "[UNK]", "running", "jumping", "run", "ing")
+    specials = frozenset(tokens[:2])
+    rows, weights = word_pieces(tokens, (3, 4), 1000, 6, 0, specials)
+    assert rows[2, 0] == 2 and rows[3, 0] == 3  # each word's own row first
+    bag = lambda i: set(rows[i][weights[i] > 0].tolist())  # noqa: E731
+    # "ing>" (a suffix) is one bucket wherever it occurs; "<ing" (a prefix) is another.
+    assert len(bag(2) & bag(3)) >= 2 and not bag(2) - {2} & {6, 7}
+    assert bag(1) == {1} and bag(0) == set()  # [UNK] only its row; [PAD] nothing
+    assert np.allclose(weights[2][weights[2] > 0], 1 / len(bag(2)))  # the mean of its pieces
+    assert all(6 <= r < 1006 for r in bag(2) - {2})  # buckets after the vocabulary
+    # The model: the padded (ONNX) path and the distinct-token path give the same outputs.
+    torch.manual_seed(0)
+    model = FastText(6, 8, 3, ngrams=2, num_buckets=1000, dropout=0.0, pad_id=0,
+                     aux_head=False, tokens=tokens, char_ngrams=(3, 4),
+                     specials=specials).eval()  # fmt: skip
+    ids = torch.tensor([[2, 3, 4, 0], [5, 1, 0, 0], [4, 4, 2, 5]])
+    keep = ids != 0
+    grams = model.token_ngrams(ids)
+    words = keep.sum(1) + (grams != 0).sum(1)
+    chars = (model.piece_weights[ids][..., 1:] > 0).sum(dim=(1, 2))
+    share = model.scale / words.float().sqrt()
+    char_share = model.scale / chars.clamp(min=1).float().sqrt()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model._pool_distinct(ids, keep, grams, share, char_share),
+            model._pool_padded(ids, grams, share, char_share),
+        )
+
+
+def test_text_bow_reads_its_words_from_the_data(demo_bundle):
+    """The vocabulary's strings come with the data (DataSpec.tokens, kept in checkpoints): each
+    word's bag holds the bucket of its character n-grams, e.g. "<" and its first letter."""
+    import zlib
+
+    spec = demo_bundle.spec
+    assert len(spec.tokens) == spec.vocab_size and spec.tokens[:2] == ("[PAD]", "[UNK]")
+    assert DataSpec.from_dict(spec.to_dict()) == spec  # as a checkpoint stores it
+    cfg = model_cfg("text_bow", char_ngrams=[2, 5])
+    model = build_model(spec, cfg)
+    word = spec.tokens[5]
+    prefix = spec.vocab_size + zlib.crc32(f"<{word[0]}".encode()) % cfg.num_buckets
+    assert prefix in model.pieces[5].tolist() and model.pieces[5, 0] == 5
+    assert build_model(spec, model_cfg("text_bow", char_ngrams=[])).pieces.shape[1] == 1
+
+
+def test_char_ngrams_must_be_a_range():
+    with pytest.raises(ConfigError, match="char_ngrams"):
+        model_cfg("text_bow", char_ngrams=[5, 2])
+    with pytest.raises(ConfigError, match="char_ngrams"):
+        model_cfg("text_bow", char_ngrams=[3])
+    assert model_cfg("text_bow", char_ngrams=[]).char_ngrams == []
 
 
 # --- text_transformer: fused attention and the nested-tensor fast path -----------------------

@@ -36,10 +36,16 @@ def _private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
 
 
+# A vocabulary of 120 tokens with shared prefixes and suffixes, so character n-grams collide.
+TOKENS = ("[PAD]", "[UNK]", *(f"{a}{b}" for a in ("re", "un", "pre", "x") for b in range(30)))[:120]
+
+
 def pair(seed: int = 0) -> tuple[FastText, FastText]:
-    """Two identical text_bow models, one taking sparse gradients."""
+    """Two identical text_bow models (token bigrams and character n-grams), one taking sparse
+    gradients."""
     torch.manual_seed(seed)
-    kwargs = dict(ngrams=2, num_buckets=50, dropout=0.0, pad_id=0, aux_head=False)
+    kwargs = dict(ngrams=2, num_buckets=50, dropout=0.0, pad_id=0, aux_head=False,
+                  tokens=TOKENS, char_ngrams=(2, 4), specials=frozenset(TOKENS[:2]))  # fmt: skip
     sparse = FastText(120, 8, 3, **kwargs)
     dense = copy.deepcopy(sparse)
     sparse.embed.sparse = True
@@ -172,10 +178,12 @@ def test_the_engine_takes_sparse_gradients_in_one_process_with_adamw_only(tmp_pa
 
 def test_a_resumed_sparse_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
     """Stopped mid-epoch and resumed from last.pt (the lazy AdamW's moments and step counts in
-    it), a run ends with the weights of one that never stopped (CPU, deterministic)."""
+    it), a run ends with the weights of one that never stopped (CPU, deterministic); with
+    character n-grams, the most the model's table is read through."""
     overrides = (
         "data=csv_text",
         "model=text_bow",
+        "model.char_ngrams=[2,5]",
         "data.batch_size=16",
         "trainer.max_epochs=2",
         "trainer.deterministic=true",

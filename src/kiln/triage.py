@@ -215,7 +215,9 @@ def data_bottleneck(run: Run) -> Cause | None:
     frac = run.summary.get("data_time_frac")
     if not _finite(frac) or frac < 0.3:
         return None
-    workers = run.key("data.num_workers", 0)
+    workers = run.summary.get("num_workers")  # data.num_workers=auto: the count it resolved to
+    workers = run.key("data.num_workers", 0) if workers is None else workers
+    workers = workers if isinstance(workers, int) else 0
     return Cause(
         1 + 3 * frac,
         "data loading is the bottleneck",

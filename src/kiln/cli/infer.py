@@ -33,7 +33,9 @@ def run_predict(cfg: InferConfig) -> None:
     )
 
     output = cfg.output or "preds.csv"
-    predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8)
+    predictor = Predictor.from_checkpoint(
+        cfg.ckpt, cfg.backend, cfg.device, cfg.int8, "auto", batch_size=cfg.batch_size
+    )
     inputs = read_inputs(
         cfg.input, predictor.preprocess, cfg.text_column, follow_symlinks=cfg.follow_symlinks
     )
@@ -115,7 +117,15 @@ def run_serve(cfg: InferConfig) -> None:
     from kiln.serving import serve  # only this mode pulls in the web stack
 
     threads = model_threads(cfg.server.model_threads)
-    predictor = Predictor.from_checkpoint(cfg.ckpt, cfg.backend, cfg.device, cfg.int8, threads)
+    predictor = Predictor.from_checkpoint(
+        cfg.ckpt,
+        cfg.backend,
+        cfg.device,
+        cfg.int8,
+        threads,
+        batch_size=cfg.server.max_batch_size,
+        reserve=1,  # a core for HTTP
+    )
     serve(predictor, cfg.server)
 
 

@@ -65,14 +65,11 @@ def commented(command: str, what: str) -> str:
 def finished(
     summary: dict, run_dir: Path, link: Path | None, command: RunCommand, config: dict
 ) -> str:
-    monitor = summary.get("monitor")
-    value, best = summary.get(monitor), summary.get("best")
     seconds = summary.get("train_time_s") or 0.0
-    metric = f"{monitor} {short(value)} (best {short(best)})" if monitor else "no evaluation"
     speed = f"{short(summary.get('samples_per_s') or 0)} samples/s"
     lines = [
-        f"run {summary['status']}: {metric}, {summary['steps']} steps, {summary['epochs']} "
-        f"epochs, {duration(seconds)} training, {speed}",
+        f"run {summary['status']}: {outcome(summary)}, {summary['steps']} steps, "
+        f"{summary['epochs']} epochs, {duration(seconds)} training, {speed}",
         *([f"at chance: {summary['at_chance']}"] if summary.get("at_chance") else []),
         *data_lines(run_dir),
         f"run directory: {where(run_dir, link)}",
@@ -81,6 +78,23 @@ def finished(
     if (run_dir / "curves.png").is_file():
         lines.append(f"curves: {run_dir / 'curves.png'}")
     return "\n".join([*lines, "next:", *next_commands(run_dir, link, command, config)])
+
+
+def outcome(summary: dict) -> str:
+    """best.pt's metric first (what is exported and served) and the epoch it is from, then the
+    last evaluation's where it differs, and whether early stopping ended the run."""
+    monitor = summary.get("monitor")
+    if not monitor:
+        return "no evaluation"
+    last, best, epoch = summary.get(monitor), summary.get("best"), summary.get("best_epoch")
+    if best is None:
+        return f"{monitor} {short(last)} (no best.pt: no finite {monitor})"
+    text = f"best.pt {monitor} {short(best)}" + (f" from epoch {epoch}" if epoch else "")
+    if epoch != summary.get("epochs") or last != best:
+        text += f", last {short(last)}"
+    if summary.get("stopped_early"):
+        text += f" (stopped early: no better {monitor} in {summary['epochs'] - epoch} epochs)"
+    return text
 
 
 def test_report(summary: dict) -> list[str]:

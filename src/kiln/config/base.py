@@ -44,6 +44,15 @@ def in_range(value: float, low: float, high: float, key: str, *, open_low=False,
         raise invalid(key, f"must be in {left}{low:g}, {high:g}{right}, got {value:g}")
 
 
+def auto_or_count(value, low: int, key: str) -> None:
+    """A setting that is "auto" (kiln decides, and logs why) or a count of at least `low`."""
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(key, f"must be auto or a whole number >= {low}, got {value!r}")
+    at_least(value, low, key)
+
+
 def limit_or_all(value: int, key: str) -> None:
     """-1 means no limit; 0 and other negatives are refused rather than read as 'no limit'."""
     if value != -1 and value < 1:

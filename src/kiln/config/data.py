@@ -6,11 +6,11 @@ import codecs
 import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
-from kiln.config.base import ConfigError, at_least, in_range, invalid
+from kiln.config.base import ConfigError, at_least, auto_or_count, in_range, invalid
 from kiln.registry import DATASETS, EVALUATORS
 
 
@@ -20,7 +20,9 @@ class DataConfig:
 
     name: str = MISSING  # the dataset (set by data=<option>)
     batch_size: int = 64  # per process (per rank under DDP)
-    num_workers: int = 0  # DataLoader worker processes (0: load in the training process)
+    # DataLoader worker processes (0: load in the training process; auto: none for in-memory
+    # data, else a quarter of the usable physical cores, at most half: kiln.threads)
+    num_workers: Any = "auto"
     pin_memory: bool = True  # page-locked batches for faster copies; applied only on CUDA
     persistent_workers: bool = True  # keep workers between epochs; only when num_workers > 0
     prefetch_factor: int = 2  # batches each worker loads ahead; only when num_workers > 0
@@ -29,7 +31,7 @@ class DataConfig:
 
     def check(self, key: str) -> None:
         at_least(self.batch_size, 1, f"{key}.batch_size")
-        at_least(self.num_workers, 0, f"{key}.num_workers")
+        auto_or_count(self.num_workers, 0, f"{key}.num_workers")
         at_least(self.prefetch_factor, 1, f"{key}.prefetch_factor")
 
 

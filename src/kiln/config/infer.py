@@ -40,7 +40,9 @@ class ServerConfig:
     timeout_ms: float = 10_000.0  # per-request deadline: 504 past it; unrun inputs leave the queue
     drain_grace_s: float = 30.0  # on SIGTERM: time to answer accepted requests, then 503 the rest
     header_timeout_s: float = 10.0  # a request's headers must arrive within this, or it is closed
-    model_threads: int = 0  # CPU threads per model call (0: all cores but one, kept for HTTP)
+    # CPU threads per model call (0: kiln's rule, kiln.threads: one for a small model call,
+    # else the usable physical cores but one, kept for HTTP)
+    model_threads: int = 0
     # Image files (models trained on them): each file's width x height (x a GIF's frames) is read
     # from its header before decoding; more pixels than this is a 4xx naming the item. The
     # default is Pillow's MAX_IMAGE_PIXELS (about 0.25 GiB of 24-bit pixels).
@@ -278,9 +280,8 @@ def decode_threads(setting: int) -> int:
     return setting or min(DEFAULT_DECODE_THREADS_MAX, max(2, os.cpu_count() or 2))
 
 
-def model_threads(setting: int) -> int:
-    """server.model_threads resolved: 0 means every core but one (at least one). A serving
-    process also parses and answers HTTP; model threads that take every core spin against it."""
-    import os
-
-    return setting or max(1, (os.cpu_count() or 2) - 1)
+def model_threads(setting: int) -> int | str:
+    """server.model_threads resolved: 0 means kiln's rule ("auto": the predictor counts a call
+    of server.max_batch_size inputs and keeps one core for HTTP). A serving process also parses
+    and answers HTTP; model threads that take every core spin against it."""
+    return setting or "auto"

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
-from kiln.config.base import ConfigError, at_least, check_branch_defaults, in_range
+from kiln.config.base import ConfigError, at_least, check_branch_defaults, in_range, invalid
 from kiln.registry import MODELS
 
 
@@ -77,12 +77,17 @@ class ResNetConfig(ClassifierConfig):
 
 @dataclass
 class TextBowConfig(ClassifierConfig):
-    """fastText: the mean of token and hashed token n-gram embeddings -> linear classifier."""
+    """fastText: each word the mean of its own and its character n-grams' embeddings, a text the
+    sum of its words' and its hashed token n-grams' -> linear classifier."""
 
     dropout: float = 0.3
     embed_dim: int = 32  # embedding width
     ngrams: int = 2  # longest token n-gram embedded (1: tokens only; 2: plus bigrams; ...)
-    num_buckets: int = 65536  # hash buckets shared by all n-grams (2**16)
+    # character n-gram lengths of each vocabulary word ([shortest, longest], e.g. [2, 5]; []:
+    # none, the default: on kiln's three package-text corpora they cost 2-3x the training time
+    # for -1.9 to +0.4 points of accuracy; see the README's text benchmark)
+    char_ngrams: list[int] = field(default_factory=list)
+    num_buckets: int = 65536  # hash buckets shared by token and character n-grams (2**16)
     sparse_grads: bool = True  # gradients of the table rows a batch touches (one process, adamw)
 
     def check(self, key: str) -> None:
@@ -90,6 +95,13 @@ class TextBowConfig(ClassifierConfig):
         at_least(self.embed_dim, 1, f"{key}.embed_dim")
         at_least(self.ngrams, 1, f"{key}.ngrams")
         at_least(self.num_buckets, 1, f"{key}.num_buckets")
+        grams = list(self.char_ngrams)
+        if grams and (len(grams) != 2 or not 1 <= grams[0] <= grams[1]):
+            raise invalid(
+                f"{key}.char_ngrams",
+                f"must be [shortest, longest] with 1 <= shortest <= longest, or [] for none; "
+                f"got {grams}",
+            )
 
 
 @dataclass

@@ -10,7 +10,14 @@ from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
-from kiln.config.base import ConfigError, at_least, check_branch_defaults, invalid, limit_or_all
+from kiln.config.base import (
+    ConfigError,
+    at_least,
+    auto_or_count,
+    check_branch_defaults,
+    invalid,
+    limit_or_all,
+)
 from kiln.config.data import DataConfig
 from kiln.config.model import ModelConfig
 from kiln.config.optim import OptimizerConfig, SchedulerConfig
@@ -132,9 +139,18 @@ class TrainerConfig:
     find_batch_size: bool = False  # the largest data.batch_size that fits, found on real steps
     ema_decay: float | None = None  # EMA of the weights, evaluated beside them (null: off; 0.999)
     unfreeze_at_epoch: int | None = None  # epoch from which model.freeze'd modules train
+    # torch's intra-op threads: auto (one for a small step, the usable physical cores for a
+    # large one, from the counted FLOPs and the CPUs this process may use: kiln.threads) or N
+    threads: Any = "auto"
+    # Stop after this many epochs without a better trainer.monitor (best.pt keeps the best):
+    # auto (2 for text data, off otherwise), null (off) or N
+    early_stopping: Any = "auto"
 
     def check(self, key: str) -> None:
         at_least(self.max_epochs, 1, f"{key}.max_epochs")
+        auto_or_count(self.threads, 1, f"{key}.threads")
+        if self.early_stopping is not None:
+            auto_or_count(self.early_stopping, 1, f"{key}.early_stopping")
         limit_or_all(self.max_steps, f"{key}.max_steps")
         at_least(self.accumulate_grad_batches, 1, f"{key}.accumulate_grad_batches")
         if self.gradient_clip_val is not None and not self.gradient_clip_val > 0:

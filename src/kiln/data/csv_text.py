@@ -601,6 +601,16 @@ def class_table(report: dict) -> list[str]:
     return lines
 
 
+def vocabulary(tokenizer_json: str) -> tuple[str, ...]:
+    """The tokenizer's tokens by id (its model's vocabulary and its added special tokens)."""
+    import json
+
+    tokenizer = json.loads(tokenizer_json)
+    by_id = {i: token for token, i in tokenizer["model"]["vocab"].items()}
+    by_id.update({added["id"]: added["content"] for added in tokenizer.get("added_tokens", [])})
+    return tuple(by_id.get(i, "") for i in range(max(by_id) + 1))
+
+
 def build_csv_text(cfg: CsvTextConfig) -> DataBundle:
     entry, report = prepare(cfg)
     log_report(report)
@@ -615,6 +625,7 @@ def build_csv_text(cfg: CsvTextConfig) -> DataBundle:
         vocab_size=entry.meta["vocab_size"],
         max_length=cfg.max_length,
         pad_id=PAD_ID,
+        tokens=vocabulary(entry.tokenizer_json),
     )
     recipe = TokenRecipe(
         entry.tokenizer_json,

@@ -12,10 +12,18 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    Sampler,
+    Subset,
+    TensorDataset,
+)
 from torch.utils.data._utils.collate import default_collate
 
 from kiln.data.spec import DataBundle
+from kiln.threads import Plan, cpu_budget, dataloader_workers
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +130,8 @@ class GatheredTensors(Dataset):
     of them -- the same tensors, a few ops instead of two per sample (digits' 64-sample batch:
     ~0.2 ms of a 1.2 ms step)."""
 
+    in_memory = True  # a batch is a lookup: data.num_workers=auto gives it no worker
+
     def __init__(self, dataset: TensorDataset):
         self.dataset = dataset
 
@@ -152,6 +162,9 @@ def seed_worker(worker_id: int) -> None:
     # Ctrl-C in a terminal reaches the whole process group: a worker leaves it to the training
     # process, which checkpoints at the step boundary and then shuts its workers down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # One thread: the workers share the cores with each other and with the step (torch's worker
+    # loop does the same; said here, where kiln's rule is, in case it ever stops doing so).
+    torch.set_num_threads(1)
     # torch gives each worker initial_seed = base_seed + worker_id, where base_seed comes from the
     # loader's generator; python and numpy are seeded from it so augmentations repeat too.
     worker_seed = torch.initial_seed() % 2**32
@@ -159,10 +172,32 @@ def seed_worker(worker_id: int) -> None:
     random.seed(worker_seed)
 
 
+def in_memory(dataset) -> bool:
+    """Whether the dataset's items are in memory, fetching a batch a lookup (its class says
+    `in_memory = True`, or it is a TensorDataset; through a Subset too)."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return type(dataset) is TensorDataset or bool(getattr(dataset, "in_memory", False))
+
+
+def worker_plan(cfg, dataset) -> Plan:
+    """data.num_workers resolved: as set, or auto (kiln.threads.dataloader_workers)."""
+    if cfg.num_workers != "auto":
+        return Plan(int(cfg.num_workers), f"data.num_workers={cfg.num_workers}")
+    return dataloader_workers(cpu_budget(), in_memory(dataset))
+
+
 def _loader(
-    dataset, sampler, cfg, *, collate_fn, pin_memory: bool, seed: int, drop_last: bool = False
+    dataset,
+    sampler,
+    cfg,
+    *,
+    collate_fn,
+    pin_memory: bool,
+    seed: int,
+    workers: int,
+    drop_last: bool = False,
 ) -> DataLoader:
-    workers = cfg.num_workers
     dataset, collate_fn = gathered(dataset, collate_fn)
     return DataLoader(
         dataset,
@@ -199,8 +234,10 @@ def train_sampler_for(bundle: DataBundle, batch_size: int, rank: int, world_size
 def build_dataloaders(
     bundle: DataBundle, cfg, *, seed: int, rank: int, world_size: int, cuda: bool
 ):
-    """Returns (train_loader, val_loader). pin_memory is applied only when training on CUDA."""
+    """Returns (train_loader, val_loader), each with `.worker_plan` (the workers and why).
+    pin_memory is applied only when training on CUDA."""
     pin = bool(cfg.pin_memory and cuda)
+    plan = worker_plan(cfg, bundle.train)
     train_sampler = train_sampler_for(bundle, cfg.batch_size, rank, world_size, seed)
     val_sampler = ResumableSampler(
         bundle.val, num_replicas=world_size, rank=rank, shuffle=False, seed=seed
@@ -213,9 +250,19 @@ def build_dataloaders(
         collate_fn=collate,
         pin_memory=pin,
         seed=seed,
+        workers=plan.count,
         drop_last=cfg.drop_last,  # training only: every validation sample counts
     )
-    val = _loader(bundle.val, val_sampler, cfg, collate_fn=collate, pin_memory=pin, seed=seed)
+    val = _loader(
+        bundle.val,
+        val_sampler,
+        cfg,
+        collate_fn=collate,
+        pin_memory=pin,
+        seed=seed,
+        workers=plan.count,
+    )
+    train.worker_plan = val.worker_plan = plan
     return train, val
 
 

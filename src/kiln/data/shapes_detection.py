@@ -90,6 +90,8 @@ def make_image(
 class ShapesDataset(Dataset):
     """`num_images` images, sides drawn independently from [min_side, max_side]."""
 
+    in_memory = True  # drawn once, at build: an item is a lookup (no DataLoader worker needed)
+
     def __init__(
         self,
         num_images: int,

@@ -25,6 +25,9 @@ class DataSpec:
     vocab_size: int | None = None  # tokens
     max_length: int | None = None  # tokens
     pad_id: int = 0  # tokens
+    # tokens: the vocabulary's strings by id, for models that look inside words (text_bow's
+    # character n-grams); None where the data has no vocabulary
+    tokens: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -35,6 +38,8 @@ class DataSpec:
         d["class_names"] = tuple(d["class_names"])
         if d.get("image_size") is not None:
             d["image_size"] = tuple(d["image_size"])
+        if d.get("tokens") is not None:
+            d["tokens"] = tuple(d["tokens"])
         return cls(**d)
 
 

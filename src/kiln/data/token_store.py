@@ -155,6 +155,8 @@ class PaddedTokens(NamedTuple):
 class TokenDataset(Dataset):
     """One split of a TokenStore: item i is (token ids LongTensor (L_i,), label LongTensor ())."""
 
+    in_memory = True  # a memory-mapped store, a batch one gather: no DataLoader worker needed
+
     def __init__(self, store: TokenStore, rows: np.ndarray):
         self.store = store
         self.rows = np.asarray(rows, dtype=np.int64)

@@ -333,7 +333,7 @@ class Checkpointer:
                 log.info("best.pt: %s %.4g tied, %s %.4g is lower: this checkpoint replaces it",
                          self.monitor, value, TIEBREAK, loss)  # fmt: skip
         if improved:
-            state.best_step = state.global_step
+            state.best_step, state.best_epoch = state.global_step, state.epoch
         snapshot = state_dict()
         self.save("last.pt", snapshot)
         if improved:

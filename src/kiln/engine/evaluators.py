@@ -22,7 +22,9 @@ def build_evaluator(task: str, *, precision: Precision, device: torch.device, di
 
 
 class ClassificationEvaluator:
-    """val_loss (cross-entropy) and val_acc over every validation sample, all ranks summed; and
+    """val_loss (cross-entropy), val_acc and val_macro_f1 (the mean over classes of each one's
+    F1, as scikit-learn's f1_score(average="macro") over the classes seen or predicted: a rare
+    class counts as much as a common one) over every validation sample, all ranks summed; and
     what they would be for a model that knows nothing (`chance`, from the labels' counts)."""
 
     monitor, monitor_mode = "val_acc", "max"
@@ -33,25 +35,42 @@ class ClassificationEvaluator:
 
     def __call__(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         totals = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss sum, correct, n
-        counts = None  # validation labels per class
+        confusion = None  # (C * C,) counts of label * C + prediction
         for inputs, targets in batches:
             with self.precision.autocast():
                 logits = logits_of(model(inputs)).float()
             loss = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
             # Soft targets (N, C) too: MixUp batches, validated under trainer.overfit_batches.
             labels = targets.argmax(dim=-1) if targets.dim() == 2 else targets
-            correct = (logits.argmax(dim=-1) == labels).sum()
+            predicted = logits.argmax(dim=-1)
+            correct = (predicted == labels).sum()
             count = torch.tensor(len(targets), device=self.device)
             totals += torch.stack([loss.double(), correct.double(), count.double()])
-            per_class = torch.bincount(labels, minlength=logits.shape[-1]).double()
-            counts = per_class if counts is None else counts + per_class
-        if counts is None:
-            counts = torch.zeros(1, device=self.device, dtype=torch.float64)
-        totals = all_reduce_sum(torch.cat([totals, counts]))
-        loss_sum, correct, count = totals[:3].tolist()
-        self.chance = classification_chance(totals[3:].tolist())
+            classes = logits.shape[-1]
+            pairs = torch.bincount(labels * classes + predicted, minlength=classes * classes)
+            confusion = pairs if confusion is None else confusion + pairs
+        loss_sum, correct, count = all_reduce_sum(totals).tolist()
         count = max(count, 1.0)
-        return {"val_loss": loss_sum / count, "val_acc": correct / count}
+        metrics = {"val_loss": loss_sum / count, "val_acc": correct / count}
+        self.chance = {}
+        if confusion is not None:
+            confusion = all_reduce_sum(confusion.double())
+            per_label = confusion.reshape(classes, classes).sum(dim=1)
+            self.chance = classification_chance(per_label.tolist())
+            metrics["val_macro_f1"] = macro_f1(confusion)
+        return metrics
+
+
+def macro_f1(confusion: torch.Tensor) -> float:
+    """Macro-F1 from flat (C * C,) counts of label * C + prediction: 2TP / (2TP + FP + FN) per
+    class, averaged over the classes that occur as a label or a prediction."""
+    classes = int(round(confusion.numel() ** 0.5))
+    matrix = confusion.reshape(classes, classes)
+    hits = matrix.diagonal()
+    labelled, predicted = matrix.sum(dim=1), matrix.sum(dim=0)
+    seen = (labelled + predicted) > 0
+    f1 = 2 * hits / (labelled + predicted).clamp(min=1)
+    return float(f1[seen].mean()) if bool(seen.any()) else 0.0
 
 
 class DetectionEvaluator:

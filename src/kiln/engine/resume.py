@@ -61,6 +61,8 @@ RULES: dict[str, str] = {
     "trainer.deterministic": HARMLESS,
     "trainer.log_activations": HARMLESS,
     "trainer.host_malloc": HARMLESS,  # where freed host memory goes, not what is computed
+    "trainer.threads": HARMLESS,  # how many threads compute the step, not what
+    "trainer.early_stopping": HARMLESS,  # how long to train, as trainer.max_epochs
     "trainer.name": HARMLESS,
     "trainer.distributed": HARMLESS,
     "trainer.backend": HARMLESS,

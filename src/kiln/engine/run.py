@@ -62,6 +62,7 @@ from kiln.logging.summary import summarize, write_json, write_summary
 from kiln.models import build_model, without_weights
 from kiln.preprocessing.pretrained import PretrainedInput, pretrained_input
 from kiln.registry import config_dirs, plugin_sources
+from kiln.threads import BusyElsewhere
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> Dat
 def build_trainer(
     cfg: KilnConfig, run_dir: Path, dist: DistInfo, device: torch.device, recorder
 ) -> Trainer:
+    cpu_watch = BusyElsewhere()  # what other processes keep busy while this run starts
     seed_everything(cfg.seed)  # the same initial weights on every rank and in single runs
     pretrained = pretrained_input(cfg.model)  # checks a zoo model's arch and weights first
     bundle = load_data(cfg, pretrained)
@@ -184,6 +186,8 @@ def build_trainer(
         data=bundle,
         probe_plan=probe_plan(cfg, criterion, dist),
         optimizer_for=optimizer_for,
+        cpu_watch=cpu_watch,
+        early_stopping=early_stopping_patience(cfg.trainer.early_stopping, bundle.spec),
     )
     parts.flag_for_unused = lambda names: option_behind(names, bundle.spec, cfg, want_aux)
     if bundle.report is not None and dist.is_main:
@@ -205,7 +209,11 @@ def build_trainer(
         world_size=dist.world_size,
         accumulate=cfg.trainer.accumulate_grad_batches,
         data_fingerprint=data_fingerprint(
-            bundle.spec.to_dict(), bundle.recipe.to_dict(), (len(bundle.train), len(bundle.val))
+            # spec.tokens come from the recipe's tokenizer, fingerprinted with the recipe (and
+            # a checkpoint made before the spec held them resumes as before)
+            {k: v for k, v in bundle.spec.to_dict().items() if k != "tokens"},
+            bundle.recipe.to_dict(),
+            (len(bundle.train), len(bundle.val)),
         ),
         has_schedule=parts.scheduler is not None,
     )
@@ -238,6 +246,17 @@ def probe_plan(cfg: KilnConfig, criterion, dist: DistInfo) -> ProbePlan:
         fp16=t.fp16_check or cfg.precision.name == "amp",  # amp is fp16 on CUDA
         conditional_is_fatal=dist.enabled and not is_sharded(t) and not t.find_unused_parameters,
     )
+
+
+TEXT_PATIENCE = 2  # trainer.early_stopping=auto on text data: text models overfit within epochs
+
+
+def early_stopping_patience(setting, spec) -> int | None:
+    """trainer.early_stopping resolved: auto is TEXT_PATIENCE epochs for text (token) data,
+    where the default run would otherwise train past its best, and off for the rest."""
+    if setting == "auto":
+        return TEXT_PATIENCE if spec.input_kind == "tokens" else None
+    return setting
 
 
 def will_resume(cfg: KilnConfig, run_dir: Path) -> bool:
@@ -409,7 +428,7 @@ def report_test_split(
             collate_fn=bundle.collate_fn,
             device=device.type,
             batch_size=cfg.data.batch_size,
-            num_workers=cfg.data.num_workers,
+            num_workers=trainer.train_loader.num_workers,  # data.num_workers resolved
         )
     except Exception as err:  # noqa: BLE001 -- reported, never raised: training succeeded
         log.error(

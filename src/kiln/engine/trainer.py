@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import resource
 import sys
 import time
@@ -107,6 +108,7 @@ class TrainState:
     best_tiebreak: float | None = None
     best_step: int | None = None  # the step best.pt was saved at
     lowest_val_loss: float | None = None  # over the evaluations: a run at chance never fell
+    best_epoch: int | None = None  # the epochs done when best.pt was saved (early stopping)
     nonfinite_skipped: int = 0  # steps skipped under nan_policy=skip
     scaler_skipped: int = 0  # steps GradScaler skipped for inf/NaN gradients
     samples_seen: int = 0
@@ -150,6 +152,8 @@ class TrainingParts:
     probe_plan: ProbePlan = field(default_factory=ProbePlan)  # which checks run before step 1
     # The run's optimizer for another model (the learn probe's copy), its lr scaled by the float.
     optimizer_for: Callable[[nn.Module, float], torch.optim.Optimizer] | None = None
+    cpu_watch: Any = None  # kiln.threads.BusyElsewhere, started with the run: threads=auto
+    early_stopping: int | None = None  # trainer.early_stopping resolved: patience in epochs
 
 
 @dataclass
@@ -214,6 +218,8 @@ class Trainer:
         self.flops_time_s = 0.0  # counting the model's FLOPs, once, before the first step
         self.flops_per_sample: float | None = None  # model FLOPs of a training step, per sample
         self.current_step = 0  # the step in progress: failures are reported "@ step N"
+        self.threads: int | None = None  # torch's intra-op threads, decided before step 1
+        self.stopped_early = False  # trainer.early_stopping ended the run
 
     def read_on_host(self, on: bool) -> None:
         """Where a step's flags and numbers live. On the host (the CPU, one process: a read
@@ -234,6 +240,7 @@ class Trainer:
         try:
             with self.preemption:
                 self.run_probes()
+                self.settle_threads()
                 while self.state.epoch < self.cfg.max_epochs and not self.reached_max_steps():
                     self.train_epoch()
                     if (
@@ -244,6 +251,8 @@ class Trainer:
                     self.state.epoch += 1
                     self.state.batch_in_epoch = 0
                     self.evaluate_and_checkpoint(epoch_end=True)
+                    if self.should_stop_early():
+                        break
                 if not self.last_eval or self.state.batch_in_epoch:
                     self.evaluate_and_checkpoint(epoch_end=False)
         except BaseException:
@@ -461,6 +470,50 @@ class Trainer:
             fatal=ddp and not self.cfg.find_unused_parameters,
             on_fatal=lambda message: post_failure(self.dist, "dead gradients", message),
         )
+
+    def settle_threads(self) -> None:
+        """torch's intra-op threads for the step just counted (trainer.threads, kiln.threads),
+        said once with the DataLoader's workers, before the first step."""
+        from kiln.threads import training_threads
+
+        size = self.train_loader.batch_size
+        plan = training_threads(
+            self.cfg.threads,
+            self.flops_per_sample * size if self.flops_per_sample else None,
+            watch=self.parts.cpu_watch,
+            deterministic=self.cfg.deterministic,
+            share=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        )
+        torch.set_num_threads(plan.count)
+        self.threads = plan.count
+        if self.dist.is_main:
+            workers = getattr(self.train_loader, "worker_plan", None)
+            log.info(
+                "threads: %d intra-op (%s); DataLoader workers: %s",
+                plan.count,
+                plan.reason,
+                f"{workers.count} ({workers.reason})" if workers else self.train_loader.num_workers,
+            )
+
+    def should_stop_early(self) -> bool:
+        """trainer.early_stopping: `patience` epochs have ended without a better monitored
+        metric than best.pt's (the state says when best.pt was written, so a resumed run counts
+        the same way)."""
+        patience, s = self.parts.early_stopping, self.state
+        if patience is None or s.best_epoch is None or s.epoch - s.best_epoch < patience:
+            return False
+        if s.epoch < self.cfg.max_epochs and self.dist.is_main:
+            log.info(
+                "early stopping: %d epoch(s) without a better %s than best.pt's %.4g (epoch %d); "
+                "trainer.early_stopping=%d",
+                s.epoch - s.best_epoch,
+                self.checkpointer.monitor,
+                s.best_metric if s.best_metric is not None else float("nan"),
+                s.best_epoch,
+                patience,
+            )
+        self.stopped_early = s.epoch < self.cfg.max_epochs
+        return True
 
     def check_shapes(self) -> None:
         """Rule 3 on one real batch: train and eval mode agree on the output."""

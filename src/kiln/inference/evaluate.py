@@ -407,7 +407,9 @@ def evaluate_checkpoint(
 ) -> Report:
     """`python infer.py mode=evaluate`: on a labelled folder or CSV (`data`), else on the
     checkpoint's own recorded data, rebuilt (its test split when it has one, else val)."""
-    predictor = Predictor.from_checkpoint(ckpt, backend, device)
+    predictor = Predictor.from_checkpoint(
+        ckpt, backend, device, threads="auto", batch_size=batch_size
+    )
     directory = Path(output) if output is not None else default_directory(Path(ckpt))
     if data is None:
         dataset, collate_fn, sources, described = rebuild_split(predictor, split)

@@ -62,6 +62,50 @@ def join(parts: Sequence[Any]) -> Any:
     return [x for part in parts for x in part]
 
 
+def auto_threads(path: Path, backend: str, batch_size: int, reserve: int) -> int | None:
+    """Threads for a model call of `batch_size` inputs by kiln's rule (kiln.threads): one for a
+    small call, the usable physical cores (less `reserve`) for a large one. The call's FLOPs are
+    counted on one forward of the checkpoint's model on its preprocessing's example input (an
+    .onnx given alone is not counted: its threads are the usable cores less `reserve`). Logged
+    with the reason."""
+    from kiln.threads import cpu_budget, intra_op_threads
+
+    flops = None
+    if backend != "echo" and path.suffix != ".onnx" and path.is_file():
+        flops = forward_flops(*read_checkpoint(path))
+    what = f"a model call of {batch_size} input(s)"
+    per_call = flops * batch_size if flops else None
+    plan = intra_op_threads("auto", cpu_budget(), per_call, what=what, reserve=reserve)
+    log.info("threads: %d intra-op (%s)", plan.count, plan.reason)
+    return plan.count
+
+
+def forward_flops(record: ModelRecord, state_dict) -> float | None:
+    """Model FLOPs of one forward on one input (the preprocessing's own example); None when
+    they cannot be counted."""
+    import torch
+
+    from kiln.engine.flop_count import FlopCount
+
+    try:
+        model = rebuild_model(record, state_dict).eval()
+        preprocess = record.recipe.preprocessor()
+        items = preprocess.convert([preprocess.example()])
+        kind = preprocess.input_kind
+        if kind == "image_list":
+            inputs = (preprocess.to_tensors(items),)
+        elif kind == "image":
+            inputs = (preprocess.normalise(items),)
+        else:
+            inputs = (preprocess.recipe.encode(items),)
+        with torch.no_grad(), FlopCount() as counter:
+            model(*inputs)
+    except Exception as err:  # noqa: BLE001 -- a nicety: the threads fall back to the cores
+        log.info("model FLOPs not counted: %s: %s", type(err).__name__, err)
+        return None
+    return float(counter.total) or None
+
+
 class Predictor:
     def __init__(self, backend, record: ModelRecord, source: Path):
         self.backend = backend
@@ -76,10 +120,17 @@ class Predictor:
         backend: str = "torch",
         device: str = "cpu",
         int8: bool = False,
-        threads: int | None = None,
+        threads: int | str | None = None,
+        *,
+        batch_size: int = 1,
+        reserve: int = 0,
     ) -> Predictor:
-        """threads: CPU threads per model call (None: the library's default, all cores)."""
+        """threads: CPU threads per model call (None: the library's default; "auto": kiln's rule
+        for a call of `batch_size` inputs, keeping `reserve` cores for other work: see
+        kiln.threads and `auto_threads`)."""
         path = Path(path)
+        if threads == "auto":
+            threads = auto_threads(path, backend, batch_size, reserve)
         if threads and backend == "torch":
             import torch
 

@@ -34,6 +34,9 @@ def summarize(trainer, final: dict[str, Any], *, status: str, error: str | None)
         **{k: v for k, v in final.items() if k not in ("val_acc", "val_loss", "epoch")},
         "monitor": trainer.checkpointer.monitor if trainer else None,
         "best": s.best_metric if s else None,
+        "best_epoch": s.best_epoch if s else None,  # the epochs done when best.pt was written
+        "best_step": s.best_step if s else None,  # its step: its evaluation in metrics.jsonl
+        "stopped_early": trainer.stopped_early if trainer else False,
         "steps": s.global_step if s else 0,
         "epochs": s.epoch if s else 0,
         "samples_per_s": trainer.samples_per_s if trainer else None,
@@ -42,6 +45,8 @@ def summarize(trainer, final: dict[str, Any], *, status: str, error: str | None)
         "scaler_skipped": s.scaler_skipped if s else 0,
         "probe_time_s": trainer.probe_time_s if trainer else None,  # the probes before step 1
         "probe_times_s": dict(trainer.probe_report.seconds) if trainer else {},  # per check
+        "threads": trainer.threads if trainer else None,  # torch's intra-op threads
+        "num_workers": getattr(trainer.train_loader, "num_workers", None) if trainer else None,
         "model_flops_per_sample": trainer.flops_per_sample if trainer else None,
         **(trainer.utilisation(trainer.samples_per_s) if trainer else {}),
         "train_time_s": s.step_time_s if s else None,

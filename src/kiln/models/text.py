@@ -12,9 +12,12 @@ Both take one int64 tensor of ids: what the ONNX export and the server feed them
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+import zlib
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -57,34 +60,33 @@ def hashed_ngrams(ids: Tensor, pad_id: int, ngrams: int, num_buckets: int, offse
 
 
 class _WeightedBag(torch.autograd.Function):
-    """EmbeddingBag's weighted sum (its fast CPU kernel) with a sparse gradient that holds one
-    row per distinct feature, already coalesced: the rows a batch touched, reduced as one sparse
-    (distinct features x texts) matrix times the gradient of the pooled vectors. Built so, it
-    costs a third of EmbeddingBag's own sparse gradient plus the sort (coalesce) that the norm
-    and the optimizer would each need."""
+    """EmbeddingBag's weighted sum (its fast CPU kernel) over bags given flat -- `features` (E,)
+    grouped bag after bag, `bags` (E,) the bag of each, `weights` (E,) -- with a sparse gradient
+    that holds one row per distinct feature, already coalesced: the rows a batch touched,
+    reduced as one sparse (distinct features x bags) matrix times the gradient of the pooled
+    vectors. Built so, it costs a third of EmbeddingBag's own sparse gradient plus the sort
+    (coalesce) that the norm and the optimizer would each need."""
 
     @staticmethod
-    def forward(ctx, table: Tensor, features: Tensor, weights: Tensor) -> Tensor:
-        ctx.save_for_backward(features, weights)
-        ctx.table_shape = table.shape
-        return F.embedding_bag(features, table, mode="sum", per_sample_weights=weights)
+    def forward(ctx, table: Tensor, features: Tensor, bags: Tensor, weights: Tensor, count: int):
+        ctx.save_for_backward(features, bags, weights)
+        ctx.table_shape, ctx.count = table.shape, count
+        return _bag_sum(table, features, bags, weights, count)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # grad: (N, D), of the pooled vectors
-        features, weights = ctx.saved_tensors  # (N, F) each
-        flat = features.reshape(-1)
-        order = flat.argsort()
-        rows, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    def backward(ctx, grad: Tensor):  # grad: (bags, D), of the pooled vectors
+        features, bags, weights = ctx.saved_tensors  # (E,) each
+        order = features.argsort()
+        rows, counts = torch.unique_consecutive(features[order], return_counts=True)
         starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        texts = order // features.shape[1]  # which text each sorted position belongs to
-        # (distinct rows x N): row u holds, for each text, the weights of u's positions in it.
+        # (distinct rows x bags): row u holds, for each bag, the weights of u's entries in it.
         with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta": for torch devs
             warnings.simplefilter("ignore", UserWarning)
             touched = torch.sparse_csr_tensor(
                 starts,
-                texts,
-                weights.reshape(-1)[order],
-                size=(len(rows), features.shape[0]),
+                bags[order],
+                weights[order],
+                size=(len(rows), ctx.count),
                 check_invariants=False,  # built sorted and in range above
             )
         # In fp32 under autocast too: the sparse product has no bf16/fp16 kernel (CPU's MKL).
@@ -97,7 +99,17 @@ class _WeightedBag(torch.autograd.Function):
             is_coalesced=True,
             check_invariants=False,
         )
-        return table_grad, None, None
+        return table_grad, None, None, None, None
+
+
+def _bag_sum(table: Tensor, features: Tensor, bags: Tensor, weights: Tensor, count: int) -> Tensor:
+    """sum of weights[e] * table[features[e]] per bag: (count, D). `features` come grouped bag
+    after bag (bags ascending), as EmbeddingBag's offsets need."""
+    sizes = torch.bincount(bags, minlength=count)
+    offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
+    return F.embedding_bag(
+        features, table, offsets, mode="sum", per_sample_weights=weights, include_last_offset=False
+    )
 
 
 def _flag_coalesced(table: nn.Parameter) -> None:
@@ -115,21 +127,72 @@ def _flag_coalesced(table: nn.Parameter) -> None:
         )
 
 
+MAX_WORD_PIECES = 48  # rows of a word's bag: itself and at most 47 character n-grams
+
+
+@functools.lru_cache(maxsize=4)
+def word_pieces(
+    tokens: tuple[str, ...],
+    char_ngrams: tuple[int, int],
+    num_buckets: int,
+    offset: int,
+    pad_id: int,
+    specials: frozenset[str],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each vocabulary token's bag, as fastText's subwords: the token's own row and the hashed
+    character n-grams (lengths char_ngrams[0]..[1]) of "<token>", the markers making a prefix and
+    a suffix differ from the same letters inside a word. Returns (rows (V, P) padded with
+    pad_id, weights (V, P): 1/(n-grams + 1) each, so a word's vector is the mean of its pieces'
+    and 0 at padding). Special tokens ([PAD], [UNK]) are their own row only ([PAD] none). The
+    hash is CRC-32 of the n-gram's UTF-8 bytes: the same on every machine and in every process
+    (Python's own str hash is salted per process)."""
+    low, high = char_ngrams
+    bags = []
+    for token_id, token in enumerate(tokens):
+        if token_id == pad_id:
+            bags.append([])
+            continue
+        if token in specials:
+            bags.append([token_id])
+            continue
+        word = f"<{token}>"
+        grams = {
+            word[start : start + n]
+            for n in range(low, high + 1)
+            for start in range(len(word) - n + 1)
+        }
+        grams.discard(word)
+        chosen = sorted(grams, key=lambda g: (len(g), word.find(g)))[: MAX_WORD_PIECES - 1]
+        hashed = [offset + zlib.crc32(g.encode("utf-8")) % num_buckets for g in chosen]
+        bags.append([token_id, *hashed])
+    width = max([1, *(len(bag) for bag in bags)])
+    rows = np.full((len(tokens), width), pad_id, dtype=np.int64)
+    weights = np.zeros((len(tokens), width), dtype=np.float32)
+    for token_id, bag in enumerate(bags):
+        rows[token_id, : len(bag)] = bag
+        weights[token_id, : len(bag)] = 1.0 / max(len(bag), 1)
+    return rows, weights
+
+
 class FastText(nn.Module):
-    """fastText's classifier: one EmbeddingBag over the tokens and their hashed n-grams (padding
-    excluded), pooled, -> dropout -> linear. One table holds vocab_size token rows followed by
-    num_buckets n-gram rows.
+    """fastText's classifier: one table of token rows followed by `num_buckets` hashed rows --
+    each word's character n-grams (fastText's subwords) and the texts' token n-grams (its
+    wordNgrams) share them -- pooled per text, -> dropout -> linear.
 
-    Pooling is the sum over sqrt(count) rather than fastText's mean, with embeddings scaled by
-    sqrt(embed_dim) (as Transformer embeddings are): under Adam every parameter moves about lr per
-    step, and a mean divides a feature's step by the text's length (~100 features), so
-    fastText-style embeddings would learn far slower than the head. With these two scales a
-    first run converges in about three epochs at kiln's default learning rate.
+    A word's vector is the mean of its own row and its character n-grams' rows (fastText's); a
+    text's is the sum of its words' vectors and its token n-grams' rows over sqrt(count), with
+    the table scaled by sqrt(embed_dim) (as Transformer embeddings are): under Adam every
+    parameter moves about lr per step, and fastText's mean divides a feature's step by the
+    text's length, so such embeddings would learn far slower than the head. Token n-grams are
+    hashed from the ids and the character n-gram rows of each vocabulary token are a table the
+    model holds (from `tokens`, the vocabulary the data gives it), so inference, ONNX and the
+    server need nothing but the ids. A word the vocabulary lacks is [UNK]: its n-grams are not
+    seen (a larger data.vocab_size keeps more words).
 
-    Speed: both scales and the padding mask are the bag's per-sample weights (0 at padding),
-    which keeps EmbeddingBag on its fast CPU kernel (a padding_idx takes it off that path: 40x
-    slower at a batch of 1024 texts). The table is built dense and marked `sparse_ok`: the
-    engine switches it to sparse gradients where it can (one process, optimizer=adamw; see
+    Speed: each distinct token of a batch is pooled from its pieces once, and all of a batch's
+    bags go through one weighted EmbeddingBag sum (its fast CPU kernel; padding never enters
+    it). The table is built dense and marked `sparse_ok`: the engine switches it to sparse
+    gradients where it can (one process, optimizer=adamw; see
     kiln.engine.optim.settle_sparse_gradients), and then the gradient holds only the rows a
     batch touched and the optimizer updates only those: a step costs what the batch costs,
     whatever the number of buckets."""
@@ -146,13 +209,17 @@ class FastText(nn.Module):
         pad_id: int,
         aux_head: bool,
         sparse_ok: bool = True,
+        tokens: tuple[str, ...] | None = None,
+        char_ngrams: tuple[int, int] | None = None,
+        specials: frozenset[str] = frozenset(),
     ):
         super().__init__()
         self.pad_id, self.ngrams = pad_id, ngrams
         self.vocab_size, self.num_buckets = vocab_size, num_buckets
         self.scale = math.sqrt(embed_dim)
-        rows = vocab_size + (num_buckets if ngrams > 1 else 0)
-        # No padding_idx: padding weighs 0 in the sum (see forward), so its row gets no gradient.
+        subwords = bool(char_ngrams) and tokens is not None
+        rows = vocab_size + (num_buckets if ngrams > 1 or subwords else 0)
+        # No padding_idx: padding never enters a bag (see forward), so its row gets no gradient.
         self.embed = nn.EmbeddingBag(rows, embed_dim, mode="sum")
         self.embed.sparse_ok = sparse_ok  # the engine may set embed.sparse (a gradient of rows)
         self.embed.weight.register_post_accumulate_grad_hook(_flag_coalesced)
@@ -162,27 +229,99 @@ class FastText(nn.Module):
         nn.init.uniform_(self.embed.weight, -bound, bound)
         with torch.no_grad():
             self.embed.weight[pad_id].zero_()
+        if subwords:
+            if len(tokens) != vocab_size:
+                raise ValueError(f"{len(tokens)} token strings for a vocabulary of {vocab_size}")
+            pieces, weights = word_pieces(
+                tuple(tokens), tuple(char_ngrams), num_buckets, vocab_size, pad_id, specials
+            )
+        else:  # each token its own row
+            pieces = np.arange(vocab_size, dtype=np.int64)[:, None]
+            weights = np.ones((vocab_size, 1), dtype=np.float32)
+            weights[pad_id] = 0.0
+        # Derived from the vocabulary at build: not saved (a checkpoint holds the weights only).
+        self.register_buffer("pieces", torch.from_numpy(pieces), persistent=False)  # (V, P)
+        self.register_buffer("piece_weights", torch.from_numpy(weights), persistent=False)
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(embed_dim, num_classes)
         self.aux = nn.Linear(embed_dim, num_classes) if aux_head else None
 
-    def features(self, ids: Tensor) -> Tensor:
-        """(N, L) token ids -> (N, L + n-gram count) rows of the embedding table."""
-        if self.ngrams < 2:
-            return ids
-        grams = hashed_ngrams(ids, self.pad_id, self.ngrams, self.num_buckets, self.vocab_size)
-        return torch.cat([ids, grams], dim=1)
-
     def forward(self, ids: Tensor) -> Tensor | dict[str, Tensor]:
-        features = self.features(ids)  # (N, F)
-        keep = features != self.pad_id  # (N, F)
-        count = keep.sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1)
-        weights = keep * (self.scale / count.to(torch.float32).sqrt())  # (N, F), 0 at padding
-        if self.embed.sparse and torch.is_grad_enabled() and self.embed.weight.requires_grad:
-            pooled = _WeightedBag.apply(self.embed.weight, features, weights)  # (N, D)
+        keep = ids != self.pad_id  # (N, L)
+        grams = self.token_ngrams(ids)  # (N, G), pad_id where a gram touches padding
+        # Two blocks, each over the square root of its size (as TF-IDF blocks are each
+        # normalised): the tokens with their n-grams, and the tokens' character n-grams.
+        words = keep.sum(dim=1) + (grams != self.pad_id).sum(dim=1)  # (N,)
+        chars = (self.piece_weights[ids][..., 1:] > 0).sum(dim=(1, 2))  # (N,)
+        share = self.scale / words.clamp(min=1).to(torch.float32).sqrt()
+        char_share = self.scale / chars.clamp(min=1).to(torch.float32).sqrt()
+        if _tracing():
+            pooled = self._pool_padded(ids, grams, share, char_share)
         else:
-            pooled = self.embed(features, per_sample_weights=weights)  # (N, D)
+            pooled = self._pool_distinct(ids, keep, grams, share, char_share)
         return _outputs(self.head(self.dropout(pooled)), self.aux, pooled)
+
+    def features(self, ids: Tensor) -> Tensor:
+        """The table rows a batch of ids reads, flat: its tokens, their character n-grams and
+        its token n-grams (padding none)."""
+        pieces = self.pieces[ids][self.piece_weights[ids] > 0]
+        grams = self.token_ngrams(ids)
+        return torch.cat([pieces, grams[grams != self.pad_id]])
+
+    def token_ngrams(self, ids: Tensor) -> Tensor:
+        if self.ngrams < 2:
+            return ids[:, :0]
+        return hashed_ngrams(ids, self.pad_id, self.ngrams, self.num_buckets, self.vocab_size)
+
+    def _pool_distinct(
+        self, ids: Tensor, keep: Tensor, grams: Tensor, share: Tensor, char_share: Tensor
+    ) -> Tensor:
+        """Each distinct token's own row and the sum of its character n-grams' once, then per
+        text: its tokens' and token n-grams' rows times `share`, plus its tokens' character sums
+        times `char_share`. (N, D)"""
+        n, device = ids.shape[0], ids.device
+        text_of = torch.arange(n, device=device)
+        distinct, inverse = torch.unique(ids[keep], return_inverse=True)  # (U,), (T,)
+        u = len(distinct)
+        pieces = self.pieces[distinct]  # (U, P): the token, then its character n-grams
+        real = self.piece_weights[distinct] > 0
+        real[:, 0] = False  # the token's own row: a bag of its own (below)
+        gram_real = grams != self.pad_id
+        # Bags: 0..U-1 the tokens' own rows, U..2U-1 their character n-grams, then one per text
+        # for its token n-grams.
+        bag = torch.arange(u, device=device)[:, None].expand_as(pieces)
+        features = torch.cat([distinct, pieces[real], grams[gram_real]])
+        bags = torch.cat(
+            [bag[:, 0], u + bag[real], 2 * u + text_of[:, None].expand_as(grams)[gram_real]]
+        )
+        weights = torch.cat(
+            [
+                torch.ones(u + int(real.sum()), device=device),
+                share[:, None].expand_as(grams)[gram_real],
+            ]
+        )
+        table = self.embed.weight
+        if self.embed.sparse and torch.is_grad_enabled() and table.requires_grad:
+            pooled = _WeightedBag.apply(table, features, bags, weights, 2 * u + n)
+        else:
+            pooled = _bag_sum(table, features, bags, weights, 2 * u + n)
+        own, char_sums, text_grams = pooled[:u], pooled[u : 2 * u], pooled[2 * u :]
+        owner = text_of[:, None].expand_as(ids)[keep]  # (T,) the text of each token
+        tokens = own[inverse] * share[owner, None] + char_sums[inverse] * char_share[owner, None]
+        return text_grams.index_add(0, owner, tokens)  # (N, D)
+
+    def _pool_padded(self, ids: Tensor, grams: Tensor, share: Tensor, char_share: Tensor) -> Tensor:
+        """The same sums over padded (N, F) features with zero weights at padding: one static
+        EmbeddingBag, for ONNX export (no data-dependent shapes)."""
+        n = ids.shape[0]
+        pieces = self.pieces[ids]  # (N, L, P)
+        real = (self.piece_weights[ids] > 0).to(torch.float32)  # (N, L, P)
+        block = torch.cat([share[:, None, None].expand_as(real[..., :1]),
+                           char_share[:, None, None].expand_as(real[..., 1:])], dim=2)  # fmt: skip
+        gram_weights = (grams != self.pad_id).to(torch.float32) * share[:, None]
+        features = torch.cat([pieces.reshape(n, -1), grams], dim=1)
+        weights = torch.cat([(real * block).reshape(n, -1), gram_weights], dim=1)
+        return self.embed(features, per_sample_weights=weights)
 
 
 class TextTransformer(nn.Module):
@@ -280,6 +419,8 @@ def _check_token_spec(spec, model_name: str) -> None:
 
 def build_text_bow(spec, cfg: TextBowConfig, *, aux_head: bool = False) -> FastText:
     _check_token_spec(spec, "text_bow")
+    from kiln.preprocessing.text import SPECIAL_TOKENS
+
     return FastText(
         spec.vocab_size,
         cfg.embed_dim,
@@ -290,6 +431,9 @@ def build_text_bow(spec, cfg: TextBowConfig, *, aux_head: bool = False) -> FastT
         pad_id=spec.pad_id,
         aux_head=aux_head,
         sparse_ok=cfg.sparse_grads,
+        tokens=spec.tokens,
+        char_ngrams=tuple(cfg.char_ngrams) or None,
+        specials=frozenset(SPECIAL_TOKENS),
     )
 
 
