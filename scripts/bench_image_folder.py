@@ -11,6 +11,7 @@ median ratio kiln / torchvision with its spread over the rounds, against a floor
 is reported, never asserted, unless --check (exit 1 below the floor).
 
     python scripts/bench_image_folder.py                       # 512 generated photos
+    python scripts/bench_image_folder.py --format png          # the same photos as PNG files
     python scripts/bench_image_folder.py --folder my/train --workers 4 --augment trivialaugment
 """
 
@@ -46,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", help="a folder of class subfolders (default: generated)")
     parser.add_argument("--images", type=int, default=512, help="generated photos (4 classes)")
+    parser.add_argument(
+        "--format", choices=["jpg", "png"], default="jpg", help="of the generated photos"
+    )
     parser.add_argument("--image-size", type=int, default=224, help="data.image_size")
     parser.add_argument("--augment", default="flip_crop", help="data.augment")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -63,9 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def make_photos(root: Path, count: int, seed: int = 0) -> Path:
-    """`count` JPEG photos of 224-400 pixels a side in 4 classes, cropped from the sample photos
-    scikit-learn and matplotlib ship (as examples/photos, at sizes a camera folder has)."""
+def make_photos(root: Path, count: int, seed: int = 0, fmt: str = "jpg") -> Path:
+    """`count` photos (JPEG, or PNG: `fmt`) of 224-400 pixels a side in 4 classes, cropped from
+    the sample photos scikit-learn and matplotlib ship (as examples/photos, at sizes a camera
+    folder has)."""
     china, flower = load_sample_images().images
     hopper = Image.open(Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg")
     sources = [Image.fromarray(china), Image.fromarray(flower), hopper.convert("RGB")]
@@ -79,7 +84,8 @@ def make_photos(root: Path, count: int, seed: int = 0) -> Path:
         image = photo.crop((x, y, x + side, y + side)).resize(out, Image.Resampling.BILINEAR)
         folder = root / f"class_{i % 4}"
         folder.mkdir(parents=True, exist_ok=True)
-        image.save(folder / f"{i:05d}.jpg", quality=90)
+        options = {"quality": 90} if fmt == "jpg" else {}
+        image.save(folder / f"{i:05d}.{fmt}", **options)
     return root
 
 
@@ -137,7 +143,11 @@ def measure(args) -> dict:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
-        folder = Path(args.folder) if args.folder else make_photos(work / "photos", args.images)
+        folder = (
+            Path(args.folder)
+            if args.folder
+            else make_photos(work / "photos", args.images, fmt=args.format)
+        )
         progress(f"scanning {folder}")
         bundle, kiln = kiln_loader(folder, args, work / "cache")
         baseline = torchvision_loader(folder, bundle, args)
@@ -157,6 +167,7 @@ def measure(args) -> dict:
     median = statistics.median(ratios)
     return {
         "images": len(bundle.train),
+        "format": "(--folder)" if args.folder else args.format,
         "image_size": args.image_size,
         "augment": args.augment,
         "batch_size": args.batch_size,
@@ -177,7 +188,8 @@ def table(result: dict) -> str:
     kiln, base = result["kiln_images_per_s"], result["torchvision_images_per_s"]
     low, high = result["spread"]
     setting = (
-        f"{result['images']} photos at {result['image_size']}px, augment={result['augment']}, "
+        f"{result['images']} {result['format']} photos at {result['image_size']}px, "
+        f"augment={result['augment']}, "
         f"batch {result['batch_size']}, {result['workers']} workers, {result['threads']} "
         f"thread(s), {result['rounds']} rounds"
     )

@@ -8,6 +8,9 @@ pixels), animated images whose frames differ, and small good images.
                              frame is rendered at the screen's size (3.84 G pixels), ~5.5 KB
     patched_bomb(fmt)        a small real JPEG / WEBP / BMP / TIFF / animated WEBP whose header
                              is rewritten to claim 60000 x 60000 (or a 16000 x 16000 canvas)
+    damaged_pngs()           ~100-byte PNGs libpng rejects (a bad row filter, a zlib stream that
+                             fails its checksum or is no deflate, too little image data, a bit
+                             depth of 7); torchvision 0.29's PNG decoder segfaults on most
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ BOMB_SIDE = 30_000
 GIF_SCREEN, GIF_FRAMES = 4000, 240
 
 
-def _png_chunk(kind: bytes, data: bytes) -> bytes:
+def png_chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
@@ -41,10 +44,37 @@ def png_bomb(side: int = BOMB_SIDE) -> bytes:
     header = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)  # 1-bit greyscale
     return (
         b"\x89PNG\r\n\x1a\n"
-        + _png_chunk(b"IHDR", header)
-        + _png_chunk(b"IDAT", b"".join(parts))
-        + _png_chunk(b"IEND", b"")
+        + png_chunk(b"IHDR", header)
+        + png_chunk(b"IDAT", b"".join(parts))
+        + png_chunk(b"IEND", b"")
     )
+
+
+def _png(header: bytes, image_data: bytes) -> bytes:
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", image_data)
+            + png_chunk(b"IEND", b""))  # fmt: skip
+
+
+def damaged_pngs(width: int = 16, height: int = 8) -> dict[str, tuple[bytes, str]]:
+    """name -> (a small RGB PNG whose chunks and CRCs are valid but whose image libpng
+    rejects, the reason kiln gives it). torchvision 0.29's decode_png and decode_image print
+    "libpng error: ..." and then kill the process (SIGSEGV) on the first four; on the last they
+    raise "Internal error" (measured 2026-12-02)."""
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    rows = b"".join(bytes([0]) + bytes(range(width * 3)) for _ in range(height))
+    bad_checksum = bytearray(zlib.compress(rows))
+    bad_checksum[-1] ^= 0xFF  # zlib's Adler-32 of the rows: "incorrect data check"
+    filter_9 = b"".join(bytes([9]) + bytes(range(width * 3)) for _ in range(height))
+    return {
+        "bad row filter": (_png(header, zlib.compress(filter_9)), "unreadable"),
+        "zlib checksum": (_png(header, bytes(bad_checksum)), "unreadable"),
+        "not deflate": (_png(header, b"\x78\x9c" + bytes(range(200))), "unreadable"),
+        "too little image data": (_png(header, zlib.compress(rows[: len(rows) // 3])), "truncated"),
+        "bit depth 7": (
+            _png(header[:8] + bytes([7]) + header[9:], zlib.compress(rows)),
+            "unreadable",
+        ),
+    }
 
 
 def gif(screen: tuple[int, int], frames: list[tuple[int, int, int, int]], colours=None) -> bytes:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import struct
 import subprocess
 import sys
 import zlib
@@ -19,6 +18,7 @@ from PIL import Image
 from kiln.data import build_data
 
 from .conftest import compose_config, train_in_process
+from .hostile_inputs import damaged_pngs, png_chunk
 
 
 def test_a_channel_of_one_value_is_divided_by_one_and_said(tmp_path, caplog):
@@ -47,41 +47,33 @@ def test_a_channel_of_one_value_is_divided_by_one_and_said(tmp_path, caplog):
     assert "channel(s) 1, 2 of the training images hold one value" in caplog.text
 
 
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
 def png_with_a_bogus_profile(pixels: np.ndarray) -> bytes:
     """A good PNG plus an iCCP chunk libpng warns about ("iCCP: too short") on every decode."""
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, "PNG")
     png = buffer.getvalue()
-    profile = _chunk(b"iCCP", b"bogus\x00\x00" + zlib.compress(b"\x00\x00\x01\x00" + bytes(252)))
+    profile = png_chunk(b"iCCP", b"bogus\x00\x00" + zlib.compress(b"\x00\x00\x01\x00" + bytes(252)))
     return png[:33] + profile + png[33:]  # after IHDR
 
 
-def png_libpng_rejects(width: int = 16, height: int = 8) -> bytes:
-    """~100 bytes: valid chunks and zlib stream, rows with filter type 9 (none such). libpng
-    errors on it; torchvision 0.29's decode_png then segfaults, decode_image hangs."""
-    rows = b"".join(bytes([9]) + bytes(range(width * 3)) for _ in range(height))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(rows))
-            + _chunk(b"IEND", b""))  # fmt: skip
-
-
-def test_a_png_libpng_rejects_is_an_unreadable_file_not_a_crash(tmp_path):
-    """In a process of its own: before the fix, this decode killed the process (SIGSEGV)."""
-    path = tmp_path / "bad.png"
-    path.write_bytes(png_libpng_rejects())
+def test_a_png_libpng_rejects_is_a_bad_file_not_a_crash_or_a_hang(tmp_path):
+    """Every damaged PNG decoded in one process of its own: with PNG through torchvision 0.29
+    (main before issue 32), the first killed that process (SIGSEGV) and the last never returned."""
+    damaged = damaged_pngs()
+    for i, (data, _) in enumerate(damaged.values()):
+        (tmp_path / f"{i}.png").write_bytes(data)
     code = (
         "import sys; from kiln.preprocessing.image_files import read_image_file, "
-        "ImageDecodeError\ntry:\n    read_image_file(sys.argv[1], 3)\n"
-        "except ImageDecodeError as err:\n    print(err.reason)"
+        "ImageDecodeError\nfor path in sys.argv[1:]:\n    try:\n"
+        "        read_image_file(path, 3)\n        print('decoded')\n"
+        "    except ImageDecodeError as err:\n        print(err.reason)"
     )
-    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    paths = [str(tmp_path / f"{i}.png") for i in range(len(damaged))]
+    done = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-500:]}"
-    assert done.stdout.strip() == "unreadable" and "libpng" not in done.stderr
+    assert done.stdout.split() == [reason for _, reason in damaged.values()]
+    assert "libpng" not in done.stderr
 
 
 def test_no_libpng_warning_is_printed_at_any_epoch_and_a_rejected_png_is_dropped(tmp_path, capfd):
@@ -92,7 +84,7 @@ def test_no_libpng_warning_is_printed_at_any_epoch_and_a_rejected_png_is_dropped
             (tmp_path / "train" / name / f"{i}.png").write_bytes(
                 png_with_a_bogus_profile(pixels.astype(np.uint8))
             )
-    (tmp_path / "train" / "a" / "bad.png").write_bytes(png_libpng_rejects())
+    (tmp_path / "train" / "a" / "bad.png").write_bytes(damaged_pngs()["bad row filter"][0])
     run = tmp_path / "run"
     summary = train_in_process(
         run, "data=image_folder", f"data.train_dir={tmp_path / 'train'}",

@@ -407,11 +407,14 @@ def _pillow_too_large(err: Exception) -> ImageTooLargeError:
 # Decoding
 
 # What torchvision's decode_image reads: JPEG and a still WEBP (it refuses animated ones, and it
-# would decode every frame of a GIF). Never PNG: torchvision 0.29's libpng path crashes the
-# process (a segfault in decode_png) or hangs (decode_image) on any PNG libpng rejects -- a
-# corrupt IDAT stream, a bad row filter byte: a 100-byte file -- and libpng prints its warnings
-# on stderr at every decode, naming no file. Pillow decodes PNG (and every other format, the
-# first frame only) and raises on such a file, which is then dropped and named.
+# would decode every frame of a GIF). Never PNG: torchvision 0.29's libpng path (decode_png and
+# decode_image alike) kills the process with SIGSEGV on a PNG whose image data libpng rejects --
+# a bad row filter byte, a zlib stream failing its checksum, too little image data: a 100-byte
+# file, or one flipped byte in a download -- and libpng prints its warnings on stderr at every
+# decode, naming no file. Checking a PNG first would mean inflating all of it, most of a
+# decode's cost. Pillow decodes PNG (and every other format, the first frame only) about as fast
+# (scripts/bench_image_folder.py --format png) and raises on such a file, which is then dropped
+# and named.
 _TORCHVISION_FORMATS = frozenset(["JPEG", "WEBP"])
 
 
@@ -497,9 +500,15 @@ def _decode_pillow(data, channels: int) -> torch.Tensor:
         grey = np.clip(np.asarray(image), 0, 65535).astype(np.uint16)
         pixels = torch.from_numpy(grey)[None]  # scaled to 8 bits by decode()
         return pixels.expand(channels, -1, -1).contiguous() if channels == 3 else pixels
-    wanted = "RGB" if channels == 3 else "L"
-    pixels = torch.from_numpy(np.array(image if image.mode == wanted else image.convert(wanted)))
-    return pixels.permute(2, 0, 1).contiguous() if channels == 3 else pixels[None]
+    if channels == 1:
+        return torch.from_numpy(np.array(image if image.mode == "L" else image.convert("L")))[None]
+    if image.mode == "L":  # grey to RGB in torch: Pillow's convert("RGB") and copy cost 4x more
+        grey = torch.from_numpy(np.array(image))
+        return grey[:, :, None].expand(-1, -1, 3).contiguous().permute(2, 0, 1)
+    # (H, W, 3) in memory seen as (3, H, W), as torchvision's decoders return it: a .contiguous()
+    # here would copy it, and Resize's uint8 path is several times faster on this layout.
+    pixels = torch.from_numpy(np.array(image if image.mode == "RGB" else image.convert("RGB")))
+    return pixels.permute(2, 0, 1)
 
 
 def _decode_error(message: str) -> ImageDecodeError:
