@@ -557,7 +557,10 @@ def forward_inputs(model, batch, train_mode):
     return model(batch[0])
 
 
-def test_rule3_check_leaves_no_trace(tmp_path):
+def test_the_probes_leave_no_trace(tmp_path):
+    """The whole probe plan (rules 1 and 3, the behaviour checks, the learn probe, the device
+    probe) and rule 3 before an evaluation: the model's weights, buffers, modes and gradients,
+    the optimizer's state, the batch and every RNG are as they were."""
     trainer, _ = make_trainer(
         tmp_path,
         "model=resnet18",
@@ -577,10 +580,20 @@ def test_rule3_check_leaves_no_trace(tmp_path):
         probe(trainer.parts.probe_batch[0])
     assert not torch.equal(probe.net.bn1.running_mean, model.net.bn1.running_mean)
 
+    weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+    optimizer = copy.deepcopy(trainer.optimizer.state_dict())
+    batch = [t.clone() for t in trainer.parts.probe_batch]
     rng = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
-    trainer.run_probes()  # rule 1 and rule 3 before the first step
+    trainer.run_probes()  # the plan before the first step
     trainer.check_shapes()  # rule 3 before an evaluation
+    assert {"rule 1", "rule 3", "step probe", "learn probe", "batch dependence"} <= set(
+        trainer.probe_report.seconds
+    )
     assert model.training and all(m.training for m in model.modules())
+    for name, value in model.named_parameters():
+        assert torch.equal(value, weights[name]), f"{name} changed"
+    assert trainer.optimizer.state_dict() == optimizer
+    assert all(torch.equal(a, b) for a, b in zip(trainer.parts.probe_batch, batch, strict=True))
     for name, value in model.named_buffers():
         assert torch.equal(value, buffers[name]), f"{name} changed"
     assert torch.equal(model.net.fc[1].weight.grad, torch.full_like(model.net.fc[1].weight, 0.5))

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from kiln.cli.paths import REPO_ROOT
+from kiln.guards.rules import BATCH, DEAD, DETERMINISM, LEARN
 
 from .conftest import SUBPROCESS_ENV, read_summary
 
@@ -24,11 +25,23 @@ for broken in BROKEN:
 """
 
 
+# Issue 31's kinds through the plugin API and the real train.py: what a model computes, each
+# stopped before step 1 by its own check, with the module in summary.json (model, <what>, module).
+BEHAVIOUR_KINDS = [
+    ("rnn_batch_first", "batch dependence", "rnn"),
+    ("eval_dropout", "determinism", ""),  # the model's own forward: no submodule to name
+    ("dead_units", "dead gradients", "body.0"),  # its first Linear: zero gradients
+    ("tiny_logits", "cannot learn", ""),
+]
+RULES_BY_WHAT = {"batch dependence": BATCH, "determinism": DETERMINISM, "dead gradients": DEAD,
+                 "cannot learn": LEARN}  # fmt: skip
+
+
 @pytest.fixture
 def broken_project(tmp_path):
     (tmp_path / "broken_parts.py").write_text(REGISTER_BROKEN)
     (tmp_path / "conf" / "model").mkdir(parents=True)
-    for name in ("eval_only_crash", "layer_on_meta"):
+    for name in ("eval_only_crash", "layer_on_meta", *(kind[0] for kind in BEHAVIOUR_KINDS)):
         (tmp_path / "conf" / "model" / f"{name}.yaml").write_text("dropout: 0.0\n")
     return tmp_path
 
@@ -77,6 +90,28 @@ def test_a_broken_model_dies_with_one_fail_line_its_detail_and_the_run_dir(
     train_log = (run_dir / "train.log").read_text()
     assert lines[i] in train_log and "Traceback" in train_log
     assert read_summary(run_dir)["status"] == "failed"
+
+
+@pytest.mark.parametrize(("model", "what", "module"), BEHAVIOUR_KINDS)
+def test_a_model_that_computes_the_wrong_thing_stops_before_step_1_through_plugins(
+    broken_project, model, what, module
+):
+    """`python train.py plugins=[...] model=<broken>`: the check's own [FAIL] line at step 0,
+    its message starting with the check, and summary.json naming the check and the module."""
+    run_dir = broken_project / "run"
+    result = train_py(
+        broken_project, "plugins=[broken_parts]", f"hydra.searchpath=[file://{broken_project}/conf]",
+        f"model={model}", "hydra.run.dir=run", "env.progress_bar=false", "output_root=outs",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    fail = [i for i, line in enumerate(lines) if line.startswith("[FAIL]")]
+    assert len(fail) == 1, result.stderr[-3000:]
+    assert lines[fail[0]] == f"[FAIL] digits-{model} | single | amp=False | {what} @ step 0"
+    assert lines[fail[0] + 1].startswith(f"  {RULES_BY_WHAT[what]}: "), lines[fail[0] + 1]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "failed" and summary["steps"] == 0
+    assert summary["failed_check"] == {"what": what, "module": module}, summary["failed_check"]
 
 
 PLUGIN = """

@@ -40,8 +40,10 @@ def test_init_from_a_kiln_checkpoint_reports_the_head_it_reinitialises(
         summary = train_in_process(
             tmp_path / "run", *QUICK, *other, f"init_from={source}", "trainer.max_steps=1",
             "optimizer=sgd", "optimizer.lr=1e-9", "scheduler=none",
+            "trainer.learn_probe=false",  # lr 1e-9 on purpose: the loaded weights barely move
         )  # fmt: skip
-    assert summary["status"] == "ok"
+    # It ran its step (one step at lr 1e-9 learns nothing: at_chance says so, not an error).
+    assert summary["error"] is None and summary["steps"] == 1
     text = caplog.text
     assert f"init_from {source}: 4 tensors loaded" in text
     assert (

@@ -4,11 +4,16 @@ same resumed epoch, same last batch."""
 
 from __future__ import annotations
 
+import copy
+import itertools
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from kiln.data.loaders import GatheredTensors, ResumableSampler, build_dataloaders, gathered
+from kiln.guards.tree import iter_tensors
+from kiln.registry import DATASETS, dataset_provides
 
 from .conftest import compose_config
 
@@ -55,3 +60,36 @@ def test_the_digits_loaders_gather(tmp_path):
     assert isinstance(train.dataset, GatheredTensors) and isinstance(val.dataset, GatheredTensors)
     inputs, labels = next(iter(train))
     assert inputs.shape == (cfg.data.batch_size, 1, 8, 8) and labels.dtype == torch.int64
+
+
+def changed_in_place(batch) -> None:
+    """What a careless model does to its batch: every tensor in it changed, in place."""
+    for _, tensor in iter_tensors(batch):
+        if tensor.dtype == torch.bool:
+            tensor.logical_not_()
+        else:
+            tensor.mul_(2).add_(1)
+
+
+@pytest.mark.parametrize("data", DATASETS.names())
+def test_a_batch_is_a_copy_of_the_datasets_items(data):
+    """A model that changes its batch in place (rescales detection boxes, normalises its inputs)
+    changes that batch only: every dataset's items are as they were, however it stores them
+    (the shapes dataset keeps its images and targets in memory and used to hand them out as
+    they were, so a model that rescaled boxes rescaled the dataset's, every time it saw them)."""
+    from .test_antibodies import SMALL, bundle_for
+
+    fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
+    cfg = compose_config(
+        f"data={data}", f"model={fits[dataset_provides(data)]}", *SMALL.get(data, ()),
+        "data.num_workers=0",  # in this process: where an item and its batch could share memory
+    )  # fmt: skip
+    bundle = bundle_for(data)
+    items = [copy.deepcopy(bundle.train[i]) for i in range(len(bundle.train))]
+    train, _ = build_dataloaders(bundle, cfg.data, seed=0, rank=0, world_size=1, cuda=False)
+    for batch in itertools.islice(train, 2):
+        changed_in_place(batch)
+    for i, item in enumerate(items):
+        now = list(iter_tensors(bundle.train[i]))
+        for (path, was), (_, is_) in zip(iter_tensors(item), now, strict=True):
+            assert torch.equal(was, is_), f"{data}: item {i}'s {path} changed with its batch"

@@ -80,7 +80,7 @@ def learn(
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         loss = seeded_loss(model, criterion, batch, grad=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if not loss.requires_grad or not math.isfinite(losses[-1]):
             break
         loss.backward()
