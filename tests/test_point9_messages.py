@@ -92,7 +92,7 @@ def test_no_libpng_warning_is_printed_at_any_epoch_and_a_rejected_png_is_dropped
         "trainer.max_epochs=2", "data.batch_size=2", "data.val_fraction=0.25",
         "env.progress_bar=false", "logger=none",
     )  # fmt: skip
-    assert summary["status"] == "ok"
+    assert summary["status"] in ("ok", "at_chance")  # random pixels: nothing to learn
     printed = capfd.readouterr()
     assert "libpng" not in printed.err + printed.out  # neither at the scan nor at any epoch
     report = json.loads((run / "data_report.json").read_text())["train_dir"]

@@ -58,17 +58,17 @@ def test_a_new_learning_rate_is_refused_unless_overridden_and_then_applied(tmp_p
     settings = ("scheduler=none", "trainer.max_epochs=1")
     first_run(run_dir, *settings)
     with pytest.raises(ResumeError, match=r"resume_override=\[optimizer.lr\]"):
-        resume(run_dir, "scheduler=none", "trainer.max_epochs=2", "optimizer.lr=0.5")
+        resume(run_dir, "scheduler=none", "trainer.max_epochs=2", "optimizer.lr=0.01")
     before = len(lrs(run_dir))
     resume(
         run_dir,
         "scheduler=none",
         "trainer.max_epochs=2",
-        "optimizer.lr=0.5",
+        "optimizer.lr=0.01",
         "resume_override=[optimizer.lr]",
     )
     trace = lrs(run_dir)
-    assert set(trace[:before]) == {0.003} and set(trace[before:]) == {0.5}  # applied for real
+    assert set(trace[:before]) == {0.003} and set(trace[before:]) == {0.01}  # applied for real
 
 
 def test_an_overridden_learning_rate_reshapes_the_schedule_from_where_it_stands(tmp_path):

@@ -108,7 +108,10 @@ def test_a_parameter_no_loss_reaches_is_named_with_its_flag_before_step_2(
     with pytest.raises(LossBranchError) as info:
         train(cfg, tmp_path / "run")
     message = str(info.value)
-    assert "got no gradient at step 1: side.weight, side.bias, in side (Linear)" in message
+    assert (
+        "got no gradient in the probe step before step 1: side.weight, side.bias, in side (Linear)"
+        in message
+    )
     assert "model.side_head=false turns that branch off" in message
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 0
 

@@ -466,7 +466,8 @@ def test_resnet18_trains_then_exports_and_predicts_without_its_weights_file(
     run_dir = tmp_path / "run"
     overrides = (f"model={model}", "model.arch=resnet18", f"model.weights={weights}", *TINY_RUN)
     summary = train_in_process(run_dir, *overrides)
-    assert summary["status"] == "ok" and summary["steps"] == 3
+    # Three steps learn nothing yet: a run at chance says so (at_chance), which is what it is.
+    assert summary["status"] in ("ok", "at_chance") and summary["steps"] == 3
     ckpt = run_dir / "checkpoints" / "best.pt"
     recorded = torch.load(ckpt, weights_only=True)["pretrained"]
     assert "resnet18" in recorded["source"].lower() and recorded["image_size"] == 224

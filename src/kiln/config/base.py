@@ -116,13 +116,26 @@ def field_help(schema: type) -> dict[str, str]:
     return help_text
 
 
+_LAYOUT = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT)
+
+
 def _trailing_comments(source: str) -> dict[str, str]:
-    """`name: type = default  # meaning` lines of a class body -> {name: meaning}."""
+    """`name: type = default  # meaning` lines of a class body -> {name: meaning}; a field
+    without a comment on its line takes the comment block right above it (a meaning too long
+    for one line)."""
     comments: dict[str, str] = {}
     line_name: dict[int, str] = {}
+    above: list[str] = []  # the comment lines since the last statement
     for token in tokenize.generate_tokens(io.StringIO(textwrap.dedent(source)).readline):
         if token.type == tokenize.NAME and token.start[1] == 4 and token.start[0] not in line_name:
             line_name[token.start[0]] = token.string
+            if above:
+                comments[token.string] = " ".join(above)
+            above = []
         elif token.type == tokenize.COMMENT and token.start[0] in line_name:
             comments[line_name[token.start[0]]] = token.string.lstrip("# ").strip()
+        elif token.type == tokenize.COMMENT and token.start[1] == 4:
+            above.append(token.string.lstrip("# ").strip())
+        elif token.type not in _LAYOUT:
+            above = []  # code between the comment and the next field: not its meaning
     return comments
