@@ -138,8 +138,8 @@ def test_a_misspelt_arch_is_one_error_suggesting_the_nearest_names(model, typo, 
     with pytest.raises(ConfigError) as info:
         pretrained_input(zoo_cfg(model, f"model.arch={typo}"))
     message = str(info.value)
-    assert f"{typo!r} (model.arch): did you mean {nearest}" in message
-    assert "list_models(" in message  # and how to list them
+    assert f"{typo!r} (model.arch): list them with python -c " in message  # how to list them
+    assert f"; did you mean {nearest}" in message
 
 
 def test_train_py_refuses_a_misspelt_arch_before_hydra_starts_a_run(tmp_path):
