@@ -285,7 +285,7 @@ def test_typo_on_the_command_line_fails_before_any_work(tmp_path):
     result = run_cli(f"hydra.run.dir={tmp_path}/run", "optimizer=adamx")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: unknown option 'adamx' (optimizer): choose one of: adamw, sgd "
-        "(did you mean optimizer=adamw?)"
+        "error: unknown option 'adamx' (optimizer): choose one of: adamw, sgd; "
+        "did you mean optimizer=adamw?"
     ]
     assert not (tmp_path / "run").exists()

@@ -225,7 +225,7 @@ def test_a_task_inference_does_not_know_says_not_supported(digits_ckpt, tmp_path
     [
         (["ckpt=/nonexistent/best.pt", "input=x.npy"], "checkpoint /nonexistent/best.pt does"),
         (["mode=train", "ckpt=x.pt"], "unknown mode='train'; valid modes: predict, export, serve"),
-        (["ckpt=x.pt", "inptu=x.npy"], "Did you mean 'input'?"),
+        (["ckpt=x.pt", "inptu=x.npy"], "; did you mean input?"),
         (["ckpt=x.pt"], "mode=predict needs input="),
     ],
 )

@@ -138,8 +138,8 @@ def test_a_misspelt_arch_is_one_error_suggesting_the_nearest_names(model, typo, 
     with pytest.raises(ConfigError) as info:
         pretrained_input(zoo_cfg(model, f"model.arch={typo}"))
     message = str(info.value)
-    assert f"{typo!r} (model.arch): did you mean {nearest}" in message
-    assert "list_models(" in message  # and how to list them
+    assert f"{typo!r} (model.arch): list them with python -c " in message  # how to list them
+    assert f"; did you mean {nearest}" in message
 
 
 def test_train_py_refuses_a_misspelt_arch_before_hydra_starts_a_run(tmp_path):
@@ -227,7 +227,12 @@ def test_torchvision_googlenet_weights_drop_their_aux_logits_and_train_mode_retu
 
 @pytest.mark.parametrize(
     ("file_name", "layout"),
-    [("w.safetensors", "plain"), ("w.pth", "state_dict"), ("w.pt", "model")],
+    [
+        ("w.safetensors", "plain"),
+        ("w.pth", "state_dict"),
+        ("w.pt", "model"),
+        ("w.bin", "model_state_dict"),
+    ],
 )
 def test_a_weights_file_of_each_layout_loads_its_head_too_when_it_fits(tmp_path, file_name, layout):
     import torchvision.models
@@ -239,8 +244,10 @@ def test_a_weights_file_of_each_layout_loads_its_head_too_when_it_fits(tmp_path,
         from safetensors.torch import save_file
 
         save_file(state, path)
-    else:
-        torch.save({layout: state, "epoch": 3}, path)
+    else:  # model_state_dict: as a DDP run saved it, "module." before every key
+        ddp = layout == "model_state_dict"
+        saved = {f"module.{k}" if ddp else k: v for k, v in state.items()}
+        torch.save({layout: saved, "epoch": 3}, path)
     model = build_model(
         image_spec(), zoo_cfg("torchvision", "model.arch=squeezenet1_1", f"model.weights={path}")
     )
@@ -260,6 +267,23 @@ def test_a_weights_file_of_another_arch_is_one_error(tmp_path):
         build_model(
             image_spec(), zoo_cfg("torchvision", "model.arch=resnet34", f"model.weights={path}")
         )
+
+
+@pytest.mark.parametrize("file_name", ["r18.pth", "r18.safetensors"])
+def test_an_unreadable_weights_file_is_the_same_error_for_model_weights_and_init_from(
+    tmp_path, file_name
+):
+    """One reader (kiln.models.weights) behind model.weights= and init_from=: one WeightsError,
+    naming the key the path came from."""
+    from kiln.models.weights import init_from
+
+    bad = tmp_path / file_name
+    bad.write_bytes(b"not a weights file" * 8)
+    cfg = zoo_cfg("torchvision", "model.arch=resnet18", f"model.weights={bad}")
+    with pytest.raises(WeightsError, match=rf"cannot read weights file \S+{file_name} \(model.w"):
+        build_model(image_spec(), cfg)
+    with pytest.raises(WeightsError, match=rf"cannot read weights file \S+{file_name} \(init_fr"):
+        init_from(nn.Linear(2, 2), bad)
 
 
 def test_a_kiln_models_weights_as_model_weights_point_to_init_from(tmp_path):

@@ -2,9 +2,28 @@
 the command line prints them as one line, `error: <what> (<where>): <what to do>`, with exit code
 2 and no traceback. Anything else is a bug in kiln or in a model, and keeps its traceback."""
 
+from collections.abc import Callable, Iterable
+
 
 class UserError(Exception):
     """Base of every user-fixable error class (mixed in beside ValueError, RuntimeError...)."""
+
+
+def did_you_mean(
+    word: str,
+    choices: Iterable[str],
+    *,
+    spell: Callable[[str], str] = str,
+    most: int = 1,
+    cutoff: float = 0.6,
+) -> str:
+    """The one way kiln suggests a name for a mistyped `word`: "; did you mean X?" (or "X or
+    Y?"), the closest of `choices` written as the user would type them (`spell`: "model=mlp",
+    "data.image_size"), for the end of a message's what-to-do part; "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=most, cutoff=cutoff)
+    return f"; did you mean {' or '.join(spell(c) for c in close)}?" if close else ""
 
 
 class DiskFullError(UserError, OSError):

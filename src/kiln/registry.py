@@ -16,7 +16,6 @@ checkpoints find it again from any working directory."""
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import sys
 from collections.abc import Callable, Iterable
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
+
+from kiln.errors import UserError, did_you_mean
 
 BUILTIN_MODULES = (  # where kiln's own entries are declared (torch-free)
     "kiln.config.data",
@@ -34,11 +35,8 @@ BUILTIN_MODULES = (  # where kiln's own entries are declared (torch-free)
 ENTRY_POINT_GROUP = "kiln.plugins"
 
 
-class UnknownNameError(KeyError):
+class UnknownNameError(UserError):
     """A name that is not in a registry; the message lists the known names."""
-
-    def __str__(self) -> str:  # KeyError quotes its message; we want it readable.
-        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -101,10 +99,9 @@ class Registry:
         return name in self._entries
 
     def unknown(self, name: str) -> UnknownNameError:
-        close = difflib.get_close_matches(name, self._entries, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
         return UnknownNameError(
-            f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._entries))}.{hint}"
+            f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._entries))}"
+            f"{did_you_mean(name, self._entries)}"
         )
 
 

@@ -9,7 +9,6 @@ Composition and validation errors are ConfigError: one line naming the key and w
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from dataclasses import fields, is_dataclass
@@ -31,6 +30,7 @@ from kiln.config.run import (
     PrecisionConfig,
     TrainerConfig,
 )
+from kiln.errors import did_you_mean
 from kiln.registry import GROUP_REGISTRIES
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -175,8 +175,7 @@ def unknown_key_error(key: str, schema: type, option: str | None) -> ConfigError
     if owners:
         todo += f"; {name} belongs to {', '.join(f'{group}={o}' for o in owners)}"
     else:
-        close = difflib.get_close_matches(name, known, n=1)
-        todo += f"; did you mean {group}.{close[0]}?" if close else ""
+        todo += did_you_mean(name, known, spell=lambda k: f"{group}.{k}" if group else k)
     return ConfigError("unknown key", key, todo)
 
 
@@ -208,8 +207,7 @@ def composition_error(err: Exception, overrides: list[str]) -> ConfigError:
     if found:
         group, option = found.group(1), found.group(2)
         choices = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE)
-        close = difflib.get_close_matches(option, choices, n=1)
-        hint = f" (did you mean {group}={close[0]}?)" if close else ""
+        hint = did_you_mean(option, choices, spell=lambda c: f"{group}={c}")
         return ConfigError(
             f"unknown option {option!r}", group, f"choose one of: {', '.join(choices)}{hint}"
         )

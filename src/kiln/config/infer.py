@@ -4,7 +4,6 @@ wrong type is an error naming the key, the valid keys and the closest match."""
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import types
@@ -13,7 +12,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import UserError
+from kiln.errors import UserError, did_you_mean
 
 MODES = ("predict", "export", "serve", "evaluate")
 SPLITS = ("val", "test")
@@ -124,9 +123,9 @@ def _convert(key: str, text: str, declared: Any) -> Any:
 
 
 def _unknown_key(key: str) -> ArgumentError:
-    close = difflib.get_close_matches(key, KEYS, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return ArgumentError(f"unknown argument {key!r}; valid keys: {', '.join(KEYS)}.{hint}")
+    return ArgumentError(
+        f"unknown argument {key!r}; valid keys: {', '.join(KEYS)}{did_you_mean(key, KEYS)}"
+    )
 
 
 def parse_args(argv: list[str]) -> InferConfig:

@@ -22,7 +22,8 @@ STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict")  # where files nes
 
 
 class WeightsError(UserError, ValueError):
-    """A weights file that cannot be read, or that matches nothing in the model."""
+    """A weights file that cannot be read, or that does not fit the model (init_from=, or a
+    zoo model's model.weights=): the one error of every weights reader and loader."""
 
 
 @dataclass
@@ -62,33 +63,54 @@ class WeightMatch:
         }
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """A state dict from a .safetensors file, or a .pt/.pth holding one (a kiln checkpoint, a
-    plain state dict, or one nested under "model"/"state_dict"). Never unpickles code."""
+def read_state_dict(path: str | Path, key: str = "init_from") -> dict[str, torch.Tensor]:
+    """The one reader of weight files (init_from=, a zoo model's model.weights=): a state dict
+    from a .safetensors file, or from a .pt/.pth/.bin holding one (a kiln checkpoint, sharded
+    or not, a plain state dict, or one nested under "model"/"state_dict"/"model_state_dict"),
+    its DDP and torch.compile prefixes stripped. Never unpickles code. `key` names the config
+    key the path came from, for the error."""
     path = Path(path)
     if not path.exists():
-        raise WeightsError(f"weights file {path} does not exist")
+        raise WeightsError(
+            f"weights file {path} does not exist ({key}): pass an existing .pt, .pth or "
+            ".safetensors file"
+        )
+    from safetensors import SafetensorError
+
+    from kiln.checkpoint import CheckpointError
+
+    try:
+        loaded = _load(path)
+    except (CheckpointError, SafetensorError, OSError) as err:  # the file, not kiln, is at fault
+        raise WeightsError(f"cannot read weights file {path} ({key}): {err}") from None
+    return plain_state_dict(loaded, path, key)
+
+
+def _load(path: Path) -> Any:
+    """What the file holds, on the CPU: safetensors' tensors, or torch.load(weights_only=True)
+    through kiln.checkpoint (legacy formats, sharded kiln checkpoints consolidated)."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        try:
-            return load_file(str(path))
-        except Exception as err:  # safetensors raises its own SafetensorError
-            raise WeightsError(f"{path}: not a readable .safetensors file ({err})") from None
+        return load_file(str(path), device="cpu")
     from kiln.checkpoint import load_weights_file
 
-    return plain_state_dict(load_weights_file(path), path)
+    return load_weights_file(path)
 
 
-def plain_state_dict(data: Any, source: Path | str) -> dict[str, torch.Tensor]:
-    for key in STATE_DICT_KEYS:
-        if isinstance(data, dict) and isinstance(data.get(key), dict):
-            data = data[key]
+def plain_state_dict(
+    data: Any, source: Path | str, key: str = "init_from"
+) -> dict[str, torch.Tensor]:
+    """The tensors of `data` (a state dict, or a dict holding one under STATE_DICT_KEYS) by
+    their names without wrapper prefixes; a file with none is an error."""
+    for nest in STATE_DICT_KEYS:
+        if isinstance(data, dict) and isinstance(data.get(nest), dict):
+            data = data[nest]
             break
     if not isinstance(data, dict) or not any(isinstance(v, torch.Tensor) for v in data.values()):
         raise WeightsError(
-            f"{source}: holds no state dict (expected tensors by name, or a dict with one under "
-            f"{' / '.join(STATE_DICT_KEYS)})"
+            f"{source} holds no state dict ({key}): save model.state_dict(), or a dict holding "
+            f"it under {' / '.join(repr(k) for k in STATE_DICT_KEYS)}"
         )
     return {_strip(k): v for k, v in data.items() if isinstance(v, torch.Tensor)}
 
