@@ -7,6 +7,10 @@ class UserError(Exception):
     """Base of every user-fixable error class (mixed in beside ValueError, RuntimeError...)."""
 
 
+class MissingFileError(UserError, FileNotFoundError):
+    """A file or folder the user named (a checkpoint, an input, an export) is not there."""
+
+
 class DiskFullError(UserError, OSError):
     """A write found its disk full (no space left, or the quota spent). The message names the
     file and what to do; what was written before (checkpoints above all) is intact."""

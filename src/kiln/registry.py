@@ -25,6 +25,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from kiln.errors import UserError
+
 BUILTIN_MODULES = (  # where kiln's own entries are declared (torch-free)
     "kiln.config.data",
     "kiln.config.model",
@@ -199,9 +201,13 @@ def _import_plugin(module: str, recorded: str | None) -> None:
         raise _not_importable(module, err, recorded) from None
 
 
+class PluginImportError(UserError, ImportError):
+    """plugins=[...] names a module that cannot be found."""
+
+
 def _not_importable(module: str, err: Exception, recorded: str | None = None) -> ImportError:
     where = f", nor from {recorded} where the run found it" if recorded else ""
-    return ImportError(
+    return PluginImportError(
         f"plugins: cannot import {module!r} ({err}{where}); a plugin is a module name importable "
         "from the working directory or PYTHONPATH (my_model for ./my_model.py)"
     )
