@@ -114,8 +114,11 @@ def composable(*schemas: type) -> None:
         if schema in _COMPOSABLE or not is_dataclass(schema):
             continue
         _COMPOSABLE.add(schema)
-        hints = typing.get_type_hints(schema)
-        composable(*(hints[f.name] for f in fields(schema) if isinstance(hints[f.name], type)))
+        try:
+            hints = typing.get_type_hints(schema)
+        except (NameError, TypeError):  # a plugin's annotation that names something unimported
+            hints = {f.name: f.type for f in fields(schema)}
+        composable(*(kind for kind in hints.values() if isinstance(kind, type)))
 
 
 def _read_only_node(obj: Any) -> bool:
