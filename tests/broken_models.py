@@ -286,7 +286,7 @@ class SoftmaxHead(nn.Module):
         return self.head(self.body(x.flatten(1)))
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class AuxOnConfig(MlpConfig):
     """A plugin's schema that turns its auxiliary head on by default."""
 
@@ -306,7 +306,7 @@ class AuxOnByDefault(nn.Module):
         return self.fc(h) if self.aux is None else {"logits": self.fc(h), "aux_logits": self.aux(h)}
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class SideHeadConfig(MlpConfig):
     side_head: bool = True  # a second head whose logits are returned for monitoring
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -113,7 +114,6 @@ FAST = (
 def temporary_model():
     """Register a model builder for one test: `temporary_model("name", Builder)`; returns the
     config of the default run with model.name switched to it (schema: the mlp's)."""
-    import dataclasses
 
     from kiln.config.model import MlpConfig
     from kiln.registry import MODELS
@@ -124,8 +124,7 @@ def temporary_model():
         MODELS.register(name, config=MlpConfig)(builder)
         added.append(name)
         cfg = compose_config(*overrides)
-        cfg.model = dataclasses.replace(cfg.model, name=name)
-        return cfg
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name))
 
     yield register
     for name in added:

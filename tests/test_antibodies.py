@@ -123,7 +123,7 @@ def parts(model: str, data: str, *overrides: str, model_overrides=(), data_overr
     fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
     base = fits[dataset_provides(data)]
     cfg = compose_config(f"data={data}", f"model={base}", *SMALL.get(data, ()), *overrides)
-    cfg.model = model_config(model, data, model_overrides)
+    cfg = dataclasses.replace(cfg, model=model_config(model, data, model_overrides))
     aux = cfg.loss.force_all_branches or cfg.loss.aux_head
     built: dict = {}
 
@@ -305,10 +305,10 @@ def broken_parts(broken: Broken, *overrides: str):
     cfg = compose_config(f"data={broken.data}", f"model={base}", *SMALL.get(broken.data, ()),
                          *broken.overrides, *overrides)  # fmt: skip
     if type(cfg.model) is broken.config:
-        cfg.model = dataclasses.replace(cfg.model, name=broken.name)
+        model = dataclasses.replace(cfg.model, name=broken.name)
     else:  # a schema of its own: its defaults
-        cfg.model = broken.config(name=broken.name)
-    return cfg
+        model = broken.config(name=broken.name)
+    return dataclasses.replace(cfg, model=model)
 
 
 def config_check(build, criterion, bundle, broken: Broken):
@@ -577,7 +577,7 @@ def test_the_probes_leave_no_trace(tmp_path):
     # Without restoring, one train-mode no-grad forward moves the BN statistics:
     probe = copy.deepcopy(model)
     with torch.no_grad():
-        probe(trainer.parts.probe_batch[0])
+        probe(trainer.parts.probe_subject.batch[0])
     assert not torch.equal(probe.net.bn1.running_mean, model.net.bn1.running_mean)
 
     weights = {k: v.detach().clone() for k, v in model.named_parameters()}

@@ -289,3 +289,48 @@ def test_typo_on_the_command_line_fails_before_any_work(tmp_path):
         "did you mean optimizer=adamw?"
     ]
     assert not (tmp_path / "run").exists()
+
+
+def _schemas() -> list[type]:
+    """Every schema the ConfigStore holds (kiln_schema and each group option's) and the
+    dataclasses nested in them."""
+    import typing
+    from dataclasses import is_dataclass
+
+    from kiln.config import GROUP_SCHEMAS, KilnConfig
+
+    found: list[type] = []
+    todo = [KilnConfig, *GROUP_SCHEMAS.values()]
+    todo += [r.entry(n).config for r in GROUP_REGISTRIES.values() for n in r.names()]
+    while todo:
+        schema = todo.pop()
+        if schema in found:
+            continue
+        found.append(schema)
+        hints = typing.get_type_hints(schema)
+        todo += [hints[f.name] for f in fields(schema) if is_dataclass(hints[f.name])]
+    return sorted(found, key=lambda schema: schema.__qualname__)
+
+
+@pytest.mark.parametrize("schema", _schemas(), ids=lambda schema: schema.__qualname__)
+def test_every_schema_is_frozen_after_composition(schema):
+    """What the composition root derives is a new value (dataclasses.replace), never an
+    assignment into the config a run was started with."""
+    import dataclasses
+
+    default = {"name": "x"} if "name" in {f.name for f in fields(schema)} else {}
+    value = schema(**default)
+    field = fields(schema)[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(value, field.name, getattr(value, field.name))
+    assert all(f.kw_only for f in fields(schema)), f"{schema.__qualname__}: keywords only"
+
+
+def test_a_composed_config_is_frozen_through_the_tree():
+    import dataclasses
+
+    cfg = compose_config("trainer.max_epochs=1")
+    for node, key in [(cfg, "seed"), (cfg.data, "batch_size"), (cfg.trainer, "max_epochs"),
+                      (cfg.model, "name"), (cfg.trainer.fsdp, "min_block_params")]:  # fmt: skip
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(node, key, getattr(node, key))

@@ -451,8 +451,7 @@ def dataset_with_test():
         DATASETS.register(name, config=DigitsConfig, provides="image")(build)
         added.append(name)
         cfg = compose_config("trainer.max_epochs=1", "env.progress_bar=false", "logger=none")
-        cfg.data = dataclasses.replace(cfg.data, name=name)
-        return cfg
+        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, name=name))
 
     yield register
     for name in added:

@@ -6,6 +6,7 @@ image files equal to the evaluation's outputs, and train.py end to end on exampl
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import shutil
@@ -306,8 +307,7 @@ def test_normalize_modes(cache):
     assert recipe.pretrained == weights.to_dict()
     assert PretrainedInput.from_dict(recipe.pretrained) == weights
     assert recipe_from_dict(recipe.to_dict()) == recipe  # survives the checkpoint
-    cfg.data.channels = 1
-    grey = build_data(cfg.data, pretrained=weights).recipe
+    grey = build_data(dataclasses.replace(cfg.data, channels=1), pretrained=weights).recipe
     assert np.allclose(grey.mean, [0.2]) and np.allclose(grey.std, [0.5])
     assert pretrained.train[0][0].shape == (3, 24, 24)
 

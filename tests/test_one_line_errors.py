@@ -183,3 +183,42 @@ def test_a_resumed_run_reads_past_a_cut_last_metrics_line(tmp_path, caplog):
     writer.write({"step": 2, "loss": 0.8})
     writer.close()
     assert read_jsonl(path, damaged=[])[-1] == {"step": 2, "loss": 0.8}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_the_same_user_error_in_train_and_infer(
+    tmp_path, monkeypatch, capsys
+):
+    from kiln.cli.infer import main as infer_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.pt").write_bytes(b"")
+    (tmp_path / "x.npy").write_bytes(b"")
+    with pytest.raises(SystemExit) as infer_exit:
+        infer_main(["ckpt=x.pt", "input=x.npy", "backend=echo", "device=cuda"])
+    said_by_infer = capsys.readouterr().err.strip().splitlines()
+    with pytest.raises(SystemExit) as train_exit:
+        train_main(["device=cuda", f"hydra.run.dir={tmp_path / 'run'}", "logger=none"])
+    said_by_train = capsys.readouterr().err.strip().splitlines()
+    assert infer_exit.value.code == train_exit.value.code == 2
+    expected = "error: device=cuda but torch.cuda.is_available() is False; run kiln-doctor"
+    assert said_by_infer[-1] == said_by_train[-1] == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [("from kiln import no_such_name\n", ImportError), ("{}['key']\n", KeyError)],
+    ids=["ImportError", "KeyError"],
+)
+def test_a_bug_in_a_plugin_is_a_traceback_not_the_users_mistake(tmp_path, monkeypatch, body, error):
+    """Only kiln's UserError is exit 2: a plugin's own ImportError or KeyError propagates (a
+    traceback and exit 1), where a plugin that is not there at all is one line."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"buggy_plugin_{error.__name__.lower()}"
+    (tmp_path / f"{name}.py").write_text(body)
+    with pytest.raises(error):
+        train_main([f"plugins=[{name}]", "--help"])
+    with pytest.raises(SystemExit) as missing:
+        train_main(["plugins=[no_such_plugin_module]", "--help"])
+    assert missing.value.code == 2

@@ -52,7 +52,7 @@ from kiln.config.model import ClassifierConfig
 from kiln.registry import register_model
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class PlainConfig(ClassifierConfig):
     """Flatten -> Linear -> ReLU -> Linear."""
 

@@ -120,7 +120,7 @@ from kiln.preprocessing import ImageRecipe
 from kiln.registry import register_dataset, register_model
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TinyConfig(ClassifierConfig):
     """Flatten -> Linear -> ReLU -> Linear."""
 
@@ -134,7 +134,7 @@ def build_tiny(spec, cfg, *, aux_head=False):
     return nn.Sequential(nn.Flatten(), hidden, nn.ReLU(), nn.Linear(cfg.width, spec.num_classes))
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class BlobsConfig(DataConfig):
     """Two Gaussian blobs as 1x2x2 images."""
 

@@ -3,6 +3,7 @@ is stopped, before step 1 where a probe can see it, with a message that names wh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -104,7 +105,7 @@ def test_a_parameter_no_loss_reaches_is_named_with_its_flag_before_step_2(
     from kiln.guards import LossBranchError
 
     cfg = temporary_model("side_head", UnusedSideHead, *QUIET, "trainer.max_epochs=1")
-    cfg.model = SideHeadConfig(name="side_head")
+    cfg = dataclasses.replace(cfg, model=SideHeadConfig(name="side_head"))
     with pytest.raises(LossBranchError) as info:
         train(cfg, tmp_path / "run")
     message = str(info.value)
@@ -129,8 +130,7 @@ def model_named():
         MODELS.register(name, config=schema, inputs=inputs)(builder)
         added.append(name)
         cfg = compose_config(*QUIET, *overrides)
-        cfg.model = schema(name=name)
-        return cfg
+        return dataclasses.replace(cfg, model=schema(name=name))
 
     yield register
     for name in added:
@@ -198,7 +198,7 @@ def test_a_batchnorm_head_and_an_epoch_ending_in_one_sample_names_the_fix(tmp_pa
     assert "in norm (BatchNorm1d)" in message
     assert "set data.drop_last=true (that sample is left out of each epoch), or " in message
     assert "data.batch_size=5 (1437 samples leave a last batch of 2)" in message
-    cfg.data.drop_last = True  # the fix, as printed: the run trains
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, drop_last=True))  # the fix
     summary = train(cfg, tmp_path / "fixed")
     assert summary["status"] == "ok" and summary["steps"] == 359  # 1437 // 4 batches
 

@@ -57,7 +57,7 @@ def test_channels_last_reaches_the_model_and_matmul_precision_is_set(tmp_path):
 
     MODELS.register("resnet18_spied", config=type(cfg.model), inputs=("image",))(spying_builder)
     try:
-        cfg.model = dataclasses.replace(cfg.model, name="resnet18_spied")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name="resnet18_spied"))
         assert train(cfg, tmp_path / "run")["status"] == "ok"
     finally:
         del MODELS._entries["resnet18_spied"]
@@ -106,8 +106,7 @@ def memory_limited(tmp_path):
 
 def limited_config(*overrides):
     cfg = compose_config(*QUIET, "trainer.max_epochs=1", *overrides)
-    cfg.model = dataclasses.replace(cfg.model, name="memory_limited")
-    return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name="memory_limited"))
 
 
 def test_find_batch_size_trains_with_the_largest_batch_that_fits(tmp_path, memory_limited):

@@ -4,6 +4,7 @@ in the training log."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -117,7 +118,7 @@ def test_resume_with_the_bucketed_sampler_equals_an_uninterrupted_run(tmp_path):
     interrupted = tmp_path / "interrupted"
     cfg = fit_until_preempted(interrupted, step=7)
     trainer = build_trainer(cfg, interrupted, DistInfo(), torch.device("cpu"), lambda *a: None)
-    cfg.resume = str(interrupted / "checkpoints" / "last.pt")
+    cfg = dataclasses.replace(cfg, resume=str(interrupted / "checkpoints" / "last.pt"))
     resume_if_asked(trainer, cfg)
     assert trainer.state.epoch == 0 and trainer.state.batch_in_epoch == 7  # mid-epoch
     trainer.fit()

@@ -5,6 +5,7 @@ reference (identical ids)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 
 import pandas as pd
@@ -82,7 +83,7 @@ def html_csv(path):
 def test_training_and_the_recipe_from_a_checkpoint_clean_the_same_way(tmp_path):
     path, rows = html_csv(tmp_path / "html.csv")
     cfg = compose_config("data=csv_text", "model=text_bow", f"data.train_path={path}").data
-    cfg.cache_dir = str(tmp_path / "cache")
+    cfg = dataclasses.replace(cfg, cache_dir=str(tmp_path / "cache"))
     bundle = build_data(cfg)
     restored = recipe_from_dict(json.loads(json.dumps(bundle.recipe.to_dict())))
     store = bundle.train.store

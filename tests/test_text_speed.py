@@ -8,6 +8,7 @@ itself is measured in scripts/bench_text.py, never here."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import numpy as np
@@ -194,7 +195,7 @@ def test_a_resumed_sparse_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_pat
     train_in_process(reference, *overrides)
 
     first, _ = make_trainer(run_dir(tmp_path, "stopped"), *overrides)
-    first.cfg.max_steps = 20  # stop inside the first epoch (29 batches)
+    first.cfg = dataclasses.replace(first.cfg, max_steps=20)  # stop inside the first epoch
     first.fit()
     saved = load_checkpoint(tmp_path / "stopped" / "checkpoints" / "last.pt")
     assert saved["state"]["batch_in_epoch"] == 20 and saved["optimizer"]["state"]

@@ -58,8 +58,7 @@ def dataset():
 
 def config_with_data(name, *overrides):
     cfg = compose_config(*QUIET, *overrides)
-    cfg.data = dataclasses.replace(cfg.data, name=name)
-    return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, name=name))
 
 
 def test_exploding_gradients_before_a_nan(tmp_path):
@@ -150,7 +149,7 @@ def test_train_eval_disagreement(tmp_path):
     MODELS.register(broken.name, config=broken.config)(broken.builder)
     try:
         cfg = compose_config(*QUIET, "trainer.max_epochs=1")
-        cfg.model = dataclasses.replace(cfg.model, name=broken.name)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=broken.name))
         with pytest.raises(RuntimeError):
             train(cfg, tmp_path / "run")
     finally:
@@ -226,8 +225,7 @@ def model_named():
         MODELS.register(name, config=MlpConfig)(builder)
         added.append(name)
         cfg = compose_config(*QUIET, *overrides)
-        cfg.model = MlpConfig(name=name)
-        return cfg
+        return dataclasses.replace(cfg, model=MlpConfig(name=name))
 
     yield register
     for name in added:
@@ -276,7 +274,7 @@ def test_replay_a_division_by_zero_in_a_module(tmp_path, model_named, dataset):
 
     dataset("digits_with_blanks", blank_images)
     cfg = model_named("standardise", StandardisesEachImage, "trainer.max_epochs=1")
-    cfg.data = dataclasses.replace(cfg.data, name="digits_with_blanks")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, name="digits_with_blanks"))
     run_dir = tmp_path / "run"
     err = fails(cfg, run_dir)
     assert err.step > 1  # a later step: the replay re-runs the ones before
@@ -299,7 +297,7 @@ def test_replay_an_fp16_overflow_on_cpu_through_the_amp_path(tmp_path, model_nam
     )
     try:
         cfg = model_named("loud", LoudActivations, "trainer.max_epochs=1", "scheduler=none")
-        cfg.precision = PrecisionConfig(name="fp16_cpu")
+        cfg = dataclasses.replace(cfg, precision=PrecisionConfig(name="fp16_cpu"))
         run_dir = tmp_path / "run"
         fails(cfg, run_dir)
         cause = top_cause(run_dir)

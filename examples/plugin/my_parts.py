@@ -16,7 +16,7 @@ from kiln.registry import register_config_dir, register_model
 register_config_dir(Path(__file__).parent / "conf")  # where model=tiny's YAML is
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TinyConfig(ClassifierConfig):
     """Flatten -> Linear -> ReLU -> Linear."""
 

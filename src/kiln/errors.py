@@ -26,6 +26,10 @@ def did_you_mean(
     return f"; did you mean {' or '.join(spell(c) for c in close)}?" if close else ""
 
 
+class MissingFileError(UserError, FileNotFoundError):
+    """A file or folder the user named (a checkpoint, an input, an export) is not there."""
+
+
 class DiskFullError(UserError, OSError):
     """A write found its disk full (no space left, or the quota spent). The message names the
     file and what to do; what was written before (checkpoints above all) is intact."""

@@ -196,9 +196,13 @@ def _import_plugin(module: str, recorded: str | None) -> None:
         raise _not_importable(module, err, recorded) from None
 
 
+class PluginImportError(UserError, ImportError):
+    """plugins=[...] names a module that cannot be found."""
+
+
 def _not_importable(module: str, err: Exception, recorded: str | None = None) -> ImportError:
     where = f", nor from {recorded} where the run found it" if recorded else ""
-    return ImportError(
+    return PluginImportError(
         f"plugins: cannot import {module!r} ({err}{where}); a plugin is a module name importable "
         "from the working directory or PYTHONPATH (my_model for ./my_model.py)"
     )

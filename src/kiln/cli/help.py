@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from kiln.config import CONF_DIR, GROUP_SCHEMAS, KilnConfig, compose, field_help
+from kiln.config import CONF_DIR, GROUP_SCHEMAS, ConfigError, KilnConfig, compose, field_help
 from kiln.registry import GROUP_REGISTRIES
 
 GROUP_ORDER = (
@@ -78,7 +78,7 @@ def describe(target: str) -> str:
     too: their YAML folders are on the search path, kiln.registry.register_config_dir)."""
     group, _, option = target.partition("=")
     if group not in GROUP_ORDER:
-        raise KeyError(f"unknown group {group!r}; groups: {', '.join(GROUP_ORDER)}")
+        raise ConfigError(f"unknown group {group!r}", "--help", f"groups: {', '.join(GROUP_ORDER)}")
     option = option or defaults().get(group, "")
     cfg = compose([f"{group}={option}"] if option else [])
     node = cfg.get(group)

@@ -14,11 +14,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from kiln.config.infer import ArgumentError, InferConfig, model_threads, parse_args, usage
+from kiln.config.infer import InferConfig, model_threads, parse_args, usage
 from kiln.errors import UserError
 
 EXIT_USER_ERROR = 2
-USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, ValueError)
 
 
 def run_predict(cfg: InferConfig) -> None:
@@ -164,6 +163,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_args(argv)
         RUNNERS[cfg.mode](cfg)
-    except USER_ERRORS as err:
+    except UserError as err:  # a bug (kiln's or a plugin's) is a traceback and exit 1
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None

@@ -9,6 +9,7 @@ from datetime import datetime
 import psutil
 
 from kiln.config import CONF_DIR, REPO_ROOT  # noqa: F401  (re-exported for scripts and tests)
+from kiln.config.base import ConfigError
 
 
 def has_override(argv: list[str], key: str) -> bool:
@@ -49,7 +50,9 @@ def shared_ddp_run_dir() -> str:
     world = os.environ.get("WORLD_SIZE", "1")
     if os.environ.get("LOCAL_WORLD_SIZE", world) != world:  # several nodes
         if run_id == "none":
-            raise ValueError("multi-node torchrun needs --rdzv-id (or set hydra.run.dir)")
+            raise ConfigError(
+                "multi-node torchrun needs a run id", "hydra.run.dir", "pass --rdzv-id or set it"
+            )
         return f"outputs/ddp/{run_id}"
     started = datetime.fromtimestamp(psutil.Process(os.getppid()).create_time())
     return f"outputs/{started:%Y-%m-%d}/{started:%H-%M-%S}-ddp-{socket.gethostname()}"

@@ -103,12 +103,10 @@ def enough_room(argv: list[str]) -> None:
     except OSError:
         return
     if free < MIN_FREE_BYTES:
-        raise user_error(
-            DiskFullError(
-                f"no room for a run in {where} ({free_space(probe)} on its disk) "
-                "(hydra.run.dir): a run writes its config, log, metrics and checkpoints there; "
-                "free space on that disk, or run with hydra.run.dir on another one"
-            )
+        raise DiskFullError(
+            f"no room for a run in {where} ({free_space(probe)} on its disk) "
+            "(hydra.run.dir): a run writes its config, log, metrics and checkpoints there; "
+            "free space on that disk, or run with hydra.run.dir on another one"
         )
 
 
@@ -267,11 +265,11 @@ def main(argv: list[str] | None = None) -> None:
             cfg = load_config(config_overrides(argv))  # a mistake fails here, before any work
             check_model_names(cfg)
             argv = with_resume_run_dir(argv, cfg.name)
-    except (UserError, ImportError, KeyError) as err:
+        argv = with_ddp_run_dir(argv)
+        enough_room(argv)
+        lock_run_dir(argv)
+    except UserError as err:  # a bug (kiln's or a plugin's) is a traceback and exit 1
         raise user_error(err) from None
-    argv = with_ddp_run_dir(argv)
-    enough_room(argv)
-    lock_run_dir(argv)
     sys.argv = [sys.argv[0], *argv]
     hydra_main()
 
@@ -280,12 +278,9 @@ def lock_run_dir(argv: list[str]) -> None:
     """A named run directory is locked before Hydra writes into it: a second process on it
     (resume=auto twice) stops here, naming the first (kiln.run_lock); train() holds the lock
     for the run's life."""
-    from kiln.run_lock import RunDirInUse, acquire
+    from kiln.run_lock import acquire
 
     named = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] == "hydra.run.dir"]
     if not named or "${" in named[-1] or is_multirun(argv) or int(os.environ.get("RANK", 0)):
         return
-    try:
-        acquire(Path(named[-1].strip("'\"")))
-    except RunDirInUse as err:
-        raise user_error(err) from None
+    acquire(Path(named[-1].strip("'\"")))  # RunDirInUse: a UserError

@@ -17,7 +17,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kiln.config.base import ConfigError, check_tree, expand_user_paths, field_help
+from kiln.config.base import (
+    ConfigError,
+    check_tree,
+    composable,
+    expand_user_paths,
+    field_help,
+)
 from kiln.config.data import DataConfig
 from kiln.config.model import ModelConfig
 from kiln.config.optim import OptimizerConfig, SchedulerConfig
@@ -44,6 +50,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "env": EnvConfig,
     "debug": DebugConfig,
 }
+composable(KilnConfig)  # its groups' base schemas too: every option's subclasses them
 
 
 def register_configs() -> None:
@@ -56,6 +63,7 @@ def register_configs() -> None:
     for group, registry in GROUP_REGISTRIES.items():
         for name in registry.names():
             schema = registry.entry(name).config
+            composable(schema)
             store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=schema(name=name))
 
 
@@ -89,7 +97,7 @@ def to_typed(cfg: DictConfig) -> KilnConfig:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", "") or ""
         raise ConfigError("invalid value", key, _first_line(err)) from None
-    expand_user_paths(typed)
+    typed = expand_user_paths(typed)
     check_option_names(typed)
     check_pairing(typed)
     check_tree(typed)
@@ -106,6 +114,7 @@ def option_from_dict(group: str, data: dict[str, Any]) -> Any:
     """Rebuild one group's typed config (e.g. a checkpoint's "model" section)."""
     registry = GROUP_REGISTRIES[group]
     schema = registry.entry(data["name"]).config
+    composable(schema)
     merged = OmegaConf.merge(OmegaConf.structured(schema(name=data["name"])), data)
     return OmegaConf.to_object(merged)
 

@@ -10,8 +10,11 @@ import io
 import os
 import textwrap
 import tokenize
+import typing
 from dataclasses import fields, is_dataclass
 from typing import Any
+
+from omegaconf import dictconfig as _dictconfig
 
 from kiln.errors import UserError
 
@@ -76,18 +79,54 @@ def check_branch_defaults(schema: type, flags: tuple[str, ...], key: str, option
             )
 
 
-def expand_user_paths(cfg: Any) -> None:
-    """`~` and `~user` expanded in every path key of the tree -- the keys a schema lists in its
+def expand_user_paths(cfg: Any) -> Any:
+    """The tree with `~` and `~user` expanded in every path key -- the keys a schema lists in its
     PATH_KEYS -- as the shell would, once, where the typed config is built: `init_from=~/w.pt`,
-    'data.train_dir="~/photos"' and `resume=~/run/last.pt` mean the same home folder."""
+    'data.train_dir="~/photos"' and `resume=~/run/last.pt` mean the same home folder. A new
+    tree: configs are frozen."""
     if not is_dataclass(cfg):
-        return
-    for key in getattr(type(cfg), "PATH_KEYS", ()):
-        value = getattr(cfg, key)
-        if isinstance(value, str) and value.startswith("~"):
-            setattr(cfg, key, os.path.expanduser(value))
+        return cfg
+    changes = {}
     for f in fields(cfg):
-        expand_user_paths(getattr(cfg, f.name))
+        value = getattr(cfg, f.name)
+        if f.name in getattr(type(cfg), "PATH_KEYS", ()):
+            if isinstance(value, str) and value.startswith("~"):
+                changes[f.name] = os.path.expanduser(value)
+        elif is_dataclass(value):
+            expanded = expand_user_paths(value)
+            if expanded is not value:
+                changes[f.name] = expanded
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+# OmegaConf makes the node of a frozen dataclass read-only the moment it is made, so Hydra could
+# not set a key of one from a config file or the command line. kiln's schemas are frozen as the
+# run holds them (to_typed's dataclasses), not while they compose: for them, and for every
+# subclass of one (a plugin's option), a node stays writable. Other frozen dataclasses keep
+# OmegaConf's rule.
+_COMPOSABLE: set[type] = set()
+_omegaconf_frozen = _dictconfig.is_structured_config_frozen
+
+
+def composable(*schemas: type) -> None:
+    """Let Hydra compose `schemas` (and the dataclasses their fields hold) though frozen."""
+    for schema in schemas:
+        if schema in _COMPOSABLE or not is_dataclass(schema):
+            continue
+        _COMPOSABLE.add(schema)
+        try:
+            hints = typing.get_type_hints(schema)
+        except (NameError, TypeError):  # a plugin's annotation that names something unimported
+            hints = {f.name: f.type for f in fields(schema)}
+        composable(*(kind for kind in hints.values() if isinstance(kind, type)))
+
+
+def _read_only_node(obj: Any) -> bool:
+    kind = obj if isinstance(obj, type) else type(obj)
+    return _omegaconf_frozen(obj) and not issubclass(kind, tuple(_COMPOSABLE))
+
+
+_dictconfig.is_structured_config_frozen = _read_only_node
 
 
 def check_tree(cfg: Any, path: str = "") -> None:

@@ -14,7 +14,7 @@ from kiln.config.base import ConfigError, at_least, auto_or_count, in_range, inv
 from kiln.registry import DATASETS, EVALUATORS
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Options every dataset has."""
 
@@ -35,7 +35,7 @@ class DataConfig:
         at_least(self.prefetch_factor, 1, f"{key}.prefetch_factor")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class DigitsConfig(DataConfig):
     """scikit-learn's bundled 8x8 handwritten digits: 1,797 images, 10 classes, offline."""
 
@@ -46,7 +46,7 @@ class DigitsConfig(DataConfig):
         in_range(self.val_fraction, 0, 1, f"{key}.val_fraction", open_low=True, open_high=True)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class SyntheticImagesConfig(DataConfig):
     """Random images of any size; the class shifts the mean of one band, so it is learnable."""
 
@@ -79,7 +79,7 @@ class UnicodeForm(StrEnum):
     none = "none"
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class CsvTextConfig(DataConfig):
     """Text classification from a CSV with a text and a label column: read in chunks, cleaned,
     tokenized (BPE) into a token cache on disk. A first run on tens of thousands of rows
@@ -145,7 +145,7 @@ class CsvTextConfig(DataConfig):
             ) from None
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ShapesDetectionConfig(DataConfig):
     """Generated detection data: images of mixed sizes with coloured shapes and their boxes."""
 
@@ -187,7 +187,7 @@ class Normalize(StrEnum):
     none = "none"  # pixels in [0, 1]
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ImageFolderConfig(DataConfig):
     """Your images in class subfolders (torchvision ImageFolder layout): train_dir/<class>/*.jpg,
     decoded and augmented with torchvision (decode_image, transforms v2)."""

@@ -19,7 +19,7 @@ class Init(StrEnum):
     xavier = "xavier"
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Options every model has."""
 
@@ -32,7 +32,7 @@ class ModelConfig:
         check_branch_defaults(type(self), self.branch_flags, key, self.name)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ClassifierConfig(ModelConfig):
     """Options every classifier has."""
 
@@ -55,7 +55,7 @@ class ClassifierConfig(ModelConfig):
             )
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class MlpConfig(ClassifierConfig):
     """A multilayer perceptron over flattened images."""
 
@@ -68,14 +68,14 @@ class MlpConfig(ClassifierConfig):
             at_least(width, 1, f"{key}.hidden_dims")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ResNetConfig(ClassifierConfig):
     """torchvision ResNet (weights=None), adapted to the data's channels and classes."""
 
     small_input_stem: bool | None = None  # 3x3 stem without max-pool (null: when side < 64)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TextBowConfig(ClassifierConfig):
     """fastText: each word the mean of its own and its character n-grams' embeddings, a text the
     sum of its words' and its hashed token n-grams' -> linear classifier."""
@@ -104,7 +104,7 @@ class TextBowConfig(ClassifierConfig):
             )
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TextTransformerConfig(ClassifierConfig):
     """Token + position embeddings -> Transformer encoder (padding masked) -> mean -> linear."""
 
@@ -126,7 +126,7 @@ class TextTransformerConfig(ClassifierConfig):
             )
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class DetectorConfig(ModelConfig):
     """A small CenterNet (anchor-free, GroupNorm) trained from scratch; CPU-sized."""
 
@@ -141,7 +141,7 @@ class DetectorConfig(ModelConfig):
         at_least(self.max_detections, 1, f"{key}.max_detections")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ZooConfig(ClassifierConfig):
     """Options every model-zoo entry has: an architecture of the library and its weights."""
 
@@ -160,7 +160,7 @@ class ZooConfig(ClassifierConfig):
             )
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TorchvisionConfig(ZooConfig):
     """Any classification builder of torchvision.models, head sized from the data's classes and
     the first convolution adapted to its channels. Weights: torchvision names (DEFAULT,
@@ -169,7 +169,7 @@ class TorchvisionConfig(ZooConfig):
     arch: str = "resnet18"  # torchvision.models.list_models(module=torchvision.models)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TimmConfig(ZooConfig):
     """Any timm.list_models() architecture (timm.create_model with num_classes and in_chans).
     Weights: a pretrained tag (a1_in1k for resnet18.a1_in1k; DEFAULT: timm's default tag) from

@@ -10,7 +10,7 @@ from kiln.config.base import at_least, in_range, invalid
 from kiln.registry import OPTIMIZERS, SCHEDULERS
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """Options every optimizer has."""
 
@@ -27,7 +27,7 @@ class OptimizerConfig:
             raise invalid(f"{key}.head_lr_mult", f"must be > 0, got {self.head_lr_mult:g}")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class AdamWConfig(OptimizerConfig):
     """torch.optim.AdamW."""
 
@@ -41,7 +41,7 @@ class AdamWConfig(OptimizerConfig):
             in_range(beta, 0, 1, f"{key}.betas", open_high=True)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class SGDConfig(OptimizerConfig):
     """torch.optim.SGD with momentum."""
 
@@ -55,14 +55,14 @@ class SGDConfig(OptimizerConfig):
         in_range(self.momentum, 0, 1, f"{key}.momentum", open_high=True)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Options every LR schedule has: it is stepped once per optimizer step."""
 
     name: str = MISSING  # the schedule (set by scheduler=<option>)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class OneCycleConfig(SchedulerConfig):
     """torch.optim.lr_scheduler.OneCycleLR; its peak is optimizer.lr."""
 
@@ -76,7 +76,7 @@ class OneCycleConfig(SchedulerConfig):
         at_least(self.final_div_factor, 1, f"{key}.final_div_factor")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class CosineConfig(SchedulerConfig):
     """Linear warm-up, then cosine decay to lr * min_lr_ratio at the last step."""
 
@@ -90,7 +90,7 @@ class CosineConfig(SchedulerConfig):
         in_range(self.min_lr_ratio, 0, 1, f"{key}.min_lr_ratio")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ConstantConfig(SchedulerConfig):
     """No schedule: the learning rate stays optimizer.lr."""
 

@@ -24,7 +24,7 @@ from kiln.config.optim import OptimizerConfig, SchedulerConfig
 from kiln.registry import LOGGERS, PRECISIONS
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class PrecisionConfig:
     """Numeric precision of the forward pass."""
 
@@ -70,7 +70,7 @@ class Strategy(StrEnum):
     fsdp = "fsdp"  # parameters, gradients and optimizer state sharded over the ranks (FSDP2)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class FsdpConfig:
     """trainer.strategy=fsdp: how the model is cut into blocks, each sharded on its own."""
 
@@ -96,7 +96,7 @@ SKIPPABLE_CHECKS = (
 )
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     """The training loop: length, accumulation, clipping, checkpoints, guards, logging."""
 
@@ -203,7 +203,7 @@ class WandbMode(StrEnum):
     online = "online"
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class LoggerConfig:
     """Where metrics go besides metrics.jsonl (always written)."""
 
@@ -222,7 +222,7 @@ class LoggerConfig:
                 )
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class LossConfig:
     """The main criterion plus optional branches, each behind a flag (default off)."""
 
@@ -244,7 +244,7 @@ class LossConfig:
         check_branch_defaults(type(self), self.branch_flags, key)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     """A profile: experiment (interactive) or production (unattended)."""
 
@@ -255,7 +255,7 @@ class EnvConfig:
     require_best_checkpoint: bool = False  # inference refuses anything but best.pt
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class DebugConfig:
     """Which debug option is on; each is a YAML of trainer overrides (conf/debug/)."""
 
@@ -268,7 +268,7 @@ class Device(StrEnum):
     cuda = "cuda"
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class KilnConfig:
     """One option of every group plus the run-wide keys."""
 

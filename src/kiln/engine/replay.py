@@ -482,7 +482,7 @@ def _bisect_probe(trainer, found: Replay, fp16: bool) -> None:
     from kiln.guards.input_sizes import take
 
     parts, criterion = trainer.parts, trainer.criterion
-    batch = take(parts.probe_batch, parts.mode_probe_size)
+    batch = take(parts.probe_subject.batch, parts.probe_subject.mode_batch_size)
     for path, t in iter_tensors(batch):
         if t.is_floating_point() and not torch.isfinite(t).all():
             found.nonfinite_inputs[path] = {
@@ -551,8 +551,10 @@ def check_override(
         trainer = _build(cfg, Path(scratch))
         parts = trainer.parts
         model = copy.deepcopy(trainer.raw_model)
-        batch = take(parts.probe_batch, parts.mode_probe_size)
-        result = learn(model, parts.optimizer_for(model, 1.0), trainer.criterion, batch, STEPS)
+        batch = take(parts.probe_subject.batch, parts.probe_subject.mode_batch_size)
+        result = learn(
+            model, parts.probe_subject.optimizer_for(model, 1.0), trainer.criterion, batch, STEPS
+        )
     saw = (
         f"{STEPS} steps with {' '.join(overrides)} on one fixed batch of {len(batch[0])}: its "
         f"loss {result.shown}"

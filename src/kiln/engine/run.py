@@ -52,11 +52,17 @@ from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge
 from kiln.engine.seeding import seed_everything, set_deterministic
 from kiln.engine.sharded_checkpoint import ShardedWriter
 from kiln.engine.throughput import peak_flops
-from kiln.engine.trainer import NonFiniteLossError, Trainer, TrainingParts, batches_per_epoch
+from kiln.engine.trainer import (
+    NonFiniteLossError,
+    Trainer,
+    TrainingParts,
+    batches_per_epoch,
+    loop_settings,
+)
 from kiln.errors import DiskFullError
 from kiln.guards.input_sizes import EpochPlan
 from kiln.guards.learn_probe import STEPS as LEARN_PROBE_STEPS
-from kiln.guards.probes import ProbePlan, probe_batch_sizes
+from kiln.guards.probes import ProbePlan, ProbeSubject, probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import summarize, write_json, write_summary
 from kiln.models import build_model, without_weights
@@ -77,45 +83,32 @@ def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> Dat
     bundle = build_data(data_cfg, pretrained=pretrained)
     if cfg.trainer.overfit_batches:  # the same few batches, for training and validation alike
         count = min(cfg.trainer.overfit_batches * cfg.data.batch_size, len(bundle.train))
-        bundle.train = bundle.val = Subset(bundle.train, range(count))
+        few = Subset(bundle.train, range(count))
+        bundle = dataclasses.replace(bundle, train=few, val=few)
     return bundle
 
 
 def build_trainer(
     cfg: KilnConfig, run_dir: Path, dist: DistInfo, device: torch.device, recorder
 ) -> Trainer:
+    """The run's parts from `cfg`, in the order that draws the same random numbers every time
+    (initial weights, then the data's and the probes'). What it derives -- a found batch size,
+    the plan of the probes -- is passed on as new values; `cfg` is frozen."""
     cpu_watch = BusyElsewhere()  # what other processes keep busy while this run starts
     seed_everything(cfg.seed)  # the same initial weights on every rank and in single runs
     pretrained = pretrained_input(cfg.model)  # checks a zoo model's arch and weights first
     bundle = load_data(cfg, pretrained)
-    want_aux = getattr(cfg.model, "aux_head", False) or cfg.loss.aux_head
+    want_aux = bool(getattr(cfg.model, "aux_head", False) or cfg.loss.aux_head)
     want_aux = want_aux or cfg.loss.force_all_branches
-
-    def build_fresh(spec) -> torch.nn.Module:  # what rule 1's probes build: no weights to load
-        return build_model(spec, without_weights(cfg.model), aux_head=want_aux).to(device)
-
-    model = build_model(bundle.spec, cfg.model, aux_head=want_aux).to(device)  # with its weights
-    if cfg.init_from is not None and not will_resume(cfg, run_dir):
-        from kiln.models.weights import init_from
-
-        init_from(model, cfg.init_from)  # weights only: a new run from them
-    freeze = FreezePlan(
-        frozen_parameter_names(model, getattr(cfg.model, "freeze", None), cfg.model.name),
-        cfg.trainer.unfreeze_at_epoch,
-    )
-    freeze.apply(model, epoch=0)  # before DDP registers the parameters it reduces
-    several_ranks = dist.enabled or is_sharded(cfg.trainer)
-    if settle_sparse_gradients(model, cfg.optimizer, dense=several_ranks or cfg.trainer.compile):
-        log.info("embedding tables take sparse gradients: each step updates the rows it touched")
-    if cfg.trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    model, freeze = build_run_model(cfg, bundle.spec, device, dist, run_dir, want_aux)
     if cfg.trainer.log_activations:
         from kiln.guards.activations import ActivationMonitor
 
         recorder.activations = ActivationMonitor(model)
     precision = resolve_precision(cfg.precision.name, device)
     if cfg.trainer.find_batch_size:
-        cfg.data.batch_size = find_batch_size(cfg, bundle, model, precision, dist, device)
+        found = find_batch_size(cfg, bundle, model, precision, dist, device)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=found))
     train_loader, val_loader = build_dataloaders(
         bundle,
         cfg.data,
@@ -141,55 +134,30 @@ def build_trainer(
     groups = parameter_groups(model, cfg.optimizer.lr, cfg.optimizer.head_lr_mult)
     optimizer = build_optimizer(groups, cfg.optimizer)  # of the sharded parameters
     evaluator = build_evaluator(bundle.spec.task, precision=precision, device=device, dist=dist)
-    batch_size = cfg.data.batch_size
-    plan = epoch_plan(train_loader, cfg)
-    probe_sizes = probe_batch_sizes(batch_size, plan.samples if not plan.drop_last else 0)
-    mode_probe_size = min(batch_size, PROBE_BATCH_SIZE)
-    pool = max([mode_probe_size, *probe_sizes])
-    # The data's own extremes, never a sample: the same probes whatever the seed.
-    probes = probe_batches(bundle, pool, batch_size)
-    criterion = build_criterion(model, cfg.loss)
-
-    def optimizer_for(copy: torch.nn.Module, lr_scale: float) -> torch.optim.Optimizer:
-        """The run's optimizer for another model (the learn probe's copy), lr scaled."""
-        scaled = dataclasses.replace(cfg.optimizer, lr=cfg.optimizer.lr * lr_scale)
-        return build_optimizer(parameter_groups(copy, scaled.lr, scaled.head_lr_mult), scaled)
-
-    on_device = lambda batch: (  # noqa: E731
-        to_channels_last(move_to(batch, device)) if cfg.trainer.channels_last
-        else move_to(batch, device)
-    )  # fmt: skip
-    probe_batch = on_device(probes.base)
+    subject = probe_subject(cfg, bundle, train_loader, model, precision, device, want_aux)
+    scheduler = build_scheduler(optimizer, cfg.scheduler, planned_steps)
     parts = TrainingParts(
         model=wrapped,
         raw_model=model,
         optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, cfg.scheduler, planned_steps),
+        scheduler=scheduler,
         scaler=grad_scaler(cfg.trainer, device, precision),
         precision=precision,
-        criterion=criterion,
+        criterion=subject.criterion,
         evaluator=evaluator,
         train_loader=train_loader,
         val_loader=val_loader,
-        probe_batch=probe_batch,
-        spec=bundle.spec,
-        build_fresh=build_fresh,
-        probe_batch_sizes=tuple(probe_sizes),
-        mode_probe_size=mode_probe_size,
-        epoch_plan=plan,
-        probe_cases=[(label, on_device(batch)) for label, batch in probes.cases],
         batch_metrics=bundle.batch_metrics,
         peak_flops=peak_flops(device, precision, cfg.trainer.peak_tflops),
         freeze=freeze if freeze.names else None,
         rewrap=wrap if dist.enabled and freeze.unfreeze_at_epoch is not None else None,
         ema=WeightAverage(model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None,
         data=bundle,
-        probe_plan=probe_plan(cfg, criterion, dist),
-        optimizer_for=optimizer_for,
+        probe_plan=probe_plan(cfg, subject.criterion, dist),
+        probe_subject=subject,
         cpu_watch=cpu_watch,
         early_stopping=early_stopping_patience(cfg.trainer.early_stopping, bundle.spec),
     )
-    parts.flag_for_unused = lambda names: option_behind(names, bundle.spec, cfg, want_aux)
     if bundle.report is not None and dist.is_main:
         write_json(run_dir / "data_report.json", bundle.report)
     monitor = evaluator.monitor if cfg.trainer.monitor == "auto" else cfg.trainer.monitor
@@ -202,7 +170,96 @@ def build_trainer(
         sharded=sharded_writer(cfg, run_dir, dist),
         background=True,  # a host copy, then written while training goes on
     )
-    contract = Contract(
+    contract = run_contract(cfg, bundle, planned_steps, dist, has_schedule=scheduler is not None)
+    seed_everything(cfg.seed + dist.rank)  # distinct dropout streams per rank
+    return Trainer(
+        loop_settings(cfg.trainer),
+        parts,
+        checkpointer=checkpointer,
+        on_metrics=recorder,
+        dist=dist,
+        device=device,
+        seed=cfg.seed,
+        record={**checkpoint_record(cfg, bundle, pretrained), "contract": contract.to_dict()},
+        progress_bar=cfg.env.progress_bar,
+        planned_steps=planned_steps,
+        contract=contract,
+    )
+
+
+def build_run_model(
+    cfg: KilnConfig, spec, device: torch.device, dist: DistInfo, run_dir: Path, want_aux: bool
+) -> tuple[torch.nn.Module, FreezePlan]:
+    """The run's model on its device, with its weights (init_from's unless the run resumes),
+    model.freeze applied (before DDP registers the parameters it reduces) and its memory
+    format; returns it with the freeze plan."""
+    model = build_model(spec, cfg.model, aux_head=want_aux).to(device)  # with its weights
+    if cfg.init_from is not None and not will_resume(cfg, run_dir):
+        from kiln.models.weights import init_from
+
+        init_from(model, cfg.init_from)  # weights only: a new run from them
+    freeze = FreezePlan(
+        frozen_parameter_names(model, getattr(cfg.model, "freeze", None), cfg.model.name),
+        cfg.trainer.unfreeze_at_epoch,
+    )
+    freeze.apply(model, epoch=0)  # before DDP registers the parameters it reduces
+    several_ranks = dist.enabled or is_sharded(cfg.trainer)
+    if settle_sparse_gradients(model, cfg.optimizer, dense=several_ranks or cfg.trainer.compile):
+        log.info("embedding tables take sparse gradients: each step updates the rows it touched")
+    if cfg.trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model, freeze
+
+
+def probe_subject(
+    cfg: KilnConfig, bundle: DataBundle, train_loader, model, precision, device, want_aux: bool
+) -> ProbeSubject:
+    """What the probes before step 1 run on (kiln.guards.probes): the run's model and criterion,
+    real batches of the data's extremes on the device, the other batch sizes rule 1 must survive,
+    and how to build a fresh model or the run's optimizer for a copy."""
+    batch_size = cfg.data.batch_size
+    plan = epoch_plan(train_loader, cfg)
+    sizes = probe_batch_sizes(batch_size, plan.samples if not plan.drop_last else 0)
+    mode_size = min(batch_size, PROBE_BATCH_SIZE)
+    # The data's own extremes, never a sample: the same probes whatever the seed.
+    probes = probe_batches(bundle, max([mode_size, *sizes]), batch_size)
+    criterion = build_criterion(model, cfg.loss)
+
+    def build_fresh(spec) -> torch.nn.Module:  # what rule 1's probes build: no weights to load
+        return build_model(spec, without_weights(cfg.model), aux_head=want_aux).to(device)
+
+    def optimizer_for(copy: torch.nn.Module, lr_scale: float) -> torch.optim.Optimizer:
+        """The run's optimizer for another model (the learn probe's copy), lr scaled."""
+        scaled = dataclasses.replace(cfg.optimizer, lr=cfg.optimizer.lr * lr_scale)
+        return build_optimizer(parameter_groups(copy, scaled.lr, scaled.head_lr_mult), scaled)
+
+    def on_device(batch):
+        batch = move_to(batch, device)
+        return to_channels_last(batch) if cfg.trainer.channels_last else batch
+
+    return ProbeSubject(
+        model=model,
+        build=build_fresh,
+        criterion=criterion,
+        batch=on_device(probes.base),
+        spec=bundle.spec,
+        batch_sizes=tuple(sizes),
+        mode_batch_size=mode_size,
+        epoch_plan=plan,
+        cases=[(label, on_device(batch)) for label, batch in probes.cases],
+        optimizer_for=optimizer_for,
+        flag_for_unused=lambda names: option_behind(names, bundle.spec, cfg, want_aux),
+        # Under the run's autocast, as training and evaluation run: a path that breaks only
+        # in bf16/fp16 is caught here, not at the first evaluation.
+        autocast=precision.autocast,
+    )
+
+
+def run_contract(
+    cfg: KilnConfig, bundle: DataBundle, planned_steps: int, dist: DistInfo, has_schedule: bool
+) -> Contract:
+    """What a resume must agree with (kiln.engine.resume), as this run starts."""
+    return Contract(
         config=flatten(to_plain(cfg)),
         planned_steps=planned_steps,
         batch_size=cfg.data.batch_size,
@@ -215,23 +272,8 @@ def build_trainer(
             bundle.recipe.to_dict(),
             (len(bundle.train), len(bundle.val)),
         ),
-        has_schedule=parts.scheduler is not None,
+        has_schedule=has_schedule,
     )
-    seed_everything(cfg.seed + dist.rank)  # distinct dropout streams per rank
-    trainer = Trainer(
-        cfg.trainer,
-        parts,
-        checkpointer=checkpointer,
-        on_metrics=recorder,
-        dist=dist,
-        device=device,
-        seed=cfg.seed,
-        record={**checkpoint_record(cfg, bundle, pretrained), "contract": contract.to_dict()},
-        progress_bar=cfg.env.progress_bar,
-    )
-    trainer.state.planned_steps = planned_steps
-    trainer.contract = contract
-    return trainer
 
 
 def probe_plan(cfg: KilnConfig, criterion, dist: DistInfo) -> ProbePlan:
@@ -373,7 +415,8 @@ def resume_if_asked(trainer: Trainer, cfg: KilnConfig) -> Path | None:
         trainer.scheduler = schedule_at(
             trainer.optimizer, cfg.scheduler, trainer.state.planned_steps, trainer.state.global_step
         )
-    moved = (saved.batch_size, saved.world_size) != (cfg.data.batch_size, trainer.dist.world_size)
+    now = trainer.contract  # data.batch_size as found (trainer.find_batch_size) or set
+    moved = (saved.batch_size, saved.world_size) != (now.batch_size, now.world_size)
     if moved and trainer.state.batch_in_epoch:
         trainer.state.batch_in_epoch = map_position(
             trainer.state.batch_in_epoch, saved, trainer.contract, str(path)
@@ -427,7 +470,7 @@ def report_test_split(
             sources=(bundle.sources or {}).get("test"),
             collate_fn=bundle.collate_fn,
             device=device.type,
-            batch_size=cfg.data.batch_size,
+            batch_size=trainer.contract.batch_size,  # data.batch_size as found or set
             num_workers=trainer.train_loader.num_workers,  # data.num_workers resolved
         )
     except Exception as err:  # noqa: BLE001 -- reported, never raised: training succeeded
@@ -530,7 +573,8 @@ def train(
         recorder = RunRecorder(
             cfg.logger, run_dir, run_name=cfg.name, config=to_plain(cfg), is_main=dist.is_main
         )
-        cfg.resume = resume_after_restart(cfg.resume, run_dir / "checkpoints")
+        resume = resume_after_restart(cfg.resume, run_dir / "checkpoints")
+        cfg = dataclasses.replace(cfg, resume=resume)  # a new value: the caller's stays
         trainer = build_trainer(cfg, run_dir, dist, device, recorder)
         built.append(trainer)
         resumed = resume_if_asked(trainer, cfg)

@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -135,25 +135,41 @@ class TrainingParts:
     evaluator: Callable[[nn.Module, Any], dict]  # kiln.engine.evaluators, per task
     train_loader: Any
     val_loader: Any
-    probe_batch: Any  # real training samples on the device, for the pre-step probes
-    spec: Any = None  # the DataSpec the model was built from
-    build_fresh: Callable[[Any], nn.Module] | None = None  # a new model for a spec (rule 1)
-    probe_batch_sizes: tuple[int, ...] = ()  # batch sizes rule 1 probes besides the training one
-    mode_probe_size: int = 8  # samples rule 3 probes with
     peak_flops: float | None = None  # the device's peak FLOP/s in the run's dtype, if known
     batch_metrics: Callable[[Any], dict[str, torch.Tensor]] | None = None  # from the dataset
     freeze: FreezePlan | None = None  # model.freeze until trainer.unfreeze_at_epoch
     rewrap: Callable[[], nn.Module] | None = None  # a new DDP wrapper once parameters unfreeze
     ema: WeightAverage | None = None  # trainer.ema_decay: evaluated beside the weights
     data: Any = None  # the DataBundle: its test split is evaluated when training ends (run.py)
-    flag_for_unused: Callable[[list[str]], str | None] | None = None  # the option behind params
-    epoch_plan: Any = None  # kiln.guards.input_sizes.EpochPlan: the batches rule 1 must survive
-    probe_cases: list = field(default_factory=list)  # (label, batch): the data's extremes
     probe_plan: ProbePlan = field(default_factory=ProbePlan)  # which checks run before step 1
-    # The run's optimizer for another model (the learn probe's copy), its lr scaled by the float.
-    optimizer_for: Callable[[nn.Module, float], torch.optim.Optimizer] | None = None
+    probe_subject: ProbeSubject | None = None  # what they run on: model, batches, builders
     cpu_watch: Any = None  # kiln.threads.BusyElsewhere, started with the run: threads=auto
     early_stopping: int | None = None  # trainer.early_stopping resolved: patience in epochs
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopSettings:
+    """The trainer.* keys the loop reads (kiln.config.run.TrainerConfig says what each means)."""
+
+    max_epochs: int
+    max_steps: int
+    accumulate_grad_batches: int
+    gradient_clip_val: float | None
+    nan_policy: NanPolicy
+    max_skipped_steps: int
+    check_inputs: bool
+    channels_last: bool
+    shape_check: bool
+    find_unused_parameters: bool
+    threads: Any  # "auto" or a count
+    deterministic: bool
+    log_every_n_steps: int
+    limit_train_batches: int
+    limit_val_batches: int
+
+
+def loop_settings(cfg: TrainerConfig) -> LoopSettings:
+    return LoopSettings(**{f.name: getattr(cfg, f.name) for f in fields(LoopSettings)})
 
 
 @dataclass
@@ -177,10 +193,64 @@ class StepResult:
     micro_batches: int = 1  # batches in this step (the accumulation window)
 
 
+class StepSums:
+    """A step's micro-batches summed as they come: the loss, its terms, the dataset's batch
+    metrics, whether some loss was NaN/Inf. On the host (`on_host`: the CPU, one process) the
+    loss is read as it comes, else everything stays a device tensor (no host sync). The first
+    value is taken as it is (no zeros + x: each op is a dispatch, and a small model's step is a
+    few dozen of them)."""
+
+    def __init__(self, on_host: bool, keep_batches: bool, batch_metrics=None):
+        self.on_host, self.keep_batches, self.batch_metrics = on_host, keep_batches, batch_metrics
+        self.loss, self.terms, self.metrics, self.bad = None, {}, {}, None
+        self.loss_value: float | None = None
+        self.kept, self.micro_bad, self.samples, self.data_time = [], [], 0, 0.0
+
+    def add(self, batch: Any, loss: torch.Tensor, terms: dict, data_time: float) -> None:
+        value = loss.detach()
+        if self.on_host:
+            self.loss_value = value.item()  # read once: a one-batch step's window sums it
+            nonfinite = not math.isfinite(self.loss_value)
+        else:
+            nonfinite = ~torch.isfinite(value)
+        self.bad = nonfinite if self.bad is None else self.bad | nonfinite
+        self.loss = value if self.loss is None else self.loss + value
+        for name, term in terms.items():
+            term = value if term is loss else term.detach()  # the window reads it once
+            self.terms[name] = self.terms[name] + term if name in self.terms else term
+        self.samples += batch_size_of(batch)
+        self.data_time += data_time
+        if self.batch_metrics is not None:
+            for name, metric in self.batch_metrics(batch).items():
+                self.metrics[name] = self.metrics.get(name, 0.0) + metric
+        if self.keep_batches:
+            self.kept.append(batch)
+            self.micro_bad.append(nonfinite)
+
+    def result(self, step, window, grad_norm, bad, lr, scaler_found_inf, start) -> StepResult:
+        return StepResult(
+            step=step,
+            loss=self.loss / window if window > 1 else self.loss,
+            loss_value=self.loss_value if window == 1 else None,
+            terms={k: v / window for k, v in self.terms.items()} if window > 1 else self.terms,
+            grad_norm=grad_norm,
+            bad=bad,
+            samples=self.samples,
+            data_time_s=self.data_time,
+            step_time_s=time.perf_counter() - start,
+            lr=lr,
+            scaler_found_inf=scaler_found_inf,
+            batch_metrics=self.metrics,
+            batches=self.kept,
+            micro_bad=self.micro_bad,
+            micro_batches=window,
+        )
+
+
 class Trainer:
     def __init__(
         self,
-        cfg: TrainerConfig,
+        cfg: LoopSettings,
         parts: TrainingParts,
         *,
         checkpointer: Checkpointer,
@@ -190,7 +260,11 @@ class Trainer:
         seed: int,
         record: dict,
         progress_bar: bool = False,
+        planned_steps: int = 0,
+        contract: Any = None,
     ):
+        """`planned_steps`: the optimizer steps the run plans (the LR schedule's length);
+        `contract`: what a resume must agree with (kiln.engine.resume.Contract)."""
         self.cfg, self.parts = cfg, parts
         self.model, self.raw_model = parts.model, parts.raw_model
         self.optimizer, self.scheduler, self.scaler = parts.optimizer, parts.scheduler, parts.scaler
@@ -201,7 +275,8 @@ class Trainer:
         self.dist, self.device, self.seed = dist, device, seed
         self.record = record  # config, preprocessing recipe, data spec: saved in every checkpoint
         self.progress_bar = progress_bar
-        self.state = TrainState()
+        self.state = TrainState(planned_steps=planned_steps)
+        self.contract = contract
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
         self.grad_norm = GradientNorm(self.params)
         self.non_blocking = bool(getattr(self.train_loader, "pin_memory", False))
@@ -297,91 +372,67 @@ class Trainer:
         """One optimizer step over `window` micro-batches (gradient accumulation). Nothing here
         waits for the device: a NaN/Inf loss sets a device flag that skips the update on the
         device; the flag is read with the metrics at the next log line."""
-        model, optimizer, scaler = self.model, self.optimizer, self.scaler
-        if not model.training:  # train_epoch sets it; a caller of train_step alone may not
-            model.train()
-        start, data_time, samples = time.perf_counter(), 0.0, 0
-        # Summed over the window's micro-batches; the first is taken as it is (no zeros + x:
-        # each op is a dispatch, and a small model's step is a few dozen of them).
-        loss_sum, terms_sum, batch_sums, bad, loss_value = None, {}, {}, None, None
-        kept, micro_bad = [], []
+        if not self.model.training:  # train_epoch sets it; a caller of train_step alone may not
+            self.model.train()
+        start, step = time.perf_counter(), self.state.global_step + 1
+        sums = StepSums(self.window.on_host, self.window.keep_batches, self.parts.batch_metrics)
         for micro in range(window):
-            fetch_start = time.perf_counter()
-            batch = next(batches)
-            if self.moves_batches:  # a CPU run's batches are where they train already
-                batch = move_to(batch, self.device, self.non_blocking)
-            if self.cfg.channels_last:
-                batch = to_channels_last(batch)
-            data_time += time.perf_counter() - fetch_start
-            if self.cfg.check_inputs:  # reads the batch on the host: opt-in
-                assert_finite_inputs(batch)
+            batch, waited = self.next_batch(batches)
             # Under DDP and FSDP only the window's last backward reduces gradients.
-            if micro == window - 1 or not self.dist.enabled:
-                loss, terms = self.forward_backward(batch, window, micro)
-            else:
-                with skip_gradient_sync(model):
-                    loss, terms = self.forward_backward(batch, window, micro)
-            value = loss.detach()
-            if self.window.on_host:
-                loss_value = value.item()  # read once: a one-batch step's window sums it
-                micro_nonfinite = not math.isfinite(loss_value)
-            else:
-                micro_nonfinite = ~torch.isfinite(value)
-            bad = micro_nonfinite if bad is None else bad | micro_nonfinite
-            loss_sum = value if loss_sum is None else loss_sum + value
-            for name, term in terms.items():
-                term = value if term is loss else term.detach()  # the window reads it once
-                terms_sum[name] = terms_sum[name] + term if name in terms_sum else term
-            samples += batch_size_of(batch)
-            if self.parts.batch_metrics is not None:
-                for name, value in self.parts.batch_metrics(batch).items():
-                    batch_sums[name] = batch_sums.get(name, 0.0) + value
-            if self.window.keep_batches:
-                kept.append(batch)
-                micro_bad.append(micro_nonfinite)
-        self.gradient_presence.check(self.state.global_step + 1)  # before the next collective
-        if not self.window.on_host:
-            bad = all_reduce_max(bad)  # every rank skips the same steps
-        if scaler.is_enabled():
-            scaler.unscale_(optimizer)  # true-scale gradients before the norm and clipping
+            syncs = micro == window - 1 or not self.dist.enabled
+            with contextlib.nullcontext() if syncs else skip_gradient_sync(self.model):
+                with self.precision.autocast():
+                    loss, terms = self.compute_loss(batch)
+                # Divide by the window so k micro-batches of b equal one batch of k*b.
+                scaled = loss / window if window > 1 else loss
+                (self.scaler.scale(scaled) if self.scaler.is_enabled() else scaled).backward()
+            sums.add(batch, loss, terms, waited)
+        self.gradient_presence.check(step)  # before the next collective
+        bad = sums.bad if self.window.on_host else all_reduce_max(sums.bad)  # all ranks skip it
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)  # true-scale gradients: the norm, the clipping
         max_norm = self.cfg.gradient_clip_val or math.inf  # inf: measure, never clip
         grad_norm = self.grad_norm(max_norm, self.window.on_host)  # all ranks' shards (FSDP)
-        scaler_found_inf = self.optimizer_step(bad)
-        optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
-            self.ema.update(self.raw_model, step=self.state.global_step + 1)
-        lr = optimizer.param_groups[0]["lr"]
+        scaler_found_inf = self.optimizer_step(bad, step)
+        lr = self.optimizer.param_groups[0]["lr"]
         if self.scheduler is not None:  # per optimizer step, skipped ones too: the curve stays
             self.step_schedule(skipped=bad is True)  # aligned
-        return StepResult(
-            step=self.state.global_step + 1,
-            loss=loss_sum / window if window > 1 else loss_sum,
-            loss_value=loss_value if window == 1 else None,
-            terms={name: value / window for name, value in terms_sum.items()}
-            if window > 1
-            else terms_sum,
-            grad_norm=grad_norm,
-            bad=bad,
-            samples=samples,
-            data_time_s=data_time,
-            step_time_s=time.perf_counter() - start,
-            lr=lr,
-            scaler_found_inf=scaler_found_inf,
-            batch_metrics=batch_sums,
-            batches=kept,
-            micro_bad=micro_bad,
-            micro_batches=window,
-        )
+        return sums.result(step, window, grad_norm, bad, lr, scaler_found_inf, start)
 
-    def forward_backward(self, batch: Any, window: int, micro: int):
-        with self.precision.autocast():
-            loss, terms = self.compute_loss(batch)
-        if self.state.global_step == 0 and micro == 0:
-            check_terms_reach_the_model(terms)  # rule 2, once: cheap
-        # Divide by the window so k micro-batches of b equal one batch of k*b.
-        scaled = loss / window if window > 1 else loss
-        (self.scaler.scale(scaled) if self.scaler.is_enabled() else scaled).backward()
-        return loss, terms
+    def optimizer_step(self, bad: torch.Tensor | bool, step: int) -> torch.Tensor | None:
+        """Apply the update unless `bad` (or GradScaler) says skip, deciding on the device where
+        the optimizer can; then the gradients go and the EMA follows. Returns GradScaler's
+        found-inf flag when it runs."""
+        optimizer, scaler, found_inf = self.optimizer, self.scaler, None
+        if scaler.is_enabled():
+            found_inf = sum(scaler._found_inf_per_device(optimizer).values()) > 0
+            scaler.step(optimizer)  # skips when gradients hold inf/NaN (a NaN loss makes them)
+            scaler.update()
+        elif self.skips_on_device:
+            optimizer.found_inf, optimizer.grad_scale = bad.float(), None
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf, optimizer.grad_scale
+        elif not bool(bad):  # this optimizer cannot skip on the device: one read per step
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.raw_model, step=step)
+        return found_inf
+
+    def next_batch(self, batches: Iterator) -> tuple[Any, float]:
+        """The next micro-batch where it trains, and the seconds spent waiting for it."""
+        fetch_start = time.perf_counter()
+        batch = next(batches)
+        if self.moves_batches:  # a CPU run's batches are where they train already
+            batch = move_to(batch, self.device, self.non_blocking)
+        if self.cfg.channels_last:
+            batch = to_channels_last(batch)
+        waited = time.perf_counter() - fetch_start
+        if self.cfg.check_inputs:  # reads the batch on the host: opt-in
+            assert_finite_inputs(batch)
+        return batch, waited
 
     def step_schedule(self, skipped: bool) -> None:
         if not skipped:
@@ -392,25 +443,6 @@ class Trainer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step")
             self.scheduler.step()
-
-    def optimizer_step(self, bad: torch.Tensor | bool) -> torch.Tensor | None:
-        """Apply the update unless `bad` (or GradScaler) says skip, deciding on the device where
-        the optimizer can; returns GradScaler's found-inf flag when it runs."""
-        optimizer, scaler = self.optimizer, self.scaler
-        if scaler.is_enabled():
-            found_inf = sum(scaler._found_inf_per_device(optimizer).values()) > 0
-            scaler.step(optimizer)  # skips when gradients hold inf/NaN (a NaN loss makes them)
-            scaler.update()
-            return found_inf
-        if self.skips_on_device:
-            optimizer.found_inf, optimizer.grad_scale = bad.float(), None
-            try:
-                optimizer.step()
-            finally:
-                del optimizer.found_inf, optimizer.grad_scale
-        elif not bool(bad):  # this optimizer cannot skip on the device: one read per step
-            optimizer.step()
-        return None
 
     # ------------------------------------------------------------------------- loss & guards
     def compute_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -429,35 +461,21 @@ class Trainer:
     def run_probes(self) -> None:
         """Before the first step: the probe plan (rules 1 and 3, the behaviour checks, the learn
         probe; kiln.guards.probes), on the run's real samples, leaving no trace on the run."""
-        parts = self.parts
+        plan, subject = self.parts.probe_plan, self.parts.probe_subject
         self.current_step = self.state.global_step
-        subject = ProbeSubject(
-            model=self.raw_model,
-            build=parts.build_fresh,
-            criterion=self.criterion,
-            batch=parts.probe_batch,
-            spec=parts.spec,
-            batch_sizes=parts.probe_batch_sizes,
-            mode_batch_size=parts.mode_probe_size,
-            epoch_plan=parts.epoch_plan,
-            cases=parts.probe_cases,
-            optimizer_for=parts.optimizer_for,
-            flag_for_unused=parts.flag_for_unused,
-            # Under the run's autocast, as training and evaluation run: a path that breaks only
-            # in bf16/fp16 is caught here, not at the first evaluation.
-            autocast=self.precision.autocast,
-        )
+        if subject is None:
+            return
         started = time.perf_counter()
-        self.probe_report = run_probe_plan(parts.probe_plan, subject)
+        self.probe_report = run_probe_plan(plan, subject)
         self.probe_time_s = time.perf_counter() - started
-        if self.dist.is_main and parts.probe_plan.anything:
+        if self.dist.is_main and plan.anything:
             shown = ", ".join(f"{k} {v:.2f}" for k, v in self.probe_report.seconds.items())
             log.info("pre-step probes took %.2f s (%s)", self.probe_time_s, shown)
-        if self.flops_per_sample is None and parts.build_fresh is not None:
-            started, size = time.perf_counter(), parts.mode_probe_size
-            counted = copy_or_build(self.raw_model, parts.build_fresh, parts.spec)
+        if self.flops_per_sample is None and subject.build is not None:
+            started, size = time.perf_counter(), subject.mode_batch_size
+            counted = copy_or_build(self.raw_model, subject.build, subject.spec)
             self.flops_per_sample = flops_per_sample(
-                counted, self.criterion.forward, take(parts.probe_batch, size), size
+                counted, self.criterion.forward, take(subject.batch, size), size
             )
             self.flops_time_s = time.perf_counter() - started
 
@@ -517,11 +535,12 @@ class Trainer:
 
     def check_shapes(self) -> None:
         """Rule 3 on one real batch: train and eval mode agree on the output."""
-        if self.cfg.shape_check:
+        subject = self.parts.probe_subject
+        if self.cfg.shape_check and subject is not None:
             with self.precision.autocast():  # as the evaluator runs the model
                 check_train_eval_agreement(
                     self.raw_model,
-                    take(self.parts.probe_batch, self.parts.mode_probe_size),
+                    take(subject.batch, subject.mode_batch_size),
                     self.criterion.forward,
                 )
 
@@ -787,18 +806,6 @@ class Trainer:
         bar = tqdm(total=steps, desc=f"epoch {self.state.epoch}", unit="step", leave=False)
         with logging_redirect_tqdm(), bar:
             yield bar
-
-
-def check_terms_reach_the_model(terms: dict[str, torch.Tensor]) -> None:
-    """Rule 2 at train time: a loss term that needs no gradient changes nothing but the log."""
-    from kiln.guards import LossBranchError
-
-    for name, term in terms.items():
-        if not term.requires_grad:
-            raise LossBranchError(
-                f"{RULE_2}: the {name!r} term reaches no parameter (computed from detached "
-                "tensors or under no_grad?); its flag would change nothing but the logged loss"
-            )
 
 
 def nonfinite_metrics(metrics: dict) -> list[str]:

@@ -51,6 +51,17 @@ def check_loss_branches(model: nn.Module, criterion, batch: Any) -> dict[str, to
     return terms
 
 
+def check_terms_reach_the_model(terms: dict[str, torch.Tensor]) -> None:
+    """Rule 2 for every run, branches on or off: a loss term that needs no gradient changes
+    nothing but the log (the probes before step 1 run it on a throwaway forward)."""
+    for name, term in terms.items():
+        if not term.requires_grad:
+            raise LossBranchError(
+                f"{RULE_2}: the {name!r} term reaches no parameter (computed from detached "
+                "tensors or under no_grad?); its flag would change nothing but the logged loss"
+            )
+
+
 def check_every_parameter_learns(
     model: nn.Module, flag_for: Callable[[list[str]], str | None] | None = None, step: int = 1
 ) -> None:

@@ -135,7 +135,20 @@ def run_probe_plan(plan: ProbePlan, subject: ProbeSubject) -> ProbeReport:
             if plan.logits and (plan.sizes or plan.modes):
                 check_logits(model, mode_batch, forward)
         _behaviour(plan, subject, mode_batch, report)
+        with _timed(report, "loss terms"), subject.autocast():  # last, as the first step's was
+            _terms_reach_the_model(subject, mode_batch)
     return report
+
+
+def _terms_reach_the_model(subject: ProbeSubject, batch: Any) -> None:
+    """Rule 2 in every run: each term of the loss a training step computes needs a gradient (a
+    throwaway train-mode forward on a copy, with grad, as the first step's)."""
+    from kiln.guards.branches import check_terms_reach_the_model
+
+    scratch = copy_or_build(subject.model, subject.build, subject.spec)
+    scratch.train()
+    _, terms = subject.criterion(scratch, copy_batch(batch))
+    check_terms_reach_the_model(terms)
 
 
 def _rule1(plan: ProbePlan, subject: ProbeSubject, mode_batch: Any) -> None:

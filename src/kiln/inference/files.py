@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kiln.errors import MissingFileError
 from kiln.preprocessing import (
     ImageListPreprocessor,
     ImagePreprocessor,
@@ -65,7 +66,7 @@ def read_inputs(
             "from image files)"
         )
     if not os.path.lexists(path):
-        raise FileNotFoundError(f"input file {path} does not exist")
+        raise MissingFileError(f"input file {path} does not exist")
     suffix = path.suffix.lower()
     if isinstance(preprocess, ImagePreprocessor):
         if suffix == ".npy":
@@ -251,7 +252,7 @@ def read_images(path: Path, *, follow_symlinks: bool = True) -> FileListing | li
             max_depth=1,
         )
     if not os.path.lexists(path):
-        raise FileNotFoundError(f"input {path} does not exist (a file or a folder of images)")
+        raise MissingFileError(f"input {path} does not exist (a file or a folder of images)")
     suffix = path.suffix.lower()
     if suffix == ".npz":
         with np.load(_regular(path), allow_pickle=False) as arrays:

@@ -27,6 +27,7 @@ import numpy as np
 
 from kiln.data.spec import DataSpec
 from kiln.device import resolve_device
+from kiln.errors import MissingFileError
 from kiln.inference.backends import (
     Detections,
     EchoBackend,
@@ -35,6 +36,7 @@ from kiln.inference.backends import (
     TorchBackend,
     TorchDetectionBackend,
 )
+from kiln.inference.errors import InferenceError
 from kiln.inference.record import (
     ModelRecord,
     file_sha256,
@@ -136,18 +138,18 @@ class Predictor:
 
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
+            raise InferenceError(f"backend={backend!r}; expected one of {', '.join(BACKENDS)}")
         if path.is_dir():
             from kiln.config.infer import checkpoint_folder_message
 
-            raise FileNotFoundError(checkpoint_folder_message(path))
+            raise MissingFileError(checkpoint_folder_message(path))
         if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {path} does not exist")
+            raise MissingFileError(f"checkpoint {path} does not exist")
         torch_device = resolve_device(device)
         if backend in ("torch", "echo") and path.suffix == ".onnx":
-            raise ValueError(f"{path} is an ONNX export; use backend=onnx (or pass the .pt)")
+            raise InferenceError(f"{path} is an ONNX export; use backend=onnx (or pass the .pt)")
         if int8 and backend != "onnx":
-            raise ValueError("int8=true needs backend=onnx (the int8 model is an ONNX export)")
+            raise InferenceError("int8=true needs backend=onnx (the int8 model is an ONNX export)")
         if backend == "echo":
             record, _ = read_checkpoint(path)
             return cls(EchoBackend(record.spec), record, path)
@@ -290,10 +292,10 @@ def _checked_export(ckpt_path: Path, int8: bool) -> Path:
     onnx_path = onnx_path_for(ckpt_path, int8)
     hint = f"run `python infer.py mode=export ckpt={ckpt_path}{' int8=true' if int8 else ''}`"
     if not onnx_path.is_file():
-        raise FileNotFoundError(f"backend=onnx needs {onnx_path}, which does not exist; {hint}")
+        raise MissingFileError(f"backend=onnx needs {onnx_path}, which does not exist; {hint}")
     record = read_sidecar(onnx_path)
     if record.checkpoint_sha256 != file_sha256(ckpt_path):
-        raise ValueError(
+        raise InferenceError(
             f"{onnx_path} was exported from a different checkpoint than {ckpt_path} "
             f"(it came from a {record.checkpoint_name} with other contents); {hint}"
         )

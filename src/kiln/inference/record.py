@@ -16,6 +16,7 @@ from torch import nn
 from kiln.checkpoint import load_checkpoint
 from kiln.config import option_from_dict
 from kiln.data.spec import DataSpec
+from kiln.errors import MissingFileError
 from kiln.inference.errors import (
     CheckpointMismatchError,
     CheckpointPolicyError,
@@ -164,7 +165,7 @@ def read_sidecar(onnx_path: Path) -> ModelRecord:
     """The record saved beside an ONNX export (model.onnx -> model.onnx.json)."""
     sidecar = sidecar_path(onnx_path)
     if not sidecar.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{sidecar} is missing: it holds the preprocessing for {onnx_path.name}; re-run "
             "`python infer.py mode=export ckpt=<the .pt>`"
         )
