@@ -89,6 +89,10 @@ class TextBowConfig(ClassifierConfig):
     char_ngrams: list[int] = field(default_factory=list)
     num_buckets: int = 65536  # hash buckets shared by token and character n-grams (2**16)
     sparse_grads: bool = True  # gradients of the table rows a batch touches (one process, adamw)
+    # a feature seen tf times in a text counts 1 + ln(tf), as TF-IDF's sublinear tf (else tf).
+    # false here, true in conf/model/text_bow.yaml: a checkpoint saved before the option (its
+    # config lacks the key) was trained on raw counts and rebuilds so
+    sublinear_tf: bool = False
 
     def check(self, key: str) -> None:
         super().check(key)
