@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import pickle
 from pathlib import Path
 
@@ -362,23 +363,53 @@ def test_a_word_is_its_own_row_and_its_character_ngrams(demo_bundle):
     assert bag(1) == {1} and bag(0) == set()  # [UNK] only its row; [PAD] nothing
     assert np.allclose(weights[2][weights[2] > 0], 1 / len(bag(2)))  # the mean of its pieces
     assert all(6 <= r < 1006 for r in bag(2) - {2})  # buckets after the vocabulary
-    # The model: the padded (ONNX) path and the distinct-token path give the same outputs.
-    torch.manual_seed(0)
-    model = FastText(6, 8, 3, ngrams=2, num_buckets=1000, dropout=0.0, pad_id=0,
-                     aux_head=False, tokens=tokens, char_ngrams=(3, 4),
-                     specials=specials).eval()  # fmt: skip
+    # The model: the padded (ONNX) path and the distinct-token path give the same outputs,
+    # repeated tokens (the last text) weighed by their count or sublinearly.
     ids = torch.tensor([[2, 3, 4, 0], [5, 1, 0, 0], [4, 4, 2, 5]])
     keep = ids != 0
-    grams = model.token_ngrams(ids)
-    words = keep.sum(1) + (grams != 0).sum(1)
-    chars = (model.piece_weights[ids][..., 1:] > 0).sum(dim=(1, 2))
-    share = model.scale / words.float().sqrt()
-    char_share = model.scale / chars.clamp(min=1).float().sqrt()
-    with torch.no_grad():
-        torch.testing.assert_close(
-            model._pool_distinct(ids, keep, grams, share, char_share),
-            model._pool_padded(ids, grams, share, char_share),
-        )
+    for sublinear in (False, True):
+        torch.manual_seed(0)
+        model = FastText(6, 8, 3, ngrams=2, num_buckets=1000, dropout=0.0, pad_id=0,
+                         aux_head=False, tokens=tokens, char_ngrams=(3, 4), specials=specials,
+                         sublinear_tf=sublinear).eval()  # fmt: skip
+        grams = model.token_ngrams(ids)
+        weights = model._weights(ids, keep, grams)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                model._pool_distinct(ids, keep, grams, weights),
+                model._pool_padded(ids, grams, weights),
+            )
+
+
+def test_text_bow_weighs_a_repeated_word_sublinearly(monkeypatch):
+    """model.sublinear_tf: a word seen tf times in a text counts 1 + ln(tf) (TF-IDF's sublinear
+    tf), and the text's vector has norm sqrt(embed_dim) over its features' weights; without it
+    each occurrence counts 1 (the text "a a a b" is then three parts a to one part b)."""
+    from kiln.models.text import FastText
+
+    ids = torch.tensor([[2, 2, 2, 3]])
+    for sublinear, weight_a in ((True, 1 + math.log(3)), (False, 3.0)):
+        torch.manual_seed(0)
+        model = FastText(4, 8, 3, ngrams=1, num_buckets=10, dropout=0.0, pad_id=0,
+                         aux_head=False, sublinear_tf=sublinear).eval()  # fmt: skip
+        table = model.embed.weight.detach()
+        norm = math.sqrt(weight_a**2 + 1) if sublinear else math.sqrt(4)
+        expected = (weight_a * table[2] + table[3]) * model.scale / norm
+        with torch.no_grad():
+            pooled = model._pool_distinct(
+                ids, ids != 0, ids[:, :0], model._weights(ids, ids != 0, ids[:, :0])
+            )
+        torch.testing.assert_close(pooled[0], expected)
+        assert model(ids).shape == (1, 3)
+    # The counts the export traces (every pair of positions compared) are the eager ones.
+    from kiln.models import text as text_models
+
+    ids = torch.tensor([[4, 4, 2, 5, 0], [1, 1, 1, 0, 0], [3, 0, 0, 0, 0]])
+    real = ids != 0
+    eager = text_models._term_frequency(ids, real, 6)
+    assert eager[real].tolist() == [2, 2, 1, 1, 3, 3, 3, 1]
+    monkeypatch.setattr(text_models, "_tracing", lambda: True)
+    torch.testing.assert_close(text_models._term_frequency(ids, real, 6)[real], eager[real])
 
 
 def test_text_bow_reads_its_words_from_the_data(demo_bundle):

@@ -83,12 +83,17 @@ class TextBowConfig(ClassifierConfig):
     dropout: float = 0.3
     embed_dim: int = 32  # embedding width
     ngrams: int = 2  # longest token n-gram embedded (1: tokens only; 2: plus bigrams; ...)
-    # character n-gram lengths of each vocabulary word ([shortest, longest], e.g. [2, 5]; []:
-    # none, the default: on kiln's three package-text corpora they cost 2-3x the training time
-    # for -1.9 to +0.4 points of accuracy; see the README's text benchmark)
+    # character n-gram lengths of each vocabulary word ([shortest, longest]; []: none). [] here
+    # and [2, 5] in conf/model/text_bow.yaml: a checkpoint saved before the option rebuilds as it
+    # was trained. [2, 5] costs 2-3x the training time; on kiln's three package-text corpora it
+    # is what brings text_bow level with TF-IDF + LinearSVC (see the README's text benchmark)
     char_ngrams: list[int] = field(default_factory=list)
     num_buckets: int = 65536  # hash buckets shared by token and character n-grams (2**16)
     sparse_grads: bool = True  # gradients of the table rows a batch touches (one process, adamw)
+    # a feature seen tf times in a text counts 1 + ln(tf), as TF-IDF's sublinear tf (else tf).
+    # false here, true in conf/model/text_bow.yaml: a checkpoint saved before the option (its
+    # config lacks the key) was trained on raw counts and rebuilds so
+    sublinear_tf: bool = False
 
     def check(self, key: str) -> None:
         super().check(key)

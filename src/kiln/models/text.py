@@ -2,8 +2,9 @@
 from the ids, so a batch of any length up to spec.max_length works; nothing hard-codes a length.
 Both take one int64 tensor of ids: what the ONNX export and the server feed them.
 
-- text_bow (FastText): fastText's classifier (Joulin et al., 2017) -- the mean of the token
-  embeddings and of hashed token n-gram embeddings, one EmbeddingBag -> linear. The n-grams are
+- text_bow (FastText): fastText's classifier (Joulin et al., 2017) -- the token embeddings, their
+  character n-grams' and hashed token n-grams', weighed as TF-IDF weighs a bag (sublinear tf,
+  each block L2-normalised), one EmbeddingBag -> linear. The n-grams are
   hashed from the ids inside the model, so inference needs nothing but the ids.
 - text_transformer (TextTransformer): token + position embeddings -> nn.TransformerEncoder with
   a padding mask -> masked mean -> linear. Attention runs through scaled_dot_product_attention
@@ -16,6 +17,7 @@ import functools
 import math
 import warnings
 import zlib
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -179,15 +181,20 @@ class FastText(nn.Module):
     each word's character n-grams (fastText's subwords) and the texts' token n-grams (its
     wordNgrams) share them -- pooled per text, -> dropout -> linear.
 
-    A word's vector is the mean of its own row and its character n-grams' rows (fastText's); a
-    text's is the sum of its words' vectors and its token n-grams' rows over sqrt(count), with
-    the table scaled by sqrt(embed_dim) (as Transformer embeddings are): under Adam every
-    parameter moves about lr per step, and fastText's mean divides a feature's step by the
-    text's length, so such embeddings would learn far slower than the head. Token n-grams are
-    hashed from the ids and the character n-gram rows of each vocabulary token are a table the
-    model holds (from `tokens`, the vocabulary the data gives it), so inference, ONNX and the
-    server need nothing but the ids. A word the vocabulary lacks is [UNK]: its n-grams are not
-    seen (a larger data.vocab_size keeps more words).
+    A text's vector is TF-IDF's shape without the idf, in two blocks each scaled to norm
+    sqrt(embed_dim) (as the linear baseline's word and character vectorisers are each
+    L2-normalised): its tokens' and token n-grams' rows, and its tokens' character n-grams'
+    rows; with model.sublinear_tf a feature seen tf times counts 1 + ln(tf). The table is scaled
+    by sqrt(embed_dim) (as Transformer embeddings are): under Adam every parameter moves about
+    lr per step, and fastText's mean divides a feature's step by the text's length, so such
+    embeddings would learn far slower than the head. (An idf, counted over the training texts
+    as the model trains, was tried and left out: on the three package-text corpora it cost up
+    to 1.5 points -- under Adam it speeds up the rare features' learning rather than the common
+    ones' shrinking.) Token n-grams are hashed from the ids and the character n-gram rows of
+    each vocabulary token are a table the model holds (from `tokens`, the vocabulary the data
+    gives it), so inference, ONNX and the server need nothing but the ids. A word the
+    vocabulary lacks is [UNK]: its n-grams are not seen (a larger data.vocab_size keeps more
+    words).
 
     Speed: each distinct token of a batch is pooled from its pieces once, and all of a batch's
     bags go through one weighted EmbeddingBag sum (its fast CPU kernel; padding never enters
@@ -212,9 +219,11 @@ class FastText(nn.Module):
         tokens: tuple[str, ...] | None = None,
         char_ngrams: tuple[int, int] | None = None,
         specials: frozenset[str] = frozenset(),
+        sublinear_tf: bool = False,
     ):
         super().__init__()
         self.pad_id, self.ngrams = pad_id, ngrams
+        self.sublinear_tf = sublinear_tf
         self.vocab_size, self.num_buckets = vocab_size, num_buckets
         self.scale = math.sqrt(embed_dim)
         subwords = bool(char_ngrams) and tokens is not None
@@ -242,6 +251,9 @@ class FastText(nn.Module):
         # Derived from the vocabulary at build: not saved (a checkpoint holds the weights only).
         self.register_buffer("pieces", torch.from_numpy(pieces), persistent=False)  # (V, P)
         self.register_buffer("piece_weights", torch.from_numpy(weights), persistent=False)
+        # each token's character n-grams: its squared norm in the character block (V,)
+        self.register_buffer("char_counts", (self.piece_weights[:, 1:] > 0).sum(dim=1).float(),
+                             persistent=False)  # fmt: skip
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(embed_dim, num_classes)
         self.aux = nn.Linear(embed_dim, num_classes) if aux_head else None
@@ -249,16 +261,11 @@ class FastText(nn.Module):
     def forward(self, ids: Tensor) -> Tensor | dict[str, Tensor]:
         keep = ids != self.pad_id  # (N, L)
         grams = self.token_ngrams(ids)  # (N, G), pad_id where a gram touches padding
-        # Two blocks, each over the square root of its size (as TF-IDF blocks are each
-        # normalised): the tokens with their n-grams, and the tokens' character n-grams.
-        words = keep.sum(dim=1) + (grams != self.pad_id).sum(dim=1)  # (N,)
-        chars = (self.piece_weights[ids][..., 1:] > 0).sum(dim=(1, 2))  # (N,)
-        share = self.scale / words.clamp(min=1).to(torch.float32).sqrt()
-        char_share = self.scale / chars.clamp(min=1).to(torch.float32).sqrt()
+        weights = self._weights(ids, keep, grams)
         if _tracing():
-            pooled = self._pool_padded(ids, grams, share, char_share)
+            pooled = self._pool_padded(ids, grams, weights)
         else:
-            pooled = self._pool_distinct(ids, keep, grams, share, char_share)
+            pooled = self._pool_distinct(ids, keep, grams, weights)
         return _outputs(self.head(self.dropout(pooled)), self.aux, pooled)
 
     def features(self, ids: Tensor) -> Tensor:
@@ -273,12 +280,42 @@ class FastText(nn.Module):
             return ids[:, :0]
         return hashed_ngrams(ids, self.pad_id, self.ngrams, self.num_buckets, self.vocab_size)
 
-    def _pool_distinct(
-        self, ids: Tensor, keep: Tensor, grams: Tensor, share: Tensor, char_share: Tensor
-    ) -> Tensor:
+    def _weights(self, ids: Tensor, keep: Tensor, grams: Tensor) -> _TextWeights:
+        """Each position's weight in its text's sum, in two blocks each scaled to norm
+        sqrt(embed_dim) (as TF-IDF's word and character vectorisers are each L2-normalised; the
+        table's scale because under Adam every row moves about lr per step whatever its input,
+        so a text's sum must not shrink with its length): the tokens with their n-grams, and
+        the tokens' character n-grams. With model.sublinear_tf a feature seen tf times in a
+        text counts 1 + ln(tf) in all (TF-IDF's sublinear tf: a repeated word says little more
+        than one), else each occurrence counts 1."""
+        token_w, token_q = self._term_weights(ids, keep)
+        gram_w, gram_q = self._term_weights(grams, grams != self.pad_id)
+        words = token_q.sum(dim=1) + gram_q.sum(dim=1)  # (N,): the block's squared norm
+        chars = (token_q * self.char_counts[ids]).sum(dim=1)  # (N,)
+        share = self.scale / words.clamp(min=1.0).sqrt()
+        char_share = self.scale / chars.clamp(min=1.0).sqrt()
+        return _TextWeights(
+            tokens=token_w * share[:, None],
+            token_chars=token_w * char_share[:, None],
+            grams=gram_w * share[:, None],
+        )
+
+    def _term_weights(self, found: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
+        """(weight of each occurrence, its share of the block's squared norm), (N, L) each and 0
+        at padding. Sublinear: a feature seen tf times in a text weighs (1 + ln tf) / tf at each
+        occurrence (1 + ln tf in all) and adds (1 + ln tf)^2 / tf to the norm ((1 + ln tf)^2 in
+        all); else each occurrence weighs 1 and adds 1."""
+        real = real.to(torch.float32)
+        if not self.sublinear_tf:
+            return real, real
+        tf = _term_frequency(found, real > 0, self.embed.num_embeddings).clamp(min=1.0)
+        weight = (1.0 + torch.log(tf)) / tf * real
+        return weight, weight * weight * tf
+
+    def _pool_distinct(self, ids: Tensor, keep: Tensor, grams: Tensor, w: _TextWeights) -> Tensor:
         """Each distinct token's own row and the sum of its character n-grams' once, then per
-        text: its tokens' and token n-grams' rows times `share`, plus its tokens' character sums
-        times `char_share`. (N, D)"""
+        text: its tokens' and token n-grams' rows and its tokens' character sums, each times its
+        weight. (N, D)"""
         n, device = ids.shape[0], ids.device
         text_of = torch.arange(n, device=device)
         distinct, inverse = torch.unique(ids[keep], return_inverse=True)  # (U,), (T,)
@@ -294,12 +331,7 @@ class FastText(nn.Module):
         bags = torch.cat(
             [bag[:, 0], u + bag[real], 2 * u + text_of[:, None].expand_as(grams)[gram_real]]
         )
-        weights = torch.cat(
-            [
-                torch.ones(u + int(real.sum()), device=device),
-                share[:, None].expand_as(grams)[gram_real],
-            ]
-        )
+        weights = torch.cat([torch.ones(u + int(real.sum()), device=device), w.grams[gram_real]])
         table = self.embed.weight
         if self.embed.sparse and torch.is_grad_enabled() and table.requires_grad:
             pooled = _WeightedBag.apply(table, features, bags, weights, 2 * u + n)
@@ -307,21 +339,45 @@ class FastText(nn.Module):
             pooled = _bag_sum(table, features, bags, weights, 2 * u + n)
         own, char_sums, text_grams = pooled[:u], pooled[u : 2 * u], pooled[2 * u :]
         owner = text_of[:, None].expand_as(ids)[keep]  # (T,) the text of each token
-        tokens = own[inverse] * share[owner, None] + char_sums[inverse] * char_share[owner, None]
+        tokens = (
+            own[inverse] * w.tokens[keep][:, None]
+            + char_sums[inverse] * w.token_chars[keep][:, None]
+        )
         return text_grams.index_add(0, owner, tokens)  # (N, D)
 
-    def _pool_padded(self, ids: Tensor, grams: Tensor, share: Tensor, char_share: Tensor) -> Tensor:
+    def _pool_padded(self, ids: Tensor, grams: Tensor, w: _TextWeights) -> Tensor:
         """The same sums over padded (N, F) features with zero weights at padding: one static
         EmbeddingBag, for ONNX export (no data-dependent shapes)."""
         n = ids.shape[0]
         pieces = self.pieces[ids]  # (N, L, P)
         real = (self.piece_weights[ids] > 0).to(torch.float32)  # (N, L, P)
-        block = torch.cat([share[:, None, None].expand_as(real[..., :1]),
-                           char_share[:, None, None].expand_as(real[..., 1:])], dim=2)  # fmt: skip
-        gram_weights = (grams != self.pad_id).to(torch.float32) * share[:, None]
+        block = torch.cat([w.tokens[..., None], w.token_chars[..., None].expand_as(real[..., 1:])],
+                          dim=2)  # fmt: skip
         features = torch.cat([pieces.reshape(n, -1), grams], dim=1)
-        weights = torch.cat([(real * block).reshape(n, -1), gram_weights], dim=1)
+        weights = torch.cat([(real * block).reshape(n, -1), w.grams], dim=1)
         return self.embed(features, per_sample_weights=weights)
+
+
+class _TextWeights(NamedTuple):
+    """FastText's per-position weights, 0 at padding: of a token's own row (N, L), of the sum
+    of its character n-grams' rows (N, L), of a token n-gram's row (N, G)."""
+
+    tokens: Tensor
+    token_chars: Tensor
+    grams: Tensor
+
+
+def _term_frequency(found: Tensor, real: Tensor, rows: int) -> Tensor:
+    """How often each position's row (< rows) occurs among the real positions of its text,
+    (N, L) float (padding's own count is never read)."""
+    if _tracing():  # static shapes for export: every pair of positions compared, (N, L, L)
+        same = (found[:, :, None] == found[:, None, :]) & real[:, None, :]
+        return same.sum(dim=2).to(torch.float32)
+    text_of = torch.arange(found.shape[0], device=found.device)[:, None]
+    _, inverse, counts = torch.unique(
+        text_of * rows + found, return_inverse=True, return_counts=True
+    )
+    return counts[inverse].to(torch.float32)
 
 
 class TextTransformer(nn.Module):
@@ -434,6 +490,7 @@ def build_text_bow(spec, cfg: TextBowConfig, *, aux_head: bool = False) -> FastT
         tokens=spec.tokens,
         char_ngrams=tuple(cfg.char_ngrams) or None,
         specials=frozenset(SPECIAL_TOKENS),
+        sublinear_tf=cfg.sublinear_tf,
     )
 
 
