@@ -112,8 +112,8 @@ def test_multirun_sweep_and_its_summary_include_failed_runs(tmp_path):
     failed = table[table["status"] == "failed"]
     assert [float(lr) for lr in failed["optimizer.lr"]] == [1e12, 1e12]
     assert all("@ step" in error for error in failed["error"])
-    ok = table[table["status"] == "ok"]
-    assert len(ok) == 2 and (ok["samples_per_s"] > 0).all()
+    trained = table[table["status"].isin(["ok", "at_chance"])]  # a few steps may learn nothing
+    assert len(trained) == 2 and (trained["samples_per_s"] > 0).all()
     assert (sweep / "summary.md").read_text().count("failed") >= 2
     assert (sweep / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

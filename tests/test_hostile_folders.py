@@ -177,7 +177,7 @@ def test_training_on_a_hostile_folder_ends_ok_and_reports_every_bad_file(hostile
         timeout=300,
         fifos=[hostile["train_dir"] / "cat" / "x.jpg"],
     )
-    assert summary["status"] == "ok", summary
+    assert summary["status"] in ("ok", "at_chance"), summary  # 2 validation images: chance
     report = json.loads((run / "data_report.json").read_text())["train_dir"]
     assert report["dropped"]["too_large"]["count"] == 2
     assert (

@@ -42,7 +42,7 @@ def image_ckpt(tmp_path_factory):
         "env.progress_bar=false",
         "logger=none",
     )
-    assert summary["status"] == "ok"
+    assert summary["status"] in ("ok", "at_chance")  # 2 steps: a checkpoint, not a classifier
     return root / "run" / "checkpoints" / "best.pt"
 
 

@@ -77,7 +77,13 @@ def finished(
     ]
     if (run_dir / "curves.png").is_file():
         lines.append(f"curves: {run_dir / 'curves.png'}")
-    return "\n".join([*lines, "next:", *next_commands(run_dir, link, command, config)])
+    triage = (
+        [commented(f"kiln triage {link or run_dir}", "why it learned nothing")]
+        if summary["status"] == "at_chance"
+        else []
+    )
+    commands = [*triage, *next_commands(run_dir, link, command, config)]
+    return "\n".join([*lines, "next:", *commands])
 
 
 def outcome(summary: dict) -> str:

@@ -707,8 +707,8 @@ class Trainer:
         if why is None:
             return "ok", None
         return "at_chance", (
-            f"the run learned nothing: at its best, {why}; kiln triage <run dir> ranks the "
-            "likely causes"
+            f"the run learned nothing: at its best, {why}; `kiln triage` on its run directory "
+            "ranks the likely causes"
         )
 
     @torch.no_grad()

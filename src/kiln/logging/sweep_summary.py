@@ -136,11 +136,20 @@ def final_metric(frame: pd.DataFrame) -> str | None:
     return None
 
 
+# Runs that trained to their end: a run at chance (status at_chance) has real metrics and
+# checkpoints, it is ranked with the rest; failed, interrupted and preempted runs are not.
+FINISHED = ("ok", "at_chance")
+
+
+def finished(frame: pd.DataFrame) -> pd.Series:
+    return frame["status"].isin(FINISHED)
+
+
 def best_index(frame: pd.DataFrame, metric: str | None) -> int | None:
     """The row of the best finished run (loss-like metrics: the smallest)."""
     if metric is None:
         return None
-    values = pd.to_numeric(frame[metric], errors="coerce").where(frame["status"] == "ok")
+    values = pd.to_numeric(frame[metric], errors="coerce").where(finished(frame))
     if values.notna().sum() == 0:
         return None
     return int(values.idxmin() if metric.endswith("loss") else values.idxmax())
@@ -172,7 +181,7 @@ def plot_summary(frame: pd.DataFrame, path: Path) -> None:
         panels.append((metric, metric))
     best = best_index(frame, metric)
     labels = [("★ " if i == best else "") + label for i, label in enumerate(run_labels(frame))]
-    failed = frame["status"] != "ok"
+    failed = ~finished(frame)
     height = max(2.8, 0.5 * len(frame) + 1.4)
     figure, axes = plt.subplots(
         1, len(panels), figsize=(5.2 * len(panels), height), sharey=True, squeeze=False
@@ -215,7 +224,7 @@ def plot_history(frame: pd.DataFrame, path: Path, direction: str = "maximize") -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    values = pd.to_numeric(frame[metric], errors="coerce").where(frame["status"] == "ok")
+    values = pd.to_numeric(frame[metric], errors="coerce").where(finished(frame))
     trials = list(range(len(frame)))
     best = values.cummax() if direction == "maximize" else values.cummin()
     figure, axis = plt.subplots(figsize=(7, 4))
@@ -264,7 +273,7 @@ def write_summary(frame: pd.DataFrame, sweep_dir: str | Path) -> tuple[Path, Pat
     """Write summary.md and summary.png into `sweep_dir`; returns their paths."""
     sweep_dir = Path(sweep_dir)
     markdown_path, png_path = sweep_dir / "summary.md", sweep_dir / "summary.png"
-    num_failed = int((frame["status"] != "ok").sum())
+    num_failed = int((~finished(frame)).sum())
     best = best_run(frame, sweep_dir) or [""]
     header = "\n".join(
         [f"# Sweep summary: {sweep_dir}", "", f"{len(frame)} runs, {num_failed} failed. {best[0]}"]
