@@ -17,13 +17,13 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
+from kiln.atomic import write_json
 from kiln.errors import UserError
 from kiln.preprocessing.file_tree import (
     CANNOT_OPEN,
@@ -266,11 +266,8 @@ class VerdictCache:
     def save(self) -> None:
         if not self.checked:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".verdicts-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"tag": self.tag, "entries": self.entries}, f)
-        os.replace(tmp, self.path)
+        # Runs sharing the cache may save it side by side.
+        write_json(self.path, {"tag": self.tag, "entries": self.entries}, unique=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.atomic import atomic_file, write_json
 from kiln.errors import UserError
 from kiln.inference.labelled import (
     FIRST_SKIPPED,
@@ -213,7 +214,7 @@ def write_classification_report(
         predictions_frame(probs, targets, sources, class_names), directory / PREDICTIONS_FILE
     )
     metrics["files"] = [METRICS_FILE, CONFUSION_FILE, ERRORS_FILE, PREDICTIONS_FILE]
-    _write_json(directory / METRICS_FILE, metrics)
+    write_json(directory / METRICS_FILE, metrics, indent=2)
     return Report(directory, metrics)
 
 
@@ -247,7 +248,7 @@ def write_detection_report(
     errors = detection_errors(detections, targets, sources, class_names, num_errors)
     _write_csv(errors, directory / ERRORS_FILE)
     metrics["files"] = [METRICS_FILE, ERRORS_FILE]
-    _write_json(directory / METRICS_FILE, metrics)
+    write_json(directory / METRICS_FILE, metrics, indent=2)
     return Report(directory, metrics)
 
 
@@ -569,12 +570,5 @@ def _check_lengths(count: int, targets, sources) -> None:
 
 
 def _write_csv(frame, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    frame.to_csv(tmp, index=False)
-    tmp.replace(path)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    with atomic_file(path, "w", newline="", encoding="utf-8") as f:
+        frame.to_csv(f, index=False)

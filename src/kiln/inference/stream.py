@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.atomic import AtomicFile
 from kiln.inference.files import NamedFile
 from kiln.inference.predictor import Predictor, join
 from kiln.preprocessing import InputError
@@ -77,27 +77,14 @@ def predict_batches(
             yield ItemBatch(indices, good, outputs, errors)
 
 
-class _CsvOutput:
+class _CsvOutput(AtomicFile):
     """Rows written as they come to a temporary file beside `path`, moved onto `path` by
     `commit` (or removed by `discard`): a failed run leaves no half-written output."""
 
     def __init__(self, path: Path, header: list[str]):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}-")
-        self.file = os.fdopen(fd, "w", newline="", encoding="utf-8")
+        super().__init__(path, "w", unique=True, newline="", encoding="utf-8")
         self.writer = csv.writer(self.file)
         self.writer.writerow(header)
-
-    def commit(self) -> Path:
-        self.file.close()
-        os.chmod(self.tmp, 0o644)
-        os.replace(self.tmp, self.path)
-        return self.path
-
-    def discard(self) -> None:
-        self.file.close()
-        Path(self.tmp).unlink(missing_ok=True)
 
 
 def _number(value) -> str:
