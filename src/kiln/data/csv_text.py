@@ -43,6 +43,7 @@ from kiln.data.csv_reader import (
     summary_line,
 )
 from kiln.data.spec import DataBundle, DataSpec, SourceNames
+from kiln.data.split import stratified_split, val_count
 from kiln.data.text_corpus import demo_corpus
 from kiln.data.token_store import (
     ENCODE_BATCH,
@@ -127,43 +128,9 @@ def token_batch_metrics(batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
 
 def split_rows(labels: np.ndarray, val_fraction: float, seed: int):
     """(train rows, val rows): round(n * val_fraction) rows for validation, stratified by label
-    where every class can be in both splits, seeded by data.split_seed. (numpy only: importing
-    scikit-learn for this would cost every text run a second of start-up.)"""
-    n = len(labels)
-    num_val = round(n * val_fraction)
-    if num_val < 1 or num_val >= n:
-        raise CsvTextError(
-            f"data.val_fraction={val_fraction} of {n} rows leaves an empty split; "
-            "use more rows, another val_fraction, or data.val_path"
-        )
-    order = np.random.default_rng(seed).permutation(n)
-    counts = np.bincount(labels)
-    present = np.flatnonzero(counts)
-    # Stratify only where every class can be in both splits.
-    if counts[present].min() < 2 or not len(present) <= num_val <= n - len(present):
-        return order[num_val:], order[:num_val]
-    take = _val_counts(counts[present], num_val)
-    in_val = np.zeros(n, dtype=bool)
-    shuffled = labels[order]
-    for label, count in zip(present.tolist(), take.tolist(), strict=True):
-        in_val[order[shuffled == label][:count]] = True
-    return order[~in_val[order]], order[in_val[order]]
-
-
-def _val_counts(counts: np.ndarray, num_val: int) -> np.ndarray:
-    """Per class its share of num_val rows (largest remainders first), each at least 1 and at
-    most its count - 1, summing to num_val."""
-    share = counts * num_val / counts.sum()
-    take = np.clip(np.floor(share).astype(np.int64), 1, counts - 1)
-    by_remainder = np.argsort(-(share - np.floor(share)), kind="stable")
-    while take.sum() != num_val:
-        step = 1 if take.sum() < num_val else -1
-        for k in by_remainder if step == 1 else by_remainder[::-1]:
-            if 1 <= take[k] + step <= counts[k] - 1:
-                take[k] += step
-                if take.sum() == num_val:
-                    break
-    return take
+    where every class can be in both splits, seeded by data.split_seed (kiln.data.split)."""
+    num_val = val_count(len(labels), val_fraction, "rows", "data.val_path", CsvTextError)
+    return stratified_split(labels, num_val, seed)
 
 
 def _split(texts: list[str], labels: list[str], val_fraction: float, seed: int):
