@@ -66,6 +66,15 @@ class AtomicFile:
             self.file.close()  # a full disk can fail the close's flush too
         self.tmp.unlink(missing_ok=True)
 
+    def __enter__(self) -> AtomicFile:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.discard()
+
 
 def disk_full_error(err: Exception, path: Path) -> None:
     """The default for a failed write: a full disk is a DiskFullError naming the file."""
