@@ -31,16 +31,16 @@ import torch
 from torch import Tensor
 
 from kiln.config.data import CsvTextConfig
+from kiln.data.bad_inputs import BadInputLog, summary_line
 from kiln.data.csv_reader import (
     BadRow,
-    BadRowLog,
     CsvSettings,
     CsvTextError,
     RowChunk,
     drop_kept,
     preview,
     read_labelled_rows,
-    summary_line,
+    row_log,
 )
 from kiln.data.spec import DataBundle, DataSpec, SourceNames
 from kiln.data.split import stratified_split, val_count
@@ -252,7 +252,7 @@ def _train_classes(cfg: CsvTextConfig, read: _FileRows) -> tuple[list[str], dict
     return classes, suspects
 
 
-def _leave_out(read, keep, reason, what, spool_texts, settings, log: BadRowLog) -> None:
+def _leave_out(read, keep, reason, what, spool_texts, settings, log: BadInputLog) -> None:
     """Drops the rows of `read` where not keep[i], after the fact, each named in `log`."""
     column = settings.label_column
     by_code = {code: name for name, code in read.names.items()}
@@ -420,7 +420,7 @@ def build_entry(
     cfg: CsvTextConfig,
     train_chunks: Iterable[RowChunk],
     val_chunks: Iterable[RowChunk] | None,
-    logs: dict[str, BadRowLog],
+    logs: dict[str, BadInputLog],
     settings: CsvSettings,
 ) -> None:
     """Writes a token store into `directory`: read + clean (chunks) -> spool on disk -> the
@@ -457,10 +457,10 @@ def build_entry(
     )
 
 
-def _demo_chunks(cfg: CsvTextConfig, log_: BadRowLog) -> list[RowChunk]:
+def _demo_chunks(cfg: CsvTextConfig, log_: BadInputLog) -> list[RowChunk]:
     texts, labels = demo_corpus()
     rows = list(range(1, len(texts) + 1))
-    log_.rows_read = log_.rows_kept = len(texts)
+    log_.read = log_.kept = len(texts)
     lines = [row + 1 for row in rows]  # after the header line a CSV of them would have
     cleaned = clean_texts(texts, cleaning_of(cfg))
     return [RowChunk(cleaned, labels, rows, lines, [False] * len(rows))]
@@ -497,7 +497,7 @@ def prepare(cfg: CsvTextConfig) -> tuple[StoreEntry, dict]:
     start = time.perf_counter()
     settings = csv_settings(cfg)
     if cfg.train_path is None:
-        logs = {"train_file": BadRowLog("demo corpus")}
+        logs = {"train_file": row_log("demo corpus")}
         entry = built_in_memory(
             lambda d: build_entry(
                 d, cfg, _demo_chunks(cfg, logs["train_file"]), None, logs, settings
@@ -510,9 +510,9 @@ def prepare(cfg: CsvTextConfig) -> tuple[StoreEntry, dict]:
                 raise CsvTextError(f"{path}: no such file (set data.train_path / data.val_path)")
         root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
         name = f"{Path(cfg.train_path).stem}-{cache_key(_key_inputs(cfg))}"
-        logs = {"train_file": BadRowLog(str(cfg.train_path))}
+        logs = {"train_file": row_log(str(cfg.train_path))}
         if cfg.val_path is not None:
-            logs["val_file"] = BadRowLog(str(cfg.val_path))
+            logs["val_file"] = row_log(str(cfg.val_path))
 
         def build(directory: Path) -> None:
             train = read_labelled_rows(cfg.train_path, settings, logs["train_file"])

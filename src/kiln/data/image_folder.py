@@ -42,6 +42,7 @@ from kiln.data.image_scan import (
     FolderImages,
     ImageFolderError,
     default_cache_dir,
+    folder_line,
     read_folder,
 )
 from kiln.data.spec import DataBundle, DataSpec
@@ -348,7 +349,7 @@ def log_report(report: dict) -> None:
         if folder is None:
             continue
         bad = folder["images_dropped"] or folder["skipped"]
-        (log.warning if bad else log.info)("data: %s%s", _folder_line(folder),
+        (log.warning if bad else log.info)("data: %s%s", folder_line(folder),
                                            " (see data_report.json)" if bad else "")  # fmt: skip
         for name, why in folder.get("classes_dropped", {}).items():
             holds = "no good image" if why["reason"] == "empty" else "a single good image"
@@ -380,16 +381,6 @@ def log_report(report: dict) -> None:
         report["normalize"]["source"],
         report["prepare_s"],
     )
-
-
-def _folder_line(folder: dict) -> str:
-    dropped = ", ".join(f"{r} {d['count']}" for r, d in folder["dropped"].items())
-    skipped = ", ".join(f"{r} {n}" for r, n in folder["skipped"].items())
-    line = (
-        f"{folder['path']}: {folder['files']} files, {folder['images_kept']} images kept, "
-        f"{folder['images_dropped']} dropped" + (f" ({dropped})" if dropped else "")
-    )
-    return line + (f", skipped {skipped}" if skipped else "")
 
 
 def build_image_folder(
@@ -449,6 +440,7 @@ def build_image_folder(
     )
     report = {
         **{key: folder.log.to_dict() for key, folder in folders.items()},
+        "summary": [folder.log.summary() for folder in folders.values()],  # as a CSV's report
         "classes": class_names,
         "images": {split: len(p) for split, p in paths.items()},
         "class_counts": {
