@@ -53,7 +53,7 @@ import numpy as np
 
 from kiln.config import load_config
 from kiln.data.bpe_reference import ReferenceBPE
-from kiln.data.csv_reader import BadRowLog, read_labelled_rows
+from kiln.data.csv_reader import read_labelled_rows, row_log
 from kiln.data.csv_text import csv_settings, prepare, split_rows
 from kiln.data.loaders import BucketedSampler, ResumableSampler
 from kiln.data.package_text import CORPORA, write_corpus
@@ -151,7 +151,7 @@ def data_path(cfg) -> dict:
     settings = csv_settings(cfg)
     texts = [
         t
-        for chunk in read_labelled_rows(cfg.train_path, settings, BadRowLog(""))
+        for chunk in read_labelled_rows(cfg.train_path, settings, row_log(""))
         for t in chunk.texts
     ]
     batches = [texts[i : i + ENCODE_BATCH] for i in range(0, len(texts), ENCODE_BATCH)]
@@ -160,10 +160,10 @@ def data_path(cfg) -> dict:
 
     def run(tokenize) -> tuple[float, int, list]:
         start, ids = time.perf_counter(), []
-        log = BadRowLog(cfg.train_path)
+        log = row_log(cfg.train_path)
         for chunk in read_labelled_rows(cfg.train_path, settings, log):
             ids += tokenize(chunk.texts)
-        return time.perf_counter() - start, log.rows_read, ids
+        return time.perf_counter() - start, log.read, ids
 
     def cached(tokenizer):
         encode = WordCachedEncoder(tokenizer, cfg.max_length)
@@ -313,7 +313,7 @@ def write_split(cfg, workdir: Path) -> tuple[Path, Path, int]:
     (data.val_fraction, data.split_seed, stratified) into train.csv and val.csv (text, label)."""
     settings = dataclasses.replace(csv_settings(cfg), cleaning=NO_CLEANING)
     texts, labels = [], []
-    for chunk in read_labelled_rows(cfg.train_path, settings, BadRowLog(cfg.train_path)):
+    for chunk in read_labelled_rows(cfg.train_path, settings, row_log(cfg.train_path)):
         texts += chunk.texts
         labels += chunk.labels
     names = {name: i for i, name in enumerate(sorted(set(labels)))}

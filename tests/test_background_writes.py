@@ -105,7 +105,7 @@ def test_curves_are_drawn_on_a_thread_and_a_full_disk_there_still_ends_the_run(
     assert curves.due_at >= time.monotonic() + 4  # the next redraw: not before 5 s, 50 draws
     curves.finish(history)
     assert (tmp_path / "curves.png").stat().st_size > 0
-    (tmp_path / ".curves.png.tmp.png").symlink_to("/dev/full")
+    (tmp_path / ".curves.png.tmp").symlink_to("/dev/full")
     curves.due_at = 0.0
     curves.update(history)
     curves._drawing.join()
@@ -144,7 +144,7 @@ def test_the_painter_process_draws_the_curves_and_answers_a_full_disk(
     other.finish(HISTORY)  # the next run of the process: the painter keeps its rows alone
     assert list(painter.sent) == [str(tmp_path / "other.png")]
     assert (tmp_path / "other.png").stat().st_size > 0
-    (tmp_path / ".curves.png.tmp.png").symlink_to("/dev/full")
+    (tmp_path / ".curves.png.tmp").symlink_to("/dev/full")
     with pytest.raises(DiskFullError):
         curves.finish(history)
 

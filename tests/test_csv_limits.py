@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from kiln.data.csv_reader import BadRowLog, CsvSettings, CsvTextError, read_labelled_rows
+from kiln.data.csv_reader import CsvSettings, CsvTextError, read_labelled_rows, row_log
 
 MIB = 1 << 20
 
@@ -28,7 +28,7 @@ def write_csv_with_a_huge_field(path, megabytes: int = 110) -> None:
 
 def read_all(path, **options):
     settings = CsvSettings("text", "label", **options)
-    log = BadRowLog(str(path))
+    log = row_log(str(path))
     chunks = list(read_labelled_rows(path, settings, log))
     texts = [t for c in chunks for t in c.texts]
     return texts, [r for c in chunks for r in c.rows], log

@@ -67,6 +67,11 @@ def scan(tree, tmp_path, **options):
     )
 
 
+def listed(report: dict, reason: str) -> list[dict]:
+    """The dropped inputs a data_report.json entry lists for `reason`."""
+    return [r for r in report["dropped_records"] if r["reason"] == reason]
+
+
 def test_the_scan_of_a_hostile_folder_finishes_and_accounts_for_every_entry(hostile, tmp_path):
     images = scan(hostile, tmp_path)
     report = images.log.to_dict()
@@ -74,19 +79,20 @@ def test_the_scan_of_a_hostile_folder_finishes_and_accounts_for_every_entry(host
     kept = {name: images.labels.count(name) for name in hostile["classes"]}
     assert kept == hostile["kept"]  # each file once: no copy through loop/ or up/
     assert len(set(map(os.path.realpath, images.paths))) == len(images.paths)
-    dropped = report["dropped"]
-    too_large = dropped["too_large"]
-    assert sorted(e["path"] for e in too_large["first"]) == hostile["too_large"]
-    assert all(e["max_pixels"] == DEFAULT_MAX_PIXELS for e in too_large["first"])
-    assert {e["pixels"] for e in too_large["first"]} == {30_000**2, 240 * 4000**2}
-    cannot_open = sorted(e["path"] for e in dropped["cannot_open"]["first"])
+    too_large = listed(report, "too_large")
+    assert sorted(e["path"] for e in too_large) == hostile["too_large"]
+    assert all(e["max_pixels"] == DEFAULT_MAX_PIXELS for e in too_large)
+    assert {e["pixels"] for e in too_large} == {30_000**2, 240 * 4000**2}
+    cannot_open = sorted(e["path"] for e in listed(report, "cannot_open"))
     assert cannot_open == hostile["cannot_open"]
-    details = {e["path"]: e["detail"] for e in dropped["cannot_open"]["first"]}
+    assert report["dropped"] == {"too_large": 2, "cannot_open": len(cannot_open)}
+    assert report["images_dropped"] == len(report["dropped_records"]) == 2 + len(cannot_open)
+    details = {e["path"]: e["detail"] for e in listed(report, "cannot_open")}
     assert "dangling" in details[str(hostile["train_dir"] / "cat" / "gone.jpg")]
     assert "loop" in details[str(hostile["train_dir"] / "cat" / "self1.jpg")]
     for key, count in hostile["skipped"].items():
         assert report["skipped"][key] == count, key
-    assert images.log.images_kept == sum(hostile["kept"].values())
+    assert images.log.kept == report["images_kept"] == sum(hostile["kept"].values())
 
 
 def test_the_verdict_cache_keeps_too_large_with_its_size_and_the_limit_counts(hostile, tmp_path):
@@ -95,10 +101,10 @@ def test_the_verdict_cache_keeps_too_large_with_its_size_and_the_limit_counts(ho
     # 13 image files cached (bombs included); an unreadable file is checked every time
     assert again.cache["hits"] == 13
     assert again.cache["checked"] == (1 if hostile["how"]["file"] else 0)
-    assert again.log.to_dict()["dropped"]["too_large"] == first["dropped"]["too_large"]
+    assert listed(again.log.to_dict(), "too_large") == listed(first, "too_large")
     other_limit = scan(hostile, tmp_path, max_pixels=DEFAULT_MAX_PIXELS + 1)
     assert other_limit.cache["hits"] == 0  # verdicts under another limit are not reused
-    assert other_limit.log.to_dict()["dropped"]["too_large"]["count"] == 2
+    assert other_limit.log.to_dict()["dropped"]["too_large"] == 2
 
 
 def test_follow_symlinks_false_follows_no_link_and_counts_each(hostile, tmp_path):
@@ -155,8 +161,8 @@ def test_data_max_image_pixels_is_the_scans_limit(hostile, tmp_path):
     )
     assert cfg.data.max_image_pixels == 500 and cfg.data.follow_symlinks is True
     images = scan(hostile, tmp_path, max_pixels=cfg.data.max_image_pixels)
-    assert images.log.images_kept == 0  # 24 x 24 = 576 pixels each
-    assert images.log.to_dict()["dropped"]["too_large"]["count"] == 2 + 11
+    assert images.log.kept == 0  # 24 x 24 = 576 pixels each
+    assert images.log.to_dict()["dropped"]["too_large"] == 2 + 11
     with pytest.raises(Exception, match="max_image_pixels"):
         compose_config("data=image_folder", "data.train_dir=x", "data.max_image_pixels=0")
 
@@ -179,10 +185,7 @@ def test_training_on_a_hostile_folder_ends_ok_and_reports_every_bad_file(hostile
     )
     assert summary["status"] in ("ok", "at_chance"), summary  # 2 validation images: chance
     report = json.loads((run / "data_report.json").read_text())["train_dir"]
-    assert report["dropped"]["too_large"]["count"] == 2
-    assert (
-        sorted(e["path"] for e in report["dropped"]["cannot_open"]["first"])
-        == (hostile["cannot_open"])
-    )
+    assert report["dropped"]["too_large"] == 2
+    assert sorted(e["path"] for e in listed(report, "cannot_open")) == hostile["cannot_open"]
     assert report["skipped"]["not_regular"] == 1
     assert report["images_kept"] == sum(hostile["kept"].values())

@@ -90,10 +90,9 @@ def test_damaged_folder_report_counts_every_file(damaged, cache, caplog):
     assert train["images_kept"] == damaged.images_kept
     assert train["images_dropped"] == damaged.images_dropped == 2
     assert train["images_unused"] == damaged.images_unused
-    dropped = train["dropped"]
-    assert [f["path"] for f in dropped["truncated"]["first"]] == list(damaged.truncated)
-    assert [f["path"] for f in dropped["empty_file"]["first"]] == list(damaged.empty_files)
-    assert dropped["truncated"]["count"] == dropped["empty_file"]["count"] == 1
+    records = {r["reason"]: r["path"] for r in train["dropped_records"]}
+    assert records == {"truncated": damaged.truncated[0], "empty_file": damaged.empty_files[0]}
+    assert train["dropped"] == {"truncated": 1, "empty_file": 1}
     assert train["classes_dropped"] == {
         damaged.empty_class: {"reason": "empty", "images": 0},
         damaged.single_image_class: {"reason": "single_image", "images": 1},
@@ -169,7 +168,8 @@ def test_verdicts_are_cached_and_a_changed_file_is_checked_again(tmp_path, cache
     victim.write_bytes(victim.read_bytes()[:300])  # truncated after it was checked
     third = bundle_of(train, cache).report
     assert (third["cache"]["train_dir"]["hits"], third["cache"]["train_dir"]["checked"]) == (7, 1)
-    assert third["train_dir"]["dropped"]["truncated"]["first"][0]["path"] == str(victim)
+    records = third["train_dir"]["dropped_records"]
+    assert [r["path"] for r in records if r["reason"] == "truncated"][0] == str(victim)
 
 
 # ---------------------------------------------------------------------------------------------

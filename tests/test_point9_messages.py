@@ -96,7 +96,8 @@ def test_no_libpng_warning_is_printed_at_any_epoch_and_a_rejected_png_is_dropped
     printed = capfd.readouterr()
     assert "libpng" not in printed.err + printed.out  # neither at the scan nor at any epoch
     report = json.loads((run / "data_report.json").read_text())["train_dir"]
-    (dropped,) = report["dropped"]["unreadable"]["first"]
+    (dropped,) = report["dropped_records"]
+    assert dropped["reason"] == "unreadable" and report["dropped"] == {"unreadable": 1}
     assert Path(dropped["path"]).name == "bad.png" and report["images_kept"] == 8
 
 

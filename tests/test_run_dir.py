@@ -180,8 +180,8 @@ def on_a_full_disk(path):
     ("file", "overrides"),
     [
         ("metrics.jsonl", ()),
-        (".curves.png.tmp.png", ("trainer.max_epochs=1",)),  # the curves' temp file
-        ("summary.json.tmp", ("trainer.max_steps=2",)),  # the very last write
+        (".curves.png.tmp", ("trainer.max_epochs=1",)),  # the curves' temp file
+        (".summary.json.tmp", ("trainer.max_steps=2",)),  # the very last write
     ],
     ids=["metrics", "curves", "summary"],
 )

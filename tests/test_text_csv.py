@@ -18,7 +18,8 @@ from kiln.cli.paths import REPO_ROOT
 from kiln.config import ConfigError
 from kiln.data import build_data
 from kiln.data import csv_text as csv_text_module
-from kiln.data.csv_reader import BadRowLog, CsvSettings, CsvTextError, read_labelled_rows
+from kiln.data.bad_inputs import BadInputLog
+from kiln.data.csv_reader import CsvSettings, CsvTextError, read_labelled_rows, row_log
 from kiln.data.text_corpus import write_ticket_csv
 
 from .conftest import FAST, SUBPROCESS_ENV, compose_config, train_in_process
@@ -48,7 +49,7 @@ def good_lines(count: int, start: int = 0) -> list[str]:
 
 def read_all(path: Path, **settings):
     settings = CsvSettings(**{"text_column": "text", "label_column": "label", **settings})
-    log = BadRowLog(str(path))
+    log = row_log(str(path))
     chunks = list(read_labelled_rows(path, settings, log))
     return chunks, log
 
@@ -65,7 +66,7 @@ def stray_quote_file(path: Path) -> Path:
     return write_lines(path, lines)
 
 
-def dropped(log: BadRowLog) -> dict[str, list[dict]]:
+def dropped(log: BadInputLog) -> dict[str, list[dict]]:
     """reason -> [{row, line, column}, ...] of a log's dropped records, in file order."""
     out: dict[str, list[dict]] = {}
     for record in log.to_dict()["dropped_records"]:
@@ -77,7 +78,7 @@ def dropped(log: BadRowLog) -> dict[str, list[dict]]:
 def test_a_stray_quote_costs_only_its_own_record(tmp_path):
     path = stray_quote_file(tmp_path / "stray.csv")
     chunks, log = read_all(path)
-    assert log.rows_read == 39 and log.rows_kept == 38  # one record per line, one lost
+    assert log.read == 39 and log.kept == 38  # one record per line, one lost
     assert dropped(log) == {"unbalanced_quote": [{"row": 4, "line": 5, "column": "text"}]}
     kept_lines = [line for chunk in chunks for line in chunk.lines]
     assert 5 not in kept_lines and kept_lines == [n for n in range(2, 41) if n != 5]
@@ -101,12 +102,12 @@ def test_legitimate_multiline_fields_are_kept_and_move_line_numbers(tmp_path):
         writer.writerow(["first line\nsecond, with a comma\nthird", "pets"])  # lines 2-4
         writer.writerow(["next", "money"])  # line 5
     chunks, log = read_all(path)
-    assert log.rows_kept == 2 and log.counts == {}
+    assert log.kept == 2 and log.counts == {}
     assert chunks[0].lines == [2, 5] and chunks[0].rows == [1, 2]
     # A generated corpus of multi-line tickets (HTML, commas) has no false alarm either.
     tickets = write_ticket_csv(tmp_path / "tickets.csv", 300)
     _, ticket_log = read_all(tickets)
-    assert (ticket_log.rows_read, ticket_log.rows_kept) == (300, 300)
+    assert (ticket_log.read, ticket_log.kept) == (300, 300)
 
 
 def test_every_kind_of_bad_row_is_counted_with_row_line_and_column(tmp_path):
@@ -122,7 +123,7 @@ def test_every_kind_of_bad_row_is_counted_with_row_line_and_column(tmp_path):
         *good_lines(2, start=3),  # rows 10-11
     ]
     chunks, log = read_all(write_lines(tmp_path / "bad.csv", lines), chunk_rows=3)
-    assert (log.rows_read, log.rows_kept, log.rows_dropped) == (11, 5, 6)
+    assert (log.read, log.kept, log.num_dropped) == (11, 5, 6)
     first = {reason: rows[0] for reason, rows in dropped(log).items()}
     assert first == {
         "wrong_field_count": {"row": 1, "line": 2, "column": None},
@@ -141,7 +142,7 @@ def test_na_none_and_null_are_text_unless_na_values_says_so(tmp_path):
     lines = ["text,label", "NA,None", "null,NA", "None,null", "nan,N/A", "hello,NA"]
     path = write_lines(tmp_path / "na.csv", lines)
     chunks, log = read_all(path)
-    assert log.rows_kept == 5
+    assert log.kept == 5
     assert chunks[0].texts == ["na", "null", "none", "nan", "hello"]  # cleaned: lower-cased
     assert chunks[0].labels == ["None", "NA", "null", "N/A", "NA"]
     _, log = read_all(path, na_values=frozenset({"NA"}))
@@ -158,16 +159,16 @@ def test_an_undecodable_byte_is_named_by_row_and_line(tmp_path):
         "set data.encoding"
     )
     _, log = read_all(path)
-    assert log.counts == {"undecodable": 1} and log.rows_kept == 4
+    assert log.counts == {"undecodable": 1} and log.kept == 4
     chunks, log = read_all(path, encoding="latin-1")
-    assert log.rows_kept == 5 and "café au lait" in chunks[0].texts
+    assert log.kept == 5 and "café au lait" in chunks[0].texts
 
 
 def test_a_quote_open_at_the_end_of_the_file_drops_its_record_only(tmp_path):
     lines = ["text,label", *good_lines(3), '"never closed,pets', *good_lines(2, start=3)]
     path = write_lines(tmp_path / "open.csv", [*lines, '"still open at the end, money'])
     chunks, log = read_all(path)  # bad_rows=drop, the default: the run goes on
-    assert (log.rows_read, log.rows_kept) == (7, 5)
+    assert (log.read, log.kept) == (7, 5)
     assert [r["line"] for r in log.to_dict()["dropped_records"]] == [5, 8]
     assert [line for chunk in chunks for line in chunk.lines] == [2, 3, 4, 6, 7]
     with pytest.raises(CsvTextError, match=r"open\.csv: row 4 \(line 5\) opens a quote in column"):

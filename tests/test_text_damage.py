@@ -18,7 +18,7 @@ import pytest
 
 from kiln.cli.paths import REPO_ROOT
 from kiln.data import build_data
-from kiln.data.csv_reader import PREVIEW_CHARS, BadRowLog, CsvSettings, read_labelled_rows
+from kiln.data.csv_reader import PREVIEW_CHARS, CsvSettings, read_labelled_rows, row_log
 from kiln.preprocessing.cleaning import TextCleaning, clean_text
 
 from .conftest import FAST, SUBPROCESS_ENV, compose_config, train_in_process
@@ -44,7 +44,7 @@ def _private_cache(tmp_path, monkeypatch):
 def read(path: Path, **settings):
     """{line: (cleaned text, label, flagged)} of the kept rows, and the log."""
     settings = CsvSettings(**{"text_column": "text", "label_column": "label", **settings})
-    log, kept = BadRowLog(str(path)), {}
+    log, kept = row_log(str(path)), {}
     for chunk in read_labelled_rows(path, settings, log):
         for line, text, label, flagged in zip(
             chunk.lines, chunk.texts, chunk.labels, chunk.flagged, strict=True
@@ -97,13 +97,13 @@ def test_rows_read_counts_records(tmp_path):
     quotes = {"stray_quote": 8, "undoubled_quote": 5}
     written = write_damaged_csv(tmp_path / "quotes.csv", 300, quotes)
     _, log = read(written.path)
-    assert log.rows_read == len(written.records) == 300
-    assert log.rows_kept == 300 - 13 and log.counts == {"unbalanced_quote": 13}
+    assert log.read == len(written.records) == 300
+    assert log.kept == 300 - 13 and log.counts == {"unbalanced_quote": 13}
 
     written = write_damaged_csv(tmp_path / "unclosed.csv", 300, {"unclosed_quote": 3})
     _, log = read(written.path)
     inner = sum(r.last_line - r.first_line for r in written.damaged("unclosed_quote"))
-    assert log.rows_read == 300 + inner
+    assert log.read == 300 + inner
 
 
 def test_one_stray_quote_does_not_stop_the_run(tmp_path):

@@ -73,10 +73,10 @@ def train_on_photos(run_dir: Path, damaged, *overrides: str):
 def check_data_report(run_dir: Path, damaged) -> None:
     report = json.loads((run_dir / "data_report.json").read_text())
     train = report["train_dir"]
-    dropped = train["dropped"]
-    assert [f["path"] for f in dropped["truncated"]["first"]] == list(damaged.truncated)
-    assert [f["path"] for f in dropped["empty_file"]["first"]] == list(damaged.empty_files)
-    assert all(f["detail"] for kind in dropped.values() for f in kind["first"])  # the reason
+    records = train["dropped_records"]
+    assert [f["path"] for f in records if f["reason"] == "truncated"] == list(damaged.truncated)
+    assert [f["path"] for f in records if f["reason"] == "empty_file"] == list(damaged.empty_files)
+    assert all(f["detail"] for f in records)  # the reason
     assert train["images_kept"] == damaged.images_kept  # nothing good is lost
     assert train["skipped"] == {"hidden": damaged.hidden, "not_image": damaged.not_image}
     assert set(train["classes_dropped"]) == {damaged.empty_class, damaged.single_image_class}

@@ -1,8 +1,8 @@
 """Checkpoint files: plain dicts, written atomically and only ever loaded with weights_only=True.
 A leaf module: the engine, inference and the CLI all read and write checkpoints through it.
 
-A kill at any moment leaves the previous file intact: we write a temp file in the same directory,
-fsync it, rename it over the target (atomic on POSIX) and fsync the directory.
+A kill at any moment leaves the previous file intact: kiln.atomic writes a temp file in the same
+directory, fsyncs it, renames it over the target (atomic on POSIX) and fsyncs the directory.
 
 A sharded (trainer=fsdp) checkpoint is the same file without the model and optimizer, naming the
 folder (checkpoints/sharded/<step>-<token>/) where torch.distributed.checkpoint wrote them, one
@@ -18,12 +18,12 @@ import os
 import pickle
 import re
 import shutil
-import tempfile
 import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
 
+from kiln.atomic import atomic_file, fsync_directory
 from kiln.errors import DiskFullError, UserError, free_space, is_disk_full
 
 log = logging.getLogger(__name__)
@@ -63,27 +63,18 @@ def atomic_write_bytes(data: bytes, path: Path) -> None:
 
 
 def _atomic_write(path: Path, write) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except (OSError, RuntimeError) as err:
-        # torch's writer reports a full disk as a RuntimeError ("unexpected pos"): judged by
-        # what is left on the disk, before the temp file goes.
-        full = is_disk_full(err) or _nearly_full(path.parent)
-        Path(tmp_name).unlink(missing_ok=True)
-        if full:
-            raise DiskFullError(_write_failure(path, err, disk_full=True)) from None
-        raise CheckpointError(_write_failure(path, err)) from err
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
+    with atomic_file(path, "wb", unique=True, durable=True, failed=_checkpoint_error) as f:
+        write(f)
+
+
+def _checkpoint_error(err: Exception, path: Path) -> None:
+    if not isinstance(err, OSError | RuntimeError):
+        return
+    # torch's writer reports a full disk as a RuntimeError ("unexpected pos"): judged by what
+    # is left on the disk, before the temp file goes.
+    if is_disk_full(err) or _nearly_full(path.parent):
+        raise DiskFullError(_write_failure(path, err, disk_full=True)) from None
+    raise CheckpointError(_write_failure(path, err)) from err
 
 
 def atomic_link(source: Path, path: Path) -> bool:
@@ -102,16 +93,8 @@ def atomic_link(source: Path, path: Path) -> bool:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
+    fsync_directory(path.parent)
     return True
-
-
-def _fsync_directory(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 NEARLY_FULL_BYTES = 1 << 20  # less than this left after a failed write: the disk was full

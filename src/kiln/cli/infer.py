@@ -28,8 +28,8 @@ def run_predict(cfg: InferConfig) -> None:
         read_inputs,
         split_named,
         write_detections,
-        write_predictions,
     )
+    from kiln.inference.tables import write_predictions
 
     output = cfg.output or "preds.csv"
     predictor = Predictor.from_checkpoint(

@@ -30,8 +30,8 @@ What counts as a bad record (`BAD_ROW_REASONS`):
 Kept rows that sit next to a structurally broken record (a wrong field count or an unbalanced
 quote), or that were read again after an unbalanced quote, are *flagged*: a label seen only in
 flagged rows is a suspect, not a class. With bad_rows=drop bad records are counted and listed
-(`BadRowLog`, written to data_report.json); with bad_rows=error the first one stops the run,
-naming the file, row, line and column."""
+(kiln.data.bad_inputs, written to data_report.json); with bad_rows=error the first one stops the
+run, naming the file, row, line and column."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.data.bad_inputs import BadInputLog
 from kiln.errors import UserError
 from kiln.preprocessing.cleaning import TextCleaning, clean_text
 
@@ -117,46 +118,9 @@ class BadRow:
         return {**where, "column": self.column, "preview": self.preview}
 
 
-@dataclass
-class BadRowLog:
-    """Per file: records read and kept, the count per reason, and every dropped record."""
-
-    path: str
-    rows_read: int = 0
-    rows_kept: int = 0
-    counts: dict[str, int] = field(default_factory=dict)
-    records: list[dict] = field(default_factory=list)
-
-    def add(self, bad: BadRow) -> None:
-        self.counts[bad.reason] = self.counts.get(bad.reason, 0) + 1
-        self.records.append(bad.to_dict())
-
-    @property
-    def rows_dropped(self) -> int:
-        return sum(self.counts.values())
-
-    def to_dict(self) -> dict:
-        return {
-            "path": self.path,
-            "rows_read": self.rows_read,
-            "rows_kept": self.rows_kept,
-            "rows_dropped": self.rows_dropped,
-            "dropped": {r: self.counts[r] for r in BAD_ROW_REASONS if r in self.counts},
-            "dropped_records": sorted(self.records, key=lambda r: r["line"]),
-        }
-
-    def summary(self) -> str:
-        """One line for the log: totals and the count per reason."""
-        return summary_line(self.to_dict())
-
-
-def summary_line(entry: dict) -> str:
-    """`<file>: N records read, K kept, D dropped (reason n, ...)` from a BadRowLog dict."""
-    reasons = ", ".join(f"{r} {n}" for r, n in entry["dropped"].items())
-    return (
-        f"{entry['path']}: {entry['rows_read']:,} records read, {entry['rows_kept']:,} kept, "
-        f"{entry['rows_dropped']:,} dropped" + (f" ({reasons})" if reasons else "")
-    )
+def row_log(path: str) -> BadInputLog:
+    """The bad-input report of one CSV file: every dropped record, in file order."""
+    return BadInputLog(path, "rows", BAD_ROW_REASONS)
 
 
 def preview(text: str) -> str:
@@ -166,28 +130,28 @@ def preview(text: str) -> str:
     return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "\u2026"
 
 
-def account(log: BadRowLog, settings: CsvSettings, path: Path | str, bad: BadRow | None) -> None:
+def account(log: BadInputLog, settings: CsvSettings, path: Path | str, bad: BadRow | None) -> None:
     """Counts one record read: kept (bad is None) or dropped; bad_rows=error raises instead."""
-    log.rows_read += 1
+    log.read += 1
     if bad is None:
-        log.rows_kept += 1
+        log.kept += 1
         return
     _drop(log, settings, path, bad)
 
 
-def drop_kept(log: BadRowLog, settings: CsvSettings, path: Path | str, bad: BadRow) -> None:
+def drop_kept(log: BadInputLog, settings: CsvSettings, path: Path | str, bad: BadRow) -> None:
     """A row kept while reading, dropped once the whole file is known (a suspect label...)."""
-    log.rows_kept -= 1
+    log.kept -= 1
     _drop(log, settings, path, bad)
 
 
-def _drop(log: BadRowLog, settings: CsvSettings, path: Path | str, bad: BadRow) -> None:
+def _drop(log: BadInputLog, settings: CsvSettings, path: Path | str, bad: BadRow) -> None:
     if settings.bad_rows == "error":
         raise CsvTextError(
             f"{path}: row {bad.row} (line {bad.line}) {bad.what} (data.bad_rows=drop skips "
             "such rows, listing them in data_report.json)"
         )
-    log.add(bad)
+    log.add(bad.to_dict())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -689,7 +653,7 @@ class _Checker:
 
 
 def read_labelled_rows(
-    path: str | Path, settings: CsvSettings, log: BadRowLog
+    path: str | Path, settings: CsvSettings, log: BadInputLog
 ) -> Iterator[RowChunk]:
     """Yields the kept rows chunk by chunk (settings.chunk_rows records each); counts every
     record in `log`. With settings.bad_rows == "error" the first bad record raises."""
@@ -700,7 +664,7 @@ def read_labelled_rows(
         checker = _Checker(settings, records.columns)
         records.label_at = checker.label_at
         yield from _chunks(records, checker, settings, log, path)
-    if log.rows_read == 0:
+    if log.read == 0:
         raise CsvTextError(f"{path}: has a header but no data rows")
 
 

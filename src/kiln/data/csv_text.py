@@ -31,18 +31,19 @@ import torch
 from torch import Tensor
 
 from kiln.config.data import CsvTextConfig
+from kiln.data.bad_inputs import BadInputLog, summary_line
 from kiln.data.csv_reader import (
     BadRow,
-    BadRowLog,
     CsvSettings,
     CsvTextError,
     RowChunk,
     drop_kept,
     preview,
     read_labelled_rows,
-    summary_line,
+    row_log,
 )
 from kiln.data.spec import DataBundle, DataSpec, SourceNames
+from kiln.data.split import stratified_split, val_count
 from kiln.data.text_corpus import demo_corpus
 from kiln.data.token_store import (
     ENCODE_BATCH,
@@ -127,43 +128,9 @@ def token_batch_metrics(batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
 
 def split_rows(labels: np.ndarray, val_fraction: float, seed: int):
     """(train rows, val rows): round(n * val_fraction) rows for validation, stratified by label
-    where every class can be in both splits, seeded by data.split_seed. (numpy only: importing
-    scikit-learn for this would cost every text run a second of start-up.)"""
-    n = len(labels)
-    num_val = round(n * val_fraction)
-    if num_val < 1 or num_val >= n:
-        raise CsvTextError(
-            f"data.val_fraction={val_fraction} of {n} rows leaves an empty split; "
-            "use more rows, another val_fraction, or data.val_path"
-        )
-    order = np.random.default_rng(seed).permutation(n)
-    counts = np.bincount(labels)
-    present = np.flatnonzero(counts)
-    # Stratify only where every class can be in both splits.
-    if counts[present].min() < 2 or not len(present) <= num_val <= n - len(present):
-        return order[num_val:], order[:num_val]
-    take = _val_counts(counts[present], num_val)
-    in_val = np.zeros(n, dtype=bool)
-    shuffled = labels[order]
-    for label, count in zip(present.tolist(), take.tolist(), strict=True):
-        in_val[order[shuffled == label][:count]] = True
-    return order[~in_val[order]], order[in_val[order]]
-
-
-def _val_counts(counts: np.ndarray, num_val: int) -> np.ndarray:
-    """Per class its share of num_val rows (largest remainders first), each at least 1 and at
-    most its count - 1, summing to num_val."""
-    share = counts * num_val / counts.sum()
-    take = np.clip(np.floor(share).astype(np.int64), 1, counts - 1)
-    by_remainder = np.argsort(-(share - np.floor(share)), kind="stable")
-    while take.sum() != num_val:
-        step = 1 if take.sum() < num_val else -1
-        for k in by_remainder if step == 1 else by_remainder[::-1]:
-            if 1 <= take[k] + step <= counts[k] - 1:
-                take[k] += step
-                if take.sum() == num_val:
-                    break
-    return take
+    where every class can be in both splits, seeded by data.split_seed (kiln.data.split)."""
+    num_val = val_count(len(labels), val_fraction, "rows", "data.val_path", CsvTextError)
+    return stratified_split(labels, num_val, seed)
 
 
 def _split(texts: list[str], labels: list[str], val_fraction: float, seed: int):
@@ -285,7 +252,7 @@ def _train_classes(cfg: CsvTextConfig, read: _FileRows) -> tuple[list[str], dict
     return classes, suspects
 
 
-def _leave_out(read, keep, reason, what, spool_texts, settings, log: BadRowLog) -> None:
+def _leave_out(read, keep, reason, what, spool_texts, settings, log: BadInputLog) -> None:
     """Drops the rows of `read` where not keep[i], after the fact, each named in `log`."""
     column = settings.label_column
     by_code = {code: name for name, code in read.names.items()}
@@ -453,7 +420,7 @@ def build_entry(
     cfg: CsvTextConfig,
     train_chunks: Iterable[RowChunk],
     val_chunks: Iterable[RowChunk] | None,
-    logs: dict[str, BadRowLog],
+    logs: dict[str, BadInputLog],
     settings: CsvSettings,
 ) -> None:
     """Writes a token store into `directory`: read + clean (chunks) -> spool on disk -> the
@@ -490,10 +457,10 @@ def build_entry(
     )
 
 
-def _demo_chunks(cfg: CsvTextConfig, log_: BadRowLog) -> list[RowChunk]:
+def _demo_chunks(cfg: CsvTextConfig, log_: BadInputLog) -> list[RowChunk]:
     texts, labels = demo_corpus()
     rows = list(range(1, len(texts) + 1))
-    log_.rows_read = log_.rows_kept = len(texts)
+    log_.read = log_.kept = len(texts)
     lines = [row + 1 for row in rows]  # after the header line a CSV of them would have
     cleaned = clean_texts(texts, cleaning_of(cfg))
     return [RowChunk(cleaned, labels, rows, lines, [False] * len(rows))]
@@ -530,7 +497,7 @@ def prepare(cfg: CsvTextConfig) -> tuple[StoreEntry, dict]:
     start = time.perf_counter()
     settings = csv_settings(cfg)
     if cfg.train_path is None:
-        logs = {"train_file": BadRowLog("demo corpus")}
+        logs = {"train_file": row_log("demo corpus")}
         entry = built_in_memory(
             lambda d: build_entry(
                 d, cfg, _demo_chunks(cfg, logs["train_file"]), None, logs, settings
@@ -543,9 +510,9 @@ def prepare(cfg: CsvTextConfig) -> tuple[StoreEntry, dict]:
                 raise CsvTextError(f"{path}: no such file (set data.train_path / data.val_path)")
         root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
         name = f"{Path(cfg.train_path).stem}-{cache_key(_key_inputs(cfg))}"
-        logs = {"train_file": BadRowLog(str(cfg.train_path))}
+        logs = {"train_file": row_log(str(cfg.train_path))}
         if cfg.val_path is not None:
-            logs["val_file"] = BadRowLog(str(cfg.val_path))
+            logs["val_file"] = row_log(str(cfg.val_path))
 
         def build(directory: Path) -> None:
             train = read_labelled_rows(cfg.train_path, settings, logs["train_file"])

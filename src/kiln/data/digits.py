@@ -1,12 +1,12 @@
-"""scikit-learn's bundled 8x8 digits: real handwriting, no download. The split is scikit-learn's
-(load_digits + a stratified train_test_split), cached as arrays after the first run: importing
-scikit-learn costs about 1.4 s, a quarter of a short digits run."""
+"""scikit-learn's bundled 8x8 digits: real handwriting, no download. The split is kiln.data.split's
+(scikit-learn's stratified train_test_split to the index), cached as arrays after the first run:
+importing scikit-learn (for load_digits) costs about 1.4 s, a quarter of a short digits run."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -14,31 +14,27 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from kiln.atomic import atomic_file
 from kiln.config.data import DigitsConfig
 from kiln.data.spec import DataBundle, DataSpec, SourceNames
+from kiln.data.split import stratified_split
 from kiln.preprocessing import ImageRecipe, normalise
 
 SPLIT_KEYS = ("x_train", "x_val", "y_train", "y_val", "i_val")
 
 
-def split_with_sklearn(cfg: DigitsConfig) -> dict[str, np.ndarray]:
+def split_digits(cfg: DigitsConfig) -> dict[str, np.ndarray]:
     from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
 
     raw = load_digits()
     images = raw.images.astype(np.float32)[:, None, :, :]  # (N, 1, 8, 8), values 0..16
     labels = raw.target.astype(np.int64)
-    # The images' indices ride along (the split is the same with or without them): a report
-    # names each validation image by its place in scikit-learn's load_digits().
-    x_train, x_val, y_train, y_val, _, i_val = train_test_split(
-        images,
-        labels,
-        np.arange(len(labels)),
-        test_size=cfg.val_fraction,
-        random_state=cfg.split_seed,
-        stratify=labels,
-    )
-    return dict(zip(SPLIT_KEYS, (x_train, x_val, y_train, y_val, i_val), strict=True))
+    # train_test_split's count for a fractional test_size, as earlier runs held out.
+    num_val = math.ceil(cfg.val_fraction * len(labels))
+    # i_val: a report names each validation image by its place in load_digits().
+    i_train, i_val = stratified_split(labels, num_val, cfg.split_seed)
+    arrays = (images[i_train], images[i_val], labels[i_train], labels[i_val], i_val)
+    return dict(zip(SPLIT_KEYS, arrays, strict=True))
 
 
 def split_cache_path(cfg: DigitsConfig) -> Path:
@@ -57,17 +53,12 @@ def digits_split(cfg: DigitsConfig) -> dict[str, np.ndarray]:
             return {key: cached[key] for key in SPLIT_KEYS}
     except (OSError, KeyError, ValueError, zipfile.BadZipFile):
         pass
-    split = split_with_sklearn(cfg)
-    tmp = None
+    split = split_digits(cfg)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npz", delete=False) as f:
-            tmp = f.name
+        with atomic_file(path, unique=True) as f:  # runs starting side by side: one wins
             np.savez(f, **split)
-        os.replace(tmp, path)  # whole or not at all, even with runs starting side by side
     except OSError:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        pass
     return split
 
 

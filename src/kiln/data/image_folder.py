@@ -26,26 +26,27 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from kiln.atomic import write_json
 from kiln.config.data import Augment, ImageFolderConfig, Normalize
 from kiln.data.image_scan import (
     FolderImages,
     ImageFolderError,
     default_cache_dir,
+    folder_line,
     read_folder,
 )
 from kiln.data.spec import DataBundle, DataSpec
+from kiln.data.split import stratified_split, val_count
 from kiln.preprocessing import ImageRecipe
 from kiln.preprocessing.image_files import (
     DEFAULT_CROP_PCT,
@@ -58,6 +59,7 @@ from kiln.preprocessing.image_files import (
     to_unit,
 )
 from kiln.preprocessing.pretrained import PretrainedInput
+from kiln.rng import forked
 from kiln.sorting import natural_key
 
 log = logging.getLogger(__name__)
@@ -133,21 +135,6 @@ def batch_seed(item_seeds: Sequence[int]) -> int:
     return (int(words[0]) << 31) ^ int(words[1])
 
 
-class _seeded:
-    """torch's CPU RNG seeded for a block and restored after it (the training RNG is not ours)."""
-
-    def __init__(self, seed: int):
-        self.seed = seed
-
-    def __enter__(self):
-        self.fork = torch.random.fork_rng(devices=[])
-        self.fork.__enter__()
-        torch.default_generator.manual_seed(self.seed)
-
-    def __exit__(self, *exc):
-        return self.fork.__exit__(*exc)
-
-
 # ---------------------------------------------------------------------------------------------
 # Dataset and batches
 
@@ -187,7 +174,7 @@ class ImageFiles(Dataset):
         if not self.train:
             return self.finish(self.transform(image)), label
         sample_seed = item_seed(seed, epoch, index)
-        with _seeded(sample_seed):
+        with forked(sample_seed, cuda=False):
             pixels = self.transform(image)
         return self.finish(pixels), label, sample_seed
 
@@ -220,7 +207,7 @@ class ImageCollate:
         labels = torch.tensor([item[1] for item in items], dtype=torch.int64)
         if self.mix is None or len(items[0]) < 3:  # validation and test: never mixed
             return images, labels
-        with _seeded(batch_seed([item[2] for item in items])):
+        with forked(batch_seed([item[2] for item in items]), cuda=False):
             mixed, soft = self.mix(images, labels)
         return mixed, soft
 
@@ -265,21 +252,13 @@ def dataset_stats(
     mean = total[0] / count
     std = (total[1] / count - mean.square()).clamp_min(0).sqrt()
     mean_t, std_t = tuple(mean.tolist()), tuple(std.tolist())
-    _write_json_atomic(cached, {"mean": mean_t, "std": std_t, "images": len(paths)})
+    write_json(cached, {"mean": mean_t, "std": std_t, "images": len(paths)}, unique=True)
     return mean_t, std_t, False
 
 
 def _stamp(path: str) -> tuple[int, int]:
     st = os.stat(path)
     return st.st_size, st.st_mtime_ns
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
 
 
 def normalisation(
@@ -329,24 +308,10 @@ def normalisation(
 
 
 def split_files(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, ...]:
-    """(train, val) positions: round(n * val_fraction) for validation, stratified by class
-    where every class can be in both splits, seeded by data.split_seed."""
-    from sklearn.model_selection import train_test_split
-
-    n = len(labels)
-    num_val = round(n * val_fraction)
-    if num_val < 1 or num_val >= n:
-        raise ImageFolderError(
-            f"data.val_fraction={val_fraction} of {n} images leaves an empty split "
-            "(data.val_fraction): use more images, another val_fraction, or data.val_dir"
-        )
-    counts = np.bincount(labels)
-    counts = counts[counts > 0]
-    can_stratify = counts.min() >= 2 and len(counts) <= num_val <= n - len(counts)
-    train, val = train_test_split(
-        np.arange(n), test_size=num_val, random_state=seed,
-        stratify=labels if can_stratify else None,
-    )  # fmt: skip
+    """(train, val) positions in file order: round(n * val_fraction) for validation, stratified
+    by class where every class can be in both splits, seeded by data.split_seed."""
+    num_val = val_count(len(labels), val_fraction, "images", "data.val_dir", ImageFolderError)
+    train, val = stratified_split(labels, num_val, seed)
     return np.sort(train), np.sort(val)
 
 
@@ -384,7 +349,7 @@ def log_report(report: dict) -> None:
         if folder is None:
             continue
         bad = folder["images_dropped"] or folder["skipped"]
-        (log.warning if bad else log.info)("data: %s%s", _folder_line(folder),
+        (log.warning if bad else log.info)("data: %s%s", folder_line(folder),
                                            " (see data_report.json)" if bad else "")  # fmt: skip
         for name, why in folder.get("classes_dropped", {}).items():
             holds = "no good image" if why["reason"] == "empty" else "a single good image"
@@ -416,16 +381,6 @@ def log_report(report: dict) -> None:
         report["normalize"]["source"],
         report["prepare_s"],
     )
-
-
-def _folder_line(folder: dict) -> str:
-    dropped = ", ".join(f"{r} {d['count']}" for r, d in folder["dropped"].items())
-    skipped = ", ".join(f"{r} {n}" for r, n in folder["skipped"].items())
-    line = (
-        f"{folder['path']}: {folder['files']} files, {folder['images_kept']} images kept, "
-        f"{folder['images_dropped']} dropped" + (f" ({dropped})" if dropped else "")
-    )
-    return line + (f", skipped {skipped}" if skipped else "")
 
 
 def build_image_folder(
@@ -485,6 +440,7 @@ def build_image_folder(
     )
     report = {
         **{key: folder.log.to_dict() for key, folder in folders.items()},
+        "summary": [folder.log.summary() for folder in folders.values()],  # as a CSV's report
         "classes": class_names,
         "images": {split: len(p) for split, p in paths.items()},
         "class_counts": {

@@ -17,13 +17,14 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
+from kiln.atomic import write_json
+from kiln.data.bad_inputs import BadInputLog
 from kiln.errors import UserError
 from kiln.preprocessing.file_tree import (
     CANNOT_OPEN,
@@ -70,16 +71,16 @@ def default_cache_dir() -> Path:
 
 
 @dataclass
-class FolderLog:
-    """What one folder (train_dir, val_dir or test_dir) held, file by file."""
+class FolderLog(BadInputLog):
+    """What one folder (train_dir, val_dir or test_dir) held, file by file: the bad-input
+    report every dataset writes (kiln.data.bad_inputs; read: image files decoded or found in the
+    verdict cache, kept: in the dataset), and what the walk passed over."""
 
-    path: str
+    unit: str = "images"
+    reasons: tuple[str, ...] = BAD_FILE_REASONS
+    listed_per_reason: int | None = FIRST_FILES_KEPT
     files: int = 0  # every file seen (outside hidden folders)
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count (files or folders)
-    images_read: int = 0  # image files decoded (or found in the verdict cache)
-    images_kept: int = 0  # in the dataset
-    dropped: dict[str, list[dict]] = field(default_factory=dict)  # bad files: reason -> files
-    dropped_counts: dict[str, int] = field(default_factory=dict)
     classes_dropped: dict[str, dict] = field(default_factory=dict)  # train: too few images
     unknown_classes: dict[str, int] = field(default_factory=dict)  # val/test: not in train
     images_unused: int = 0  # good images of dropped or unknown classes
@@ -88,33 +89,17 @@ class FolderLog:
         self.skipped[reason] = self.skipped.get(reason, 0) + count
 
     def drop(self, path: str, error: BadFile) -> None:
-        reason = error.reason
-        self.dropped_counts[reason] = self.dropped_counts.get(reason, 0) + 1
-        shown = self.dropped.setdefault(reason, [])
-        if len(shown) < FIRST_FILES_KEPT:
-            entry = {"path": path, "detail": error.detail}
-            if isinstance(error, ImageTooLargeError):
-                entry |= {"pixels": error.pixels, "max_pixels": error.max_pixels}
-            shown.append(entry)
-
-    @property
-    def images_dropped(self) -> int:
-        return sum(self.dropped_counts.values())
+        record = {"reason": error.reason, "path": path, "detail": error.detail}
+        if isinstance(error, ImageTooLargeError):
+            record |= {"pixels": error.pixels, "max_pixels": error.max_pixels}
+        self.add(record)
 
     def to_dict(self) -> dict:
         out = {
-            "path": self.path,
+            **super().to_dict(),
             "files": self.files,
-            "images_read": self.images_read,
-            "images_kept": self.images_kept,
-            "images_dropped": self.images_dropped,
             "images_unused": self.images_unused,
             "skipped": {r: self.skipped[r] for r in SKIP_REASONS if r in self.skipped},
-            "dropped": {
-                reason: {"count": self.dropped_counts[reason], "first": self.dropped[reason]}
-                for reason in BAD_FILE_REASONS
-                if reason in self.dropped_counts
-            },
         }
         if self.classes_dropped:
             out["classes_dropped"] = self.classes_dropped
@@ -124,17 +109,23 @@ class FolderLog:
 
     def summary(self) -> str:
         """One line for the log: totals, then the counts per reason."""
-        dropped = ", ".join(f"{r} {n}" for r, n in sorted(self.dropped_counts.items()))
-        skipped = ", ".join(f"{r} {self.skipped[r]}" for r in SKIP_REASONS if r in self.skipped)
-        line = (
-            f"{self.path}: {self.files} files, {self.images_kept} images kept, "
-            f"{self.images_dropped} dropped" + (f" ({dropped})" if dropped else "")
-        )
-        if skipped:
-            line += f", skipped {skipped}"
-        if self.images_unused:
-            line += f", {self.images_unused} in classes not used"
-        return line
+        return folder_line(self.to_dict())
+
+
+def folder_line(folder: dict) -> str:
+    """`<path>: F files, K images kept, D dropped (reason n, ...), skipped ...` from a report
+    entry."""
+    dropped = ", ".join(f"{r} {n}" for r, n in folder["dropped"].items())
+    skipped = ", ".join(f"{r} {n}" for r, n in folder["skipped"].items())
+    line = (
+        f"{folder['path']}: {folder['files']} files, {folder['images_kept']} images kept, "
+        f"{folder['images_dropped']} dropped" + (f" ({dropped})" if dropped else "")
+    )
+    if skipped:
+        line += f", skipped {skipped}"
+    if folder["images_unused"]:
+        line += f", {folder['images_unused']} in classes not used"
+    return line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,11 +257,8 @@ class VerdictCache:
     def save(self) -> None:
         if not self.checked:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".verdicts-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"tag": self.tag, "entries": self.entries}, f)
-        os.replace(tmp, self.path)
+        # Runs sharing the cache may save it side by side.
+        write_json(self.path, {"tag": self.tag, "entries": self.entries}, unique=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,9 +302,9 @@ def read_folder(
         raise ImageFolderError(
             f"cannot list {folder}: {err.strerror or err} (data.{key}): give a folder you can read"
         ) from None
-    if bad_rows == "error" and log_.dropped:
-        reason, shown = next(iter(log_.dropped.items()))
-        raise ImageFolderError(_bad_file_error(shown[0]["path"], reason, shown[0]["detail"]))
+    if bad_rows == "error" and log_.records:
+        first = log_.records[0]
+        raise ImageFolderError(_bad_file_error(first["path"], first["reason"], first["detail"]))
     if not listed:
         raise ImageFolderError(
             f"{folder} has no class subfolders (data.{key}): put each class's images in a "
@@ -330,7 +318,7 @@ def read_folder(
     else:
         verdicts = cache.verdicts(candidates, check)
         cache.save()
-    log_.images_read = len(candidates)
+    log_.read = len(candidates)
     known = None if classes is None else set(classes)
     images = FolderImages([], [], log_)
     for name, paths in listed.items():
@@ -353,7 +341,7 @@ def read_folder(
             continue
         images.paths += good
         images.labels += [name] * len(good)
-    log_.images_kept = len(images.paths)
+    log_.kept = len(images.paths)
     if cache is not None:
         images.cache = {"file": str(cache.path), "hits": cache.hits, "checked": cache.checked}
     return images

@@ -37,6 +37,7 @@ from kiln.config import GROUP_SCHEMAS, KilnConfig, option_from_dict
 from kiln.engine.batches import move_to
 from kiln.engine.distributed import DistInfo
 from kiln.engine.environment import run_environment
+from kiln.guards.no_trace import untouched
 from kiln.guards.numerics import (
     FirstNonFinite,
     FirstOp,
@@ -263,12 +264,8 @@ def _batches(trainer):
     while True:
         if s.batch_in_epoch >= trainer.batches_per_epoch:
             s.epoch, s.batch_in_epoch = s.epoch + 1, 0
-        trainer.train_loader.sampler.set_epoch(
-            s.epoch, skip=s.batch_in_epoch * trainer.train_loader.batch_size
-        )
-        trainer.train_loader.generator.manual_seed(trainer.seed * 1000 + s.epoch)
         epoch = s.epoch
-        iterator = iter(trainer.train_loader)
+        iterator = trainer.epoch_batches()
         while s.epoch == epoch and s.batch_in_epoch < trainer.batches_per_epoch:
             yield iterator
 
@@ -410,15 +407,12 @@ def _describe_values(t: torch.Tensor) -> str:
 
 def _replay_evaluation(trainer, run_dir: Path, step: int, found: Replay) -> Replay:
     """The evaluation after `step`, from the checkpoint written after it."""
-    from kiln.guards.shape_check import _restore as restore_model
-    from kiln.guards.shape_check import _snapshot
-
     _restore(trainer, run_dir, step, found, at_most=True)
     model, forward = trainer.raw_model, trainer.criterion.forward
     model.eval()
     bad_batch = None
     with torch.no_grad():
-        for i, batch in enumerate(trainer._val_batches()):
+        for i, batch in enumerate(trainer.val_batches()):
             with trainer.precision.autocast():
                 output = forward(model, batch, False)
             if nonfinite_count(output):
@@ -436,13 +430,9 @@ def _replay_evaluation(trainer, run_dir: Path, step: int, found: Replay) -> Repl
     finally:
         modules.close()
     found.first_op, found.first_module = tracer.found, modules.first_bad
-    snapshot = _snapshot(model)
-    try:
+    with untouched(model), torch.no_grad(), trainer.precision.autocast():
         model.train()
-        with torch.no_grad(), trainer.precision.autocast():
-            found.train_mode_finite = not nonfinite_count(forward(model, bad_batch, True))
-    finally:
-        restore_model(model, snapshot)
+        found.train_mode_finite = not nonfinite_count(forward(model, bad_batch, True))
     if found.first_module is not None:
         path = found.first_module[0]
         module = model.get_submodule(path) if path else model

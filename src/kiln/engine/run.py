@@ -49,7 +49,7 @@ from kiln.engine.precision import resolve_precision
 from kiln.engine.preemption import Interrupted, Preempted
 from kiln.engine.rank_watch import RankWatch, reporting_failure
 from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge, map_position
-from kiln.engine.seeding import seed_everything, set_deterministic
+from kiln.engine.seeding import set_deterministic
 from kiln.engine.sharded_checkpoint import ShardedWriter
 from kiln.engine.throughput import peak_flops
 from kiln.engine.trainer import (
@@ -68,6 +68,7 @@ from kiln.logging.summary import summarize, write_json, write_summary
 from kiln.models import build_model, without_weights
 from kiln.preprocessing.pretrained import PretrainedInput, pretrained_input
 from kiln.registry import config_dirs, plugin_sources
+from kiln.rng import forked, seed_everything
 from kiln.threads import BusyElsewhere
 
 log = logging.getLogger(__name__)
@@ -337,7 +338,7 @@ def option_behind(names: list[str], spec, cfg: KilnConfig, want_aux: bool) -> st
             candidates.append((f"model.{f.name}=false", off, want_aux))
     for override, model_cfg, aux in candidates:
         try:
-            with torch.device("meta"), torch.random.fork_rng():
+            with torch.device("meta"), forked():
                 model = build_model(spec, model_cfg, aux_head=aux)
             built = {name for name, _ in model.named_parameters()}
         except Exception:  # an option this builder cannot switch: not the one

@@ -1,19 +1,10 @@
-"""One seed drives python, numpy and torch (CPU and CUDA); DataLoader workers are seeded from the
-loader's own generator (kiln.data.loaders)."""
+"""Deterministic kernels. (The seed and the generators' states live in kiln.rng.)"""
 
 from __future__ import annotations
 
 import os
-import random
 
-import numpy as np
 import torch
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # also seeds every CUDA device
 
 
 def set_deterministic(enabled: bool) -> None:

@@ -348,12 +348,7 @@ class Trainer:
     def train_epoch(self) -> None:
         s = self.state
         self.apply_freeze()
-        sampler = self.train_loader.sampler
-        sampler.set_epoch(s.epoch, skip=s.batch_in_epoch * self.train_loader.batch_size)
-        # Worker seeds are drawn from this generator: re-seed it per epoch so a resumed run
-        # hands its workers the same seeds as an uninterrupted one.
-        self.train_loader.generator.manual_seed(self.seed * 1000 + s.epoch)
-        batches = iter(self.train_loader)
+        batches = self.epoch_batches()
         self.model.train()  # once an epoch: the probes and evaluations before it switched modes
         with self._progress_bar() as bar:
             while s.batch_in_epoch < self.batches_per_epoch:
@@ -639,7 +634,7 @@ class Trainer:
         raw = self.evaluate()
         self.last_eval, chosen, use_ema = dict(raw), raw, False
         if self.ema is not None:  # the average, evaluated beside the weights
-            averaged = self.parts.evaluator(self.ema.module, self._val_batches())
+            averaged = self.parts.evaluator(self.ema.module, self.val_batches())
             self.last_eval.update({f"ema_{k}": v for k, v in averaged.items()})
             monitor = self.checkpointer.monitor
             use_ema = self.checkpointer.is_improvement(averaged.get(monitor), raw.get(monitor))
@@ -715,7 +710,7 @@ class Trainer:
     def evaluate(self) -> dict:
         self.check_shapes()
         self.model.eval()
-        return self.parts.evaluator(self.raw_model, self._val_batches())
+        return self.parts.evaluator(self.raw_model, self.val_batches())
 
     def apply_freeze(self) -> None:
         """model.freeze for the epoch about to start; DDP is re-wrapped when parameters thaw
@@ -733,7 +728,21 @@ class Trainer:
         if self.parts.rewrap is not None:
             self.model = self.parts.rewrap()
 
-    def _val_batches(self):
+    def epoch_batches(self) -> Iterator:
+        """The current epoch's training batches from the state's position (state.epoch,
+        state.batch_in_epoch): the same batches, and the same worker seeds, for a resumed run as
+        for an uninterrupted one."""
+        s = self.state
+        self.train_loader.sampler.set_epoch(
+            s.epoch, skip=s.batch_in_epoch * self.train_loader.batch_size
+        )
+        # Worker seeds are drawn from this generator: re-seeded per epoch.
+        self.train_loader.generator.manual_seed(self.seed * 1000 + s.epoch)
+        return iter(self.train_loader)
+
+    def val_batches(self) -> Iterator:
+        """The validation batches an evaluation reads (at most trainer.limit_val_batches), on
+        the device."""
         limit = self.cfg.limit_val_batches
         for i, batch in enumerate(self.val_loader):
             if 0 <= limit <= i:

@@ -19,6 +19,7 @@ from kiln.guards.input_sizes import select
 from kiln.guards.no_trace import untouched
 from kiln.guards.rules import DETERMINISM, ProbeFailure
 from kiln.guards.tree import copy_batch, iter_tensors
+from kiln.rng import forked
 
 Forward = Callable[[nn.Module, Any, bool], Any]
 
@@ -85,8 +86,7 @@ def _random(model: nn.Module, batch: Any, forward: Forward) -> bool:
     difference came from random numbers (else from state the model keeps)."""
     outputs = []
     for _ in range(2):
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
+        with forked(seed=0):
             outputs.append(forward(model, batch, False))
     return _difference(*outputs) is None
 

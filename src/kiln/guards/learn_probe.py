@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kiln.guards.rules import LEARN, ProbeFailure
+from kiln.rng import forked
 
 STEPS = 5  # optimizer steps on the fixed batch
 MIN_DROP = 1e-3  # the loss must fall by this share of itself
@@ -61,8 +62,7 @@ class LearnResult:
 def seeded_loss(model: nn.Module, criterion, batch: Any, grad: bool) -> torch.Tensor:
     """The batch's loss in train mode with the same random numbers every time (the same dropout
     masks): a change between two calls is the weights' own."""
-    with torch.set_grad_enabled(grad), torch.random.fork_rng():
-        torch.manual_seed(MEASURE_SEED)
+    with torch.set_grad_enabled(grad), forked(seed=MEASURE_SEED):
         model.train()
         loss, _ = criterion(model, batch)
     return loss

@@ -29,6 +29,7 @@ from kiln.guards.outputs import check_logits
 from kiln.guards.shape_check import check_train_eval_agreement
 from kiln.guards.tree import copy_batch
 from kiln.models import logits_of
+from kiln.rng import forked
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def copy_or_build(model: nn.Module, build: Callable[[Any], nn.Module], spec: Any
     copied) a new unsharded build of the same architecture."""
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
     if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
-        with torch.random.fork_rng():  # initialising weights draws random numbers: not ours
+        with forked():  # initialising weights draws random numbers: not ours
             return build(spec)
     return copy.deepcopy(model)
 

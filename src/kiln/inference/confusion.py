@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.atomic import atomic_file
+
 CELL_INCHES = 0.36  # per class: room for a 4-digit count at the smallest font
 MIN_SIDE_INCHES = 6.0
 MAX_NAME_CHARS = 28  # longer class names are shortened with "..." (the full ones are in JSON)
@@ -78,8 +80,7 @@ def write_confusion_matrix(counts: np.ndarray, class_names: list[str], path: Pat
     import matplotlib.pyplot as plt
 
     figure = confusion_figure(counts, class_names, title)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    figure.savefig(tmp, dpi=DPI)
+    with atomic_file(path) as f:  # a viewer never sees half a file
+        figure.savefig(f, format="png", dpi=DPI)
     plt.close(figure)
-    tmp.replace(path)  # a viewer never sees half a file
     return path

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.atomic import atomic_file, write_json
 from kiln.errors import UserError
 from kiln.inference.labelled import (
     FIRST_SKIPPED,
@@ -37,6 +38,7 @@ from kiln.inference.labelled import (
     read_labelled_folder,
 )
 from kiln.inference.predictor import Predictor
+from kiln.inference.tables import write_predictions
 from kiln.preprocessing import InputError
 from kiln.preprocessing.image_files import DEFAULT_MAX_PIXELS
 
@@ -148,19 +150,6 @@ def classification_metrics(
     return out
 
 
-def predictions_frame(probs, targets, sources, class_names):
-    """Every input: index, source, true, label (predicted), prob_<class>... (predict's columns)."""
-    import pandas as pd
-
-    names = list(class_names)
-    frame = pd.DataFrame(probs, columns=[f"prob_{name}" for name in names])
-    frame.insert(0, "label", [names[i] for i in probs.argmax(axis=1)])
-    frame.insert(0, "true", [names[i] for i in targets])
-    frame.insert(0, "source", list(sources))
-    frame.insert(0, "index", np.arange(len(probs)))
-    return frame
-
-
 def most_confident_errors(probs, targets, sources, class_names, limit: int):
     """The wrong predictions, highest probability of the (wrong) prediction first; ties keep
     the inputs' order. Columns: source, true, predicted, prob_predicted, prob_true."""
@@ -209,11 +198,11 @@ def write_classification_report(
     write_confusion_matrix(counts, list(class_names), directory / CONFUSION_FILE, title)
     errors = most_confident_errors(probs, targets, sources, class_names, num_errors)
     _write_csv(errors, directory / ERRORS_FILE)
-    _write_csv(
-        predictions_frame(probs, targets, sources, class_names), directory / PREDICTIONS_FILE
-    )
+    names = list(class_names)
+    write_predictions(probs, names, directory / PREDICTIONS_FILE, list(sources),
+                      truth=[names[i] for i in targets])  # fmt: skip
     metrics["files"] = [METRICS_FILE, CONFUSION_FILE, ERRORS_FILE, PREDICTIONS_FILE]
-    _write_json(directory / METRICS_FILE, metrics)
+    write_json(directory / METRICS_FILE, metrics, indent=2)
     return Report(directory, metrics)
 
 
@@ -247,7 +236,7 @@ def write_detection_report(
     errors = detection_errors(detections, targets, sources, class_names, num_errors)
     _write_csv(errors, directory / ERRORS_FILE)
     metrics["files"] = [METRICS_FILE, ERRORS_FILE]
-    _write_json(directory / METRICS_FILE, metrics)
+    write_json(directory / METRICS_FILE, metrics, indent=2)
     return Report(directory, metrics)
 
 
@@ -569,12 +558,5 @@ def _check_lengths(count: int, targets, sources) -> None:
 
 
 def _write_csv(frame, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    frame.to_csv(tmp, index=False)
-    tmp.replace(path)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    with atomic_file(path, "w", newline="", encoding="utf-8") as f:
+        frame.to_csv(f, index=False)

@@ -343,34 +343,6 @@ def predictable_texts(texts: list[str], preprocess) -> tuple[list[str], dict[int
     return [text for i, text in enumerate(texts) if i not in skipped], skipped
 
 
-def write_predictions(
-    probs: np.ndarray,
-    class_names: list[str],
-    path: str | Path,
-    sources: list[str] | None = None,
-    skipped: dict[int, str] | None = None,
-) -> Path:
-    """CSV: index, source (the input file, when inputs were files), label, then
-    prob_<class name> for every class. With `skipped` (text models) a last column `error` says
-    why a row has no prediction; `probs` holds the other rows."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    frame = pd.DataFrame(probs, columns=[f"prob_{name}" for name in class_names])
-    frame.insert(0, "label", [class_names[i] for i in probs.argmax(axis=1)])
-    if skipped is not None:
-        total = len(probs) + len(skipped)
-        predicted = [i for i in range(total) if i not in skipped]
-        frame.index = predicted
-        frame = frame.reindex(range(total))
-        frame["label"] = frame["label"].fillna("")
-        frame["error"] = [skipped.get(i, "") for i in range(total)]
-    if sources is not None:
-        frame.insert(0, "source", sources)
-    frame.insert(0, "index", np.arange(len(frame)))
-    frame.to_csv(path, index=False)
-    return path
-
-
 DETECTION_COLUMNS = ["index", "source", "x1", "y1", "x2", "y2", "label", "score"]
 
 

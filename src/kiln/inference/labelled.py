@@ -44,7 +44,7 @@ class LabelledInputs:
     inputs: Sequence[Any]  # texts, or the paths of the files (read when predicted)
     targets: np.ndarray  # int64 (N,), indices into the checkpoint's class names
     sources: list[str]  # a file path or "<file> row N", per input
-    # reason -> {"count": n, "first": [the first FIRST_SKIPPED sources]}, as data_report.json
+    # reason -> {"count": n, "first": [the first FIRST_SKIPPED sources]} (metrics.json)
     skipped: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 

@@ -7,19 +7,16 @@ temporary file beside the output and moved into place at the end: no half-writte
 
 from __future__ import annotations
 
-import csv
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kiln.inference.files import NamedFile
 from kiln.inference.predictor import Predictor, join
+from kiln.inference.tables import CsvTable, PredictionsCsv, number
 from kiln.preprocessing import InputError
 from kiln.preprocessing.file_tree import FileAccessError
 from kiln.preprocessing.image_files import ImageDecodeError
@@ -77,54 +74,7 @@ def predict_batches(
             yield ItemBatch(indices, good, outputs, errors)
 
 
-class _CsvOutput:
-    """Rows written as they come to a temporary file beside `path`, moved onto `path` by
-    `commit` (or removed by `discard`): a failed run leaves no half-written output."""
-
-    def __init__(self, path: Path, header: list[str]):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}-")
-        self.file = os.fdopen(fd, "w", newline="", encoding="utf-8")
-        self.writer = csv.writer(self.file)
-        self.writer.writerow(header)
-
-    def commit(self) -> Path:
-        self.file.close()
-        os.chmod(self.tmp, 0o644)
-        os.replace(self.tmp, self.path)
-        return self.path
-
-    def discard(self) -> None:
-        self.file.close()
-        Path(self.tmp).unlink(missing_ok=True)
-
-
-def _number(value) -> str:
-    return str(np.float32(value))  # float32's shortest text, as pandas writes it
-
-
-class PredictionsCsv(_CsvOutput):
-    """index, source, label, prob_<class>..., error: one row per input, in input order."""
-
-    def __init__(self, path: Path, class_names: Sequence[str]):
-        super().__init__(path, ["index", "source", "label"]
-                         + [f"prob_{name}" for name in class_names] + ["error"])  # fmt: skip
-        self.class_names = list(class_names)
-
-    def write(self, batch: ItemBatch, files: Sequence[NamedFile]) -> None:
-        rows = dict(zip(batch.good, np.asarray(batch.outputs), strict=True))
-        empty = [""] * (len(self.class_names) + 1)
-        for i in batch.indices:
-            probs = rows.get(i)
-            if probs is None:
-                self.writer.writerow([i, files[i].source, *empty, batch.errors[i]])
-                continue
-            label = self.class_names[int(probs.argmax())]
-            self.writer.writerow([i, files[i].source, label, *map(_number, probs), ""])
-
-
-class DetectionsCsv(_CsvOutput):
+class DetectionsCsv(CsvTable):
     """index, source, x1, y1, x2, y2, label, score, error: one row per box; an image with no
     box, or one that could not be read, still gets one row."""
 
@@ -144,8 +94,8 @@ class DetectionsCsv(_CsvOutput):
             for box, label, score in zip(detections["boxes"], detections["labels"],
                                          detections["scores"], strict=True):  # fmt: skip
                 name = self.class_names[int(label) - 1]
-                self.writer.writerow([i, files[i].source, *map(_number, box), name,
-                                      _number(score), ""])  # fmt: skip
+                self.writer.writerow([i, files[i].source, *map(number, box), name,
+                                      number(score), ""])  # fmt: skip
                 self.boxes += 1
             if len(detections["boxes"]) == 0:
                 self.writer.writerow([i, files[i].source, *[""] * 6, ""])

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from kiln.atomic import atomic_file
 from kiln.errors import disk_full, is_disk_full
 
 STEP_COLUMN = "step"
@@ -82,9 +82,7 @@ class CsvLogger:
         if self.path.exists() and self.path.stat().st_size > 0:
             with self.path.open(newline="", encoding="utf-8") as file:
                 rows = list(csv.reader(file))[1:]  # drop the old header
-        tmp_path = self.path.with_name(self.path.name + ".tmp")
-        with tmp_path.open("w", newline="", encoding="utf-8") as file:
-            writer = csv.writer(file)
+        with atomic_file(self.path, "w", newline="", encoding="utf-8") as file:
+            writer = csv.writer(file)  # readers never see a half-written table
             writer.writerow(columns)
             writer.writerows(row + [""] * (len(columns) - len(row)) for row in rows)
-        os.replace(tmp_path, self.path)  # atomic: readers never see a half-written table

@@ -22,7 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-from kiln.errors import DiskFullError, disk_full, is_disk_full
+from kiln.atomic import atomic_file
+from kiln.errors import DiskFullError, disk_full
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +91,8 @@ def draw(history: list[dict], path: Path, title: str) -> Path | None:
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
     figure.suptitle(title)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    try:
-        figure.savefig(tmp, dpi=90)
-    except OSError as err:
-        if is_disk_full(err):
-            tmp.unlink(missing_ok=True)
-            raise disk_full(path) from None
-        raise
-    tmp.replace(path)  # a viewer never sees half a file
+    with atomic_file(path) as f:  # a viewer never sees half a file
+        figure.savefig(f, format="png", dpi=90)
     return path
 
 

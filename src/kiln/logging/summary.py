@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import disk_full, is_disk_full
+from kiln.atomic import write_json
 
 SUMMARY_FILE = "summary.json"
 # The contract's keys first (../shared/INTERFACE.md), in this order; a run's evaluation metrics
@@ -61,19 +61,6 @@ def _chance(trainer) -> dict:
         return {}
     return {"chance": {"metric": chance.metric, "value": chance.value, "margin": chance.margin,
                        "what": chance.what}}  # fmt: skip
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Atomically: a reader never sees half a file (nor a full disk's half of one)."""
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    except OSError as err:
-        if is_disk_full(err):
-            tmp.unlink(missing_ok=True)
-            raise disk_full(path) from None
-        raise
-    tmp.replace(path)
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

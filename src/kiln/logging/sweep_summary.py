@@ -12,13 +12,13 @@ trainer.max_epochs=1 that `make sweep` passes to all) are not swept and are left
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import yaml
 
+from kiln.atomic import atomic_file, write_text
 from kiln.commands import infer, shown
 from kiln.logging.summary import SUMMARY_FILE, SUMMARY_KEYS, read_summary
 from kiln.sorting import natural_key
@@ -207,10 +207,9 @@ def plot_summary(frame: pd.DataFrame, path: Path) -> None:
     axes[0][0].set_yticks(range(len(frame)), labels)
     axes[0][0].invert_yaxis()  # first run on top, as in the table
     figure.tight_layout()
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    figure.savefig(tmp, dpi=100)
+    with atomic_file(path, unique=True) as f:  # jobs of a parallel sweep may draw it too
+        figure.savefig(f, format="png", dpi=100)
     plt.close(figure)
-    tmp.replace(path)
 
 
 def plot_history(frame: pd.DataFrame, path: Path, direction: str = "maximize") -> Path | None:
@@ -279,8 +278,7 @@ def write_summary(frame: pd.DataFrame, sweep_dir: str | Path) -> tuple[Path, Pat
         [f"# Sweep summary: {sweep_dir}", "", f"{len(frame)} runs, {num_failed} failed. {best[0]}"]
         + best[1:]
     ).rstrip()
-    tmp = markdown_path.with_name(f".{markdown_path.name}.{os.getpid()}.tmp")
-    tmp.write_text(header + "\n\n" + to_markdown(frame))
-    tmp.replace(markdown_path)  # jobs of a parallel sweep may write it at the same time
+    # Jobs of a parallel sweep may write it at the same time.
+    write_text(markdown_path, header + "\n\n" + to_markdown(frame), unique=True)
     plot_summary(frame, png_path)
     return markdown_path, png_path
