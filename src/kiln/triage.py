@@ -534,10 +534,17 @@ def found_before_step_1(run: Run) -> Cause | None:
         )
     if what == "cannot learn":
         tenth = re.search(r"at a tenth of it \(([^)]+)\) the loss falls", message)
+        healthy = re.search(r"would be about ([0-9.e+-]+) \(optimizer\.lr\)", message)
         if tenth:
             title = "the learning rate diverges on one batch"
             fix = (
                 f"optimizer.lr={tenth.group(1)} (a tenth: the learn probe's steps lowered the loss)"
+            )
+        elif "diverges" in message and healthy:  # a tenth diverged too: the measured size
+            title = "the learning rate diverges on one batch"
+            fix = (
+                f"optimizer.lr={healthy.group(1)} (what moves the weights by 0.001 of their size "
+                "at the first step, measured by the learn probe)"
             )
     where = f" in {module}" if module else ""
     source = "replayed the probes: " if replayed else "the run's probes before step 1: "
