@@ -111,7 +111,8 @@ def test_multirun_sweep_and_its_summary_include_failed_runs(tmp_path):
     assert len(table) == 4
     failed = table[table["status"] == "failed"]
     assert [float(lr) for lr in failed["optimizer.lr"]] == [1e12, 1e12]
-    assert all("@ step" in error for error in failed["error"])
+    # lr 1e12: the learn probe stops it before step 1 (or, with the probe off, a NaN @ step N)
+    assert all("cannot learn" in error or "@ step" in error for error in failed["error"])
     trained = table[table["status"].isin(["ok", "at_chance"])]  # a few steps may learn nothing
     assert len(trained) == 2 and (trained["samples_per_s"] > 0).all()
     assert (sweep / "summary.md").read_text().count("failed") >= 2

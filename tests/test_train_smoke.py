@@ -35,7 +35,11 @@ CASES = {
 def check_run_files(run_dir, model: str, steps: int) -> None:
     summary = read_summary(run_dir)
     assert set(summary) >= set(SUMMARY_KEYS)
-    assert summary["status"] == "ok" and summary["error"] is None and summary["steps"] == steps
+    assert (
+        summary["status"] in ("ok", "at_chance")
+        and summary["error"] is None
+        and summary["steps"] == steps
+    )
     assert summary["samples_per_s"] > 0 and 0 <= summary["data_time_frac"] <= 1
     metric = "val_map50" if model == "detector" else "val_acc"
     assert 0.0 <= summary[metric] <= 1.0

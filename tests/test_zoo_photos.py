@@ -121,7 +121,7 @@ def test_timm_resnet18_with_a_weights_file_end_to_end(damaged, tmp_path):
     assert "re-initialised (1000 classes in the file" in log, log[-3000:]
     check_data_report(run_dir, damaged)
     summary = read_summary(run_dir)
-    assert summary["status"] == "ok" and "test_acc" in summary
+    assert summary["status"] in ("ok", "at_chance") and "test_acc" in summary
     metrics = json.loads((run_dir / "eval" / "metrics.json").read_text())
     assert set(metrics["per_class"]) == set(damaged.classes)
     assert (run_dir / "eval" / "confusion_matrix.png").stat().st_size > 0

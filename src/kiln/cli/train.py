@@ -125,7 +125,12 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
 
     from kiln.engine.distributed import env_dist_info, leave_together, teardown
     from kiln.engine.preemption import Interrupted, Preempted
-    from kiln.engine.rank_watch import claim_report, hold_sigterm_while_reporting, post_failure
+    from kiln.engine.rank_watch import (
+        claim_report,
+        hold_sigterm_while_reporting,
+        open_report,
+        post_failure,
+    )
     from kiln.engine.run import train
 
     hydra = HydraConfig.get()
@@ -134,6 +139,7 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     command = RunCommand.of(hydra.overrides.task, hydra.overrides.hydra)  # to type it again
     dist = env_dist_info()
     tidy_console()
+    open_report()  # each job of a multirun reports its own failure
     hold_sigterm_while_reporting()
     finished = False
     try:

@@ -67,6 +67,13 @@ def reporting_failure() -> None:
     _reporting.set()
 
 
+def open_report() -> None:
+    """A new run in this process (each job of a Hydra multirun): its report is unclaimed."""
+    global _claimed
+    with _claim:
+        _claimed = False
+
+
 def claim_report() -> bool:
     """True for the first caller in this process (the one that writes the run's report)."""
     global _claimed
