@@ -448,19 +448,7 @@ PROBES_OFF = (
 )
 
 
-# Known defect, found after merging issue 33's refactors: the detector twin's weights after 4
-# steps differ with the probes on and off (body.stem.0.0.weight): something in the probe phase
-# leaves a trace on a detector's run. strict: the day it is fixed, this marker must go.
-TRACE_ON_DETECTOR = pytest.mark.xfail(strict=True, reason="probes leave a trace on a detector")
-TWINS_FOR_TRACE = [
-    pytest.param(t, marks=TRACE_ON_DETECTOR, id=t.name)
-    if t.name == "targets_on_copies"
-    else pytest.param(t, id=t.name)
-    for t in TWINS
-]
-
-
-@pytest.mark.parametrize("twin", TWINS_FOR_TRACE)
+@pytest.mark.parametrize("twin", TWINS, ids=[t.name for t in TWINS])
 def test_each_correct_twin_trains_as_it_does_without_the_probes(twin, twin_registered, tmp_path):
     """train() with every probe on and with every one off: the same steps, the same accuracy
     (the probes leave no trace on the run, and stop no correct model)."""

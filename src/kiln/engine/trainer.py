@@ -44,7 +44,7 @@ from kiln.guards.devices import diagnose, is_device_mismatch
 from kiln.guards.input_sizes import take
 from kiln.guards.probes import ProbePlan, ProbeReport, ProbeSubject, copy_or_build, run_probe_plan
 from kiln.guards.rules import RULE_2
-from kiln.rng import rng_state, set_rng_state
+from kiln.rng import forked, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -469,9 +469,10 @@ class Trainer:
         if self.flops_per_sample is None and subject.build is not None:
             started, size = time.perf_counter(), subject.mode_batch_size
             counted = copy_or_build(self.raw_model, subject.build, subject.spec)
-            self.flops_per_sample = flops_per_sample(
-                counted, self.criterion.forward, take(subject.batch, size), size
-            )
+            with forked():  # a detector's forward samples proposals: not the run's numbers
+                self.flops_per_sample = flops_per_sample(
+                    counted, self.criterion.forward, take(subject.batch, size), size
+                )
             self.flops_time_s = time.perf_counter() - started
 
     def new_gradient_presence(self) -> GradientPresence:
