@@ -586,8 +586,7 @@ def train(
         status, at_chance = trainer.outcome()
         summary = summarize(trainer, final, status=status, error=None)
         if at_chance is not None:
-            summary["at_chance"] = at_chance
-            log.info("%s", at_chance)  # train.log; the console gets it with the run's end
+            summary["at_chance"] = at_chance  # the console gets it with the run's end
         summary.update(report_test_split(trainer, cfg, run_dir, device))
         if cfg.trainer.overfit_batches:
             summary.update(check_overfit(recorder.history))
