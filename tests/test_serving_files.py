@@ -212,6 +212,7 @@ def test_health_answers_while_slow_images_decode_and_bombs_arrive(photos):
     assert metric(metrics, "kiln_decode_seconds_count") > 0
 
 
+@pytest.mark.slow  # six 64 M-pixel decodes one large slot at a time: past 300 s under CI's -n 2
 def test_a_one_photo_request_is_not_stuck_behind_many_large_images(photos):
     """A request of 6 slow images fills both decode threads; a one-photo request sent while
     they decode gets the next free thread (it has none running), not the turn after the
