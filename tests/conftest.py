@@ -53,6 +53,27 @@ def _quiet_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _own_log_handlers():
+    """A CLI main() called in this process (Hydra's job logging, infer's basicConfig) leaves a
+    handler on the stream pytest captured for that test, closed when the test ends: a later
+    test's log line would hit it ('--- Logging error ---' in that test's output). As separate
+    processes the CLIs never share handlers, so each test's new handlers leave with it
+    (pytest's own capture handlers come and go with each phase; they are its business)."""
+    import logging
+
+    loggers = [logging.getLogger(), logging.getLogger("kiln")]
+    before = {logger.name: (set(logger.handlers), logger.level) for logger in loggers}
+    yield
+    for logger in loggers:
+        handlers, level = before[logger.name]
+        for handler in list(logger.handlers):
+            if handler not in handlers and not type(handler).__module__.startswith("_pytest"):
+                logger.removeHandler(handler)
+                handler.close()
+        logger.setLevel(level)
+
+
 def run_train(
     run_dir: Path,
     *overrides: str,

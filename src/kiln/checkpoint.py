@@ -154,19 +154,18 @@ def _load_weights_only(path: Path, map_location) -> Any:
     (pre-1.6, `_use_new_zipfile_serialization=False`) format, which torch still reads."""
     import torch
 
-    zipped = zipfile.is_zipfile(path)
+    if not zipfile.is_zipfile(path) and not _legacy_magic(path):
+        # decided before unpickling: random bytes can fail inside torch.load in any way at all
+        # (an IndexError from the unpickler's stack, say)
+        raise CheckpointError(_not_a_checkpoint(path))
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        if not zipped and not _legacy_magic(path):
-            raise CheckpointError(_not_a_checkpoint(path)) from None
         raise CheckpointError(
             f"refusing {path}: it cannot be loaded with weights_only=True (it holds Python "
             f"objects beyond tensors and plain data, which kiln never unpickles): {err}"
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as err:
-        if not zipped and not _legacy_magic(path):
-            raise CheckpointError(_not_a_checkpoint(path)) from None
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {err}") from None
 
 
