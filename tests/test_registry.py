@@ -242,3 +242,136 @@ def test_a_missing_plugin_module_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ImportError, match="plugins: cannot import 'not_there'"):
         load_plugins(["not_there"])
+
+
+def installed_plugin(folder, module: str = "my_parts") -> None:
+    """`pip install my-parts` as importlib.metadata sees it: a dist-info advertising the
+    module under the kiln.plugins entry-point group (the folder goes on PYTHONPATH)."""
+    dist_info = folder / "my_parts-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-parts\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text(f"[kiln.plugins]\nparts = {module}\n")
+    (dist_info / "top_level.txt").write_text(f"{module}\n")
+
+
+def kiln_command(script: str, *args: str, cwd, pythonpath) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / script), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**SUBPROCESS_ENV, "PYTHONPATH": str(pythonpath)},
+        timeout=300,
+    )
+
+
+def test_an_installed_plugin_that_fails_to_import_is_named_and_skipped(user_project):
+    """A broken plugin package stops no command that does not need it, --help included; a
+    name it may have provided says why it is missing."""
+    installed_plugin(user_project)
+    (user_project / "my_parts.py").write_text("import not_a_dependency_here\n" + PLUGIN)
+    project = user_project / "project"
+    project.mkdir()
+    why = (
+        "the installed plugin 'parts' (my-parts 0.1, my_parts) failed to import: "
+        "ModuleNotFoundError: No module named 'not_a_dependency_here'"
+    )
+    helped = kiln_command("train.py", "--help", cwd=project, pythonpath=user_project)
+    assert helped.returncode == 0, helped.stderr
+    assert "usage: python train.py" in helped.stdout and f"{why}; skipped" in helped.stderr
+    other = kiln_command(
+        "train.py", "trainer.max_steps=1", "logger=none", "env.progress_bar=false",
+        "hydra.run.dir=run", cwd=project, pythonpath=user_project,
+    )  # fmt: skip
+    assert other.returncode == 0, other.stderr[-2000:]
+    needed = kiln_command("train.py", "model=tiny", cwd=project, pythonpath=user_project)
+    assert needed.returncode == 2
+    assert needed.stderr.strip().splitlines()[-1] == (
+        "error: unknown option 'tiny' (model): choose one of: "
+        + ", ".join(kiln_names(MODELS))
+        + f"; {why} (it may provide 'tiny')"
+    )
+
+
+def test_a_checkpoint_records_its_plugin_package_and_names_it_when_it_is_gone(user_project):
+    installed_plugin(user_project)
+    (user_project / "my_parts.py").write_text(
+        PLUGIN + "\nfrom pathlib import Path\nfrom kiln.registry import register_config_dir\n"
+        "register_config_dir(Path(__file__).parent / 'conf')\n"
+    )
+    project = user_project / "project"
+    project.mkdir()
+    trained = kiln_command(
+        "train.py", "model=tiny", "data=blobs", "trainer.max_epochs=1", "logger=none",
+        "env.progress_bar=false", "hydra.run.dir=run", cwd=project, pythonpath=user_project,
+    )  # no plugins=[...]: the entry point brings it  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    ckpt = project / "run" / "checkpoints" / "best.pt"
+    import numpy as np
+    import torch
+
+    recorded = torch.load(ckpt, weights_only=True)["plugins"]["packages"]
+    assert recorded == {
+        "my_parts": {"distribution": "my-parts", "version": "0.1", "entry_point": "parts"}
+    }
+    np.save(project / "x.npy", np.zeros((3, 1, 2, 2), dtype=np.float32))
+    predicted = kiln_command(
+        "infer.py", f"ckpt={ckpt}", "input=x.npy", cwd=project, pythonpath=user_project
+    )
+    assert predicted.returncode == 0, predicted.stderr[-2000:]
+    # uninstalled: one line naming the package and the command that brings it back
+    (user_project / "my_parts.py").unlink()
+    for dist_file in (user_project / "my_parts-0.1.dist-info").iterdir():
+        dist_file.unlink()
+    (user_project / "my_parts-0.1.dist-info").rmdir()
+    gone = kiln_command(
+        "infer.py", f"ckpt={ckpt}", "input=x.npy", cwd=project, pythonpath=user_project
+    )
+    assert gone.returncode == 2 and gone.stderr.strip().splitlines() == [
+        "error: checkpoint best.pt was trained with the plugin 'my_parts' from the package "
+        "my-parts==0.1 (entry point 'parts'), which cannot be imported here (No module named "
+        "'my_parts'); install it: pip install 'my-parts==0.1'"
+    ]
+
+
+LAZY_PLUGIN = '''
+"""The entry-point module: torch-free, so listing options and --help stay fast."""
+from dataclasses import dataclass
+
+from kiln.config.model import ClassifierConfig
+from kiln.registry import MODELS
+
+
+@dataclass(frozen=True, kw_only=True)
+class LazyConfig(ClassifierConfig):
+    """A model whose builder (and torch) is imported only when it is built."""
+
+    width: int = 8  # hidden width
+
+
+MODELS.declare("lazy", "lazy_parts_models:build_lazy", config=LazyConfig)
+'''
+
+
+def test_a_plugin_can_register_without_importing_torch(tmp_path):
+    """What docs/ shows plugin authors: declare the builder by its import path."""
+    (tmp_path / "lazy_parts.py").write_text(LAZY_PLUGIN)
+    (tmp_path / "lazy_parts_models.py").write_text(
+        "import torch\n\ndef build_lazy(spec, cfg, *, aux_head=False):\n"
+        "    return torch.nn.Linear(4, spec.num_classes)\n"
+    )
+    installed_plugin(tmp_path, module="lazy_parts")
+    result = fresh_python(
+        """
+        import sys
+        sys.path.insert(0, ".")
+        from kiln.registry import MODELS, load_plugins
+        load_plugins()
+        print("lazy" in MODELS.names(), "torch" in sys.modules)
+        MODELS.get("lazy")
+        print("torch" in sys.modules)
+        """,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False", "True"]

@@ -17,6 +17,7 @@ checkpoints find it again from any working directory."""
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ class Registry:
     def unknown(self, name: str) -> UnknownNameError:
         return UnknownNameError(
             f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._entries))}"
-            f"{did_you_mean(name, self._entries)}"
+            f"{did_you_mean(name, self._entries)}{skipped_plugins(name)}"
         )
 
 
@@ -150,6 +151,8 @@ register_evaluator = EVALUATORS.register
 _builtins_loaded = False
 _PLUGIN_SOURCES: dict[str, str] = {}  # module -> the sys.path folder it was imported from
 _CONFIG_DIRS: list[str] = []  # search path entries ("file:///...") of plugins' option YAMLs
+_PLUGIN_PACKAGES: dict[str, dict] = {}  # module -> its distribution, for entry-point plugins
+_BROKEN_PLUGINS: dict[str, str] = {}  # entry point -> why it was skipped
 
 
 def load_builtins() -> None:
@@ -177,9 +180,88 @@ def load_plugins(modules: Iterable[str] = (), sources: dict[str, str] | None = N
         _PLUGIN_SOURCES.setdefault(module, _source_folder(module))
         imported.append(module)
     for point in entry_points(group=ENTRY_POINT_GROUP):
-        point.load()
+        if point.name in _BROKEN_PLUGINS:
+            continue
+        try:
+            point.load()
+        except Exception as err:  # an installed package we do not control: skip it, say so
+            _skip_broken(point, err)
+            continue
+        _PLUGIN_PACKAGES.setdefault(point.module, _package_of(point))
         imported.append(point.value)
     return imported
+
+
+def _package_of(point) -> dict[str, str | None]:
+    """The installed distribution an entry point comes from: what a checkpoint records, so
+    that a machine without it is told which package to install."""
+    dist = getattr(point, "dist", None)
+    return {
+        "distribution": dist.name if dist else None,
+        "version": dist.version if dist else None,
+        "entry_point": point.name,
+    }
+
+
+def _skip_broken(point, err: Exception) -> None:
+    """A plugin package that fails to import stops no command that does not need it (`--help`
+    included); a lookup of a name it may have provided says why it is missing."""
+    package = _package_of(point)
+    where = f"{package['distribution']} {package['version']}" if package["distribution"] else ""
+    why = f"{type(err).__name__}: {_first_line(err)}"
+    _BROKEN_PLUGINS[point.name] = (
+        f"the installed plugin {point.name!r} ({', '.join(filter(None, [where, point.value]))}) "
+        f"failed to import: {why}"
+    )
+    logging.getLogger(__name__).warning("%s; skipped", _BROKEN_PLUGINS[point.name])
+
+
+def skipped_plugins(name: str) -> str:
+    """What to add to an unknown-name error while an installed plugin failed to import."""
+    return "".join(f"; {why} (it may provide {name!r})" for why in _BROKEN_PLUGINS.values())
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else ""
+
+
+def _package_from_metadata(module: str) -> dict[str, str | None] | None:
+    """A plugins=[...] module that belongs to an installed distribution (pip install -e
+    my-parts, say): which one, so a checkpoint records it as it does an entry point's."""
+    from importlib.metadata import packages_distributions, version
+
+    names = packages_distributions().get(module.split(".")[0], [])
+    if not names:
+        return None
+    return {"distribution": names[0], "version": version(names[0]), "entry_point": None}
+
+
+def plugin_packages(modules: Iterable[str]) -> dict[str, dict[str, str | None]]:
+    """{module: {distribution, version, entry_point}} for every plugin this process imported
+    from an installed package: the entry-point ones and those plugins=[...] named."""
+    found = dict(_PLUGIN_PACKAGES)
+    for module in modules:
+        package = _package_from_metadata(module) if module in sys.modules else None
+        if package and module not in found:
+            found[module] = package
+    return found
+
+
+def require_plugin_packages(packages: dict[str, dict], checkpoint: str) -> None:
+    """Import the plugin modules a checkpoint recorded with their package; a package that is
+    not installed here is one error naming it and the command that installs it."""
+    for module, package in packages.items():
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            dist, version = package.get("distribution"), package.get("version")
+            pinned = f"{dist}=={version}" if version else dist
+            point = package.get("entry_point")
+            raise PluginImportError(
+                f"checkpoint {checkpoint} was trained with the plugin {module!r} from the package {pinned}"
+                f"{f' (entry point {point!r})' if point else ''}, which cannot be imported here "
+                f"({err}); install it: pip install '{pinned}'"
+            ) from None
 
 
 def _import_plugin(module: str, recorded: str | None) -> None:

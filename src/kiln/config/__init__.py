@@ -37,7 +37,7 @@ from kiln.config.run import (
     TrainerConfig,
 )
 from kiln.errors import did_you_mean
-from kiln.registry import GROUP_REGISTRIES
+from kiln.registry import GROUP_REGISTRIES, skipped_plugins
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CONF_DIR = Path(os.environ.get("KILN_CONF_DIR", REPO_ROOT / "conf"))
@@ -217,6 +217,7 @@ def composition_error(err: Exception, overrides: list[str]) -> ConfigError:
         group, option = found.group(1), found.group(2)
         choices = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE)
         hint = did_you_mean(option, choices, spell=lambda c: f"{group}={c}")
+        hint += skipped_plugins(option)
         return ConfigError(
             f"unknown option {option!r}", group, f"choose one of: {', '.join(choices)}{hint}"
         )

@@ -67,7 +67,7 @@ from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import summarize, write_json, write_summary
 from kiln.models import build_model, without_weights
 from kiln.preprocessing.pretrained import PretrainedInput, pretrained_input
-from kiln.registry import config_dirs, plugin_sources
+from kiln.registry import config_dirs, plugin_packages, plugin_sources
 from kiln.rng import forked, seed_everything
 from kiln.threads import BusyElsewhere
 
@@ -368,7 +368,11 @@ def checkpoint_record(
         "data_spec": bundle.spec.to_dict(),
         "model_name": cfg.model.name,
         "kiln_version": kiln.__version__,
-        "plugins": {"sources": plugin_sources(cfg.plugins), "config_dirs": config_dirs()},
+        "plugins": {
+            "sources": plugin_sources(cfg.plugins),
+            "config_dirs": config_dirs(),
+            "packages": plugin_packages(cfg.plugins),  # which distribution to install again
+        },
     }
 
 

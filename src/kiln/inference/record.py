@@ -25,7 +25,7 @@ from kiln.inference.errors import (
 )
 from kiln.models import build_model, without_weights
 from kiln.preprocessing import Recipe, recipe_from_dict
-from kiln.registry import load_plugins
+from kiln.registry import load_plugins, require_plugin_packages
 
 BEST_CHECKPOINT = "best.pt"
 
@@ -40,6 +40,8 @@ class ModelRecord:
     checkpoint_sha256: str  # ties an ONNX export to the exact .pt it was made from
     # {module: folder}: where the training run imported its plugins (kiln.registry)
     plugin_sources: dict[str, str] = field(default_factory=dict)
+    # {module: {distribution, version, entry_point}}: the installed packages its plugins came from
+    plugin_packages: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -50,6 +52,7 @@ class ModelRecord:
             "checkpoint_name": self.checkpoint_name,
             "checkpoint_sha256": self.checkpoint_sha256,
             "plugin_sources": self.plugin_sources,
+            "plugin_packages": self.plugin_packages,
         }
 
     @classmethod
@@ -103,6 +106,7 @@ def read_checkpoint(path: str | Path) -> tuple[ModelRecord, dict[str, Any]]:
         checkpoint_name=path.name,
         checkpoint_sha256=file_sha256(path),
         plugin_sources=(ckpt.get("plugins") or {}).get("sources", {}),
+        plugin_packages=(ckpt.get("plugins") or {}).get("packages", {}),
     )
     check_supported(record, path)
     check_policy(record, path)
@@ -185,6 +189,7 @@ def rebuild_model(record: ModelRecord, state_dict: dict[str, Any]) -> nn.Module:
     weights (a zoo model's model.weights) are not read again: the state dict holds them."""
     # A user's model registers itself when its module is imported: from here, or from where
     # the training run found it.
+    require_plugin_packages(record.plugin_packages, record.checkpoint_name)
     load_plugins(record.config.get("plugins", []), record.plugin_sources)
     aux_head = any(key.startswith("aux.") for key in state_dict)
     model_cfg = without_weights(option_from_dict("model", record.config["model"]))
