@@ -256,11 +256,12 @@ def require_plugin_packages(packages: dict[str, dict], checkpoint: str) -> None:
         except ImportError as err:
             dist, version = package.get("distribution"), package.get("version")
             pinned = f"{dist}=={version}" if version else dist
-            point = package.get("entry_point")
+            entry = package.get("entry_point")
+            point = f" (entry point {entry!r})" if entry else ""
             raise PluginImportError(
-                f"checkpoint {checkpoint} was trained with the plugin {module!r} from the package {pinned}"
-                f"{f' (entry point {point!r})' if point else ''}, which cannot be imported here "
-                f"({err}); install it: pip install '{pinned}'"
+                f"checkpoint {checkpoint} was trained with the plugin {module!r} from the package "
+                f"{pinned}{point}, which cannot be imported here ({err}); install it: "
+                f"pip install '{pinned}'"
             ) from None
 
 

@@ -21,6 +21,7 @@ center crop to `image_size`, on uint8 pixels; `to_unit` scales them to float32 i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -310,13 +311,21 @@ def _tiff_header(stream: BinaryIO) -> ImageHeader:
 
 def _pillow_header(stream: BinaryIO) -> ImageHeader:
     """Any other format Pillow opens: its lazy open reads the header only."""
+    from PIL import Image
+
+    with pillow_errors(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(stream) as image:
+            return ImageHeader(image.format or "unknown", *image.size)
+
+
+@contextlib.contextmanager
+def pillow_errors():
+    """Pillow's ways of failing on a file, as kiln's decode errors (what, and why)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(stream) as image:
-                return ImageHeader(image.format or "unknown", *image.size)
+        yield
     except UnidentifiedImageError:
         raise ImageDecodeError(
             UNREADABLE, "not an image file Pillow or torchvision can read"
@@ -482,20 +491,11 @@ def _decode_torchvision(data, channels: int) -> torch.Tensor:
 
 
 def _decode_pillow(data, channels: int) -> torch.Tensor:
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image, ImageOps
 
-    try:
-        with Image.open(io.BytesIO(data)) as opened:
-            opened.load()
-            image = ImageOps.exif_transpose(opened)
-    except UnidentifiedImageError:
-        raise ImageDecodeError(
-            UNREADABLE, "not an image file Pillow or torchvision can read"
-        ) from None
-    except Image.DecompressionBombError as err:
-        raise _pillow_too_large(err) from None
-    except (OSError, ValueError, SyntaxError) as err:
-        raise _decode_error(str(err)) from None
+    with pillow_errors(), Image.open(io.BytesIO(data)) as opened:
+        opened.load()
+        image = ImageOps.exif_transpose(opened)
     if image.mode.startswith("I;16") or image.mode == "I":  # 16-bit (or 32-bit int) grey
         grey = np.clip(np.asarray(image), 0, 65535).astype(np.uint16)
         pixels = torch.from_numpy(grey)[None]  # scaled to 8 bits by decode()
