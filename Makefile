@@ -37,7 +37,7 @@ install: $(STAMP) ## build .venv from requirements.lock (idempotent)
 train: install ## train the default experiment (extra overrides: make train ARGS="model=resnet18")
 	$(PY) train.py $(ARGS)
 
-# Measured (README, "How long things take"): 606 tests, 26 CPU-minutes; 52 min wall at load 5-8.
+# Measured (docs/benchmarks.md, "How long things take"): 606 tests, 26 CPU-minutes; 52 min wall at load 5-8.
 TEST_TIME := about 12 min on 2 CPU cores (measured: 953 tests in 12 min at load 1-2), longer on a busy machine
 
 test: lint ## ruff + the default test suite (everything but `slow`)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from provenance import stamp
 from tiny_checkpoints import REPO, checkpoints
 
 sys.path.insert(0, str(REPO / "src"))
@@ -140,6 +141,27 @@ def print_row(r: Row) -> None:
     )
 
 
+def markdown(rows: list[Row], threads: int, repeats: int) -> str:
+    """The table of docs/benchmarks.md's "Inference backends", with its provenance line."""
+    lines = [
+        stamp(),
+        "",
+        f"{threads} thread(s) each, median and p99 of {repeats} calls, ratio eager / backend:",
+        "",
+        "| model | backend | batch | median ms | p99 ms | x eager | agreement |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        agree = f"max abs dprob {r.agreement:.1e}" if r.backend == "onnx_fp32" else ""
+        agree = f"argmax {r.agreement:.0%}" if r.backend == "onnx_int8" else agree
+        backend = {"onnx_fp32": "onnx fp32", "onnx_int8": "onnx int8"}.get(r.backend, r.backend)
+        lines.append(
+            f"| {r.model} | {backend} | {r.batch_size} | {r.median_ms:.3g} | {r.p99_ms:.3g} "
+            f"| {r.ratio_to_eager:.2f} | {agree} |"
+        )
+    return "\n".join(lines)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -153,6 +175,10 @@ def parse_args(argv=None):
     parser.add_argument("--check", action="store_true", help="exit 1 below --min-ratio")
     parser.add_argument("--min-ratio", type=float, default=1.0, help="fp32 at the largest batch")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    parser.add_argument(
+        "--markdown", action="store_true",
+        help="print the table as docs/benchmarks.md holds it (date, commit, machine) at the end",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: proves the path, quickly
         args.repeats, args.warmup, args.batch_sizes = 3, 1, "1,4"
@@ -172,6 +198,8 @@ def main(argv=None) -> int:
             rows += bench_model(name, ckpt, Path(tmp), args)
     if args.out:
         args.out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    if args.markdown:
+        print("\n" + markdown(rows, args.threads, args.repeats))
     disagree = [r for r in rows if r.backend == "onnx_fp32" and not r.agreement <= FP32_TOLERANCE]
     if disagree:
         print(f"ONNX Runtime fp32 disagrees with eager beyond {FP32_TOLERANCE:g}: {disagree}")

@@ -54,6 +54,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 from contention import busy_processes, their_defaults  # noqa: E402
+from provenance import stamp  # noqa: E402
 
 SIDES = ("kiln", "lightning", "plain")
 LIGHTNING = ("pytorch-lightning==2.6.6",)  # its other requirements are in kiln's environment
@@ -147,7 +148,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="a few steps of tiny models")
     parser.add_argument("--loss-rtol", type=float, default=LOSS_RTOL)
     parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON")
-    parser.add_argument("--markdown", type=Path, default=None, help="also write the table")
+    parser.add_argument(
+        "--markdown", type=Path, default=None,
+        help="also write the table as docs/benchmarks.md holds it (date, commit, machine)",
+    )  # fmt: skip
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -717,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.contention:
         slow = contention_summary(rounds, sides, list(chosen))
         text += "\n" + contention_markdown(slow, chosen, sides, args.contention)
+    text = stamp(load_after) + "\n\n" + text  # as docs/benchmarks.md holds it: when, where
     print(text, end="")
     report = {
         "sides": sides,

@@ -1,6 +1,6 @@
 """Writes examples/photos/: a small folder of real photos in class subfolders (torchvision's
 ImageFolder layout), cropped from the sample photos shipped inside installed packages, so the
-README's image example works offline:
+example of docs/image-data.md works offline:
 
     examples/photos/train/<class>/*.jpg    20 per class
     examples/photos/test/<class>/*.jpg      6 per class

@@ -58,13 +58,14 @@ from kiln.guards.rules import (
     ProbeFailure,
 )
 from kiln.models import build_model
-from kiln.registry import MODELS, compatible_pairs, dataset_provides
+from kiln.registry import MODELS, compatible_pairs, dataset_provides, model_inputs
 
 from .broken_models import BROKEN, TWINS, Broken, Twin
 from .conftest import compose_config, train_in_process
 from .image_folder_helpers import EXAMPLES
 from .test_engine import make_trainer
 
+DETECTION = EXAMPLES.parent / "detection"  # kiln.data.photo_boxes' folder (COCO and YOLO)
 # Smaller than the options' defaults, for speed only: a dataset missing here runs as configured.
 SMALL = {
     "synthetic_images": ("data.num_train=32", "data.num_val=16", "data.num_classes=7"),
@@ -76,19 +77,32 @@ SMALL = {
         "data.min_image_size=40",
         "data.num_background=1",  # a detector must train on an image with no box
     ),  # fmt: skip
+    "coco": (
+        f"data.train_json={DETECTION / 'coco/train.json'}",
+        f"data.train_images={DETECTION / 'coco/images/train'}",
+    ),  # fmt: skip
+    "yolo": (f"data.train_dir={DETECTION / 'yolo/images/train'}",),
 }
 PAIRS = compatible_pairs()
-# Zoo entries (model=torchvision, model=timm) also run each architecture their registry entry
-# declares as a sample, on small synthetic images: (model, data, model overrides).
-ZOO_DATA = "synthetic_images"
+# Zoo entries (model=torchvision, model=timm, model=hf, model=torchvision_detection) also run
+# each architecture their registry entry declares as a sample, on small data of the kind they
+# take: (model, data, model overrides).
+ZOO_DATA = {"image": "synthetic_images", "tokens": "csv_text", "image_list": "shapes_detection"}
 CASES = [(model, data, ()) for model, data in PAIRS] + [
-    (model, ZOO_DATA, (f"model.arch={arch}",))
+    (model, ZOO_DATA[model_inputs(model)[0]], (f"model.arch={arch}",))
     for model in MODELS.names()
     for arch in MODELS.entry(model).meta.get("samples", ())
-]
+]  # fmt: skip
 IDS = [
     f"{model}{'[' + over[0].split('=')[1] + ']' if over else ''}-on-{data}"
     for model, data, over in CASES
+]
+# Detection read from files (data=coco, data=yolo: photos of about 128 px) gives the detectors
+# what shapes_detection gives them at 64 px, four times the pixels: minutes of probes per pair
+# on two CPU cores. Their readers have tests of their own (tests/test_detection_files.py).
+SLOW_DATA = ("coco", "yolo")
+CASES = [
+    pytest.param(*case, marks=pytest.mark.slow) if case[1] in SLOW_DATA else case for case in CASES
 ]
 ERRORS = {RULE_1: ShapeInferenceError, RULE_2: LossBranchError, RULE_3: ShapeContractError,
           DEVICES: DeviceMismatchError, LOGITS: ProbabilitiesNotLogitsError,
@@ -275,10 +289,10 @@ def test_every_zoo_architecture_that_builds_small_passes_every_rule(zoo_model, z
         "model_overrides": (f"model.arch={zoo_arch}",),
         "data_overrides": (f"data.image_size={zoo_side(zoo_model, zoo_arch)}",),
     }
-    check_rule1(*parts(zoo_model, ZOO_DATA, **sized))
-    check_rule2(*parts(zoo_model, ZOO_DATA, "loss.force_all_branches=true", **sized))
-    check_rule3(*parts(zoo_model, ZOO_DATA, **sized))
-    check_device_diagnosis(*parts(zoo_model, ZOO_DATA, **sized))
+    check_rule1(*parts(zoo_model, ZOO_DATA["image"], **sized))
+    check_rule2(*parts(zoo_model, ZOO_DATA["image"], "loss.force_all_branches=true", **sized))
+    check_rule3(*parts(zoo_model, ZOO_DATA["image"], **sized))
+    check_device_diagnosis(*parts(zoo_model, ZOO_DATA["image"], **sized))
 
 
 # ---------------------------------------------------------------------------------------------

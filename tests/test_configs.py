@@ -40,13 +40,20 @@ GROUPS = [
     "experiment",
     "hparams_search",
 ]
+DETECTION = REPO_ROOT / "examples/detection"  # kiln.data.photo_boxes' folder
 SMALL_DATA = {
     "synthetic_images": ("data.num_train=32", "data.num_val=16"),
     "image_folder": (f"data.train_dir={REPO_ROOT / 'examples/photos/train'}", "data.image_size=32"),
     "shapes_detection": ("data.num_train=4", "data.num_val=2"),
+    "coco": (
+        f"data.train_json={DETECTION / 'coco/train.json'}",
+        f"data.train_images={DETECTION / 'coco/images/train'}",
+    ),  # fmt: skip
+    "yolo": (f"data.train_dir={DETECTION / 'yolo/images/train'}",),
 }
-DATA_FOR_MODEL = {"text_bow": "csv_text", "text_transformer": "csv_text"}
-MODEL_FOR_DATA = {"csv_text": "text_bow", "shapes_detection": "detector"}
+DATA_FOR_MODEL = {"text_bow": "csv_text", "text_transformer": "csv_text", "hf": "csv_text"}
+MODEL_FOR_DATA = {"csv_text": "text_bow", "shapes_detection": "detector", "coco": "detector",
+                  "yolo": "detector"}  # fmt: skip
 
 
 def yaml_options(group: str) -> list[str]:
@@ -81,7 +88,7 @@ def test_a_groups_choices_are_its_registry_names(group):
 
 
 def data_for_model(model: str) -> str:
-    spec_kind = {"detector": "shapes_detection"}
+    spec_kind = {"detector": "shapes_detection", "torchvision_detection": "shapes_detection"}
     return spec_kind.get(model, DATA_FOR_MODEL.get(model, "digits"))
 
 
@@ -188,7 +195,7 @@ def test_a_yaml_option_without_a_registered_builder_says_how_to_register_it(tmp_
         ("model.init=orthogonal", "expected one of [default, kaiming, xavier]"),
         ("data.batch_size=0", "invalid value (data.batch_size): must be >= 1, got 0"),
         ("logger.backends=[csv,mlflow]", "choose from csv, tensorboard, wandb"),
-        ("model.name=vgg", "choose model=<option> from detector, mlp"),
+        ("model.name=vgg", "choose model=<option> from detector, hf, mlp"),
         ("model.name=resnet18", "choose the option with model=resnet18"),
         ("trainer.max_steps=0", "must be -1 (no limit) or >= 1, got 0"),
         ("trainer.limit_train_batches=0", "must be -1 (no limit) or >= 1, got 0"),

@@ -157,7 +157,8 @@ def test_the_server_returns_boxes_over_v1_and_v2(predictor):
 @pytest.mark.slow  # the whole experiment: about 5 minutes of 2 idle CPU cores
 @pytest.mark.timeout(3600)
 def test_detection_learns(tmp_path):
-    """The README's detection experiment reaches mAP@0.5 >= 0.7 on shapes_detection."""
+    """experiment=shapes_detector reaches mAP@0.5 >= 0.7 on shapes_detection (the table of
+    docs/benchmarks.md, "The detector on shapes")."""
     run_dir = tmp_path / "run"
     done = run_train(run_dir, "experiment=shapes_detector", "env.progress_bar=false", timeout=3600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -34,7 +34,7 @@ def free_port() -> int:
 
 
 def node_command(port: int, *overrides: str) -> list[str]:
-    """What each machine runs (README: "Several machines"), here both on 127.0.0.1."""
+    """What each machine runs (docs/distributed.md: "Several machines"), here both on 127.0.0.1."""
     return [
         *(sys.executable, "-m", "torch.distributed.run"),
         "--nnodes=2",

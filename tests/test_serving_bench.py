@@ -90,9 +90,11 @@ def test_bench_infer_compares_eager_fp32_and_int8(digits_ckpt, tmp_path_factory,
     done = run_script(
         "bench_infer.py", "--ckpt", f"mlp={digits_ckpt}",
         "--ckpt", f"text_bow={text_dir / 'checkpoints' / 'best.pt'}",
-        "--repeats", "3", "--out", str(out),
+        "--repeats", "3", "--out", str(out), "--markdown",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    # --markdown: the table as docs/benchmarks.md holds it, with when, which commit, where
+    assert "*Recorded " in done.stdout and "| mlp | eager | 1 |" in done.stdout
     rows = json.loads(out.read_text())
     assert {(r["model"], r["backend"], r["batch_size"]) for r in rows} == {
         (m, b, n)

@@ -1,7 +1,7 @@
 """A request body nobody has to guess: GET /v1/example gives one that works for the served model
-(both APIs), GET /v2/models/kiln agrees with it, and the README's `curl` lines ("What a run prints
-next") run as typed against the server of each shipped kind of model -- image (the digits mlp),
-text and detection -- with one change, the port (a free one instead of 8000)."""
+(both APIs), GET /v2/models/kiln agrees with it, and the `curl` lines of docs/serving.md ("Trying
+the server") run as typed against the server of each shipped kind of model -- image (the digits
+mlp), text and detection -- with one change, the port (a free one instead of 8000)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ from .conftest import SUBPROCESS_ENV
 from .inference_helpers import detector_run, digits_run, live_server, text_run
 
 REPO = Path(__file__).resolve().parents[1]
-SECTION = "## What a run prints next"
+PAGE = REPO / "docs" / "serving.md"
+SECTION = "## Trying the server"
 KINDS = {"image": digits_run, "text": text_run, "detection": detector_run}
 
 
-def readme_curls() -> list[tuple[str | None, str]]:
-    """(kind or None for any model, command) for each curl line of the README's section: the
+def docs_curls() -> list[tuple[str | None, str]]:
+    """(kind or None for any model, command) for each curl line of the page's section: the
     indented block's lines fit any model, the ```sh block's follow a `# <kind> ...` comment."""
-    text = (REPO / "README.md").read_text()
+    text = PAGE.read_text()
     section = text[text.index(SECTION) :].split("\n## ", 1)[0]
     found, kind = [], None
     for line in section.splitlines():
@@ -42,10 +43,10 @@ def readme_curls() -> list[tuple[str | None, str]]:
     return found
 
 
-CURLS = readme_curls()
+CURLS = docs_curls()
 
 
-def test_the_readme_shows_a_curl_for_each_kind_of_model():
+def test_the_docs_show_a_curl_for_each_kind_of_model():
     assert {kind for kind, _ in CURLS} == {None, *KINDS}
 
 

@@ -377,7 +377,7 @@ def test_v2_metadata_lists_the_image_file_form_and_tritonclient_sends_files(phot
     with live_server(create_app(photos)) as server:
         client = triton.InferenceServerClient(server.url.removeprefix("http://"))
         inputs = client.get_model_metadata("kiln")["inputs"]
-        # What the README shows: image files as BYTES, raw bytes in the binary extension.
+        # What docs/serving.md shows: image files as BYTES, raw bytes in the binary extension.
         tensor = triton.InferInput("input", [len(files)], "BYTES")
         tensor.set_data_from_numpy(np.array(files, dtype=object), binary_data=True)
         result = client.infer("kiln", [tensor], outputs=[triton.InferRequestedOutput("probs")])
@@ -389,15 +389,15 @@ def test_v2_metadata_lists_the_image_file_form_and_tritonclient_sends_files(phot
     np.testing.assert_allclose(result.as_numpy("probs"), expected, atol=1e-5)
 
 
-def readme_tritonclient_block() -> str:
-    """The ```python block of the README's Serving section, as a user copies it."""
-    text = (REPO_ROOT / "README.md").read_text()
-    section = text[text.index("### Serving") :].split("\n### ", 1)[0]
+def docs_tritonclient_block() -> str:
+    """The ```python block of docs/serving.md, as a user copies it."""
+    text = (REPO_ROOT / "docs" / "serving.md").read_text()
+    section = text[text.index("# Serving") :].split("\n## Trying the server", 1)[0]
     return textwrap.dedent(re.search(r"```python\n(.*?)```", section, re.S).group(1))
 
 
-def test_the_readmes_tritonclient_block_sends_image_files_as_typed(photos):
-    code = readme_tritonclient_block()
+def test_the_docs_tritonclient_block_sends_image_files_as_typed(photos):
+    code = docs_tritonclient_block()
     paths = ast.literal_eval(re.search(r"^paths = (\[.*\])$", code, re.M).group(1))
     expected = [p["label"] for p in photos.predict([(REPO_ROOT / p).read_bytes() for p in paths])]
     with live_server(create_app(photos)) as server:

@@ -22,7 +22,7 @@ from kiln.data.spec import DataSpec
 from kiln.models import build_model, without_weights
 from kiln.models.zoo import WeightsError
 from kiln.preprocessing.pretrained import pretrained_input
-from kiln.registry import MODELS
+from kiln.registry import MODELS, model_inputs
 
 from .conftest import compose_config, run_train, train_in_process
 
@@ -46,8 +46,22 @@ def image_spec(channels: int = 3, side: int = 32, classes: int = 7) -> DataSpec:
     return DataSpec("classification", "image", classes, names, channels, (side, side))
 
 
+def token_spec(classes: int = 7, vocab_size: int = 60, max_length: int = 16) -> DataSpec:
+    names = tuple(f"c{i}" for i in range(classes))
+    return DataSpec("classification", "tokens", classes, names, vocab_size=vocab_size,
+                    max_length=max_length, pad_id=0)  # fmt: skip
+
+
+def spec_for(model: str, classes: int) -> DataSpec:
+    """A small spec of the input kind the model takes."""
+    if model_inputs(model)[0] == "tokens":
+        return token_spec(classes)
+    return image_spec(classes=classes)
+
+
 def zoo_cfg(model: str, *overrides: str):
-    return compose_config(f"model={model}", *overrides).model
+    data = ("data=csv_text",) if model_inputs(model)[0] == "tokens" else ()
+    return compose_config(f"model={model}", *data, *overrides).model
 
 
 @pytest.fixture
@@ -452,7 +466,7 @@ def test_head_prefixes_hold_exactly_the_parameters_sized_by_the_classes(model, o
     cfg = zoo_cfg(model, *overrides)
     shapes = []
     for classes in (7, 5):
-        built = build_model(image_spec(classes=classes), cfg, aux_head=True)
+        built = build_model(spec_for(model, classes), cfg, aux_head=True)
         shapes.append({k: v.shape for k, v in built.named_parameters()})
     prefixes = built.head_prefixes
     sized = {k for k in shapes[0] if shapes[0][k] != shapes[1][k]}

@@ -452,7 +452,7 @@ def replayed_probe(run: Run) -> Cause | None:
         7,
         "a probe before step 1 refused the model",
         f"replayed the probes: {r.probe_error.splitlines()[0][:400]}",
-        "fix what the message names (README, section The antibodies: rule 1, 2 or 3)",
+        "fix what the message names (docs/antibodies.md: rule 1, 2 or 3)",
     )
 
 

@@ -4,8 +4,9 @@ importing torch."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -73,10 +74,23 @@ def overview() -> str:
     return "\n".join(lines + ["", EXAMPLES])
 
 
-def describe(target: str) -> str:
+@dataclass(frozen=True)
+class OptionKeys:
+    """One option's keys as `--help GROUP=OPTION` prints them (and docs/config-reference.md)."""
+
+    group: str
+    option: str
+    title: str = ""  # the schema's docstring, first line
+    about: str = ""  # ... its first paragraph
+    keys: tuple[tuple[str, str, str], ...] = ()  # (key, default as typed, meaning)
+    note: str | None = None  # the registry entry's help, if any
+    yaml: Path | None = None  # a config-only option (env, debug, ...): its file
+    text: str = ""  # ... and its text
+
+
+def option_keys(group: str, option: str = "") -> OptionKeys:
     """`group` or `group=option` -> its keys with defaults and meanings (a plugin's options
     too: their YAML folders are on the search path, kiln.registry.register_config_dir)."""
-    group, _, option = target.partition("=")
     if group not in GROUP_ORDER:
         raise ConfigError(f"unknown group {group!r}", "--help", f"groups: {', '.join(GROUP_ORDER)}")
     option = option or defaults().get(group, "")
@@ -86,23 +100,36 @@ def describe(target: str) -> str:
         node, DictConfig
     ):
         path = CONF_DIR / group / f"{option}.yaml"
-        text = path.read_text() if path.is_file() else OmegaConf.to_yaml(node)
-        return f"{group}={option} ({path if path.is_file() else 'composed'}):\n" + text
+        if path.is_file():
+            return OptionKeys(group, option, yaml=path, text=path.read_text())
+        return OptionKeys(group, option, text=OmegaConf.to_yaml(node))
     schema = OmegaConf.get_type(node)
     meanings = field_help(schema)
     title = (schema.__doc__ or "").strip().splitlines()[0] if schema.__doc__ else ""
-    lines = [f"{group}={option}: {title}", f"keys (set with {group}.<key>=<value>):"]
-    for key in node:
-        if key == "name" and group in GROUP_REGISTRIES:
-            continue
-        value = _show(node._get_node(key))
-        lines.append(f"  {key:<26} {value:<16} {meanings.get(key, '')}")
+    about = " ".join((schema.__doc__ or "").strip().split("\n\n")[0].split())
+    keys = tuple(
+        (key, _show(node._get_node(key)), meanings.get(key, ""))
+        for key in node
+        if not (key == "name" and group in GROUP_REGISTRIES)
+    )
     note = (
         GROUP_REGISTRIES[group].entry(option).meta.get("help")
         if group in GROUP_REGISTRIES
         else None
     )
-    return "\n".join(lines + ([note] if note else []))
+    return OptionKeys(group, option, title, about, keys, note)
+
+
+def describe(target: str) -> str:
+    """`group` or `group=option` -> its keys with defaults and meanings, as text."""
+    group, _, option = target.partition("=")
+    found = option_keys(group, option)
+    if found.text:  # a config-only option: its YAML as it stands
+        where = found.yaml if found.yaml is not None else "composed"
+        return f"{group}={found.option} ({where}):\n" + found.text
+    lines = [f"{group}={found.option}: {found.title}", f"keys (set with {group}.<key>=<value>):"]
+    lines += [f"  {key:<26} {value:<16} {meaning}" for key, value, meaning in found.keys]
+    return "\n".join(lines + ([found.note] if found.note else []))
 
 
 def _show(node: Any) -> str:
@@ -118,4 +145,4 @@ def _show(node: Any) -> str:
     return str(value.value if isinstance(value, Enum) else value)
 
 
-__all__ = ["GROUP_SCHEMAS", "describe", "group_options", "overview"]
+__all__ = ["GROUP_SCHEMAS", "OptionKeys", "describe", "group_options", "option_keys", "overview"]

@@ -81,6 +81,8 @@ def predict_files(cfg: InferConfig, predictor, listing, output: str) -> None:
     unit = "images" if outcome.boxes is not None else "predictions"
     print(f"wrote {what}{outcome.predicted} {unit} to {outcome.path} ({cfg.backend} backend)",
           flush=True)  # fmt: skip
+    if cfg.draw:
+        draw_boxes(cfg, predictor, listing, outcome.path)
     if outcome.failed:
         reasons = ", ".join(f"{n} {reason}" for reason, n in outcome.errors.items())
         message = (
@@ -90,6 +92,21 @@ def predict_files(cfg: InferConfig, predictor, listing, output: str) -> None:
         if not outcome.predicted:
             raise InputError(f"{cfg.input}: none of the inputs could be predicted; {message}")
         print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def draw_boxes(cfg: InferConfig, predictor, listing, csv_path) -> None:
+    """draw=true: each predicted image with its boxes, beside the CSV."""
+    from pathlib import Path
+
+    from kiln.inference import InputError
+    from kiln.inference.detection_pictures import draw_detections_csv
+
+    if predictor.task != "detection":
+        raise InputError("draw=true draws a detector's boxes; this model is a classifier")
+    csv_path = Path(csv_path)
+    out_dir = csv_path.with_name(f"{csv_path.stem}_boxes")
+    drawn = draw_detections_csv(csv_path, listing.files, out_dir, max_pixels=cfg.max_image_pixels)
+    print(f"drew the boxes on {drawn} images in {out_dir}", flush=True)
 
 
 def run_export(cfg: InferConfig) -> None:

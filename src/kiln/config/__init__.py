@@ -146,6 +146,16 @@ def check_option_names(cfg: KilnConfig) -> None:
     for group, registry in GROUP_REGISTRIES.items():
         node = getattr(cfg, group)
         entry = registry.entry(node.name) if node.name in registry else None
+        options = [n for n in registry.names() if registry.entry(n).config is type(node)]
+        if entry is None and options and "arch" in schema_keys(type(node)):
+            # `model=hf model.name=<folder>` (Hugging Face's model_name_or_path): the folder,
+            # hub id or architecture goes in model.arch; model.name is the option's own name.
+            raise ConfigError(
+                f"{group}.name={node.name!r} is not a registered {registry.kind}",
+                f"{group}.name",
+                f"{group}={options[0]} takes the folder, hub id or architecture as "
+                f"{group}.arch: set {group}.arch={node.name}",
+            )
         if entry is None:
             raise ConfigError(
                 f"{group}.name={node.name!r} is not a registered {registry.kind}",

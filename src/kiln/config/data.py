@@ -93,6 +93,9 @@ class CsvTextConfig(DataConfig):
     val_fraction: float = 0.2  # share held out for validation when val_path is null
     text_column: str = "text"  # CSV column holding the texts
     label_column: str = "label"  # CSV column holding the labels
+    # a second text column: each row is the pair (text, pair) -- NLI, question/answer,
+    # duplicates -- fed to a pretrained tokenizer as tokenizer(a, b) (kiln's own: joined)
+    text_pair_column: str | None = None
     encoding: str = "utf-8"  # the files' text encoding (a Python codec: utf-8, latin-1, cp1252)
     na_values: list[str] = field(default_factory=list)  # spellings meaning missing (NA is text)
     bad_rows: BadRows = BadRows.drop  # drop: count and skip bad rows; error: stop at the first
@@ -132,6 +135,10 @@ class CsvTextConfig(DataConfig):
                     f"{key}.labels",
                     f"needs two or more distinct, non-empty labels, got {list(self.labels)}",
                 )
+        if self.train_path is None and self.text_pair_column is not None:
+            raise ConfigError("text_pair_column is set but train_path is null (the demo corpus "
+                              "has single texts)", f"{key}.text_pair_column",
+                              "set data.train_path to a CSV with both columns")  # fmt: skip
         if self.train_path is None and self.val_path is not None:
             raise ConfigError("val_path is set but train_path is null", f"{key}.val_path",
                               "set data.train_path too")  # fmt: skip
@@ -170,6 +177,98 @@ class ShapesDetectionConfig(DataConfig):
                 f"needs 16 <= min_image_size <= image_size, got {low} and {self.image_size}",
                 f"{key}.min_image_size",
                 "0 means image_size",
+            )
+
+
+class DetectionAugment(StrEnum):
+    none = "none"  # images as they are
+    hflip = "hflip"  # horizontal flip (half the images), boxes flipped with them
+    hflip_scale = "hflip_scale"  # hflip + scale jitter (0.5x..1.5x of data.image_size)
+    # torchvision's reference SSD policy: photometric distortion, zoom out, random IoU crop,
+    # hflip; boxes that leave the picture are cut to it or dropped
+    ssd = "ssd"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetectionFilesConfig(DataConfig):
+    """Options of the detection datasets read from files (data=coco, data=yolo)."""
+
+    batch_size: int = 4
+    # the side detectors work at: kiln's detector resizes every image to it (or to the largest
+    # side in the data, when smaller), torchvision_detection's min_size and max_size
+    image_size: int = 512
+    val_fraction: float = 0.2  # share of the training images held out when no val set is given
+    # an image file or an annotation that cannot be used (missing or unreadable image, box
+    # outside its image or of zero area, unknown category, a label line that does not parse,
+    # a repeated image id): drop (listed in data_report.json) | error (stop at the first)
+    bad_rows: BadRows = BadRows.drop
+    cache_dir: str | None = None  # image file checks; null: ~/.cache/kiln/images
+    max_image_pixels: int | None = 89_478_485  # header pixels above: too_large (null: no limit)
+    # training images only, boxes kept in sync (transforms v2, tv_tensors.BoundingBoxes):
+    # none | hflip | hflip_scale | ssd; seeded per item, so a resumed run sees the same batches
+    augment: DetectionAugment = DetectionAugment.none
+    # training batches of images of one aspect-ratio group (wider than tall or not), as
+    # torchvision's reference GroupedBatchSampler: detectors pad a batch to its largest image
+    group_by_aspect_ratio: bool = False
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        at_least(self.image_size, 32, f"{key}.image_size")
+        in_range(self.val_fraction, 0, 1, f"{key}.val_fraction", open_low=True, open_high=True)
+        if self.max_image_pixels is not None:
+            at_least(self.max_image_pixels, 1, f"{key}.max_image_pixels")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CocoConfig(DetectionFilesConfig):
+    """Object detection from COCO `instances` JSON files (Label Studio, CVAT, Roboflow export
+    them): bbox [x, y, w, h] in pixels, category ids mapped to labels 1..C in id order."""
+
+    PATH_KEYS: ClassVar[tuple[str, ...]] = (
+        "train_json", "train_images", "val_json", "val_images", "test_json", "test_images",
+        "cache_dir",
+    )  # fmt: skip
+
+    train_json: str | None = None  # the training annotations (required)
+    train_images: str | None = None  # the folder its file_names are relative to (required)
+    val_json: str | None = None  # null: a val_fraction of the training images is held out
+    val_images: str | None = None  # null: train_images
+    test_json: str | None = None  # evaluated once at the end (<run>/eval/)
+    test_images: str | None = None  # null: train_images
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        if self.train_json is None or self.train_images is None:
+            raise ConfigError(
+                "no training annotations given",
+                f"{key}.train_json",
+                "set data.train_json=<instances.json> and data.train_images=<its image folder>",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class YoloConfig(DetectionFilesConfig):
+    """Object detection from a YOLO tree: <root>/images/<split>/x.jpg with its boxes in
+    <root>/labels/<split>/x.txt, one `class cx cy w h` line per box (normalised to 0..1), the
+    class names in a data.yaml (names:) or a data.names file (one per line)."""
+
+    PATH_KEYS: ClassVar[tuple[str, ...]] = (
+        "train_dir", "val_dir", "test_dir", "names_file", "cache_dir",
+    )  # fmt: skip
+
+    train_dir: str | None = None  # the training images folder (.../images/train; required)
+    val_dir: str | None = None  # null: a val_fraction of the training images is held out
+    test_dir: str | None = None  # evaluated once at the end (<run>/eval/)
+    # data.yaml or data.names; null: the first found in train_dir's parent folders
+    names_file: str | None = None
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        if self.train_dir is None:
+            raise ConfigError(
+                "no training images given",
+                f"{key}.train_dir",
+                "set data.train_dir=<root>/images/train (labels in <root>/labels/train)",
             )
 
 
@@ -255,8 +354,13 @@ DATASETS.declare(
     config=SyntheticImagesConfig,
     provides="image",
 )
+# uses_pretrained (csv_text): a pretrained text model's own tokenizer (model=hf's PretrainedText)
 DATASETS.declare(
-    "csv_text", "kiln.data.csv_text:build_csv_text", config=CsvTextConfig, provides="tokens"
+    "csv_text",
+    "kiln.data.csv_text:build_csv_text",
+    config=CsvTextConfig,
+    provides="tokens",
+    uses_pretrained=True,
 )
 DATASETS.declare(
     "shapes_detection",
@@ -264,6 +368,8 @@ DATASETS.declare(
     config=ShapesDetectionConfig,
     provides="image_list",
 )
+DATASETS.declare("coco", "kiln.data.coco:build_coco", config=CocoConfig, provides="image_list")
+DATASETS.declare("yolo", "kiln.data.yolo:build_yolo", config=YoloConfig, provides="image_list")
 # uses_pretrained: the builder takes `pretrained=` (a PretrainedInput or None): the model's
 # weights' own preprocessing, for data.normalize=auto and the default input size.
 DATASETS.declare(

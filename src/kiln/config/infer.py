@@ -73,7 +73,10 @@ class InferConfig:
     # before decoding.
     strict: bool = False  # predict: stop at the first input that cannot be predicted
     max_image_pixels: int | None = 89_478_485  # predict, evaluate: header pixels above: refused
-    follow_symlinks: bool = True  # predict, evaluate: follow links in input folders (see README)
+    follow_symlinks: bool = True  # predict, evaluate: follow links in input folders
+    # predict, detectors, image files: each image also written with its boxes drawn, as
+    # <output name>_boxes/<index>_<file>.png beside the CSV
+    draw: bool = False
     server: ServerConfig = field(default_factory=ServerConfig)
 
 

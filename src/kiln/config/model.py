@@ -86,7 +86,7 @@ class TextBowConfig(ClassifierConfig):
     # character n-gram lengths of each vocabulary word ([shortest, longest]; []: none). [] here
     # and [2, 5] in conf/model/text_bow.yaml: a checkpoint saved before the option rebuilds as it
     # was trained. [2, 5] costs 2-3x the training time; on kiln's three package-text corpora it
-    # is what brings text_bow level with TF-IDF + LinearSVC (see the README's text benchmark)
+    # is what brings text_bow level with TF-IDF + LinearSVC (docs/benchmarks.md)
     char_ngrams: list[int] = field(default_factory=list)
     num_buckets: int = 65536  # hash buckets shared by token and character n-grams (2**16)
     sparse_grads: bool = True  # gradients of the table rows a batch touches (one process, adamw)
@@ -188,6 +188,77 @@ class TimmConfig(ZooConfig):
         in_range(self.drop_path_rate, 0, 1, f"{key}.drop_path_rate", open_high=True)
 
 
+@dataclass(frozen=True, kw_only=True)
+class TorchvisionDetectionConfig(ModelConfig):
+    """Any detection builder of torchvision.models.detection (Faster R-CNN, RetinaNet, FCOS,
+    SSD, SSDlite), its box predictor sized from the data's classes (+ the background), its
+    min_size and max_size from data.image_size. Weights: a torchvision name (DEFAULT, COCO_V1)
+    from $TORCH_HOME, or a file; the COCO class head is re-initialised."""
+
+    PATH_KEYS: ClassVar[tuple[str, ...]] = ("weights", "weights_backbone")
+
+    arch: str = "fasterrcnn_mobilenet_v3_large_320_fpn"  # list_models(torchvision.models.detection)
+    weights: str | None = None  # null (random) | DEFAULT, COCO_V1, ... | a .pth/.safetensors file
+    # BatchNorm layers frozen (torchvision's FrozenBatchNorm2d, as its pretrained detectors
+    # train); false: BatchNorm2d, which needs large batches of images to learn its statistics
+    frozen_batchnorm: bool = True
+    # ImageNet weights of the backbone alone (Faster R-CNN, RetinaNet, FCOS: resnet50 or
+    # mobilenet_v3_large), a torchvision name (DEFAULT, IMAGENET1K_V1) or a file; with weights
+    # null (the detector's own COCO weights hold a backbone already)
+    weights_backbone: str | None = None
+    # backbone stages trained, counted from the top (torchvision's trainable_backbone_layers:
+    # resnet 0..5, mobilenet 0..6); null: all of them
+    trainable_layers: int | None = None
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        if self.weights is not None and self.weights_backbone is not None:
+            raise ConfigError(
+                "weights and weights_backbone are both set",
+                f"{key}.weights_backbone",
+                "the detector's weights hold its backbone's: set one of the two",
+            )
+        if self.trainable_layers is not None:
+            at_least(self.trainable_layers, 0, f"{key}.trainable_layers")
+        if self.weights is not None and str(self.init) != "default":
+            raise ConfigError(
+                f"init={self.init} would overwrite the weights {self.weights}",
+                f"{key}.init",
+                f"keep {key}.init=default with {key}.weights, or set {key}.weights=null",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class HfConfig(ClassifierConfig):
+    """Any model AutoModelForSequenceClassification builds (transformers), with num_labels and
+    id2label/label2id from the data's classes, tokenizing with the model's own fast tokenizer.
+    model.arch is a folder written by save_pretrained, a hub id read from the Hugging Face cache
+    only (nothing is downloaded), or a model type (bert, roberta, ...) built small from scratch
+    on kiln's own tokenizer."""
+
+    PATH_KEYS: ClassVar[tuple[str, ...]] = ("arch",)
+
+    arch: str = "bert"  # a save_pretrained folder | a hub id in the HF cache | a model type
+    # auto: the weights beside the model's config.json (a folder or hub snapshot; none for a
+    # model type) | null: random weights from the config | a .safetensors/.bin/.pt file
+    weights: str | None = "auto"
+    # config.json values to change (hidden_dropout_prob=0.2, ...); for a model type, on top of
+    # kiln's small default size (2 layers, width 64, 2 heads)
+    config: dict[str, Any] = field(default_factory=dict)
+    # recompute each encoder layer's activations in the backward pass instead of keeping them:
+    # less memory for longer texts or larger batches, about a third more compute
+    gradient_checkpointing: bool = False
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        if self.weights is not None and str(self.init) != "default":
+            raise ConfigError(
+                f"init={self.init} would overwrite the weights {self.weights}",
+                f"{key}.init",
+                f"keep {key}.init=default with {key}.weights, or set {key}.weights=null",
+            )
+
+
 # Zoo architectures the default test suite checks against every registry-wide rule, at a small
 # input size: cheap members of convolutional and transformer families.
 TORCHVISION_SAMPLES = ("resnet18", "mobilenet_v3_small", "squeezenet1_1", "efficientnet_b0",
@@ -195,6 +266,8 @@ TORCHVISION_SAMPLES = ("resnet18", "mobilenet_v3_small", "squeezenet1_1", "effic
 TIMM_SAMPLES = ("resnet10t", "mobilenetv3_small_050", "convnext_atto", "efficientnet_b0",
                 "vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224", "levit_128s",
                 "mixer_s32_224")  # fmt: skip
+# model=hf: model types built small from scratch (no download), on kiln's own tokenizer.
+HF_SAMPLES = ("bert", "distilbert", "roberta", "deberta-v2", "albert", "electra")
 
 # inputs: the DataSpec.input_kind values a model accepts (the suite pairs it with every dataset
 # that provides one of them; train.py refuses other pairings at start-up).
@@ -252,6 +325,38 @@ MODELS.declare(
         "their files go in the Hugging Face cache ($HF_HOME/hub, ~/.cache/huggingface/hub)"
     ),
 )
+# uses_pretrained: the builder takes `pretrained=` (what the preprocessing function returned,
+# or what a checkpoint recorded of it): model=hf rebuilds its architecture from the recorded
+# config.json, without the folder it came from.
+MODELS.declare(
+    "hf",
+    "kiln.models.zoo.transformers:build_hf",
+    config=HfConfig,
+    inputs=("tokens",),
+    preprocessing="kiln.models.zoo.transformers:hf_preprocessing",
+    uses_pretrained=True,
+    samples=HF_SAMPLES,
+    help=(
+        "model.arch: a folder written by save_pretrained (model and tokenizer), a hub id in the\n"
+        "  Hugging Face cache ($HF_HOME/hub; fill it with `hf download <id>`), or a model type\n"
+        "  (bert, roberta, ...) built small from scratch on kiln's own tokenizer\n"
+        "model.weights: auto (the folder's), null (random) or a file; docs/transformers.md"
+    ),
+)
 MODELS.declare(
     "detector", "kiln.models.detector:build_detector", config=DetectorConfig, inputs=("image_list",)
+)
+MODELS.declare(
+    "torchvision_detection",
+    "kiln.models.zoo.detection:build_torchvision_detection",
+    config=TorchvisionDetectionConfig,
+    inputs=("image_list",),
+    help=(
+        "model.arch: any builder of torchvision.models.detection (fasterrcnn_*, retinanet_*, "
+        "fcos_*, ssd300_vgg16, ssdlite320_mobilenet_v3_large); list them with\n"
+        '  python -c "import torchvision.models as m; '
+        "print(*m.list_models(module=m.detection), sep='\\n')\"\n"
+        "model.weights names: torchvision.models.get_model_weights(arch).__members__; their "
+        "files go in $TORCH_HOME/hub/checkpoints (~/.cache/torch/hub/checkpoints)"
+    ),
 )

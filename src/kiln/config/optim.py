@@ -91,6 +91,19 @@ class CosineConfig(SchedulerConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LinearWarmupConfig(SchedulerConfig):
+    """Linear warm-up from 0 to optimizer.lr, then linear decay to 0 at the last step: the
+    schedule BERT-style fine-tuning uses (transformers' get_linear_schedule_with_warmup)."""
+
+    warmup_ratio: float = 0.1  # warm-up as a share of all optimizer steps
+    warmup_steps: int = 0  # warm-up in optimizer steps; more than 0 overrides warmup_ratio
+
+    def check(self, key: str) -> None:
+        in_range(self.warmup_ratio, 0, 1, f"{key}.warmup_ratio", open_high=True)
+        at_least(self.warmup_steps, 0, f"{key}.warmup_steps")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ConstantConfig(SchedulerConfig):
     """No schedule: the learning rate stays optimizer.lr."""
 
@@ -99,4 +112,7 @@ OPTIMIZERS.declare("adamw", "kiln.engine.optim:build_adamw", config=AdamWConfig)
 OPTIMIZERS.declare("sgd", "kiln.engine.optim:build_sgd", config=SGDConfig)
 SCHEDULERS.declare("onecycle", "kiln.engine.optim:build_onecycle", config=OneCycleConfig)
 SCHEDULERS.declare("cosine", "kiln.engine.optim:build_cosine", config=CosineConfig)
+SCHEDULERS.declare(
+    "linear_warmup", "kiln.engine.optim:build_linear_warmup", config=LinearWarmupConfig
+)
 SCHEDULERS.declare("none", "kiln.engine.optim:build_constant", config=ConstantConfig)

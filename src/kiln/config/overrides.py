@@ -60,12 +60,24 @@ def override(key: str, value: Any) -> str:
     return f"{key}={override_value(value, key)}"
 
 
+# Hydra's flags that take the next argument as their value (`--info` optionally).
+_FLAGS_WITH_A_VALUE = frozenset(
+    ("--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp")
+    + ("--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun")
+)
+
+
 def check_grammar(argv: list[str]) -> None:
     """Every key=value argument parsed by Hydra's own parser before anything else runs;
     ConfigError (one line, the quoting that works) for the first it cannot read."""
     from hydra.errors import OverrideParseException
 
+    flag_value = False
     for arg in argv:
+        if flag_value and not arg.startswith("-") and "=" not in arg:
+            flag_value = False
+            continue  # a flag's own value: --cfg job, --info searchpath
+        flag_value = arg in _FLAGS_WITH_A_VALUE
         if arg.startswith("-"):
             continue  # flags: -m, --help, --cfg job
         try:

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from kiln.data.bad_inputs import BadInputLog
 from kiln.errors import UserError
-from kiln.preprocessing.cleaning import TextCleaning, clean_text
+from kiln.preprocessing.cleaning import PAIR_SEP, TextCleaning, clean_text
 
 BAD_ROW_REASONS = (
     "field_too_large",
@@ -87,6 +87,7 @@ class CsvSettings:
     max_field_lines: int = 1000  # a quoted field running longer is taken as broken
     labels: frozenset[str] | None = None  # data.labels: the classes, when the user names them
     max_field_bytes: int = 1 << 20  # a longer record is dropped, read in pieces, never whole
+    pair_column: str | None = None  # data.text_pair_column: a row's text is then a pair
 
 
 @dataclass
@@ -534,11 +535,14 @@ def encoding_mismatch(path: Path, wide: str, encoding: str, key: str) -> str:
 
 
 def _check_columns(path: Path, columns: list[str], settings: CsvSettings) -> None:
-    missing = [c for c in (settings.text_column, settings.label_column) if c not in columns]
+    wanted = (settings.text_column, settings.pair_column, settings.label_column)
+    missing = [c for c in wanted if c is not None and c not in columns]
     if missing:
+        keys = "data.text_column / data.label_column"
+        keys += " / data.text_pair_column" if settings.pair_column else ""
         raise CsvTextError(
             f"{path}: missing column {', '.join(map(repr, missing))}; columns present: "
-            f"{', '.join(map(repr, columns))} (set data.text_column / data.label_column)"
+            f"{', '.join(map(repr, columns))} (set {keys})"
         )
 
 
@@ -558,6 +562,8 @@ class _Checker:
         self.settings, self.columns, self.width = settings, columns, len(columns)
         self.text_at = columns.index(settings.text_column)
         self.label_at = columns.index(settings.label_column)
+        pair = settings.pair_column
+        self.pair_at = columns.index(pair) if pair is not None else None
 
     def missing(self, value: str) -> bool:
         value = value.strip()
@@ -603,7 +609,10 @@ class _Checker:
                 + (f" {QUOTE_HINT}" if more else ""),
             )
         text, label = fields[self.text_at], fields[self.label_at]
-        for value, column in ((text, s.text_column), (label, s.label_column)):
+        checked = [(text, s.text_column), (label, s.label_column)]
+        if self.pair_at is not None:
+            checked.append((fields[self.pair_at], s.pair_column))
+        for value, column in checked:
             if not value.isascii() and _SURROGATE.search(value):
                 return (
                     "undecodable",
@@ -615,6 +624,9 @@ class _Checker:
             return "empty_row", None, "is empty"
         if self.missing(text):
             return "missing_text", s.text_column, f"has an empty text in column {s.text_column!r}"
+        if self.pair_at is not None and self.missing(fields[self.pair_at]):
+            column = s.pair_column
+            return "missing_text", column, f"has an empty text in column {column!r}"
         if self.missing(label):
             return (
                 "missing_label",
@@ -629,18 +641,34 @@ class _Checker:
             )
         return None
 
+    def _cleaned(self, fields: list[str]) -> tuple[str, str | None]:
+        """(the cleaned text -- a pair's two joined by PAIR_SEP --, the column left empty by
+        cleaning or None)."""
+        s = self.settings
+        cleaned = clean_text(fields[self.text_at], s.cleaning)
+        if not cleaned:
+            return cleaned, s.text_column
+        if self.pair_at is None:
+            return cleaned, None
+        second = clean_text(fields[self.pair_at], s.cleaning)
+        if not second:
+            return second, s.pair_column
+        # a separator inside a text (cleaning without data.normalize_whitespace) is a space
+        first, second = cleaned.replace(PAIR_SEP, " "), second.replace(PAIR_SEP, " ")
+        return f"{first}{PAIR_SEP}{second}", None
+
     def check(self, record: _Record) -> tuple[BadRow | None, str | None]:
         """(BadRow or None, the cleaned text or None)."""
         found = self.problem(record)
         cleaned = None
         if found is None:
-            cleaned = clean_text(record.fields[self.text_at], self.settings.cleaning)
-            if not cleaned:
+            cleaned, column = self._cleaned(record.fields)
+            if column is not None:
                 found = (
                     "empty_after_cleaning",
-                    self.settings.text_column,
-                    f"has a text that is empty after cleaning in column "
-                    f"{self.settings.text_column!r} (only markup or spaces)",
+                    column,
+                    f"has a text that is empty after cleaning in column {column!r} (only markup "
+                    "or spaces)",
                 )
         if found is None:
             return None, cleaned

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kiln.config.base import ConfigError
 from kiln.config.data import CsvTextConfig
 from kiln.data.bad_inputs import BadInputLog, summary_line
 from kiln.data.csv_reader import (
@@ -61,12 +63,16 @@ from kiln.data.token_store import (
     save_entry,
 )
 from kiln.preprocessing import TokenRecipe
-from kiln.preprocessing.cleaning import TextCleaning, clean_texts
+from kiln.preprocessing.cleaning import PAIR_SEP, TextCleaning, clean_texts
+from kiln.preprocessing.pretrained import PretrainedText
 from kiln.preprocessing.text import (
     PAD_ID,
     WordCachedEncoder,
     WordPieces,
+    _tokenizer_from_json,
+    encode_ids,
     pad_token_ids,
+    split_pair,
     train_tokenizer,
 )
 from kiln.sorting import natural_key
@@ -76,7 +82,19 @@ log = logging.getLogger(__name__)
 __all__ = ["CsvTextError", "build_csv_text", "collate_tokens", "demo_corpus", "split_rows"]
 
 
-def cleaning_of(cfg: CsvTextConfig) -> TextCleaning:
+def cleaning_of(cfg: CsvTextConfig, pretrained: PretrainedText | None = None) -> TextCleaning:
+    """data.*'s cleaning; with a pretrained tokenizer (model=hf), the steps that would change
+    what the model was trained to read follow the tokenizer instead: no lower-casing (an
+    uncased model's normalizer lower-cases by itself; a cased model must see the case) and no
+    Unicode normalisation (the tokenizer's normalizer does what the model was trained with)."""
+    if pretrained is not None:
+        return TextCleaning(
+            strip_html=cfg.strip_html,
+            unescape_entities=cfg.unescape_entities,
+            unicode_form="none",
+            lowercase=False,
+            normalize_whitespace=cfg.normalize_whitespace,
+        )
     return TextCleaning(
         strip_html=cfg.strip_html,
         unescape_entities=cfg.unescape_entities,
@@ -86,7 +104,41 @@ def cleaning_of(cfg: CsvTextConfig) -> TextCleaning:
     )
 
 
-def csv_settings(cfg: CsvTextConfig) -> CsvSettings:
+def text_pretrained(pretrained) -> PretrainedText | None:
+    """The model's pretrained tokenizer, if the model has one (model=hf on a folder or hub id)."""
+    return pretrained if isinstance(pretrained, PretrainedText) else None
+
+
+def check_max_length(cfg: CsvTextConfig, pretrained: PretrainedText) -> None:
+    if cfg.max_length > pretrained.position_limit:
+        raise ConfigError(
+            f"data.max_length={cfg.max_length} exceeds the {pretrained.position_limit} "
+            f"positions of {pretrained.source}",
+            "data.max_length",
+            f"set data.max_length={pretrained.position_limit} or less",
+        )
+
+
+def log_pretrained_cleaning(cfg: CsvTextConfig, pretrained: PretrainedText) -> None:
+    case = "lower-cases (an uncased model)" if pretrained.lowercase else "keeps case (cased)"
+    followed = [
+        f"data.{key}={value} not applied"
+        for key, value in (("lowercase", cfg.lowercase), ("unicode_form", cfg.unicode_form))
+        if str(value) not in ("False", "none")
+    ]
+    log.info(
+        "data: the tokenizer of %s (pad id %d; max_length %d of %d positions); cleaning "
+        "follows it: its normalizer %s%s",
+        pretrained.source,
+        pretrained.pad_id,
+        cfg.max_length,
+        pretrained.position_limit,
+        case,
+        f" ({', '.join(followed)})" if followed else "",
+    )
+
+
+def csv_settings(cfg: CsvTextConfig, pretrained: PretrainedText | None = None) -> CsvSettings:
     return CsvSettings(
         text_column=cfg.text_column,
         label_column=cfg.label_column,
@@ -94,10 +146,11 @@ def csv_settings(cfg: CsvTextConfig) -> CsvSettings:
         na_values=frozenset(v.strip() for v in cfg.na_values),
         bad_rows=str(cfg.bad_rows),
         chunk_rows=cfg.chunk_rows,
-        cleaning=cleaning_of(cfg),
+        cleaning=cleaning_of(cfg, pretrained),
         max_field_lines=cfg.max_field_lines,
         max_field_bytes=cfg.max_field_bytes,
         labels=None if cfg.labels is None else frozenset(str(x).strip() for x in cfg.labels),
+        pair_column=cfg.text_pair_column,
     )
 
 
@@ -105,20 +158,22 @@ def csv_settings(cfg: CsvTextConfig) -> CsvSettings:
 # Batching
 
 
-def collate_tokens(batch: list[tuple[Tensor, Tensor]] | PaddedTokens) -> tuple[Tensor, Tensor]:
-    """[(ids (L_i,), label ())] -> (ids (N, L_max) padded with PAD_ID, labels (N,)); a batch
+def collate_tokens(
+    batch: list[tuple[Tensor, Tensor]] | PaddedTokens, pad_id: int = PAD_ID
+) -> tuple[Tensor, Tensor]:
+    """[(ids (L_i,), label ())] -> (ids (N, L_max) padded with pad_id, labels (N,)); a batch
     the dataset already padded (TokenDataset.__getitems__) passes through. Module-level so
-    DataLoader workers can pickle it."""
+    DataLoader workers can pickle it (a pretrained tokenizer's pad_id: a functools.partial)."""
     if isinstance(batch, PaddedTokens):
         return batch.ids, batch.labels
     ids, labels = zip(*batch, strict=True)
-    return pad_token_ids(list(ids)), torch.stack(labels)
+    return pad_token_ids(list(ids), pad_id), torch.stack(labels)
 
 
-def token_batch_metrics(batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+def token_batch_metrics(batch: tuple[Tensor, Tensor], pad_id: int = PAD_ID) -> dict[str, Tensor]:
     """What the training log reports per interval: the padded share of the batch and the real
     tokens (logged as tokens_per_s). Computed on the device; no host sync."""
-    padding = batch[0] == PAD_ID
+    padding = batch[0] == pad_id
     return {"padding_frac": padding.float().mean(), "tokens": (~padding).sum()}
 
 
@@ -379,19 +434,40 @@ def _tokenizer_sample(train_rows: np.ndarray, size: int, seed: int) -> np.ndarra
     return np.random.default_rng(seed).choice(train_rows, size=size, replace=False)
 
 
+def _joined(batches: Iterable[list[str]]) -> Iterator[list[str]]:
+    """Spooled texts for kiln's own tokenizer: a pair's two texts joined by a space."""
+    for texts in batches:
+        yield [text.replace(PAIR_SEP, " ") if PAIR_SEP in text else text for text in texts]
+
+
 def _encode_spool(
     spool: TextSpool, tokenizer, max_length: int, directory: Path, pieces: WordPieces
 ) -> np.ndarray:
     """Every spooled text's ids into the store's ids file; returns the offsets."""
     writer = IdsWriter(directory)
     encode = WordCachedEncoder(tokenizer, max_length, pieces=pieces)
-    for texts in spool.batches(ENCODE_BATCH):
+    for texts in _joined(spool.batches(ENCODE_BATCH)):
         writer.append_flat(*encode(texts))
     spool.path.unlink()  # the cleaned texts were only needed until now
     return writer.finish()
 
 
-def _store_report(cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets):
+def _encode_spool_pretrained(
+    spool: TextSpool, tokenizer, pretrained: PretrainedText, directory: Path
+) -> np.ndarray:
+    """Every spooled text's ids by the model's own tokenizer (its special tokens added,
+    truncated to data.max_length) into the store's ids file; returns the offsets."""
+    writer = IdsWriter(directory)
+    unk_id = pretrained.pad_id if pretrained.unk_id is None else pretrained.unk_id
+    for texts in spool.batches(ENCODE_BATCH):
+        writer.append(encode_ids(tokenizer, [split_pair(text) for text in texts], unk_id))
+    spool.path.unlink()
+    return writer.finish()
+
+
+def _store_report(
+    cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets, pretrained=None
+):
     lengths = np.diff(offsets)
 
     def counts(rows):
@@ -411,7 +487,8 @@ def _store_report(cfg, logs, class_names, labels, train_rows, val_rows, tokenize
             "mean_length": float(lengths.mean()),
             "rows_at_max_length": int((lengths >= cfg.max_length).sum()),
         },
-        "cleaning": cleaning_of(cfg).to_dict(),
+        "cleaning": cleaning_of(cfg, pretrained).to_dict(),
+        "tokenizer": pretrained.source if pretrained else f"learned ({cfg.tokenizer})",
     }
 
 
@@ -422,6 +499,7 @@ def build_entry(
     val_chunks: Iterable[RowChunk] | None,
     logs: dict[str, BadInputLog],
     settings: CsvSettings,
+    pretrained: PretrainedText | None = None,
 ) -> None:
     """Writes a token store into `directory`: read + clean (chunks) -> spool on disk -> the
     classes, from the clean training rows -> tokenizer trained on the training rows of the
@@ -437,18 +515,25 @@ def build_entry(
     lines = train.lines if val is None else np.concatenate([train.lines, val.lines])
     rows = train.rows if val is None else np.concatenate([train.rows, val.rows])
     train_rows, val_rows = _train_val_rows(cfg, labels, len(train.codes), logs)
-    with _timed(timings, "tokenizer_s"):
-        learn_from = _tokenizer_sample(train_rows, cfg.tokenizer_rows, cfg.split_seed)
-        keep = np.zeros(len(labels), dtype=bool)
-        keep[learn_from] = True
-        texts = spool.batches(ENCODE_BATCH, keep=keep)
-        pieces = WordPieces()  # the training words, split once for the vocabulary and the ids
-        tokenizer = train_tokenizer(
-            texts, cfg.vocab_size, cfg.max_length, len(learn_from), str(cfg.tokenizer), pieces
-        )
-    with _timed(timings, "encode_s"):
-        offsets = _encode_spool(spool, tokenizer, cfg.max_length, directory, pieces)
-    report = _store_report(cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets)
+    if pretrained is not None:  # the model's own tokenizer: nothing to learn
+        tokenizer = _tokenizer_from_json(pretrained.tokenizer_json, cfg.max_length)
+        with _timed(timings, "encode_s"):
+            offsets = _encode_spool_pretrained(spool, tokenizer, pretrained, directory)
+    else:
+        with _timed(timings, "tokenizer_s"):
+            learn_from = _tokenizer_sample(train_rows, cfg.tokenizer_rows, cfg.split_seed)
+            keep = np.zeros(len(labels), dtype=bool)
+            keep[learn_from] = True
+            texts = _joined(spool.batches(ENCODE_BATCH, keep=keep))
+            pieces = WordPieces()  # the training words, split once for the vocabulary and ids
+            tokenizer = train_tokenizer(
+                texts, cfg.vocab_size, cfg.max_length, len(learn_from), str(cfg.tokenizer), pieces
+            )
+        with _timed(timings, "encode_s"):
+            offsets = _encode_spool(spool, tokenizer, cfg.max_length, directory, pieces)
+    report = _store_report(
+        cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets, pretrained
+    )
     report.update(left_out)
     report["build_timings_s"] = timings  # read + clean, tokenizer, encode: when it was built
     meta = {"class_names": class_names, "vocab_size": tokenizer.get_vocab_size(), "report": report}
@@ -457,25 +542,29 @@ def build_entry(
     )
 
 
-def _demo_chunks(cfg: CsvTextConfig, log_: BadInputLog) -> list[RowChunk]:
+def _demo_chunks(
+    cfg: CsvTextConfig, log_: BadInputLog, pretrained: PretrainedText | None = None
+) -> list[RowChunk]:
     texts, labels = demo_corpus()
     rows = list(range(1, len(texts) + 1))
     log_.read = log_.kept = len(texts)
     lines = [row + 1 for row in rows]  # after the header line a CSV of them would have
-    cleaned = clean_texts(texts, cleaning_of(cfg))
+    cleaned = clean_texts(texts, cleaning_of(cfg, pretrained))
     return [RowChunk(cleaned, labels, rows, lines, [False] * len(rows))]
 
 
-def _key_inputs(cfg: CsvTextConfig) -> dict:
-    """Everything that changes the stored ids, labels or split."""
-    settings = csv_settings(cfg)
-    return {
+def _key_inputs(cfg: CsvTextConfig, pretrained: PretrainedText | None = None) -> dict:
+    """Everything that changes the stored ids, labels or split (a pretrained tokenizer: its
+    hash)."""
+    settings = csv_settings(cfg, pretrained)
+    inputs = {
         "store_version": STORE_VERSION,
         "tokenizers": version("tokenizers"),
         "train_sha256": file_digest(Path(cfg.train_path)),
         "val_sha256": file_digest(Path(cfg.val_path)) if cfg.val_path else None,
         "split": None if cfg.val_path else [cfg.val_fraction, cfg.split_seed],
-        "columns": [settings.text_column, settings.label_column],
+        "columns": [settings.text_column, settings.label_column]
+        + ([settings.pair_column] if settings.pair_column else []),
         "encoding": settings.encoding,
         "na_values": sorted(settings.na_values),
         "bad_rows": settings.bad_rows,
@@ -490,17 +579,28 @@ def _key_inputs(cfg: CsvTextConfig) -> dict:
         "tokenizer_rows": cfg.tokenizer_rows,
         "max_length": cfg.max_length,
     }
+    if pretrained is not None:  # the model's own tokenizer, by its hash
+        inputs["pretrained_tokenizer"] = pretrained.tokenizer_sha256
+    return inputs
 
 
-def prepare(cfg: CsvTextConfig) -> tuple[StoreEntry, dict]:
+def prepare(
+    cfg: CsvTextConfig, pretrained: PretrainedText | None = None
+) -> tuple[StoreEntry, dict]:
     """The token store for `cfg` (from the cache when it is there) and its data report."""
     start = time.perf_counter()
-    settings = csv_settings(cfg)
+    settings = csv_settings(cfg, pretrained)
     if cfg.train_path is None:
         logs = {"train_file": row_log("demo corpus")}
         entry = built_in_memory(
             lambda d: build_entry(
-                d, cfg, _demo_chunks(cfg, logs["train_file"]), None, logs, settings
+                d,
+                cfg,
+                _demo_chunks(cfg, logs["train_file"], pretrained),
+                None,
+                logs,
+                settings,
+                pretrained,
             )
         )
         cache = {"dir": None, "hit": False}
@@ -509,7 +609,7 @@ def prepare(cfg: CsvTextConfig) -> tuple[StoreEntry, dict]:
             if not Path(path).is_file():
                 raise CsvTextError(f"{path}: no such file (set data.train_path / data.val_path)")
         root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-        name = f"{Path(cfg.train_path).stem}-{cache_key(_key_inputs(cfg))}"
+        name = f"{Path(cfg.train_path).stem}-{cache_key(_key_inputs(cfg, pretrained))}"
         logs = {"train_file": row_log(str(cfg.train_path))}
         if cfg.val_path is not None:
             logs["val_file"] = row_log(str(cfg.val_path))
@@ -522,7 +622,7 @@ def prepare(cfg: CsvTextConfig) -> tuple[StoreEntry, dict]:
                 # classes lack is judged after (unseen_label), data.labels or not.
                 own = dataclasses.replace(settings, labels=None)
                 val = read_labelled_rows(cfg.val_path, own, logs["val_file"])
-            build_entry(directory, cfg, train, val, logs, settings)
+            build_entry(directory, cfg, train, val, logs, settings, pretrained)
 
         entry, hit = cached_entry(root, name, build)
         cache = {"dir": str(root / name), "hit": hit}
@@ -578,12 +678,19 @@ def vocabulary(tokenizer_json: str) -> tuple[str, ...]:
     return tuple(by_id.get(i, "") for i in range(max(by_id) + 1))
 
 
-def build_csv_text(cfg: CsvTextConfig) -> DataBundle:
-    entry, report = prepare(cfg)
+def build_csv_text(cfg: CsvTextConfig, *, pretrained=None) -> DataBundle:
+    """The bundle for data=csv_text. `pretrained`: the model's PretrainedText (model=hf on a
+    folder or hub id): its own tokenizer instead of one learned from the data."""
+    pretrained = text_pretrained(pretrained)
+    if pretrained is not None:
+        check_max_length(cfg, pretrained)
+        log_pretrained_cleaning(cfg, pretrained)
+    entry, report = prepare(cfg, pretrained)
     log_report(report)
     class_names = tuple(entry.meta["class_names"])
-    train = TokenDataset(entry.store, entry.train_rows)
-    val = TokenDataset(entry.store, entry.val_rows)
+    pad_id = PAD_ID if pretrained is None else pretrained.pad_id
+    train = TokenDataset(entry.store, entry.train_rows, pad_id)
+    val = TokenDataset(entry.store, entry.val_rows, pad_id)
     spec = DataSpec(
         task="classification",
         input_kind="tokens",
@@ -591,26 +698,32 @@ def build_csv_text(cfg: CsvTextConfig) -> DataBundle:
         class_names=class_names,
         vocab_size=entry.meta["vocab_size"],
         max_length=cfg.max_length,
-        pad_id=PAD_ID,
-        tokens=vocabulary(entry.tokenizer_json),
+        pad_id=pad_id,
+        # the vocabulary's strings, for models that look inside words (text_bow): kiln's own
+        tokens=vocabulary(entry.tokenizer_json) if pretrained is None else None,
     )
     recipe = TokenRecipe(
-        entry.tokenizer_json,
+        pretrained.tokenizer_json if pretrained is not None else entry.tokenizer_json,
         cfg.max_length,
         class_names,
-        PAD_ID,
-        cleaning=cleaning_of(cfg),
+        pad_id,
+        cleaning=cleaning_of(cfg, pretrained),
         text_column=cfg.text_column,
         label_column=cfg.label_column,
         encoding=cfg.encoding,
+        pair_column=cfg.text_pair_column,
+        pretrained=pretrained.to_dict() if pretrained is not None else None,
     )
+    same_pad = pad_id == PAD_ID  # the plain functions, else bound to the tokenizer's padding
     return DataBundle(
         spec=spec,
         train=train,
         val=val,
         recipe=recipe,
-        collate_fn=collate_tokens,
-        batch_metrics=token_batch_metrics,
+        collate_fn=collate_tokens if same_pad else functools.partial(collate_tokens, pad_id=pad_id),
+        batch_metrics=token_batch_metrics
+        if same_pad
+        else functools.partial(token_batch_metrics, pad_id=pad_id),
         report=report,
         bucket_lengths=train.lengths if cfg.bucket_by_length else None,
         sources={

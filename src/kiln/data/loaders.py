@@ -65,7 +65,8 @@ class BucketedSampler(Sampler[int]):
     of each. The indices come out batch by batch, so the DataLoader's batching (batch_size,
     drop_last=False) reproduces the buckets. Like ResumableSampler: DistributedSampler's padding
     (num_samples per rank, every rank the same count), and `set_epoch(epoch, skip)` to resume
-    after `skip` samples (a multiple of batch_size) inside an epoch."""
+    after `skip` samples (a multiple of batch_size) inside an epoch. With `seeded_keys` the keys
+    are (index, seed, epoch), as SeededItemSampler's (augmented items grouped by shape)."""
 
     def __init__(
         self,
@@ -76,8 +77,10 @@ class BucketedSampler(Sampler[int]):
         rank: int,
         seed: int,
         pool_batches: int = 50,
+        seeded_keys: bool = False,
     ):
         self.lengths = np.asarray(lengths)
+        self.seeded_keys = seeded_keys
         self.batch_size, self.num_replicas, self.rank = batch_size, num_replicas, rank
         self.seed, self.pool_batches = seed, pool_batches
         self.num_samples = math.ceil(len(self.lengths) / num_replicas)
@@ -113,7 +116,10 @@ class BucketedSampler(Sampler[int]):
         return np.concatenate([full[:, self.rank].reshape(-1), tail[self.rank]])
 
     def __iter__(self):
-        return iter(self.rank_order()[self.skip :].tolist())
+        order = self.rank_order()[self.skip :].tolist()
+        if self.seeded_keys:
+            return iter([(index, self.seed, self.epoch) for index in order])
+        return iter(order)
 
     def __len__(self) -> int:
         return self.num_samples - self.skip
@@ -227,8 +233,9 @@ def train_sampler_for(bundle: DataBundle, batch_size: int, rank: int, world_size
         sampler = SeededItemSampler if seeded else ResumableSampler
         return sampler(bundle.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     return BucketedSampler(
-        lengths, batch_size=batch_size, num_replicas=world_size, rank=rank, seed=seed
-    )
+        lengths, batch_size=batch_size, num_replicas=world_size, rank=rank, seed=seed,
+        seeded_keys=getattr(bundle.train, "seeded_keys", False),
+    )  # fmt: skip
 
 
 def build_dataloaders(

@@ -157,9 +157,10 @@ class TokenDataset(Dataset):
 
     in_memory = True  # a memory-mapped store, a batch one gather: no DataLoader worker needed
 
-    def __init__(self, store: TokenStore, rows: np.ndarray):
+    def __init__(self, store: TokenStore, rows: np.ndarray, pad_id: int = PAD_ID):
         self.store = store
         self.rows = np.asarray(rows, dtype=np.int64)
+        self.pad_id = pad_id  # kiln's tokenizers pad with 0; a pretrained one with its own
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -178,7 +179,7 @@ class TokenDataset(Dataset):
         width = int(lengths.max()) if len(rows) else 0
         position = np.arange(width)
         inside = position < lengths[:, None]  # (N, width)
-        ids = np.full((len(rows), width), PAD_ID, dtype=np.int64)
+        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
         ids[inside] = self.store.ids[(starts[:, None] + position)[inside]]
         labels = torch.from_numpy(self.store.labels[rows].astype(np.int64))
         return PaddedTokens(torch.from_numpy(ids), labels)

@@ -64,8 +64,5 @@ def classification_chance(counts: list[float]) -> dict[str, Chance]:
 
 
 def detection_chance(images: int) -> dict[str, Chance]:
-    return {
-        "val_map50": Chance(
-            "val_map50", 0.0, 0.01, f"the mAP of a detector that finds nothing on {images} images"
-        )
-    }
+    nothing = f"the mAP of a detector that finds nothing on {images} images"
+    return {name: Chance(name, 0.0, 0.01, nothing) for name in ("val_map", "val_map50")}

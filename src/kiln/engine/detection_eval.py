@@ -40,3 +40,36 @@ def mean_average_precision(
     # COCO reports -1 for "undefined"; with ground truth present that cannot happen, but a
     # negative mAP must never reach a metric log.
     return max(float(torch.as_tensor(value)), 0.0)
+
+
+# What the training log reports beside val_map50, from COCO's evaluation at its ten IoU
+# thresholds (0.5:0.95): the log's key -> torchmetrics' key. Per size: small < 32^2 pixels of
+# area < medium < 96^2 < large, as COCO defines them.
+COCO_LOG_KEYS = {
+    "val_map": "map",
+    "val_map_75": "map_75",
+    "val_map_small": "map_small",
+    "val_map_medium": "map_medium",
+    "val_map_large": "map_large",
+    "val_mar_100": "mar_100",
+}
+
+
+def coco_metrics(
+    predictions: list[dict[str, Tensor]], targets: list[dict[str, Tensor]]
+) -> dict[str, float]:
+    """COCO's mAP@[.5:.95], mAP@.75, per object size and the recall at 100 detections, keyed
+    as COCO_LOG_KEYS; a value COCO leaves undefined (-1: no true box of that size) is left
+    out, never logged as a number; val_map is always there (0.0 with no true box at all, as
+    val_map50: it is what picks best.pt)."""
+    if not any(len(t["labels"]) for t in targets):
+        return {"val_map": 0.0}
+    from torchmetrics.detection import MeanAveragePrecision
+
+    metric = MeanAveragePrecision(iou_type="bbox")
+    metric.update(
+        _to_cpu(predictions, ("boxes", "scores", "labels")), _to_cpu(targets, ("boxes", "labels"))
+    )
+    result = metric.compute()
+    values = {log: float(torch.as_tensor(result[key])) for log, key in COCO_LOG_KEYS.items()}
+    return {"val_map": 0.0} | {log: value for log, value in values.items() if value >= 0}

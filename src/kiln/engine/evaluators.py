@@ -74,16 +74,19 @@ def macro_f1(confusion: torch.Tensor) -> float:
 
 
 class DetectionEvaluator:
-    """mAP@0.5 over every validation image, predictions gathered from all ranks."""
+    """mAP@0.5 over every validation image, predictions gathered from all ranks; beside it
+    COCO's mAP@[.5:.95] (val_map), mAP@.75, per object size and recall (kiln.engine.
+    detection_eval.COCO_LOG_KEYS), all by torchmetrics' pycocotools evaluation. best.pt is
+    picked by val_map, COCO's headline number (trainer.monitor=val_map50 for mAP@.5)."""
 
-    monitor, monitor_mode = "val_map50", "max"
+    monitor, monitor_mode = "val_map", "max"
 
     def __init__(self, *, precision: Precision, device: torch.device, dist: DistInfo):
         self.precision, self.device, self.dist = precision, device, dist
         self.chance: dict[str, Chance] = {}
 
     def __call__(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
-        from kiln.engine.detection_eval import mean_average_precision
+        from kiln.engine.detection_eval import coco_metrics, mean_average_precision
 
         predictions, targets = [], []
         for images, batch_targets in batches:
@@ -101,7 +104,10 @@ class DetectionEvaluator:
             predictions = [p for part in gathered for p in part[0]]
             targets = [t for part in gathered for t in part[1]]
         self.chance = detection_chance(len(targets))
-        return {"val_map50": mean_average_precision(predictions, targets, iou_threshold=0.5)}
+        return {
+            "val_map50": mean_average_precision(predictions, targets, iou_threshold=0.5),
+            **coco_metrics(predictions, targets),
+        }
 
 
 __all__ = ["ClassificationEvaluator", "DetectionEvaluator", "EVALUATORS", "build_evaluator"]

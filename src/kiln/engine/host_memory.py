@@ -4,8 +4,9 @@ and trims the heap's top once more than its trim threshold is free; a training s
 activations and gradients and allocates the same sizes again next step, so every step
 page-faults the same memory in anew. Measured on resnet18 (32 px, batch 64, CPU): about 64K
 minor faults and 0.12 s of system time per step with glibc's defaults, near none with these
-settings (README, "Against Lightning"). Freed memory then stays in the process for reuse: the
-resident size stays at the run's peak, which a training loop reaches every step anyway."""
+settings (docs/benchmarks.md, "Training: kiln, PyTorch Lightning and a plain loop"). Freed
+memory then stays in the process for reuse: the resident size stays at the run's peak, which a
+training loop reaches every step anyway."""
 
 from __future__ import annotations
 

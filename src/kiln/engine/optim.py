@@ -17,6 +17,7 @@ from kiln.config.optim import (
     AdamWConfig,
     ConstantConfig,
     CosineConfig,
+    LinearWarmupConfig,
     OneCycleConfig,
     OptimizerConfig,
     SchedulerConfig,
@@ -273,6 +274,23 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float):
 def build_cosine(optimizer, cfg: CosineConfig, total_steps: int) -> LRScheduler:
     warmup = cfg.warmup_steps or int(cfg.warmup_fraction * total_steps)
     return LambdaLR(optimizer, warmup_cosine(total_steps, warmup, cfg.min_lr_ratio))
+
+
+def warmup_linear(total_steps: int, warmup_steps: int):
+    """lr factor per step: (step + 1) / warmup during warm-up, then linear to 0 at the end."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        remaining = total_steps - step
+        return max(0.0, remaining / max(1, total_steps - warmup_steps))
+
+    return factor
+
+
+def build_linear_warmup(optimizer, cfg: LinearWarmupConfig, total_steps: int) -> LRScheduler:
+    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * total_steps)
+    return LambdaLR(optimizer, warmup_linear(total_steps, warmup))
 
 
 def build_constant(optimizer, cfg: ConstantConfig, total_steps: int) -> None:

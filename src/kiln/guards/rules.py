@@ -1,5 +1,5 @@
 """The rules and checks every model is held to, by name: each guard message starts with its rule
-or check, so a user can find it in the README ("### The antibodies"), and the run's [FAIL] line
+or check, so a user can find it in docs/antibodies.md, and the run's [FAIL] line
 names the check that stopped it (`<what>`: shapes, numerics, batch dependence, ...)."""
 
 RULE_1 = "rule 1 (shapes come from inputs)"

@@ -120,9 +120,15 @@ def check_train_eval_agreement(
         problems = [
             f"{mode} mode: {p}" for mode in outputs for p in model.check_output(mode, outputs[mode])
         ]
+        if not problems:
+            problems = _eval_with_grad_differs(model, batch, forward, outputs["eval"])
         if problems:
             raise ShapeContractError(
-                f"{RULE_3}: {name} breaks its declared output contract:\n  " + "\n  ".join(problems)
+                f"{RULE_3}: {name} breaks its declared output contract:\n  "
+                + "\n  ".join(problems)
+                + f"\n{name}'s two modes differ by design (check_output): rule 3 holds each "
+                "mode's output to the contract it declares and an eval-mode forward with grad "
+                "to the same forward without, instead of comparing the two modes' structures."
             )
         return
     difference = first_difference(describe(outputs["train"]), describe(outputs["eval"]))
@@ -134,6 +140,21 @@ def check_train_eval_agreement(
             "structure and shapes in both modes (or declare check_output for outputs that "
             "differ by design); look for branches on self.training in forward."
         )
+
+
+def _eval_with_grad_differs(model: nn.Module, batch: Any, forward, no_grad_output) -> list[str]:
+    """For a model with a declared contract (train and eval outputs differ by design): the
+    eval-mode output with autograd on must have the structure and shapes of the no-grad one
+    (a branch on torch.is_grad_enabled() would change what training's evaluation sees)."""
+    with untouched(model), torch.enable_grad():
+        with_grad = run_mode(model, batch, forward, False)
+    difference = first_difference(describe(with_grad), describe(no_grad_output))
+    if difference is None:
+        return []
+    return [
+        "eval mode with grad vs without: "
+        + difference.replace("train ", "with grad ").replace("eval ", "without ")
+    ]
 
 
 def _mode_divergence(model: nn.Module, batch: Any, forward) -> str | None:

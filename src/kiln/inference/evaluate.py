@@ -218,7 +218,16 @@ def write_detection_report(
     class_names,
     about,
     num_errors: int = DEFAULT_NUM_ERRORS,
+    images=None,
 ) -> Report:
+    """metrics.json, errors.csv and the pictures (kiln.inference.detection_pictures): the AP per
+    class, and the boxes over the first `images` ((3, H, W) arrays in [0, 1]) when given."""
+    from kiln.inference.detection_pictures import (
+        AP_FILE,
+        BOXES_FILE,
+        write_ap_bars,
+        write_boxes_grid,
+    )
     from kiln.inference.detection_report import (
         DETECTION_MATCH_IOU,
         DETECTION_SCORE_THRESHOLD,
@@ -235,7 +244,15 @@ def write_detection_report(
     directory.mkdir(parents=True, exist_ok=True)
     errors = detection_errors(detections, targets, sources, class_names, num_errors)
     _write_csv(errors, directory / ERRORS_FILE)
-    metrics["files"] = [METRICS_FILE, ERRORS_FILE]
+    metrics["files"] = [METRICS_FILE, ERRORS_FILE, AP_FILE]
+    title = f"{metrics['count']} images: mAP {_number(metrics['map'])}, mAP@.5 " + _number(
+        metrics["map_50"]
+    )
+    write_ap_bars(metrics["per_class"], directory / AP_FILE, title)
+    if images:
+        write_boxes_grid(images, detections, targets, sources, class_names,
+                         directory / BOXES_FILE, DETECTION_SCORE_THRESHOLD)  # fmt: skip
+        metrics["files"].append(BOXES_FILE)
     write_json(directory / METRICS_FILE, metrics, indent=2)
     return Report(directory, metrics)
 
@@ -335,11 +352,13 @@ def write_report(
     directory: Path,
     about,
     num_errors: int = DEFAULT_NUM_ERRORS,
+    images=None,
 ) -> Report:
     if predictor.task == "detection":
         return write_detection_report(
-            directory, outputs, targets, sources, predictor.class_names, about, num_errors
-        )
+            directory, outputs, targets, sources, predictor.class_names, about, num_errors,
+            images=images,
+        )  # fmt: skip
     return write_classification_report(
         directory, outputs, targets, sources, predictor.class_names, about, num_errors
     )
@@ -378,7 +397,17 @@ def evaluate_split(
         directory,
         about,
         num_errors,
+        images=first_images(predictor, dataset),
     )
+
+
+def first_images(predictor: Predictor, dataset) -> list | None:
+    """A detector's first evaluated images ((3, H, W) arrays), for the report's boxes.png."""
+    from kiln.inference.detection_pictures import MAX_GRID_IMAGES
+
+    if predictor.task != "detection":
+        return None
+    return [np.asarray(dataset[i][0]) for i in range(min(len(dataset), MAX_GRID_IMAGES))]
 
 
 def evaluate_checkpoint(
@@ -406,14 +435,17 @@ def evaluate_checkpoint(
             predictor, dataset, collate_fn=collate_fn, batch_size=batch_size
         )
         sources = split_sources(sources, described["split"], len(targets))
+        images = first_images(predictor, dataset)
     else:
+        images = None
         labelled, described = read_labelled(predictor, Path(data), follow_symlinks)
         outputs, labelled = predict_labelled(predictor, labelled, batch_size, max_image_pixels)
         targets, sources = labelled.targets, labelled.sources
         described["skipped"] = labelled.skipped
     return write_report(
-        predictor, outputs, targets, sources, directory, _about(predictor, described), num_errors
-    )
+        predictor, outputs, targets, sources, directory, _about(predictor, described), num_errors,
+        images=images,
+    )  # fmt: skip
 
 
 def default_directory(ckpt: Path) -> Path:
@@ -455,6 +487,7 @@ def read_labelled(
             names,
             text_column=columns.get("text_column", "text"),
             label_column=columns.get("label_column", "label"),
+            pair_column=columns.get("text_pair_column"),
         )
         described = {"path": str(path.resolve()), "layout": "csv"}
     return labelled, {**described, "skipped": labelled.skipped}
@@ -533,15 +566,11 @@ def _about(predictor: Predictor, data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _pretrained(predictor: Predictor):
-    """The weights' PretrainedInput the checkpoint's recipe recorded (zoo models), or None."""
-    recorded = getattr(predictor.record.recipe, "pretrained", None)
-    if not recorded:
-        return None
-    from kiln.preprocessing.pretrained import PretrainedInput
+    """What the checkpoint's recipe recorded of the model's weights (zoo models: their
+    PretrainedInput; model=hf: its PretrainedText, tokenizer included), or None."""
+    from kiln.preprocessing.pretrained import pretrained_from_dict
 
-    return PretrainedInput(
-        **{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()}
-    )
+    return pretrained_from_dict(getattr(predictor.record.recipe, "pretrained", None))
 
 
 def _recipe_differences(rebuilt: dict, recorded: dict) -> list[str]:

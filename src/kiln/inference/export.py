@@ -116,6 +116,14 @@ def graph_for(record: ModelRecord, model: nn.Module, *, raw_pixels: bool = False
     into the graph (its input is then raw pixels, as kiln's clients send them)."""
     spec = record.spec
     if spec.task == "detection":
+        if not hasattr(model, "detect"):  # the fixed-K graph ONNX export takes (model=detector)
+            arch = getattr(model, "arch", type(model).__name__)
+            raise InferenceError(
+                f"ONNX export of {arch} ({type(model).__name__}) is not supported: kiln exports "
+                "a detector through its detect(x) -> boxes (N, K, 4), scores, labels graph with a "
+                "fixed K, which model=detector has and torchvision's detectors do not; predict "
+                "and serve it with backend=torch (infer.py, mode=serve)"
+            )
         threshold = float(getattr(model, "score_threshold", 0.0))
         k = model.detections_per_image
         return Graph(
@@ -153,9 +161,11 @@ def validation_examples(record: ModelRecord, limit: int) -> tuple[Any, str]:
     not reachable here (a CSV on another machine), random valid inputs instead."""
     from kiln.config import option_from_dict
     from kiln.data import build_data
+    from kiln.preprocessing.pretrained import pretrained_from_dict
 
+    pretrained = pretrained_from_dict(getattr(record.recipe, "pretrained", None))
     try:
-        bundle = build_data(option_from_dict("data", record.config["data"]))
+        bundle = build_data(option_from_dict("data", record.config["data"]), pretrained=pretrained)
     except (OSError, ValueError) as err:
         log.warning("parity check on random inputs: the run's data is unavailable (%s)", err)
         return random_examples(record, limit), "random inputs (training data unavailable)"

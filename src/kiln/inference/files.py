@@ -83,7 +83,13 @@ def read_inputs(
     column = text_column or recipe.text_column
     if suffix != ".csv":
         raise InputError(f"{path}: text models read a .csv file with a {column!r} column")
-    return _texts_from_csv(_regular(path), column, recipe.encoding)
+    texts = _texts_from_csv(_regular(path), column, recipe.encoding)
+    if recipe.pair_column is None:
+        return texts
+    # a pair task: [text, pair] per row, the second column as training read it (lists: a
+    # tuple here would read as a named input, kiln.inference.predictor.split_named)
+    seconds = _texts_from_csv(path, recipe.pair_column, recipe.encoding)
+    return [[a, b] for a, b in zip(texts, seconds, strict=True)]
 
 
 def _regular(path: Path) -> Path:
@@ -338,7 +344,12 @@ def predictable_texts(texts: list[str], preprocess) -> tuple[list[str], dict[int
     """(the texts to predict, {index: why not} for the others): a text that the training's
     cleaning reduces to nothing has no words to predict from, so it is reported per row
     instead of given a made-up label."""
-    cleaned = preprocess.recipe.clean(texts)
+    recipe = preprocess.recipe
+    if recipe.pair_column is not None:  # a pair: neither side may clean to nothing
+        firsts, seconds = recipe.clean([a for a, _ in texts]), recipe.clean([b for _, b in texts])
+        cleaned = [a and b for a, b in zip(firsts, seconds, strict=True)]
+    else:
+        cleaned = recipe.clean(texts)
     skipped = {i: EMPTY_AFTER_CLEANING for i, text in enumerate(cleaned) if not text}
     return [text for i, text in enumerate(texts) if i not in skipped], skipped
 

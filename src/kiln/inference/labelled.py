@@ -124,10 +124,16 @@ def _named(entry: TreeEntry) -> str:
 
 
 def read_labelled_csv(
-    path: Path, class_names: list[str], *, text_column: str, label_column: str
+    path: Path,
+    class_names: list[str],
+    *,
+    text_column: str,
+    label_column: str,
+    pair_column: str | None = None,
 ) -> LabelledInputs:
-    """The texts and labels of a CSV, as `infer.py` predict reads a CSV (kiln.inference.files);
-    rows are numbered from 1 after the header, as the training data report numbers them."""
+    """The texts (with `pair_column`: (text, pair) pairs) and labels of a CSV, as `infer.py`
+    predict reads a CSV (kiln.inference.files); rows are numbered from 1 after the header, as
+    the training data report numbers them."""
     import pandas as pd
 
     path = Path(path)
@@ -138,7 +144,8 @@ def read_labelled_csv(
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
         message = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise LabelledDataError(f"{path}: cannot be read as CSV: {message}") from None
-    missing = [c for c in (text_column, label_column) if c not in frame.columns]
+    wanted = (text_column, label_column, pair_column)
+    missing = [c for c in wanted if c is not None and c not in frame.columns]
     if missing:
         raise LabelledDataError(
             f"{path}: no {' or '.join(map(repr, missing))} column; columns present: "
@@ -162,6 +169,8 @@ def read_labelled_csv(
     if not rows:
         raise LabelledDataError(f"{path}: no row has a label in column {label_column!r}")
     texts = frame[text_column].tolist()
+    if pair_column is not None:
+        texts = [[a, b] for a, b in zip(texts, frame[pair_column].tolist(), strict=True)]
     return LabelledInputs(
         inputs=[texts[row - 1] for row in rows],
         targets=np.asarray([index[labels[row - 1]] for row in rows], dtype=np.int64),

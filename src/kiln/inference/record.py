@@ -25,6 +25,7 @@ from kiln.inference.errors import (
 )
 from kiln.models import build_model, without_weights
 from kiln.preprocessing import Recipe, recipe_from_dict
+from kiln.preprocessing.pretrained import pretrained_from_dict
 from kiln.registry import load_plugins, require_plugin_packages
 
 BEST_CHECKPOINT = "best.pt"
@@ -193,7 +194,8 @@ def rebuild_model(record: ModelRecord, state_dict: dict[str, Any]) -> nn.Module:
     load_plugins(record.config.get("plugins", []), record.plugin_sources)
     aux_head = any(key.startswith("aux.") for key in state_dict)
     model_cfg = without_weights(option_from_dict("model", record.config["model"]))
-    model = build_model(record.spec, model_cfg, aux_head=aux_head)
+    pretrained = pretrained_from_dict(getattr(record.recipe, "pretrained", None))
+    model = build_model(record.spec, model_cfg, aux_head=aux_head, pretrained=pretrained)
     check_weights_fit(model, state_dict, f"{record.checkpoint_name} ({record.model_name})")
     model.load_state_dict(state_dict)
     return model.eval()

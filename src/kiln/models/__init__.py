@@ -16,10 +16,16 @@ from kiln.models.init import apply_init
 from kiln.registry import MODELS
 
 
-def build_model(spec, cfg, *, aux_head: bool | None = None) -> nn.Module:
-    """Build a registered model from the data spec. `aux_head` overrides cfg.aux_head."""
+def build_model(spec, cfg, *, aux_head: bool | None = None, pretrained: Any = None) -> nn.Module:
+    """Build a registered model from the data spec. `aux_head` overrides cfg.aux_head.
+    `pretrained`: what the model's preprocessing function returned (or a checkpoint recorded of
+    it), for the entries that declare uses_pretrained (model=hf: its config.json)."""
     want_aux = getattr(cfg, "aux_head", False) if aux_head is None else aux_head
-    model = MODELS.get(cfg.name)(spec, cfg, aux_head=want_aux)
+    builder = MODELS.get(cfg.name)
+    if MODELS.entry(cfg.name).meta.get("uses_pretrained"):
+        model = builder(spec, cfg, aux_head=want_aux, pretrained=pretrained)
+    else:
+        model = builder(spec, cfg, aux_head=want_aux)
     apply_init(model, str(cfg.init))
     return model
 
@@ -27,9 +33,11 @@ def build_model(spec, cfg, *, aux_head: bool | None = None) -> nn.Module:
 def without_weights(cfg):
     """The model config with its `weights` (a zoo model's pretrained weights) set to None: how a
     trained model is rebuilt (the checkpoint holds its weights) and how probes build fresh ones."""
-    if dataclasses.is_dataclass(cfg) and "weights" in {f.name for f in dataclasses.fields(cfg)}:
-        return dataclasses.replace(cfg, weights=None)
-    return cfg
+    if not dataclasses.is_dataclass(cfg):
+        return cfg
+    # weights_backbone: a detector's ImageNet backbone (model=torchvision_detection)
+    names = {f.name for f in dataclasses.fields(cfg)} & {"weights", "weights_backbone"}
+    return dataclasses.replace(cfg, **dict.fromkeys(names)) if names else cfg
 
 
 def logits_of(output: Any) -> Tensor:

@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 UNICODE_FORMS = ("NFC", "NFKC", "none")
+# Between the two texts of a pair where one string holds both (the spool, the cleaned rows):
+# the ASCII unit separator, which cleaning's whitespace step drops from any text.
+PAIR_SEP = "\x1f"
 
 # Script and style bodies are code, not text; comments are markup. A tag starts with a letter
 # (or /letter) right after "<", so "a < b" and "x<3" survive.

@@ -32,7 +32,44 @@ class PretrainedInput:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
-def pretrained_input(model_cfg: Any) -> PretrainedInput | None:
+@dataclass(frozen=True)
+class PretrainedText:
+    """What a pretrained text model (model=hf) expects of its inputs: its own tokenizer (the
+    Rust tokenizer's JSON, special tokens included) and what the data must respect (its position
+    limit, its padding id, whether its normalizer lower-cases). `model_config` is the model's
+    config.json, so a checkpoint rebuilds the architecture without the folder it came from.
+    Plain data: the server reads it with `tokenizers` alone."""
+
+    source: str  # e.g. "hf folder /models/bert-small" or "hf hub bert-base-uncased@<commit>"
+    tokenizer_json: str  # tokenizers.Tokenizer.to_str() of the model's fast tokenizer
+    tokenizer_sha256: str  # what the token cache is keyed by
+    special_tokens: dict[str, str]  # {"pad_token": "[PAD]", "cls_token": "[CLS]", ...}
+    pad_id: int
+    unk_id: int | None  # what a text that encodes to nothing becomes (None: pad_id)
+    position_limit: int  # the longest sequence the model's positions take
+    lowercase: bool  # the tokenizer's normalizer lower-cases (an uncased model)
+    model_input_names: tuple[str, ...]  # input_ids, attention_mask, token_type_ids, ...
+    model_config: dict[str, Any]  # the model's config.json
+    sep_id: int | None = None  # the separator between a pair's texts: where token types turn
+    kind = "text"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        return {"kind": self.kind, **out}
+
+
+def pretrained_from_dict(data: dict[str, Any] | None) -> PretrainedInput | PretrainedText | None:
+    """What a checkpoint recorded under "pretrained" (or a recipe's `pretrained`), typed."""
+    if not data:
+        return None
+    if data.get("kind") == PretrainedText.kind:
+        fields = {k: v for k, v in data.items() if k != "kind"}
+        fields["model_input_names"] = tuple(fields["model_input_names"])
+        return PretrainedText(**fields)
+    return PretrainedInput.from_dict(data)
+
+
+def pretrained_input(model_cfg: Any) -> PretrainedInput | PretrainedText | None:
     """What the model's weights expect, from the `preprocessing` function its registry entry
     declares (zoo models), or None. That function also checks the model's architecture and
     weights (names, files, caches) against its library: call it at start-up, before the data."""

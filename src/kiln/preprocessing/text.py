@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from kiln.preprocessing.cleaning import TextCleaning, clean_texts
+from kiln.preprocessing.cleaning import PAIR_SEP, TextCleaning, clean_texts
 from kiln.preprocessing.errors import InputError
 from kiln.preprocessing.image import _lists
 
@@ -35,6 +35,14 @@ SPECIAL_TOKENS = [PAD_TOKEN, UNK_TOKEN]
 
 
 TOKENIZERS = ("bpe", "words")
+
+
+def split_pair(text: str) -> str | tuple[str, str]:
+    """A spooled text: itself, or the pair (a, b) it holds."""
+    if PAIR_SEP not in text:
+        return text
+    first, _, second = text.partition(PAIR_SEP)
+    return first, second
 
 
 def train_tokenizer(
@@ -157,12 +165,14 @@ class WordPieces:
         return list(itertools.chain.from_iterable(split)), np.repeat(np.arange(len(words)), counts)
 
 
-def encode_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+def encode_ids(tokenizer, texts: Sequence[str], unk_id: int | None = None) -> list[list[int]]:
     """Cleaned texts -> token ids (unpadded), by the Rust tokenizer's batch encoding. A text that
-    cleans to nothing still gets one token ([UNK]), so no row is all padding (an all-padding row
-    would give models a mean over zero tokens)."""
-    unk_id = tokenizer.token_to_id(UNK_TOKEN)
-    # encode_batch_fast: the same ids without character offsets, which nothing here reads.
+    cleans to nothing still gets one token (`unk_id`, by default [UNK]), so no row is all
+    padding (an all-padding row would give models a mean over zero tokens)."""
+    if unk_id is None:
+        unk_id = tokenizer.token_to_id(UNK_TOKEN)
+    # encode_batch_fast: the same ids without character offsets, which nothing here reads. A
+    # pair (a, b) is encoded as one: tokenizer(a, b), truncated longest first.
     return [encoding.ids or [unk_id] for encoding in tokenizer.encode_batch_fast(list(texts))]
 
 
@@ -269,9 +279,9 @@ def _ranges(first: np.ndarray, count: np.ndarray) -> np.ndarray:
     return offsets + np.arange(total)
 
 
-def encode(tokenizer, texts: Sequence[str]) -> list[Tensor]:
+def encode(tokenizer, texts: Sequence[str], unk_id: int | None = None) -> list[Tensor]:
     """Cleaned texts -> one 1-d LongTensor of ids each (unpadded)."""
-    return [torch.tensor(ids, dtype=torch.long) for ids in encode_ids(tokenizer, texts)]
+    return [torch.tensor(ids, dtype=torch.long) for ids in encode_ids(tokenizer, texts, unk_id)]
 
 
 def pad_token_ids(sequences: list[Tensor], pad_id: int = PAD_ID) -> Tensor:
@@ -302,6 +312,11 @@ class TokenRecipe:
     text_column: str = "text"
     label_column: str = "label"
     encoding: str = "utf-8"
+    # the second text column of a pair task (data.text_pair_column): inputs are (a, b) pairs
+    pair_column: str | None = None
+    # model=hf: the model's PretrainedText.to_dict() (its tokenizer, special tokens and
+    # config.json); tokenizer_json is then that model's own tokenizer, special tokens added.
+    pretrained: dict[str, Any] | None = None
     kind = "tokens"
 
     def __post_init__(self):
@@ -317,11 +332,27 @@ class TokenRecipe:
     def clean(self, texts: Sequence[str]) -> list[str]:
         return list(texts) if self.cleaning is None else clean_texts(list(texts), self.cleaning)
 
+    def clean_inputs(self, inputs: Sequence[Any]) -> list[Any]:
+        """Raw inputs cleaned: texts, or (a, b) pairs each side cleaned -- fed to a pretrained
+        tokenizer as a pair, to kiln's own joined by a space (as training spooled them)."""
+        if self.pair_column is None:
+            return self.clean(inputs)
+        firsts = self.clean([a for a, _ in inputs])
+        seconds = self.clean([b for _, b in inputs])
+        if self.pretrained is not None:
+            return list(zip(firsts, seconds, strict=True))
+        return [f"{a} {b}" for a, b in zip(firsts, seconds, strict=True)]
+
     def encode(self, texts: Sequence[str]) -> Tensor:
         """Raw texts -> LongTensor (N, L) padded with pad_id, exactly as in training."""
         if not texts:
             return torch.zeros((0, 0), dtype=torch.long)
-        return pad_token_ids(encode(self.tokenizer(), self.clean(texts)), self.pad_id)
+        unk_id = None
+        if self.pretrained is not None:  # the model's own unknown token, else its padding
+            unk_id = self.pretrained.get("unk_id")
+            unk_id = self.pad_id if unk_id is None else unk_id
+        ids = encode(self.tokenizer(), self.clean_inputs(texts), unk_id)
+        return pad_token_ids(ids, self.pad_id)
 
     def preprocessor(self) -> TokenPreprocessor:
         return TokenPreprocessor(self)
@@ -337,28 +368,44 @@ class TokenPreprocessor:
         self.recipe = recipe
 
     def validate(self, raw_inputs: Sequence[Any]) -> None:
+        pairs = self.recipe.pair_column is not None
         for index, item in enumerate(raw_inputs):
-            if not isinstance(item, str):
-                raise InputError(
-                    f"item {index}: expected a text (string), got {type(item).__name__}", index
-                )
-            try:  # the tokenizer takes Unicode text only; a lone surrogate would fail its batch
-                item.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise InputError(
-                    f"item {index}: not valid Unicode text: a lone surrogate "
-                    f"{item[err.start]!r} at character {err.start}",
-                    index,
-                ) from None
+            if pairs:
+                if not (isinstance(item, list | tuple) and len(item) == 2):
+                    raise InputError(
+                        f"item {index}: expected a pair of texts [a, b] (this model reads "
+                        f"{self.recipe.text_column!r} and {self.recipe.pair_column!r}), got "
+                        f"{type(item).__name__}",
+                        index,
+                    )
+                for text in item:
+                    self._check_text(index, text)
+            else:
+                self._check_text(index, item)
 
-    def convert(self, raw_inputs: Sequence[Any]) -> list[str]:
-        """Texts, each validated on its own."""
+    def _check_text(self, index: int, item: Any) -> None:
+        if not isinstance(item, str):
+            raise InputError(
+                f"item {index}: expected a text (string), got {type(item).__name__}", index
+            )
+        try:  # the tokenizer takes Unicode text only; a lone surrogate would fail its batch
+            item.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise InputError(
+                f"item {index}: not valid Unicode text: a lone surrogate "
+                f"{item[err.start]!r} at character {err.start}",
+                index,
+            ) from None
+
+    def convert(self, raw_inputs: Sequence[Any]) -> list[Any]:
+        """Texts (or pairs of texts, as tuples), each validated on its own."""
         self.validate(raw_inputs)
+        if self.recipe.pair_column is not None:
+            return [tuple(item) for item in raw_inputs]
         return list(raw_inputs)
 
     def __call__(self, raw_inputs: Sequence[Any]) -> Tensor:
-        self.validate(raw_inputs)
-        return self.recipe.encode(list(raw_inputs))
+        return self.recipe.encode(self.convert(raw_inputs))
 
-    def example(self) -> str:
-        return "hello world"
+    def example(self) -> str | list[str]:
+        return ["hello world", "hello there"] if self.recipe.pair_column else "hello world"

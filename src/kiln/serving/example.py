@@ -29,6 +29,8 @@ def example_bodies(predictor: Predictor, count: int = 1) -> dict[str, dict[str, 
     (tensor,) = signature(predictor)[0].values()
     if isinstance(items[0], str):  # text models: BYTES [N]
         v1, shape, data = list(items), [len(items)], list(items)
+    elif isinstance(items[0], list):  # a pair model's texts: BYTES [N, 2]
+        v1, shape, data = list(items), [len(items), 2], [t for pair in items for t in pair]
     else:  # images [N, C, H, W]; a detector's images share a size here
         arrays = np.stack(items).astype(np.float32)
         v1, shape, data = arrays.tolist(), list(arrays.shape), arrays.ravel().tolist()

@@ -51,7 +51,8 @@ def signature(predictor: Predictor) -> tuple[dict[str, TensorSpec], dict[str, Te
     spec = predictor.spec
     kind = predictor.preprocess.input_kind
     if kind == "tokens":
-        inputs = [TensorSpec("input", "BYTES", (-1,))]
+        pairs = getattr(predictor.preprocess.recipe, "pair_column", None) is not None
+        inputs = [TensorSpec("input", "BYTES", (-1, 2) if pairs else (-1,))]
     elif kind == "image_list":
         inputs = [TensorSpec("input", "FP32", (-1, spec.channels, -1, -1))]
     else:
@@ -75,8 +76,8 @@ def signature(predictor: Predictor) -> tuple[dict[str, TensorSpec], dict[str, Te
 def max_elements_per_input(predictor: Predictor) -> int:
     """The most values one input may hold (bounds what a request's shape may claim)."""
     kind = predictor.preprocess.input_kind
-    if kind == "tokens":
-        return 1
+    if kind == "tokens":  # a text, or a pair model's two
+        return 2 if getattr(predictor.preprocess.recipe, "pair_column", None) else 1
     if kind == "image_list":
         return MAX_DETECTION_SIDE_ELEMENTS * predictor.preprocess.max_side**2
     return math.prod(predictor.preprocess.shape)
@@ -176,6 +177,9 @@ def add_v2_routes(app: FastAPI, state: ServingState) -> None:
         )
         tensor = request.inputs[0]
         if tensor.datatype == "BYTES":
+            if len(input_spec.shape) == 2:  # a pair model's [N, 2] texts: one pair per row
+                data = list(tensor.data)
+                return request, [data[i : i + 2] for i in range(0, len(data), 2)]
             return request, tensor.data
         return request, predictor.convert_tensor(np.asarray(tensor.data).reshape(tensor.shape))
 

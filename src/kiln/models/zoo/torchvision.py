@@ -44,6 +44,16 @@ def torchvision_archs() -> tuple[str, ...]:
 
 
 def check_torchvision_arch(arch: str) -> str:
+    from kiln.models.zoo.detection import is_detection_arch
+
+    if is_detection_arch(arch):
+        raise ConfigError(
+            f"model=torchvision takes classifiers; {arch} is a detector of "
+            "torchvision.models.detection",
+            "model.arch",
+            f"use model=torchvision_detection model.arch={arch} (with detection data: data=coco, "
+            "data=yolo or data=shapes_detection)",
+        )
     return check_arch(arch, torchvision_archs(), "torchvision.models", TORCHVISION_LISTING)
 
 

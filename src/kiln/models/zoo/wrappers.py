@@ -76,3 +76,60 @@ class TimmClassifier(nn.Module):
         logits = self.net.forward_head(features)
         pooled = self.net.forward_head(features, pre_logits=True)
         return {"logits": logits, "aux_logits": self.aux(pooled)}
+
+
+class HfClassifier(nn.Module):
+    """A transformers AutoModelForSequenceClassification over kiln's token batches: ids (N, L)
+    padded with pad_id in, logits (N, C) out. The attention mask is derived from the padding
+    here, and the library's ModelOutput is read here, once: the rest of kiln sees a tensor (or
+    kiln's {"logits", "aux_logits"} with an aux head, a Linear on the first token's final
+    hidden state)."""
+
+    def __init__(
+        self,
+        net: nn.Module,
+        num_classes: int,
+        pad_id: int,
+        aux_head: bool,
+        sep_id: int | None = None,
+    ):
+        super().__init__()
+        self.net = net
+        self.pad_id = pad_id
+        # Models with token types (BERT's segment A/B): a pair's second text is what follows
+        # the first separator; None: the model takes no token types.
+        self.sep_id = sep_id
+        width = net.config.hidden_size
+        self.aux = nn.Linear(width, num_classes) if aux_head else None
+        # The classifier head: every child of the library's model with weights, but its base
+        # (the encoder).
+        head = [
+            name
+            for name, child in net.named_children()
+            if name != net.base_model_prefix and any(True for _ in child.parameters())
+        ]
+        self.head_prefixes = (*(f"net.{name}" for name in head), "aux")
+        self.fixed_input_size = False
+
+    def library_key(self, key: str) -> str:
+        """A key of the library's own state dict (model.safetensors) as this model names it."""
+        return f"net.{key}"
+
+    def forward(self, ids: Tensor) -> Tensor | dict[str, Tensor]:
+        mask = (ids != self.pad_id).long()  # (N, L): 1 on real tokens
+        types = None
+        if self.sep_id is not None:
+            # [CLS] a [SEP] b [SEP]: 0 up to and with the first [SEP], 1 after it (a single
+            # text's padding also gets 1: masked, it changes nothing).
+            seps = (ids == self.sep_id).long()
+            types = ((seps.cumsum(dim=1) - seps) > 0).long()  # (N, L)
+        out = self.net(
+            input_ids=ids,
+            attention_mask=mask,
+            token_type_ids=types,
+            output_hidden_states=self.aux is not None,
+            return_dict=True,
+        )
+        if self.aux is None:
+            return out.logits
+        return {"logits": out.logits, "aux_logits": self.aux(out.hidden_states[-1][:, 0])}

@@ -1,0 +1,372 @@
+"""`model=hf`: any model AutoModelForSequenceClassification builds, sized from the data's classes
+(num_labels, id2label, label2id), with its own fast tokenizer for the data.
+
+    model.arch   a folder written by save_pretrained (config.json, the weights, tokenizer.json)
+                 a hub id (org/name), read from the Hugging Face cache only -- never downloaded
+                 a model type (bert, roberta, deberta-v2, ...): built small from scratch, on the
+                 tokenizer kiln learns from the data
+    model.weights  auto: the weights beside config.json (none for a model type); null: random
+                 weights from the config; a .safetensors/.bin/.pt file
+
+The weights are read by kiln.models.weights.read_state_dict (the one reader) and matched by name
+and shape: a head of another size (another number of classes) is re-initialised and said so, as
+for the other zoo models. The tokenizer and config.json travel in the checkpoint (PretrainedText),
+so inference and serving need neither the folder nor the hub again."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from kiln.config.base import ConfigError
+from kiln.config.model import HfConfig
+from kiln.models.weights import WeightsError, check_values, read_state_dict
+from kiln.models.zoo.cache import hub_cache_dir, weight_file
+from kiln.models.zoo.wrappers import HfClassifier
+from kiln.preprocessing.pretrained import PretrainedText
+
+log = logging.getLogger(__name__)
+
+AUTO_WEIGHTS = "auto"
+# What save_pretrained writes, in the order transformers itself prefers them.
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# A model type built from scratch: small enough for a CPU run in seconds (model.config grows it).
+SMALL_SIZE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 128,
+}
+# Models whose position ids start after the padding id (RoBERTa's create_position_ids): their
+# last usable position is max_position_embeddings - pad_token_id - 1.
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "xmod", "longformer")
+UNBOUNDED = 1_000_000  # a tokenizer's model_max_length past this is "no limit" (transformers' 1e30)
+
+
+@dataclass(frozen=True)
+class HfSource:
+    """Where model.arch points: a folder (its own, or a hub snapshot), or a model type."""
+
+    arch: str
+    folder: Path | None  # None: a model type, built from scratch
+    label: str
+
+
+def model_types() -> tuple[str, ...]:
+    from transformers import CONFIG_MAPPING
+
+    return tuple(CONFIG_MAPPING.keys())
+
+
+def resolve_source(arch: str) -> HfSource:
+    """model.arch -> a folder holding config.json, or a model type. A hub id is looked up in
+    the hub cache ($HF_HUB_CACHE, $HF_HOME/hub) only; HF_HUB_OFFLINE or not, nothing is fetched."""
+    path = Path(arch).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"{path} has no config.json", "model.arch",
+                "pass a folder written by save_pretrained (model and tokenizer)",
+            )  # fmt: skip
+        return HfSource(arch, path.resolve(), f"hf folder {path.resolve()}")
+    if arch in model_types():
+        return HfSource(arch, None, f"hf model type {arch} (from scratch)")
+    if arch.count("/") > 1 or arch.startswith((".", "/", "~")) or path.suffix:
+        raise ConfigError(
+            f"no folder {path}", "model.arch",
+            f"pass a folder written by save_pretrained, a hub id (org/name) or a model type "
+            f"(bert, roberta, ...); looked in {Path.cwd()}",
+        )  # fmt: skip
+    return HfSource(arch, hub_snapshot(arch), f"hf hub {arch}")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The cached snapshot of `repo_id` (the one refs/main names) holding its config.json."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cache = hub_cache_dir()
+    found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache)
+    if isinstance(found, str):
+        return Path(found).parent
+    folder = cache / f"models--{repo_id.replace('/', '--')}"
+    raise ConfigError(
+        f"hf model {repo_id} is not on this machine (kiln downloads nothing; looked in {folder})",
+        "model.arch",
+        f"run `hf download {repo_id}` where there is internet (HF_HOME or HF_HUB_CACHE move the "
+        "cache), or pass model.arch=<a folder written by save_pretrained>",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer and the numbers the data must respect (start-up, before the data is built)
+
+
+def hf_preprocessing(cfg: HfConfig) -> PretrainedText | None:
+    """The model's own fast tokenizer and config.json, as plain data; None for a model type
+    (kiln learns its tokenizer from the data). Checks model.arch and model.weights first."""
+    source = resolve_source(cfg.arch)
+    if source.folder is None:
+        if cfg.weights not in (None, AUTO_WEIGHTS):
+            weight_file(cfg.weights)  # a file for a from-scratch type: it must exist
+        return None
+    weights_of(source, cfg.weights)  # a missing weights file fails now, not after the data
+    tokenizer = fast_tokenizer(source)
+    backend = tokenizer.backend_tokenizer
+    tokenizer_json = backend.to_str()
+    config = config_dict(source.folder)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:  # GPT-style vocabularies: pad with end-of-text, masked all the same
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return PretrainedText(
+        source=source.label,
+        tokenizer_json=tokenizer_json,
+        tokenizer_sha256=hashlib.sha256(tokenizer_json.encode()).hexdigest(),
+        special_tokens={k: str(v) for k, v in tokenizer.special_tokens_map.items()},
+        pad_id=int(pad_id),
+        unk_id=tokenizer.unk_token_id,
+        position_limit=position_limit(config, tokenizer.model_max_length),
+        lowercase=normalizer_lowercases(json.loads(tokenizer_json).get("normalizer")),
+        model_input_names=tuple(tokenizer.model_input_names),
+        model_config=config,
+        sep_id=tokenizer.sep_token_id,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def folder_sep_id(folder: Path) -> int | None:
+    """The separator token of a folder's tokenizer (a fresh build during training)."""
+    return fast_tokenizer(HfSource(str(folder), folder, f"hf folder {folder}")).sep_token_id
+
+
+def fast_tokenizer(source: HfSource):
+    from transformers import AutoTokenizer
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tokenizer = AutoTokenizer.from_pretrained(str(source.folder), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise ConfigError(
+            f"{source.label}: no tokenizer could be read ({str(err).splitlines()[0][:200]})",
+            "model.arch",
+            "save the model's tokenizer beside it (tokenizer.save_pretrained(folder))",
+        ) from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(
+            f"{source.label}: its tokenizer ({type(tokenizer).__name__}) has no fast (Rust) "
+            "version, which kiln's token cache, infer.py and the server run",
+            "model.arch",
+            "save a tokenizer.json beside the model (convert it with transformers' "
+            "convert_slow_tokenizer where that is possible), or pick a model that has one",
+        )
+    return tokenizer
+
+
+def config_dict(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "config.json").read_text(encoding="utf-8"))
+
+
+def position_limit(config: dict[str, Any], model_max_length: int | None = None) -> int:
+    """The longest sequence the model's position embeddings take (and its tokenizer's
+    model_max_length, when that is set to a real number)."""
+    limit = int(config.get("max_position_embeddings") or UNBOUNDED)
+    if config.get("model_type") in OFFSET_POSITIONS and limit < UNBOUNDED:
+        limit -= int(config.get("pad_token_id") or 0) + 1
+    if model_max_length is not None and 0 < model_max_length < UNBOUNDED:
+        limit = min(limit, int(model_max_length))
+    return limit
+
+
+def normalizer_lowercases(normalizer: dict | None) -> bool:
+    """Whether a tokenizer.json normalizer lower-cases (BertNormalizer lowercase=true, a
+    Lowercase step, possibly inside a Sequence)."""
+    if not normalizer:
+        return False
+    if normalizer.get("type") == "Lowercase" or normalizer.get("lowercase") is True:
+        return True
+    return any(normalizer_lowercases(n) for n in normalizer.get("normalizers", []))
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+def build_hf(
+    spec, cfg: HfConfig, *, aux_head: bool = False, pretrained: PretrainedText | None = None
+) -> HfClassifier:
+    """The model for `spec`'s classes. `pretrained`: what hf_preprocessing returned (or a
+    checkpoint recorded of it): its config.json is used, so a checkpoint rebuilds without the
+    folder; without it, model.arch is resolved again."""
+    if spec.input_kind != "tokens":
+        raise ValueError(f"model hf needs token data (data=csv_text), got {spec.input_kind}")
+    source = None
+    if pretrained is None and cfg.weights is None and not _is_folder_or_hub(cfg.arch):
+        source = HfSource(cfg.arch, None, f"hf model type {cfg.arch}")
+    elif pretrained is None:
+        source = resolve_source(cfg.arch)
+    config = architecture(spec, cfg, source, pretrained)
+    from transformers import AutoModelForSequenceClassification
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net = AutoModelForSequenceClassification.from_config(config)
+    if cfg.weights is not None and source is not None:
+        path = weights_of(source, cfg.weights)
+        if path is not None:
+            load_hf_weights(net, read_weights(path), label=f"{source.label} ({path.name})")
+    elif cfg.weights is None and source is not None and source.folder is not None:
+        log.info("model.weights=null: %s built from its config.json, random weights", cfg.arch)
+    if cfg.gradient_checkpointing:
+        if not net.supports_gradient_checkpointing:
+            raise ConfigError(
+                f"{type(net).__name__} does not support gradient checkpointing",
+                "model.gradient_checkpointing", "set model.gradient_checkpointing=false",
+            )  # fmt: skip
+        # non-reentrant: works with frozen embeddings and keeps autograd's usual semantics
+        net.gradient_checkpointing_enable({"use_reentrant": False})
+    sep_id = None
+    if pretrained is not None:
+        sep_id = pretrained.sep_id
+    elif source is not None and source.folder is not None:
+        sep_id = folder_sep_id(source.folder)
+    if int(getattr(config, "type_vocab_size", 0) or 0) < 2:
+        sep_id = None  # the model has no token types (RoBERTa's one, DistilBERT's none)
+    return HfClassifier(net, spec.num_classes, spec.pad_id, aux_head, sep_id=sep_id)
+
+
+def _is_folder_or_hub(arch: str) -> bool:
+    return Path(arch).expanduser().is_dir() or arch not in model_types()
+
+
+def architecture(spec, cfg: HfConfig, source: HfSource | None, pretrained) -> Any:
+    """The transformers config: config.json (recorded, or the folder's) or a small one of the
+    model type, then model.config's changes, then the data's classes."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if pretrained is not None or (source is not None and source.folder is not None):
+        recorded = pretrained.model_config if pretrained is not None else None
+        data = dict(recorded if recorded is not None else config_dict(source.folder))
+        model_type = data.pop("model_type", None)
+        if model_type not in CONFIG_MAPPING:
+            raise ConfigError(
+                f"{getattr(source, 'label', cfg.arch)}: config.json has model_type "
+                f"{model_type!r}, which transformers does not know", "model.arch",
+                "use a model saved by save_pretrained of a transformers architecture",
+            )  # fmt: skip
+        config = CONFIG_MAPPING[model_type].from_dict(data)
+        if spec.vocab_size is not None and spec.vocab_size > config.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {spec.vocab_size} tokens, the model's embeddings "
+                f"{config.vocab_size}", "model.arch",
+                "save the model after model.resize_token_embeddings(len(tokenizer))",
+            )  # fmt: skip
+    else:
+        size = dict(SMALL_SIZE)
+        positions = int(spec.max_length or 512)
+        if cfg.arch in OFFSET_POSITIONS:
+            positions += spec.pad_id + 1
+        config = AutoConfig.for_model(
+            cfg.arch,
+            vocab_size=spec.vocab_size,
+            pad_token_id=spec.pad_id,
+            max_position_embeddings=positions,
+            **size,
+        )
+    for key, value in dict(cfg.config).items():
+        if not hasattr(config, key):
+            raise ConfigError(
+                f"{type(config).__name__} has no setting {key!r}", f"model.config.{key}",
+                "use a key of the model's config.json",
+            )  # fmt: skip
+        setattr(config, key, value)
+    if cfg.dropout > 0:
+        if not hasattr(config, "classifier_dropout"):
+            log.warning("model.dropout=%s ignored: %s has no classifier_dropout",
+                        cfg.dropout, type(config).__name__)  # fmt: skip
+        else:
+            config.classifier_dropout = cfg.dropout
+    config.id2label = dict(enumerate(spec.class_names))
+    config.label2id = {name: i for i, name in enumerate(spec.class_names)}
+    config.num_labels = spec.num_classes
+    return config
+
+
+def weights_of(source: HfSource, weights: str | None) -> Path | None:
+    """The weights file model.weights names: the folder's own (auto), a file, or none."""
+    if weights is None:
+        return None
+    if weights != AUTO_WEIGHTS:
+        return weight_file(weights)
+    if source.folder is None:
+        return None  # a model type: auto is random weights
+    for name in (*WEIGHT_FILES, *SHARD_INDEXES):
+        if (source.folder / name).is_file():
+            return source.folder / name
+    raise ConfigError(
+        f"{source.label} has no weights ({' or '.join(WEIGHT_FILES)})", "model.weights",
+        "save them with model.save_pretrained(folder), or set model.weights=null for random ones",
+    )  # fmt: skip
+
+
+def read_weights(path: Path) -> dict[str, Tensor]:
+    """A state dict from a weights file, or from every shard a *.index.json names."""
+    if path.name.endswith(".index.json"):
+        shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+        state: dict[str, Tensor] = {}
+        for shard in shards:
+            state.update(read_state_dict(path.parent / shard, "model.weights"))
+        return state
+    return read_state_dict(path, "model.weights")
+
+
+def load_hf_weights(net: nn.Module, state: dict[str, Tensor], *, label: str) -> None:
+    """Load a library-layout state dict into the transformers model `net`, matched by name and
+    shape. The file may be of the base model (no `bert.` prefix) or of another head: the head
+    (every module outside the base model) keeps its fresh weights when the file's are missing
+    or of another size, and is named. A missing or misshapen tensor of the encoder is an
+    error; tensors the model does not have (a pre-training head) are ignored and named."""
+    own = net.state_dict()
+    prefix = f"{net.base_model_prefix}."
+    if not own.keys() & state.keys():  # a base model's file: keys without the prefix
+        state = {prefix + k: v for k, v in state.items()}
+    check_values(state, own, label)
+    head = [k for k in own if not k.startswith(prefix)]
+    misshapen = [k for k in own if k in state and state[k].shape != own[k].shape]
+    refit = [k for k in head if k not in state or k in misshapen]
+    notes = []
+    if refit:
+        classes = next((int(state[k].shape[0]) for k in refit if k in state), None)
+        held = f"{classes} classes in the file" if classes is not None else "not in the file"
+        notes.append(
+            f"head {', '.join(refit)} re-initialised ({held}, {net.config.num_labels} in the data)"
+        )
+    tied = set(getattr(net, "_tied_weights_keys", None) or ())
+    bad = [k for k in misshapen if k not in head]
+    missing = [k for k in own if k not in state and k not in head and k not in tied]
+    if bad:
+        shown = "; ".join(f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} here"
+                          for k in bad[:4])  # fmt: skip
+        raise WeightsError(
+            f"{label} does not fit this {type(net).__name__} (model.weights): {len(bad)} tensors "
+            f"of another shape, e.g. {shown}: use the weights saved with this config.json"
+        )
+    if missing:
+        notes.append(f"{len(missing)} encoder tensors not in the file, left as initialised: "
+                     f"{', '.join(missing[:4])}")  # fmt: skip
+        log.warning("model.weights: %s: %s", label, notes[-1])
+    ignored = sorted({k.split(".")[0] for k in state if k not in own})
+    if ignored:
+        notes.append(f"ignored (not in the model): {', '.join(ignored)}")
+    loadable = {k: v for k, v in state.items() if k in own and k not in misshapen}
+    net.load_state_dict(loadable, strict=False)
+    log.info("model.weights: %d tensors from %s; %s", len(loadable), label,
+             "; ".join(notes) or "all")  # fmt: skip

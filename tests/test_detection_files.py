@@ -1,0 +1,303 @@
+"""data=coco and data=yolo on a folder made from real photos (kiln.data.photo_boxes: objects cut
+from the packages' sample photos, pasted at known boxes): every bad annotation reported where it
+is, the same images as COCO and as YOLO giving the same dataset to the pixel, and kiln's
+detector training on it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.data import build_data
+from kiln.data.detection_files import DetectionDataError
+from kiln.data.photo_boxes import CATEGORIES, make_photo_boxes
+
+from .conftest import compose_config, train_in_process
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return make_photo_boxes(tmp_path_factory.mktemp("photo_boxes"))
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    return make_photo_boxes(tmp_path_factory.mktemp("damaged_boxes"), damaged=True)
+
+
+def coco_overrides(folder, *extra, val=True):
+    val_keys = (f"data.val_json={folder.val_json}", f"data.val_images={folder.val_images}")
+    return ("data=coco", "model=detector", f"data.train_json={folder.train_json}",
+            f"data.train_images={folder.train_images}", *(val_keys if val else ()),
+            f"data.cache_dir={folder.root / 'cache'}", *extra)  # fmt: skip
+
+
+def yolo_overrides(folder, *extra):
+    return ("data=yolo", "model=detector", f"data.train_dir={folder.yolo_train}",
+            f"data.val_dir={folder.yolo_val}", f"data.cache_dir={folder.root / 'cache'}",
+            *extra)  # fmt: skip
+
+
+def coco(folder, *extra, val=True):
+    return build_data(compose_config(*coco_overrides(folder, *extra, val=val)).data)
+
+
+def expected_boxes(sample) -> tuple[np.ndarray, np.ndarray]:
+    label = {c["id"]: k for k, c in enumerate(CATEGORIES, start=1)}
+    boxes = np.array([(x, y, x + w, y + h) for x, y, w, h in sample.boxes], np.float32)
+    return boxes.reshape(-1, 4), np.array([label[c] for c in sample.categories], np.int64)
+
+
+def test_coco_boxes_are_xyxy_with_contiguous_labels_and_names(clean):
+    bundle = coco(clean)
+    assert bundle.spec.task == "detection" and bundle.spec.input_kind == "image_list"
+    assert bundle.spec.class_names == ("portrait", "flower")  # category ids 3 and 7 -> 1, 2
+    assert bundle.recipe.class_names == ("portrait", "flower")  # what the checkpoint keeps
+    assert len(bundle.train) == len(clean.train_samples) and len(bundle.val) == len(
+        clean.val_samples
+    )
+    for dataset, samples in ((bundle.train, clean.train_samples), (bundle.val, clean.val_samples)):
+        for i, sample in enumerate(samples):
+            image, target = dataset[i]
+            assert image.shape == (3, sample.height, sample.width) and image.dtype == torch.float32
+            assert float(image.min()) >= 0.0 and float(image.max()) <= 1.0
+            boxes, labels = expected_boxes(sample)
+            np.testing.assert_array_equal(target["boxes"].numpy(), boxes)
+            np.testing.assert_array_equal(target["labels"].numpy(), labels)
+    assert len(bundle.train[len(bundle.train) - 1][1]["boxes"]) == 0  # a negative, kept
+    assert bundle.report["images_without_boxes"]["train"] == 1
+
+
+def test_the_same_images_as_yolo_give_the_same_dataset(clean):
+    from_coco = coco(clean)
+    from_yolo = build_data(compose_config(*yolo_overrides(clean)).data)
+    assert from_yolo.spec == from_coco.spec
+    for split in ("train", "val"):
+        a, b = getattr(from_coco, split), getattr(from_yolo, split)
+        assert len(a) == len(b)
+        for i in range(len(a)):
+            (image_a, target_a), (image_b, target_b) = a[i], b[i]
+            assert torch.equal(image_a, image_b)
+            # the same boxes to the pixel (YOLO's normalised text: within float32 rounding)
+            torch.testing.assert_close(target_a["boxes"], target_b["boxes"], atol=1e-3, rtol=0)
+            assert torch.equal(target_a["labels"], target_b["labels"])
+
+
+def test_coco_reports_each_bad_annotation_with_its_file_and_id(damaged):
+    bundle = coco(damaged)
+    files = bundle.report["train_files"]
+    annotations, images = files["annotations"], files["images"]
+    assert images["dropped"] == {"missing_image": 1, "duplicate_image_id": 1}
+    assert annotations["dropped"] == {"missing_image": 1, "box_outside_image": 1,
+                                      "zero_area_box": 1, "unknown_category": 1}  # fmt: skip
+    by_reason = {r["reason"]: r for r in annotations["dropped_records"]}
+    assert by_reason["missing_image"]["file"].endswith("gone.jpg")
+    assert by_reason["unknown_category"]["category_id"] == 99
+    assert all("annotation_id" in r and "file" in r for r in annotations["dropped_records"])
+    assert files["annotations_clipped"] == damaged.clipped == 1
+    clipped = files["clipped_records"][0]
+    first = damaged.train_samples[0]
+    assert clipped["clipped_to"][2:] == [first.width, first.height]
+    # the good images are all there, the clipped box on the first one
+    assert len(bundle.train) == len(damaged.train_samples)
+    assert len(bundle.train[0][1]["boxes"]) == len(first.boxes) + 1
+
+
+def test_bad_rows_error_stops_at_the_first_bad_input(damaged):
+    with pytest.raises(DetectionDataError, match=r"duplicate image id .*train.json.*image_id 1"):
+        coco(damaged, "data.bad_rows=error")
+
+
+def test_without_a_val_set_a_share_of_train_is_held_out(clean):
+    bundle = coco(clean, "data.val_fraction=0.25", val=False)
+    assert len(bundle.train) + len(bundle.val) == len(clean.train_samples)
+    assert len(bundle.val) == 4
+    train, val = set(bundle.sources["train"]), set(bundle.sources["val"])
+    assert not train & val
+    assert bundle.report["split"] == {"val_fraction": 0.25, "split_seed": 0}
+
+
+def test_a_yolo_line_that_does_not_parse_is_reported(clean, tmp_path):
+    import shutil
+
+    root = tmp_path / "yolo"
+    shutil.copytree(clean.yolo_train.parent.parent, root)
+    label = root / "labels" / "train" / "img_001.txt"
+    label.write_text(label.read_text() + "flower 0.5 0.5 0.1\n7 0.5 0.5 0.2 0.2\n")
+    (root / "labels" / "train" / "orphan.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    cfg = compose_config("data=yolo", "model=detector", f"data.train_dir={root / 'images/train'}",
+                         f"data.cache_dir={tmp_path / 'cache'}").data  # fmt: skip
+    report = build_data(cfg).report["train_files"]["annotations"]
+    assert report["dropped"] == {"missing_image": 1, "unknown_category": 1, "bad_label_line": 1}
+    bad_line = next(r for r in report["dropped_records"] if r["reason"] == "bad_label_line")
+    lines = label.read_text().splitlines()
+    assert bad_line["line"] == len(lines) - 1 and bad_line["label_file"] == str(label)
+
+
+def test_missing_keys_and_files_are_one_line_errors(tmp_path):
+    from kiln.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.train_json"):
+        compose_config("data=coco", "model=detector")
+    (tmp_path / "bad.json").write_text('{"images": []}')
+    cfg = compose_config("data=coco", "model=detector", f"data.train_json={tmp_path / 'bad.json'}",
+                         f"data.train_images={tmp_path}").data  # fmt: skip
+    with pytest.raises(DetectionDataError, match="not COCO instances JSON.*annotations"):
+        build_data(cfg)
+
+
+def test_kilns_detector_trains_on_coco_and_reports_the_bad_annotations(damaged, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    # with the SSD augmentation: its items are keyed (index, seed, epoch) by the training sampler
+    summary = train_in_process(run_dir, *coco_overrides(damaged), "model.width=8",
+                               "data.augment=ssd",
+                               "trainer.max_steps=2", "logger=none", "device=cpu",
+                               "env.progress_bar=false")  # fmt: skip
+    assert summary["status"] in ("ok", "at_chance"), summary
+    report = json.loads((run_dir / "data_report.json").read_text())
+    assert report["train_files"]["annotations"]["annotations_dropped"] == 4
+    assert "val_map50" in summary and "val_map" in summary and "val_map_75" in summary
+    assert summary["monitor"] == "val_map"  # COCO's mAP@[.5:.95] picks best.pt
+    # infer.py on the validation images, each also drawn with its boxes (draw=true)
+    from kiln.cli.infer import main as infer_main
+
+    output = tmp_path / "preds.csv"
+    infer_main([f"ckpt={run_dir / 'checkpoints' / 'best.pt'}", f"input={damaged.val_images}",
+                f"output={output}", "draw=true"])  # fmt: skip
+    assert "drew the boxes on 6 images" in capsys.readouterr().out
+    drawn = sorted(p.name for p in (tmp_path / "preds_boxes").iterdir())
+    assert drawn == [f"{i}_img_{i:03d}.png" for i in range(6)]
+
+
+# --- rule 3 for detectors: each mode held to the declared contract, eval with and without grad
+
+
+class _GradDependentDetector(torch.nn.Module):
+    """A detector whose eval-mode output has one box more when autograd is on."""
+
+    def __init__(self):
+        from kiln.models.detection_contract import DetectionContract
+
+        super().__init__()
+        self.contract = DetectionContract()
+        self.contract.loss_keys, self.contract.num_classes = ("loss",), 2
+        self.weight = torch.nn.Parameter(torch.ones(()))
+
+    computes_own_loss = True
+
+    def check_output(self, mode, output, batch_size=None):
+        return self.contract.check_output(mode, output, batch_size)
+
+    def forward(self, images, targets=None):
+        if self.training:
+            return {"loss": self.weight * 1.0}
+        k = 2 if torch.is_grad_enabled() else 1
+        return [{"boxes": torch.zeros(k, 4), "labels": torch.ones(k, dtype=torch.long),
+                 "scores": torch.ones(k) * self.weight} for _ in images]  # fmt: skip
+
+
+def test_rule3_compares_a_detectors_eval_outputs_with_and_without_grad():
+    from kiln.engine.loss import OwnLossCriterion
+    from kiln.guards.shape_check import ShapeContractError, check_train_eval_agreement
+
+    batch = ([torch.zeros(3, 16, 16)], [{"boxes": torch.zeros(0, 4),
+                                         "labels": torch.zeros(0, dtype=torch.long)}])  # fmt: skip
+    model = _GradDependentDetector()
+    with pytest.raises(ShapeContractError, match="eval mode with grad vs without") as info:
+        check_train_eval_agreement(model, batch, OwnLossCriterion().forward)
+    assert "differ by design" in str(info.value) and "instead of comparing" in str(info.value)
+
+
+# --- data.augment: boxes kept in sync with the pixels
+
+
+@pytest.mark.parametrize("augment", ["hflip", "hflip_scale", "ssd"])
+def test_augmented_boxes_stay_in_their_image_and_an_item_repeats_from_its_key(clean, augment):
+    bundle = coco(clean, f"data.augment={augment}")
+    assert bundle.train.seeded_keys and bundle.report["input"]["augment"] == augment
+    for index in range(len(bundle.train)):
+        for epoch in (0, 1):
+            image, target = bundle.train[(index, 7, epoch)]
+            again, target_again = bundle.train[(index, 7, epoch)]
+            assert torch.equal(image, again) and torch.equal(target["boxes"], target_again["boxes"])
+            height, width = image.shape[1:]
+            boxes = target["boxes"]
+            assert len(boxes) == len(target["labels"]) and image.dtype == torch.float32
+            assert bool((boxes[:, :2] >= 0).all() and (boxes[:, 2:] > boxes[:, :2]).all())
+            assert bool((boxes[:, 2] <= width).all() and (boxes[:, 3] <= height).all())
+    assert not bundle.val.seeded_keys  # validation is never augmented
+
+
+def test_hflip_mirrors_the_boxes_with_the_pixels(clean):
+    plain = coco(clean)
+    flipped = coco(clean, "data.augment=hflip")
+    seen_flip = False
+    for index in range(len(plain.train)):
+        image, target = plain.train[index]
+        for epoch in range(4):
+            got, got_target = flipped.train[(index, 0, epoch)]
+            if torch.equal(got, image):
+                assert torch.equal(got_target["boxes"], target["boxes"])
+                continue
+            seen_flip = True
+            assert torch.equal(got, image.flip(-1))
+            width = image.shape[-1]
+            mirrored = target["boxes"][:, [2, 1, 0, 3]] * torch.tensor(
+                [-1, 1, -1, 1]
+            ) + torch.tensor([width, 0, width, 0])
+            torch.testing.assert_close(got_target["boxes"], mirrored)
+    assert seen_flip
+
+
+def test_group_by_aspect_ratio_batches_images_of_one_shape_with_seeded_keys(clean):
+    from kiln.data.loaders import train_sampler_for
+
+    bundle = coco(clean, "data.group_by_aspect_ratio=true", "data.augment=hflip")
+    wide = bundle.bucket_lengths
+    assert wide is not None and 0 < sum(wide) < len(wide)  # both shapes are in the data
+    sampler = train_sampler_for(bundle, 2, rank=0, world_size=1, seed=3)
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        keys = list(sampler)
+        assert all(key[1:] == (3, epoch) for key in keys)  # augmentation keys, as unbatched
+        batches = [keys[i : i + 2] for i in range(0, len(keys), 2)]
+        mixed = [b for b in batches if len({wide[index] for index, _, _ in b}) > 1]
+        assert len(mixed) <= 1  # one pool of batches: at most its boundary batch mixes
+        assert sorted(index for index, _, _ in keys) == list(range(len(bundle.train)))
+
+
+def test_coco_metrics_leave_undefined_sizes_out_and_always_give_val_map():
+    from kiln.engine.detection_eval import coco_metrics
+
+    truth = [{"boxes": torch.tensor([[10.0, 10.0, 50.0, 50.0]]), "labels": torch.tensor([1])}]
+    found = [{"boxes": torch.tensor([[10.0, 10.0, 50.0, 50.0]]), "labels": torch.tensor([1]),
+              "scores": torch.tensor([0.9])}]  # fmt: skip
+    metrics = coco_metrics(found, truth)
+    assert metrics["val_map"] == pytest.approx(1.0) and metrics["val_map_75"] == pytest.approx(1.0)
+    assert metrics["val_map_medium"] == pytest.approx(1.0)  # 40 x 40: COCO's medium
+    assert "val_map_small" not in metrics and "val_map_large" not in metrics  # undefined: -1
+    empty = [{"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long)}]
+    assert coco_metrics(found, empty) == {"val_map": 0.0}
+
+
+def test_the_detection_report_draws_the_boxes_and_the_ap_per_class(clean, tmp_path):
+    from PIL import Image
+
+    from kiln.inference.evaluate import write_detection_report
+
+    bundle = coco(clean)
+    items = [bundle.val[i] for i in range(len(bundle.val))]
+    targets = [{k: v.numpy() for k, v in t.items()} for _, t in items]
+    found = [{**t, "scores": np.full(len(t["labels"]), 0.9, np.float32)} for t in targets]
+    report = write_detection_report(
+        tmp_path, found, targets, bundle.sources["val"], bundle.spec.class_names, {},
+        images=[image.numpy() for image, _ in items],
+    )  # fmt: skip
+    assert report.metrics["map"] == pytest.approx(1.0)
+    assert {"boxes.png", "ap_per_class.png"} <= set(report.metrics["files"])
+    for name in ("boxes.png", "ap_per_class.png"):
+        with Image.open(tmp_path / name) as picture:
+            assert picture.format == "PNG" and min(picture.size) > 200

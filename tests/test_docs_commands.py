@@ -1,0 +1,40 @@
+"""Every command in docs/*.md runs as typed, page by page (`make test-all`): each page in its own
+fresh checkout, its commands in order, so a page that predicts from `outputs/latest` trains
+first. tests/markdown_commands.py says how commands are found, shortened (KILN_OVERRIDES,
+KILN_SMOKE only) and which few cannot run here. A page added to docs/ is picked up by the
+parametrization with no edit here."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.cli.paths import REPO_ROOT
+
+from .markdown_commands import commands, environment, placeholders, run, run_all, user_checkout
+
+PAGES = sorted((REPO_ROOT / "docs").glob("*.md"))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_the_docs_name_no_placeholder_in_a_command(page):
+    assert placeholders(commands(page.read_text())) == []
+
+
+MISTAKES = [(p, c) for p in PAGES for c in commands(p.read_text()) if c.expected]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page, command", MISTAKES, ids=lambda x: getattr(x, "name", None))
+def test_the_mistakes_the_docs_show_print_what_they_show(tmp_path, page, command):
+    home = user_checkout(tmp_path)
+    env = environment(home)
+    del env["KILN_OVERRIDES"]  # exactly as typed: these stop before any work anyway
+    run(command, home, env)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(5400)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_command_of_a_docs_page_runs_as_typed(tmp_path, page):
+    home = user_checkout(tmp_path)
+    run_all(commands(page.read_text()), home, environment(home))

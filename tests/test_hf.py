@@ -1,0 +1,466 @@
+"""model=hf: a folder written by save_pretrained (a small BERT whose WordPiece vocabulary is
+trained here on the training CSV, a small RoBERTa with a byte-level BPE one) trains through the
+real `train.py data=csv_text ... model=hf model.arch=<folder>` on a damaged CSV, above the
+majority baseline; the same model is found in a hub cache layout under HF_HUB_OFFLINE=1; and
+infer.py and the ONNX model give the evaluation's probabilities without the folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from kiln.config.base import ConfigError
+from kiln.inference import Predictor
+from kiln.models import build_model
+from kiln.models.zoo.transformers import hf_preprocessing, position_limit
+from kiln.preprocessing.pretrained import PretrainedText, pretrained_from_dict
+from kiln.serving import create_app
+
+from .conftest import compose_config, read_summary, run_train, train_in_process
+from .damaged_csv import clean_rows, write_damaged_csv
+from .hf_helpers import POSITIONS, csv_texts, into_hub_cache, write_bert, write_roberta
+from .inference_helpers import live_server
+from .test_evaluate import run_infer
+
+CLASSES = ("arrays", "http")  # two topics whose words never overlap: learnable in a few epochs
+DAMAGE = {"stray_quote": 1, "missing_label": 1, "extra_columns": 1, "markup_only": 1}
+REPO_ID = "kiln-tests/tiny-bert"
+TRAIN = ("data=csv_text", "model=hf", f"data.max_length={POSITIONS}", "data.batch_size=16",
+         "optimizer.lr=0.001", "trainer.max_epochs=6")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hf")
+    write_damaged_csv(root / "train.csv", 240, DAMAGE, classes=CLASSES)
+    return root
+
+
+@pytest.fixture(scope="module")
+def bert_run(corpus) -> tuple[Path, Path]:
+    """(run dir, the CSV): a BERT folder trained through train.py, then the folder moved away
+    (inference must not need it). A copy of it is kept as a hub cache download."""
+    folder = write_bert(corpus / "bert", csv_texts(corpus / "train.csv"), num_labels=3)
+    into_hub_cache(folder, corpus / "hub", REPO_ID)
+    run_dir = corpus / "bert_run"
+    done = run_train(
+        run_dir,
+        *TRAIN,
+        f"data.train_path={corpus / 'train.csv'}",
+        f"data.cache_dir={corpus / 'cache'}",
+        f"model.arch={folder}",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.move(folder, corpus / "moved_away")
+    return run_dir, corpus / "train.csv"
+
+
+def majority_share(run_dir: Path) -> float:
+    report = json.loads((run_dir / "data_report.json").read_text())
+    val = report["class_counts"]["val"]
+    return max(val.values()) / sum(val.values())
+
+
+def test_a_bert_folder_trains_on_a_damaged_csv_above_the_majority_baseline(bert_run):
+    run_dir, _ = bert_run
+    summary = read_summary(run_dir)
+    assert summary["status"] == "ok", summary
+    assert summary["val_acc"] > majority_share(run_dir) + 0.15, summary
+    report = json.loads((run_dir / "data_report.json").read_text())
+    assert report["train_file"]["rows_dropped"] == len(DAMAGE)
+    assert report["tokenizer"].startswith("hf folder ")
+    log = (run_dir / "train.log").read_text()
+    head = "head classifier.weight, classifier.bias re-initialised (3 classes in the file, 2 in"
+    assert head in log
+    assert "its normalizer lower-cases (an uncased model)" in log
+    ckpt = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    recorded = pretrained_from_dict(ckpt["preprocessing"]["pretrained"])
+    assert isinstance(recorded, PretrainedText) and recorded.model_config["model_type"] == "bert"
+    assert ckpt["preprocessing"]["cleaning"]["lowercase"] is False  # the tokenizer's job
+
+
+def test_infer_and_onnx_give_the_evaluations_probabilities_without_the_folder(
+    bert_run, tmp_path, capsys
+):
+    run_dir, _ = bert_run
+    csv = tmp_path / "held_out.csv"
+    rows = clean_rows(40, seed=5, classes=CLASSES)
+    pd.DataFrame(rows, columns=["text", "label"]).to_csv(csv, index=False)
+    ckpt = f"ckpt={run_dir}/checkpoints/best.pt"
+    code, _, err = run_infer(capsys, "mode=evaluate", ckpt, f"data={csv}", f"output={tmp_path}/ev")
+    assert code == 0, err
+    evaluated = pd.read_csv(tmp_path / "ev" / "predictions.csv")
+    code, _, err = run_infer(capsys, ckpt, f"input={csv}", f"output={tmp_path}/preds.csv")
+    assert code == 0, err
+    predicted = pd.read_csv(tmp_path / "preds.csv")
+    probs = [c for c in evaluated.columns if c.startswith("prob_")]
+    assert len(predicted) == len(evaluated) == 40
+    np.testing.assert_allclose(predicted[probs], evaluated[probs], atol=1e-4)
+    code, out, err = run_infer(capsys, "mode=export", ckpt)
+    assert code == 0, err
+    onnx = run_dir / "checkpoints" / "model.onnx"
+    code, _, err = run_infer(
+        capsys, f"ckpt={onnx}", "backend=onnx", f"input={csv}", f"output={tmp_path}/onnx.csv"
+    )
+    assert code == 0, err
+    np.testing.assert_allclose(pd.read_csv(tmp_path / "onnx.csv")[probs], evaluated[probs],
+                               atol=1e-4)  # fmt: skip
+    # The server, on raw text: the same probabilities, from the checkpoint alone.
+    predictor = Predictor.from_checkpoint(run_dir / "checkpoints" / "best.pt")
+    texts = [text for text, _ in rows]
+    with live_server(create_app(predictor, max_batch_size=8, max_delay_ms=5)) as server:
+        answer = httpx.post(f"{server.url}/v1/predict", json={"inputs": texts}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    served = np.array([p["probs"] for p in answer.json()["predictions"]])
+    np.testing.assert_allclose(served, evaluated[probs].to_numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_onnx_logits_match_torch_at_any_batch_and_length(bert_run, batch, capsys):
+    """Dynamic batch and sequence axes: ORT's logits within 1e-4 of PyTorch's at lengths 1, 7
+    and max_length, padding with the tokenizer's pad id in the longer rows."""
+    import onnxruntime as ort
+
+    from kiln.inference.record import read_checkpoint, rebuild_model
+
+    run_dir, _ = bert_run
+    best = run_dir / "checkpoints" / "best.pt"
+    onnx = best.with_name("model.onnx")
+    if not onnx.is_file():
+        assert run_infer(capsys, "mode=export", f"ckpt={best}")[0] == 0
+    record, state = read_checkpoint(best)
+    model = rebuild_model(record, state)
+    session = ort.InferenceSession(str(onnx), providers=["CPUExecutionProvider"])
+    gen = torch.Generator().manual_seed(batch)
+    for length in (1, 7, POSITIONS):
+        ids = torch.randint(5, record.spec.vocab_size, (batch, length), generator=gen)
+        ids[1:, max(1, length // 2) :] = record.spec.pad_id  # shorter rows, padded
+        with torch.no_grad():
+            expected = model(ids).numpy()
+        (logits,) = session.run(["logits"], {"input": ids.numpy()})
+        np.testing.assert_allclose(logits, expected, atol=1e-4, err_msg=f"length {length}")
+
+
+def test_the_same_model_is_read_from_the_hub_cache_offline(bert_run, corpus, monkeypatch, caplog):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(corpus / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(corpus / "hub"))
+    with caplog.at_level(logging.INFO):
+        summary = train_in_process(
+            corpus / "hub_run",
+            *TRAIN,
+            f"data.train_path={corpus / 'train.csv'}",
+            f"data.cache_dir={corpus / 'cache'}",
+            f"model.arch={REPO_ID}",
+            "trainer.max_steps=2",
+        )
+    assert summary["status"] in ("ok", "at_chance"), summary
+    assert f"model.weights: 39 tensors from hf hub {REPO_ID}" in caplog.text
+    assert "cache hit" in caplog.text  # the same tokenizer hash: bert_run's token store
+
+
+def test_a_hub_id_not_in_the_cache_is_one_error_line_naming_the_folder_and_the_download(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg = compose_config("data=csv_text", "model=hf", "model.arch=some-org/absent-model")
+    with pytest.raises(ConfigError) as caught:
+        hf_preprocessing(cfg.model)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert str(tmp_path / "hub" / "models--some-org--absent-model") in message
+    assert "`hf download some-org/absent-model`" in message
+
+
+def test_model_name_holding_a_folder_says_to_use_model_arch():
+    with pytest.raises(ConfigError, match=r"set model.arch=./my-bert"):
+        compose_config("data=csv_text", "model=hf", "model.name=./my-bert")
+
+
+def test_max_length_past_the_models_positions_is_refused_naming_both(bert_run, corpus):
+    from kiln.data.csv_text import build_csv_text
+
+    snapshot = corpus / "hub" / "models--kiln-tests--tiny-bert" / "snapshots" / ("0" * 40)
+    cfg = compose_config(
+        "data=csv_text",
+        "model=hf",
+        f"model.arch={snapshot}",
+        f"data.train_path={corpus / 'train.csv'}",
+        "data.max_length=300",
+    )
+    with pytest.raises(ConfigError, match=f"data.max_length=300 exceeds the {POSITIONS} positions"):
+        build_csv_text(cfg.data, pretrained=hf_preprocessing(cfg.model))
+
+
+def test_a_roberta_folder_with_byte_level_bpe_trains(corpus):
+    folder = write_roberta(corpus / "roberta", csv_texts(corpus / "train.csv"))
+    run_dir = corpus / "roberta_run"
+    summary = train_in_process(
+        run_dir,
+        *TRAIN,
+        f"data.train_path={corpus / 'train.csv'}",
+        f"data.cache_dir={corpus / 'cache'}",
+        f"model.arch={folder}",
+    )
+    assert summary["val_acc"] > majority_share(run_dir) + 0.15, summary
+    ckpt = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    assert ckpt["data_spec"]["pad_id"] == 1  # <pad>, not kiln's 0 (RoBERTa's <s>)
+
+
+def test_position_limits_count_robertas_offset():
+    assert position_limit({"model_type": "bert", "max_position_embeddings": 512}) == 512
+    roberta = {"model_type": "roberta", "max_position_embeddings": 514, "pad_token_id": 1}
+    assert position_limit(roberta) == 512
+    assert position_limit(roberta, model_max_length=128) == 128
+
+
+@pytest.mark.parametrize("arch", ["bert", "distilbert", "roberta", "deberta-v2", "albert"])
+def test_model_types_build_small_from_scratch_with_the_datas_classes(arch):
+    from kiln.data.spec import DataSpec
+
+    spec = DataSpec("classification", "tokens", 3, ("a", "b", "c"), vocab_size=50,
+                    max_length=12, pad_id=0)  # fmt: skip
+    cfg = compose_config("data=csv_text", "model=hf", f"model.arch={arch}").model
+    model = build_model(spec, cfg).eval()
+    ids = torch.randint(1, 50, (2, 12))
+    ids[1, 6:] = 0  # padding, masked
+    assert model(ids).shape == (2, 3)
+    assert model.net.config.id2label == {0: "a", 1: "b", 2: "c"}
+
+
+def test_linear_warmup_decays_as_transformers_schedule_does():
+    """scheduler=linear_warmup: up to optimizer.lr over the warm-up (its first step at lr /
+    warmup, not 0, as kiln's cosine), then transformers' get_linear_schedule_with_warmup."""
+    from transformers import get_linear_schedule_with_warmup
+
+    from kiln.engine.optim import build_scheduler
+
+    cfg = compose_config("scheduler=linear_warmup", "scheduler.warmup_ratio=0.2")
+    total, warmup, lr = 50, 10, 0.01
+
+    def lrs(make) -> list[float]:
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+        scheduler, seen = make(optimizer), []
+        for _ in range(total):
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return seen
+
+    ours = lrs(lambda opt: build_scheduler(opt, cfg.scheduler, total))
+    theirs = lrs(lambda opt: get_linear_schedule_with_warmup(opt, warmup, total))
+    assert ours[:warmup] == pytest.approx([lr * (s + 1) / warmup for s in range(warmup)])
+    assert ours[warmup:] == pytest.approx(theirs[warmup:])
+    assert ours[warmup - 1] == pytest.approx(lr) and ours[-1] == pytest.approx(
+        lr / (total - warmup)
+    )
+
+
+def test_a_base_models_weights_load_with_the_head_named_and_a_misfit_refused(caplog):
+    """A file of the base model (BertModel: no `bert.` prefix, no classifier) loads into the
+    classifier, its head named as re-initialised; an encoder tensor of another shape is one
+    WeightsError naming it."""
+    from transformers import BertConfig, BertForSequenceClassification, BertModel
+
+    from kiln.models.weights import WeightsError
+    from kiln.models.zoo.transformers import load_hf_weights
+
+    config = BertConfig(vocab_size=40, max_position_embeddings=16, num_labels=3,
+                        **{"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                           "intermediate_size": 64})  # fmt: skip
+    torch.manual_seed(0)
+    base = BertModel(config).state_dict()
+    net = BertForSequenceClassification(config)
+    with caplog.at_level(logging.INFO):
+        load_hf_weights(net, base, label="base.safetensors")
+    assert torch.equal(
+        net.bert.embeddings.word_embeddings.weight, base["embeddings.word_embeddings.weight"]
+    )
+    assert "head classifier.weight, classifier.bias re-initialised (not in the file" in caplog.text
+    base["encoder.layer.0.output.dense.weight"] = torch.zeros(32, 32)
+    with pytest.raises(WeightsError, match="bert.encoder.layer.0.output.dense.weight"):
+        load_hf_weights(net, base, label="base.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sentence pairs: data.text_pair_column, fed as tokenizer(a, b)
+
+
+def write_pairs(path: Path, num_rows: int, seed: int) -> list[tuple[str, str, str]]:
+    """premise,hypothesis,label: the label is the hypothesis's topic, the premise another
+    random topic's sentence (a pair the model must read both sides of to place the [SEP])."""
+    import random
+
+    rng = random.Random(seed)
+    topics = {"arrays": ["ndarray", "broadcast", "dtype", "axis"],
+              "http": ["request", "session", "header", "cookie"]}  # fmt: skip
+    rows = []
+    for i in range(num_rows):
+        label = CLASSES[i % 2]
+        other = rng.choice(CLASSES)
+        premise = f"The {rng.choice(topics[other])} of the {rng.choice(topics[other])} ({i})"
+        hypothesis = " ".join(rng.choices(topics[label], k=3))
+        rows.append((premise, hypothesis, label))
+    pd.DataFrame(rows, columns=["premise", "hypothesis", "label"]).to_csv(path, index=False)
+    return rows
+
+
+def test_a_pair_task_trains_evaluates_predicts_and_serves(corpus, tmp_path, capsys):
+    train_csv, held_out = corpus / "pairs.csv", tmp_path / "pairs_held_out.csv"
+    write_pairs(train_csv, 240, seed=1)
+    rows = write_pairs(held_out, 30, seed=2)
+    frame = pd.read_csv(train_csv)
+    folder = write_bert(corpus / "pair_bert", [*frame["premise"], *frame["hypothesis"]])
+    run_dir = corpus / "pair_run"
+    pair = ("data.text_column=premise", "data.text_pair_column=hypothesis")
+    data = (f"data.train_path={train_csv}", f"data.cache_dir={corpus / 'cache'}")
+    summary = train_in_process(
+        run_dir, *TRAIN, *pair, *data, f"model.arch={folder}", "trainer.max_epochs=10"
+    )
+    assert summary["val_acc"] > majority_share(run_dir) + 0.15, summary
+    predictor = Predictor.from_checkpoint(run_dir / "checkpoints" / "best.pt")
+    ids = predictor.preprocess([["The ndarray", "It checks the cookie twice"]])
+    sep = predictor.record.recipe.pretrained["sep_id"]
+    assert int((ids == sep).sum()) == 2  # [CLS] a [SEP] b [SEP]: tokenizer(a, b)
+    ckpt = f"ckpt={run_dir}/checkpoints/best.pt"
+    code, _, err = run_infer(capsys, "mode=evaluate", ckpt, f"data={held_out}",
+                             f"output={tmp_path}/ev")  # fmt: skip
+    assert code == 0, err
+    evaluated = pd.read_csv(tmp_path / "ev" / "predictions.csv")
+    code, _, err = run_infer(capsys, ckpt, f"input={held_out}", f"output={tmp_path}/preds.csv")
+    assert code == 0, err
+    probs = [c for c in evaluated.columns if c.startswith("prob_")]
+    predicted = pd.read_csv(tmp_path / "preds.csv")
+    np.testing.assert_allclose(predicted[probs], evaluated[probs], atol=1e-4)
+    inputs = [[premise, hypothesis] for premise, hypothesis, _ in rows]
+    with live_server(create_app(predictor, max_batch_size=8, max_delay_ms=5)) as server:
+        answer = httpx.post(f"{server.url}/v1/predict", json={"inputs": inputs}, timeout=60)
+        single = httpx.post(f"{server.url}/v1/predict", json={"inputs": ["one text"]}, timeout=60)
+        flat = [text for pair in inputs for text in pair]
+        tensor = {"name": "input", "shape": [len(inputs), 2], "datatype": "BYTES", "data": flat}
+        v2 = httpx.post(f"{server.url}/v2/models/kiln/infer", json={"inputs": [tensor]}, timeout=60)
+        example = httpx.get(f"{server.url}/v1/example", params={"api": "v2"}).json()
+        from_example = httpx.post(f"{server.url}/v2/models/kiln/infer", json=example, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert v2.status_code == 200, v2.text
+    assert from_example.status_code == 200, from_example.text
+    (probs_v2,) = [t for t in v2.json()["outputs"] if t["name"] == "probs"]
+    np.testing.assert_allclose(np.reshape(probs_v2["data"], probs_v2["shape"]),
+                               evaluated[probs].to_numpy(), atol=1e-4)  # fmt: skip
+    served = np.array([p["probs"] for p in answer.json()["predictions"]])
+    np.testing.assert_allclose(served, evaluated[probs].to_numpy(), atol=1e-4)
+    assert single.status_code == 422 and "expected a pair of texts" in single.text
+
+
+def test_kiln_text_models_take_pairs_joined_and_export_them(corpus, tmp_path, capsys):
+    """model=text_bow on the pair CSV: its own tokenizer reads a pair as the two texts joined;
+    infer.py and the ONNX export read both columns."""
+    train_csv, held_out = corpus / "bow_pairs.csv", tmp_path / "held_out.csv"
+    write_pairs(train_csv, 240, seed=3)
+    write_pairs(held_out, 20, seed=4)
+    run_dir = corpus / "bow_pair_run"
+    summary = train_in_process(
+        run_dir,
+        "data=csv_text",
+        "model=text_bow",
+        "data.text_column=premise",
+        "data.text_pair_column=hypothesis",
+        f"data.train_path={train_csv}",
+        f"data.cache_dir={corpus / 'cache'}",
+        "trainer.max_epochs=3",
+        "data.batch_size=16",
+    )
+    assert summary["val_acc"] > majority_share(run_dir) + 0.15, summary
+    ckpt = f"ckpt={run_dir}/checkpoints/best.pt"
+    code, _, err = run_infer(capsys, ckpt, f"input={held_out}", f"output={tmp_path}/torch.csv")
+    assert code == 0, err
+    assert run_infer(capsys, "mode=export", ckpt)[0] == 0
+    onnx = run_dir / "checkpoints" / "model.onnx"
+    code, _, err = run_infer(
+        capsys, f"ckpt={onnx}", "backend=onnx", f"input={held_out}", f"output={tmp_path}/o.csv"
+    )
+    assert code == 0, err
+    ours, theirs = pd.read_csv(tmp_path / "torch.csv"), pd.read_csv(tmp_path / "o.csv")
+    probs = [c for c in ours.columns if c.startswith("prob_")]
+    assert len(ours) == 20
+    np.testing.assert_allclose(ours[probs], theirs[probs], atol=1e-4)
+
+
+def test_token_types_turn_after_the_first_separator():
+    from kiln.data.spec import DataSpec
+
+    spec = DataSpec("classification", "tokens", 2, ("a", "b"), vocab_size=30, max_length=8)
+    model = build_model(spec, compose_config("data=csv_text", "model=hf").model)
+    model.sep_id = 3  # [CLS]=2 a a [SEP]=3 b [SEP]=3 [PAD]=0
+    seen = {}
+    model.net.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.update(kwargs), with_kwargs=True
+    )
+    model(torch.tensor([[2, 7, 8, 3, 9, 3, 0, 0]]))
+    assert seen["token_type_ids"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    from kiln.data.spec import DataSpec
+
+    spec = DataSpec("classification", "tokens", 2, ("a", "b"), vocab_size=30, max_length=8)
+    grads = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        cfg = compose_config("data=csv_text", "model=hf", f"model.gradient_checkpointing={on}")
+        model = build_model(spec, cfg.model).train()
+        model.net.config.hidden_dropout_prob = 0.0
+        ids = torch.tensor([[2, 7, 8, 3, 0], [2, 9, 3, 0, 0]])
+        torch.manual_seed(1)
+        model(ids).logsumexp(1).sum().backward()
+        grads.append(model.net.bert.embeddings.word_embeddings.weight.grad.clone())
+        assert model.net.is_activation_checkpointing == on
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(bert_run, corpus, tmp_path):
+    """Exact resume with model=hf (a hub snapshot folder, dropout on, pairs off): bitwise."""
+    import signal
+    import sys
+
+    from kiln.checkpoint import load_checkpoint
+    from kiln.cli.paths import REPO_ROOT
+
+    from .conftest import start_process
+
+    snapshot = corpus / "hub" / "models--kiln-tests--tiny-bert" / "snapshots" / ("0" * 40)
+    settings = (*TRAIN, f"data.train_path={corpus / 'train.csv'}", f"model.arch={snapshot}",
+                f"data.cache_dir={corpus / 'cache'}", "trainer.max_epochs=2",
+                "trainer.deterministic=true", "trainer.checkpoint_every_n_steps=5",
+                "data.batch_size=8", "env.progress_bar=false")  # fmt: skip
+    reference = tmp_path / "reference"
+    assert run_train(reference, *settings).returncode == 0
+    interrupted = tmp_path / "interrupted"
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), f"hydra.run.dir={interrupted}", *settings]
+    proc = start_process(cmd, tmp_path)
+    last = interrupted / "checkpoints" / "last.pt"
+    deadline = time.monotonic() + 300
+    while not last.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    saved = load_checkpoint(last)["state"]
+    assert saved["epoch"] == 0 and saved["batch_in_epoch"] > 0  # killed mid-epoch
+    resumed = run_train(interrupted, *settings, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected = load_checkpoint(reference / "checkpoints" / "last.pt")["model"]
+    actual = load_checkpoint(last)["model"]
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), f"{name} differs after resume"
