@@ -284,7 +284,7 @@ def built(job: dict):
     opt_cfg = cfg["optimizer"]
 
     def optimizer_and_schedule(module):
-        groups = parameter_groups(module, opt_cfg.lr, opt_cfg.head_lr_mult)
+        groups = parameter_groups(module, opt_cfg, cfg["model"].name)
         if job["peer_optimizer"] == "kiln":
             optimizer = build_optimizer(groups, opt_cfg)
         else:

@@ -1,93 +1,15 @@
-"""Small Hugging Face model folders, as `save_pretrained` writes them, made here (nothing is
-downloaded): a BERT whose WordPiece vocabulary is trained with `tokenizers` on the training
-CSV's texts, and a RoBERTa with a byte-level BPE one. Tiny configs (width 32, 2 layers, 2 heads),
-so a run takes seconds; and the same folder laid out as the Hugging Face hub cache keeps it
+"""Small Hugging Face model folders for the tests (kiln.models.zoo.tiny_hf writes them, as
+`save_pretrained` does), and the same folder laid out as the Hugging Face hub cache keeps it
 (models--org--name/snapshots/<commit>/..., refs/main)."""
 
 from __future__ import annotations
 
-import csv
 import shutil
 from pathlib import Path
 
-TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "intermediate_size": 64}  # fmt: skip
-POSITIONS = 64  # BERT's max_position_embeddings: data.max_length may be at most this
+from kiln.models.zoo.tiny_hf import POSITIONS, TINY, csv_texts, write_bert, write_roberta
 
-
-def csv_texts(path: Path, column: str = "text") -> list[str]:
-    with open(path, newline="", encoding="utf-8", errors="replace") as f:
-        return [row.get(column) or "" for row in csv.DictReader(f)]
-
-
-def write_bert(folder: Path, texts: list[str], *, num_labels: int = 2, vocab_size: int = 300):
-    """A BERT (uncased WordPiece, [PAD]=0) with a `num_labels` head, saved to `folder`."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from tokenizers.trainers import WordPieceTrainer
-    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
-
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    trainer = WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-        sep_token="[SEP]", mask_token="[MASK]", model_max_length=POSITIONS,
-    )  # fmt: skip
-    config = BertConfig(vocab_size=tok.get_vocab_size(), max_position_embeddings=POSITIONS,
-                        num_labels=num_labels, **TINY)  # fmt: skip
-    _save(folder, BertForSequenceClassification(config), tokenizer)
-    return folder
-
-
-def write_roberta(folder: Path, texts: list[str], *, num_labels: int = 2, vocab_size: int = 400):
-    """A RoBERTa (byte-level BPE, <pad>=1, positions after the padding id) saved to `folder`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from tokenizers.trainers import BpeTrainer
-    from transformers import (
-        PreTrainedTokenizerFast,
-        RobertaConfig,
-        RobertaForSequenceClassification,
-    )
-
-    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        sep_token="</s>", cls_token="<s>", pad_token="<pad>", mask_token="<mask>",
-        model_max_length=POSITIONS,
-    )  # fmt: skip
-    config = RobertaConfig(
-        vocab_size=tok.get_vocab_size(), max_position_embeddings=POSITIONS + 2, pad_token_id=1,
-        bos_token_id=0, eos_token_id=2, type_vocab_size=1, num_labels=num_labels, **TINY,
-    )  # fmt: skip
-    _save(folder, RobertaForSequenceClassification(config), tokenizer)
-    return folder
-
-
-def _save(folder: Path, model, tokenizer) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+__all__ = ["POSITIONS", "TINY", "csv_texts", "into_hub_cache", "write_bert", "write_roberta"]
 
 
 def into_hub_cache(folder: Path, hub_cache: Path, repo_id: str, commit: str = "0" * 40) -> Path:

@@ -3,6 +3,7 @@ these keys; nothing here is a shape the data already tells."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -38,20 +39,25 @@ class ClassifierConfig(ModelConfig):
 
     dropout: float = 0.0  # dropout probability before the classifier head
     aux_head: bool = False  # add an auxiliary classifier head (also switched on by loss.aux_head)
-    freeze: Any = None  # null | backbone (all but the head) | [module-name prefixes] not trained
+    # not trained: null | backbone (all but the head) | embeddings (what precedes the first
+    # numbered layer) | layers:K (the embeddings and the first K layers) | [module-name prefixes]
+    freeze: Any = None
     branch_flags: ClassVar[tuple[str, ...]] = ("aux_head",)
 
     def check(self, key: str) -> None:
         super().check(key)
         in_range(self.dropout, 0, 1, f"{key}.dropout", open_high=True)
         frozen = self.freeze
-        if frozen is None or frozen == "backbone":
+        if frozen in (None, "backbone", "embeddings"):
+            return
+        if isinstance(frozen, str) and re.fullmatch(r"layers:\d+", frozen):
             return
         if not isinstance(frozen, list | tuple) or not all(isinstance(p, str) for p in frozen):
             raise ConfigError(
-                f"freeze={frozen!r} is neither 'backbone' nor a list of module-name prefixes",
+                f"freeze={frozen!r} is none of backbone, embeddings, layers:K or a list of "
+                "module-name prefixes",
                 f"{key}.freeze",
-                "use model.freeze=backbone or model.freeze=[layer1,layer2]",
+                "use model.freeze=backbone, embeddings, layers:2 or [layer1,layer2]",
             )
 
 
@@ -336,6 +342,7 @@ MODELS.declare(
     preprocessing="kiln.models.zoo.transformers:hf_preprocessing",
     uses_pretrained=True,
     samples=HF_SAMPLES,
+    archs="kiln.models.zoo.transformers:sequence_classification_types",
     help=(
         "model.arch: a folder written by save_pretrained (model and tokenizer), a hub id in the\n"
         "  Hugging Face cache ($HF_HOME/hub; fill it with `hf download <id>`), or a model type\n"

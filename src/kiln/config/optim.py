@@ -18,11 +18,16 @@ class OptimizerConfig:
     lr: float = 1e-3  # learning rate (the peak for onecycle)
     weight_decay: float = 0.0  # decoupled (adamw) or L2 (sgd) weight decay
     head_lr_mult: float = 1.0  # the classifier head's lr = lr * this (fine-tuning: e.g. 10)
+    # layer-wise lr decay (ELECTRA/DeBERTa fine-tuning): layer i of L at lr * this ** (L - i),
+    # the embeddings at lr * this ** (L + 1), the head and what follows the last layer at lr
+    layer_decay: float = 1.0
+    decay_bias_and_norm: bool = False  # also decay biases and norm scales (1-D parameters)
 
     def check(self, key: str) -> None:
         if not self.lr > 0:
             raise invalid(f"{key}.lr", f"must be > 0, got {self.lr:g}")
         at_least(self.weight_decay, 0, f"{key}.weight_decay")
+        in_range(self.layer_decay, 0, 1, f"{key}.layer_decay", open_low=True)
         if not self.head_lr_mult > 0:
             raise invalid(f"{key}.head_lr_mult", f"must be > 0, got {self.head_lr_mult:g}")
 

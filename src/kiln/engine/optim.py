@@ -303,8 +303,11 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig
     template = build_optimizer([torch.zeros(1, requires_grad=True)], cfg).param_groups[0]
     for group in optimizer.param_groups:
         group.update({k: v for k, v in template.items() if k != "params"})
-        if group.get("group") == "head":  # optimizer.head_lr_mult, as the new config says
-            group["lr"], group["lr_mult"] = cfg.lr * cfg.head_lr_mult, cfg.head_lr_mult
+        if "lr_mult" in group:  # parameter_groups' own: optimizer.head_lr_mult as cfg says
+            head = cfg.head_lr_mult if group["group"] == "head" else 1.0
+            group["lr_mult"] = group["layer_mult"] * head
+            group["lr"] = cfg.lr * group["lr_mult"]
+            group["weight_decay"] = cfg.weight_decay if group["decay"] else 0.0
         for key in ("initial_lr", "max_lr", "min_lr"):  # set by the schedule being replaced
             group.pop(key, None)
 

@@ -30,6 +30,9 @@ RULES: dict[str, str] = {
     "model.": INCOMPATIBLE,
     "data.name": INCOMPATIBLE,
     "optimizer.name": INCOMPATIBLE,
+    # the parameter groups' layout: the saved moments belong to other groups
+    "optimizer.layer_decay": INCOMPATIBLE,
+    "optimizer.decay_bias_and_norm": INCOMPATIBLE,
     "scheduler.name": INCOMPATIBLE,
     "seed": INCOMPATIBLE,  # the shuffle order of every epoch follows it
     "optimizer.": CHANGES_RUN,

@@ -132,7 +132,7 @@ def build_trainer(
         return wrapped
 
     wrapped = wrap()
-    groups = parameter_groups(model, cfg.optimizer.lr, cfg.optimizer.head_lr_mult)
+    groups = parameter_groups(model, cfg.optimizer, cfg.model.name)
     optimizer = build_optimizer(groups, cfg.optimizer)  # of the sharded parameters
     evaluator = build_evaluator(bundle.spec.task, precision=precision, device=device, dist=dist)
     subject = probe_subject(cfg, bundle, train_loader, model, precision, device, want_aux)
@@ -232,7 +232,7 @@ def probe_subject(
     def optimizer_for(copy: torch.nn.Module, lr_scale: float) -> torch.optim.Optimizer:
         """The run's optimizer for another model (the learn probe's copy), lr scaled."""
         scaled = dataclasses.replace(cfg.optimizer, lr=cfg.optimizer.lr * lr_scale)
-        return build_optimizer(parameter_groups(copy, scaled.lr, scaled.head_lr_mult), scaled)
+        return build_optimizer(parameter_groups(copy, scaled, cfg.model.name), scaled)
 
     def on_device(batch):
         batch = move_to(batch, device)

@@ -67,6 +67,16 @@ def model_types() -> tuple[str, ...]:
     return tuple(CONFIG_MAPPING.keys())
 
 
+def sequence_classification_types() -> tuple[str, ...]:
+    """The model types AutoModelForSequenceClassification maps: every model.arch the slow
+    registry-wide suite builds small from scratch."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as MAPPED,
+    )
+
+    return tuple(sorted(MAPPED))
+
+
 def resolve_source(arch: str) -> HfSource:
     """model.arch -> a folder holding config.json, or a model type. A hub id is looked up in
     the hub cache ($HF_HUB_CACHE, $HF_HOME/hub) only; HF_HUB_OFFLINE or not, nothing is fetched."""
