@@ -139,15 +139,16 @@ def graph_for(record: ModelRecord, model: nn.Module, *, raw_pixels: bool = False
         )
     if spec.input_kind == "tokens":
         return Graph(
-            ProbabilityHead(model).eval(),
+            ProbabilityHead(model, spec.multi_label).eval(),
             ONNX_OUTPUTS,
             {0: "batch", 1: "sequence"},
             axis_max={"sequence": spec.max_length},
             difference=probs_difference,
         )
-    net = ProbabilityHead(model)
+    net = ProbabilityHead(model, spec.multi_label)
     if raw_pixels:
-        net = RawImageHead(model, list(record.recipe.mean), list(record.recipe.std))
+        mean, std = list(record.recipe.mean), list(record.recipe.std)
+        net = RawImageHead(model, mean, std, spec.multi_label)
     return Graph(net.eval(), ONNX_OUTPUTS, {0: "batch"}, difference=probs_difference)
 
 
