@@ -5,6 +5,7 @@ server give the evaluation's probabilities; config mistakes are one-line errors.
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -64,7 +65,7 @@ def trivial_f1(run_dir: Path) -> float:
     """The micro-F1 of predicting every class for every sample of the validation split."""
     report = json.loads((run_dir / "data_report.json").read_text())
     positives = sum(report["class_counts"]["val"].values())
-    samples = report["rows"]["val"]
+    samples = (report.get("rows") or report["images"])["val"]
     return 2 * positives / (samples * len(report["classes"]) + positives)
 
 
@@ -245,3 +246,66 @@ def test_image_folder_labels_csv_mistakes_are_one_line_errors(tmp_path):
         compose_config(*base, "data.threshold=1")
     with pytest.raises(ConfigError, match="MixUp/CutMix mix one class per image"):
         compose_config(*base, "data.mixup_alpha=0.2")
+
+
+# ---------------------------------------------------------------------------------------------
+# Images: data=image_folder data.labels_csv
+
+
+COLOURS = ("blue", "green", "red")  # a label per channel: its channel bright when present
+
+
+def write_listed_images(root: Path, count: int, seed: int = 0) -> Path:
+    """`count` 12x12 PNGs whose labels are the bright channels, their CSV (path,labels), and
+    three bad rows: a missing file, an empty label set, a label only one image has."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    (root / "images").mkdir(parents=True)
+    rows = []
+    for i in range(count):
+        chosen = [c for c in COLOURS if rng.random() < 0.4] or [COLOURS[i % 3]]
+        pixels = rng.integers(0, 60, (12, 12, 3), dtype=np.uint8)
+        for colour in chosen:
+            channel = ("red", "green", "blue").index(colour)
+            pixels[..., channel] += 180
+        name = f"images/{i:03d}.png"
+        Image.fromarray(pixels).save(root / name)
+        rows.append((name, SEP.join(chosen)))
+    rows += [("images/absent.png", "red"), ("images/000.png", " "), ("images/001.png", "violet")]
+    with open(root / "labels.csv", "w", newline="") as f:
+        csv.writer(f).writerows([("path", "labels"), *rows])
+    return root / "labels.csv"
+
+
+def test_image_folder_labels_csv_trains_multilabel_and_predicts_the_same(tmp_path, capsys):
+    labels_csv = write_listed_images(tmp_path / "photos", 90)
+    run_dir = tmp_path / "run"
+    summary = train_in_process(
+        run_dir, "data=image_folder", f"data.labels_csv={labels_csv}", "data.image_size=12",
+        "data.augment=none", "data.batch_size=16", f"data.cache_dir={tmp_path / 'cache'}",
+        "model=mlp", "trainer.max_epochs=12", "optimizer.lr=0.01",
+    )  # fmt: skip
+    assert summary["status"] == "ok", summary
+    assert summary["val_f1_micro"] > trivial_f1(run_dir) + 0.15, summary
+    report = json.loads((run_dir / "data_report.json").read_text())
+    assert report["classes"] == list(COLOURS)
+    dropped = report["labels_csv"]["dropped"]
+    assert dropped.pop("missing_label") == 1 and dropped.pop("unknown_label") == 1, dropped
+    assert sum(dropped.values()) == 1  # the missing file, as the folder scan names it
+    assert (report["labels_csv"]["images_read"], report["labels_csv"]["images_kept"]) == (93, 90)
+    best = run_dir / "checkpoints" / "best.pt"
+    code, _, err = run_infer(capsys, "mode=evaluate", f"ckpt={best}", f"output={tmp_path}/ev")
+    assert code == 0, err
+    metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    assert metrics["task"] == "multilabel" and metrics["data"]["split"] == "val"
+    evaluated = pd.read_csv(tmp_path / "ev" / "predictions.csv", keep_default_na=False)
+    code, _, err = run_infer(capsys, f"ckpt={best}", f"input={tmp_path / 'photos' / 'images'}",
+                             f"output={tmp_path}/preds.csv")  # fmt: skip
+    assert code == 0, err
+    predicted = pd.read_csv(tmp_path / "preds.csv", keep_default_na=False)
+    predicted.index = [Path(s).name for s in predicted["source"]]
+    mine = predicted.loc[[Path(s).name for s in evaluated["source"]]]
+    probs = [f"prob_{c}" for c in COLOURS]
+    np.testing.assert_allclose(mine[probs].to_numpy(), evaluated[probs].to_numpy(), atol=1e-4)
+    assert mine["labels"].tolist() == evaluated["labels"].tolist()

@@ -598,6 +598,11 @@ def read_labelled(
             f"data={path}: a detector is evaluated on its own data's split (kiln reads no "
             "labelled detection files); leave out data= to evaluate the checkpoint's recorded data"
         )
+    if kind == "image" and predictor.spec.multi_label:
+        raise EvaluateError(
+            f"data={path}: a multi-label image model (data.labels_csv) is evaluated on its own "
+            "data's split; leave out data= to evaluate the checkpoint's recorded data"
+        )
     if kind == "image":
         if not path.is_dir():
             raise EvaluateError(
