@@ -170,10 +170,10 @@ class TokenDataset(Dataset):
         self.targets = targets
 
     def _labels(self, rows) -> Tensor:
-        codes = self.store.labels[rows].astype(np.int64)
+        codes = np.asarray(self.store.labels[rows], dtype=np.int64)  # one row: a 0-d array
         if self.targets is None:
             return torch.from_numpy(codes)
-        return torch.from_numpy(self.targets[codes])
+        return torch.from_numpy(np.array(self.targets[codes]))
 
     def __len__(self) -> int:
         return len(self.rows)
