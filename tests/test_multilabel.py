@@ -309,3 +309,27 @@ def test_image_folder_labels_csv_trains_multilabel_and_predicts_the_same(tmp_pat
     probs = [f"prob_{c}" for c in COLOURS]
     np.testing.assert_allclose(mine[probs].to_numpy(), evaluated[probs].to_numpy(), atol=1e-4)
     assert mine["labels"].tolist() == evaluated["labels"].tolist()
+
+
+def test_label_sets_are_judged_as_single_labels_are(tmp_path):
+    """data.val_path: a row with a label training lacks is unseen_label; data.labels: a row
+    holding a label it does not list is unlisted_label; targets are the rows' multi-hot sets."""
+    from kiln.data.csv_text import build_csv_text
+
+    train = write_multilabel_csv(tmp_path / "train.csv", 40)
+    rows = [("numpy tensor inbox", f"arrays{SEP}mail"), ("proxy json", f"http{SEP}weather")]
+    pd.DataFrame(rows, columns=["text", "labels"]).to_csv(tmp_path / "val.csv", index=False)
+    common = ("data=csv_text", "model=text_bow", "data.label_column=labels",
+              f"data.label_separator={SEP}", f"data.cache_dir={tmp_path / 'cache'}")  # fmt: skip
+    cfg = compose_config(
+        *common, f"data.train_path={train}", f"data.val_path={tmp_path / 'val.csv'}"
+    )
+    bundle = build_csv_text(cfg.data)
+    assert bundle.spec.class_names == tuple(NAMES) and bundle.spec.multi_label
+    assert bundle.report["val_file"]["dropped"] == {"unseen_label": 1}
+    assert bundle.report["unseen_labels"] == {"weather": 1}
+    ((ids, target),) = [bundle.val[i] for i in range(len(bundle.val))]
+    assert target.tolist() == [1.0, 0.0, 0.0, 1.0]  # arrays, mail
+    listed = compose_config(*common, f"data.train_path={train}", "data.labels=[arrays,http,mail]")
+    report = build_csv_text(listed.data).report
+    assert set(report["train_file"]["dropped"]) == {"unlisted_label", "missing_label"}
