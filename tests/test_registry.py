@@ -50,7 +50,7 @@ def test_registries_hold_the_contract_names():
     expected |= {"torchvision", "timm"}
     assert expected <= set(MODELS.names())
     assert set(LOGGERS.names()) == {"csv", "tensorboard", "wandb"}
-    assert set(EVALUATORS.names()) == {"classification", "detection"}
+    assert set(EVALUATORS.names()) == {"classification", "detection", "multilabel"}
 
 
 @pytest.mark.parametrize("group", sorted(GROUP_REGISTRIES))

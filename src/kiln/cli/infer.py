@@ -55,7 +55,8 @@ def run_predict(cfg: InferConfig) -> None:
         found = sum(len(d["boxes"]) for d in outputs)
         print(f"wrote {found} boxes for {len(outputs)} images to {path} ({cfg.backend} backend)")
         return
-    path = write_predictions(outputs, predictor.class_names, output, sources, skipped)
+    path = write_predictions(outputs, predictor.class_names, output, sources, skipped,
+                             multi_label=predictor.multi_label)  # fmt: skip
     print(f"wrote {len(outputs)} predictions to {path} ({cfg.backend} backend)", flush=True)
     if skipped:
         total = len(outputs) + len(skipped)

@@ -63,6 +63,24 @@ class SyntheticImagesConfig(DataConfig):
         at_least(self.num_classes, 2, f"{key}.num_classes")
 
 
+def check_multi_label(separator: str | None, threshold: float, key: str) -> None:
+    """data.label_separator and data.threshold, for every dataset that has them."""
+    if separator is not None and (not separator.strip() or any(c in separator for c in '"\r\n')):
+        raise invalid(
+            f"{key}.label_separator",
+            f"must be a visible separator such as '|' or ',', got {separator!r} (null: one "
+            "label per row)",
+        )
+    if not 0 < threshold < 1:
+        raise invalid(f"{key}.threshold", f"must be in (0, 1) (a probability), got {threshold}")
+    if separator is None and threshold != 0.5:
+        raise ConfigError(
+            f"threshold={threshold} applies to multi-label data only, and label_separator is null",
+            f"{key}.threshold",
+            f"set {key}.label_separator (e.g. '|') for several labels per row, or leave threshold",
+        )
+
+
 class BadRows(StrEnum):
     drop = "drop"  # count and skip bad rows (listed in <run>/data_report.json)
     error = "error"  # stop at the first bad row, naming the file, row, line and column
@@ -96,6 +114,13 @@ class CsvTextConfig(DataConfig):
     # a second text column: each row is the pair (text, pair) -- NLI, question/answer,
     # duplicates -- fed to a pretrained tokenizer as tokenizer(a, b) (kiln's own: joined)
     text_pair_column: str | None = None
+    # with text_pair_column: join the two columns into one text (a space between them; model=hf:
+    # the tokenizer's separator token, e.g. [SEP]) instead of feeding them as a pair
+    join_columns: bool = False
+    # several labels per row in label_column, separated by this ('|' or ','): multi-label (a
+    # sigmoid per class, BCE); null: one label per row
+    label_separator: str | None = None
+    threshold: float = 0.5  # multi-label: a class is predicted when its probability is >= this
     encoding: str = "utf-8"  # the files' text encoding (a Python codec: utf-8, latin-1, cp1252)
     na_values: list[str] = field(default_factory=list)  # spellings meaning missing (NA is text)
     bad_rows: BadRows = BadRows.drop  # drop: count and skip bad rows; error: stop at the first
@@ -142,6 +167,17 @@ class CsvTextConfig(DataConfig):
         if self.train_path is None and self.val_path is not None:
             raise ConfigError("val_path is set but train_path is null", f"{key}.val_path",
                               "set data.train_path too")  # fmt: skip
+        if self.join_columns and self.text_pair_column is None:
+            raise ConfigError("join_columns=true joins text_column with text_pair_column, which "
+                              "is null", f"{key}.join_columns",
+                              "set data.text_pair_column=<the second column>")  # fmt: skip
+        check_multi_label(self.label_separator, self.threshold, key)
+        if self.label_separator is not None and self.train_path is None:
+            raise ConfigError(
+                "label_separator is set but train_path is null (the demo corpus has one label "
+                "per text)", f"{key}.label_separator",
+                "set data.train_path to a CSV with several labels per row",
+            )  # fmt: skip
         try:
             codecs.lookup(self.encoding)
         except LookupError:
@@ -291,10 +327,18 @@ class ImageFolderConfig(DataConfig):
     """Your images in class subfolders (torchvision ImageFolder layout): train_dir/<class>/*.jpg,
     decoded and augmented with torchvision (decode_image, transforms v2)."""
 
-    PATH_KEYS: ClassVar[tuple[str, ...]] = ("train_dir", "val_dir", "test_dir", "cache_dir")
+    PATH_KEYS: ClassVar[tuple[str, ...]] = (
+        "train_dir", "val_dir", "test_dir", "cache_dir", "labels_csv", "root",
+    )  # fmt: skip
 
     batch_size: int = 32
-    train_dir: str | None = None  # folder of class subfolders (required)
+    train_dir: str | None = None  # folder of class subfolders (required unless labels_csv)
+    # multi-label images: a CSV of path,labels rows (the labels joined by label_separator) instead
+    # of class folders; a stratified val_fraction of its rows is held out
+    labels_csv: str | None = None
+    root: str | None = None  # labels_csv: the folder its paths are relative to (null: the CSV's)
+    label_separator: str = "|"  # labels_csv: between a row's labels
+    threshold: float = 0.5  # labels_csv: a class is predicted when its probability is >= this
     val_dir: str | None = None  # same layout; null: a stratified val_fraction of train_dir
     test_dir: str | None = None  # same layout; evaluated at the end (<run>/eval/)
     val_fraction: float = 0.2  # share of each class held out when val_dir is null
@@ -315,11 +359,14 @@ class ImageFolderConfig(DataConfig):
 
     def check(self, key: str) -> None:
         super().check(key)
-        if self.train_dir is None:
+        if self.labels_csv is not None:
+            self.check_labels_csv(key)
+        elif self.train_dir is None:
             raise ConfigError(
                 "no training images given",
                 f"{key}.train_dir",
-                "set data.train_dir=<folder with one subfolder per class>",
+                "set data.train_dir=<folder with one subfolder per class>, or "
+                "data.labels_csv=<csv of path,labels> for multi-label images",
             )
         in_range(self.val_fraction, 0, 1, f"{key}.val_fraction", open_low=True, open_high=True)
         if self.channels not in (1, 3):
@@ -333,9 +380,27 @@ class ImageFolderConfig(DataConfig):
         if self.max_image_pixels is not None:
             at_least(self.max_image_pixels, 1, f"{key}.max_image_pixels")
 
+    def check_labels_csv(self, key: str) -> None:
+        for name in ("train_dir", "val_dir", "test_dir"):
+            if getattr(self, name) is not None:
+                raise ConfigError(
+                    f"labels_csv and {name} are both set", f"{key}.{name}",
+                    f"with data.labels_csv the CSV lists the images (relative to data.root); "
+                    f"set data.{name}=null",
+                )  # fmt: skip
+        if self.mixup_alpha or self.cutmix_alpha:
+            raise ConfigError(
+                "MixUp/CutMix mix one class per image; labels_csv is multi-label",
+                f"{key}.mixup_alpha", "set data.mixup_alpha=0 data.cutmix_alpha=0",
+            )  # fmt: skip
+        check_multi_label(self.label_separator, self.threshold, key)
+
     def with_all_branches(self) -> ImageFolderConfig:
         """loss.force_all_branches (rule 2's forced run): MixUp and CutMix on as well, at
-        timm's usual alphas where they are off, so soft targets are part of the forced run."""
+        timm's usual alphas where they are off, so soft targets are part of the forced run
+        (multi-label data, labels_csv, has no single class to mix: it stays as it is)."""
+        if self.labels_csv is not None:
+            return self
         return dataclasses.replace(
             self,
             mixup_alpha=self.mixup_alpha or FORCED_MIXUP_ALPHA,
@@ -382,3 +447,4 @@ DATASETS.declare(
 # How a dataset's task is evaluated (DataSpec.task picks the entry).
 EVALUATORS.declare("classification", "kiln.engine.evaluators:ClassificationEvaluator")
 EVALUATORS.declare("detection", "kiln.engine.evaluators:DetectionEvaluator")
+EVALUATORS.declare("multilabel", "kiln.engine.evaluators:MultiLabelEvaluator")

@@ -22,6 +22,7 @@ import functools
 import logging
 import re
 import time
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -44,7 +45,8 @@ from kiln.data.csv_reader import (
     read_labelled_rows,
     row_log,
 )
-from kiln.data.spec import DataBundle, DataSpec, SourceNames
+from kiln.data.multilabel import multi_hot, split_labels
+from kiln.data.spec import MULTILABEL, DataBundle, DataSpec, SourceNames
 from kiln.data.split import stratified_split, val_count
 from kiln.data.text_corpus import demo_corpus
 from kiln.data.token_store import (
@@ -71,6 +73,7 @@ from kiln.preprocessing.text import (
     WordPieces,
     _tokenizer_from_json,
     encode_ids,
+    join_pair,
     pad_token_ids,
     split_pair,
     train_tokenizer,
@@ -149,7 +152,10 @@ def csv_settings(cfg: CsvTextConfig, pretrained: PretrainedText | None = None) -
         cleaning=cleaning_of(cfg, pretrained),
         max_field_lines=cfg.max_field_lines,
         max_field_bytes=cfg.max_field_bytes,
-        labels=None if cfg.labels is None else frozenset(str(x).strip() for x in cfg.labels),
+        # multi-label: a field holds several labels, judged once split (_multi_label_rows)
+        labels=None
+        if cfg.labels is None or cfg.label_separator is not None
+        else frozenset(str(x).strip() for x in cfg.labels),
         pair_column=cfg.text_pair_column,
     )
 
@@ -343,7 +349,10 @@ def _texts_of(spool: TextSpool, first: int, rows: np.ndarray) -> dict[int, str]:
 
 def _read_files(cfg, spool, train: _FileRows, val: _FileRows | None, logs, settings):
     """Decides the classes from the training rows, then judges the validation rows by them:
-    (class index per spooled row, -1 for a row left out; classes; what was left out)."""
+    (class index per spooled row, -1 for a row left out; classes; what was left out).
+    Multi-label: per row the index of its label set in out["label_sets"]."""
+    if cfg.label_separator is not None:
+        return _multi_label_rows(cfg, spool, train, val, logs, settings)
     classes, suspects = _train_classes(cfg, train)
     labels = _class_index(train, classes)
     out = {"suspect_labels": suspects, "unseen_labels": {}}
@@ -402,6 +411,115 @@ def _read_files(cfg, spool, train: _FileRows, val: _FileRows | None, logs, setti
     return np.concatenate([labels, val_labels]), classes, out
 
 
+def _label_parts(read: _FileRows, separator: str) -> dict[int, tuple[str, ...]]:
+    """Per label code of `read` (a distinct label field) the labels it holds."""
+    return {code: split_labels(name, separator) for name, code in read.names.items()}
+
+
+def _multi_label_classes(cfg: CsvTextConfig, read: _FileRows, parts) -> tuple[list[str], dict]:
+    """The classes of multi-label training rows: every label of a clean row, or data.labels;
+    a label seen only in flagged rows or in fewer than data.min_rows_per_class rows is a
+    suspect, as for one label per row."""
+    total, clean = read.label_counts(), read.label_counts(clean_only=True)
+    rows, clean_rows, codes_of = Counter(), Counter(), defaultdict(list)
+    for code, labels in parts.items():
+        for label in labels:
+            rows[label] += int(total[code])
+            clean_rows[label] += int(clean[code])
+            codes_of[label].append(code)
+    if cfg.labels is not None:
+        listed = sorted({str(label).strip() for label in cfg.labels}, key=natural_key)
+        empty = [name for name in listed if name not in rows]
+        if empty:
+            raise CsvTextError(
+                f"{read.path}: data.labels names {', '.join(map(repr, empty))}, but no kept "
+                f"training row has it; labels seen: {', '.join(map(repr, rows))}"
+            )
+        return listed, {}
+    suspects = {}
+    for label in sorted(rows, key=natural_key):
+        if clean_rows[label] == 0 or rows[label] < cfg.min_rows_per_class:
+            lines = read.lines[np.isin(read.codes, codes_of[label])][:5].tolist()
+            suspects[label] = {"rows": rows[label], "clean_rows": clean_rows[label], "lines": lines}
+    classes = sorted((n for n in rows if n not in suspects), key=natural_key)
+    if len(suspects) > cfg.max_suspect_labels:
+        raise _suspect_error(cfg, read, suspects, classes)
+    if len(classes) < 2:
+        only = f"label {classes[0]!r}" if classes else "no label"
+        raise CsvTextError(
+            f"{read.path}: every kept row has {only}; classification needs two classes"
+        )
+    return classes, suspects
+
+
+def _multi_label_rows(cfg, spool, train: _FileRows, val: _FileRows | None, logs, settings):
+    """_read_files for data.label_separator: the classes are the union of the training rows'
+    labels; per spooled row the index of its label set (-1: left out). A row whose field splits
+    into no label is missing_label; one holding a suspect label suspect_label, a label
+    data.labels lacks unlisted_label, and (validation) a label training lacks unseen_label."""
+    separator, column = cfg.label_separator, settings.label_column
+    train_parts = _label_parts(train, separator)
+    classes, suspects = _multi_label_classes(cfg, train, train_parts)
+    index = {name: i for i, name in enumerate(classes)}
+    sets: dict[tuple[int, ...], int] = {}
+    out = {"suspect_labels": suspects, "unseen_labels": {}}
+
+    def judge(read: _FileRows, parts, unknown_reason: str, first: int, log_: BadInputLog):
+        reasons: dict[int, str] = {}
+        per_code = np.full(len(read.names), -1, dtype=np.int64)
+        for code, labels in parts.items():
+            if not labels:
+                reasons[code] = "missing_label"
+            elif any(label not in index for label in labels):
+                unknown = [label for label in labels if label not in index]
+                reasons[code] = "suspect_label" if set(unknown) <= set(suspects) else unknown_reason
+            else:
+                key = tuple(sorted(index[label] for label in labels))
+                per_code[code] = sets.setdefault(key, len(sets))
+        row_sets = per_code[read.codes] if len(read.codes) else read.codes
+        for reason in sorted(set(reasons.values())):
+            codes = [code for code, why in reasons.items() if why == reason]
+            out_rows = np.isin(read.codes, codes)
+            texts = _texts_of(spool, first, np.flatnonzero(out_rows))
+            _leave_out(read, ~out_rows, reason, lambda label, reason=reason: _multi_label_why(
+                reason, label, column, separator, classes), texts, settings, log_)  # fmt: skip
+            if reason == "unseen_label":
+                unseen = Counter(
+                    label for code in codes for label in parts[code] if label not in index
+                )
+                out["unseen_labels"] = dict(sorted(unseen.items()))
+            log.warning(
+                "data: %s: left out %d row(s) as %s (see data_report.json)",
+                read.path, int(out_rows.sum()), reason,
+            )  # fmt: skip
+        return row_sets
+
+    unknown = "unlisted_label" if cfg.labels is not None else "suspect_label"
+    labels = judge(train, train_parts, unknown, 0, logs["train_file"])
+    if val is not None:
+        val_sets = judge(val, _label_parts(val, separator), "unseen_label", len(train.codes),
+                         logs["val_file"])  # fmt: skip
+        labels = np.concatenate([labels, val_sets])
+    out["label_sets"] = [list(key) for key in sets]
+    return labels, classes, out
+
+
+def _multi_label_why(reason: str, field: str, column: str, separator: str, classes) -> str:
+    if reason == "missing_label":
+        return f"has no label in column {column!r} once split on {separator!r} ({field!r})"
+    if reason == "suspect_label":
+        return (
+            f"has a suspect label in {field!r} (column {column!r}), seen only in rows next to "
+            "broken records or in too few rows (data.min_rows_per_class): a suspect, not a class"
+        )
+    if reason == "unlisted_label":
+        return f"has a label that data.labels does not name in {field!r} (column {column!r})"
+    return (
+        f"has a label not in the training data in {field!r} (column {column!r}); training "
+        f"classes: {', '.join(classes)}"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Building a token store
 
@@ -435,9 +553,10 @@ def _tokenizer_sample(train_rows: np.ndarray, size: int, seed: int) -> np.ndarra
 
 
 def _joined(batches: Iterable[list[str]]) -> Iterator[list[str]]:
-    """Spooled texts for kiln's own tokenizer: a pair's two texts joined by a space."""
+    """Spooled texts for kiln's own tokenizer (and data.join_columns): a pair's two texts
+    joined into one (join_pair)."""
     for texts in batches:
-        yield [text.replace(PAIR_SEP, " ") if PAIR_SEP in text else text for text in texts]
+        yield [join_pair(*split_pair(text)) if PAIR_SEP in text else text for text in texts]
 
 
 def _encode_spool(
@@ -453,24 +572,31 @@ def _encode_spool(
 
 
 def _encode_spool_pretrained(
-    spool: TextSpool, tokenizer, pretrained: PretrainedText, directory: Path
+    spool: TextSpool, tokenizer, pretrained: PretrainedText, directory: Path, join: bool = False
 ) -> np.ndarray:
     """Every spooled text's ids by the model's own tokenizer (its special tokens added,
-    truncated to data.max_length) into the store's ids file; returns the offsets."""
+    truncated to data.max_length) into the store's ids file; returns the offsets. A pair is
+    fed as tokenizer(a, b), or (`join`: data.join_columns) as one text."""
     writer = IdsWriter(directory)
     unk_id = pretrained.pad_id if pretrained.unk_id is None else pretrained.unk_id
-    for texts in spool.batches(ENCODE_BATCH):
+    batches = spool.batches(ENCODE_BATCH)
+    for texts in _joined(batches) if join else batches:
         writer.append(encode_ids(tokenizer, [split_pair(text) for text in texts], unk_id))
     spool.path.unlink()
     return writer.finish()
 
 
 def _store_report(
-    cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets, pretrained=None
-):
+    cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets, pretrained=None,
+    label_sets=None,
+):  # fmt: skip
     lengths = np.diff(offsets)
+    table = None if label_sets is None else multi_hot(label_sets, len(class_names))
 
     def counts(rows):
+        if table is not None:  # multi-label: the rows holding each class
+            per_class = table[labels[rows]].sum(axis=0).astype(np.int64).tolist()
+            return dict(zip(class_names, per_class, strict=True))
         per_class = np.bincount(labels[rows], minlength=len(class_names)).tolist()
         return dict(zip(class_names, per_class, strict=True))
 
@@ -518,7 +644,9 @@ def build_entry(
     if pretrained is not None:  # the model's own tokenizer: nothing to learn
         tokenizer = _tokenizer_from_json(pretrained.tokenizer_json, cfg.max_length)
         with _timed(timings, "encode_s"):
-            offsets = _encode_spool_pretrained(spool, tokenizer, pretrained, directory)
+            offsets = _encode_spool_pretrained(
+                spool, tokenizer, pretrained, directory, cfg.join_columns
+            )
     else:
         with _timed(timings, "tokenizer_s"):
             learn_from = _tokenizer_sample(train_rows, cfg.tokenizer_rows, cfg.split_seed)
@@ -531,12 +659,16 @@ def build_entry(
             )
         with _timed(timings, "encode_s"):
             offsets = _encode_spool(spool, tokenizer, cfg.max_length, directory, pieces)
+    label_sets = left_out.pop("label_sets", None)  # multi-label: each set's classes
     report = _store_report(
-        cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets, pretrained
-    )
+        cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets, pretrained,
+        label_sets,
+    )  # fmt: skip
     report.update(left_out)
     report["build_timings_s"] = timings  # read + clean, tokenizer, encode: when it was built
     meta = {"class_names": class_names, "vocab_size": tokenizer.get_vocab_size(), "report": report}
+    if label_sets is not None:
+        meta["label_sets"] = label_sets
     save_entry(
         directory, offsets, labels, lines, rows, train_rows, val_rows, tokenizer.to_str(), meta
     )
@@ -565,6 +697,8 @@ def _key_inputs(cfg: CsvTextConfig, pretrained: PretrainedText | None = None) ->
         "split": None if cfg.val_path else [cfg.val_fraction, cfg.split_seed],
         "columns": [settings.text_column, settings.label_column]
         + ([settings.pair_column] if settings.pair_column else []),
+        "join_columns": cfg.join_columns,
+        "label_separator": cfg.label_separator,
         "encoding": settings.encoding,
         "na_values": sorted(settings.na_values),
         "bad_rows": settings.bad_rows,
@@ -689,10 +823,12 @@ def build_csv_text(cfg: CsvTextConfig, *, pretrained=None) -> DataBundle:
     log_report(report)
     class_names = tuple(entry.meta["class_names"])
     pad_id = PAD_ID if pretrained is None else pretrained.pad_id
-    train = TokenDataset(entry.store, entry.train_rows, pad_id)
-    val = TokenDataset(entry.store, entry.val_rows, pad_id)
+    multi_label = cfg.label_separator is not None
+    targets = multi_hot(entry.meta["label_sets"], len(class_names)) if multi_label else None
+    train = TokenDataset(entry.store, entry.train_rows, pad_id, targets)
+    val = TokenDataset(entry.store, entry.val_rows, pad_id, targets)
     spec = DataSpec(
-        task="classification",
+        task=MULTILABEL if multi_label else "classification",
         input_kind="tokens",
         num_classes=len(class_names),
         class_names=class_names,
@@ -701,6 +837,8 @@ def build_csv_text(cfg: CsvTextConfig, *, pretrained=None) -> DataBundle:
         pad_id=pad_id,
         # the vocabulary's strings, for models that look inside words (text_bow): kiln's own
         tokens=vocabulary(entry.tokenizer_json) if pretrained is None else None,
+        label_separator=cfg.label_separator,
+        threshold=cfg.threshold,
     )
     recipe = TokenRecipe(
         pretrained.tokenizer_json if pretrained is not None else entry.tokenizer_json,
@@ -712,6 +850,7 @@ def build_csv_text(cfg: CsvTextConfig, *, pretrained=None) -> DataBundle:
         label_column=cfg.label_column,
         encoding=cfg.encoding,
         pair_column=cfg.text_pair_column,
+        join_columns=cfg.join_columns,
         pretrained=pretrained.to_dict() if pretrained is not None else None,
     )
     same_pad = pad_id == PAD_ID  # the plain functions, else bound to the tokenizer's padding

@@ -38,6 +38,7 @@ from torch.utils.data import Dataset
 
 from kiln.atomic import write_json
 from kiln.config.data import Augment, ImageFolderConfig, Normalize
+from kiln.data.image_labels import read_labels_csv
 from kiln.data.image_scan import (
     FolderImages,
     ImageFolderError,
@@ -45,7 +46,8 @@ from kiln.data.image_scan import (
     folder_line,
     read_folder,
 )
-from kiln.data.spec import DataBundle, DataSpec
+from kiln.data.multilabel import multi_hot
+from kiln.data.spec import MULTILABEL, DataBundle, DataSpec
 from kiln.data.split import stratified_split, val_count
 from kiln.preprocessing import ImageRecipe
 from kiln.preprocessing.image_files import (
@@ -149,7 +151,9 @@ class ImageFiles(Dataset):
         train: bool, max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ):  # fmt: skip
         self.paths = list(paths)
-        self.labels = [int(y) for y in labels]
+        # class indices, or (multi-label, labels_csv) multi-hot rows (N, C) float32
+        multi_hot = np.ndim(labels) == 2
+        self.labels = np.asarray(labels, np.float32) if multi_hot else [int(y) for y in labels]
         self.channels, self.transform, self.finish = channels, transform, finish
         self.max_pixels = max_pixels
         self.train = train
@@ -204,6 +208,8 @@ class ImageCollate:
 
     def __call__(self, items: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
         images = torch.stack([item[0] for item in items])
+        if isinstance(items[0][1], np.ndarray):  # multi-hot (labels_csv): never mixed
+            return images, torch.from_numpy(np.stack([item[1] for item in items]))
         labels = torch.tensor([item[1] for item in items], dtype=torch.int64)
         if self.mix is None or len(items[0]) < 3:  # validation and test: never mixed
             return images, labels
@@ -344,7 +350,7 @@ def _class_names(train: FolderImages) -> list[str]:
 
 
 def log_report(report: dict) -> None:
-    for key in ("train_dir", "val_dir", "test_dir"):
+    for key in ("train_dir", "val_dir", "test_dir", "labels_csv"):
         folder = report.get(key)
         if folder is None:
             continue
@@ -391,6 +397,8 @@ def build_image_folder(
     start = time.perf_counter()
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     size = InputSize.resolve(cfg, pretrained)
+    if cfg.labels_csv is not None:
+        return _build_listed(cfg, pretrained, cache_dir, size, start)
     train = _read(cfg, "train_dir", cache_dir)
     class_names = _class_names(train)
     index = {name: i for i, name in enumerate(class_names)}
@@ -412,6 +420,36 @@ def build_image_folder(
     if cfg.test_dir is not None:
         test = folders["test_dir"] = _read(cfg, "test_dir", cache_dir, class_names)
         paths["test"], targets["test"] = test.paths, np.array([index[y] for y in test.labels])
+    logs = {key: folder.log for key, folder in folders.items()}
+    caches = {key: folder.cache for key, folder in folders.items()}
+    return _bundle(cfg, pretrained, cache_dir, size, start, class_names, paths, targets, logs,
+                   caches)  # fmt: skip
+
+
+def _build_listed(cfg: ImageFolderConfig, pretrained, cache_dir: Path, size, start) -> DataBundle:
+    """data.labels_csv: multi-label images listed in a CSV (kiln.data.image_labels), a
+    val_fraction of them held out (stratified by label set where each set can be in both)."""
+    listed, class_names = read_labels_csv(
+        cfg.labels_csv, cfg.root, cfg.label_separator, channels=cfg.channels,
+        bad_rows=str(cfg.bad_rows), cache_dir=cache_dir, max_pixels=cfg.max_image_pixels,
+    )  # fmt: skip
+    index = {name: i for i, name in enumerate(class_names)}
+    label_sets = [tuple(sorted(index[x] for x in labels)) for labels in listed.labels]
+    set_codes = {key: i for i, key in enumerate(dict.fromkeys(label_sets))}
+    codes = np.array([set_codes[key] for key in label_sets], dtype=np.int64)
+    multi = multi_hot(label_sets, len(class_names))
+    train_at, val_at = split_files(codes, cfg.val_fraction, cfg.split_seed)
+    paths = {split: [listed.paths[i] for i in at] for split, at in (("train", train_at),
+                                                                    ("val", val_at))}  # fmt: skip
+    targets = {"train": multi[train_at], "val": multi[val_at]}
+    return _bundle(cfg, pretrained, cache_dir, size, start, class_names, paths, targets,
+                   {"labels_csv": listed.log}, {"labels_csv": listed.cache})  # fmt: skip
+
+
+def _bundle(cfg, pretrained, cache_dir, size, start, class_names, paths, targets, logs, caches):
+    """The bundle from the files of each split and their targets (class indices, or multi-hot
+    rows: labels_csv); `logs`: each source's bad-input report."""
+    multi_label = cfg.labels_csv is not None
     mean, std, norm = normalisation(cfg, pretrained, paths["train"], size, cache_dir)
     finish = finish_transform(mean, std)
     evaluate = eval_transform(size.image_size, size.resize_size, size.interpolation)
@@ -424,8 +462,10 @@ def build_image_folder(
     train_set = dataset("train", train_transform(cfg.augment, size), True)
     side = size.image_size
     spec = DataSpec(
-        "classification", "image", len(class_names), tuple(class_names),
-        channels=cfg.channels, image_size=(side, side),
+        MULTILABEL if multi_label else "classification", "image", len(class_names),
+        tuple(class_names), channels=cfg.channels, image_size=(side, side),
+        label_separator=cfg.label_separator if multi_label else None,
+        threshold=cfg.threshold if multi_label else 0.5,
     )  # fmt: skip
     recipe = ImageRecipe(
         mean=tuple(mean),
@@ -438,17 +478,20 @@ def build_image_folder(
         interpolation=size.interpolation,
         pretrained=pretrained.to_dict() if pretrained is not None else None,
     )
+
+    def counts(y) -> list[int]:  # images per class (multi-label: the images holding it)
+        if multi_label:
+            return y.sum(axis=0).astype(np.int64).tolist()
+        return np.bincount(y, minlength=len(class_names)).tolist()
+
     report = {
-        **{key: folder.log.to_dict() for key, folder in folders.items()},
-        "summary": [folder.log.summary() for folder in folders.values()],  # as a CSV's report
+        **{key: log_.to_dict() for key, log_ in logs.items()},
+        "summary": [log_.summary() for log_ in logs.values()],  # as a CSV's report
         "classes": class_names,
         "images": {split: len(p) for split, p in paths.items()},
         "class_counts": {
-            split: dict(
-                zip(class_names, np.bincount(y, minlength=len(class_names)).tolist(), strict=True)
-            )
-            for split, y in targets.items()
-        },  # fmt: skip
+            split: dict(zip(class_names, counts(y), strict=True)) for split, y in targets.items()
+        },
         "split": "data.val_dir"
         if cfg.val_dir
         else {"val_fraction": cfg.val_fraction, "split_seed": cfg.split_seed},  # fmt: skip
@@ -463,7 +506,7 @@ def build_image_folder(
             "cutmix_alpha": cfg.cutmix_alpha,
         },
         "normalize": norm,
-        "cache": {"dir": str(cache_dir), **{k: f.cache for k, f in folders.items()}},
+        "cache": {"dir": str(cache_dir), **caches},
         "prepare_s": time.perf_counter() - start,
     }
     log_report(report)

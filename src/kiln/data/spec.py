@@ -11,12 +11,14 @@ from torch.utils.data import Dataset
 
 from kiln.preprocessing import Recipe
 
+MULTILABEL = "multilabel"  # DataSpec.task of data with a set of labels per item
+
 
 @dataclass(frozen=True)
 class DataSpec:
     """Shapes and labels a model is built from. Nothing in a model hard-codes these."""
 
-    task: str  # "classification" | "detection" (picks the evaluator)
+    task: str  # "classification" | "multilabel" | "detection" (picks the evaluator)
     input_kind: str  # "image" | "tokens" | "image_list" (which models fit)
     num_classes: int
     class_names: tuple[str, ...]
@@ -28,6 +30,14 @@ class DataSpec:
     # tokens: the vocabulary's strings by id, for models that look inside words (text_bow's
     # character n-grams); None where the data has no vocabulary
     tokens: tuple[str, ...] | None = None
+    # multi-label (task "multilabel"): how a row's labels are joined in files (data.
+    # label_separator) and the probability from which a class is predicted (data.threshold)
+    label_separator: str | None = None
+    threshold: float = 0.5
+
+    @property
+    def multi_label(self) -> bool:
+        return self.task == MULTILABEL
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

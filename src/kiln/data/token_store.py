@@ -146,21 +146,34 @@ def open_ids(directory: Path) -> np.ndarray:
 
 
 class PaddedTokens(NamedTuple):
-    """A batch as TokenDataset.__getitems__ makes it: ids (N, L) padded, labels (N,)."""
+    """A batch as TokenDataset.__getitems__ makes it: ids (N, L) padded, labels (N,) (multi-
+    label: multi-hot (N, C) float)."""
 
     ids: Tensor
     labels: Tensor
 
 
 class TokenDataset(Dataset):
-    """One split of a TokenStore: item i is (token ids LongTensor (L_i,), label LongTensor ())."""
+    """One split of a TokenStore: item i is (token ids LongTensor (L_i,), label LongTensor ()).
+    Multi-label (`targets`: the (label sets, C) multi-hot table the store's labels index): the
+    label is the row's multi-hot float (C,)."""
 
     in_memory = True  # a memory-mapped store, a batch one gather: no DataLoader worker needed
 
-    def __init__(self, store: TokenStore, rows: np.ndarray, pad_id: int = PAD_ID):
+    def __init__(
+        self, store: TokenStore, rows: np.ndarray, pad_id: int = PAD_ID,
+        targets: np.ndarray | None = None,
+    ):  # fmt: skip
         self.store = store
         self.rows = np.asarray(rows, dtype=np.int64)
         self.pad_id = pad_id  # kiln's tokenizers pad with 0; a pretrained one with its own
+        self.targets = targets
+
+    def _labels(self, rows) -> Tensor:
+        codes = np.asarray(self.store.labels[rows], dtype=np.int64)  # one row: a 0-d array
+        if self.targets is None:
+            return torch.from_numpy(codes)
+        return torch.from_numpy(np.array(self.targets[codes]))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -168,7 +181,7 @@ class TokenDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         row = self.rows[index]
         ids = torch.from_numpy(self.store.row_ids(row).astype(np.int64))
-        return ids, torch.tensor(self.store.labels[row], dtype=torch.long)
+        return ids, self._labels(row)
 
     def __getitems__(self, indices: list[int]) -> PaddedTokens:
         """A whole batch at once (what a DataLoader asks for when it can): the rows' ids
@@ -181,12 +194,11 @@ class TokenDataset(Dataset):
         inside = position < lengths[:, None]  # (N, width)
         ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
         ids[inside] = self.store.ids[(starts[:, None] + position)[inside]]
-        labels = torch.from_numpy(self.store.labels[rows].astype(np.int64))
-        return PaddedTokens(torch.from_numpy(ids), labels)
+        return PaddedTokens(torch.from_numpy(ids), self._labels(rows))
 
     @property
     def labels(self) -> Tensor:
-        return torch.from_numpy(self.store.labels[self.rows].astype(np.int64))
+        return self._labels(self.rows)
 
     @property
     def lengths(self) -> np.ndarray:

@@ -63,6 +63,30 @@ def classification_chance(counts: list[float]) -> dict[str, Chance]:
     }
 
 
+def multilabel_chance(positives: list[float], samples: float) -> dict[str, Chance]:
+    """From the validation samples holding each class: the BCE of always predicting each
+    class's frequency (the mean over classes of its binary entropy), and the micro-F1 of
+    predicting every class for every sample (what a model that knows nothing reaches by saying
+    yes to all)."""
+    if samples <= 0 or not positives:
+        return {}
+    shares = [min(max(p / samples, 0.0), 1.0) for p in positives]
+    entropy = sum(-s * math.log(s) - (1 - s) * math.log(1 - s) for s in shares if 0 < s < 1)
+    entropy /= len(shares)
+    positive = sum(positives)
+    all_yes = 2 * positive / (samples * len(positives) + positive)
+    return {
+        "val_loss": Chance(
+            "val_loss", entropy, 0.02 * entropy,
+            "the loss of always predicting each class's frequency",
+        ),
+        "val_f1_micro": Chance(
+            "val_f1_micro", all_yes, 2 * math.sqrt(all_yes * (1 - all_yes) / samples) + 1 / samples,
+            f"the micro-F1 of predicting every class for each of the {int(samples)} samples",
+        ),
+    }  # fmt: skip
+
+
 def detection_chance(images: int) -> dict[str, Chance]:
     nothing = f"the mAP of a detector that finds nothing on {images} images"
     return {name: Chance(name, 0.0, 0.01, nothing) for name in ("val_map", "val_map50")}

@@ -10,15 +10,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.engine.chance import Chance, classification_chance, detection_chance
+from kiln.engine.chance import (
+    Chance,
+    classification_chance,
+    detection_chance,
+    multilabel_chance,
+)
 from kiln.engine.distributed import DistInfo, all_reduce_sum
 from kiln.engine.precision import Precision
 from kiln.models import logits_of
 from kiln.registry import EVALUATORS
 
 
-def build_evaluator(task: str, *, precision: Precision, device: torch.device, dist: DistInfo):
-    return EVALUATORS.get(task)(precision=precision, device=device, dist=dist)
+def build_evaluator(task: str, *, precision: Precision, device: torch.device, dist: DistInfo,
+                    **settings):  # fmt: skip
+    """The task's evaluator; `settings`: what the data says about its metrics (multi-label:
+    threshold)."""
+    return EVALUATORS.get(task)(precision=precision, device=device, dist=dist, **settings)
 
 
 class ClassificationEvaluator:
@@ -73,6 +81,58 @@ def macro_f1(confusion: torch.Tensor) -> float:
     return float(f1[seen].mean()) if bool(seen.any()) else 0.0
 
 
+class MultiLabelEvaluator:
+    """Multi-label (DataSpec.task "multilabel"): val_loss (binary cross-entropy, mean over
+    samples and classes, as training's), and from the classes predicted at the data's threshold
+    (a sigmoid per class) val_f1_micro, val_f1_macro (every class's F1 averaged, a class with no
+    true and no predicted sample counting 0: torchmetrics' MultilabelF1Score(average="macro"))
+    and val_exact_match (the share of samples whose predicted set is exactly the true one). All
+    ranks summed; best.pt is picked by val_f1_micro."""
+
+    monitor, monitor_mode = "val_f1_micro", "max"
+
+    def __init__(
+        self, *, precision: Precision, device: torch.device, dist: DistInfo, threshold=0.5
+    ):
+        self.precision, self.device, self.dist = precision, device, dist
+        self.threshold = threshold
+        self.chance: dict[str, Chance] = {}
+
+    def __call__(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
+        totals = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss sum, exact, n
+        counts = None  # (3, C): true positives, predicted, true per class
+        for inputs, targets in batches:
+            with self.precision.autocast():
+                logits = logits_of(model(inputs)).float()
+            targets = targets.float()
+            loss = (
+                torch.nn.functional.binary_cross_entropy_with_logits(
+                    logits, targets, reduction="sum"
+                )
+                / logits.shape[-1]
+            )  # the per-sample mean over classes, summed over samples
+            predicted = torch.sigmoid(logits) >= self.threshold
+            truth = targets > 0.5
+            exact = (predicted == truth).all(dim=-1).sum()
+            count = torch.tensor(len(targets), device=self.device)
+            totals += torch.stack([loss.double(), exact.double(), count.double()])
+            batch_counts = torch.stack(
+                [(predicted & truth).sum(0), predicted.sum(0), truth.sum(0)]
+            ).double()
+            counts = batch_counts if counts is None else counts + batch_counts
+        loss_sum, exact, count = all_reduce_sum(totals).tolist()
+        count = max(count, 1.0)
+        metrics = {"val_loss": loss_sum / count, "val_exact_match": exact / count}
+        self.chance = {}
+        if counts is not None:
+            hits, predicted, true = all_reduce_sum(counts)
+            both = (predicted.sum() + true.sum()).clamp(min=1)
+            metrics["val_f1_micro"] = float(2 * hits.sum() / both)
+            metrics["val_f1_macro"] = float((2 * hits / (predicted + true).clamp(min=1)).mean())
+            self.chance = multilabel_chance(true.tolist(), count)
+        return metrics
+
+
 class DetectionEvaluator:
     """mAP@0.5 over every validation image, predictions gathered from all ranks; beside it
     COCO's mAP@[.5:.95] (val_map), mAP@.75, per object size and recall (kiln.engine.
@@ -110,4 +170,10 @@ class DetectionEvaluator:
         }
 
 
-__all__ = ["ClassificationEvaluator", "DetectionEvaluator", "EVALUATORS", "build_evaluator"]
+__all__ = [
+    "ClassificationEvaluator",
+    "DetectionEvaluator",
+    "EVALUATORS",
+    "MultiLabelEvaluator",
+    "build_evaluator",
+]

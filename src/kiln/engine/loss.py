@@ -78,6 +78,43 @@ def classification_loss(
     return total, terms
 
 
+def multilabel_loss(
+    output: Tensor | dict[str, Tensor], targets: Tensor, branches: LossBranches
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Multi-label (multi-hot float targets (N, C)): binary cross-entropy with logits, one
+    sigmoid per class, averaged over samples and classes; the same branches, each the binary
+    form of its single-label counterpart. Returns (total, terms)."""
+    logits = logits_of(output).float()
+    targets = targets.float()
+    terms = {"main": F.binary_cross_entropy_with_logits(logits, targets)}
+    if branches.label_smoothing_eps is not None:
+        # BCE against targets pulled towards 1/2 by eps; the branch is the difference.
+        smoothed = targets * (1 - branches.label_smoothing_eps) + branches.label_smoothing_eps / 2
+        terms["label_smoothing"] = (
+            F.binary_cross_entropy_with_logits(logits, smoothed) - terms["main"]
+        )
+    if branches.z_loss_weight is not None:  # keeps the logits near 0, as z-loss keeps log Z
+        terms["z_loss"] = branches.z_loss_weight * logits.pow(2).mean()
+    if branches.confidence_penalty_weight is not None:  # each class's binary entropy
+        p = torch.sigmoid(logits)
+        entropy = F.binary_cross_entropy_with_logits(logits, p, reduction="mean")
+        terms["confidence_penalty"] = -branches.confidence_penalty_weight * entropy
+    if branches.aux_head_weight is not None:
+        aux = output.get("aux_logits") if isinstance(output, dict) else None
+        if aux is None:
+            warnings.warn(
+                "loss.aux_head is on but the model returned no 'aux_logits'; branch ignored",
+                stacklevel=2,
+            )
+        else:
+            aux_bce = F.binary_cross_entropy_with_logits(aux.float(), targets)
+            terms["aux_head"] = branches.aux_head_weight * aux_bce
+    total, *others = terms.values()
+    for term in others:
+        total = total + term
+    return total, terms
+
+
 class ClassificationCriterion:
     """model(inputs) in both modes; cross-entropy plus the switched-on branches."""
 
@@ -106,7 +143,18 @@ class OwnLossCriterion:
         return sum(terms.values()), terms
 
 
-def build_criterion(model: nn.Module, cfg: LossConfig):
+class MultiLabelCriterion(ClassificationCriterion):
+    """model(inputs) in both modes; binary cross-entropy (a sigmoid per class) on multi-hot
+    targets plus the switched-on branches."""
+
+    def __call__(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        return multilabel_loss(self.forward(model, batch, True), batch[1], self.branches)
+
+
+def build_criterion(model: nn.Module, cfg: LossConfig, multi_label: bool = False):
+    """The criterion for `model`: its own loss, BCE for multi-label data, else cross-entropy."""
     if getattr(model, "computes_own_loss", False):
         return OwnLossCriterion()
+    if multi_label:
+        return MultiLabelCriterion(LossBranches.from_config(cfg))
     return ClassificationCriterion(LossBranches.from_config(cfg))

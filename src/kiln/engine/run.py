@@ -134,7 +134,10 @@ def build_trainer(
     wrapped = wrap()
     groups = parameter_groups(model, cfg.optimizer, cfg.model.name)
     optimizer = build_optimizer(groups, cfg.optimizer)  # of the sharded parameters
-    evaluator = build_evaluator(bundle.spec.task, precision=precision, device=device, dist=dist)
+    settings = {"threshold": bundle.spec.threshold} if bundle.spec.multi_label else {}
+    evaluator = build_evaluator(
+        bundle.spec.task, precision=precision, device=device, dist=dist, **settings
+    )
     subject = probe_subject(cfg, bundle, train_loader, model, precision, device, want_aux)
     scheduler = build_scheduler(optimizer, cfg.scheduler, planned_steps)
     parts = TrainingParts(
@@ -224,7 +227,7 @@ def probe_subject(
     mode_size = min(batch_size, PROBE_BATCH_SIZE)
     # The data's own extremes, never a sample: the same probes whatever the seed.
     probes = probe_batches(bundle, max([mode_size, *sizes]), batch_size)
-    criterion = build_criterion(model, cfg.loss)
+    criterion = build_criterion(model, cfg.loss, bundle.spec.multi_label)
 
     def build_fresh(spec) -> torch.nn.Module:  # what rule 1's probes build: no weights to load
         return build_model(spec, without_weights(cfg.model), aux_head=want_aux).to(device)
@@ -384,7 +387,7 @@ def find_batch_size(cfg: KilnConfig, bundle, model, precision, dist, device) -> 
         log.info("find_batch_size: resuming, so data.batch_size=%d stays", cfg.data.batch_size)
         return cfg.data.batch_size
     optimizer = build_optimizer(model.parameters(), cfg.optimizer)
-    criterion = build_criterion(model, cfg.loss)
+    criterion = build_criterion(model, cfg.loss, bundle.spec.multi_label)
     limit = len(bundle.train)
     fits = trial_step(
         model, optimizer, criterion, lambda n: move_to(example_batch(bundle, n), device), precision

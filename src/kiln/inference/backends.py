@@ -25,15 +25,19 @@ Detections = dict[str, np.ndarray]
 
 
 class ProbabilityHead(nn.Module):
-    """model -> (logits, softmax probs). The auxiliary head (training only) is dropped, and this
-    same wrapper is what gets exported, so both backends compute the same graph."""
+    """model -> (logits, probs): softmax probs, or (multi_label) a sigmoid per class. The
+    auxiliary head (training only) is dropped, and this same wrapper is what gets exported, so
+    both backends compute the same graph."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, multi_label: bool = False):
         super().__init__()
         self.model = model
+        self.multi_label = multi_label
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         logits = logits_of(self.model(x))
+        if self.multi_label:
+            return logits, torch.sigmoid(logits)
         return logits, logits.softmax(dim=-1)
 
 
@@ -41,9 +45,11 @@ class RawImageHead(nn.Module):
     """Raw pixels -> (logits, probs), the training normalisation folded into the graph: what a
     Triton client sends is what a kiln client sends."""
 
-    def __init__(self, model: nn.Module, mean: list[float], std: list[float]):
+    def __init__(
+        self, model: nn.Module, mean: list[float], std: list[float], multi_label: bool = False
+    ):
         super().__init__()
-        self.head = ProbabilityHead(model)
+        self.head = ProbabilityHead(model, multi_label)
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
 
@@ -75,9 +81,9 @@ def keep_above(boxes, scores, labels, threshold: float) -> Detections:
 class TorchBackend:
     platform = "pytorch_torchscript"  # the nearest Open Inference Protocol platform name
 
-    def __init__(self, model: nn.Module, device: torch.device):
+    def __init__(self, model: nn.Module, device: torch.device, multi_label: bool = False):
         self.device = device
-        self.net = ProbabilityHead(model).to(device).eval()
+        self.net = ProbabilityHead(model, multi_label).to(device).eval()
 
     @torch.inference_mode()
     def probs(self, batch: Tensor) -> np.ndarray:

@@ -84,3 +84,29 @@ def write_confusion_matrix(counts: np.ndarray, class_names: list[str], path: Pat
         figure.savefig(f, format="png", dpi=DPI)
     plt.close(figure)
     return path
+
+
+def write_per_class_bars(per_class: dict[str, dict], path: Path, title: str) -> Path:
+    """eval/per_class.png of a multi-label model (which has no confusion matrix: a sample's
+    classes are judged one by one): precision, recall and F1 per class, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(per_class)
+    x = np.arange(len(names))
+    figure, axis = plt.subplots(
+        figsize=(max(6.0, 0.5 * len(names) + 2), 4), dpi=DPI, layout="constrained"
+    )
+    for offset, key in ((-0.27, "precision"), (0.0, "recall"), (0.27, "f1")):
+        axis.bar(x + offset, [per_class[n][key] for n in names], 0.27, label=key)
+    axis.set_xticks(x, [short_name(n) for n in names], rotation=45 if len(names) > 6 else 0,
+                    ha="right" if len(names) > 6 else "center")  # fmt: skip
+    axis.set_ylim(0, 1)
+    axis.set_title(title, fontsize=10)
+    axis.legend()
+    with atomic_file(path) as f:
+        figure.savefig(f, format="png", dpi=DPI)
+    plt.close(figure)
+    return path

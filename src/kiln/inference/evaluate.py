@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from kiln.atomic import atomic_file, write_json
+from kiln.data.multilabel import join_labels
 from kiln.errors import UserError
 from kiln.inference.labelled import (
     FIRST_SKIPPED,
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 EVAL_DIR = "eval"
 METRICS_FILE, CONFUSION_FILE = "metrics.json", "confusion_matrix.png"
+PER_CLASS_FILE = "per_class.png"  # multi-label: precision, recall, F1 per class
 ERRORS_FILE, PREDICTIONS_FILE = "errors.csv", "predictions.csv"
 DEFAULT_NUM_ERRORS = 100
 TOP_K = 5
@@ -70,6 +72,9 @@ class Report:
             "accuracy": "acc",
             "top5_accuracy": "top5_acc",
             "macro_f1": "macro_f1",
+            "f1_micro": "f1_micro",
+            "f1_macro": "f1_macro",
+            "exact_match": "exact_match",
             "map": "map",
             "map_50": "map50",
             "count": "count",
@@ -81,6 +86,11 @@ class Report:
         m = self.metrics
         if m["task"] == "detection":
             numbers = f"mAP {_number(m['map'])}, mAP@0.5 {_number(m['map_50'])}"
+        elif m["task"] == "multilabel":
+            numbers = (
+                f"micro-F1 {m['f1_micro']:.4f}, macro-F1 {m['f1_macro']:.4f}, exact match "
+                f"{m['exact_match']:.4f} (threshold {m['threshold']})"
+            )
         else:
             top5 = f", top-5 {m['top5_accuracy']:.4f}" if "top5_accuracy" in m else ""
             numbers = f"accuracy {m['accuracy']:.4f}{top5}, macro-F1 {m['macro_f1']:.4f}"
@@ -202,6 +212,125 @@ def write_classification_report(
     write_predictions(probs, names, directory / PREDICTIONS_FILE, list(sources),
                       truth=[names[i] for i in targets])  # fmt: skip
     metrics["files"] = [METRICS_FILE, CONFUSION_FILE, ERRORS_FILE, PREDICTIONS_FILE]
+    write_json(directory / METRICS_FILE, metrics, indent=2)
+    return Report(directory, metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-label
+
+
+def multilabel_metrics(
+    probs: np.ndarray, targets: np.ndarray, class_names: Sequence[str], threshold: float
+) -> dict[str, Any]:
+    """The numbers of a multi-label metrics.json, torchmetrics' multilabel classes at the
+    model's threshold: micro and macro F1 (precision, recall), exact-match (subset) accuracy,
+    per class precision / recall / F1 / support."""
+    import torch
+    from torchmetrics.classification import (
+        MultilabelExactMatch,
+        MultilabelF1Score,
+        MultilabelPrecision,
+        MultilabelRecall,
+    )
+
+    k = len(class_names)
+    preds = torch.from_numpy(np.asarray(probs, np.float32))
+    target = torch.from_numpy(np.asarray(targets)).round().long()
+
+    def value(metric_class, **kwargs) -> Any:
+        return metric_class(num_labels=k, threshold=threshold, **kwargs)(preds, target).tolist()
+
+    precision = value(MultilabelPrecision, average=None)
+    recall = value(MultilabelRecall, average=None)
+    f1 = value(MultilabelF1Score, average=None)
+    support = target.sum(dim=0).tolist()
+    predicted = preds >= threshold
+    return {
+        "threshold": threshold,
+        "f1_micro": value(MultilabelF1Score, average="micro"),
+        "f1_macro": value(MultilabelF1Score, average="macro"),
+        "precision_micro": value(MultilabelPrecision, average="micro"),
+        "recall_micro": value(MultilabelRecall, average="micro"),
+        "exact_match": value(MultilabelExactMatch),
+        "count": int(len(target)),
+        "errors": int((predicted != target.bool()).any(dim=1).sum()),  # samples not exact
+        "num_classes": k,
+        "per_class": {
+            name: {
+                "precision": precision[i],
+                "recall": recall[i],
+                "f1": f1[i],
+                "support": int(support[i]),
+            }
+            for i, name in enumerate(class_names)
+        },
+    }
+
+
+def multilabel_errors(probs, targets, sources, class_names, threshold, separator, limit: int):
+    """The samples whose predicted set is not the true one, the most confidently wrong first
+    (the largest gap between a wrong class's probability and its truth). Columns: source, true,
+    predicted, missed, extra, worst_prob_gap."""
+    import pandas as pd
+
+    truth = np.asarray(targets) > 0.5
+    predicted = probs >= threshold
+    wrong = np.flatnonzero((predicted != truth).any(axis=1))
+    gap = np.abs(probs - truth)[wrong].max(axis=1) if len(wrong) else np.zeros(0)
+    order = wrong[np.argsort(-gap, kind="stable")][:limit]
+    names = np.asarray(list(class_names), dtype=object)
+
+    def joined(mask) -> str:
+        return join_labels(list(names[mask]), separator)
+
+    return pd.DataFrame(
+        {
+            "source": [sources[i] for i in order],
+            "true": [joined(truth[i]) for i in order],
+            "predicted": [joined(predicted[i]) for i in order],
+            "missed": [joined(truth[i] & ~predicted[i]) for i in order],
+            "extra": [joined(predicted[i] & ~truth[i]) for i in order],
+            "worst_prob_gap": np.abs(probs - truth)[order].max(axis=1) if len(order) else [],
+        }
+    )
+
+
+def write_multilabel_report(
+    directory: Path,
+    probs: np.ndarray,
+    targets: np.ndarray,
+    sources: Sequence[str],
+    class_names: Sequence[str],
+    about: dict[str, Any],
+    multi_label: tuple[str, float],
+    num_errors: int = DEFAULT_NUM_ERRORS,
+) -> Report:
+    """metrics.json, per_class.png (precision / recall / F1 per class), errors.csv and
+    predictions.csv (labels joined by the separator) into `directory`."""
+    from kiln.inference.confusion import write_per_class_bars
+
+    separator, threshold = multi_label
+    _check_lengths(len(probs), targets, sources)
+    metrics = {
+        "task": "multilabel",
+        **about,
+        **multilabel_metrics(probs, targets, class_names, threshold),
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    title = (
+        f"{metrics['count']} inputs, micro-F1 {metrics['f1_micro']:.4f}, macro-F1 "
+        f"{metrics['f1_macro']:.4f}, exact match {metrics['exact_match']:.4f}"
+    )
+    write_per_class_bars(metrics["per_class"], directory / PER_CLASS_FILE, title)
+    errors = multilabel_errors(probs, targets, sources, class_names, threshold, separator,
+                               num_errors)  # fmt: skip
+    _write_csv(errors, directory / ERRORS_FILE)
+    names = np.asarray(list(class_names), dtype=object)
+    truth = [join_labels(list(names[row > 0.5]), separator) for row in np.asarray(targets)]
+    write_predictions(probs, list(class_names), directory / PREDICTIONS_FILE, list(sources),
+                      truth=truth, multi_label=multi_label)  # fmt: skip
+    metrics["files"] = [METRICS_FILE, PER_CLASS_FILE, ERRORS_FILE, PREDICTIONS_FILE]
     write_json(directory / METRICS_FILE, metrics, indent=2)
     return Report(directory, metrics)
 
@@ -359,6 +488,11 @@ def write_report(
             directory, outputs, targets, sources, predictor.class_names, about, num_errors,
             images=images,
         )  # fmt: skip
+    if predictor.multi_label is not None:
+        return write_multilabel_report(
+            directory, outputs, targets, sources, predictor.class_names, about,
+            predictor.multi_label, num_errors,
+        )  # fmt: skip
     return write_classification_report(
         directory, outputs, targets, sources, predictor.class_names, about, num_errors
     )
@@ -464,6 +598,11 @@ def read_labelled(
             f"data={path}: a detector is evaluated on its own data's split (kiln reads no "
             "labelled detection files); leave out data= to evaluate the checkpoint's recorded data"
         )
+    if kind == "image" and predictor.spec.multi_label:
+        raise EvaluateError(
+            f"data={path}: a multi-label image model (data.labels_csv) is evaluated on its own "
+            "data's split; leave out data= to evaluate the checkpoint's recorded data"
+        )
     if kind == "image":
         if not path.is_dir():
             raise EvaluateError(
@@ -488,6 +627,7 @@ def read_labelled(
             text_column=columns.get("text_column", "text"),
             label_column=columns.get("label_column", "label"),
             pair_column=columns.get("text_pair_column"),
+            label_separator=predictor.spec.label_separator,
         )
         described = {"path": str(path.resolve()), "layout": "csv"}
     return labelled, {**described, "skipped": labelled.skipped}

@@ -139,15 +139,16 @@ def graph_for(record: ModelRecord, model: nn.Module, *, raw_pixels: bool = False
         )
     if spec.input_kind == "tokens":
         return Graph(
-            ProbabilityHead(model).eval(),
+            ProbabilityHead(model, spec.multi_label).eval(),
             ONNX_OUTPUTS,
             {0: "batch", 1: "sequence"},
             axis_max={"sequence": spec.max_length},
             difference=probs_difference,
         )
-    net = ProbabilityHead(model)
+    net = ProbabilityHead(model, spec.multi_label)
     if raw_pixels:
-        net = RawImageHead(model, list(record.recipe.mean), list(record.recipe.std))
+        mean, std = list(record.recipe.mean), list(record.recipe.std)
+        net = RawImageHead(model, mean, std, spec.multi_label)
     return Graph(net.eval(), ONNX_OUTPUTS, {0: "batch"}, difference=probs_difference)
 
 
@@ -431,9 +432,17 @@ def quantize_int8(onnx_path: Path) -> Path:
     return int8_path
 
 
-def check_int8(net: nn.Module, int8_path: Path, examples: Tensor, device: str) -> float:
+def check_int8(
+    net: nn.Module, int8_path: Path, examples: Tensor, device: str, threshold: float | None = None
+) -> float:
+    """The share of examples the int8 model predicts as torch does: the same most probable
+    class, or (multi-label, `threshold`) the same predicted set."""
     session = ort_session(int8_path, device)
-    agree = onnx_probs(session, examples).argmax(1) == torch_probs(net, examples).argmax(1)
+    ours, theirs = onnx_probs(session, examples), torch_probs(net, examples)
+    if threshold is None:
+        agree = ours.argmax(1) == theirs.argmax(1)
+    else:
+        agree = ((ours >= threshold) == (theirs >= threshold)).all(axis=1)
     agreement = float(agree.mean())
     if agreement < INT8_MIN_AGREEMENT:
         int8_path.unlink()  # never leave a model behind that failed its check
@@ -471,7 +480,8 @@ def export(
     write_sidecar(record, onnx_path)
     if int8:
         report.int8_path = quantize_int8(onnx_path)
-        report.int8_agreement = check_int8(graph.net, report.int8_path, examples, device)
+        threshold = record.spec.threshold if record.spec.multi_label else None
+        report.int8_agreement = check_int8(graph.net, report.int8_path, examples, device, threshold)
         report.int8_num_examples = len(examples)
         write_sidecar(record, report.int8_path)
     for line in report.lines():

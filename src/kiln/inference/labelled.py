@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.data.multilabel import multi_hot, split_labels
 from kiln.errors import UserError
 from kiln.preprocessing.file_tree import FILE, FOLDER, HIDDEN, TreeEntry, os_detail, walk_tree
 from kiln.preprocessing.image_files import image_extensions
@@ -42,7 +43,8 @@ class LabelledInputs:
     """Raw inputs (what `Predictor.convert` takes), their class indices and what each one is."""
 
     inputs: Sequence[Any]  # texts, or the paths of the files (read when predicted)
-    targets: np.ndarray  # int64 (N,), indices into the checkpoint's class names
+    # int64 (N,), indices into the checkpoint's class names; multi-label: multi-hot (N, C)
+    targets: np.ndarray
     sources: list[str]  # a file path or "<file> row N", per input
     # reason -> {"count": n, "first": [the first FIRST_SKIPPED sources]} (metrics.json)
     skipped: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -130,10 +132,12 @@ def read_labelled_csv(
     text_column: str,
     label_column: str,
     pair_column: str | None = None,
+    label_separator: str | None = None,
 ) -> LabelledInputs:
     """The texts (with `pair_column`: (text, pair) pairs) and labels of a CSV, as `infer.py`
     predict reads a CSV (kiln.inference.files); rows are numbered from 1 after the header, as
-    the training data report numbers them."""
+    the training data report numbers them. `label_separator` (a multi-label model): each label
+    field is a set, split as training split it; targets are multi-hot (N, C) float32."""
     import pandas as pd
 
     path = Path(path)
@@ -155,11 +159,17 @@ def read_labelled_csv(
     if frame.empty:
         raise LabelledDataError(f"{path}: has a header but no rows to evaluate")
     labels = frame[label_column].str.strip().tolist()  # as the training reader strips labels
+    if label_separator is not None:  # a set per row; a row of no label cannot be scored
+        sets = [split_labels(label, label_separator) for label in labels]
+        labels = [label if found else "" for label, found in zip(labels, sets, strict=True)]
     index = {name: i for i, name in enumerate(class_names)}
     rows = [row for row, label in enumerate(labels, start=1) if label]
     name = path.name
     missing = [f"{name} row {row}" for row, label in enumerate(labels, start=1) if not label]
-    unknown = [(row, labels[row - 1]) for row in rows if labels[row - 1] not in index]
+    if label_separator is not None:
+        unknown = [(row, label) for row in rows for label in sets[row - 1] if label not in index]
+    else:
+        unknown = [(row, labels[row - 1]) for row in rows if labels[row - 1] not in index]
     if unknown:
         raise LabelledDataError(
             f"{path}: {_unknown_rows(unknown)} not among the checkpoint's classes "
@@ -173,7 +183,9 @@ def read_labelled_csv(
         texts = [[a, b] for a, b in zip(texts, frame[pair_column].tolist(), strict=True)]
     return LabelledInputs(
         inputs=[texts[row - 1] for row in rows],
-        targets=np.asarray([index[labels[row - 1]] for row in rows], dtype=np.int64),
+        targets=multi_hot([[index[x] for x in sets[row - 1]] for row in rows], len(index))
+        if label_separator is not None
+        else np.asarray([index[labels[row - 1]] for row in rows], dtype=np.int64),
         sources=[f"{name} row {row}" for row in rows],
         skipped=_skipped({"missing_label": missing}),
     )

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.data.multilabel import predicted_sets
 from kiln.data.spec import DataSpec
 from kiln.device import resolve_device
 from kiln.errors import MissingFileError
@@ -158,7 +159,7 @@ class Predictor:
             model = rebuild_model(record, state_dict)
             if record.spec.task == "detection":
                 return cls(TorchDetectionBackend(model, torch_device), record, path)
-            return cls(TorchBackend(model, torch_device), record, path)
+            return cls(TorchBackend(model, torch_device, record.spec.multi_label), record, path)
         onnx_path = path if path.suffix == ".onnx" else _checked_export(path, int8)
         record = read_sidecar(onnx_path)
         if record.spec.task == "detection":
@@ -178,6 +179,13 @@ class Predictor:
     @property
     def class_names(self) -> list[str]:
         return list(self.spec.class_names)
+
+    @property
+    def multi_label(self) -> tuple[str, float] | None:
+        """A multi-label model's (label separator, threshold), for the predictions table."""
+        if not self.spec.multi_label:
+            return None
+        return self.spec.label_separator or "|", self.spec.threshold
 
     # --- the steps --------------------------------------------------------------------------
 
@@ -223,6 +231,16 @@ class Predictor:
                     "scores": d["scores"].tolist(),
                 }
                 for d in outputs
+            ]
+        if self.spec.multi_label:  # the predicted set, with each one's probability
+            chosen = predicted_sets(outputs, self.spec.threshold)
+            return [
+                {
+                    "labels": [names[i] for i in np.flatnonzero(picked)],
+                    "scores": row[picked].tolist(),
+                    "probs": row.tolist(),
+                }
+                for row, picked in zip(outputs, chosen, strict=True)
             ]
         return [{"label": names[int(row.argmax())], "probs": row.tolist()} for row in outputs]
 

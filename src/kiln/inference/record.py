@@ -73,14 +73,14 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-SUPPORTED_TASKS = ("classification", "detection")
+SUPPORTED_TASKS = ("classification", "multilabel", "detection")
 
 
 def check_supported(record: ModelRecord, source: Path) -> None:
     if record.spec.task not in SUPPORTED_TASKS:
         raise UnsupportedCheckpointError(
             f"{source}: a {record.spec.task} checkpoint (model {record.model_name}); kiln "
-            f"inference supports {' and '.join(SUPPORTED_TASKS)} only"
+            f"inference supports {', '.join(SUPPORTED_TASKS)} only"
         )
 
 

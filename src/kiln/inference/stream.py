@@ -126,7 +126,11 @@ def predict_files_to_csv(
     """Every file predicted batch by batch into the CSV at `output` (see the module doc).
     strict: InputError at the first file that cannot be predicted, naming it; no output."""
     detection = predictor.task == "detection"
-    table = (DetectionsCsv if detection else PredictionsCsv)(Path(output), predictor.class_names)
+    if detection:
+        table = DetectionsCsv(Path(output), predictor.class_names)
+    else:
+        table = PredictionsCsv(Path(output), predictor.class_names,
+                               multi_label=predictor.multi_label)  # fmt: skip
     predicted, errors = 0, {}
     try:
         for batch in predict_batches(predictor, files, load, batch_size):

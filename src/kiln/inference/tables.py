@@ -1,8 +1,10 @@
 """The predictions table, one writer for every command that writes one: infer.py predict on
 arrays, texts or files (preds.csv) and evaluate (eval/predictions.csv). Columns: index,
 [source], [true], label, prob_<class>..., [error]; one row per input, in input order; a row
-without a prediction has an empty label and probabilities and says why in `error`. Written
-through kiln.atomic: a failed run leaves no half-written table."""
+without a prediction has an empty label and probabilities and says why in `error`. A multi-label
+model's table has `labels` instead of `label`: the classes at or above its threshold, joined by
+its label separator (as the training file held them; `true` likewise). Written through
+kiln.atomic: a failed run leaves no half-written table."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.atomic import AtomicFile
+from kiln.data.multilabel import join_labels, predicted_sets
 
 
 class CsvTable(AtomicFile):
@@ -33,13 +36,24 @@ class PredictionsCsv(CsvTable):
     """index, [source], [true], label, prob_<class>..., [error]."""
 
     def __init__(self, path, class_names: Sequence[str], *, sources: bool = True,
-                 truth: bool = False, errors: bool = True):  # fmt: skip
+                 truth: bool = False, errors: bool = True, multi_label=None):  # fmt: skip
+        """multi_label: (label separator, threshold) of a multi-label model, else None."""
         self.class_names = list(class_names)
         self.sources, self.truth, self.errors = sources, truth, errors
+        self.multi_label = multi_label
         header = ["index", *(["source"] if sources else []), *(["true"] if truth else []),
-                  "label", *[f"prob_{name}" for name in self.class_names],
+                  "labels" if multi_label else "label",
+                  *[f"prob_{name}" for name in self.class_names],
                   *(["error"] if errors else [])]  # fmt: skip
         super().__init__(Path(path), header)
+
+    def predicted(self, probs) -> str:
+        """The prediction cell: the most probable class, or (multi-label) the joined set."""
+        if self.multi_label is None:
+            return self.class_names[int(np.argmax(probs))]
+        separator, threshold = self.multi_label
+        chosen = np.flatnonzero(predicted_sets(probs, threshold))
+        return join_labels([self.class_names[i] for i in chosen], separator)
 
     def row(self, index: int, probs=None, source: str = "", true: str = "", error: str = ""):
         """One input's row: its probabilities, or (probs=None) none and why not."""
@@ -47,7 +61,7 @@ class PredictionsCsv(CsvTable):
         if probs is None:
             cells += [""] * (len(self.class_names) + 1)
         else:
-            cells += [self.class_names[int(np.argmax(probs))], *map(number, probs)]
+            cells += [self.predicted(probs), *map(number, probs)]
         self.writer.writerow([*cells, *([error] if self.errors else [])])
 
     def write(self, batch, files) -> None:
@@ -64,12 +78,14 @@ def write_predictions(
     sources: Sequence[str] | None = None,
     skipped: dict[int, str] | None = None,
     truth: Sequence[str] | None = None,
+    multi_label: tuple[str, float] | None = None,
 ) -> Path:
     """The table for predictions already made: `probs` (N, K) for the inputs not in `skipped`
     ({index: why not}: an `error` column, text models); `sources` and `truth` (class names) add
-    their columns."""
+    their columns; `multi_label`: (separator, threshold) of a multi-label model."""
     table = PredictionsCsv(path, class_names, sources=sources is not None,
-                           truth=truth is not None, errors=skipped is not None)  # fmt: skip
+                           truth=truth is not None, errors=skipped is not None,
+                           multi_label=multi_label)  # fmt: skip
     skipped = skipped or {}
     total = len(probs) + len(skipped)
     predicted = iter(probs)

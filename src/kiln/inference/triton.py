@@ -115,7 +115,7 @@ def model_config(
     import onnx
 
     graph = onnx.load(str(onnx_path), load_external_data=False).graph
-    labelled = {"probs"} if task == "classification" else set()
+    labelled = {"probs"} if task in ("classification", "multilabel") else set()
     return {
         "name": name,
         "platform": "onnxruntime_onnx",

@@ -45,6 +45,11 @@ def split_pair(text: str) -> str | tuple[str, str]:
     return first, second
 
 
+def join_pair(first: str, second: str) -> str:
+    """data.join_columns (and kiln's own models' pairs): one text, the two joined by a space."""
+    return f"{first} {second}"
+
+
 def train_tokenizer(
     text_batches: Iterable[Sequence[str]],
     vocab_size: int,
@@ -314,6 +319,9 @@ class TokenRecipe:
     encoding: str = "utf-8"
     # the second text column of a pair task (data.text_pair_column): inputs are (a, b) pairs
     pair_column: str | None = None
+    # data.join_columns: a pair's two texts joined by a space into one text for every model
+    # (else a pretrained tokenizer reads them as a pair, kiln's own joined by a space anyway)
+    join_columns: bool = False
     # model=hf: the model's PretrainedText.to_dict() (its tokenizer, special tokens and
     # config.json); tokenizer_json is then that model's own tokenizer, special tokens added.
     pretrained: dict[str, Any] | None = None
@@ -339,9 +347,9 @@ class TokenRecipe:
             return self.clean(inputs)
         firsts = self.clean([a for a, _ in inputs])
         seconds = self.clean([b for _, b in inputs])
-        if self.pretrained is not None:
+        if self.pretrained is not None and not self.join_columns:
             return list(zip(firsts, seconds, strict=True))
-        return [f"{a} {b}" for a, b in zip(firsts, seconds, strict=True)]
+        return [join_pair(a, b) for a, b in zip(firsts, seconds, strict=True)]
 
     def encode(self, texts: Sequence[str]) -> Tensor:
         """Raw texts -> LongTensor (N, L) padded with pad_id, exactly as in training."""

@@ -107,6 +107,16 @@ def _v1_prediction(predictor: Predictor) -> dict:
             },
         }
     k = predictor.spec.num_classes
+    if predictor.spec.multi_label:
+        return {
+            "type": "object",
+            "required": ["labels", "scores", "probs"],
+            "properties": {
+                "labels": {"type": "array", "items": names, "description": "the predicted set"},
+                "scores": {"type": "array", "items": number, "description": "their probs"},
+                "probs": {"type": "array", "items": number, "minItems": k, "maxItems": k},
+            },
+        }
     return {
         "type": "object",
         "required": ["label", "probs"],

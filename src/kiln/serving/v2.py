@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 import kiln
+from kiln.data.multilabel import join_labels
 from kiln.inference import Predictor
 from kiln.preprocessing import InputError
 from kiln.serving.errors import ServingError
@@ -64,6 +65,11 @@ def signature(predictor: Predictor) -> tuple[dict[str, TensorSpec], dict[str, Te
             TensorSpec("scores", "FP32", (-1,)),
             TensorSpec("labels", "BYTES", (-1,)),
             TensorSpec("num_detections", "INT64", (-1,)),
+        ]
+    elif spec.multi_label:  # the predicted set, joined by the training's label separator
+        outputs = [
+            TensorSpec("probs", "FP32", (-1, spec.num_classes)),
+            TensorSpec("labels", "BYTES", (-1,)),
         ]
     else:
         outputs = [
@@ -105,6 +111,13 @@ def output_tensors(predictor: Predictor, outputs: Any) -> list[OutputTensor]:
             ),
         ]
     probs = np.asarray(outputs, dtype=np.float32)
+    if predictor.multi_label is not None:  # per input its predicted set, joined
+        separator = predictor.multi_label[0]
+        sets = [join_labels(answer["labels"], separator) for answer in predictor.answers(probs)]
+        return [
+            OutputTensor("probs", "FP32", probs.shape, probs),
+            OutputTensor("labels", "BYTES", (len(probs),), sets),
+        ]
     labels = [names[int(i)] for i in probs.argmax(axis=1)] if len(probs) else []
     return [
         OutputTensor("probs", "FP32", probs.shape, probs),

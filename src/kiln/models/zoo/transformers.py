@@ -307,6 +307,8 @@ def architecture(spec, cfg: HfConfig, source: HfSource | None, pretrained) -> An
     config.id2label = dict(enumerate(spec.class_names))
     config.label2id = {name: i for i, name in enumerate(spec.class_names)}
     config.num_labels = spec.num_classes
+    if spec.multi_label:  # kiln computes the loss (BCE); said for readers of config.json
+        config.problem_type = "multi_label_classification"
     return config
 
 
