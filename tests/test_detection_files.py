@@ -361,3 +361,48 @@ def test_iscrowd_regions_are_not_trained_on_and_are_scored_as_coco_scores_them(c
     # without the crowd regions the same detection is a false positive, ranked first
     no_crowd = [{"boxes": t["boxes"], "labels": t["labels"]} for t in targets]
     assert coco_metrics(on_crowd, no_crowd)["val_map"] < 0.99
+
+
+def test_boxes_are_checked_against_the_picture_the_exif_orientation_stands_up(tmp_path):
+    """A JPEG stored 120 wide and 80 high with EXIF orientation 6 (turn 90 degrees) decodes 80
+    wide and 120 high, for training as for the box checks: a box low in the standing picture is
+    kept as it is (not clipped to the stored height), one right of its width is outside it; a
+    YOLO label is normalised to the standing picture too."""
+    from PIL import Image
+
+    images = tmp_path / "images" / "train"
+    images.mkdir(parents=True)
+    stored = Image.new("RGB", (120, 80), (200, 30, 30))
+    stored.paste((20, 200, 20), (0, 0, 60, 80))  # the left half green: the turn is visible
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored.save(images / "phone.jpg", quality=95, exif=exif.tobytes())
+    categories = [{"id": 1, "name": "thing"}]
+    data = {"images": [{"id": 1, "file_name": "phone.jpg", "width": 80, "height": 120}],
+            "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [10, 90, 50, 25]},
+                            {"id": 2, "image_id": 1, "category_id": 1, "bbox": [90, 10, 20, 20]}],
+            "categories": categories}  # fmt: skip
+    (tmp_path / "train.json").write_text(json.dumps(data))
+    bundle = build_data(compose_config(
+        "data=coco", "model=detector", f"data.train_json={tmp_path / 'train.json'}",
+        f"data.train_images={images}", f"data.val_json={tmp_path / 'train.json'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ).data)  # fmt: skip
+    image, target = bundle.train[0]
+    assert tuple(image.shape) == (3, 120, 80)  # decoded standing up
+    assert target["boxes"].tolist() == [[10.0, 90.0, 60.0, 115.0]]  # kept, not clipped
+    files = bundle.report["train_files"]
+    assert files["annotations_clipped"] == 0
+    (dropped,) = files["annotations"]["dropped_records"]
+    assert dropped["reason"] == "box_outside_image" and dropped["annotation_id"] == 2
+    assert dropped["image_size"] == [80, 120]  # width, height of the standing picture
+    # YOLO: cx cy w h normalised to the standing picture's 80 x 120
+    labels = tmp_path / "labels" / "train"
+    labels.mkdir(parents=True)
+    (labels / "phone.txt").write_text(f"0 {35 / 80} {102.5 / 120} {50 / 80} {25 / 120}\n")
+    (tmp_path / "data.yaml").write_text("names: [thing]\n")
+    yolo = build_data(compose_config(
+        "data=yolo", "model=detector", f"data.train_dir={images}", f"data.val_dir={images}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ).data)  # fmt: skip
+    np.testing.assert_allclose(yolo.train[0][1]["boxes"].numpy(), [[10, 90, 60, 115]], atol=1e-4)

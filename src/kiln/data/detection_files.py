@@ -31,7 +31,7 @@ from kiln.data.spec import DataBundle, DataSpec
 from kiln.data.split import stratified_split, val_count
 from kiln.errors import UserError
 from kiln.preprocessing import ImageListRecipe
-from kiln.preprocessing.image_files import read_image_file, read_image_header
+from kiln.preprocessing.image_files import read_image_file, read_oriented_size
 
 log = logging.getLogger(__name__)
 
@@ -158,9 +158,8 @@ def check_entries(
             for ann in entry.annotations:
                 bad.annotation({"reason": MISSING_IMAGE, "file": str(entry.path), **ann.where})
             continue
-        with open(entry.path, "rb") as stream:
-            header = read_image_header(stream)
-        height, width = header.height, header.width
+        with open(entry.path, "rb") as stream:  # the size of the picture as it decodes
+            height, width = read_oriented_size(stream)
         boxes, labels = [], []
         for ann in entry.annotations:
             place = {"file": str(entry.path), **ann.where}
