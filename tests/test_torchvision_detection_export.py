@@ -128,3 +128,37 @@ def test_every_box_detector_exports_with_parity_or_is_refused_by_name(arch, fold
         assert all(len(graph.net(batch)[0][0]) for batch in batches.values())
     _, checks = export_checked(graph, batches, tmp_path / "model.onnx", "cpu")
     assert all(1 - c.max_abs_diff >= MIN_BOX_IOU for c in checks)
+
+
+def test_the_traced_resize_sizes_every_image_as_eager_torch_does(tmp_path):
+    """torchvision's own traced resize floors 122 x 96/122 to 95 px in float32 where eager torch
+    gets 96; kiln's (kiln.models.zoo.traced_resize) agrees with eager on every size tried."""
+    import warnings
+
+    import onnxruntime as ort
+    import torchvision
+
+    from kiln.models.zoo.traced_resize import traced_resize_as_eager
+
+    net = torchvision.models.get_model("fasterrcnn_mobilenet_v3_large_320_fpn", weights=None,
+                                       weights_backbone=None, min_size=96, max_size=96)  # fmt: skip
+    traced_resize_as_eager(net.transform)
+
+    class Resize(torch.nn.Module):
+        def forward(self, x):
+            return net.transform.resize(x[0])[0]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Resize(), (torch.rand(1, 3, 124, 110),), str(tmp_path / "resize.onnx"),
+                          input_names=["input"], dynamic_axes={"input": {2: "h", 3: "w"}},
+                          opset_version=17, dynamo=False)  # fmt: skip
+    session = ort.InferenceSession(str(tmp_path / "resize.onnx"))
+    sizes = [(122, 121), (124, 110), (119, 127), (99, 96), (33, 250), (250, 33), (96, 96)]
+    sizes += [(int(h), int(w)) for h, w in torch.randint(20, 300, (20, 2)).tolist()]
+    for height, width in sizes:
+        image = torch.rand(1, 3, height, width)
+        eager = net.transform.resize(image[0])[0]
+        (onnx,) = session.run(None, {"input": image.numpy()})
+        assert onnx.shape == tuple(eager.shape), (height, width)
+        np.testing.assert_allclose(onnx, eager.numpy(), atol=1e-4)

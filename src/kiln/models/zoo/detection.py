@@ -109,55 +109,6 @@ def freeze_batchnorm(net: nn.Module) -> None:
         setattr(net.get_submodule(parent) if parent else net, attr, frozen)
 
 
-def traced_resize_as_eager(transform: nn.Module) -> None:
-    """Make a torchvision detector's resize compute, when traced for ONNX, the size eager torch
-    computes. Eager: scale = min(min_size / short side, max_size / long side) in float32, then
-    floor(side * scale) in float64 (F.interpolate's recompute_scale_factor); torchvision's traced
-    path hands ONNX's Resize a float32 scale whose float32 product can floor one pixel lower
-    (122 * 96/122 -> 95), which moves every box of such an image. Eager runs stay torchvision's
-    own code."""
-    from torchvision.models.detection.transform import GeneralizedRCNNTransform
-
-    if type(transform) is GeneralizedRCNNTransform:  # its class only: no state changes
-        transform.__class__ = exact_traced_resize_class()
-
-
-@lru_cache(maxsize=1)
-def exact_traced_resize_class() -> type:
-    """GeneralizedRCNNTransform whose resize, under tracing only, sizes as eager torch does
-    (torchvision is imported when a detector is built, not with this module)."""
-    from torchvision.models.detection.transform import GeneralizedRCNNTransform
-
-    class ExactTracedResize(GeneralizedRCNNTransform):
-        def resize(self, image: Tensor, target=None):
-            if not torch.jit.is_tracing() or target is not None or self.fixed_size is not None:
-                return super().resize(image, target)
-            from torch.onnx.operators import shape_as_tensor
-            from torchvision.models.detection.transform import _fake_cast_onnx
-
-            # eager's min(min_size / short side, max_size / long side) in float64, on 1-d
-            # tensors throughout (the exporter computes 0-d ones and Python numbers in float32)
-            sides = shape_as_tensor(image)[-2:].to(torch.float64)
-            limits = torch.tensor([self.min_size[-1], self.max_size], dtype=torch.float64)
-            short_long = torch.cat([sides.amin(0, keepdim=True), sides.amax(0, keepdim=True)])
-            scale = (limits / short_long).amin(0, keepdim=True)
-            size = torch.floor(sides * scale)
-            # One scale whose float32 product with each side floors to that size: the larger
-            # size/side ratio, nudged up past float32's rounding. The graph then resizes to
-            # those sizes (recompute_scale_factor), sampling as eager torch does.
-            landing = ((size / sides).amax(0, keepdim=True) * (1 + 1e-6)).to(torch.float32)[0]
-            resized = nn.functional.interpolate(
-                image[None],
-                scale_factor=_fake_cast_onnx(landing),
-                mode="bilinear",
-                align_corners=False,
-                recompute_scale_factor=True,
-            )
-            return resized[0], target
-
-    return ExactTracedResize
-
-
 class TorchvisionDetector(DetectionContract, nn.Module):
     """A torchvision detector under kiln's detection contract: model(images, targets) in train
     mode -> its loss dict; model(images) in eval mode -> one boxes/labels/scores dict per image.
@@ -170,7 +121,9 @@ class TorchvisionDetector(DetectionContract, nn.Module):
         self.arch = arch
         self.loss_keys = FAMILIES[family_of(net)][0]
         self.onnx_refusal = NOT_ONNX_EXPORTABLE.get(arch)  # kiln.inference.export
-        traced_resize_as_eager(net.transform)
+        from kiln.models.zoo.traced_resize import traced_resize_as_eager
+
+        traced_resize_as_eager(net.transform)  # ONNX export: sized as eager torch sizes
 
     def forward(self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None):
         if self.training:
