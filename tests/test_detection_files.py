@@ -301,3 +301,108 @@ def test_the_detection_report_draws_the_boxes_and_the_ap_per_class(clean, tmp_pa
     for name in ("boxes.png", "ap_per_class.png"):
         with Image.open(tmp_path / name) as picture:
             assert picture.format == "PNG" and min(picture.size) > 200
+
+
+def with_crowd(json_path, out_path, crowds: list[tuple[int, int, list[float]]]) -> None:
+    """A copy of a COCO file with iscrowd regions added: (image id, category id, bbox)."""
+    data = json.loads(json_path.read_text())
+    next_id = max(a["id"] for a in data["annotations"]) + 1
+    for offset, (image_id, category, bbox) in enumerate(crowds):
+        data["annotations"].append({"id": next_id + offset, "image_id": image_id,
+                                    "category_id": category, "bbox": bbox, "iscrowd": 1,
+                                    "area": bbox[2] * bbox[3]})  # fmt: skip
+    out_path.write_text(json.dumps(data))
+
+
+def test_iscrowd_regions_are_not_trained_on_and_are_scored_as_coco_scores_them(clean, tmp_path):
+    from kiln.engine.detection_eval import coco_metrics
+    from kiln.inference.detection_report import detection_metrics
+
+    train_data = json.loads(clean.train_json.read_text())
+    val_data = json.loads(clean.val_json.read_text())
+    first_train, (first_val, second_val) = train_data["images"][0], val_data["images"][:2]
+    category = CATEGORIES[0]["id"]
+    region = [2.0, 3.0, 30.0, 25.0]  # x, y, w, h
+    with_crowd(clean.train_json, tmp_path / "train.json", [(first_train["id"], category, region)])
+    val_crowds = [(first_val["id"], category, region), (second_val["id"], category, region)]
+    with_crowd(clean.val_json, tmp_path / "val.json", val_crowds)
+    cfg = compose_config(
+        "data=coco", "model=detector", f"data.train_json={tmp_path / 'train.json'}",
+        f"data.train_images={clean.train_images}", f"data.val_json={tmp_path / 'val.json'}",
+        f"data.val_images={clean.val_images}", f"data.cache_dir={clean.root / 'cache'}",
+    )  # fmt: skip
+    bundle = build_data(cfg.data)
+    plain = coco(clean)
+    assert bundle.report["iscrowd"] == {"train": 1, "val": 2}
+    # training: the crowd region is no box to learn, and nothing else changed
+    _, train_target = bundle.train[0]
+    assert set(train_target) == {"boxes", "labels"}
+    assert torch.equal(train_target["boxes"], plain.train[0][1]["boxes"])
+    assert sum(bundle.report["train_files"]["annotations"]["dropped"].values()) == 0
+    # evaluation: the val items carry their crowd regions beside their boxes
+    _, val_target = bundle.val[0]
+    assert torch.equal(val_target["boxes"], plain.val[0][1]["boxes"])
+    assert val_target["crowd_boxes"].tolist() == [[2.0, 3.0, 32.0, 28.0]]
+    assert val_target["crowd_labels"].tolist() == [1]
+    targets = [bundle.val[i][1] for i in range(len(bundle.val))]
+    perfect = [{"boxes": t["boxes"], "labels": t["labels"],
+                "scores": torch.full((len(t["labels"]),), 0.9)} for t in targets]  # fmt: skip
+    # a confident detection on the first crowd region; none on the second (no miss either)
+    on_crowd = [dict(p) for p in perfect]
+    on_crowd[0] = {
+        "boxes": torch.cat([perfect[0]["boxes"], targets[0]["crowd_boxes"]]),
+        "labels": torch.cat([perfect[0]["labels"], targets[0]["crowd_labels"]]),
+        "scores": torch.cat([perfect[0]["scores"], torch.tensor([0.95])]),
+    }
+    assert coco_metrics(on_crowd, targets)["val_map"] == pytest.approx(1.0)
+    assert detection_metrics(on_crowd, targets, bundle.spec.class_names)["map"] == pytest.approx(
+        1.0
+    )
+    # without the crowd regions the same detection is a false positive, ranked first
+    no_crowd = [{"boxes": t["boxes"], "labels": t["labels"]} for t in targets]
+    assert coco_metrics(on_crowd, no_crowd)["val_map"] < 0.99
+
+
+def test_boxes_are_checked_against_the_picture_the_exif_orientation_stands_up(tmp_path):
+    """A JPEG stored 120 wide and 80 high with EXIF orientation 6 (turn 90 degrees) decodes 80
+    wide and 120 high, for training as for the box checks: a box low in the standing picture is
+    kept as it is (not clipped to the stored height), one right of its width is outside it; a
+    YOLO label is normalised to the standing picture too."""
+    from PIL import Image
+
+    images = tmp_path / "images" / "train"
+    images.mkdir(parents=True)
+    stored = Image.new("RGB", (120, 80), (200, 30, 30))
+    stored.paste((20, 200, 20), (0, 0, 60, 80))  # the left half green: the turn is visible
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored.save(images / "phone.jpg", quality=95, exif=exif.tobytes())
+    categories = [{"id": 1, "name": "thing"}]
+    data = {"images": [{"id": 1, "file_name": "phone.jpg", "width": 80, "height": 120}],
+            "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [10, 90, 50, 25]},
+                            {"id": 2, "image_id": 1, "category_id": 1, "bbox": [90, 10, 20, 20]}],
+            "categories": categories}  # fmt: skip
+    (tmp_path / "train.json").write_text(json.dumps(data))
+    bundle = build_data(compose_config(
+        "data=coco", "model=detector", f"data.train_json={tmp_path / 'train.json'}",
+        f"data.train_images={images}", f"data.val_json={tmp_path / 'train.json'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ).data)  # fmt: skip
+    image, target = bundle.train[0]
+    assert tuple(image.shape) == (3, 120, 80)  # decoded standing up
+    assert target["boxes"].tolist() == [[10.0, 90.0, 60.0, 115.0]]  # kept, not clipped
+    files = bundle.report["train_files"]
+    assert files["annotations_clipped"] == 0
+    (dropped,) = files["annotations"]["dropped_records"]
+    assert dropped["reason"] == "box_outside_image" and dropped["annotation_id"] == 2
+    assert dropped["image_size"] == [80, 120]  # width, height of the standing picture
+    # YOLO: cx cy w h normalised to the standing picture's 80 x 120
+    labels = tmp_path / "labels" / "train"
+    labels.mkdir(parents=True)
+    (labels / "phone.txt").write_text(f"0 {35 / 80} {102.5 / 120} {50 / 80} {25 / 120}\n")
+    (tmp_path / "data.yaml").write_text("names: [thing]\n")
+    yolo = build_data(compose_config(
+        "data=yolo", "model=detector", f"data.train_dir={images}", f"data.val_dir={images}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ).data)  # fmt: skip
+    np.testing.assert_allclose(yolo.train[0][1]["boxes"].numpy(), [[10, 90, 60, 115]], atol=1e-4)

@@ -8,7 +8,10 @@ export) and the folder its `file_name`s are relative to:
   (listed in data_report.json), one with nothing inside it or of zero area dropped;
 - category ids (any integers) -> labels 1..C in id order, from the training file's
   `categories` (their names go into the checkpoint); a val/test file's categories must agree;
-- `iscrowd: 1` boxes are not trained on nor scored (counted in the report);
+- `iscrowd: 1` boxes are not trained on (torchvision's reference leaves them out too); in a
+  validation or test split they are crowd regions, scored as COCO's evaluation scores them: a
+  detection on one is neither right nor wrong, and the region is never a miss (counted per
+  split in the report's `iscrowd`);
 - an image without annotations is a negative, kept;
 - left out and listed (data.bad_rows=drop; error stops): an image file missing or unreadable
   (and its annotations), a repeated image id, an annotation of an unknown image or category."""
@@ -78,7 +81,7 @@ def categories_of(data: dict, path: Path) -> dict[int, str]:
 def read_coco_split(
     json_path: Path, images_root: Path, label_of: dict[int, int], cfg: CocoConfig, key: str
 ) -> tuple[DetectionSplit, int]:
-    """The checked split of one COCO file, and the number of iscrowd boxes left out."""
+    """The checked split of one COCO file, and the number of its iscrowd annotations."""
     data = read_json(json_path, key)
     images_log = BadInputLog(str(json_path), unit="images", reasons=IMAGE_REASONS)
     annotations_log = BadInputLog(str(json_path), unit="annotations", reasons=ANNOTATION_REASONS)
@@ -113,11 +116,14 @@ def read_coco_split(
                 f"{json_path}: annotations[{position}] needs 'image_id', 'category_id' and "
                 f"'bbox': [x, y, w, h] (got {json.dumps(ann)[:120]})"
             ) from None
+        entry = entries.get(image_id)
         if ann.get("iscrowd", 0):
             crowd += 1
-            annotations_log.read -= 1  # not an input to train on, nor a bad one
+            annotations_log.read -= 1  # not a box to train on, nor a bad one
+            if entry is not None:
+                entry.crowd.append(Annotation((x, y, x + w, y + h), label_of.get(category, 0),
+                                              {"annotation_id": ann_id}))  # fmt: skip
             continue
-        entry = entries.get(image_id)
         if entry is None:
             bad.annotation({"reason": UNKNOWN_IMAGE, "annotation_id": ann_id,
                             "image_id": image_id})  # fmt: skip
@@ -159,6 +165,6 @@ def build_coco(cfg: CocoConfig) -> DataBundle:
         splits[split], crowd[split] = read_coco_split(Path(path), images_root, label_of, cfg,
                                                       json_key)  # fmt: skip
     extra = {"format": "coco", "categories": {str(k): v for k, v in categories.items()},
-             "iscrowd_ignored": crowd}  # fmt: skip
+             "iscrowd": crowd}  # fmt: skip
     return detection_bundle(cfg, list(categories.values()), splits, val_key="val_json",
                             started=started, extra_report=extra)  # fmt: skip

@@ -5,7 +5,11 @@ bundle kiln's detectors train on.
 
 An item is (image (3, H, W) float32 in [0, 1], {"boxes": (K, 4) float32 (x1, y1, x2, y2)
 pixels, "labels": (K,) int64 in 1..C}), the image at the size of its file (detectors resize
-internally), decoded when the item is read: as data=shapes_detection's items."""
+internally), decoded when the item is read: as data=shapes_detection's items. A validation or
+test item also carries its COCO crowd regions (`iscrowd: 1`), "crowd_boxes" (M, 4) and
+"crowd_labels" (M,), which COCO's evaluation excuses detections on and never counts as missed
+(kiln.engine.detection_eval.coco_targets); training items have none: crowd regions are not
+trained on, as torchvision's reference leaves them out."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from kiln.data.spec import DataBundle, DataSpec
 from kiln.data.split import stratified_split, val_count
 from kiln.errors import UserError
 from kiln.preprocessing import ImageListRecipe
-from kiln.preprocessing.image_files import read_image_file, read_image_header
+from kiln.preprocessing.image_files import read_image_file, read_oriented_size
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,7 @@ class ImageEntry:
 
     path: Path
     annotations: list[Annotation] = field(default_factory=list)
+    crowd: list[Annotation] = field(default_factory=list)  # COCO iscrowd regions
     where: dict = field(default_factory=dict)  # {"image_id": ..} for COCO
 
 
@@ -76,6 +81,8 @@ class DetectionSplit:
     images_log: BadInputLog
     annotations_log: BadInputLog
     clipped: list[dict]  # boxes partly outside their image, clipped and kept
+    crowd_boxes: list[np.ndarray] = field(default_factory=list)  # (M, 4) per image
+    crowd_labels: list[np.ndarray] = field(default_factory=list)  # (M,) per image
 
     def report(self) -> dict:
         return {
@@ -151,9 +158,8 @@ def check_entries(
             for ann in entry.annotations:
                 bad.annotation({"reason": MISSING_IMAGE, "file": str(entry.path), **ann.where})
             continue
-        with open(entry.path, "rb") as stream:
-            header = read_image_header(stream)
-        height, width = header.height, header.width
+        with open(entry.path, "rb") as stream:  # the size of the picture as it decodes
+            height, width = read_oriented_size(stream)
         boxes, labels = [], []
         for ann in entry.annotations:
             place = {"file": str(entry.path), **ann.where}
@@ -170,9 +176,16 @@ def check_entries(
                                       "clipped_to": [round(v, 2) for v in box]})  # fmt: skip
             boxes.append(box)
             labels.append(ann.label)
+        # Crowd regions: clipped as boxes are; one that is not a region of the image (or of
+        # an unknown category) is nothing to excuse a detection on, and goes.
+        crowd = [(clip_box(c.box, height, width), c.label) for c in entry.crowd]
+        crowd = [(box, label) for (why, box), label in crowd
+                 if why is None and 1 <= label <= num_classes]  # fmt: skip
         split.paths.append(str(entry.path))
         split.boxes.append(np.asarray(boxes, dtype=np.float32).reshape(-1, 4))
         split.labels.append(np.asarray(labels, dtype=np.int64))
+        split.crowd_boxes.append(np.asarray([b for b, _ in crowd], np.float32).reshape(-1, 4))
+        split.crowd_labels.append(np.asarray([k for _, k in crowd], dtype=np.int64))
         split.sizes.append((height, width))
     bad.images_log.kept = len(split.paths)
     bad.annotations_log.kept = sum(len(b) for b in split.boxes)
@@ -214,8 +227,9 @@ class DetectionImages(Dataset):
     With a `transform` (training, data.augment) an item's randomness is seeded from (run seed,
     epoch, index) -- the key the training sampler sends -- as image folders' items are."""
 
-    def __init__(self, paths, boxes, labels, *, max_pixels: int | None, transform=None):
+    def __init__(self, paths, boxes, labels, *, max_pixels: int | None, transform=None, crowd=None):
         self.paths, self.boxes, self.labels = list(paths), list(boxes), list(labels)
+        self.crowd = crowd  # [(boxes (M, 4), labels (M,))] per image: evaluation splits only
         self.max_pixels = max_pixels
         self.transform = transform
         self.seeded_keys = transform is not None  # kiln.data.loaders: (index, seed, epoch) keys
@@ -253,6 +267,10 @@ class DetectionImages(Dataset):
         image = pixels.to(torch.float32).div_(255.0) if scale else pixels
         target = {"boxes": torch.from_numpy(self.boxes[index]).clone(),
                   "labels": torch.from_numpy(self.labels[index]).clone()}  # fmt: skip
+        if self.crowd is not None:
+            crowd_boxes, crowd_labels = self.crowd[index]
+            target["crowd_boxes"] = torch.from_numpy(crowd_boxes).clone()
+            target["crowd_labels"] = torch.from_numpy(crowd_labels).clone()
         return image, target
 
 
@@ -266,7 +284,8 @@ def split_images(labels: Sequence[np.ndarray], val_fraction: float, seed: int, k
 
 
 def _subset(split: DetectionSplit, at: np.ndarray) -> dict:
-    return {name: [getattr(split, name)[i] for i in at] for name in ("paths", "boxes", "labels")}
+    names = ("paths", "boxes", "labels", "crowd_boxes", "crowd_labels")
+    return {name: [getattr(split, name)[i] for i in at] for name in names}
 
 
 def detection_bundle(
@@ -309,9 +328,13 @@ def detection_bundle(
 
     def dataset(name: str) -> DetectionImages:
         part = parts[name]
-        transform = box_transform(str(cfg.augment), side) if name == "train" else None
+        training = name == "train"
+        transform = box_transform(str(cfg.augment), side) if training else None
+        crowd = None if training else list(zip(part["crowd_boxes"], part["crowd_labels"],
+                                               strict=True))  # fmt: skip
         return DetectionImages(part["paths"], part["boxes"], part["labels"],
-                               max_pixels=cfg.max_image_pixels, transform=transform)  # fmt: skip
+                               max_pixels=cfg.max_image_pixels, transform=transform,
+                               crowd=crowd)  # fmt: skip
 
     counts = {
         name: dict(zip(names, np.bincount(np.concatenate([np.zeros(0, np.int64), *p["labels"]]),

@@ -33,7 +33,7 @@ from kiln.data.detection_files import (
     detection_bundle,
 )
 from kiln.data.spec import DataBundle
-from kiln.preprocessing.image_files import is_image_name, read_image_header
+from kiln.preprocessing.image_files import is_image_name, read_oriented_size
 from kiln.sorting import natural_key
 
 NAMES_FILES = ("data.yaml", "data.yml", "data.names")
@@ -126,9 +126,8 @@ def read_yolo_split(images: Path, num_classes: int, cfg: YoloConfig, key: str) -
         label_file = labels / stem.with_suffix(".txt")
         if label_file.is_file():
             try:
-                with open(path, "rb") as stream:
-                    header = read_image_header(stream)
-                width, height = header.width, header.height
+                with open(path, "rb") as stream:  # normalised to the picture as it decodes
+                    height, width = read_oriented_size(stream)
             except (OSError, ValueError):
                 width = height = 0  # an unreadable image: check_entries reports it
             _read_labels(label_file, width, height, entry, bad)

@@ -12,6 +12,26 @@ def _to_cpu(items: list[dict[str, Tensor]], keys: tuple[str, ...]) -> list[dict[
     return [{key: item[key].detach().cpu() for key in keys} for item in items]
 
 
+def coco_targets(targets: list[dict]) -> list[dict[str, Tensor]]:
+    """Targets as torchmetrics' COCO evaluation takes them: the true boxes, then the image's
+    crowd regions (data=coco's `iscrowd: 1`, "crowd_boxes"/"crowd_labels" where the item has
+    them) flagged by `iscrowd`, so a detection on a crowd region is ignored, as is the region."""
+    out = []
+    for target in targets:
+        boxes = torch.as_tensor(target["boxes"], dtype=torch.float32).detach().cpu()
+        labels = torch.as_tensor(target["labels"], dtype=torch.int64).detach().cpu()
+        crowd_boxes = torch.as_tensor(target.get("crowd_boxes", boxes[:0]), dtype=torch.float32)
+        crowd_labels = torch.as_tensor(target.get("crowd_labels", labels[:0]), dtype=torch.int64)
+        iscrowd = torch.cat([torch.zeros(len(labels), dtype=torch.int64),
+                             torch.ones(len(crowd_labels), dtype=torch.int64)])  # fmt: skip
+        out.append({
+            "boxes": torch.cat([boxes, crowd_boxes.cpu().reshape(-1, 4)]),
+            "labels": torch.cat([labels, crowd_labels.cpu()]),
+            "iscrowd": iscrowd,
+        })  # fmt: skip
+    return out
+
+
 def mean_average_precision(
     predictions: list[dict[str, Tensor]],
     targets: list[dict[str, Tensor]],
@@ -33,9 +53,7 @@ def mean_average_precision(
     from torchmetrics.detection import MeanAveragePrecision
 
     metric = MeanAveragePrecision(iou_type="bbox", iou_thresholds=[iou_threshold])
-    metric.update(
-        _to_cpu(predictions, ("boxes", "scores", "labels")), _to_cpu(targets, ("boxes", "labels"))
-    )
+    metric.update(_to_cpu(predictions, ("boxes", "scores", "labels")), coco_targets(targets))
     value = metric.compute()["map"]
     # COCO reports -1 for "undefined"; with ground truth present that cannot happen, but a
     # negative mAP must never reach a metric log.
@@ -67,9 +85,7 @@ def coco_metrics(
     from torchmetrics.detection import MeanAveragePrecision
 
     metric = MeanAveragePrecision(iou_type="bbox")
-    metric.update(
-        _to_cpu(predictions, ("boxes", "scores", "labels")), _to_cpu(targets, ("boxes", "labels"))
-    )
+    metric.update(_to_cpu(predictions, ("boxes", "scores", "labels")), coco_targets(targets))
     result = metric.compute()
     values = {log: float(torch.as_tensor(result[key])) for log, key in COCO_LOG_KEYS.items()}
     return {"val_map": 0.0} | {log: value for log, value in values.items() if value >= 0}

@@ -69,6 +69,22 @@ class DetectionHead(nn.Module):
         return self.model.detect(x)
 
 
+class SingleImageDetectionHead(nn.Module):
+    """A contract detector's eval forward on one image: (1, 3, H, W) raw pixels -> boxes
+    (1, K, 4), scores (1, K), labels (1, K), K varying (the model's own score threshold, NMS and
+    detections per image applied). The graph ONNX export takes for torchvision's detectors:
+    their post-processing loops over the images of a batch, which tracing unrolls, so the
+    exported graph's batch is one image (any H and W)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        (found,) = self.model([x[0]])
+        return found["boxes"][None], found["scores"][None], found["labels"][None]
+
+
 def keep_above(boxes, scores, labels, threshold: float) -> Detections:
     keep = scores >= threshold
     return {
@@ -141,7 +157,8 @@ class OnnxBackend:
 
 
 class OnnxDetectionBackend:
-    """The exported graph takes one image size per call: images are grouped by size."""
+    """The exported graph takes one image size per call: images are grouped by size, and fed
+    one at a time to a graph whose batch axis is fixed at 1 (torchvision's detectors)."""
 
     platform = "onnxruntime_onnx"
 
@@ -149,13 +166,21 @@ class OnnxDetectionBackend:
         self.path = onnx_path
         self.session = ort_session(onnx_path, device, threads)
         self.score_threshold = score_threshold
+        batch_axis = self.session.get_inputs()[0].shape[0]
+        self.max_batch = batch_axis if isinstance(batch_axis, int) else None
 
     def detect(self, images: list[Tensor]) -> list[Detections]:
         by_size: dict[tuple, list[int]] = defaultdict(list)
         for i, image in enumerate(images):
             by_size[tuple(image.shape)].append(i)
         found: list[Detections | None] = [None] * len(images)
-        for indices in by_size.values():
+        step = self.max_batch
+        chunks = [
+            group[start : start + step] if step else group
+            for group in by_size.values()
+            for start in range(0, len(group), step or len(group))
+        ]
+        for indices in chunks:
             batch = np.stack([images[i].numpy() for i in indices])
             boxes, scores, labels = self.session.run(list(DETECTION_OUTPUTS), {ONNX_INPUT: batch})
             for row, i in enumerate(indices):

@@ -38,12 +38,14 @@ def _mean_average_precision(detections, targets, iou_thresholds) -> dict[str, An
     import torch
     from torchmetrics.detection import MeanAveragePrecision
 
+    from kiln.engine.detection_eval import coco_targets
+
     metric = MeanAveragePrecision(
         iou_type="bbox", iou_thresholds=iou_thresholds, class_metrics=True
     )
     metric.update(
         [{k: torch.as_tensor(d[k]) for k in ("boxes", "scores", "labels")} for d in detections],
-        [{k: torch.as_tensor(t[k]) for k in ("boxes", "labels")} for t in targets],
+        coco_targets(targets),  # crowd regions (data=coco's iscrowd) flagged, as COCO does
     )
     result = metric.compute()
     values = torch.atleast_1d(result["map_per_class"]).tolist()

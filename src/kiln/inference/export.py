@@ -4,7 +4,8 @@ preprocessing beside it.
 
     model.onnx            classifiers: input (N, C, H, W) float32 standardised | (N, L) int64
                           -> logits, probs; detectors: input (N, 3, H, W) raw pixels
-                          -> boxes (N, K, 4), scores (N, K), labels (N, K)
+                          -> boxes (N, K, 4), scores (N, K), labels (N, K): kiln's detector
+                          with a fixed K, torchvision's with N = 1 and K varying
     model.onnx.json       data spec, preprocessing, config and the source .pt's sha256
     model.int8.onnx(.json)  int8=True (classifiers): dynamically quantised weights, looser check
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -33,8 +35,10 @@ from kiln.inference.backends import (
     ONNX_INPUT,
     ONNX_OUTPUTS,
     DetectionHead,
+    Detections,
     ProbabilityHead,
     RawImageHead,
+    SingleImageDetectionHead,
     ort_session,
 )
 from kiln.inference.errors import InferenceError
@@ -46,6 +50,7 @@ OPSET = 17
 DYNAMO_OPSET = 18  # the dynamo exporter's lowest supported opset
 PROBS_TOLERANCE = 1e-4  # max |p_onnx - p_torch| over every class of every example
 BOX_TOLERANCE_PX = 1e-2  # max |box_onnx - box_torch| in pixels, over every detection kept
+MIN_BOX_IOU = 0.99  # torchvision's detectors: each torch box against its ONNX twin (same label)
 INT8_MIN_AGREEMENT = 0.95  # share of examples where the int8 model's argmax matches torch's
 NUM_PARITY_EXAMPLES = 64
 NUM_DETECTION_EXAMPLES = 8  # detectors: images of mixed sizes, one call per size
@@ -59,8 +64,14 @@ class ExportParityError(InferenceError):
 @dataclass
 class ParityCheck:
     name: str  # which batch: "batch=1", "batch=64, length=12", "batch=1, 96x120"...
-    max_abs_diff: float  # probabilities, or box corners in pixels for detectors
+    max_abs_diff: float  # probabilities, box corners in pixels, or 1 - IoU ("iou")
     unit: str = "prob"
+
+    def line(self) -> str:
+        if self.unit == "iou":
+            return f"  parity {self.name}: min box IoU = {1 - self.max_abs_diff:.4f}"
+        px = " px" if self.unit == "box" else ""
+        return f"  parity {self.name}: max |d{self.unit}| = {self.max_abs_diff:.2e}{px}"
 
 
 @dataclass
@@ -76,11 +87,7 @@ class ExportReport:
     def lines(self) -> list[str]:
         sidecar = sidecar_path(self.onnx_path).name
         out = [f"wrote {self.onnx_path} (+ {sidecar}; {self.exporter} exporter)"]
-        out += [
-            f"  parity {c.name}: max |d{c.unit}| = {c.max_abs_diff:.2e}"
-            + (" px" if c.unit == "box" else "")
-            for c in self.parity
-        ]
+        out += [c.line() for c in self.parity]
         out.append(f"  examples: {self.examples_source}")
         if self.int8_path is not None:
             out.append(
@@ -109,6 +116,8 @@ class Graph:
     # Output dims after the batch axis that are constant although the tracer could not tell
     # (a detector's K): written into the graph so Triton's config can say them.
     output_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    fixed_batch: int | None = None  # the batch axis is this size (None: dynamic)
+    exporters: tuple[str, ...] = ("legacy", "dynamo")  # tried in this order
 
 
 def graph_for(record: ModelRecord, model: nn.Module, *, raw_pixels: bool = False) -> Graph:
@@ -116,14 +125,8 @@ def graph_for(record: ModelRecord, model: nn.Module, *, raw_pixels: bool = False
     into the graph (its input is then raw pixels, as kiln's clients send them)."""
     spec = record.spec
     if spec.task == "detection":
-        if not hasattr(model, "detect"):  # the fixed-K graph ONNX export takes (model=detector)
-            arch = getattr(model, "arch", type(model).__name__)
-            raise InferenceError(
-                f"ONNX export of {arch} ({type(model).__name__}) is not supported: kiln exports "
-                "a detector through its detect(x) -> boxes (N, K, 4), scores, labels graph with a "
-                "fixed K, which model=detector has and torchvision's detectors do not; predict "
-                "and serve it with backend=torch (infer.py, mode=serve)"
-            )
+        if not hasattr(model, "detect"):  # no fixed-K graph (model=detector has one)
+            return single_image_detection_graph(model)
         threshold = float(getattr(model, "score_threshold", 0.0))
         k = model.detections_per_image
         return Graph(
@@ -150,6 +153,35 @@ def graph_for(record: ModelRecord, model: nn.Module, *, raw_pixels: bool = False
         mean, std = list(record.recipe.mean), list(record.recipe.std)
         net = RawImageHead(model, mean, std, spec.multi_label)
     return Graph(net.eval(), ONNX_OUTPUTS, {0: "batch"}, difference=probs_difference)
+
+
+def single_image_detection_graph(model: nn.Module) -> Graph:
+    """A detector of the detection contract without kiln's fixed-K `detect` (torchvision's, a
+    plugin's): its own eval forward on one image of any size, checked box by box (IoU) against
+    torch. A model that knows it does not export says why in `onnx_refusal`."""
+    arch = getattr(model, "arch", type(model).__name__)
+    refusal = getattr(model, "onnx_refusal", None)
+    if refusal:
+        raise InferenceError(
+            f"ONNX export of {arch} is not supported: {refusal}; predict and serve it with "
+            "backend=torch (infer.py, mode=serve)"
+        )
+    if not callable(getattr(model, "check_output", None)):
+        raise InferenceError(
+            f"ONNX export of {arch} ({type(model).__name__}) is not supported: it declares no "
+            "detection contract (kiln.models.detection_contract.DetectionContract) and has no "
+            "detect(x) graph; predict and serve it with backend=torch"
+        )
+    return Graph(
+        SingleImageDetectionHead(model).eval(),
+        DETECTION_OUTPUTS,
+        {2: "height", 3: "width"},
+        difference=detection_iou_difference,
+        tolerance=1 - MIN_BOX_IOU,
+        unit="iou",
+        fixed_batch=1,
+        exporters=("legacy",),  # torchvision's detectors trace (its own ONNX tests); not dynamo
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,13 +234,18 @@ def raw_pixels_of(record: ModelRecord, standardised: Tensor) -> Tensor:
     return standardised * std + mean
 
 
-def parity_batches(examples: Any, input_kind: str) -> dict[str, Tensor]:
+def parity_batches(
+    examples: Any, input_kind: str, fixed_batch: int | None = None
+) -> dict[str, Tensor]:
     """Two batch sizes; token models also at two sequence lengths; detectors: single images of
-    different sizes, and a batch of images cut to one size."""
+    different sizes, and a batch of images cut to one size (unless the graph's batch is fixed
+    at 1: then more single images)."""
     if input_kind == "image_list":
         batches = {}
-        for image in examples[:3]:
+        for image in examples[: 3 if fixed_batch is None else 6]:
             batches[f"batch=1, {image.shape[1]}x{image.shape[2]}"] = image[None]
+        if fixed_batch == 1:
+            return batches
         height = min(image.shape[1] for image in examples)
         width = min(image.shape[2] for image in examples)
         batches[f"batch={len(examples)}, {height}x{width}"] = torch.stack(
@@ -239,7 +276,10 @@ def exporter_options(name: str, graph: Graph) -> dict:
     sizes symbolic all the way through."""
     if name == "legacy":
         axes = {ONNX_INPUT: dict(graph.dynamic_axes)}
-        axes.update({output: {0: "batch"} for output in graph.outputs})
+        if graph.fixed_batch is None:
+            axes.update({output: {0: "batch"} for output in graph.outputs})
+        else:  # one image in, its K detections out
+            axes.update({output: {1: "detections"} for output in graph.outputs})
         return {"dynamic_axes": axes, "opset_version": OPSET, "dynamo": False}
     dims = {}
     for axis, label in graph.dynamic_axes.items():
@@ -267,9 +307,6 @@ def export_graph(name: str, graph: Graph, example: Tensor, out_path: Path) -> No
         )
 
 
-EXPORTERS = ("legacy", "dynamo")  # tried in this order
-
-
 def export_checked(
     graph: Graph, batches: dict[str, Tensor], onnx_path: Path, device: str
 ) -> tuple[str, list[ParityCheck]]:
@@ -279,9 +316,9 @@ def export_checked(
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     # Two rows of the largest batch: a batch of one would let torch.export specialise the batch
     # axis to 1 (its 0/1 rule), and a graph traced on it would take nothing else.
-    example = max(batches.values(), key=len)[:2]
+    example = max(batches.values(), key=len)[: graph.fixed_batch or 2]
     failures = []
-    for name in EXPORTERS:
+    for name in graph.exporters:
         try:
             export_graph(name, graph, example, onnx_path)
             declare_output_dims(onnx_path, graph.output_dims)
@@ -311,17 +348,18 @@ def declare_output_dims(onnx_path: Path, output_dims: dict[str, tuple[int, ...]]
     onnx.save(model, str(onnx_path))
 
 
-def write_sidecar(record: ModelRecord, onnx_path: Path) -> Path:
+def write_sidecar(record: ModelRecord, onnx_path: Path, fixed_batch: int | None = None) -> Path:
     """model.onnx.json: the record kiln reads back (its `preprocessing` is what kiln does to raw
     inputs, `value_range` the raw pixels'), and `graph_input`: what the graph itself takes, for
     anyone feeding it without kiln."""
     path = sidecar_path(onnx_path)
-    path.write_text(json.dumps({"graph_input": graph_input(record), **record.to_json()},
+    described = graph_input(record, fixed_batch)
+    path.write_text(json.dumps({"graph_input": described, **record.to_json()},
                                indent=1) + "\n")  # fmt: skip
     return path
 
 
-def graph_input(record: ModelRecord) -> dict[str, Any]:
+def graph_input(record: ModelRecord, fixed_batch: int | None = None) -> dict[str, Any]:
     """The graph's input as it must arrive: name, dtype, shape and the range of its values. An
     image classifier's graph takes standardised pixels ((pixel - mean) / std per channel), so
     its range is the raw range standardised, per channel -- not the raw pixels' range."""
@@ -332,7 +370,8 @@ def graph_input(record: ModelRecord) -> dict[str, Any]:
                 "value_range": [0, spec.vocab_size - 1]}  # fmt: skip
     low, high = recipe.value_range or (None, None)
     if spec.input_kind == "image_list":
-        return {"name": ONNX_INPUT, "dtype": "float32", "shape": ["batch", 3, "height", "width"],
+        batch = fixed_batch or "batch"
+        return {"name": ONNX_INPUT, "dtype": "float32", "shape": [batch, 3, "height", "width"],
                 "holds": "raw pixels (the graph resizes and normalises them itself)",
                 "value_range": [low, high]}  # fmt: skip
     channels = [
@@ -388,6 +427,44 @@ def detection_difference(net: nn.Module, session, batch: Tensor, threshold: floa
     return worst
 
 
+def box_iou_shortfall(torch_found: Detections, onnx_found: Detections) -> float:
+    """1 - the lowest IoU between a torch detection and its ONNX twin: the ONNX detection of the
+    same label and a score within PROBS_TOLERANCE that overlaps it most; infinite when the two
+    disagree on how many boxes there are or a box has no such twin. Matched rather than
+    compared by rank: two equal scores may come out in either order, and one place may hold
+    several boxes (of several pyramid levels) with different scores."""
+    from torchvision.ops import box_iou
+
+    if len(torch_found["boxes"]) != len(onnx_found["boxes"]):
+        return float("inf")
+    if not len(torch_found["boxes"]):
+        return 0.0
+    boxes, o_boxes = torch.as_tensor(torch_found["boxes"]), torch.as_tensor(onnx_found["boxes"])
+    # A box of zero area (cut to the image's edge) has no IoU (0 / 0): the same corners match.
+    same_corners = (boxes[:, None, :] - o_boxes[None, :, :]).abs().amax(dim=2) <= BOX_TOLERANCE_PX
+    iou = torch.where(same_corners, 1.0, box_iou(boxes, o_boxes).nan_to_num(0.0))
+    same_label = torch_found["labels"][:, None] == onnx_found["labels"][None, :]
+    same_score = np.abs(torch_found["scores"][:, None] - onnx_found["scores"][None, :])
+    twins = torch.as_tensor(same_label & (same_score <= PROBS_TOLERANCE))
+    best = torch.where(twins, iou, torch.full_like(iou, -1.0)).max(dim=1).values
+    if (best < 0).any():
+        return float("inf")
+    return float(1 - best.min())
+
+
+@torch.inference_mode()
+def detection_iou_difference(net: nn.Module, session, batch: Tensor) -> float:
+    """A single-image graph's detections against torch's on the same image (box IoU)."""
+    boxes, scores, labels = (t[0].numpy() for t in net(batch))
+    o_boxes, o_scores, o_labels = (
+        t[0] for t in session.run(list(DETECTION_OUTPUTS), {ONNX_INPUT: batch.numpy()})
+    )
+    return box_iou_shortfall(
+        {"boxes": boxes, "scores": scores, "labels": labels},
+        {"boxes": o_boxes, "scores": o_scores, "labels": o_labels},
+    )
+
+
 def check_parity(graph: Graph, onnx_path: Path, batches: dict[str, Tensor], device: str):
     session = ort_session(onnx_path, device)
     checks = []
@@ -395,9 +472,17 @@ def check_parity(graph: Graph, onnx_path: Path, batches: dict[str, Tensor], devi
         diff = graph.difference(graph.net, session, batch)
         checks.append(ParityCheck(name, diff, graph.unit))
         if not diff <= graph.tolerance:  # also catches NaN
+            found = f"max |d{graph.unit}| = {diff:.3g} > {graph.tolerance:g}"
+            if graph.unit == "iou" and math.isinf(diff):
+                found = (
+                    "ONNX Runtime keeps other boxes than torch (another count, a box without a "
+                    f"twin of its label, or a score moved by more than {PROBS_TOLERANCE:g})"
+                )
+            elif graph.unit == "iou":
+                found = f"min box IoU = {1 - diff:.3g} < {1 - graph.tolerance:g}"
             raise ExportParityError(
-                f"{onnx_path}: ONNX Runtime and torch disagree on {name}: max |d{graph.unit}| = "
-                f"{diff:.3g} > {graph.tolerance:g}; the export is not trustworthy"
+                f"{onnx_path}: ONNX Runtime and torch disagree on {name}: {found}; the export is "
+                "not trustworthy"
             )
     return checks
 
@@ -473,11 +558,13 @@ def export(
     limit = NUM_DETECTION_EXAMPLES if detection else NUM_INT8_EXAMPLES if int8 else None
     examples, source = validation_examples(record, limit or NUM_PARITY_EXAMPLES)
     batches = parity_batches(
-        examples if detection else examples[:NUM_PARITY_EXAMPLES], record.spec.input_kind
+        examples if detection else examples[:NUM_PARITY_EXAMPLES],
+        record.spec.input_kind,
+        graph.fixed_batch,
     )
     exporter, parity = export_checked(graph, batches, onnx_path, device)
     report = ExportReport(onnx_path, parity, exporter=exporter, examples_source=source)
-    write_sidecar(record, onnx_path)
+    write_sidecar(record, onnx_path, graph.fixed_batch)
     if int8:
         report.int8_path = quantize_int8(onnx_path)
         threshold = record.spec.threshold if record.spec.multi_label else None

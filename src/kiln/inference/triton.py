@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kiln.inference.backends import ONNX_INPUT
+from kiln.inference.errors import InferenceError
 from kiln.inference.export import (
     NUM_DETECTION_EXAMPLES,
     NUM_PARITY_EXAMPLES,
@@ -54,9 +55,7 @@ class TritonReport:
 
     def lines(self) -> list[str]:
         out = [f"wrote Triton model {self.model_dir} ({self.exporter} exporter)"]
-        for c in self.parity:
-            unit = " px" if c.unit == "box" else ""
-            out.append(f"  parity {c.name}: max |d{c.unit}| = {c.max_abs_diff:.2e}{unit}")
+        out += [c.line() for c in self.parity]
         out.append(f"  examples: {self.examples_source}")
         return out
 
@@ -177,6 +176,13 @@ def export_triton(
         shutil.rmtree(model_dir)  # a stale version folder must not survive a re-export
     onnx_path = model_dir / VERSION / "model.onnx"
     graph = graph_for(record, rebuild_model(record, state_dict), raw_pixels=True)
+    if graph.fixed_batch is not None:
+        arch = record.config["model"].get("arch", record.config["model"]["name"])
+        raise InferenceError(
+            f"Triton export of {arch} is not supported: its ONNX graph takes one image per call "
+            "(batch fixed at 1), which Triton's batching cannot feed; export it with "
+            "mode=export and serve it with kiln's server (backend=onnx)"
+        )
     batches, source = parity_examples(record)
     exporter, parity = export_checked(graph, batches, onnx_path, device)
 

@@ -457,6 +457,42 @@ def read_image_file(
     return _decode_checked(data, header, channels)
 
 
+# EXIF orientations that turn the picture a quarter (5: transpose, 6: 90 deg, 7: transverse,
+# 8: 270 deg): the decoded image is the stored one with width and height swapped.
+_QUARTER_TURNS = frozenset({5, 6, 7, 8})
+
+
+def _decoder_applies_exif(header: ImageHeader) -> bool:
+    """torchvision's decode applies the EXIF orientation to JPEG only (a still WEBP goes through
+    it unturned); Pillow's path applies it to every other format (ImageOps.exif_transpose)."""
+    still_webp = header.format == "WEBP" and header.frames == 1
+    return not still_webp
+
+
+def read_oriented_size(stream: BinaryIO) -> tuple[int, int]:
+    """(height, width) of the image an opened file decodes to (read_image_file): the header's
+    size, turned by the file's EXIF orientation where the decoder applies it -- a phone photo
+    stored landscape with orientation 6 decodes standing up, and its boxes are that picture's.
+    Only the header and the EXIF block are read (Pillow's lazy open); the file is left where it
+    was. ImageDecodeError as read_image_header when there is no image header."""
+    header = read_image_header(stream)
+    if not _decoder_applies_exif(header):
+        return header.height, header.width
+    from PIL import Image
+
+    start = stream.tell()
+    try:
+        with Image.open(stream) as opened:
+            orientation = opened.getexif().get(0x0112, 1)  # ExifTags.Base.Orientation
+    except Exception:  # noqa: BLE001 -- no readable EXIF: the picture as stored, as decoding does
+        orientation = 1
+    finally:
+        stream.seek(start)
+    if orientation in _QUARTER_TURNS:
+        return header.width, header.height
+    return header.height, header.width
+
+
 def _decode_checked(data, header: ImageHeader, channels: int) -> torch.Tensor:
     animated_webp = header.format == "WEBP" and header.frames > 1
     if header.format in _TORCHVISION_FORMATS and not animated_webp:

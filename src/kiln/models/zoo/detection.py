@@ -59,6 +59,13 @@ FAMILIES = {
     "SSD": (("bbox_regression", "classification"), "head.classification_head"),
 }  # fmt: skip
 FIXED_SIZE_FAMILIES = ("SSD",)  # SSD300 / SSDlite320 resize to their own fixed size
+# Architectures whose traced ONNX graph does not agree with torch (kiln.inference.export checks
+# every export against torch box by box; tests/test_torchvision_detection_export.py's slow sweep
+# tries them all): export refuses them at once, with the reason.
+NOT_ONNX_EXPORTABLE = {
+    "ssdlite320_mobilenet_v3_large": "ONNX Runtime's run of its traced graph keeps another "
+    "number of boxes than torch does (136 against 128 on the same image)",
+}
 
 
 @lru_cache(maxsize=1)
@@ -113,6 +120,10 @@ class TorchvisionDetector(DetectionContract, nn.Module):
         self.num_classes = num_classes
         self.arch = arch
         self.loss_keys = FAMILIES[family_of(net)][0]
+        self.onnx_refusal = NOT_ONNX_EXPORTABLE.get(arch)  # kiln.inference.export
+        from kiln.models.zoo.traced_resize import traced_resize_as_eager
+
+        traced_resize_as_eager(net.transform)  # ONNX export: sized as eager torch sizes
 
     def forward(self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None):
         if self.training:
