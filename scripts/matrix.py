@@ -28,8 +28,10 @@ QUIET = ("logger=none", "env.progress_bar=false", "data.batch_size=4")
 DETECTION = REPO / "examples/detection"
 DATA_FILES = {
     "image_folder": (f"data.train_dir={REPO / 'examples/photos/train'}", "data.image_size=32"),
-    "coco": (f"data.train_json={DETECTION / 'coco/train.json'}",
-             f"data.train_images={DETECTION / 'coco/images/train'}"),  # fmt: skip
+    "coco": (
+        f"data.train_json={DETECTION / 'coco/train.json'}",
+        f"data.train_images={DETECTION / 'coco/images/train'}",
+    ),  # fmt: skip
     "yolo": (f"data.train_dir={DETECTION / 'yolo/images/train'}",),
 }
 
