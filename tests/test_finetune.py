@@ -110,9 +110,14 @@ def test_freeze_backbone_and_head_lr(tmp_path):
     cfg = load_config(["model.freeze=backbone", "optimizer.head_lr_mult=10", *QUICK])
     recorder = RunRecorder(cfg.logger, tmp_path, run_name="t", config={}, is_main=True)
     trainer = build_trainer(cfg, tmp_path, DistInfo(), torch.device("cpu"), recorder)
-    backbone, head = trainer.optimizer.param_groups
-    assert (backbone["group"], head["group"]) == ("backbone", "head")
+    groups = trainer.optimizer.param_groups
+    # backbone then head, each split into decayed weights and undecayed biases
+    assert [(g["group"], g["decay"]) for g in groups] == [
+        ("backbone", True), ("backbone", False), ("head", True), ("head", False)
+    ]  # fmt: skip
+    backbone, head = groups[0], groups[2]
     assert head["lr"] == pytest.approx(10 * backbone["lr"])
+    assert [g["weight_decay"] for g in groups] == [cfg.optimizer.weight_decay, 0.0] * 2
     trainable = {n for n, p in trainer.raw_model.named_parameters() if p.requires_grad}
     assert trainable == {"head.weight", "head.bias"}
 

@@ -150,6 +150,53 @@ def test_onnx_logits_match_torch_at_any_batch_and_length(bert_run, batch, capsys
         np.testing.assert_allclose(logits, expected, atol=1e-4, err_msg=f"length {length}")
 
 
+def test_int8_export_states_how_often_it_agrees_with_torch(bert_run, tmp_path):
+    """int8=true quantises the encoder's weights (dynamic quantisation) and says how often its
+    prediction matches torch's on the validation examples; a low agreement is refused."""
+    from kiln.inference import export
+    from kiln.inference.export import INT8_MIN_AGREEMENT
+
+    run_dir, _ = bert_run
+    report = export(run_dir / "checkpoints" / "best.pt", tmp_path / "model.onnx", int8=True)
+    assert report.int8_path.is_file() and report.int8_num_examples > 0
+    assert report.int8_agreement >= INT8_MIN_AGREEMENT
+    assert any("agrees with torch on" in line for line in report.lines())
+
+
+def test_the_triton_repository_ships_the_models_tokenizer_a_client_can_run(bert_run, tmp_path):
+    """What a Triton client does for model=hf: run the repository's tokenizer.json (the
+    model's own, special tokens and all), truncate at the recorded length, pad with the pad id
+    the config.pbtxt names, send INT64 ids: the graph gives infer.py's probabilities."""
+    from tokenizers import Tokenizer
+
+    from kiln.inference.backends import ort_session
+    from kiln.inference.record import read_checkpoint
+    from kiln.inference.triton import export_triton
+
+    run_dir, _ = bert_run
+    best = run_dir / "checkpoints" / "best.pt"
+    report = export_triton(best, tmp_path / "repo", max_batch_size=8)
+    record, _ = read_checkpoint(best)
+    header = (report.model_dir / "config.pbtxt").read_text()
+    assert f"pad every row to the longest with {record.recipe.pad_id}" in header
+    tokenizer = Tokenizer.from_file(str(report.model_dir / "tokenizer.json"))
+    tokenizer.enable_truncation(record.recipe.max_length)
+    texts = [
+        "the ndarray broadcast along an axis",
+        "a session cookie in the request header",
+        " ".join(["dtype"] * 200),
+    ]  # fmt: skip  (longer than max_length: truncated)
+    encoded = [e.ids for e in tokenizer.encode_batch(texts)]
+    assert encoded[0][0] == tokenizer.token_to_id("[CLS]")  # the model's special tokens
+    ids = np.full((len(texts), max(map(len, encoded))), record.recipe.pad_id, dtype=np.int64)
+    for row, sequence in enumerate(encoded):
+        ids[row, : len(sequence)] = sequence
+    session = ort_session(report.model_dir / "1" / "model.onnx")
+    (probs,) = session.run(["probs"], {session.get_inputs()[0].name: ids})
+    expected = Predictor.from_checkpoint(best).predict_probs(texts)
+    np.testing.assert_allclose(probs, expected, atol=1e-4)
+
+
 def test_the_same_model_is_read_from_the_hub_cache_offline(bert_run, corpus, monkeypatch, caplog):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(corpus / "home"))

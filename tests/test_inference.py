@@ -212,7 +212,8 @@ def test_a_task_inference_does_not_know_says_not_supported(digits_ckpt, tmp_path
         c["data_spec"]["task"] = "segmentation"
 
     ckpt = _altered_copy(digits_ckpt[0], tmp_path / "best.pt", segmentation)
-    with pytest.raises(UnsupportedCheckpointError, match="supports classification and detection"):
+    supported = "supports classification, multilabel, detection only"
+    with pytest.raises(UnsupportedCheckpointError, match=supported):
         Predictor.from_checkpoint(ckpt)
 
 

@@ -102,13 +102,15 @@ def _at_length(batch: Any, length: int, pad_id: int) -> Any:
 
 
 def _image_list_batches(bundle: DataBundle, size: int) -> ProbeBatches:
-    areas, boxes = [], []
+    areas, boxes, aspects = [], [], []
     for i in _scanned(bundle):
         image, target = bundle.train[i]
         areas.append(int(image.shape[-2]) * int(image.shape[-1]))
+        aspects.append(int(image.shape[-1]) / int(image.shape[-2]))  # width / height
         boxes.append(int(target["boxes"].shape[0]) if "boxes" in target else 0)
-    areas_a, boxes_a = np.asarray(areas), np.asarray(boxes)
+    areas_a, boxes_a, aspects_a = np.asarray(areas), np.asarray(boxes), np.asarray(aspects)
     smallest, largest = int(areas_a.argmin()), int(areas_a.argmax())
+    tallest, widest = int(aspects_a.argmin()), int(aspects_a.argmax())
     most, fewest = int(boxes_a.argmax()), int(boxes_a.argmin())
     fewest_label = (
         "an image with no box"
@@ -128,6 +130,15 @@ def _image_list_batches(bundle: DataBundle, size: int) -> ProbeBatches:
             _collate(bundle, [smallest, largest]),
         )
     )
+    if aspects_a[tallest] != aspects_a[widest]:
+        cases.append(
+            (
+                f"the tallest ({side(tallest)}) and the widest ({side(widest)}) images",
+                _collate(bundle, [tallest, widest]),
+            )
+        )
+    cases.append((f"a batch of 1 (the image with the most boxes, {side(most)})",
+                  _collate(bundle, [most])))  # fmt: skip
     first = [fewest, most, smallest, largest]
     rest = [i for i in range(len(bundle.train)) if i not in first][: max(0, size - len(first))]
     base = _collate(bundle, list(dict.fromkeys(first + rest))[:size])

@@ -74,12 +74,19 @@ def client_notes(record: ModelRecord) -> list[str]:
             " (kiln's threshold).",
         ]
     if spec.input_kind == "tokens":
-        return [
+        notes = [
             "input: token ids INT64 (N, L), L <= " + str(recipe.max_length) + ": run",
             "  tokenizer.json (HuggingFace tokenizers) on each text, truncate to that length,",
             f"  pad every row to the longest with {recipe.pad_id}; an empty text is one [UNK].",
-            "outputs: logits and probs (N, K); probs' classes are the lines of labels.txt.",
         ]
+        if recipe.pretrained is not None:
+            notes.append("  tokenizer.json is the model's own: it adds the special tokens itself.")
+        if recipe.pair_column is not None and not recipe.join_columns:
+            notes.append("  a pair task: encode each (a, b) as a pair, encode(a, b).")
+        elif recipe.pair_column is not None:
+            notes.append("  a pair task trained joined: encode a + ' ' + b as one text.")
+        outputs = "outputs: logits and probs (N, K); probs' classes are the lines of labels.txt."
+        return [*notes, outputs]
     value_range = recipe.value_range or ("any", "any")
     return [
         f"input: raw pixels FP32 (N, {', '.join(map(str, (recipe.channels, *recipe.image_size)))})"
