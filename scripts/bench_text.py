@@ -22,15 +22,27 @@
 5. optionally (--prepare-rows N): a generated N-row CSV prepared twice in fresh processes --
    peak memory against the file's size, and the first (read, clean, tokenize, cache) against
    the second (cache hit) preparation time.
+6. kiln's `model=hf` against Hugging Face's `Trainer` (--hf-trainer; on unless --skip-models):
+   the same small model (a tiny BERT that kiln.models.zoo.tiny_hf writes with `save_pretrained`,
+   its WordPiece vocabulary trained on the training file), the same split files (the first
+   --hf-rows rows of the CSV, split as kiln splits them), the same batch size, optimizer steps,
+   max_length, learning rate, weight decay and linear warm-up schedule, one thread each, in
+   interleaved rounds (which goes first alternating) after an untimed warm-up of each: training
+   samples/s measured alike on both sides (the seconds of the training steps only), the final
+   weights' validation accuracy, and each process's wall time from start to exit. The Trainer
+   side is scripts/hf_trainer_side.py (what transformers' run_classification.py does).
 
 Speed is reported as ratios measured in the same run, never asserted, unless --check (exit 1
 when a floor is missed). Floors: Rust >= 10x Python; bucketed padding < 10%; on each corpus
 text_bow's accuracy and macro-F1 at least TF-IDF + LinearSVC's and its wall at most the SVC's
-(quiet and, with --contention, loaded), its slowdown at most the SVC's and at most 1.5x.
+(quiet and, with --contention, loaded), its slowdown at most the SVC's and at most 1.5x; kiln's
+model=hf training samples/s at least the Trainer's (1.0x) and its accuracy the Trainer's within
+the noise of the validation set.
 
     python scripts/bench_text.py --fasttext venv --contention 1   # what make bench runs
     python scripts/bench_text.py --csv my.csv data.text_column=body
     python scripts/bench_text.py --rows 2000 --skip-models --prepare-rows 1000000
+    python scripts/bench_text.py --skip-models --hf-trainer --hf-steps 300 --hf-rounds 3
 """
 
 from __future__ import annotations
@@ -59,12 +71,15 @@ from kiln.data.loaders import BucketedSampler, ResumableSampler
 from kiln.data.package_text import CORPORA, write_corpus
 from kiln.data.text_corpus import write_ticket_csv
 from kiln.data.token_store import ENCODE_BATCH
+from kiln.models.zoo.tiny_hf import POSITIONS
 from kiln.preprocessing.cleaning import NO_CLEANING
 from kiln.preprocessing.text import WordCachedEncoder, encode_ids, train_tokenizer
 
-FLOORS = {"rust_over_python": 10.0, "bucketed_padding": 0.10, "text_bow_slowdown": 1.5}
+FLOORS = {"rust_over_python": 10.0, "bucketed_padding": 0.10, "text_bow_slowdown": 1.5,
+          "hf_over_trainer": 1.0}  # fmt: skip
 sys.path.insert(0, str(Path(__file__).parent))
 from contention import busy_processes, load_average, their_defaults  # noqa: E402
+from provenance import stamp  # noqa: E402
 
 
 def progress(message: str) -> None:
@@ -108,11 +123,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--check", action="store_true", help="exit 1 when a floor is missed")
     parser.add_argument(
+        "--markdown", action="store_true",
+        help="print the tables as docs/benchmarks.md holds them (date, commit, machine) at the end",
+    )  # fmt: skip
+    parser.add_argument(
         "--fasttext",
         choices=("auto", "venv", "off"),
         default="auto",
         help="auto: fastText if this python has it; venv: in the bench venv .bench/fasttext "
         "(made on first use: fasttext-wheel from the index); off: leave it out",
+    )
+    parser.add_argument(
+        "--hf-trainer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="kiln's model=hf against Hugging Face's Trainer (default: on unless --skip-models)",
+    )
+    parser.add_argument("--hf-rows", type=int, default=4000, help="the CSV's first N rows, split")
+    parser.add_argument("--hf-steps", type=int, default=300, help="optimizer steps of each run")
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument(
+        "--hf-max-length", type=int, default=POSITIONS, help="tokens (at most the tiny BERT's)"
+    )
+    parser.add_argument("--hf-lr", type=float, default=1e-3, help="AdamW's learning rate")
+    parser.add_argument("--hf-rounds", type=int, default=3, help="timed rounds, both sides each")
+    parser.add_argument(
+        "--hf-warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="an untimed run of each side first (imports, bytecode, page cache)",
     )
     parser.add_argument(
         "overrides", nargs="*", help="extra Hydra overrides of kiln's runs (data.*, model.*, ...)"
@@ -123,6 +162,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rows, args.repeats, args.skip_transformer = min(args.rows, 1000), 1, True
         args.corpora = "errors"  # the smallest
         args.prepare_rows = min(args.prepare_rows, 20_000)
+        args.hf_rows, args.hf_steps, args.hf_rounds, args.hf_warmup = 300, 10, 1, False
+    if args.hf_trainer is None:
+        args.hf_trainer = not args.skip_models
+    if min(args.hf_rows - 9, args.hf_steps, args.hf_batch_size, args.hf_rounds) < 1:
+        parser.error("--hf-rows >= 10, --hf-steps, --hf-batch-size and --hf-rounds >= 1")
+    if not 1 <= args.hf_max_length <= POSITIONS:
+        parser.error(f"--hf-max-length: 1 to {POSITIONS} (the tiny BERT's positions)")
     epochs = 1 if args.epochs is None else args.epochs
     if min(args.rows - 9, epochs, args.repeats, args.threads + 1, args.prepare_rows + 1) < 1:
         parser.error(
@@ -328,8 +374,9 @@ def write_split(cfg, workdir: Path) -> tuple[Path, Path, int]:
     return *paths, len(val)
 
 
-def _head(path: Path, out: Path, rows: int) -> Path:
-    with path.open(encoding="utf-8", newline="") as f, out.open("w", encoding="utf-8") as o:
+def _head(path: Path, out: Path, rows: int, encoding: str = "utf-8") -> Path:
+    """The header and the first `rows` records of a CSV, in its encoding."""
+    with path.open(encoding=encoding, newline="") as f, out.open("w", encoding=encoding) as o:
         csv.writer(o).writerows(itertools.islice(csv.reader(f), rows + 1))
     return out
 
@@ -583,6 +630,129 @@ def streaming(rows: int, workdir: Path, overrides: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# 6. kiln's model=hf against Hugging Face's Trainer
+
+HF_KILN, HF_TRAINER = "kiln model=hf", "transformers Trainer"
+HF_SIDE = REPO / "scripts" / "hf_trainer_side.py"
+HF_LABELS = {
+    HF_KILN: "kiln (`train.py ... model=hf`, trainer.threads=1)",
+    HF_TRAINER: "transformers `Trainer` (scripts/hf_trainer_side.py)",
+}
+HF_WEIGHT_DECAY, HF_WARMUP_RATIO = 0.01, 0.1  # kiln's optimizer.weight_decay, its warmup_ratio
+
+
+class HfSides:
+    """The two sides on the same files and settings, each a fresh process with one thread;
+    each run returns its record (samples/s, val_acc, wall s, CPU s, ...)."""
+
+    def __init__(self, workdir: Path, folder: Path, train_rows: int, args):
+        self.workdir, self.folder, self.args = workdir, folder, args
+        # One thread each, whatever --threads or --contention say for the other sections.
+        self.tools = Tools(workdir, None, 1, [])
+        # Epochs enough for --hf-steps (kiln stops at trainer.max_steps, mid-epoch if need be).
+        batches = -(-train_rows // args.hf_batch_size)
+        self.epochs = -(-args.hf_steps // batches) + 1
+        self.runs = 0
+
+    def kiln(self, train: Path, val: Path, seed: int, steps: int) -> dict:
+        self.runs += 1
+        run_dir = self.workdir / f"kiln-{self.runs}"
+        a = self.args
+        _, wall = self.tools._run(
+            [sys.executable, "train.py", "data=csv_text", f"data.train_path={train}",
+             f"data.val_path={val}", "model=hf", f"model.arch={self.folder}",
+             f"data.batch_size={a.hf_batch_size}", f"data.max_length={a.hf_max_length}",
+             f"optimizer.lr={a.hf_lr}", f"optimizer.weight_decay={HF_WEIGHT_DECAY}",
+             "scheduler=linear_warmup", f"scheduler.warmup_ratio={HF_WARMUP_RATIO}",
+             f"trainer.max_steps={steps}", f"trainer.max_epochs={self.epochs}",
+             "trainer.early_stopping=null", "trainer.threads=1",
+             f"data.cache_dir={run_dir}-cache", f"hydra.run.dir={run_dir}", "logger=none",
+             "env.progress_bar=false", f"seed={seed}"]
+        )  # fmt: skip
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return {
+            "samples_per_s": summary["samples_per_s"],
+            "val_acc": summary["val_acc"],  # the final weights', as the Trainer's
+            "train_time_s": summary["train_time_s"],
+            "steps": summary["steps"],
+            "threads": summary["threads"],
+            "wall_s": wall,
+            "cpu_s": self.tools.last_cpu_s,
+        }
+
+    def trainer(self, train: Path, val: Path, seed: int, steps: int) -> dict:
+        self.runs += 1
+        a = self.args
+        out, wall = self.tools._run(
+            [sys.executable, str(HF_SIDE), str(self.folder), str(train), str(val),
+             f"--batch-size={a.hf_batch_size}", f"--steps={steps}", f"--lr={a.hf_lr}",
+             f"--weight-decay={HF_WEIGHT_DECAY}", f"--warmup-ratio={HF_WARMUP_RATIO}",
+             f"--max-length={a.hf_max_length}", f"--seed={seed}", "--threads=1",
+             f"--output-dir={self.workdir / f'trainer-{self.runs}'}"]
+        )  # fmt: skip
+        record = json.loads(out.strip().splitlines()[-1])
+        return {**record, "wall_s": wall, "cpu_s": self.tools.last_cpu_s}
+
+
+def class_count(path: Path) -> int:
+    with path.open(newline="", encoding="utf-8") as f:
+        return len({row["label"] for row in csv.DictReader(f)})
+
+
+def hf_trainer(cfg, workdir: Path, args) -> dict:
+    """kiln's model=hf and Hugging Face's Trainer in interleaved rounds on the same split files
+    of the CSV's first --hf-rows rows (which side goes first alternating), after an untimed
+    warm-up of each; per side its runs and medians, and kiln's samples/s over the Trainer's in
+    each round."""
+    where = workdir / "hf-trainer"
+    where.mkdir(parents=True, exist_ok=True)
+    source = _head(Path(cfg.train_path), where / "source.csv", args.hf_rows, cfg.encoding)
+    train, val, val_rows = write_split(dataclasses.replace(cfg, train_path=str(source)), where)
+    train_rows = sum(1 for _ in csv.reader(train.open(encoding="utf-8"))) - 1
+    folder, classes = where / "tiny-bert", class_count(train)
+    progress(f"writing a tiny BERT ({classes} classes; vocabulary from {train.name}) to {folder}")
+    subprocess.run(
+        [sys.executable, "-m", "kiln.models.zoo.tiny_hf", str(folder), "--texts", str(train),
+         "--num-labels", str(classes)],
+        cwd=REPO, env=child_env(1), check=True, capture_output=True,
+    )  # fmt: skip
+    sides = HfSides(where, folder, train_rows, args)
+    runners = {HF_KILN: sides.kiln, HF_TRAINER: sides.trainer}
+    if args.hf_warmup:
+        progress("Trainer side by side: warm-up, each side 2 steps (imports, page cache)")
+        for run in runners.values():
+            run(train, val, seed=0, steps=2)
+    rows = {name: {} for name in runners}
+    for round_ in range(args.hf_rounds):
+        order = list(runners) if round_ % 2 == 0 else list(runners)[::-1]
+        for name in order:
+            progress(f"{name}: round {round_ + 1} of {args.hf_rounds}, {args.hf_steps} steps")
+            record = runners[name](train, val, seed=round_, steps=args.hf_steps)
+            for key, value in record.items():
+                rows[name].setdefault(f"{key}_runs", []).append(value)
+    for row in rows.values():
+        row["samples_per_s"] = float(np.median(row["samples_per_s_runs"]))
+        row["val_acc"] = float(np.mean(row["val_acc_runs"]))
+        row["wall_s"] = float(np.median(row["wall_s_runs"]))
+        row["cpu_s"] = float(np.median(row["cpu_s_runs"]))
+        row["train_time_s"] = float(np.median(row["train_time_s_runs"]))
+    kiln, trainer = rows[HF_KILN], rows[HF_TRAINER]
+    ratios = [k / t for k, t in zip(kiln["samples_per_s_runs"], trainer["samples_per_s_runs"],
+                                     strict=True)]  # fmt: skip
+    # Noise: the 95% interval of the difference of two accuracies on the same val_rows rows.
+    p = min(max((kiln["val_acc"] + trainer["val_acc"]) / 2, 0.05), 0.95)
+    return {
+        "train_rows": train_rows, "val_rows": val_rows, "classes": classes,
+        "steps": args.hf_steps, "batch_size": args.hf_batch_size,
+        "max_length": args.hf_max_length, "lr": args.hf_lr, "weight_decay": HF_WEIGHT_DECAY,
+        "warmup_ratio": HF_WARMUP_RATIO, "rounds": args.hf_rounds, "threads": 1,
+        "transformers": trainer["transformers_runs"][0], "sides": rows,
+        "ratio_rounds": ratios, "ratio": float(np.median(ratios)),
+        "accuracy_noise": 1.96 * (2 * p * (1 - p) / val_rows) ** 0.5,
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
 # Report
 
 
@@ -631,6 +801,8 @@ def table(result: dict) -> str:
                 f"{row['best_epoch']} of {row['epochs']} | {row['wall_s']:.1f} | {bow:.4f} |"
             )
         lines.append("")
+    if "hf_trainer" in result:
+        lines += hf_table(result["hf_trainer"]) + [""]
     if "streaming" in result:
         s = result["streaming"]
         lines += [
@@ -648,6 +820,43 @@ def table(result: dict) -> str:
     for name, (measured, met) in result["floors"].items():
         lines.append(f"| {name} | {measured} | {'yes' if met else 'NO'} |")
     return "\n".join(lines)
+
+
+def hf_table(hf: dict) -> list[str]:
+    kiln, trainer = hf["sides"][HF_KILN], hf["sides"][HF_TRAINER]
+    lines = [
+        f"| kiln model=hf and transformers {hf['transformers']} Trainer: tiny BERT, "
+        f"{hf['train_rows']:,} train / {hf['val_rows']:,} val rows, {hf['classes']} classes, "
+        f"batch {hf['batch_size']}, {hf['steps']} steps, max_length {hf['max_length']}, lr "
+        f"{hf['lr']:g}, 1 thread, {hf['rounds']} round(s) | training samples/s: median "
+        "(min-max) | val_acc (min-max) | training s | wall s | CPU s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in ((HF_KILN, kiln), (HF_TRAINER, trainer)):
+        rates, accs = row["samples_per_s_runs"], row["val_acc_runs"]
+        label = HF_LABELS[name]
+        lines.append(
+            f"| {label} | {row['samples_per_s']:.0f} ({min(rates):.0f}-{max(rates):.0f}) | "
+            f"{row['val_acc']:.4f} ({min(accs):.4f}-{max(accs):.4f}) | "
+            f"{row['train_time_s']:.1f} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} |"
+        )
+    ratios = hf["ratio_rounds"]
+    walls = kiln["wall_s"] / trainer["wall_s"]
+    lines.append(
+        f"| kiln / Trainer, per round: median (min-max) | {hf['ratio']:.2f}x ({min(ratios):.2f}-"
+        f"{max(ratios):.2f}) | {kiln['val_acc'] - trainer['val_acc']:+.4f} | | {walls:.2f}x | |"
+    )
+    own = trainer["trainer_train_samples_per_second_runs"]
+    lines.append(
+        "(training samples/s, both sides: the samples of the training steps over those steps' "
+        "seconds, each step from fetching its batch to the end of its update -- kiln's "
+        "summary.json samples_per_s, the Trainer's timed by a callback; the Trainer's own "
+        f"train_samples_per_second, its whole train() call: {np.median(own):.0f}. Wall: each "
+        "process from start to exit -- imports, tokenizing, kiln's checks before step 1 and "
+        "its evaluation and checkpoints at each epoch end, the final evaluation. val_acc: the "
+        f"final weights'; the 95% interval of the difference is about +-{hf['accuracy_noise']:.3f})"
+    )
+    return lines
 
 
 def comparisons(result: dict) -> list[tuple[str, dict]]:
@@ -739,11 +948,23 @@ def floors(result: dict) -> dict:
                     f"{bow['slowdown']:.2f}x",
                     bow["slowdown"] <= FLOORS["text_bow_slowdown"],
                 )
+    if "hf_trainer" in result:
+        hf = result["hf_trainer"]
+        kiln, trainer = hf["sides"][HF_KILN], hf["sides"][HF_TRAINER]
+        out["kiln model=hf training samples/s >= the Trainer's (1.0x)"] = (
+            f"{hf['ratio']:.2f}x ({kiln['samples_per_s']:.0f} vs {trainer['samples_per_s']:.0f})",
+            hf["ratio"] >= FLOORS["hf_over_trainer"],
+        )
+        out["kiln model=hf val_acc = the Trainer's within noise"] = (
+            f"{kiln['val_acc']:.4f} vs {trainer['val_acc']:.4f} (+-{hf['accuracy_noise']:.3f})",
+            abs(kiln["val_acc"] - trainer["val_acc"]) <= hf["accuracy_noise"],
+        )
     return out
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    load = os.getloadavg()
     if args.threads:
         import torch
 
@@ -794,11 +1015,16 @@ def main(argv=None) -> int:
             else:
                 result.setdefault("corpora", {})[name] = side
         result["load_average_after"] = load_average()
+    if args.hf_trainer:
+        progress("kiln's model=hf against Hugging Face's Trainer")
+        result["hf_trainer"] = hf_trainer(cfg, workdir, args)
     if args.prepare_rows:
         result["streaming"] = streaming(args.prepare_rows, workdir, args.overrides)
     result["floors"] = floors(result)
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(table(result), flush=True)
+    if args.markdown:
+        print("\n" + stamp(load) + "\n\n" + table(result), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
     missed = [name for name, (_, met) in result["floors"].items() if not met]

@@ -32,6 +32,7 @@ def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--csv", str(path), "--epochs", "1", "--repeats", "1"]
         + ["--contention", "1", "--workdir", str(tmp_path / "work"), "--out", str(out)]
+        + ["--no-hf-trainer"]  # its own test below
         + ["data.text_column=body", "data.label_column=topic", "data.batch_size=16"],
         cwd=REPO,
         env=SUBPROCESS_ENV,
@@ -104,3 +105,51 @@ def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
     assert "| bucketed by length |" in done.stdout
     assert "[bench_text] kiln text_bow: run 1 of 1" in done.stderr  # progress while it runs
     assert "run 1 of 1 beside 1 busy process(es)" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_text_sets_kiln_model_hf_beside_hugging_faces_trainer(tmp_path):
+    """The Trainer section alone: both sides on the same split files with the same settings,
+    one thread each; the table has both rows, both accuracies and the ratio, and the floors
+    say what was measured."""
+    path = tmp_path / "mine.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["id", "body", "topic"])
+        writer.writerows((i, text, label) for i, (text, label) in enumerate(ticket_rows(200)))
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--csv", str(path), "--skip-models", "--hf-trainer"]
+        + ["--hf-steps", "6", "--hf-rounds", "1", "--hf-batch-size", "16", "--no-hf-warmup"]
+        + ["--workdir", str(tmp_path / "work"), "--out", str(out)]
+        + ["data.text_column=body", "data.label_column=topic"],
+        cwd=REPO,
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert "side_by_side" not in result  # --skip-models: the Trainer section only
+    hf = result["hf_trainer"]
+    assert (hf["train_rows"], hf["val_rows"], hf["steps"], hf["batch_size"]) == (160, 40, 6, 16)
+    kiln, trainer = hf["sides"]["kiln model=hf"], hf["sides"]["transformers Trainer"]
+    for side in (kiln, trainer):
+        assert side["steps_runs"] == [6] and side["threads_runs"] == [1]
+        assert side["samples_per_s"] == side["samples_per_s_runs"][0] > 0
+        assert 0 <= side["val_acc"] <= 1 and side["wall_s"] > side["train_time_s"] > 0
+    assert trainer["samples_runs"] == [6 * 16] and trainer["val_rows_runs"] == [40]
+    assert hf["ratio_rounds"] == [kiln["samples_per_s"] / trainer["samples_per_s"]]
+    floors = result["floors"]
+    assert floors["kiln model=hf training samples/s >= the Trainer's (1.0x)"][1] == (
+        hf["ratio"] >= 1.0
+    )
+    assert floors["kiln model=hf val_acc = the Trainer's within noise"][1] == (
+        abs(kiln["val_acc"] - trainer["val_acc"]) <= hf["accuracy_noise"]
+    )
+    assert "| kiln (`train.py ... model=hf`, trainer.threads=1) |" in done.stdout
+    assert "| transformers `Trainer` (scripts/hf_trainer_side.py) |" in done.stdout
+    assert "| kiln / Trainer, per round: median (min-max) |" in done.stdout
+    assert "[bench_text] transformers Trainer: round 1 of 1, 6 steps" in done.stderr
