@@ -115,7 +115,31 @@ def environment(home: Path) -> dict[str, str]:
         "VIRTUAL_ENV": str(REPO_ROOT / ".venv"),
         "KILN_OVERRIDES": SMOKE,
         "KILN_SMOKE": "1",
+        "TORCH_HOME": str(home / "torch-cache"),
     }
+
+
+def cache_detector_weights(command: Command, env: dict) -> None:
+    """The file a user downloads once for `model=torchvision_detection model.weights=DEFAULT`,
+    written into $TORCH_HOME under its URL's file name (kiln downloads nothing). It is a fresh
+    build with COCO's 91 classes and frozen batch norms, laid out as torchvision publishes it."""
+    found = dict(re.findall(r"\b(model|model\.arch|model\.weights)=(\S+)", command.line))
+    if found.get("model") != "torchvision_detection" or found.get("model.weights") != "DEFAULT":
+        return
+    import torch
+    import torchvision.models
+
+    from kiln.models.zoo.cache import url_file_name
+    from kiln.models.zoo.detection import freeze_batchnorm
+
+    arch = found["model.arch"]
+    file = Path(env["TORCH_HOME"]) / "hub" / "checkpoints"
+    file /= url_file_name(torchvision.models.get_model_weights(arch).DEFAULT.url)
+    if not file.is_file():
+        net = torchvision.models.get_model(arch, weights=None, weights_backbone=None, num_classes=91)
+        freeze_batchnorm(net)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(net.state_dict(), file)
 
 
 def run_server(command: Command, home: Path, env: dict) -> None:
@@ -159,6 +183,7 @@ def run_all(found: list[Command], home: Path, env: dict) -> list[tuple[str, int]
     ran = []
     for command in found:
         if command.skip_reason is None and not command.expected:
+            cache_detector_weights(command, env)
             started = time.monotonic()
             run(command, home, env)
             ran.append((command.line, round(time.monotonic() - started)))

@@ -316,7 +316,7 @@ def with_crowd(json_path, out_path, crowds: list[tuple[int, int, list[float]]]) 
 
 def test_iscrowd_regions_are_not_trained_on_and_are_scored_as_coco_scores_them(clean, tmp_path):
     from kiln.engine.detection_eval import coco_metrics
-    from kiln.inference.detection_report import detection_metrics
+    from kiln.inference.detection_report import detection_errors, detection_metrics
 
     train_data = json.loads(clean.train_json.read_text())
     val_data = json.loads(clean.val_json.read_text())
@@ -345,6 +345,7 @@ def test_iscrowd_regions_are_not_trained_on_and_are_scored_as_coco_scores_them(c
     assert val_target["crowd_boxes"].tolist() == [[2.0, 3.0, 32.0, 28.0]]
     assert val_target["crowd_labels"].tolist() == [1]
     targets = [bundle.val[i][1] for i in range(len(bundle.val))]
+    sources = [f"val/{i}" for i in range(len(targets))]
     perfect = [{"boxes": t["boxes"], "labels": t["labels"],
                 "scores": torch.full((len(t["labels"]),), 0.9)} for t in targets]  # fmt: skip
     # a confident detection on the first crowd region; none on the second (no miss either)
@@ -361,6 +362,16 @@ def test_iscrowd_regions_are_not_trained_on_and_are_scored_as_coco_scores_them(c
     # without the crowd regions the same detection is a false positive, ranked first
     no_crowd = [{"boxes": t["boxes"], "labels": t["labels"]} for t in targets]
     assert coco_metrics(on_crowd, no_crowd)["val_map"] < 0.99
+    # errors.csv agrees: no mistake with the crowd regions, one invented box without them
+    names = bundle.spec.class_names
+    assert detection_errors(on_crowd, targets, sources, names, limit=10).empty
+    invented = detection_errors(on_crowd, no_crowd, sources, names, limit=10)
+    assert invented[["source", "false_positives", "missed"]].values.tolist() == [[sources[0], 1, 0]]
+    # a detection of another class on the crowd region is still invented
+    other = dict(on_crowd[0], labels=on_crowd[0]["labels"].clone())
+    other["labels"][-1] = 2 if int(other["labels"][-1]) == 1 else 1
+    wrong_class = detection_errors([other, *on_crowd[1:]], targets, sources, names, limit=10)
+    assert wrong_class["false_positives"].tolist() == [1]
 
 
 def test_boxes_are_checked_against_the_picture_the_exif_orientation_stands_up(tmp_path):

@@ -1,6 +1,6 @@
 """model=hf: a folder written by save_pretrained (a small BERT whose WordPiece vocabulary is
 trained here on the training CSV, a small RoBERTa with a byte-level BPE one) trains through the
-real `train.py data=csv_text ... model=hf model.arch=<folder>` on a damaged CSV, above the
+real `train.py data=csv_text ... model=hf model.name=<folder>` on a damaged CSV, above the
 majority baseline; the same model is found in a hub cache layout under HF_HUB_OFFLINE=1; and
 infer.py and the ONNX model give the evaluation's probabilities without the folder."""
 
@@ -57,7 +57,7 @@ def bert_run(corpus) -> tuple[Path, Path]:
         *TRAIN,
         f"data.train_path={corpus / 'train.csv'}",
         f"data.cache_dir={corpus / 'cache'}",
-        f"model.arch={folder}",
+        f"model.name={folder}",  # the issue's spelling (model_name_or_path): read as model.arch
     )
     assert done.returncode == 0, done.stderr[-3000:]
     shutil.move(folder, corpus / "moved_away")
@@ -75,6 +75,8 @@ def test_a_bert_folder_trains_on_a_damaged_csv_above_the_majority_baseline(bert_
     summary = read_summary(run_dir)
     assert summary["status"] == "ok", summary
     assert summary["val_acc"] > majority_share(run_dir) + 0.15, summary
+    model = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["config"]["model"]
+    assert (model["name"], Path(model["arch"]).name) == ("hf", "bert"), model
     report = json.loads((run_dir / "data_report.json").read_text())
     assert report["train_file"]["rows_dropped"] == len(DAMAGE)
     assert report["tokenizer"].startswith("hf folder ")
@@ -228,9 +230,11 @@ def test_a_hub_id_not_in_the_cache_is_one_error_line_naming_the_folder_and_the_d
     assert "`hf download some-org/absent-model`" in message
 
 
-def test_model_name_holding_a_folder_says_to_use_model_arch():
-    with pytest.raises(ConfigError, match=r"set model.arch=./my-bert"):
-        compose_config("data=csv_text", "model=hf", "model.name=./my-bert")
+def test_model_name_holding_a_folder_is_read_as_model_arch():
+    cfg = compose_config("data=csv_text", "model=hf", "model.name=./my-bert")
+    assert (cfg.model.name, cfg.model.arch) == ("hf", "./my-bert")
+    with pytest.raises(ConfigError, match=r"name two models"):
+        compose_config("data=csv_text", "model=hf", "model.name=./a", "model.arch=./b")
 
 
 def test_max_length_past_the_models_positions_is_refused_naming_both(bert_run, corpus):

@@ -9,6 +9,7 @@ Composition and validation errors are ConfigError: one line naming the key and w
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import fields, is_dataclass
@@ -97,7 +98,7 @@ def to_typed(cfg: DictConfig) -> KilnConfig:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", "") or ""
         raise ConfigError("invalid value", key, _first_line(err)) from None
-    typed = expand_user_paths(typed)
+    typed = expand_user_paths(name_as_arch(typed))
     check_option_names(typed)
     check_pairing(typed)
     check_tree(typed)
@@ -141,21 +142,34 @@ def check_known_keys(cfg: DictConfig, path: str = "") -> None:
             check_known_keys(node, f"{path}{key}.")
 
 
+def name_as_arch(cfg: KilnConfig) -> KilnConfig:
+    """`model=hf model.name=<folder>` (Hugging Face's model_name_or_path, timm's model_name): an
+    option that takes `arch` reads an unregistered name as its arch. The checkpoint then holds
+    name=hf, arch=<folder>, so a resume or infer.py builds the same model."""
+    changes = {}
+    for group, registry in GROUP_REGISTRIES.items():
+        node = getattr(cfg, group)
+        schema = type(node)
+        options = [n for n in registry.names() if registry.entry(n).config is schema]
+        if node.name in registry or len(options) != 1 or "arch" not in schema_keys(schema):
+            continue
+        default = next(f.default for f in fields(schema) if f.name == "arch")
+        if node.arch not in (default, node.name):
+            raise ConfigError(
+                f"{group}.name={node.name!r} and {group}.arch={node.arch!r} name two models",
+                f"{group}.name",
+                f"{group}={options[0]} takes the model as {group}.arch (or {group}.name): "
+                f"set one of them",
+            )
+        changes[group] = dataclasses.replace(node, name=options[0], arch=node.name)
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
 def check_option_names(cfg: KilnConfig) -> None:
     """Each registry-backed group holds the schema of the option it names."""
     for group, registry in GROUP_REGISTRIES.items():
         node = getattr(cfg, group)
         entry = registry.entry(node.name) if node.name in registry else None
-        options = [n for n in registry.names() if registry.entry(n).config is type(node)]
-        if entry is None and options and "arch" in schema_keys(type(node)):
-            # `model=hf model.name=<folder>` (Hugging Face's model_name_or_path): the folder,
-            # hub id or architecture goes in model.arch; model.name is the option's own name.
-            raise ConfigError(
-                f"{group}.name={node.name!r} is not a registered {registry.kind}",
-                f"{group}.name",
-                f"{group}={options[0]} takes the folder, hub id or architecture as "
-                f"{group}.arch: set {group}.arch={node.name}",
-            )
         if entry is None:
             raise ConfigError(
                 f"{group}.name={node.name!r} is not a registered {registry.kind}",
@@ -163,10 +177,12 @@ def check_option_names(cfg: KilnConfig) -> None:
                 f"choose {group}=<option> from {', '.join(registry.names())}",
             )
         if type(node) is not entry.config:
+            arch = f" (or keep it and set {group}.arch={node.name})" if hasattr(node, "arch") else ""
             raise ConfigError(
                 f"{group}.name={node.name} does not match the {group} option's keys",
                 f"{group}.name",
-                f"choose the option with {group}={node.name} instead of setting {group}.name",
+                f"choose the option with {group}={node.name} instead of setting {group}.name"
+                + arch,
             )
 
 

@@ -88,21 +88,42 @@ def detection_metrics(
     }
 
 
+def _as_boxes(boxes) -> Any:
+    import torch
+
+    return torch.as_tensor(np.asarray(boxes)).reshape(-1, 4).float()
+
+
+def on_crowd(boxes, labels, truth: dict) -> np.ndarray:
+    """Which boxes lie on a crowd region of their class (data=coco's iscrowd, carried as
+    "crowd_boxes"/"crowd_labels"): COCO's rule, the intersection over the detection's own area
+    at DETECTION_MATCH_IOU or above. COCO ignores such a detection: neither right nor wrong."""
+    crowd_labels = np.asarray(truth.get("crowd_labels", []), dtype=np.int64)
+    if len(labels) == 0 or len(crowd_labels) == 0:
+        return np.zeros(len(labels), dtype=bool)
+    found = _as_boxes(boxes).numpy()[:, None, :]
+    crowd = _as_boxes(truth["crowd_boxes"]).numpy()[None, :, :]
+    width = np.minimum(found[..., 2], crowd[..., 2]) - np.maximum(found[..., 0], crowd[..., 0])
+    height = np.minimum(found[..., 3], crowd[..., 3]) - np.maximum(found[..., 1], crowd[..., 1])
+    area = (found[..., 2] - found[..., 0]) * (found[..., 3] - found[..., 1])
+    ioa = np.clip(width, 0, None) * np.clip(height, 0, None) / np.maximum(area, 1e-9)
+    same_class = np.asarray(labels)[:, None] == crowd_labels[None, :]
+    return ((ioa >= DETECTION_MATCH_IOU) & same_class).any(axis=1)
+
+
 def match_image(found: dict, truth: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(predicted labels kept, which of them matched, which true boxes were found): boxes at
     score >= DETECTION_SCORE_THRESHOLD, matched greedily, highest score first, to the unmatched
-    true box of their class with the largest IoU >= DETECTION_MATCH_IOU."""
-    import torch
+    true box of their class with the largest IoU >= DETECTION_MATCH_IOU. A box left unmatched
+    on a crowd region of its class is not kept (COCO ignores it)."""
     from torchvision.ops import box_iou
 
     order = np.argsort(-np.asarray(found["scores"]), kind="stable")
     keep = order[np.asarray(found["scores"])[order] >= DETECTION_SCORE_THRESHOLD]
     labels = np.asarray(found["labels"])[keep]
+    boxes = np.asarray(found["boxes"]).reshape(-1, 4)[keep]
     true_labels = np.asarray(truth["labels"])
-    ious = box_iou(
-        torch.as_tensor(np.asarray(found["boxes"])[keep]).reshape(-1, 4).float(),
-        torch.as_tensor(np.asarray(truth["boxes"])).reshape(-1, 4).float(),
-    ).numpy()
+    ious = box_iou(_as_boxes(boxes), _as_boxes(truth["boxes"])).numpy()
     found_true = np.zeros(len(true_labels), dtype=bool)
     matched = np.zeros(len(labels), dtype=bool)
     for i, label in enumerate(labels):
@@ -110,7 +131,8 @@ def match_image(found: dict, truth: dict) -> tuple[np.ndarray, np.ndarray, np.nd
         if fits.any():
             found_true[int(np.argmax(np.where(fits, ious[i], -1.0)))] = True
             matched[i] = True
-    return labels, matched, found_true
+    counted = matched | ~on_crowd(boxes, labels, truth)
+    return labels[counted], matched[counted], found_true
 
 
 def detection_errors(detections, targets, sources, class_names, limit: int):

@@ -14,7 +14,8 @@ from pathlib import Path
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
         "intermediate_size": 64}  # fmt: skip
-POSITIONS = 64  # BERT's max_position_embeddings: data.max_length may be at most this
+POSITIONS = 64  # the tests' max_position_embeddings: data.max_length may be at most this
+CLI_POSITIONS = 512  # BERT's own: the command line's model takes data.max_length's default
 
 
 def csv_texts(path: Path, column: str = "text") -> list[str]:
@@ -22,7 +23,8 @@ def csv_texts(path: Path, column: str = "text") -> list[str]:
         return [row.get(column) or "" for row in csv.DictReader(f)]
 
 
-def write_bert(folder: Path, texts: list[str], *, num_labels: int = 2, vocab_size: int = 300):
+def write_bert(folder: Path, texts: list[str], *, num_labels: int = 2, vocab_size: int = 300,
+               positions: int = POSITIONS):
     """A BERT (uncased WordPiece, [PAD]=0) with a `num_labels` head, saved to `folder`."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers.trainers import WordPieceTrainer
@@ -43,15 +45,16 @@ def write_bert(folder: Path, texts: list[str], *, num_labels: int = 2, vocab_siz
     )
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-        sep_token="[SEP]", mask_token="[MASK]", model_max_length=POSITIONS,
+        sep_token="[SEP]", mask_token="[MASK]", model_max_length=positions,
     )  # fmt: skip
-    config = BertConfig(vocab_size=tok.get_vocab_size(), max_position_embeddings=POSITIONS,
+    config = BertConfig(vocab_size=tok.get_vocab_size(), max_position_embeddings=positions,
                         num_labels=num_labels, **TINY)  # fmt: skip
     _save(folder, BertForSequenceClassification(config), tokenizer)
     return folder
 
 
-def write_roberta(folder: Path, texts: list[str], *, num_labels: int = 2, vocab_size: int = 400):
+def write_roberta(folder: Path, texts: list[str], *, num_labels: int = 2, vocab_size: int = 400,
+                  positions: int = POSITIONS):
     """A RoBERTa (byte-level BPE, <pad>=1, positions after the padding id) saved to `folder`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.trainers import BpeTrainer
@@ -76,10 +79,10 @@ def write_roberta(folder: Path, texts: list[str], *, num_labels: int = 2, vocab_
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
         sep_token="</s>", cls_token="<s>", pad_token="<pad>", mask_token="<mask>",
-        model_max_length=POSITIONS,
+        model_max_length=positions,
     )  # fmt: skip
     config = RobertaConfig(
-        vocab_size=tok.get_vocab_size(), max_position_embeddings=POSITIONS + 2, pad_token_id=1,
+        vocab_size=tok.get_vocab_size(), max_position_embeddings=positions + 2, pad_token_id=1,
         bos_token_id=0, eos_token_id=2, type_vocab_size=1, num_labels=num_labels, **TINY,
     )  # fmt: skip
     _save(folder, RobertaForSequenceClassification(config), tokenizer)
@@ -104,8 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--column", default="text", help="the CSV's text column")
     parser.add_argument("--arch", choices=sorted(WRITERS), default="bert")
     parser.add_argument("--num-labels", type=int, default=2)
+    parser.add_argument("--positions", type=int, default=CLI_POSITIONS,
+                        help="max_position_embeddings: the longest data.max_length it takes")  # fmt: skip
     args = parser.parse_args(argv)
-    WRITERS[args.arch](args.folder, csv_texts(args.texts, args.column), num_labels=args.num_labels)
+    texts = csv_texts(args.texts, args.column)
+    WRITERS[args.arch](args.folder, texts, num_labels=args.num_labels, positions=args.positions)
     print(f"wrote a tiny {args.arch} to {args.folder}")
 
 
