@@ -136,7 +136,8 @@ def cache_detector_weights(command: Command, env: dict) -> None:
     file = Path(env["TORCH_HOME"]) / "hub" / "checkpoints"
     file /= url_file_name(torchvision.models.get_model_weights(arch).DEFAULT.url)
     if not file.is_file():
-        net = torchvision.models.get_model(arch, weights=None, weights_backbone=None, num_classes=91)
+        net = torchvision.models.get_model(arch, weights=None, weights_backbone=None,
+                                           num_classes=91)  # fmt: skip
         freeze_batchnorm(net)
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(net.state_dict(), file)

@@ -177,7 +177,7 @@ def check_option_names(cfg: KilnConfig) -> None:
                 f"choose {group}=<option> from {', '.join(registry.names())}",
             )
         if type(node) is not entry.config:
-            arch = f" (or keep it and set {group}.arch={node.name})" if hasattr(node, "arch") else ""
+            arch = f" (or set {group}.arch={node.name})" if hasattr(node, "arch") else ""
             raise ConfigError(
                 f"{group}.name={node.name} does not match the {group} option's keys",
                 f"{group}.name",

@@ -23,8 +23,14 @@ def csv_texts(path: Path, column: str = "text") -> list[str]:
         return [row.get(column) or "" for row in csv.DictReader(f)]
 
 
-def write_bert(folder: Path, texts: list[str], *, num_labels: int = 2, vocab_size: int = 300,
-               positions: int = POSITIONS):
+def write_bert(
+    folder: Path,
+    texts: list[str],
+    *,
+    num_labels: int = 2,
+    vocab_size: int = 300,
+    positions: int = POSITIONS,
+):
     """A BERT (uncased WordPiece, [PAD]=0) with a `num_labels` head, saved to `folder`."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers.trainers import WordPieceTrainer
@@ -53,8 +59,14 @@ def write_bert(folder: Path, texts: list[str], *, num_labels: int = 2, vocab_siz
     return folder
 
 
-def write_roberta(folder: Path, texts: list[str], *, num_labels: int = 2, vocab_size: int = 400,
-                  positions: int = POSITIONS):
+def write_roberta(
+    folder: Path,
+    texts: list[str],
+    *,
+    num_labels: int = 2,
+    vocab_size: int = 400,
+    positions: int = POSITIONS,
+):
     """A RoBERTa (byte-level BPE, <pad>=1, positions after the padding id) saved to `folder`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.trainers import BpeTrainer
@@ -107,8 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--column", default="text", help="the CSV's text column")
     parser.add_argument("--arch", choices=sorted(WRITERS), default="bert")
     parser.add_argument("--num-labels", type=int, default=2)
-    parser.add_argument("--positions", type=int, default=CLI_POSITIONS,
-                        help="max_position_embeddings: the longest data.max_length it takes")  # fmt: skip
+    parser.add_argument(
+        "--positions", type=int, default=CLI_POSITIONS,
+        help="max_position_embeddings: the longest data.max_length it takes",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     texts = csv_texts(args.texts, args.column)
     WRITERS[args.arch](args.folder, texts, num_labels=args.num_labels, positions=args.positions)
