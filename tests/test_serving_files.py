@@ -18,6 +18,7 @@ import asyncio
 import base64
 import io
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -210,6 +211,67 @@ def test_health_answers_while_slow_images_decode_and_bombs_arrive(photos):
     assert max(health) < slowest / 2, (max(health), slowest)
     assert statistics.median(health) < slowest / 10, (statistics.median(health), slowest)
     assert metric(metrics, "kiln_decode_seconds_count") > 0
+
+
+async def _bombs_beside_a_good_request(url: str, seconds: float, clients: int):
+    """`clients` send bombs back to back for `seconds` while one good request is sent at the
+    start and health is polled: (bomb answers, when the good one was answered, when the first
+    refusal was answered, health latencies)."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        started = time.perf_counter()
+        refused: list[httpx.Response] = []
+        first_refusal: list[float] = []
+
+        async def attacker(k: int):
+            while time.perf_counter() - started < seconds:
+                bomb = [gif_bomb(), png_bomb()][k % 2]
+                refused.append(await client.post("/v1/predict", json=v1([bomb])))
+                first_refusal.append(time.perf_counter() - started)
+
+        async def good():
+            answer = await client.post("/v1/predict", json=v1(good_files(1)))
+            assert answer.status_code == 200, answer.text
+            return time.perf_counter() - started
+
+        attackers = [asyncio.ensure_future(attacker(k)) for k in range(clients)]
+        good_at = await good()
+        health = []
+        while not all(a.done() for a in attackers):
+            tick = time.perf_counter()
+            assert (await client.get("/healthz")).status_code == 200
+            health.append(time.perf_counter() - tick)
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*attackers)
+    return refused, good_at, min(first_refusal), health
+
+
+def test_a_refused_file_is_answered_after_the_refusal_delay_and_good_requests_are_not(photos):
+    """server.refusal_delay_ms: a client sending bombs back to back waits that long for each
+    422, so it sends a few per second instead of hundreds (on a small machine its CPU was the
+    good requests' loss); the delay is an asyncio sleep, so a good request sent beside the bombs
+    is answered before the first refusal, and /healthz keeps answering."""
+    delay_s, seconds, clients = 1.0, 3.0, 6
+    app = create_app(photos, refusal_delay_ms=delay_s * 1000, **ROOMY)
+    with live_server(app) as server:
+        refused, good_at, first_refusal, health = asyncio.run(
+            _bombs_beside_a_good_request(server.url, seconds, clients)
+        )
+    assert {r.status_code for r in refused} == {422}
+    assert all("image too large" in r.json()["detail"] for r in refused)
+    assert first_refusal >= delay_s  # no refusal came sooner than the delay
+    assert good_at < first_refusal  # the good request waited for none of them
+    # each client sends again only once answered: at most one bomb per delay, plus the one
+    # in flight when the time ran out
+    assert len(refused) <= clients * (math.floor(seconds / delay_s) + 1), len(refused)
+    assert len(health) >= 5 and max(health) < delay_s / 2, health
+
+
+def test_without_a_refusal_delay_bombs_are_answered_at_once(photos):
+    """refusal_delay_ms=0 turns the delay off: the same client gets many refusals a second."""
+    with live_server(create_app(photos, refusal_delay_ms=0, **ROOMY)) as server:
+        refused, _, first_refusal, _ = asyncio.run(_bombs_beside_a_good_request(server.url, 2.0, 2))
+    # more than a 1 s delay would let two clients send in 2 s (a refusal takes milliseconds)
+    assert len(refused) > 2 * (2 + 1), (first_refusal, len(refused))
 
 
 @pytest.mark.slow  # six 64 M-pixel decodes one large slot at a time: past 300 s under CI's -n 2

@@ -48,6 +48,11 @@ class ServerConfig:
     max_image_pixels: int = 89_478_485
     decode_threads: int = 0  # threads decoding image files off the event loop (0: cores, 2..8)
     max_decode_queue_size: int = 4096  # image files waiting for a decode thread; beyond: 503
+    # An image file the decoder refuses (too many pixels, damaged) is answered 422 this long
+    # after the refusal, off the event loop and outside the request's admission: a client
+    # sending bombs back to back is held to a few per second, and its CPU (on the same machine:
+    # the server's) with it. Good requests are never delayed. 0: answer at once.
+    refusal_delay_ms: float = 500.0
     model_name: str = "kiln"  # the <name> in /v2/models/<name> (and the Triton model's folder)
 
 
@@ -231,6 +236,7 @@ def validate_server(s: ServerConfig) -> None:
     _at_least("server.max_image_pixels", s.max_image_pixels, 1)
     _at_least("server.decode_threads", s.decode_threads, 0)
     _at_least("server.max_decode_queue_size", s.max_decode_queue_size, 1)
+    _at_least("server.refusal_delay_ms", s.refusal_delay_ms, 0)
     if s.timeout_ms <= 0:
         raise ArgumentError(f"server.timeout_ms={s.timeout_ms:g}: must be > 0")
     if s.drain_grace_s <= 0:

@@ -41,7 +41,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.serving.errors import BatcherClosed, ClientGone, DeadlineExceeded, DecodeQueueFull
+from kiln.preprocessing.errors import InputError
+from kiln.serving.errors import (
+    BatcherClosed,
+    ClientGone,
+    DeadlineExceeded,
+    DecodeQueueFull,
+    RefusedFile,
+)
 from kiln.serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
@@ -237,6 +244,8 @@ class DecodePool:
         self.metrics.decode_seconds.observe(seconds)
         if error is not None:
             self.metrics.bad_image_files.inc()
+            if isinstance(error, InputError):
+                error = RefusedFile(str(error), error.index)
             self._drop(job, error)  # the first bad file ends its request
         elif not job.finished:
             job.decoded[index] = image

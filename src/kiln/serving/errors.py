@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from kiln.preprocessing.errors import InputError
+
 
 class ServingError(Exception):
     """An answer other than 200. `headers` are sent with it (e.g. Retry-After)."""
@@ -66,3 +68,8 @@ class ClientGone(ServingError):
     the status nginx logs for it)."""
 
     status = 499
+
+
+class RefusedFile(InputError):
+    """An image file the decode pool refused (more pixels than the limit, damaged): a 422 as any
+    InputError, answered after server.refusal_delay_ms (ServingState.pace)."""

@@ -36,6 +36,7 @@ from kiln.serving.errors import (
     DeadlineExceeded,
     ModelFailed,
     PayloadTooLarge,
+    RefusedFile,
     Unavailable,
 )
 from kiln.serving.metrics import ServingMetrics
@@ -122,6 +123,12 @@ class ServingState:
             raise DeadlineExceeded("the body did not arrive within server.timeout_ms") from None
         except ClientDisconnect:
             raise client_gone(request, "before sending its whole body") from None
+
+    async def pace(self, err: Exception) -> None:
+        """Before answering a refused image file: server.refusal_delay_ms. Called after the
+        request's admission has ended, so a waiting refusal holds no slot and delays no drain."""
+        if isinstance(err, RefusedFile) and self.config.refusal_delay_ms > 0:
+            await asyncio.sleep(self.config.refusal_delay_ms / 1000)
 
     async def offload(self, size: int, fn, *args) -> Any:
         """fn(*args) here for small work, in the parsing thread for large bodies, so the event

@@ -89,6 +89,7 @@ def add_v1_routes(app: FastAPI, state: ServingState) -> None:
                 outputs = await state.infer(request, items, count, deadline)
                 answer = await state.offload(count * PER_INPUT_BYTES, render, outputs)
         except (InputError, ServingError) as err:
+            await state.pace(err)
             return v1_error(err)
         return Response(answer, media_type="application/json")
 

@@ -222,6 +222,7 @@ def add_v2_routes(app: FastAPI, state: ServingState) -> None:
                     len(body), render, parsed, results
                 )
         except (InputError, ServingError) as err:
+            await state.pace(err)
             return v2_error(err)
         return Response(answer, headers=headers, media_type=media_type)
 
