@@ -77,10 +77,12 @@ PHASES = ("quiet", "bombs", "huge")
 PROBS_TOLERANCE = 1e-4
 # The /healthz poller: its own process, so its timings are the server's, not this client's
 # event loop's. Prints one JSON list of latencies (seconds) when its time is up.
+PROCESS_STARTUP_S = 4.0  # a client process's imports and bodies, before the phase's clock starts
 POLLER = """
 import http.client, json, sys, time
-host, port, seconds, interval = sys.argv[1], int(sys.argv[2]), *map(float, sys.argv[3:5])
+host, port, seconds, interval, start_at = sys.argv[1], int(sys.argv[2]), *map(float, sys.argv[3:6])
 connection = http.client.HTTPConnection(host, port, timeout=30)
+time.sleep(max(0.0, start_at - time.time()))
 latencies, failures, end = [], 0, time.monotonic() + seconds
 while time.monotonic() < end:
     started = time.perf_counter()
@@ -130,9 +132,11 @@ def b64_body(data: bytes) -> bytes:
 
 
 async def worker(
-    kind: str, url: str, clients: int, seconds: float, expected: Path | None, huge_side: int
-):
-    """`clients` clients of one kind sending back to back for `seconds`; returns what they saw."""
+    kind: str, url: str, clients: int, seconds: float, expected: Path | None, huge_side: int,
+    start_at: float,
+):  # fmt: skip
+    """`clients` clients of one kind sending back to back for `seconds` from `start_at` (a
+    time.time()); returns what they saw."""
     import aiohttp
 
     seen = {"latencies": [], "sent": 0, "ok": 0, "other": []}
@@ -144,6 +148,7 @@ async def worker(
         bodies = [b64_body(gif_bomb()), b64_body(png_bomb())]
     else:
         bodies = [b64_body(grey_png(huge_side))]
+    await asyncio.sleep(max(0.0, start_at - time.time()))  # every process ready, then all go
     end = time.monotonic() + seconds
     headers = {"content-type": "application/json"}
     timeout = aiohttp.ClientTimeout(total=120)
@@ -181,13 +186,14 @@ def good_photos() -> list[Path]:
 
 
 def start_worker(
-    kind: str, url: str, clients: int, seconds: float, expected: Path, huge_side: int, nice: int
-):
+    kind: str, url: str, clients: int, seconds: float, expected: Path, huge_side: int, nice: int,
+    start_at: float,
+):  # fmt: skip
     cmd = [sys.executable, __file__, "--worker", kind, "--url", url, "--clients", str(clients)]
     if kind != "good" and nice:  # the attackers: elsewhere in life, lower priority here
         cmd = ["nice", "-n", str(nice), *cmd]
     cmd += ["--seconds", str(seconds), "--expected", str(expected)]
-    cmd += ["--huge-side", str(huge_side)]
+    cmd += ["--huge-side", str(huge_side), "--start-at", repr(start_at)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
@@ -203,14 +209,17 @@ def cpu_seconds(pid: int) -> float:
 
 def run_phase(name: str, server: Server, args, expected: Path, seconds: float) -> Phase:
     """`seconds` of this phase's load, each kind of client and the health poller in its own
-    process, all started together; the server's and the clients' CPU time meanwhile."""
+    process, started together and sending from the same moment, once each has started up and
+    built its bodies (a process's start-up is no load the server should see); the server's and
+    the clients' CPU time meanwhile."""
     url = server.url
+    start_at = time.time() + PROCESS_STARTUP_S
     server_cpu = cpu_seconds(server.proc.pid)
     clients_cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     host, port = url.removeprefix("http://").split(":")
     interval = str(args.health_interval_ms / 1e3)
     poller = subprocess.Popen(
-        [sys.executable, "-c", POLLER, host, port, str(seconds), interval],
+        [sys.executable, "-c", POLLER, host, port, str(seconds), interval, repr(start_at)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -220,7 +229,7 @@ def run_phase(name: str, server: Server, args, expected: Path, seconds: float) -
     if name == "huge":
         kinds["huge"] = args.huge_clients
     workers = {
-        k: start_worker(k, url, n, seconds, expected, args.huge_side, args.attacker_nice)
+        k: start_worker(k, url, n, seconds, expected, args.huge_side, args.attacker_nice, start_at)
         for k, n in kinds.items()
         if n
     }
@@ -382,6 +391,7 @@ def parse_args(argv=None):
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--clients", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--expected", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     return parser.parse_args(argv)
 
@@ -390,7 +400,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:  # one kind of client, in its own process (run_phase starts it)
         seen = asyncio.run(
-            worker(args.worker, args.url, args.clients, args.seconds, args.expected, args.huge_side)
+            worker(
+                args.worker,
+                args.url,
+                args.clients,
+                args.seconds,
+                args.expected,
+                args.huge_side,
+                args.start_at,
+            )  # fmt: skip
         )
         print(json.dumps(seen))
         return 0
