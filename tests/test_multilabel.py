@@ -333,3 +333,79 @@ def test_label_sets_are_judged_as_single_labels_are(tmp_path):
     listed = compose_config(*common, f"data.train_path={train}", "data.labels=[arrays,http,mail]")
     report = build_csv_text(listed.data).report
     assert set(report["train_file"]["dropped"]) == {"unlisted_label", "missing_label"}
+
+
+def listed_rows(labels_csv: Path) -> list[tuple[str, str]]:
+    with open(labels_csv, newline="") as f:
+        return [(row["path"], row["labels"]) for row in csv.DictReader(f)]
+
+
+def test_image_folder_val_and_test_labels_csv_are_the_splits_exactly(tmp_path):
+    """data.val_labels_csv / data.test_labels_csv: the val and test splits are exactly those
+    CSVs' good rows, in their order, with their label sets; no row of labels_csv is held out;
+    a row with a label training lacks is unseen_label (a rare label is no class of the val)."""
+    from kiln.data import build_data
+
+    train = write_listed_images(tmp_path / "train", 40)
+    val = write_listed_images(tmp_path / "val", 14, seed=1)
+    test = write_listed_images(tmp_path / "test", 9, seed=2)
+    cfg = compose_config(
+        "data=image_folder", f"data.labels_csv={train}", f"data.val_labels_csv={val}",
+        f"data.test_labels_csv={test}", "data.image_size=12", "data.augment=none",
+        f"data.cache_dir={tmp_path / 'cache'}", "model=mlp",
+    )  # fmt: skip
+    bundle = build_data(cfg.data)
+    assert bundle.spec.class_names == COLOURS
+    for split, labels_csv, count in (("val", val, 14), ("test", test, 9)):
+        good = listed_rows(labels_csv)[:count]  # the three bad rows come last
+        assert bundle.sources[split] == [str(labels_csv.parent / path) for path, _ in good]
+        dataset = bundle.val if split == "val" else bundle.test
+        assert len(dataset) == count
+        for i, (_, labels) in enumerate(good):
+            expected = [float(c in labels.split(SEP)) for c in COLOURS]
+            assert dataset[i][1].tolist() == expected, (split, i)
+    assert len(bundle.train) == len(bundle.sources["train"]) == 40  # none held out
+    assert not set(bundle.sources["train"]) & set(bundle.sources["val"])
+    report = bundle.report
+    assert report["split"] == "data.val_labels_csv"
+    assert report["images"] == {"train": 40, "val": 14, "test": 9}
+    dropped = report["val_labels_csv"]["dropped"]
+    assert dropped.pop("unseen_label") == 1 and dropped.pop("missing_label") == 1, dropped
+    assert sum(dropped.values()) == 1  # the missing image file
+    assert report["test_labels_csv"]["images_kept"] == 9
+
+
+def test_a_run_with_val_and_test_labels_csv_validates_and_evaluates_on_them(tmp_path):
+    train = write_listed_images(tmp_path / "train", 60)
+    val = write_listed_images(tmp_path / "val", 20, seed=1)
+    test = write_listed_images(tmp_path / "test", 12, seed=2)
+    run_dir = tmp_path / "run"
+    summary = train_in_process(
+        run_dir, "data=image_folder", f"data.labels_csv={train}", f"data.val_labels_csv={val}",
+        f"data.test_labels_csv={test}", "data.image_size=12", "data.augment=none",
+        "data.batch_size=16", f"data.cache_dir={tmp_path / 'cache'}", "model=mlp",
+        "trainer.max_epochs=8", "optimizer.lr=0.01",
+    )  # fmt: skip
+    assert summary["status"] == "ok", summary
+    assert summary["val_f1_micro"] > trivial_f1(run_dir) + 0.15, summary
+    metrics = json.loads((run_dir / "eval" / "metrics.json").read_text())
+    assert metrics["task"] == "multilabel" and metrics["count"] == 12, metrics
+    assert metrics["data"]["split"] == "test", metrics["data"]
+
+
+def test_val_and_test_labels_csv_mistakes_name_the_key(tmp_path):
+    from kiln.data import build_data
+
+    train = write_listed_images(tmp_path / "train", 12)
+    base = ("data=image_folder", f"data.labels_csv={train}", f"data.cache_dir={tmp_path}/c")
+    for key in ("val_labels_csv", "test_labels_csv"):
+        cfg = compose_config(*base, f"data.{key}={tmp_path / 'absent.csv'}")
+        with pytest.raises(ConfigError, match=rf"no such file: .*absent.csv \(data.{key}\)") as e:
+            build_data(cfg.data)
+        assert e.value.key == f"data.{key}" and "\n" not in str(e.value)
+        with pytest.raises(ConfigError, match=rf"{key} is set but labels_csv is null") as e:
+            compose_config("data=image_folder", f"data.{key}={train}")
+        assert e.value.key == f"data.{key}"
+    with pytest.raises(ConfigError, match=r"no such file: .*absent.csv \(data.labels_csv\)"):
+        build_data(compose_config("data=image_folder",
+                                  f"data.labels_csv={tmp_path / 'absent.csv'}").data)  # fmt: skip
