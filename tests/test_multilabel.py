@@ -165,7 +165,8 @@ def test_text_bow_multilabel_evaluate_infer_onnx_and_server_agree(bow_run, corpu
     check_predictions_agree(bow_run, corpus, tmp_path, capsys)
 
 
-def test_hf_bert_multilabel_trains_evaluates_and_serves(corpus, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def bert_run(corpus) -> Path:
     folder = write_bert(corpus / "bert", csv_texts(corpus / "train.csv"), num_labels=2)
     run_dir = corpus / "bert_run"
     summary = train_in_process(
@@ -174,10 +175,99 @@ def test_hf_bert_multilabel_trains_evaluates_and_serves(corpus, tmp_path, capsys
         "optimizer.lr=0.003", "trainer.max_epochs=25", "data.batch_size=8",
     )  # fmt: skip
     assert summary["status"] == "ok", summary
-    assert summary["val_f1_micro"] > trivial_f1(run_dir) + 0.1, summary
-    ckpt = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    return run_dir
+
+
+def test_hf_bert_multilabel_trains_evaluates_and_serves(bert_run, corpus, tmp_path, capsys):
+    summary = read_summary(bert_run)
+    assert summary["val_f1_micro"] > trivial_f1(bert_run) + 0.1, summary
+    ckpt = torch.load(bert_run / "checkpoints" / "best.pt", weights_only=True)
     assert ckpt["data_spec"]["task"] == "multilabel"
-    check_predictions_agree(run_dir, corpus, tmp_path, capsys)
+    check_predictions_agree(bert_run, corpus, tmp_path, capsys)
+
+
+def label_sets(probs: np.ndarray, threshold: float) -> np.ndarray:
+    return probs >= threshold
+
+
+def fresh_texts(count: int, seed: int) -> list[str]:
+    return [text for text, _ in multilabel_rows(count, seed)]
+
+
+@pytest.mark.parametrize("run", ["bow_run", "bert_run"])
+def test_int8_multilabel_label_sets_agree_with_fp32(run, request, tmp_path):
+    """int8=true on a multi-label model: the export's own check compares predicted label SETS
+    (every class on the same side of data.threshold), not an argmax, and its line says so;
+    measured again here on fresh rows, int8 ONNX against the fp32 torch model."""
+    from kiln.inference import export
+    from kiln.inference.export import INT8_MIN_AGREEMENT
+
+    run_dir = request.getfixturevalue(run)
+    best = run_dir / "checkpoints" / "best.pt"
+    report = export(best, tmp_path / "model.onnx", int8=True)
+    assert report.int8_path.is_file() and report.int8_num_examples > 0
+    line = next(line for line in report.lines() if str(report.int8_path) in line)
+    assert "predicted label sets (threshold 0.5) agree with torch's on" in line, line
+    assert report.int8_agreement >= INT8_MIN_AGREEMENT, line
+    texts = fresh_texts(400, seed=11)
+    fp32 = Predictor.from_checkpoint(best)
+    int8 = Predictor.from_checkpoint(report.int8_path, backend="onnx")
+    threshold = fp32.spec.threshold
+    ours, theirs = int8.predict_probs(texts), fp32.predict_probs(texts)
+    same = (label_sets(ours, threshold) == label_sets(theirs, threshold)).all(axis=1)
+    agreement = float(same.mean())
+    message = (
+        f"{run}: int8 label sets agree with fp32 on {agreement:.1%} of {len(texts)} rows "
+        f"(the export's own check: {report.int8_agreement:.1%} of {report.int8_num_examples})"
+    )
+    print(message)
+    assert agreement >= 0.95, message
+
+
+@pytest.mark.parametrize("run", ["bow_run", "bert_run"])
+def test_the_multilabel_triton_repository_gives_the_evaluations_sigmoid_probs(
+    run, request, corpus, tmp_path, capsys
+):
+    """The Triton repository of a multi-label model: `probs` are sigmoids (its config.pbtxt
+    says a class is predicted at >= data.threshold, the set may be empty or hold several);
+    its model.onnx, run by onnxruntime on the ids a client makes with tokenizer.json, gives
+    the evaluation's probabilities (1e-4)."""
+    from tokenizers import Tokenizer
+
+    from kiln.inference.backends import ort_session
+    from kiln.inference.record import read_checkpoint
+    from kiln.inference.triton import export_triton
+
+    run_dir = request.getfixturevalue(run)
+    best = run_dir / "checkpoints" / "best.pt"
+    csv_path = corpus / "held_out.csv"
+    code, _, err = run_infer(
+        capsys, "mode=evaluate", f"ckpt={best}", f"data={csv_path}", f"output={tmp_path}/ev"
+    )
+    assert code == 0, err
+    evaluated = pd.read_csv(tmp_path / "ev" / "predictions.csv", keep_default_na=False)
+    probs = [f"prob_{name}" for name in NAMES]
+    report = export_triton(best, tmp_path / "repo", max_batch_size=8)
+    record, _ = read_checkpoint(best)
+    config = (report.model_dir / "config.pbtxt").read_text()
+    assert "probs (N, K) are independent sigmoids, one per class" in config, config
+    assert f"a class is predicted when its prob >= {record.spec.threshold:g}" in config, config
+    assert 'name: "probs"' in config and 'label_filename: "labels.txt"' in config
+    assert (report.model_dir / "labels.txt").read_text().split() == list(NAMES)
+    tokenizer = Tokenizer.from_file(str(report.model_dir / "tokenizer.json"))
+    tokenizer.enable_truncation(record.recipe.max_length)
+    texts = pd.read_csv(csv_path, keep_default_na=False)["text"].tolist()
+    encoded = [e.ids for e in tokenizer.encode_batch(texts)]
+    ids = np.full((len(texts), max(map(len, encoded))), record.recipe.pad_id, dtype=np.int64)
+    for row, sequence in enumerate(encoded):
+        ids[row, : len(sequence)] = sequence
+    session = ort_session(report.model_dir / "1" / "model.onnx")
+    (sigmoids,) = session.run(["probs"], {session.get_inputs()[0].name: ids})
+    np.testing.assert_allclose(sigmoids, evaluated[probs].to_numpy(), atol=1e-4)
+    assert not np.allclose(sigmoids.sum(axis=1), 1.0)  # not a softmax
+    predicted = [SEP.join(n for n, p in zip(NAMES, row, strict=True) if p >= 0.5)
+                 for row in sigmoids]  # fmt: skip
+    assert predicted == evaluated["labels"].tolist()
 
 
 def test_every_loss_branch_runs_on_multi_hot_targets(corpus):
