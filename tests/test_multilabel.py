@@ -499,3 +499,27 @@ def test_val_and_test_labels_csv_mistakes_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"no such file: .*absent.csv \(data.labels_csv\)"):
         build_data(compose_config("data=image_folder",
                                   f"data.labels_csv={tmp_path / 'absent.csv'}").data)  # fmt: skip
+
+
+def test_csv_text_multilabel_val_path_rows_are_the_val_split_exactly(tmp_path):
+    """data.val_path with label sets: every good row of the val CSV is one val item with that
+    row's multi-hot target, and nothing of the training CSV is held out."""
+    from kiln.data.csv_text import build_csv_text
+
+    train = write_multilabel_csv(tmp_path / "train.csv", 50)
+    val = write_multilabel_csv(tmp_path / "val.csv", 17, seed=3)  # + a row with no label
+    cfg = compose_config(
+        "data=csv_text", "model=text_bow", "data.label_column=labels",
+        f"data.label_separator={SEP}", f"data.cache_dir={tmp_path / 'cache'}",
+        f"data.train_path={train}", f"data.val_path={val}",
+    )  # fmt: skip
+    bundle = build_csv_text(cfg.data)
+    assert bundle.report["rows"] == {"train": 50, "val": 17}
+    assert len(bundle.train) == 50 and len(bundle.val) == 17
+    val_rows = multilabel_rows(17, 3)
+    sources = list(bundle.sources["val"])
+    assert sorted(sources) == sorted(f"val.csv row {n}" for n in range(1, 18))
+    for i, source in enumerate(sources):
+        _, labels = val_rows[int(source.removeprefix("val.csv row ")) - 1]
+        expected = [float(name in labels.split(SEP)) for name in NAMES]
+        assert bundle.val[i][1].tolist() == expected, source
