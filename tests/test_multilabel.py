@@ -238,6 +238,8 @@ def test_the_multilabel_triton_repository_gives_the_evaluations_sigmoid_probs(
     from kiln.inference.record import read_checkpoint
     from kiln.inference.triton import export_triton
 
+    from .test_triton_export import assert_config_describes_the_graph, read_repository
+
     run_dir = request.getfixturevalue(run)
     best = run_dir / "checkpoints" / "best.pt"
     csv_path = corpus / "held_out.csv"
@@ -252,7 +254,11 @@ def test_the_multilabel_triton_repository_gives_the_evaluations_sigmoid_probs(
     config = (report.model_dir / "config.pbtxt").read_text()
     assert "probs (N, K) are independent sigmoids, one per class" in config, config
     assert f"a class is predicted when its prob >= {record.spec.threshold:g}" in config, config
-    assert 'name: "probs"' in config and 'label_filename: "labels.txt"' in config
+    parsed, graph = read_repository(report.model_dir)  # Triton's own model-config protobuf
+    assert_config_describes_the_graph(parsed, graph)
+    outputs = {entry.name: entry for entry in parsed.output}
+    assert list(outputs["probs"].dims) == [len(NAMES)]
+    assert outputs["probs"].label_filename == "labels.txt"
     assert (report.model_dir / "labels.txt").read_text().split() == list(NAMES)
     tokenizer = Tokenizer.from_file(str(report.model_dir / "tokenizer.json"))
     tokenizer.enable_truncation(record.recipe.max_length)
