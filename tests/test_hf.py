@@ -480,7 +480,10 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(bert_run, corpus, tmp_path):
-    """Exact resume with model=hf (a hub snapshot folder, dropout on, pairs off): bitwise."""
+    """Exact resume with model=hf (a hub snapshot folder, dropout on, pairs off) and the
+    fine-tuning recipe switched on in both runs: layer-wise lr decay (one optimizer group per
+    depth, each with its own AdamW moments), the embeddings frozen for the first epoch (the kill
+    lands in it) and thawed at the second: the final weights are bitwise equal."""
     import signal
     import sys
 
@@ -493,7 +496,8 @@ def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(bert_run, co
     settings = (*TRAIN, f"data.train_path={corpus / 'train.csv'}", f"model.arch={snapshot}",
                 f"data.cache_dir={corpus / 'cache'}", "trainer.max_epochs=2",
                 "trainer.deterministic=true", "trainer.checkpoint_every_n_steps=5",
-                "data.batch_size=8", "env.progress_bar=false")  # fmt: skip
+                "data.batch_size=8", "env.progress_bar=false", "optimizer.layer_decay=0.8",
+                "model.freeze=embeddings", "trainer.unfreeze_at_epoch=1")  # fmt: skip
     reference = tmp_path / "reference"
     assert run_train(reference, *settings).returncode == 0
     interrupted = tmp_path / "interrupted"
@@ -506,12 +510,23 @@ def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(bert_run, co
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    saved = load_checkpoint(last)["state"]
+    killed = load_checkpoint(last)
+    saved, saved_model = killed["state"], killed["model"]
     assert saved["epoch"] == 0 and saved["batch_in_epoch"] > 0  # killed mid-epoch
     resumed = run_train(interrupted, *settings, "resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    expected = load_checkpoint(reference / "checkpoints" / "last.pt")["model"]
-    actual = load_checkpoint(last)["model"]
+    reference_state = load_checkpoint(reference / "checkpoints" / "last.pt")
+    resumed_state = load_checkpoint(last)
+    expected, actual = reference_state["model"], resumed_state["model"]
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), f"{name} differs after resume"
+    # The recipe did act: the embeddings thawed in epoch 2 (they moved from the killed run's
+    # frozen copy) and the optimizer holds one group per depth, laid out alike in both runs.
+    embeddings = "net.bert.embeddings.word_embeddings.weight"
+    assert not torch.equal(saved_model[embeddings], actual[embeddings])
+    groups = [(g["depth"], g["decay"], g["lr_mult"])
+              for g in resumed_state["optimizer"]["param_groups"]]  # fmt: skip
+    assert len({depth for depth, _, _ in groups}) > 2, groups
+    assert groups == [(g["depth"], g["decay"], g["lr_mult"])
+                      for g in reference_state["optimizer"]["param_groups"]]  # fmt: skip

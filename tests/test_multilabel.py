@@ -165,7 +165,8 @@ def test_text_bow_multilabel_evaluate_infer_onnx_and_server_agree(bow_run, corpu
     check_predictions_agree(bow_run, corpus, tmp_path, capsys)
 
 
-def test_hf_bert_multilabel_trains_evaluates_and_serves(corpus, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def bert_run(corpus) -> Path:
     folder = write_bert(corpus / "bert", csv_texts(corpus / "train.csv"), num_labels=2)
     run_dir = corpus / "bert_run"
     summary = train_in_process(
@@ -174,10 +175,105 @@ def test_hf_bert_multilabel_trains_evaluates_and_serves(corpus, tmp_path, capsys
         "optimizer.lr=0.003", "trainer.max_epochs=25", "data.batch_size=8",
     )  # fmt: skip
     assert summary["status"] == "ok", summary
-    assert summary["val_f1_micro"] > trivial_f1(run_dir) + 0.1, summary
-    ckpt = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    return run_dir
+
+
+def test_hf_bert_multilabel_trains_evaluates_and_serves(bert_run, corpus, tmp_path, capsys):
+    summary = read_summary(bert_run)
+    assert summary["val_f1_micro"] > trivial_f1(bert_run) + 0.1, summary
+    ckpt = torch.load(bert_run / "checkpoints" / "best.pt", weights_only=True)
     assert ckpt["data_spec"]["task"] == "multilabel"
-    check_predictions_agree(run_dir, corpus, tmp_path, capsys)
+    check_predictions_agree(bert_run, corpus, tmp_path, capsys)
+
+
+def label_sets(probs: np.ndarray, threshold: float) -> np.ndarray:
+    return probs >= threshold
+
+
+def fresh_texts(count: int, seed: int) -> list[str]:
+    return [text for text, _ in multilabel_rows(count, seed)]
+
+
+@pytest.mark.parametrize("run", ["bow_run", "bert_run"])
+def test_int8_multilabel_label_sets_agree_with_fp32(run, request, tmp_path):
+    """int8=true on a multi-label model: the export's own check compares predicted label SETS
+    (every class on the same side of data.threshold), not an argmax, and its line says so;
+    measured again here on fresh rows, int8 ONNX against the fp32 torch model."""
+    from kiln.inference import export
+    from kiln.inference.export import INT8_MIN_AGREEMENT
+
+    run_dir = request.getfixturevalue(run)
+    best = run_dir / "checkpoints" / "best.pt"
+    report = export(best, tmp_path / "model.onnx", int8=True)
+    assert report.int8_path.is_file() and report.int8_num_examples > 0
+    line = next(line for line in report.lines() if str(report.int8_path) in line)
+    assert "predicted label sets (threshold 0.5) agree with torch's on" in line, line
+    assert report.int8_agreement >= INT8_MIN_AGREEMENT, line
+    texts = fresh_texts(400, seed=11)
+    fp32 = Predictor.from_checkpoint(best)
+    int8 = Predictor.from_checkpoint(report.int8_path, backend="onnx")
+    threshold = fp32.spec.threshold
+    ours, theirs = int8.predict_probs(texts), fp32.predict_probs(texts)
+    same = (label_sets(ours, threshold) == label_sets(theirs, threshold)).all(axis=1)
+    agreement = float(same.mean())
+    message = (
+        f"{run}: int8 label sets agree with fp32 on {agreement:.1%} of {len(texts)} rows "
+        f"(the export's own check: {report.int8_agreement:.1%} of {report.int8_num_examples})"
+    )
+    print(message)
+    assert agreement >= 0.95, message
+
+
+@pytest.mark.parametrize("run", ["bow_run", "bert_run"])
+def test_the_multilabel_triton_repository_gives_the_evaluations_sigmoid_probs(
+    run, request, corpus, tmp_path, capsys
+):
+    """The Triton repository of a multi-label model: `probs` are sigmoids (its config.pbtxt
+    says a class is predicted at >= data.threshold, the set may be empty or hold several);
+    its model.onnx, run by onnxruntime on the ids a client makes with tokenizer.json, gives
+    the evaluation's probabilities (1e-4)."""
+    from tokenizers import Tokenizer
+
+    from kiln.inference.backends import ort_session
+    from kiln.inference.record import read_checkpoint
+    from kiln.inference.triton import export_triton
+
+    from .test_triton_export import assert_config_describes_the_graph, read_repository
+
+    run_dir = request.getfixturevalue(run)
+    best = run_dir / "checkpoints" / "best.pt"
+    csv_path = corpus / "held_out.csv"
+    code, _, err = run_infer(
+        capsys, "mode=evaluate", f"ckpt={best}", f"data={csv_path}", f"output={tmp_path}/ev"
+    )
+    assert code == 0, err
+    evaluated = pd.read_csv(tmp_path / "ev" / "predictions.csv", keep_default_na=False)
+    probs = [f"prob_{name}" for name in NAMES]
+    report = export_triton(best, tmp_path / "repo", max_batch_size=8)
+    record, _ = read_checkpoint(best)
+    config = (report.model_dir / "config.pbtxt").read_text()
+    assert "probs (N, K) are independent sigmoids, one per class" in config, config
+    assert f"a class is predicted when its prob >= {record.spec.threshold:g}" in config, config
+    parsed, graph = read_repository(report.model_dir)  # Triton's own model-config protobuf
+    assert_config_describes_the_graph(parsed, graph)
+    outputs = {entry.name: entry for entry in parsed.output}
+    assert list(outputs["probs"].dims) == [len(NAMES)]
+    assert outputs["probs"].label_filename == "labels.txt"
+    assert (report.model_dir / "labels.txt").read_text().split() == list(NAMES)
+    tokenizer = Tokenizer.from_file(str(report.model_dir / "tokenizer.json"))
+    tokenizer.enable_truncation(record.recipe.max_length)
+    texts = pd.read_csv(csv_path, keep_default_na=False)["text"].tolist()
+    encoded = [e.ids for e in tokenizer.encode_batch(texts)]
+    ids = np.full((len(texts), max(map(len, encoded))), record.recipe.pad_id, dtype=np.int64)
+    for row, sequence in enumerate(encoded):
+        ids[row, : len(sequence)] = sequence
+    session = ort_session(report.model_dir / "1" / "model.onnx")
+    (sigmoids,) = session.run(["probs"], {session.get_inputs()[0].name: ids})
+    np.testing.assert_allclose(sigmoids, evaluated[probs].to_numpy(), atol=1e-4)
+    assert not np.allclose(sigmoids.sum(axis=1), 1.0)  # not a softmax
+    predicted = [SEP.join(n for n, p in zip(NAMES, row, strict=True) if p >= 0.5)
+                 for row in sigmoids]  # fmt: skip
+    assert predicted == evaluated["labels"].tolist()
 
 
 def test_every_loss_branch_runs_on_multi_hot_targets(corpus):
@@ -333,3 +429,103 @@ def test_label_sets_are_judged_as_single_labels_are(tmp_path):
     listed = compose_config(*common, f"data.train_path={train}", "data.labels=[arrays,http,mail]")
     report = build_csv_text(listed.data).report
     assert set(report["train_file"]["dropped"]) == {"unlisted_label", "missing_label"}
+
+
+def listed_rows(labels_csv: Path) -> list[tuple[str, str]]:
+    with open(labels_csv, newline="") as f:
+        return [(row["path"], row["labels"]) for row in csv.DictReader(f)]
+
+
+def test_image_folder_val_and_test_labels_csv_are_the_splits_exactly(tmp_path):
+    """data.val_labels_csv / data.test_labels_csv: the val and test splits are exactly those
+    CSVs' good rows, in their order, with their label sets; no row of labels_csv is held out;
+    a row with a label training lacks is unseen_label (a rare label is no class of the val)."""
+    from kiln.data import build_data
+
+    train = write_listed_images(tmp_path / "train", 40)
+    val = write_listed_images(tmp_path / "val", 14, seed=1)
+    test = write_listed_images(tmp_path / "test", 9, seed=2)
+    cfg = compose_config(
+        "data=image_folder", f"data.labels_csv={train}", f"data.val_labels_csv={val}",
+        f"data.test_labels_csv={test}", "data.image_size=12", "data.augment=none",
+        f"data.cache_dir={tmp_path / 'cache'}", "model=mlp",
+    )  # fmt: skip
+    bundle = build_data(cfg.data)
+    assert bundle.spec.class_names == COLOURS
+    for split, labels_csv, count in (("val", val, 14), ("test", test, 9)):
+        good = listed_rows(labels_csv)[:count]  # the three bad rows come last
+        assert bundle.sources[split] == [str(labels_csv.parent / path) for path, _ in good]
+        dataset = bundle.val if split == "val" else bundle.test
+        assert len(dataset) == count
+        for i, (_, labels) in enumerate(good):
+            expected = [float(c in labels.split(SEP)) for c in COLOURS]
+            assert dataset[i][1].tolist() == expected, (split, i)
+    assert len(bundle.train) == len(bundle.sources["train"]) == 40  # none held out
+    assert not set(bundle.sources["train"]) & set(bundle.sources["val"])
+    report = bundle.report
+    assert report["split"] == "data.val_labels_csv"
+    assert report["images"] == {"train": 40, "val": 14, "test": 9}
+    dropped = report["val_labels_csv"]["dropped"]
+    assert dropped.pop("unseen_label") == 1 and dropped.pop("missing_label") == 1, dropped
+    assert sum(dropped.values()) == 1  # the missing image file
+    assert report["test_labels_csv"]["images_kept"] == 9
+
+
+def test_a_run_with_val_and_test_labels_csv_validates_and_evaluates_on_them(tmp_path):
+    train = write_listed_images(tmp_path / "train", 60)
+    val = write_listed_images(tmp_path / "val", 20, seed=1)
+    test = write_listed_images(tmp_path / "test", 12, seed=2)
+    run_dir = tmp_path / "run"
+    summary = train_in_process(
+        run_dir, "data=image_folder", f"data.labels_csv={train}", f"data.val_labels_csv={val}",
+        f"data.test_labels_csv={test}", "data.image_size=12", "data.augment=none",
+        "data.batch_size=16", f"data.cache_dir={tmp_path / 'cache'}", "model=mlp",
+        "trainer.max_epochs=8", "optimizer.lr=0.01",
+    )  # fmt: skip
+    assert summary["status"] == "ok", summary
+    assert summary["val_f1_micro"] > trivial_f1(run_dir) + 0.15, summary
+    metrics = json.loads((run_dir / "eval" / "metrics.json").read_text())
+    assert metrics["task"] == "multilabel" and metrics["count"] == 12, metrics
+    assert metrics["data"]["split"] == "test", metrics["data"]
+
+
+def test_val_and_test_labels_csv_mistakes_name_the_key(tmp_path):
+    from kiln.data import build_data
+
+    train = write_listed_images(tmp_path / "train", 12)
+    base = ("data=image_folder", f"data.labels_csv={train}", f"data.cache_dir={tmp_path}/c")
+    for key in ("val_labels_csv", "test_labels_csv"):
+        cfg = compose_config(*base, f"data.{key}={tmp_path / 'absent.csv'}")
+        with pytest.raises(ConfigError, match=rf"no such file: .*absent.csv \(data.{key}\)") as e:
+            build_data(cfg.data)
+        assert e.value.key == f"data.{key}" and "\n" not in str(e.value)
+        with pytest.raises(ConfigError, match=rf"{key} is set but labels_csv is null") as e:
+            compose_config("data=image_folder", f"data.{key}={train}")
+        assert e.value.key == f"data.{key}"
+    with pytest.raises(ConfigError, match=r"no such file: .*absent.csv \(data.labels_csv\)"):
+        build_data(compose_config("data=image_folder",
+                                  f"data.labels_csv={tmp_path / 'absent.csv'}").data)  # fmt: skip
+
+
+def test_csv_text_multilabel_val_path_rows_are_the_val_split_exactly(tmp_path):
+    """data.val_path with label sets: every good row of the val CSV is one val item with that
+    row's multi-hot target, and nothing of the training CSV is held out."""
+    from kiln.data.csv_text import build_csv_text
+
+    train = write_multilabel_csv(tmp_path / "train.csv", 50)
+    val = write_multilabel_csv(tmp_path / "val.csv", 17, seed=3)  # + a row with no label
+    cfg = compose_config(
+        "data=csv_text", "model=text_bow", "data.label_column=labels",
+        f"data.label_separator={SEP}", f"data.cache_dir={tmp_path / 'cache'}",
+        f"data.train_path={train}", f"data.val_path={val}",
+    )  # fmt: skip
+    bundle = build_csv_text(cfg.data)
+    assert bundle.report["rows"] == {"train": 50, "val": 17}
+    assert len(bundle.train) == 50 and len(bundle.val) == 17
+    val_rows = multilabel_rows(17, 3)
+    sources = list(bundle.sources["val"])
+    assert sorted(sources) == sorted(f"val.csv row {n}" for n in range(1, 18))
+    for i, source in enumerate(sources):
+        _, labels = val_rows[int(source.removeprefix("val.csv row ")) - 1]
+        expected = [float(name in labels.split(SEP)) for name in NAMES]
+        assert bundle.val[i][1].tolist() == expected, source

@@ -328,15 +328,22 @@ class ImageFolderConfig(DataConfig):
     decoded and augmented with torchvision (decode_image, transforms v2)."""
 
     PATH_KEYS: ClassVar[tuple[str, ...]] = (
-        "train_dir", "val_dir", "test_dir", "cache_dir", "labels_csv", "root",
+        "train_dir", "val_dir", "test_dir", "cache_dir", "labels_csv", "val_labels_csv",
+        "test_labels_csv", "root",
     )  # fmt: skip
 
     batch_size: int = 32
     train_dir: str | None = None  # folder of class subfolders (required unless labels_csv)
     # multi-label images: a CSV of path,labels rows (the labels joined by label_separator) instead
-    # of class folders; a stratified val_fraction of its rows is held out
+    # of class folders; a stratified val_fraction of its rows is held out unless val_labels_csv
     labels_csv: str | None = None
-    root: str | None = None  # labels_csv: the folder its paths are relative to (null: the CSV's)
+    # labels_csv's own validation images, the same path,labels layout (as val_dir is to
+    # train_dir): its rows are the val split; a label training lacks is unseen_label (dropped).
+    # null: a stratified val_fraction of labels_csv's rows
+    val_labels_csv: str | None = None
+    # labels_csv's test images, the same layout; evaluated at the end of training (<run>/eval/)
+    test_labels_csv: str | None = None
+    root: str | None = None  # the folder the *labels_csv paths are relative to (null: each CSV's)
     label_separator: str = "|"  # labels_csv: between a row's labels
     threshold: float = 0.5  # labels_csv: a class is predicted when its probability is >= this
     val_dir: str | None = None  # same layout; null: a stratified val_fraction of train_dir
@@ -361,6 +368,14 @@ class ImageFolderConfig(DataConfig):
         super().check(key)
         if self.labels_csv is not None:
             self.check_labels_csv(key)
+        elif self.val_labels_csv is not None or self.test_labels_csv is not None:
+            name = "val_labels_csv" if self.val_labels_csv is not None else "test_labels_csv"
+            folder = "val_dir" if name == "val_labels_csv" else "test_dir"
+            raise ConfigError(
+                f"{name} is set but labels_csv is null", f"{key}.{name}",
+                f"set data.labels_csv=<the training CSV of path,labels> too (class folders take "
+                f"data.{folder})",
+            )  # fmt: skip
         elif self.train_dir is None:
             raise ConfigError(
                 "no training images given",

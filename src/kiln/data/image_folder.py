@@ -38,7 +38,7 @@ from torch.utils.data import Dataset
 
 from kiln.atomic import write_json
 from kiln.config.data import Augment, ImageFolderConfig, Normalize
-from kiln.data.image_labels import read_labels_csv
+from kiln.data.image_labels import ListedImages, missing_labels_csv, read_labels_csv
 from kiln.data.image_scan import (
     FolderImages,
     ImageFolderError,
@@ -350,7 +350,7 @@ def _class_names(train: FolderImages) -> list[str]:
 
 
 def log_report(report: dict) -> None:
-    for key in ("train_dir", "val_dir", "test_dir", "labels_csv"):
+    for key in ("train_dir", "val_dir", "test_dir", *LISTED_SPLITS):
         folder = report.get(key)
         if folder is None:
             continue
@@ -426,24 +426,62 @@ def build_image_folder(
                    caches)  # fmt: skip
 
 
+LISTED_SPLITS = {"labels_csv": "train", "val_labels_csv": "val", "test_labels_csv": "test"}
+
+
 def _build_listed(cfg: ImageFolderConfig, pretrained, cache_dir: Path, size, start) -> DataBundle:
-    """data.labels_csv: multi-label images listed in a CSV (kiln.data.image_labels), a
-    val_fraction of them held out (stratified by label set where each set can be in both)."""
-    listed, class_names = read_labels_csv(
-        cfg.labels_csv, cfg.root, cfg.label_separator, channels=cfg.channels,
-        bad_rows=str(cfg.bad_rows), cache_dir=cache_dir, max_pixels=cfg.max_image_pixels,
-    )  # fmt: skip
+    """data.labels_csv: multi-label images listed in a CSV (kiln.data.image_labels). The val
+    split is data.val_labels_csv's rows when it is set, else a val_fraction of labels_csv's
+    (stratified by label set where each set can be in both); data.test_labels_csv: the test
+    split. Every CSV is looked for before the first image is checked."""
+    for key in LISTED_SPLITS:
+        path = getattr(cfg, key)
+        if path is not None and not Path(path).is_file():
+            raise missing_labels_csv(Path(path), f"data.{key}")
+
+    def read(key: str, classes=None):
+        return read_labels_csv(
+            getattr(cfg, key), cfg.root, cfg.label_separator, channels=cfg.channels,
+            bad_rows=str(cfg.bad_rows), cache_dir=cache_dir, max_pixels=cfg.max_image_pixels,
+            key=f"data.{key}", classes=classes,
+        )  # fmt: skip
+
+    listed, class_names = read("labels_csv")
     index = {name: i for i, name in enumerate(class_names)}
-    label_sets = [tuple(sorted(index[x] for x in labels)) for labels in listed.labels]
-    set_codes = {key: i for i, key in enumerate(dict.fromkeys(label_sets))}
-    codes = np.array([set_codes[key] for key in label_sets], dtype=np.int64)
-    multi = multi_hot(label_sets, len(class_names))
-    train_at, val_at = split_files(codes, cfg.val_fraction, cfg.split_seed)
-    paths = {split: [listed.paths[i] for i in at] for split, at in (("train", train_at),
-                                                                    ("val", val_at))}  # fmt: skip
-    targets = {"train": multi[train_at], "val": multi[val_at]}
-    return _bundle(cfg, pretrained, cache_dir, size, start, class_names, paths, targets,
-                   {"labels_csv": listed.log}, {"labels_csv": listed.cache})  # fmt: skip
+
+    def label_sets(rows: ListedImages) -> list[tuple[int, ...]]:
+        return [tuple(sorted(index[x] for x in labels)) for labels in rows.labels]
+
+    sets = label_sets(listed)
+    multi = multi_hot(sets, len(class_names))
+    logs, caches = {"labels_csv": listed.log}, {"labels_csv": listed.cache}
+    if cfg.val_labels_csv is None:
+        set_codes = {key: i for i, key in enumerate(dict.fromkeys(sets))}
+        codes = np.array([set_codes[key] for key in sets], dtype=np.int64)
+        train_at, val_at = split_files(codes, cfg.val_fraction, cfg.split_seed)
+        paths = {"train": [listed.paths[i] for i in train_at],
+                 "val": [listed.paths[i] for i in val_at]}  # fmt: skip
+        targets = {"train": multi[train_at], "val": multi[val_at]}
+    else:
+        paths, targets = {"train": listed.paths}, {"train": multi}
+    for key in ("val_labels_csv", "test_labels_csv"):
+        if getattr(cfg, key) is None:
+            continue
+        rows, _ = read(key, class_names)
+        split = LISTED_SPLITS[key]
+        paths[split] = rows.paths
+        targets[split] = multi_hot(label_sets(rows), len(class_names))
+        logs[key], caches[key] = rows.log, rows.cache
+    return _bundle(cfg, pretrained, cache_dir, size, start, class_names, paths, targets, logs,
+                   caches)  # fmt: skip
+
+
+def split_source(cfg: ImageFolderConfig) -> str | dict:
+    """Where the val split comes from: a key naming its own files, else the split's settings."""
+    for key in ("val_dir", "val_labels_csv"):
+        if getattr(cfg, key) is not None:
+            return f"data.{key}"
+    return {"val_fraction": cfg.val_fraction, "split_seed": cfg.split_seed}
 
 
 def _bundle(cfg, pretrained, cache_dir, size, start, class_names, paths, targets, logs, caches):
@@ -492,9 +530,7 @@ def _bundle(cfg, pretrained, cache_dir, size, start, class_names, paths, targets
         "class_counts": {
             split: dict(zip(class_names, counts(y), strict=True)) for split, y in targets.items()
         },
-        "split": "data.val_dir"
-        if cfg.val_dir
-        else {"val_fraction": cfg.val_fraction, "split_seed": cfg.split_seed},  # fmt: skip
+        "split": split_source(cfg),
         "input": {
             "channels": cfg.channels,
             "image_size": side,

@@ -5,14 +5,17 @@ class folder's files (kiln.data.image_scan.FolderLog): a row whose file is missi
 good image (verified as the folder scan verifies, with its verdict cache), whose labels split
 into nothing (`missing_label`), or that holds a label with fewer than two good images
 (`unknown_label`: not a class) is dropped with its reason and row; data.bad_rows=error stops at
-the first."""
+the first. A validation or test CSV (data.val_labels_csv, data.test_labels_csv) is read the same
+way against the training CSV's classes: a row holding a label they lack is `unseen_label`."""
 
 from __future__ import annotations
 
 import csv
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.config.base import ConfigError
 from kiln.data.image_scan import FolderLog, ImageFolderError, VerdictCache, verify_file
 from kiln.data.multilabel import split_labels
 from kiln.preprocessing.image_files import DEFAULT_MAX_PIXELS
@@ -42,8 +45,12 @@ def read_labels_csv(
     bad_rows: str,
     cache_dir: Path | None,
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    key: str = "data.labels_csv",
+    classes: Sequence[str] | None = None,
 ) -> tuple[ListedImages, list[str]]:
-    """(the good rows, the classes: every label of two or more good images, natural order)."""
+    """(the good rows, the classes: every label of two or more good images, natural order).
+    `classes`: the training CSV's, for a validation or test CSV (`key`): a row holding another
+    label is dropped as unseen_label, and the classes come back as given."""
     path = Path(csv_path)
     base = Path(root) if root is not None else path.parent
     log_ = FolderLog(str(path))
@@ -51,13 +58,13 @@ def read_labels_csv(
         with open(path, newline="", encoding="utf-8") as f:
             records = list(csv.DictReader(f))
             columns = list(records[0]) if records else []
-    except FileNotFoundError:
-        raise ImageFolderError(f"no such file: {path} (data.labels_csv)") from None
+    except (FileNotFoundError, IsADirectoryError):
+        raise missing_labels_csv(path, key) from None
     except (OSError, UnicodeDecodeError, csv.Error) as err:
-        raise ImageFolderError(f"cannot read {path} (data.labels_csv): {err}") from None
+        raise ImageFolderError(f"cannot read {path} ({key}): {err}") from None
     if not records or PATH_COLUMN not in columns or LABELS_COLUMN not in columns:
         raise ImageFolderError(
-            f"{path} (data.labels_csv): needs a header with {PATH_COLUMN!r} and "
+            f"{path} ({key}): needs a header with {PATH_COLUMN!r} and "
             f"{LABELS_COLUMN!r} columns and one row per image; found columns {columns}"
         )
     log_.read = log_.files = len(records)
@@ -94,14 +101,23 @@ def read_labels_csv(
             good.append((row, file, labels))
         else:
             drop(row, error.reason, str(file), error.detail)
-    counts: dict[str, int] = {}
-    for _, _, labels in good:
-        for label in labels:
-            counts[label] = counts.get(label, 0) + 1
-    classes = sorted((n for n, c in counts.items() if c >= MIN_IMAGES_PER_CLASS), key=natural_key)
+    given = classes is not None
+    if classes is None:
+        counts: dict[str, int] = {}
+        for _, _, labels in good:
+            for label in labels:
+                counts[label] = counts.get(label, 0) + 1
+        classes = sorted((n for n, c in counts.items() if c >= MIN_IMAGES_PER_CLASS),
+                         key=natural_key)  # fmt: skip
+    classes = list(classes)
     listed = ListedImages([], [], [], log_)
     for row, file, labels in good:
         rare = [label for label in labels if label not in classes]
+        if rare and given:
+            drop(row, "unseen_label", str(file),
+                 f"has label(s) {', '.join(map(repr, rare))} that data.labels_csv's classes "
+                 "lack")  # fmt: skip
+            continue
         if rare:
             drop(row, "unknown_label", str(file),
                  f"has label(s) {', '.join(map(repr, rare))} with fewer than "
@@ -113,9 +129,19 @@ def read_labels_csv(
     log_.kept = len(listed.paths)
     if cache is not None:
         listed.cache = {"file": str(cache.path), "hits": cache.hits, "checked": cache.checked}
+    if given and not listed.paths:
+        raise ImageFolderError(f"{path}: no usable images ({key}): {log_.summary()}")
     if len(classes) < 2:
         raise ImageFolderError(
-            f"{path}: {len(classes)} label(s) have two or more good images (data.labels_csv): "
+            f"{path}: {len(classes)} label(s) have two or more good images ({key}): "
             "multi-label classification needs at least two classes (see data_report.json)"
         )
     return listed, classes
+
+
+def missing_labels_csv(path: Path, key: str) -> ConfigError:
+    return ConfigError(
+        f"no such file: {path}", key,
+        "give a CSV with a header of path,labels and one row per image (paths relative to "
+        "data.root, else the CSV's folder)",
+    )  # fmt: skip

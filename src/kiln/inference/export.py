@@ -82,6 +82,8 @@ class ExportReport:
     int8_path: Path | None = None
     int8_agreement: float | None = None
     int8_num_examples: int = 0
+    # multi-label: the threshold the int8 check compares label sets at (None: argmax)
+    int8_threshold: float | None = None
     examples_source: str = ""
 
     def lines(self) -> list[str]:
@@ -90,8 +92,13 @@ class ExportReport:
         out += [c.line() for c in self.parity]
         out.append(f"  examples: {self.examples_source}")
         if self.int8_path is not None:
+            what = (
+                "argmax agrees with torch"
+                if self.int8_threshold is None
+                else f"predicted label sets (threshold {self.int8_threshold:g}) agree with torch's"
+            )
             out.append(
-                f"wrote {self.int8_path}: argmax agrees with torch on "
+                f"wrote {self.int8_path}: {what} on "
                 f"{self.int8_agreement:.1%} of {self.int8_num_examples} examples"
             )
         return out
@@ -568,6 +575,7 @@ def export(
     if int8:
         report.int8_path = quantize_int8(onnx_path)
         threshold = record.spec.threshold if record.spec.multi_label else None
+        report.int8_threshold = threshold
         report.int8_agreement = check_int8(graph.net, report.int8_path, examples, device, threshold)
         report.int8_num_examples = len(examples)
         write_sidecar(record, report.int8_path)

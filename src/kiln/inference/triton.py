@@ -8,6 +8,8 @@
                                   normalisation is folded in), as kiln's own clients send them;
                                   detectors take raw pixels too; text models take token ids
     <repo>/<name>/labels.txt      classifiers: class names, Triton's classification extension
+                                  (multi-label: probs are sigmoids, a class is predicted at
+                                  >= data.threshold; the config.pbtxt comments say it)
     <repo>/<name>/tokenizer.json  text models: the tokenizer a client must run (ids padded with 0)
     <repo>/<name>/kiln.json       the record: data spec, preprocessing, source .pt sha256
 
@@ -85,14 +87,29 @@ def client_notes(record: ModelRecord) -> list[str]:
             notes.append("  a pair task: encode each (a, b) as a pair, encode(a, b).")
         elif recipe.pair_column is not None:
             notes.append("  a pair task trained joined: encode a + ' ' + b as one text.")
-        outputs = "outputs: logits and probs (N, K); probs' classes are the lines of labels.txt."
-        return [*notes, outputs]
+        return [*notes, *output_notes(record)]
     value_range = recipe.value_range or ("any", "any")
     return [
         f"input: raw pixels FP32 (N, {', '.join(map(str, (recipe.channels, *recipe.image_size)))})"
         f" in [{value_range[0]}, {value_range[1]}], as kiln's",
         "  server takes them: the training normalisation is inside the graph.",
-        "outputs: logits and probs (N, K); probs' classes are the lines of labels.txt.",
+        *output_notes(record),
+    ]
+
+
+def output_notes(record: ModelRecord) -> list[str]:
+    """What a classifier's probs mean: a softmax over the classes, or (multi-label) a sigmoid
+    per class, and the threshold kiln predicts a class at."""
+    outputs = "outputs: logits and probs (N, K); probs' classes are the lines of labels.txt."
+    if not record.spec.multi_label:
+        return [outputs]
+    threshold = record.spec.threshold
+    return [
+        outputs,
+        "  multi-label: probs (N, K) are independent sigmoids, one per class (they do not sum",
+        f"  to 1); a class is predicted when its prob >= {threshold:g} (data.threshold), so a",
+        "  row's predicted set may hold several classes or none. Triton's classification",
+        "  extension (class_count) ranks by prob and knows no threshold: apply it yourself.",
     ]
 
 
