@@ -19,9 +19,9 @@ change in the machine's load hits them alike):
             second or more to decode)
 
 and all the while one separate process polls /healthz (a kept-alive connection, every
---health-interval-ms). The bomb and huge clients run under `nice -n 10` (--attacker-nice): in
-life they are other machines; on one small machine their own CPU would otherwise be the
-server's loss. The good clients and the poller run at the server's priority.
+--health-interval-ms). Every process starts up (imports, bodies) before the phase's clock
+starts. All clients run at the server's priority (--attacker-nice N puts the bomb and huge
+clients under `nice -n N`, standing in for attackers on other machines).
 
 Every good answer is checked against the offline prediction of the same checkpoint, every bomb
 must be answered 422 naming "image too large", every huge image 200 (or 504: its deadline
@@ -376,7 +376,7 @@ def parse_args(argv=None):
     parser.add_argument("--huge-clients", type=int, default=2)
     parser.add_argument("--huge-side", type=int, default=8000, help="the huge PNG's side")
     parser.add_argument(
-        "--attacker-nice", type=int, default=10,
+        "--attacker-nice", type=int, default=0,
         help="niceness of the bomb and huge clients (0: none); the good ones and the poller run "
         "at the server's priority",
     )  # fmt: skip
