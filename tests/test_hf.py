@@ -483,7 +483,8 @@ def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(bert_run, co
     """Exact resume with model=hf (a hub snapshot folder, dropout on, pairs off) and the
     fine-tuning recipe switched on in both runs: layer-wise lr decay (one optimizer group per
     depth, each with its own AdamW moments), the embeddings frozen for the first epoch (the kill
-    lands in it) and thawed at the second: the final weights are bitwise equal."""
+    lands in it) and thawed at the second, linear warm-up then decay, gradient checkpointing
+    and bf16 autocast: the final weights are bitwise equal."""
     import signal
     import sys
 
@@ -497,7 +498,9 @@ def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(bert_run, co
                 f"data.cache_dir={corpus / 'cache'}", "trainer.max_epochs=2",
                 "trainer.deterministic=true", "trainer.checkpoint_every_n_steps=5",
                 "data.batch_size=8", "env.progress_bar=false", "optimizer.layer_decay=0.8",
-                "model.freeze=embeddings", "trainer.unfreeze_at_epoch=1")  # fmt: skip
+                "model.freeze=embeddings", "trainer.unfreeze_at_epoch=1",
+                "scheduler=linear_warmup", "model.gradient_checkpointing=true",
+                "precision=bf16")  # fmt: skip
     reference = tmp_path / "reference"
     assert run_train(reference, *settings).returncode == 0
     interrupted = tmp_path / "interrupted"
