@@ -183,25 +183,23 @@ def schema_of(kind: type) -> type:
 
 def frozen(value: Any) -> Any:
     """`value` with every twin instance in it (lists and dicts too) made its frozen schema."""
-    if is_dataclass(value) and not isinstance(value, type):
-        kind = schema_of(type(value))
-        return kind(**{f.name: frozen(getattr(value, f.name)) for f in fields(value) if f.init})
-    if isinstance(value, list | tuple):
-        return type(value)(frozen(item) for item in value)
-    if isinstance(value, dict):
-        return {key: frozen(item) for key, item in value.items()}
-    return value
+    return _remade(value, schema_of)
 
 
 def thaw(value: Any) -> Any:
     """`value` with every frozen schema instance in it made its twin (what Hydra composes)."""
+    return _remade(value, composable)
+
+
+def _remade(value: Any, kind_of) -> Any:
+    """`value` with each dataclass instance in it rebuilt as `kind_of(its type)`."""
     if is_dataclass(value) and not isinstance(value, type):
-        kind = composable(type(value))
-        return kind(**{f.name: thaw(getattr(value, f.name)) for f in fields(value) if f.init})
+        kept = {f.name: getattr(value, f.name) for f in fields(value) if f.init}
+        return kind_of(type(value))(**{k: _remade(v, kind_of) for k, v in kept.items()})
     if isinstance(value, list | tuple):
-        return type(value)(thaw(item) for item in value)
+        return type(value)(_remade(item, kind_of) for item in value)
     if isinstance(value, dict):
-        return {key: thaw(item) for key, item in value.items()}
+        return {key: _remade(item, kind_of) for key, item in value.items()}
     return value
 
 
