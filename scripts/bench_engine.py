@@ -53,6 +53,9 @@ from kiln.engine.seeding import set_deterministic
 from kiln.engine.trainer import Trainer
 from kiln.models import build_model, logits_of
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import stamp  # noqa: E402
+
 THRESHOLD = 0.97  # engine throughput over baseline throughput: at most 3% overhead
 
 
@@ -100,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--check", action="store_true", help="exit 1 unless every comparison is within budget"
     )
+    parser.add_argument(
+        "--markdown", action="store_true",
+        help="print the table as docs/benchmarks.md holds it (date, commit, machine) at the end",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. optimizer=sgd")
     args = parser.parse_args(argv)
     if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: a run that proves it works
@@ -268,33 +275,42 @@ def compare(args: argparse.Namespace, compiled: bool) -> dict:
     }
 
 
-def print_table(results: list[dict]) -> None:
+def table(results: list[dict]) -> str:
+    """The setting, then one row per comparison (eager, compiled): samples/s of each side, the
+    median paired ratio engine / baseline with its 95% interval, and the verdict."""
     r = results[0]
-    print(
+    lines = [
         f"{r['model']} on {r['data']} {r['image_size']}px, batch {r['batch_size']}, "
         f"{r['precision']}, {r['optimizer']}+{r['scheduler']}, {r['device']} "
         f"({r['torch_threads']} threads): {r['steps']} interleaved step pairs after "
-        f"{r['warmup']} warm-up steps a side"
-    )
-    print(f"  {'mode':<9}{'engine/s':>10}{'base/s':>10}{'ratio':>8}  {'95% CI':<15} verdict")
+        f"{r['warmup']} warm-up steps a side, budget ratio >= {r['threshold']:g}",
+        "",
+        "| mode | engine samples/s | baseline samples/s | ratio (median) | 95% CI low | "
+        "95% CI high | verdict |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in results:
         low, high = r["ratio_ci95"]
         engine, base = r["engine_samples_per_s"], r["baseline_samples_per_s"]
-        print(
-            f"  {r['mode']:<9}{engine:>10.1f}{base:>10.1f}{r['ratio_median']:>8.3f}  "
-            f"[{low:.3f}, {high:.3f}]  {r['verdict']}"
+        lines.append(
+            f"| {r['mode']} | {engine:.1f} | {base:.1f} | {r['ratio_median']:.3f} | {low:.3f} "
+            f"| {high:.3f} | {r['verdict']} |"
         )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    load = os.getloadavg()
     torch.set_num_threads(args.threads)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     results = []
     for compiled in modes:
         print(f"benchmarking {'compiled' if compiled else 'eager'} sides ...", flush=True)
         results.append(compare(args, compiled))
-    print_table(results)
+    print(table(results), flush=True)
+    if args.markdown:
+        print("\n" + stamp(load) + "\n\n" + table(results), flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"comparisons": results}, indent=2) + "\n")

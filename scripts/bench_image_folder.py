@@ -36,6 +36,9 @@ from kiln.config import load_config
 from kiln.data import build_data
 from kiln.data.loaders import build_dataloaders
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import stamp  # noqa: E402
+
 FLOOR = 0.95
 
 
@@ -59,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workdir", help="where photos and caches go (default: a temp dir)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--check", action="store_true", help=f"exit 1 below the {FLOOR} floor")
+    parser.add_argument(
+        "--markdown", action="store_true",
+        help="print the table as docs/benchmarks.md holds it (date, commit, machine) at the end",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: a run that proves it works
         args.images, args.image_size, args.rounds = min(args.images, 64), 32, 1
@@ -213,10 +220,13 @@ def _row(name: str, rates: list[float]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    load = os.getloadavg()
     result = measure(args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     print(table(result), flush=True)
+    if args.markdown:
+        print("\n" + stamp(load) + "\n\n" + table(result), flush=True)
     return 1 if args.check and not result["meets_floor"] else 0
 
 

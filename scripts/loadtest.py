@@ -44,6 +44,7 @@ from pathlib import Path
 import httpx
 import loadtest_peers as peers
 import numpy as np
+from provenance import stamp
 from tiny_checkpoints import REPO, checkpoints
 
 sys.path.insert(0, str(REPO / "src"))
@@ -307,7 +308,12 @@ def measure_model(name: str, ckpt: Path, args, modes, formats, concurrencies) ->
                         )
                 for mode in modes:
                     rows.append(summarise(name, mode, fmt, c, rounds[mode]))
-                    print_rows(rows[-1:])
+                    r = rows[-1]
+                    print(
+                        f"  {name} {mode} {fmt} c={c}: {r.requests_per_s:.1f} req/s, p99 "
+                        f"{r.p99_ms:.1f} ms, {r.errors + r.mismatches} wrong",
+                        flush=True,
+                    )
         return rows
     finally:
         for server in servers.values():
@@ -377,17 +383,31 @@ def floors(rows: list[Row], args) -> list[Floor]:
 # ---------------------------------------------------------------------------------------------
 
 
-def print_rows(rows: list[Row]) -> None:
-    header = f"{'model':<10} {'mode':<9} {'format':<6} {'c':>3} {'req/s':>8} {'p50 ms':>8} "
-    header += f"{'p95 ms':>8} {'p99 ms':>8} {'batch ms':>8} {'inputs/call':>11} {'bad':>4}"
-    print(header)
+def table(rows: list[Row], checked: list[Floor], args) -> str:
+    """Per (model, mode, format, concurrency) the measured row, then the floors: the tables of
+    docs/benchmarks.md's "Serving: batching, unbatched and the HTTP ceiling"."""
+    lines = [
+        f"{args.requests} requests per setting in {args.rounds} round(s) that take the modes in "
+        f"turn, max_batch_size={args.max_batch_size}, max_delay_ms={args.max_delay_ms:g}:",
+        "",
+        "| model | mode | format | c | req/s | p50 ms | p95 ms | p99 ms | model call ms "
+        "| inputs/call | wrong |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        print(
-            f"{r.model:<10} {r.mode:<9} {r.format:<6} {r.concurrency:>3} "
-            f"{r.requests_per_s:>8.1f} {r.p50_ms:>8.1f} {r.p95_ms:>8.1f} {r.p99_ms:>8.1f} "
-            f"{r.batch_ms:>8.2f} {r.mean_batch_size:>11.1f} {r.errors + r.mismatches:>4}",
-            flush=True,
+        lines.append(
+            f"| {r.model} | {r.mode} | {r.format} | {r.concurrency} | {r.requests_per_s:.1f} "
+            f"| {r.p50_ms:.1f} | {r.p95_ms:.1f} | {r.p99_ms:.1f} | {r.batch_ms:.2f} "
+            f"| {r.mean_batch_size:.1f} | {r.errors + r.mismatches} |"
         )
+    lines += ["", "Floors, ratios measured in this run:", ""]
+    lines += ["| floor | measured | at least | met | from |", "|---|---:|---:|---|---|"]
+    for f in checked:
+        lines.append(
+            f"| {f.name} | {f.value:.2f} | {f.threshold:g} | {'met' if f.met else 'NOT met'} "
+            f"| {f.detail} |"
+        )
+    return "\n".join(lines)
 
 
 def parse_args(argv=None):
@@ -418,10 +438,14 @@ def parse_args(argv=None):
     parser.add_argument("--litserve-max-batch-size", type=int, default=1)
     parser.add_argument("--litserve-batch-timeout-s", type=float, default=0.0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    parser.add_argument(
+        "--markdown", action="store_true",
+        help="print the tables as docs/benchmarks.md holds them (date, commit, machine) at the end",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
-def compare_peers(args) -> int:
+def compare_peers(args, load: tuple[float, ...]) -> int:
     """kiln against other servers of the same checkpoints (scripts/loadtest_peers.py)."""
     from kiln.inference import Predictor
 
@@ -435,7 +459,9 @@ def compare_peers(args) -> int:
             rounds += model_rounds
             wrong += model_wrong
     rows = peers.summary(rounds)
-    peers.print_summary(rows)
+    print("\n" + peers.table(rows), flush=True)
+    if args.markdown:
+        print("\n" + stamp(load) + "\n\n" + peers.table(rows), flush=True)
     errors = sum(r.errors for r in rounds)
     if args.out:
         args.out.write_text(json.dumps({
@@ -450,10 +476,11 @@ def compare_peers(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    load = os.getloadavg()
     if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: proves the path, quickly
         args.concurrency, args.requests, args.rounds, args.formats = "1,8", 24, 1, "json,binary"
     if args.peers:
-        return compare_peers(args)
+        return compare_peers(args, load)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     modes, formats = args.modes.split(","), args.formats.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -461,15 +488,10 @@ def main(argv=None) -> int:
         rows: list[Row] = []
         for name, ckpt in ckpts.items():
             rows += measure_model(name, ckpt, args, modes, formats, concurrencies)
-    print()
-    print_rows(rows)
     checked = floors(rows, args)
-    print("\nfloors (ratios measured in this run):")
-    for floor in checked:
-        verdict = "met" if floor.met else "NOT met"
-        print(
-            f"  {floor.name}: {floor.value:.2f} (>= {floor.threshold:g}: {verdict}) {floor.detail}"
-        )
+    print("\n" + table(rows, checked, args), flush=True)
+    if args.markdown:
+        print("\n" + stamp(load) + "\n\n" + table(rows, checked, args), flush=True)
     wrong = sum(r.errors + r.mismatches for r in rows)
     if args.out:
         args.out.write_text(json.dumps({

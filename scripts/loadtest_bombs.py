@@ -59,6 +59,7 @@ import httpx
 import numpy as np
 from image_bombs import gif_bomb, grey_png, png_bomb
 from loadtest import Server
+from provenance import commit, stamp
 from tiny_checkpoints import REPO, checkpoints
 
 sys.path.insert(0, str(REPO / "src"))
@@ -313,27 +314,34 @@ def summarise(rounds: list[dict[str, Phase]], phases: list[str]) -> list[Summary
     return out
 
 
-def print_summary(rows: list[Summary]) -> None:
-    print(
-        f"\n{'phase':<6} {'good req':>8} {'good/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
-        f"{'x quiet p50':>11} {'x quiet p99':>11} {'healthz n':>9} {'p50 ms':>7} {'p99 ms':>7} "
-        f"{'max ms':>7} {'bombs':>6} {'huge':>5} {'504':>5} {'server cores':>12} "
-        f"{'client cores':>12}"
-    )
+def table(rows: list[Summary], checked: list[tuple[str, bool]], args) -> str:
+    """Per phase the good requests' and /healthz's latencies, the ratios against quiet (over
+    every round, then round by round) and the cores used; then the floors: the tables of
+    docs/benchmarks.md's "Serving under decompression bombs"."""
+    lines = [
+        f"{args.rounds} round(s) x {args.seconds:g} s per phase; {args.good_clients} good, "
+        f"{args.bomb_clients} bomb and {args.huge_clients} huge clients (attackers at nice "
+        f"{args.attacker_nice}):",
+        "",
+        "| phase | good requests | good/s | good p50 ms | good p99 ms | p50 x quiet "
+        "| p99 x quiet | p50 x quiet, per round | p99 x quiet, per round | /healthz polls "
+        "| /healthz p50 ms | /healthz p99 ms | /healthz max ms | bombs | huge | huge 504 "
+        "| server cores | client cores |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        print(
-            f"{r.phase:<6} {r.good_requests:>8} {r.good_per_s:>7.1f} {r.good_p50_ms:>7.1f} "
-            f"{r.good_p99_ms:>7.1f} {r.p50_ratio:>11.2f} {r.p99_ratio:>11.2f} "
-            f"{r.health_polls:>9} {r.health_p50_ms:>7.2f} {r.health_p99_ms:>7.2f} "
-            f"{r.health_max_ms:>7.1f} {r.bombs:>6} {r.huge:>5} {r.huge_late:>5} "
-            f"{r.server_cores:>12.2f} {r.clients_cores:>12.2f}"
+        per_round = [" ".join(f"{x:.2f}" for x in ratios)
+                     for ratios in (r.p50_ratios_per_round, r.p99_ratios_per_round)]  # fmt: skip
+        lines.append(
+            f"| {r.phase} | {r.good_requests} | {r.good_per_s:.1f} | {r.good_p50_ms:.1f} "
+            f"| {r.good_p99_ms:.1f} | {r.p50_ratio:.2f} | {r.p99_ratio:.2f} | {per_round[0]} "
+            f"| {per_round[1]} | {r.health_polls} | {r.health_p50_ms:.2f} "
+            f"| {r.health_p99_ms:.2f} | {r.health_max_ms:.1f} | {r.bombs} | {r.huge} "
+            f"| {r.huge_late} | {r.server_cores:.2f} | {r.clients_cores:.2f} |"
         )
-    for r in rows:
-        if r.phase != "quiet":
-            print(
-                f"  {r.phase}: good p50 / quiet per round {r.p50_ratios_per_round}, "
-                f"p99 / quiet per round {r.p99_ratios_per_round}"
-            )
+    lines += ["", "| floor | met |", "|---|---|"]
+    lines += [f"| {name} | {'met' if met else 'NOT met'} |" for name, met in checked]
+    return "\n".join(lines)
 
 
 def floors(rows: list[Summary], args) -> list[tuple[str, bool]]:
@@ -351,18 +359,6 @@ def floors(rows: list[Summary], args) -> list[tuple[str, bool]]:
                     )
                 )
     return checked
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def parse_args(argv=None):
@@ -393,6 +389,10 @@ def parse_args(argv=None):
     parser.add_argument("--expected", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    parser.add_argument(
+        "--markdown", action="store_true",
+        help="print the tables as docs/benchmarks.md holds them (date, commit, machine) at the end",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -413,6 +413,7 @@ def main(argv=None) -> int:
         print(json.dumps(seen))
         return 0
     phases = args.phases.split(",")
+    load = os.getloadavg()
     from kiln.inference import Predictor
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -446,9 +447,8 @@ def main(argv=None) -> int:
         finally:
             server.stop()
     rows = summarise(rounds, phases)
-    print(f"\n{datetime.date.today()}, commit {git_commit()}: {args.rounds} rounds x ", end="")
-    print(f"{args.seconds:g} s per phase")
-    print_summary(rows)
+    checked = floors(rows, args)
+    print("\n" + table(rows, checked, args), flush=True)
     decode_lines = [
         line
         for line in metrics.splitlines()
@@ -457,10 +457,8 @@ def main(argv=None) -> int:
         )
     ]
     print("server:", "; ".join(decode_lines))
-    checked = floors(rows, args)
-    print("\nfloors:")
-    for name, met in checked:
-        print(f"  {name}: {'met' if met else 'NOT met'}")
+    if args.markdown:
+        print("\n" + stamp(load) + "\n\n" + table(rows, checked, args), flush=True)
     bad = [(n, p) for r in rounds for n, p in r.items()]
     wrong = sum(
         p.wrong + p.health_failures + (p.bombs - p.bombs_refused) + (p.huge - p.huge_ok)
@@ -474,7 +472,7 @@ def main(argv=None) -> int:
             json.dumps(
                 {
                     "date": str(datetime.date.today()),
-                    "commit": git_commit(),
+                    "commit": commit(),
                     "settings": {k: v for k, v in vars(args).items() if k != "out"},
                     "summary": [asdict(r) for r in rows],
                     "floors": [{"floor": n, "met": m} for n, m in checked],

@@ -290,19 +290,22 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else math.inf
 
 
-def print_summary(rows: list[dict]) -> None:
-    print(
-        f"\n{'model':<9} {'c':>3} {'peer':<9} {'kiln req/s':>10} {'peer req/s':>10} "
-        f"{'kiln p50':>8} {'peer p50':>8} {'kiln p99':>8} {'peer p99':>8}  "
-        "req/s kiln/peer per round | p99 peer/kiln per round | load avg"
-    )
+def table(rows: list[dict]) -> str:
+    """Medians over the rounds, then every round's ratio: the table of docs/benchmarks.md's
+    "Serving: kiln and LitServe"."""
+    lines = [
+        "| model | c | peer | kiln req/s | peer req/s | kiln p50 ms | peer p50 ms | kiln p99 ms "
+        "| peer p99 ms | req/s kiln / peer, per round | p99 peer / kiln, per round | load avg |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
     for s in rows:
         rps = " ".join(f"{x:.2f}" for x in s["rps_ratios"])
         p99 = " ".join(f"{x:.2f}" for x in s["p99_ratios"])
         load = f"{min(s['load_avg_1m']):.1f}-{max(s['load_avg_1m']):.1f}"
-        print(
-            f"{s['model']:<9} {s['concurrency']:>3} {s['peer']:<9} "
-            f"{s['kiln_requests_per_s']:>10.1f} {s['peer_requests_per_s']:>10.1f} "
-            f"{s['kiln_p50_ms']:>8.2f} {s['peer_p50_ms']:>8.2f} "
-            f"{s['kiln_p99_ms']:>8.2f} {s['peer_p99_ms']:>8.2f}  {rps} | {p99} | {load}"
+        lines.append(
+            f"| {s['model']} | {s['concurrency']} | {s['peer']} "
+            f"| {s['kiln_requests_per_s']:.1f} | {s['peer_requests_per_s']:.1f} "
+            f"| {s['kiln_p50_ms']:.2f} | {s['peer_p50_ms']:.2f} "
+            f"| {s['kiln_p99_ms']:.2f} | {s['peer_p99_ms']:.2f} | {rps} | {p99} | {load} |"
         )
+    return "\n".join(lines)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from .bench_tables import markdown_tables, number
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_engine.py"
 TINY = ["--model", "mlp", "--image-size", "8", "--batch-size", "16", "--steps", "7"]
@@ -30,7 +32,7 @@ def run_bench(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess,
 
 def test_bench_reports_paired_ratios_their_median_and_interval(tmp_path):
     # --check with a free budget passes; an extra Hydra override passes through to the config.
-    proc, result = run_bench(tmp_path, "--check", "--threshold", "0", "optimizer=sgd")
+    proc, result = run_bench(tmp_path, "--check", "--threshold", "0", "--markdown", "optimizer=sgd")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (r,) = result["comparisons"]
     ratios = r["paired_ratios"]
@@ -42,7 +44,18 @@ def test_bench_reports_paired_ratios_their_median_and_interval(tmp_path):
     assert (r["model"], r["image_size"], r["steps"]) == ("mlp", 8, 7)
     assert (r["batch_size"], r["optimizer"], r["torch_threads"]) == (16, "sgd", 1)
     assert "eager: 7/7 step pairs" in proc.stdout  # progress while it runs
-    assert "95% CI" in proc.stdout
+    # --markdown: the table as docs/benchmarks.md holds it, its numbers the JSON's
+    ((header, rows),) = markdown_tables(proc.stdout)
+    assert header == ["mode", "engine samples/s", "baseline samples/s", "ratio (median)",
+                      "95% CI low", "95% CI high", "verdict"]  # fmt: skip
+    (row,) = rows
+    assert row["mode"] == "eager" and row["verdict"] == "within budget"
+    assert number(row["ratio (median)"]) == pytest.approx(r["ratio_median"], abs=5e-4)
+    assert [number(row["95% CI low"]), number(row["95% CI high"])] == pytest.approx(
+        [low, high], abs=5e-4
+    )
+    assert number(row["engine samples/s"]) == pytest.approx(r["engine_samples_per_s"], abs=0.05)
+    assert number(row["baseline samples/s"]) > 0
 
 
 def test_check_fails_an_impossible_budget_and_a_straddling_interval_is_inconclusive(tmp_path):

@@ -333,6 +333,33 @@ def test_every_schema_is_frozen_after_composition(schema):
     assert all(f.kw_only for f in fields(schema)), f"{schema.__qualname__}: keywords only"
 
 
+@pytest.mark.parametrize("schema", _schemas(), ids=lambda schema: schema.__qualname__)
+def test_hydra_composes_a_mutable_twin_of_every_schema(schema):
+    """The twin Hydra composes (kiln.config.base.composable) has the schema's name, fields,
+    defaults and bases, and freezes back into the schema; omegaconf itself is not patched."""
+    import dataclasses
+    import pickle
+
+    from omegaconf import _utils, dictconfig
+
+    from kiln.config.base import composable, frozen, schema_of
+
+    assert dictconfig.is_structured_config_frozen is _utils.is_structured_config_frozen
+    twin = composable(schema)
+    assert twin is not schema and schema_of(twin) is schema and twin.__name__ == schema.__name__
+    assert not twin.__dataclass_params__.frozen and pickle.loads(pickle.dumps(twin)) is twin
+    ours, theirs = fields(schema), fields(twin)
+    assert [f.name for f in theirs] == [f.name for f in ours]
+    assert [f.default for f in theirs] == [f.default for f in ours]
+    for base in schema.__bases__:
+        if dataclasses.is_dataclass(base):
+            assert issubclass(twin, composable(base))
+    default = {"name": "x"} if "name" in {f.name for f in ours} else {}
+    value = twin(**default)
+    setattr(value, ours[0].name, getattr(value, ours[0].name))  # a twin is writable
+    assert frozen(value) == schema(**default) and type(frozen(value)) is schema
+
+
 def test_a_composed_config_is_frozen_through_the_tree():
     import dataclasses
 

@@ -232,10 +232,13 @@ def test_evaluate_on_a_folder_equals_predict_on_the_same_images(digits, tmp_path
     assert ours["true"].tolist() == [labels[i] for i in order]
     assert ours["source"].tolist()[0].endswith(f"img{order[0]}.npy")
     metrics = json.loads((out_dir / "metrics.json").read_text())
-    assert metrics["data"]["skipped"] == {
-        "hidden": {"count": 1, "first": [str(folder / "3" / ".DS_Store")]},
-        "not_an_image": {"count": 1, "first": [str(folder / "3" / "notes.txt")]},
-    }
+    # a data_report.json entry's layout (kiln.data.bad_inputs.BadInputLog)
+    assert metrics["data"]["dropped"] == {"hidden": 1, "not_an_image": 1}
+    assert metrics["data"]["dropped_records"] == [
+        {"reason": "hidden", "path": str(folder / "3" / ".DS_Store")},
+        {"reason": "not_an_image", "path": str(folder / "3" / "notes.txt")},
+    ]
+    assert [metrics["data"][f"images_{n}"] for n in ("read", "kept", "dropped")] == [122, 120, 2]
     assert metrics["accuracy"] == pytest.approx((ours["label"] == ours["true"]).mean(), abs=1e-6)
 
 
@@ -300,8 +303,12 @@ def test_rows_without_a_label_are_skipped_and_named(text, tmp_path, capsys):
     assert "1 missing_label (first: some.csv row 2)" in out
     metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
     assert metrics["count"] == 2
-    assert metrics["data"]["skipped"] == {
-        "missing_label": {"count": 1, "first": ["some.csv row 2"]}
+    assert {k: v for k, v in metrics["data"].items() if k not in ("path", "layout")} == {
+        "rows_read": 3,
+        "rows_kept": 2,
+        "rows_dropped": 1,
+        "dropped": {"missing_label": 1},
+        "dropped_records": [{"reason": "missing_label", "row": 2, "column": "label"}],
     }
     predictions = pd.read_csv(tmp_path / "report" / "predictions.csv")
     assert predictions["source"].tolist() == ["some.csv row 1", "some.csv row 3"]

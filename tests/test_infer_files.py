@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from kiln.cli.infer import main as infer_main
+from kiln.data.bad_inputs import summary_line
 from kiln.inference import Predictor
 
 from .conftest import train_in_process
@@ -212,11 +213,20 @@ def test_evaluate_counts_a_fifo_and_leaves_out_bad_files_naming_them(image_ckpt,
     predict(f"ckpt={image_ckpt}", "mode=evaluate", f"data={data}", f"output={out}",
             fifos=[data / "dog" / "x.jpg"])  # fmt: skip
     metrics = json.loads((out / "metrics.json").read_text())
-    skipped = metrics["data"]["skipped"]
-    assert skipped["not_regular"]["count"] == 1 and "x.jpg" in skipped["not_regular"]["first"][0]
-    assert skipped["cannot_open"]["count"] == 1 and "dangling" in skipped["cannot_open"]["first"][0]
-    assert skipped["link_into_tree"]["count"] == 1
-    assert skipped["too_large"]["first"][0].startswith(f"{data / 'cat' / 'bomb.png'}: PNG of")
-    assert skipped["truncated"]["count"] == 1
+    # data_report.json's layout (kiln.data.bad_inputs): counts per reason, the records beside
+    report = metrics["data"]
+    counts = report["dropped"]
+    first = {}
+    for record in report["dropped_records"]:
+        first.setdefault(record["reason"], record)
+    assert counts["not_regular"] == 1 and first["not_regular"]["path"].endswith("x.jpg")
+    assert counts["cannot_open"] == 1 and "dangling" in first["cannot_open"]["detail"]
+    assert counts["link_into_tree"] == 1
+    assert first["too_large"]["path"] == str(data / "cat" / "bomb.png")
+    assert first["too_large"]["detail"].startswith("PNG of")
+    assert counts["truncated"] == 1
     assert metrics["count"] == 6 == len(pd.read_csv(out / "predictions.csv"))
+    assert report["images_kept"] == 6 and report["images_dropped"] == sum(counts.values()) == 5
+    assert report["images_read"] == 6 + 5
+    assert summary_line({**report, "path": str(data)}).startswith(f"{data}: 11 images read, 6 kept")
     assert "skipped, not evaluated" in capsys.readouterr().out

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from .bench_tables import markdown_tables, number
 from .conftest import SUBPROCESS_ENV
 from .inference_helpers import digits_run, text_run
 
@@ -38,6 +39,7 @@ def test_loadtest_checks_every_answer_and_reports_the_floors(digits_ckpt, tmp_pa
         "loadtest.py", "--ckpt", f"mlp={digits_ckpt}", "--modes", "batched,echo",
         "--concurrency", "1,4", "--requests", "16", "--rounds", "2", "--floor-concurrency", "4",
         "--out", str(out), "--check", "--min-ceiling-ratio", "1e9",  # a floor nobody meets
+        "--markdown",
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr  # --check: the floor was not met
     result = json.loads(out.read_text())
@@ -55,6 +57,23 @@ def test_loadtest_checks_every_answer_and_reports_the_floors(digits_ckpt, tmp_pa
     assert math.isclose(ceiling["value"], expected) and ceiling["met"] is False
     assert "mlp: binary / JSON throughput at concurrency 4" in floors
     assert "NOT met" in done.stdout
+    # --markdown: the tables as docs/benchmarks.md holds them, their numbers the JSON's
+    (header, table), (floor_header, floor_table) = markdown_tables(done.stdout)
+    assert header == ["model", "mode", "format", "c", "req/s", "p50 ms", "p95 ms", "p99 ms",
+                      "model call ms", "inputs/call", "wrong"]  # fmt: skip
+    assert len(table) == len(rows)
+    for line, row in zip(table, rows, strict=True):
+        assert [line["model"], line["mode"], line["format"], int(line["c"])] == [
+            row["model"], row["mode"], row["format"], row["concurrency"]
+        ]  # fmt: skip
+        assert number(line["req/s"]) == pytest.approx(row["requests_per_s"], abs=0.05)
+        assert number(line["p99 ms"]) == pytest.approx(row["p99_ms"], abs=0.05)
+        assert number(line["inputs/call"]) >= 1 and number(line["wrong"]) == 0
+    assert floor_header == ["floor", "measured", "at least", "met", "from"]
+    listed = {line["floor"]: line for line in floor_table}
+    assert listed.keys() == floors.keys()
+    assert listed[ceiling["name"]]["met"] == "NOT met"
+    assert number(listed[ceiling["name"]]["measured"]) == pytest.approx(expected, abs=0.005)
 
 
 @pytest.mark.slow  # a server process of its own; --check already shows the script can fail
@@ -122,7 +141,8 @@ def test_peer_ratios_are_per_round_and_against_kiln():
     """loadtest.py --peers: each round's ratio pairs kiln with the peer of the same round (the
     LitServe venv and wrk themselves are exercised by `make bench`, not here: they install)."""
     sys.path.insert(0, str(REPO / "scripts"))
-    from loadtest_peers import PeerRound, summary
+    from loadtest_peers import PeerRound, summary, table
+    from provenance import stamp
 
     def round_(server, r, rps, p99):
         return PeerRound("mlp", server, 32, r, int(rps), rps, p99 / 2, p99, 0, 1.5)
@@ -133,3 +153,9 @@ def test_peer_ratios_are_per_round_and_against_kiln():
     assert row["rps_ratios"] == [2.0, 2.0] and row["p99_ratios"] == [2.0, 0.5]
     assert row["kiln_requests_per_s"] == 250 and row["peer_requests_per_s"] == 125
     assert row["peer"] == "litserve" and row["load_avg_1m"] == [1.5] * 4
+    # what --peers --markdown prints after the stamp
+    ((header, (line,)),) = markdown_tables(stamp() + "\n\n" + table([row]))
+    assert header[:5] == ["model", "c", "peer", "kiln req/s", "peer req/s"]
+    assert [number(line["kiln req/s"]), number(line["peer req/s"])] == [250, 125]
+    assert line["req/s kiln / peer, per round"] == "2.00 2.00"
+    assert line["p99 peer / kiln, per round"] == "2.00 0.50" and line["load avg"] == "1.5-1.5"

@@ -38,6 +38,7 @@ from kiln.config.infer import ArgumentError, ServerConfig
 from kiln.inference import Predictor
 from kiln.serving import create_app
 
+from .bench_tables import markdown_tables, number
 from .conftest import SUBPROCESS_ENV
 from .inference_helpers import live_server, serve_process, trained_run
 
@@ -510,6 +511,7 @@ def test_the_bomb_load_test_checks_every_answer_and_reports_the_floors(photos_ck
     ]
     cmd += ["--seconds", "2", "--rounds", "1", "--good-clients", "2", "--bomb-clients", "2"]
     cmd += ["--huge-clients", "1", "--out", str(out), "--check", "--max-latency-ratio", "0"]
+    cmd += ["--markdown"]
     done = subprocess.run(
         cmd, cwd=REPO_ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600
     )
@@ -525,3 +527,43 @@ def test_the_bomb_load_test_checks_every_answer_and_reports_the_floors(photos_ck
     )
     assert all(row["good_requests"] > 0 and row["health_polls"] > 0 for row in phases.values())
     assert "bombs: good p50" in done.stdout and "NOT met" in done.stdout
+    (_, table), (_, floors) = markdown_tables(done.stdout)  # --markdown
+    assert [line["phase"] for line in table] == [row["phase"] for row in result["summary"]]
+    for line in table:
+        assert number(line["good requests"]) == phases[line["phase"]]["good_requests"]
+        assert number(line["bombs"]) == phases[line["phase"]]["bombs"]
+    assert [line["floor"] for line in floors] == [f["floor"] for f in result["floors"]]
+
+
+def test_the_bomb_load_test_tables_read_back_as_measured():
+    """loadtest_bombs.py --markdown's tables from phases of known latencies (the end-to-end run
+    above is slow): every number in them is the summary's, the floors' verdicts included."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from loadtest_bombs import Phase, floors, parse_args, summarise, table
+    from provenance import stamp
+
+    def phase(name, good_ms, health_ms, bombs=0):
+        return Phase(name, good=[t / 1000 for t in good_ms], health=[t / 1000 for t in health_ms],
+                     seconds=2.0, bombs=bombs, bombs_refused=bombs, server_cpu_s=1.0,
+                     clients_cpu_s=0.5)  # fmt: skip
+
+    rounds = [
+        {"quiet": phase("quiet", [10, 20, 30], [1, 2]),
+         "bombs": phase("bombs", [20, 40, 60], [2, 90], bombs=7)},
+        {"quiet": phase("quiet", [10, 10, 10], [1, 1]),
+         "bombs": phase("bombs", [15, 15, 15], [3, 3], bombs=5)},
+    ]  # fmt: skip
+    args = parse_args(["--rounds", "2", "--seconds", "2"])
+    rows = summarise(rounds, ["quiet", "bombs"])
+    checked = floors(rows, args)
+    (header, lines), (_, verdicts) = markdown_tables(stamp() + "\n\n" + table(rows, checked, args))
+    assert header[:5] == ["phase", "good requests", "good/s", "good p50 ms", "good p99 ms"]
+    quiet, bombs = lines
+    assert [number(quiet["good requests"]), number(bombs["good requests"])] == [6, 6]
+    assert number(bombs["bombs"]) == 12 and number(quiet["bombs"]) == 0
+    assert number(bombs["good p50 ms"]) == pytest.approx(rows[1].good_p50_ms, abs=0.05)
+    assert number(bombs["p50 x quiet"]) == pytest.approx(rows[1].p50_ratio, abs=0.005)
+    assert bombs["p50 x quiet, per round"] == "2.00 1.50"
+    assert number(bombs["/healthz max ms"]) == 90.0 and number(bombs["server cores"]) == 0.5
+    assert [v["met"] for v in verdicts] == ["met" if met else "NOT met" for _, met in checked]
+    assert "NOT met" in {v["met"] for v in verdicts}  # /healthz p99 under bombs: 88 ms

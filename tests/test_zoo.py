@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.config.base import ConfigError
+from kiln.config.base import ConfigError, check_tree
+from kiln.config.model import PretrainedConfig
 from kiln.data.spec import DataSpec
 from kiln.models import build_model, without_weights
 from kiln.models.zoo import WeightsError
@@ -183,6 +184,16 @@ def test_help_says_how_to_list_the_architectures(model, listing):
 def test_an_init_scheme_would_overwrite_the_weights():
     with pytest.raises(ConfigError, match="init=kaiming would overwrite the weights DEFAULT"):
         compose_config("model=torchvision", "model.weights=DEFAULT", "model.init=kaiming")
+
+
+@pytest.mark.parametrize(
+    "model", [n for n in MODELS.names() if issubclass(MODELS.entry(n).config, PretrainedConfig)]
+)
+def test_every_schema_with_weights_refuses_an_init_scheme(model):
+    """One check (PretrainedConfig's) for every model that loads weights."""
+    schema = MODELS.entry(model).config
+    with pytest.raises(ConfigError, match="init=kaiming would overwrite the weights DEFAULT"):
+        check_tree(schema(name=model, weights="DEFAULT", init="kaiming"), "model")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from kiln.config import CONF_DIR, GROUP_SCHEMAS, ConfigError, KilnConfig, compose, field_help
+from kiln.config.base import schema_of
 from kiln.registry import GROUP_REGISTRIES
 
 GROUP_ORDER = (
@@ -103,7 +104,7 @@ def option_keys(group: str, option: str = "") -> OptionKeys:
         if path.is_file():
             return OptionKeys(group, option, yaml=path, text=path.read_text())
         return OptionKeys(group, option, text=OmegaConf.to_yaml(node))
-    schema = OmegaConf.get_type(node)
+    schema = schema_of(OmegaConf.get_type(node))
     meanings = field_help(schema)
     title = (schema.__doc__ or "").strip().splitlines()[0] if schema.__doc__ else ""
     about = " ".join((schema.__doc__ or "").strip().split("\n\n")[0].split())

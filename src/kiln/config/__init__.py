@@ -24,6 +24,8 @@ from kiln.config.base import (
     composable,
     expand_user_paths,
     field_help,
+    frozen,
+    schema_of,
 )
 from kiln.config.data import DataConfig
 from kiln.config.model import ModelConfig
@@ -51,7 +53,6 @@ GROUP_SCHEMAS: dict[str, type] = {
     "env": EnvConfig,
     "debug": DebugConfig,
 }
-composable(KilnConfig)  # its groups' base schemas too: every option's subclasses them
 
 
 def register_configs() -> None:
@@ -60,12 +61,11 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
-    store.store(name="kiln_schema", node=KilnConfig)
+    store.store(name="kiln_schema", node=composable(KilnConfig))
     for group, registry in GROUP_REGISTRIES.items():
         for name in registry.names():
-            schema = registry.entry(name).config
-            composable(schema)
-            store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=schema(name=name))
+            twin = composable(registry.entry(name).config)  # kiln.config.base: why a twin
+            store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=twin(name=name))
 
 
 def compose(overrides: list[str] = (), *, hydra_config: bool = False) -> DictConfig:
@@ -94,7 +94,7 @@ def to_typed(cfg: DictConfig) -> KilnConfig:
 
     check_known_keys(cfg)
     try:
-        typed = OmegaConf.to_object(cfg)
+        typed = frozen(OmegaConf.to_object(cfg))
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", "") or ""
         raise ConfigError("invalid value", key, _first_line(err)) from None
@@ -114,10 +114,9 @@ def to_plain(cfg: Any) -> dict[str, Any]:
 def option_from_dict(group: str, data: dict[str, Any]) -> Any:
     """Rebuild one group's typed config (e.g. a checkpoint's "model" section)."""
     registry = GROUP_REGISTRIES[group]
-    schema = registry.entry(data["name"]).config
-    composable(schema)
-    merged = OmegaConf.merge(OmegaConf.structured(schema(name=data["name"])), data)
-    return OmegaConf.to_object(merged)
+    twin = composable(registry.entry(data["name"]).config)
+    merged = OmegaConf.merge(OmegaConf.structured(twin(name=data["name"])), data)
+    return frozen(OmegaConf.to_object(merged))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,7 +132,7 @@ def check_known_keys(cfg: DictConfig, path: str = "") -> None:
         node = cfg._get_node(key)
         if not isinstance(node, DictConfig):
             continue
-        schema = OmegaConf.get_type(node)
+        schema = schema_of(OmegaConf.get_type(node))
         if is_dataclass(schema):
             known = set(schema_keys(schema))
             for child in node:
@@ -273,7 +272,7 @@ def _unknown_override(key: str, overrides: list[str]) -> ConfigError:
         node = compose(others).get(group) if group else None
     except ConfigError:
         node = None
-    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    schema = schema_of(OmegaConf.get_type(node)) if isinstance(node, DictConfig) else None
     if schema is None or not is_dataclass(schema):
         return ConfigError("unknown key", key, "check the spelling (python train.py --help)")
     return unknown_key_error(key, schema, node.get("name"))

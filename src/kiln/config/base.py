@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import io
+import operator
 import os
 import textwrap
 import tokenize
+import types
 import typing
-from dataclasses import fields, is_dataclass
+from dataclasses import field, fields, is_dataclass
 from typing import Any
-
-from omegaconf import dictconfig as _dictconfig
 
 from kiln.errors import UserError
 
@@ -101,32 +102,105 @@ def expand_user_paths(cfg: Any) -> Any:
 
 # OmegaConf makes the node of a frozen dataclass read-only the moment it is made, so Hydra could
 # not set a key of one from a config file or the command line. kiln's schemas are frozen as the
-# run holds them (to_typed's dataclasses), not while they compose: for them, and for every
-# subclass of one (a plugin's option), a node stays writable. Other frozen dataclasses keep
-# OmegaConf's rule.
-_COMPOSABLE: set[type] = set()
-_omegaconf_frozen = _dictconfig.is_structured_config_frozen
+# run holds them, not while they compose: Hydra composes each schema's mutable twin (the same
+# name, fields, defaults and subclass relations, made with dataclasses.make_dataclass, its
+# nested schemas twins too), and `frozen` turns what OmegaConf builds back into the schemas.
+# A twin pickles (a joblib or submitit sweep sends the config to other processes): its
+# __qualname__ names the schema it mirrors, which this module's __getattr__ rebuilds it from.
+_TWINS: dict[type, type] = {}
+_SCHEMAS: dict[type, type] = {}  # twin -> the frozen schema it mirrors
+_TWIN_PREFIX = "mutable|"
 
 
-def composable(*schemas: type) -> None:
-    """Let Hydra compose `schemas` (and the dataclasses their fields hold) though frozen."""
-    for schema in schemas:
-        if schema in _COMPOSABLE or not is_dataclass(schema):
-            continue
-        _COMPOSABLE.add(schema)
-        try:
-            hints = typing.get_type_hints(schema)
-        except (NameError, TypeError):  # a plugin's annotation that names something unimported
-            hints = {f.name: f.type for f in fields(schema)}
-        composable(*(kind for kind in hints.values() if isinstance(kind, type)))
+def composable(schema: Any) -> Any:
+    """The type Hydra composes for `schema`: its mutable twin when it is a frozen dataclass (a
+    type annotation holding one, e.g. `X | None` or `list[X]`, with the twin in its place);
+    anything else as it is."""
+    if isinstance(schema, type) and is_dataclass(schema):
+        if not schema.__dataclass_params__.frozen:
+            return schema
+        if schema not in _TWINS:
+            _TWINS[schema] = _make_twin(schema)
+        return _TWINS[schema]
+    args = typing.get_args(schema)
+    if not args:
+        return schema
+    twins = tuple(composable(arg) for arg in args)
+    if twins == args:
+        return schema
+    origin = typing.get_origin(schema)
+    if origin in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, twins)
+    return origin[twins]
 
 
-def _read_only_node(obj: Any) -> bool:
-    kind = obj if isinstance(obj, type) else type(obj)
-    return _omegaconf_frozen(obj) and not issubclass(kind, tuple(_COMPOSABLE))
+def _make_twin(schema: type) -> type:
+    try:
+        hints = typing.get_type_hints(schema)
+    except (NameError, TypeError):  # a plugin's annotation that names something unimported
+        hints = {}
+    spec = []
+    for f in fields(schema):
+        kind = composable(hints.get(f.name, f.type))
+        if f.default_factory is not dataclasses.MISSING:
+            default = field(default_factory=functools.partial(_thawed, f.default_factory))
+        elif is_dataclass(f.default):  # a twin is mutable: a default instance is a factory
+            default = field(default_factory=functools.partial(thaw, f.default))
+        else:
+            default = field(default=f.default)
+        spec.append((f.name, kind, default))
+    bases = tuple(composable(base) for base in schema.__bases__ if is_dataclass(base))
+    twin = dataclasses.make_dataclass(
+        schema.__name__, spec, bases=bases, kw_only=True, namespace={"__doc__": schema.__doc__}
+    )
+    twin.__module__ = __name__
+    twin.__qualname__ = _TWIN_PREFIX + "|".join(
+        part.replace(".", "/") for part in (schema.__module__, schema.__qualname__)
+    )
+    _SCHEMAS[twin] = schema
+    return twin
 
 
-_dictconfig.is_structured_config_frozen = _read_only_node
+def _thawed(factory) -> Any:
+    return thaw(factory())
+
+
+def __getattr__(name: str) -> type:
+    """A twin by its __qualname__ (how pickle finds one), made if this process has not yet."""
+    if not name.startswith(_TWIN_PREFIX):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, qualname = (part.replace("/", ".") for part in name[len(_TWIN_PREFIX) :].split("|"))
+    schema: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        schema = getattr(schema, part)
+    return composable(schema)
+
+
+def schema_of(kind: type) -> type:
+    """The frozen schema a twin mirrors (any other type: itself)."""
+    return _SCHEMAS.get(kind, kind)
+
+
+def frozen(value: Any) -> Any:
+    """`value` with every twin instance in it (lists and dicts too) made its frozen schema."""
+    return _remade(value, schema_of)
+
+
+def thaw(value: Any) -> Any:
+    """`value` with every frozen schema instance in it made its twin (what Hydra composes)."""
+    return _remade(value, composable)
+
+
+def _remade(value: Any, kind_of) -> Any:
+    """`value` with each dataclass instance in it rebuilt as `kind_of(its type)`."""
+    if is_dataclass(value) and not isinstance(value, type):
+        kept = {f.name: getattr(value, f.name) for f in fields(value) if f.init}
+        return kind_of(type(value))(**{k: _remade(v, kind_of) for k, v in kept.items()})
+    if isinstance(value, list | tuple):
+        return type(value)(_remade(item, kind_of) for item in value)
+    if isinstance(value, dict):
+        return {key: _remade(item, kind_of) for key, item in value.items()}
+    return value
 
 
 def check_tree(cfg: Any, path: str = "") -> None:

@@ -153,8 +153,9 @@ class DetectorConfig(ModelConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ZooConfig(ClassifierConfig):
-    """Options every model-zoo entry has: an architecture of the library and its weights."""
+class PretrainedConfig(ModelConfig):
+    """Options every model that loads weights has: an architecture of its library and the
+    weights, which an init other than the default would overwrite."""
 
     PATH_KEYS: ClassVar[tuple[str, ...]] = ("weights",)
 
@@ -169,6 +170,11 @@ class ZooConfig(ClassifierConfig):
                 f"{key}.init",
                 f"keep {key}.init=default with {key}.weights, or set {key}.weights=null",
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZooConfig(PretrainedConfig, ClassifierConfig):
+    """Options every model-zoo classifier has: an architecture of the library and its weights."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,7 +201,7 @@ class TimmConfig(ZooConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TorchvisionDetectionConfig(ModelConfig):
+class TorchvisionDetectionConfig(PretrainedConfig):
     """Any detection builder of torchvision.models.detection (Faster R-CNN, RetinaNet, FCOS,
     SSD, SSDlite), its box predictor sized from the data's classes (+ the background), its
     min_size and max_size from data.image_size. Weights: a torchvision name (DEFAULT, COCO_V1)
@@ -226,16 +232,10 @@ class TorchvisionDetectionConfig(ModelConfig):
             )
         if self.trainable_layers is not None:
             at_least(self.trainable_layers, 0, f"{key}.trainable_layers")
-        if self.weights is not None and str(self.init) != "default":
-            raise ConfigError(
-                f"init={self.init} would overwrite the weights {self.weights}",
-                f"{key}.init",
-                f"keep {key}.init=default with {key}.weights, or set {key}.weights=null",
-            )
 
 
 @dataclass(frozen=True, kw_only=True)
-class HfConfig(ClassifierConfig):
+class HfConfig(PretrainedConfig, ClassifierConfig):
     """Any model AutoModelForSequenceClassification builds (transformers), with num_labels and
     id2label/label2id from the data's classes, tokenizing with the model's own fast tokenizer.
     model.arch is a folder written by save_pretrained, a hub id read from the Hugging Face cache
@@ -254,15 +254,6 @@ class HfConfig(ClassifierConfig):
     # recompute each encoder layer's activations in the backward pass instead of keeping them:
     # less memory for longer texts or larger batches, about a third more compute
     gradient_checkpointing: bool = False
-
-    def check(self, key: str) -> None:
-        super().check(key)
-        if self.weights is not None and str(self.init) != "default":
-            raise ConfigError(
-                f"init={self.init} would overwrite the weights {self.weights}",
-                f"{key}.init",
-                f"keep {key}.init=default with {key}.weights, or set {key}.weights=null",
-            )
 
 
 # Zoo architectures the default test suite checks against every registry-wide rule, at a small

@@ -7,7 +7,8 @@ rows, an image folder's files), per file or folder in data_report.json:
 
 <unit> is `rows` or `images`; <where> names the input: a row's line, row, column and preview,
 an image's path and detail. Rows are listed in file order, every one; images in the order
-read, the first few per reason (a folder can hold millions)."""
+read, the first few per reason (a folder can hold millions). `infer.py mode=evaluate` reports
+the labelled folder or CSV it left inputs out of the same way, in metrics.json's `data`."""
 
 from __future__ import annotations
 

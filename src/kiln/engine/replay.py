@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 
 from kiln import checkpoint as files
 from kiln.config import GROUP_SCHEMAS, KilnConfig, option_from_dict
+from kiln.config.base import composable, frozen, thaw
 from kiln.engine.batches import move_to
 from kiln.engine.distributed import DistInfo
 from kiln.engine.environment import run_environment
@@ -101,14 +102,14 @@ def config_from_plain(plain: dict) -> KilnConfig:
     }
     for group, schema in GROUP_SCHEMAS.items():
         if group in plain:
-            merged = OmegaConf.merge(OmegaConf.structured(schema), plain[group])
-            groups[group] = OmegaConf.to_object(merged)
+            merged = OmegaConf.merge(OmegaConf.structured(composable(schema)), plain[group])
+            groups[group] = frozen(OmegaConf.to_object(merged))
     top = {f.name for f in dataclasses.fields(KilnConfig)}
-    node = OmegaConf.structured(KilnConfig)
+    node = OmegaConf.structured(composable(KilnConfig))
     for group, typed in groups.items():
-        node[group] = OmegaConf.structured(typed)
+        node[group] = OmegaConf.structured(thaw(typed))
     node = OmegaConf.merge(node, {k: v for k, v in plain.items() if k in top and k not in groups})
-    return OmegaConf.to_object(node)
+    return frozen(OmegaConf.to_object(node))
 
 
 def for_replay(cfg: KilnConfig) -> KilnConfig:

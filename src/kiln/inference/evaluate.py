@@ -32,7 +32,6 @@ from kiln.atomic import atomic_file, write_json
 from kiln.data.multilabel import join_labels
 from kiln.errors import UserError
 from kiln.inference.labelled import (
-    FIRST_SKIPPED,
     LabelledDataError,
     LabelledInputs,
     read_labelled_csv,
@@ -97,14 +96,24 @@ class Report:
         data = m["data"]
         what = data.get("path") or f"the {data['split']} split of data={data.get('dataset')}"
         lines = [f"evaluated {m['count']} inputs ({what}): {numbers}"]
-        if data.get("skipped"):
+        if data.get("dropped"):
+            first = {}
+            for record in data["dropped_records"]:
+                first.setdefault(record["reason"], _where(record, data["path"]))
             skipped = "; ".join(
-                f"{d['count']} {reason} (first: {d['first'][0]})"
-                for reason, d in data["skipped"].items()
+                f"{count} {reason} (first: {first[reason]})"
+                for reason, count in data["dropped"].items()
             )
-            lines.append(f"skipped, not evaluated: {skipped}; all listed in metrics.json")
+            lines.append(f"skipped, not evaluated: {skipped}; listed in metrics.json")
         lines.append(f"wrote {self.directory}/: {', '.join(m['files'])}")
         return lines
+
+
+def _where(record: dict, path: str) -> str:
+    """A left-out input as a source reads: `<file>: <detail>`, or `<csv name> row N`."""
+    if "path" not in record:
+        return f"{Path(path).name} row {record['row']}"
+    return f"{record['path']}: {record['detail']}" if "detail" in record else record["path"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,25 +459,25 @@ def _predict_files(predictor, labelled: LabelledInputs, batch_size: int, max_ima
                                                               strict=True)]  # fmt: skip
     load = partial(load_file_input, predictor.preprocess, max_image_pixels=max_image_pixels)
     outputs, kept, failed = [], [], {}
+    report = labelled.report  # the reader's, plus the files that could not be decoded
     for batch in predict_batches(predictor, files, load, batch_size):
         outputs.append(batch.outputs)
         kept += batch.good
         for i, error in batch.errors.items():
             reason, _, detail = error.partition(": ")
             failed.setdefault(reason, []).append(f"{labelled.sources[i]}: {detail}")
+            report.add({"reason": reason, "path": labelled.sources[i], "detail": detail})
     if not kept:
         raise LabelledDataError(
             f"none of the {len(files)} inputs could be read: "
             + "; ".join(f"{len(v)} {k} (e.g. {v[0]})" for k, v in failed.items())
         )
-    skipped = dict(labelled.skipped)
-    for reason, where in failed.items():
-        skipped[reason] = {"count": len(where), "first": where[:FIRST_SKIPPED]}
+    report.kept = len(kept)
     survivors = LabelledInputs(
         [labelled.inputs[i] for i in kept],
         labelled.targets[kept],
         [labelled.sources[i] for i in kept],
-        skipped=skipped,
+        report=report,
     )
     return np.concatenate(outputs), survivors
 
@@ -575,7 +584,7 @@ def evaluate_checkpoint(
         labelled, described = read_labelled(predictor, Path(data), follow_symlinks)
         outputs, labelled = predict_labelled(predictor, labelled, batch_size, max_image_pixels)
         targets, sources = labelled.targets, labelled.sources
-        described["skipped"] = labelled.skipped
+        described |= left_out_entry(labelled)
     return write_report(
         predictor, outputs, targets, sources, directory, _about(predictor, described), num_errors,
         images=images,
@@ -630,7 +639,15 @@ def read_labelled(
             label_separator=predictor.spec.label_separator,
         )
         described = {"path": str(path.resolve()), "layout": "csv"}
-    return labelled, {**described, "skipped": labelled.skipped}
+    return labelled, described
+
+
+def left_out_entry(labelled: LabelledInputs) -> dict[str, Any]:
+    """metrics.json's `data` keys for what was read, kept and left out: a data_report.json
+    entry's (`<unit>_read`, `<unit>_kept`, `<unit>_dropped`, `dropped`, `dropped_records`)."""
+    entry = labelled.report.to_dict()
+    del entry["path"]  # `data.path` is the one given, resolved
+    return entry
 
 
 def rebuild_split(predictor: Predictor, split: str | None):

@@ -5,18 +5,20 @@ ones, so the report's predictions are predict's:
   files (every format Pillow opens, extensions in any case) are read as encoded bytes, which the
   Predictor decodes with the checkpoint's own eval transform; `.npy` files are raw pixel arrays
   (C, H, W), for models trained on arrays (data=digits). Hidden files and other files are
-  skipped, counted and named.
+  left out, counted and named.
 - text models: a CSV with the training run's text and label columns, read as predict reads a
-  CSV (every value a string, "NA" is text). A row without a label cannot be scored: skipped,
+  CSV (every value a string, "NA" is text). A row without a label cannot be scored: left out,
   counted and named (as training drops it, `missing_label`); its text is still predicted by
   `infer.py` predict, whose rows keep their numbers here too.
 
 A label the checkpoint does not know is an error naming the folders or rows, not a silent
-exclusion: the numbers would otherwise describe a different set than the one given."""
+exclusion: the numbers would otherwise describe a different set than the one given.
+
+What is left out is reported as a dataset's bad inputs are (kiln.data.bad_inputs.BadInputLog):
+metrics.json's `data` reads like a data_report.json entry."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.data.bad_inputs import BadInputLog
 from kiln.data.multilabel import multi_hot, split_labels
 from kiln.errors import UserError
 from kiln.preprocessing.file_tree import FILE, FOLDER, HIDDEN, TreeEntry, os_detail, walk_tree
@@ -31,7 +34,7 @@ from kiln.preprocessing.image_files import image_extensions
 from kiln.sorting import natural_key
 
 ROWS_NAMED = 5  # an unknown label's error names this many of its rows
-FIRST_SKIPPED = 10  # the report names this many skipped inputs per reason, then counts
+FIRST_LISTED = 10  # the report lists this many left-out inputs per reason, then counts
 
 
 class LabelledDataError(UserError, ValueError):
@@ -46,16 +49,13 @@ class LabelledInputs:
     # int64 (N,), indices into the checkpoint's class names; multi-label: multi-hot (N, C)
     targets: np.ndarray
     sources: list[str]  # a file path or "<file> row N", per input
-    # reason -> {"count": n, "first": [the first FIRST_SKIPPED sources]} (metrics.json)
-    skipped: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # what was left out and why (metrics.json's `data`): read = kept + dropped
+    report: BadInputLog = field(default_factory=lambda: BadInputLog(""))
 
 
-def _skipped(found: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
-    return {
-        reason: {"count": len(where), "first": where[:FIRST_SKIPPED]}
-        for reason, where in found.items()
-        if where
-    }
+def left_out(path: Path, unit: str) -> BadInputLog:
+    """The bad-input report of the labelled folder (unit images) or CSV (unit rows) at `path`."""
+    return BadInputLog(str(path), unit=unit, listed_per_reason=FIRST_LISTED)
 
 
 def read_labelled_folder(
@@ -82,18 +82,18 @@ def read_labelled_folder(
     files: list[Path] = []
     targets: list[int] = []
     sources: list[str] = []
-    skipped: dict[str, list[str]] = defaultdict(list)
+    report = left_out(path, "images")
     for entry in entries:
         if entry.status == FOLDER:
             continue
         if len(entry.parts) == 1:
             if entry.status == FILE:
-                skipped["top_level_file"].append(str(entry.path))
+                report.add({"reason": "top_level_file", "path": str(entry.path)})
             elif entry.status != HIDDEN:
-                skipped[entry.status].append(_named(entry))
+                report.add(_named(entry))
             continue
         if entry.status != FILE:
-            skipped[entry.status].append(_named(entry))  # .DS_Store, a FIFO, a dangling link
+            report.add(_named(entry))  # .DS_Store, a FIFO, a dangling link
             continue
         suffix = entry.path.suffix.lower()
         if suffix in suffixes and not takes_encoded:
@@ -102,7 +102,7 @@ def read_labelled_folder(
                 "was trained on arrays); put .npy arrays (C, H, W) in the class folders"
             )
         if suffix != ".npy" and suffix not in suffixes:
-            skipped["not_an_image"].append(str(entry.path))
+            report.add({"reason": "not_an_image", "path": str(entry.path)})
             continue
         files.append(entry.path)
         targets.append(class_names.index(entry.parts[0]))
@@ -113,16 +113,19 @@ def read_labelled_folder(
             f"({', '.join(folders)})"
         )
     order = sorted(range(len(files)), key=lambda i: (targets[i], natural_key(sources[i])))
+    report.kept = len(files)
+    report.read = report.kept + report.num_dropped
     return LabelledInputs(
         [files[i] for i in order],
         np.asarray([targets[i] for i in order], dtype=np.int64),
         [sources[i] for i in order],
-        skipped=_skipped(skipped),
+        report=report,
     )
 
 
-def _named(entry: TreeEntry) -> str:
-    return f"{entry.path}: {entry.detail}" if entry.detail else str(entry.path)
+def _named(entry: TreeEntry) -> dict[str, str]:
+    record = {"reason": entry.status, "path": str(entry.path)}
+    return record | {"detail": entry.detail} if entry.detail else record
 
 
 def read_labelled_csv(
@@ -165,7 +168,11 @@ def read_labelled_csv(
     index = {name: i for i, name in enumerate(class_names)}
     rows = [row for row, label in enumerate(labels, start=1) if label]
     name = path.name
-    missing = [f"{name} row {row}" for row, label in enumerate(labels, start=1) if not label]
+    report = left_out(path, "rows")
+    for row, label in enumerate(labels, start=1):
+        if not label:
+            report.add({"reason": "missing_label", "row": row, "column": label_column})
+    report.read, report.kept = len(labels), len(rows)
     if label_separator is not None:
         unknown = [(row, label) for row in rows for label in sets[row - 1] if label not in index]
     else:
@@ -187,7 +194,7 @@ def read_labelled_csv(
         if label_separator is not None
         else np.asarray([index[labels[row - 1]] for row in rows], dtype=np.int64),
         sources=[f"{name} row {row}" for row in rows],
-        skipped=_skipped({"missing_label": missing}),
+        report=report,
     )
 
 
