@@ -320,7 +320,7 @@ class FastText(nn.Module):
         # Each mask turned into flat positions once (row-major, as boolean indexing orders
         # them) and every tensor it selects from gathered at those: one nonzero per mask.
         at = _positions(keep)  # (T,) of ids.reshape(-1)
-        distinct, inverse = torch.unique(ids.reshape(-1).index_select(0, at), return_inverse=True)  # (U,), (T,)
+        distinct, inverse = torch.unique(_at(ids, at), return_inverse=True)  # (U,), (T,)
         u = len(distinct)
         pieces = self.pieces[distinct]  # (U, P): the token, then its character n-grams
         real = self.piece_weights[distinct] > 0
@@ -329,15 +329,13 @@ class FastText(nn.Module):
         at_gram = _positions(grams != self.pad_id)  # (E,) of grams.reshape(-1)
         # Bags: 0..U-1 the tokens' own rows, U..2U-1 their character n-grams, then one per text
         # for its token n-grams.
-        features = torch.cat([distinct, pieces.reshape(-1).index_select(0, at_piece), grams.reshape(-1).index_select(0, at_gram)])
+        features = torch.cat([distinct, _at(pieces, at_piece), _at(grams, at_gram)])
         bags = torch.cat([
             torch.arange(u, device=device),
             u + at_piece // pieces.shape[1],
             2 * u + at_gram // max(grams.shape[1], 1),
         ])  # fmt: skip
-        weights = torch.cat(
-            [torch.ones(u + len(at_piece), device=device), w.grams.reshape(-1).index_select(0, at_gram)]
-        )
+        weights = torch.cat([torch.ones(u + len(at_piece), device=device), _at(w.grams, at_gram)])
         table = self.embed.weight
         if self.embed.sparse and torch.is_grad_enabled() and table.requires_grad:
             pooled = _WeightedBag.apply(table, features, bags, weights, 2 * u + n)
@@ -346,8 +344,8 @@ class FastText(nn.Module):
         own, char_sums, text_grams = pooled[:u], pooled[u : 2 * u], pooled[2 * u :]
         owner = at // length  # (T,) the text of each token
         tokens = (
-            own[inverse] * w.tokens.reshape(-1).index_select(0, at)[:, None]
-            + char_sums[inverse] * w.token_chars.reshape(-1).index_select(0, at)[:, None]
+            own[inverse] * _at(w.tokens, at)[:, None]
+            + char_sums[inverse] * _at(w.token_chars, at)[:, None]
         )
         return text_grams.index_add(0, owner, tokens)  # (N, D)
 
@@ -376,6 +374,11 @@ class _TextWeights(NamedTuple):
 def _positions(mask: Tensor) -> Tensor:
     """The flat positions where `mask` is True, in row-major order (as mask indexing takes)."""
     return mask.reshape(-1).nonzero().squeeze(1)
+
+
+def _at(x: Tensor, positions: Tensor) -> Tensor:
+    """x's elements at flat `positions` (from _positions of a mask of x's shape)."""
+    return x.reshape(-1).index_select(0, positions)
 
 
 def _term_frequency(found: Tensor, real: Tensor, rows: int) -> Tensor:
