@@ -131,11 +131,12 @@ class SGD(EagerOptimizer, torch.optim.SGD):
 
 class AdamW(EagerOptimizer, torch.optim.AdamW):
     """torch.optim.AdamW, lazy on a sparse gradient (an nn.EmbeddingBag(sparse=True) table):
-    only the rows the gradient holds are updated -- their moments, their decay, their values --
-    as TensorFlow's LazyAdam and torch's SparseAdam do, so a step costs what the batch touched,
-    not the table's size. Dense parameters take torch's (fused) AdamW step. It skips an update
-    on the device when the trainer sets `found_inf`, as the fused kernel does. Without
-    importing torch._dynamo (`EagerOptimizer`)."""
+    only the rows the gradient holds are updated -- their moments, their decay, their values,
+    gathered and stepped by torch's fused AdamW kernel -- as TensorFlow's LazyAdam and torch's
+    SparseAdam do, so a step costs what the batch touched, not the table's size. Dense
+    parameters take torch's (fused) AdamW step. It skips an update on the device when the
+    trainer sets `found_inf`, as the fused kernel does. Without importing torch._dynamo
+    (`EagerOptimizer`)."""
 
     def step(self, closure=None):
         sparse = [
