@@ -131,11 +131,12 @@ class SGD(EagerOptimizer, torch.optim.SGD):
 
 class AdamW(EagerOptimizer, torch.optim.AdamW):
     """torch.optim.AdamW, lazy on a sparse gradient (an nn.EmbeddingBag(sparse=True) table):
-    only the rows the gradient holds are updated -- their moments, their decay, their values --
-    as TensorFlow's LazyAdam and torch's SparseAdam do, so a step costs what the batch touched,
-    not the table's size. Dense parameters take torch's (fused) AdamW step. It skips an update
-    on the device when the trainer sets `found_inf`, as the fused kernel does. Without
-    importing torch._dynamo (`EagerOptimizer`)."""
+    only the rows the gradient holds are updated -- their moments, their decay, their values,
+    gathered and stepped by torch's fused AdamW kernel -- as TensorFlow's LazyAdam and torch's
+    SparseAdam do, so a step costs what the batch touched, not the table's size. Dense
+    parameters take torch's (fused) AdamW step. It skips an update on the device when the
+    trainer sets `found_inf`, as the fused kernel does. Without importing torch._dynamo
+    (`EagerOptimizer`)."""
 
     def step(self, closure=None):
         sparse = [
@@ -161,32 +162,26 @@ class AdamW(EagerOptimizer, torch.optim.AdamW):
         grad = grad.coalesce()  # one entry per row
         rows, values = grad.indices()[0], grad.values()
         scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        if scale is not None:
-            values = values / scale
         state = self.state[p]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         beta1, beta2 = group["betas"]
-        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        # The touched rows gathered, stepped by torch's fused AdamW kernel (one pass over them:
+        # unscale, decay, moments, bias correction, update; a flagged step changes nothing),
+        # and written back. The count moves only when the step is not flagged.
         step = state["step"] + (1 if found_inf is None else 1 - found_inf)
-        m_old = state["exp_avg"].index_select(0, rows)
-        v_old = state["exp_avg_sq"].index_select(0, rows)
-        p_old = p.index_select(0, rows)
-        m = m_old.lerp(values, 1 - beta1)
-        v = v_old.mul(beta2).addcmul_(values, values, value=1 - beta2)
-        denom = (v / (1 - beta2**step)).sqrt_().add_(eps)
-        new = p_old * (1 - lr * decay) - (lr / (1 - beta1**step)) * m / denom
-        if found_inf is not None:  # a non-finite step: keep everything as it was
-            skip = found_inf > 0
-            m, v, new = (
-                torch.where(skip, old, x) for old, x in ((m_old, m), (v_old, v), (p_old, new))
-            )
+        touched = [t.index_select(0, rows) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
+        torch._fused_adamw_(
+            [touched[0]], [values.contiguous()], [touched[1]], [touched[2]], [], [step.clone()],
+            lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+            eps=group["eps"], amsgrad=False, maximize=False, grad_scale=scale,
+            found_inf=found_inf,
+        )  # fmt: skip
         state["step"] = step
-        state["exp_avg"].index_copy_(0, rows, m)
-        state["exp_avg_sq"].index_copy_(0, rows, v)
-        p.index_copy_(0, rows, new)
+        for table, new in zip((p, state["exp_avg"], state["exp_avg_sq"]), touched, strict=True):
+            table.index_copy_(0, rows, new)
 
 
 def sparse_capable(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -316,32 +316,36 @@ class FastText(nn.Module):
         """Each distinct token's own row and the sum of its character n-grams' once, then per
         text: its tokens' and token n-grams' rows and its tokens' character sums, each times its
         weight. (N, D)"""
-        n, device = ids.shape[0], ids.device
-        text_of = torch.arange(n, device=device)
-        distinct, inverse = torch.unique(ids[keep], return_inverse=True)  # (U,), (T,)
+        n, length, device = ids.shape[0], ids.shape[1], ids.device
+        # Each mask turned into flat positions once (row-major, as boolean indexing orders
+        # them) and every tensor it selects from gathered at those: one nonzero per mask.
+        at = _positions(keep)  # (T,) of ids.reshape(-1)
+        distinct, inverse = torch.unique(_at(ids, at), return_inverse=True)  # (U,), (T,)
         u = len(distinct)
         pieces = self.pieces[distinct]  # (U, P): the token, then its character n-grams
         real = self.piece_weights[distinct] > 0
         real[:, 0] = False  # the token's own row: a bag of its own (below)
-        gram_real = grams != self.pad_id
+        at_piece = _positions(real)  # (C,) of pieces.reshape(-1)
+        at_gram = _positions(grams != self.pad_id)  # (E,) of grams.reshape(-1)
         # Bags: 0..U-1 the tokens' own rows, U..2U-1 their character n-grams, then one per text
         # for its token n-grams.
-        bag = torch.arange(u, device=device)[:, None].expand_as(pieces)
-        features = torch.cat([distinct, pieces[real], grams[gram_real]])
-        bags = torch.cat(
-            [bag[:, 0], u + bag[real], 2 * u + text_of[:, None].expand_as(grams)[gram_real]]
-        )
-        weights = torch.cat([torch.ones(u + int(real.sum()), device=device), w.grams[gram_real]])
+        features = torch.cat([distinct, _at(pieces, at_piece), _at(grams, at_gram)])
+        bags = torch.cat([
+            torch.arange(u, device=device),
+            u + at_piece // pieces.shape[1],
+            2 * u + at_gram // max(grams.shape[1], 1),
+        ])  # fmt: skip
+        weights = torch.cat([torch.ones(u + len(at_piece), device=device), _at(w.grams, at_gram)])
         table = self.embed.weight
         if self.embed.sparse and torch.is_grad_enabled() and table.requires_grad:
             pooled = _WeightedBag.apply(table, features, bags, weights, 2 * u + n)
         else:
             pooled = _bag_sum(table, features, bags, weights, 2 * u + n)
         own, char_sums, text_grams = pooled[:u], pooled[u : 2 * u], pooled[2 * u :]
-        owner = text_of[:, None].expand_as(ids)[keep]  # (T,) the text of each token
+        owner = at // length  # (T,) the text of each token
         tokens = (
-            own[inverse] * w.tokens[keep][:, None]
-            + char_sums[inverse] * w.token_chars[keep][:, None]
+            own[inverse] * _at(w.tokens, at)[:, None]
+            + char_sums[inverse] * _at(w.token_chars, at)[:, None]
         )
         return text_grams.index_add(0, owner, tokens)  # (N, D)
 
@@ -365,6 +369,16 @@ class _TextWeights(NamedTuple):
     tokens: Tensor
     token_chars: Tensor
     grams: Tensor
+
+
+def _positions(mask: Tensor) -> Tensor:
+    """The flat positions where `mask` is True, in row-major order (as mask indexing takes)."""
+    return mask.reshape(-1).nonzero().squeeze(1)
+
+
+def _at(x: Tensor, positions: Tensor) -> Tensor:
+    """x's elements at flat `positions` (from _positions of a mask of x's shape)."""
+    return x.reshape(-1).index_select(0, positions)
 
 
 def _term_frequency(found: Tensor, real: Tensor, rows: int) -> Tensor:
