@@ -352,33 +352,43 @@ def test_fasttext_sees_word_order_only_through_its_ngrams(demo_bundle):
 
 def test_a_word_is_its_own_row_and_its_character_ngrams(demo_bundle):
     from kiln.models.text import FastText, word_pieces
+    from kiln.preprocessing.text import spelled_ids
 
     tokens = ("[PAD]", "[UNK]", "running", "jumping", "run", "ing")
     specials = frozenset(tokens[:2])
-    rows, weights = word_pieces(tokens, (3, 4), 1000, 6, 0, specials)
+    rows, shares = word_pieces(tokens, (3, 4), 1000, 6, 0, specials)
     assert rows[2, 0] == 2 and rows[3, 0] == 3  # each word's own row first
-    bag = lambda i: set(rows[i][weights[i] > 0].tolist())  # noqa: E731
+    bag = lambda i: set(rows[i][shares[i] > 0].tolist())  # noqa: E731
     # "ing>" (a suffix) is one bucket wherever it occurs; "<ing" (a prefix) is another.
     assert len(bag(2) & bag(3)) >= 2 and not bag(2) - {2} & {6, 7}
     assert bag(1) == {1} and bag(0) == set()  # [UNK] only its row; [PAD] nothing
-    assert np.allclose(weights[2][weights[2] > 0], 1 / len(bag(2)))  # the mean of its pieces
+    assert np.allclose(shares[2][shares[2] > 0], 1 / len(bag(2)))  # the mean of its pieces
     assert all(6 <= r < 1006 for r in bag(2) - {2})  # buckets after the vocabulary
     # The model: the padded (ONNX) path and the distinct-token path give the same outputs,
-    # repeated tokens (the last text) weighed by their count or sublinearly.
-    ids = torch.tensor([[2, 3, 4, 0], [5, 1, 0, 0], [4, 4, 2, 5]])
-    keep = ids != 0
+    # repeated tokens (the last text) weighed by their count or sublinearly, an unknown word
+    # spelled after its [UNK] (the second and fourth texts) included.
+    jumped = spelled_ids("jumped", 1, 6, (3, 4))
+    ids = torch.tensor([[2, 3, 4, 0, 0, 0, 0, 0, 0], [5, *jumped[:7], 0],
+                        [4, 4, 2, 5, *jumped[:5]]])  # fmt: skip
     for sublinear in (False, True):
         torch.manual_seed(0)
         model = FastText(6, 8, 3, ngrams=2, num_buckets=1000, dropout=0.0, pad_id=0,
                          aux_head=False, tokens=tokens, char_ngrams=(3, 4), specials=specials,
                          sublinear_tf=sublinear).eval()  # fmt: skip
-        grams = model.token_ngrams(ids)
-        weights = model._weights(ids, keep, grams)
+        words, spelled = model.split_spelled(ids)
+        keep = words != 0
+        grams = model.token_ngrams(words)
+        weights = model._weights(words, keep, grams, spelled)
+        extra = torch.cat([grams, spelled], dim=1)
         with torch.no_grad():
             torch.testing.assert_close(
-                model._pool_distinct(ids, keep, grams, weights),
-                model._pool_padded(ids, grams, weights),
+                model._pool_distinct(words, keep, extra, weights),
+                model._pool_padded(words, extra, weights),
             )
+    # An unknown word's spelling reads the rows a known word's n-grams do: "jumping" spelled
+    # is its vocabulary entry's bag, [UNK]'s row for its own.
+    spelled_jumping = torch.tensor([spelled_ids("jumping", 1, 6, (3, 4))])
+    assert set(model.features(spelled_jumping).tolist()) == bag(3) - {3} | {1}
 
 
 def test_text_bow_weighs_a_repeated_word_sublinearly(monkeypatch):
@@ -396,8 +406,9 @@ def test_text_bow_weighs_a_repeated_word_sublinearly(monkeypatch):
         norm = math.sqrt(weight_a**2 + 1) if sublinear else math.sqrt(4)
         expected = (weight_a * table[2] + table[3]) * model.scale / norm
         with torch.no_grad():
+            none = ids[:, :0]
             pooled = model._pool_distinct(
-                ids, ids != 0, ids[:, :0], model._weights(ids, ids != 0, ids[:, :0])
+                ids, ids != 0, none, model._weights(ids, ids != 0, none, none)
             )
         torch.testing.assert_close(pooled[0], expected)
         assert model(ids).shape == (1, 3)

@@ -22,6 +22,7 @@ from kiln.models.text import FastText
 from kiln.preprocessing.text import (
     WordCachedEncoder,
     WordPieces,
+    WordSpelling,
     _words,
     encode_ids,
     train_tokenizer,
@@ -223,13 +224,15 @@ TRICKY = [
 ]
 
 
+@pytest.mark.parametrize("spelled", [False, True], ids=["[UNK]", "unknown words spelled"])
 @pytest.mark.parametrize("shared", [False, True], ids=["own pieces", "the vocabulary's pieces"])
 @pytest.mark.parametrize("kind", ["words", "bpe"])
-def test_the_word_cached_encoder_gives_the_ids_of_encoding_each_text_whole(kind, shared):
+def test_the_word_cached_encoder_gives_the_ids_of_encoding_each_text_whole(kind, shared, spelled):
     texts = [text for text, _ in clean_rows(300, seed=1)] + TRICKY
     pieces = WordPieces() if shared else None
     tokenizer = train_tokenizer([texts[:200]], 300, 64, 200, kind, pieces)
-    encode = WordCachedEncoder(tokenizer, 64, pieces=pieces)
+    spelling = WordSpelling((2, 5)) if spelled else None
+    encode = WordCachedEncoder(tokenizer, 64, pieces=pieces, spelling=spelling)
     if shared and kind == "words":  # the training words were split once, for the vocabulary
         split_for_the_vocabulary = dict(pieces._of)
         encode(texts[:200])
@@ -237,7 +240,9 @@ def test_the_word_cached_encoder_gives_the_ids_of_encoding_each_text_whole(kind,
     parts = [encode(texts[i : i + 97]) for i in range(0, len(texts), 97)]  # the cache carries on
     flat, lengths = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     cached = [ids.tolist() for ids in np.split(flat, np.cumsum(lengths)[:-1])]
-    assert cached == encode_ids(tokenizer, texts)
+    assert cached == encode_ids(tokenizer, texts, spelling=spelling)
+    vocab_size = tokenizer.get_vocab_size()
+    assert any(i >= vocab_size for ids in cached for i in ids) == spelled
 
 
 def test_word_pieces_are_the_pre_tokenizer_s_for_every_ascii_character_and_beyond():

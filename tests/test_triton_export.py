@@ -6,8 +6,10 @@ the predictions infer.py gives."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import onnx
@@ -109,10 +111,26 @@ def test_text_repository_says_what_to_send(tmp_path_factory, tmp_path):
     header = (report.model_dir / "config.pbtxt").read_text()
     assert "tokenizer.json" in header and "pad every row" in header
 
-    # What a Triton client does: tokenize with tokenizer.json, pad with 0, send INT64 ids.
-    texts = ["the home team won the final", "stir in the garlic", "a new phone chip"]
+    # What a Triton client does: tokenize with tokenizer.json, spell each unknown word after
+    # its [UNK] as the header says (text_bow), pad with 0, send INT64 ids.
+    assert "crc32(utf8(g)) % 2**30" in header
+    texts = ["the home team won the final", "stir in the garlic", "a new phone chip zorblefax"]
     tokenizer = Tokenizer.from_file(str(report.model_dir / "tokenizer.json"))
-    encoded = [e.ids or [tokenizer.token_to_id("[UNK]")] for e in tokenizer.encode_batch(texts)]
+    unk, vocab_size = tokenizer.token_to_id("[UNK]"), tokenizer.get_vocab_size()
+    limit = tokenizer.truncation["max_length"]
+
+    def spelled(word: str) -> list[int]:  # the header's rule, for model.char_ngrams [2, 5]
+        marked = f"<{word}>"
+        grams = {marked[i : i + n] for n in range(2, 6) for i in range(len(marked) - n + 1)}
+        grams = sorted(grams - {marked}, key=lambda g: (len(g), marked.find(g)))[:47]
+        return [vocab_size + zlib.crc32(g.encode("utf-8")) % 2**30 for g in grams]
+
+    encoded = []
+    for text, e in zip(texts, tokenizer.encode_batch(texts), strict=True):
+        pairs = zip(e.ids, e.offsets, strict=True)
+        ids = [[i] if i != unk else [unk, *spelled(text[a:b])] for i, (a, b) in pairs]
+        encoded.append(list(itertools.chain.from_iterable(ids))[:limit] or [unk])
+    assert any(i >= vocab_size for i in encoded[2])  # the unknown word was spelled
     ids = np.zeros((len(texts), max(map(len, encoded))), dtype=np.int64)
     for row, sequence in enumerate(encoded):
         ids[row, : len(sequence)] = sequence

@@ -276,7 +276,11 @@ MODELS.declare(
     "resnet50", "kiln.models.resnet:build_resnet50", config=ResNetConfig, inputs=("image",)
 )
 MODELS.declare(
-    "text_bow", "kiln.models.text:build_text_bow", config=TextBowConfig, inputs=("tokens",)
+    "text_bow",
+    "kiln.models.text:build_text_bow",
+    config=TextBowConfig,
+    inputs=("tokens",),
+    preprocessing="kiln.models.text:text_bow_input",  # unknown words spelled (WordSpelling)
 )
 MODELS.declare(
     "text_transformer",

@@ -71,6 +71,7 @@ from kiln.preprocessing.text import (
     PAD_ID,
     WordCachedEncoder,
     WordPieces,
+    WordSpelling,
     _tokenizer_from_json,
     encode_ids,
     join_pair,
@@ -560,11 +561,17 @@ def _joined(batches: Iterable[list[str]]) -> Iterator[list[str]]:
 
 
 def _encode_spool(
-    spool: TextSpool, tokenizer, max_length: int, directory: Path, pieces: WordPieces
+    spool: TextSpool,
+    tokenizer,
+    max_length: int,
+    directory: Path,
+    pieces: WordPieces,
+    spelling: WordSpelling | None = None,
 ) -> np.ndarray:
-    """Every spooled text's ids into the store's ids file; returns the offsets."""
+    """Every spooled text's ids into the store's ids file (unknown words spelled when the model
+    asks: `spelling`); returns the offsets."""
     writer = IdsWriter(directory)
-    encode = WordCachedEncoder(tokenizer, max_length, pieces=pieces)
+    encode = WordCachedEncoder(tokenizer, max_length, pieces=pieces, spelling=spelling)
     for texts in _joined(spool.batches(ENCODE_BATCH)):
         writer.append_flat(*encode(texts))
     spool.path.unlink()  # the cleaned texts were only needed until now
@@ -626,6 +633,7 @@ def build_entry(
     logs: dict[str, BadInputLog],
     settings: CsvSettings,
     pretrained: PretrainedText | None = None,
+    spelling: WordSpelling | None = None,
 ) -> None:
     """Writes a token store into `directory`: read + clean (chunks) -> spool on disk -> the
     classes, from the clean training rows -> tokenizer trained on the training rows of the
@@ -658,7 +666,7 @@ def build_entry(
                 texts, cfg.vocab_size, cfg.max_length, len(learn_from), str(cfg.tokenizer), pieces
             )
         with _timed(timings, "encode_s"):
-            offsets = _encode_spool(spool, tokenizer, cfg.max_length, directory, pieces)
+            offsets = _encode_spool(spool, tokenizer, cfg.max_length, directory, pieces, spelling)
     label_sets = left_out.pop("label_sets", None)  # multi-label: each set's classes
     report = _store_report(
         cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets, pretrained,
@@ -685,9 +693,13 @@ def _demo_chunks(
     return [RowChunk(cleaned, labels, rows, lines, [False] * len(rows))]
 
 
-def _key_inputs(cfg: CsvTextConfig, pretrained: PretrainedText | None = None) -> dict:
+def _key_inputs(
+    cfg: CsvTextConfig,
+    pretrained: PretrainedText | None = None,
+    spelling: WordSpelling | None = None,
+) -> dict:
     """Everything that changes the stored ids, labels or split (a pretrained tokenizer: its
-    hash)."""
+    hash; unknown words spelled: the n-gram lengths)."""
     settings = csv_settings(cfg, pretrained)
     inputs = {
         "store_version": STORE_VERSION,
@@ -715,13 +727,18 @@ def _key_inputs(cfg: CsvTextConfig, pretrained: PretrainedText | None = None) ->
     }
     if pretrained is not None:  # the model's own tokenizer, by its hash
         inputs["pretrained_tokenizer"] = pretrained.tokenizer_sha256
+    if spelling is not None:
+        inputs["spelled_char_ngrams"] = list(spelling.char_ngrams)
     return inputs
 
 
 def prepare(
-    cfg: CsvTextConfig, pretrained: PretrainedText | None = None
+    cfg: CsvTextConfig,
+    pretrained: PretrainedText | None = None,
+    spelling: WordSpelling | None = None,
 ) -> tuple[StoreEntry, dict]:
-    """The token store for `cfg` (from the cache when it is there) and its data report."""
+    """The token store for `cfg` (from the cache when it is there) and its data report.
+    `spelling`: the model's WordSpelling (text_bow), unknown words spelled after their [UNK]."""
     start = time.perf_counter()
     settings = csv_settings(cfg, pretrained)
     if cfg.train_path is None:
@@ -735,6 +752,7 @@ def prepare(
                 logs,
                 settings,
                 pretrained,
+                spelling,
             )
         )
         cache = {"dir": None, "hit": False}
@@ -743,7 +761,7 @@ def prepare(
             if not Path(path).is_file():
                 raise CsvTextError(f"{path}: no such file (set data.train_path / data.val_path)")
         root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-        name = f"{Path(cfg.train_path).stem}-{cache_key(_key_inputs(cfg, pretrained))}"
+        name = f"{Path(cfg.train_path).stem}-{cache_key(_key_inputs(cfg, pretrained, spelling))}"
         logs = {"train_file": row_log(str(cfg.train_path))}
         if cfg.val_path is not None:
             logs["val_file"] = row_log(str(cfg.val_path))
@@ -756,7 +774,7 @@ def prepare(
                 # classes lack is judged after (unseen_label), data.labels or not.
                 own = dataclasses.replace(settings, labels=None)
                 val = read_labelled_rows(cfg.val_path, own, logs["val_file"])
-            build_entry(directory, cfg, train, val, logs, settings, pretrained)
+            build_entry(directory, cfg, train, val, logs, settings, pretrained, spelling)
 
         entry, hit = cached_entry(root, name, build)
         cache = {"dir": str(root / name), "hit": hit}
@@ -814,12 +832,14 @@ def vocabulary(tokenizer_json: str) -> tuple[str, ...]:
 
 def build_csv_text(cfg: CsvTextConfig, *, pretrained=None) -> DataBundle:
     """The bundle for data=csv_text. `pretrained`: the model's PretrainedText (model=hf on a
-    folder or hub id): its own tokenizer instead of one learned from the data."""
+    folder or hub id): its own tokenizer instead of one learned from the data; or the model's
+    WordSpelling (text_bow): unknown words spelled after their [UNK]."""
+    spelling = pretrained if isinstance(pretrained, WordSpelling) else None
     pretrained = text_pretrained(pretrained)
     if pretrained is not None:
         check_max_length(cfg, pretrained)
         log_pretrained_cleaning(cfg, pretrained)
-    entry, report = prepare(cfg, pretrained)
+    entry, report = prepare(cfg, pretrained, spelling)
     log_report(report)
     class_names = tuple(entry.meta["class_names"])
     pad_id = PAD_ID if pretrained is None else pretrained.pad_id
@@ -852,6 +872,7 @@ def build_csv_text(cfg: CsvTextConfig, *, pretrained=None) -> DataBundle:
         pair_column=cfg.text_pair_column,
         join_columns=cfg.join_columns,
         pretrained=pretrained.to_dict() if pretrained is not None else None,
+        spell_char_ngrams=spelling.char_ngrams if spelling is not None else None,
     )
     same_pad = pad_id == PAD_ID  # the plain functions, else bound to the tokenizer's padding
     return DataBundle(

@@ -724,10 +724,13 @@ def _about(predictor: Predictor, data: dict[str, Any]) -> dict[str, Any]:
 
 def _pretrained(predictor: Predictor):
     """What the checkpoint's recipe recorded of the model's weights (zoo models: their
-    PretrainedInput; model=hf: its PretrainedText, tokenizer included), or None."""
+    PretrainedInput; model=hf: its PretrainedText, tokenizer included; text_bow: its
+    WordSpelling), or None."""
     from kiln.preprocessing.pretrained import pretrained_from_dict
 
-    return pretrained_from_dict(getattr(predictor.record.recipe, "pretrained", None))
+    recipe = predictor.record.recipe
+    spelling = getattr(recipe, "spelling", None)  # text_bow: its data spells unknown words
+    return spelling or pretrained_from_dict(getattr(recipe, "pretrained", None))
 
 
 def _recipe_differences(rebuilt: dict, recorded: dict) -> list[str]:

@@ -43,6 +43,7 @@ from kiln.inference.backends import (
 )
 from kiln.inference.errors import InferenceError
 from kiln.inference.record import ModelRecord, read_checkpoint, rebuild_model, sidecar_path
+from kiln.preprocessing.text import CHAR_HASH_SPACE
 
 log = logging.getLogger(__name__)
 
@@ -372,9 +373,13 @@ def graph_input(record: ModelRecord, fixed_batch: int | None = None) -> dict[str
     its range is the raw range standardised, per channel -- not the raw pixels' range."""
     spec, recipe = record.spec, record.recipe
     if spec.input_kind == "tokens":
+        spelled = getattr(recipe, "spell_char_ngrams", None) is not None  # text_bow's spelling
+        highest = spec.vocab_size - 1 + (CHAR_HASH_SPACE if spelled else 0)
+        holds = "token ids of the recipe's tokenizer, padded with pad_id"
+        if spelled:
+            holds += "; each [UNK] followed by its word's spelled character n-grams"
         return {"name": ONNX_INPUT, "dtype": "int64", "shape": ["batch", "sequence"],
-                "holds": "token ids of the recipe's tokenizer, padded with pad_id",
-                "value_range": [0, spec.vocab_size - 1]}  # fmt: skip
+                "holds": holds, "value_range": [0, highest]}  # fmt: skip
     low, high = recipe.value_range or (None, None)
     if spec.input_kind == "image_list":
         batch = fixed_batch or "batch"

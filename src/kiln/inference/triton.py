@@ -83,6 +83,15 @@ def client_notes(record: ModelRecord) -> list[str]:
         ]
         if recipe.pretrained is not None:
             notes.append("  tokenizer.json is the model's own: it adds the special tokens itself.")
+        if getattr(recipe, "spell_char_ngrams", None) is not None:
+            low, high = recipe.spell_char_ngrams
+            notes += [
+                "  Before truncating, follow each [UNK] with its word's spelling (the text at its",
+                f"  offsets): for the distinct {low}..{high}-character n-grams g of '<' + word +"
+                " '>' but",
+                "  itself, shortest first then by first position, at most 47:",
+                f"  {spec.vocab_size} + crc32(utf8(g)) % 2**30.",
+            ]
         if recipe.pair_column is not None and not recipe.join_columns:
             notes.append("  a pair task: encode each (a, b) as a pair, encode(a, b).")
         elif recipe.pair_column is not None:

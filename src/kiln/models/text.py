@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-import zlib
 from typing import NamedTuple
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kiln.config.model import TextBowConfig, TextTransformerConfig
+from kiln.preprocessing.text import WordSpelling, char_ngram_hashes
 
 # The n-gram hash: a polynomial rolling hash of consecutive ids modulo a prime, so the id
 # products stay far inside int64 (ids < 2**31, multiplier < 2**20: < 2**51).
@@ -129,9 +129,6 @@ def _flag_coalesced(table: nn.Parameter) -> None:
         )
 
 
-MAX_WORD_PIECES = 48  # rows of a word's bag: itself and at most 47 character n-grams
-
-
 @functools.lru_cache(maxsize=4)
 def word_pieces(
     tokens: tuple[str, ...],
@@ -141,32 +138,20 @@ def word_pieces(
     pad_id: int,
     specials: frozenset[str],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Each vocabulary token's bag, as fastText's subwords: the token's own row and the hashed
-    character n-grams (lengths char_ngrams[0]..[1]) of "<token>", the markers making a prefix and
-    a suffix differ from the same letters inside a word. Returns (rows (V, P) padded with
-    pad_id, weights (V, P): 1/(n-grams + 1) each, so a word's vector is the mean of its pieces'
-    and 0 at padding). Special tokens ([PAD], [UNK]) are their own row only ([PAD] none). The
-    hash is CRC-32 of the n-gram's UTF-8 bytes: the same on every machine and in every process
-    (Python's own str hash is salted per process)."""
-    low, high = char_ngrams
+    """Each vocabulary token's bag, as fastText's subwords: the token's own row and its hashed
+    character n-grams (kiln.preprocessing.text.char_ngram_hashes, each hash modulo num_buckets
+    after `offset`). Returns (rows (V, P) padded with pad_id, weights (V, P): 1/(n-grams + 1)
+    each, so a word's vector is the mean of its pieces' and 0 at padding). Special tokens
+    ([PAD], [UNK]) are their own row only ([PAD] none)."""
     bags = []
     for token_id, token in enumerate(tokens):
         if token_id == pad_id:
             bags.append([])
-            continue
-        if token in specials:
+        elif token in specials:
             bags.append([token_id])
-            continue
-        word = f"<{token}>"
-        grams = {
-            word[start : start + n]
-            for n in range(low, high + 1)
-            for start in range(len(word) - n + 1)
-        }
-        grams.discard(word)
-        chosen = sorted(grams, key=lambda g: (len(g), word.find(g)))[: MAX_WORD_PIECES - 1]
-        hashed = [offset + zlib.crc32(g.encode("utf-8")) % num_buckets for g in chosen]
-        bags.append([token_id, *hashed])
+        else:
+            hashed = char_ngram_hashes(token, char_ngrams)
+            bags.append([token_id, *(offset + h % num_buckets for h in hashed)])
     width = max([1, *(len(bag) for bag in bags)])
     rows = np.full((len(tokens), width), pad_id, dtype=np.int64)
     weights = np.zeros((len(tokens), width), dtype=np.float32)
@@ -227,6 +212,7 @@ class FastText(nn.Module):
         self.vocab_size, self.num_buckets = vocab_size, num_buckets
         self.scale = math.sqrt(embed_dim)
         subwords = bool(char_ngrams) and tokens is not None
+        self.subwords = subwords  # ids >= vocab_size are then unknown words' spelled n-grams
         rows = vocab_size + (num_buckets if ngrams > 1 or subwords else 0)
         # No padding_idx: padding never enters a bag (see forward), so its row gets no gradient.
         self.embed = nn.EmbeddingBag(rows, embed_dim, mode="sum")
@@ -259,45 +245,63 @@ class FastText(nn.Module):
         self.aux = nn.Linear(embed_dim, num_classes) if aux_head else None
 
     def forward(self, ids: Tensor) -> Tensor | dict[str, Tensor]:
+        ids, spelled = self.split_spelled(ids)  # (N, L) each
         keep = ids != self.pad_id  # (N, L)
         grams = self.token_ngrams(ids)  # (N, G), pad_id where a gram touches padding
-        weights = self._weights(ids, keep, grams)
+        weights = self._weights(ids, keep, grams, spelled)
+        # A text's own bag: its token n-grams and its unknown words' spelled n-grams.
+        extra = torch.cat([grams, spelled], dim=1)  # (N, G + L)
         if _tracing():
-            pooled = self._pool_padded(ids, grams, weights)
+            pooled = self._pool_padded(ids, extra, weights)
         else:
-            pooled = self._pool_distinct(ids, keep, grams, weights)
+            pooled = self._pool_distinct(ids, keep, extra, weights)
         return _outputs(self.head(self.dropout(pooled)), self.aux, pooled)
 
+    def split_spelled(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(the tokens, padding where an id spells an unknown word's n-gram; those n-grams'
+        table rows, padding elsewhere). A spelled id is vocab_size + hash (WordSpelling); its
+        row is the hash's bucket, shared with the vocabulary words' same n-grams (word_pieces).
+        A token n-gram never spans a spelled id: the spelling sits between the tokens."""
+        if not self.subwords:
+            return ids, torch.full_like(ids[:, :0], self.pad_id)
+        spelled = ids >= self.vocab_size
+        rows = self.vocab_size + (ids - self.vocab_size) % self.num_buckets
+        pad = torch.full_like(ids, self.pad_id)
+        return torch.where(spelled, pad, ids), torch.where(spelled, rows, pad)
+
     def features(self, ids: Tensor) -> Tensor:
-        """The table rows a batch of ids reads, flat: its tokens, their character n-grams and
-        its token n-grams (padding none)."""
+        """The table rows a batch of ids reads, flat: its tokens, their character n-grams, its
+        token n-grams and its unknown words' spelled n-grams (padding none)."""
+        ids, spelled = self.split_spelled(ids)
         pieces = self.pieces[ids][self.piece_weights[ids] > 0]
         grams = self.token_ngrams(ids)
-        return torch.cat([pieces, grams[grams != self.pad_id]])
+        return torch.cat([pieces, grams[grams != self.pad_id], spelled[spelled != self.pad_id]])
 
     def token_ngrams(self, ids: Tensor) -> Tensor:
         if self.ngrams < 2:
             return ids[:, :0]
         return hashed_ngrams(ids, self.pad_id, self.ngrams, self.num_buckets, self.vocab_size)
 
-    def _weights(self, ids: Tensor, keep: Tensor, grams: Tensor) -> _TextWeights:
+    def _weights(self, ids: Tensor, keep: Tensor, grams: Tensor, spelled: Tensor) -> _TextWeights:
         """Each position's weight in its text's sum, in two blocks each scaled to norm
         sqrt(embed_dim) (as TF-IDF's word and character vectorisers are each L2-normalised; the
         table's scale because under Adam every row moves about lr per step whatever its input,
         so a text's sum must not shrink with its length): the tokens with their n-grams, and
         the tokens' character n-grams. With model.sublinear_tf a feature seen tf times in a
         text counts 1 + ln(tf) in all (TF-IDF's sublinear tf: a repeated word says little more
-        than one), else each occurrence counts 1."""
+        than one), else each occurrence counts 1. An unknown word's spelled n-grams are in the
+        character block, each weighed as a feature of its own."""
         token_w, token_q = self._term_weights(ids, keep)
         gram_w, gram_q = self._term_weights(grams, grams != self.pad_id)
+        spelled_w, spelled_q = self._term_weights(spelled, spelled != self.pad_id)
         words = token_q.sum(dim=1) + gram_q.sum(dim=1)  # (N,): the block's squared norm
-        chars = (token_q * self.char_counts[ids]).sum(dim=1)  # (N,)
+        chars = (token_q * self.char_counts[ids]).sum(dim=1) + spelled_q.sum(dim=1)  # (N,)
         share = self.scale / words.clamp(min=1.0).sqrt()
         char_share = self.scale / chars.clamp(min=1.0).sqrt()
         return _TextWeights(
             tokens=token_w * share[:, None],
             token_chars=token_w * char_share[:, None],
-            grams=gram_w * share[:, None],
+            extra=torch.cat([gram_w * share[:, None], spelled_w * char_share[:, None]], dim=1),
         )
 
     def _term_weights(self, found: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
@@ -328,14 +332,14 @@ class FastText(nn.Module):
         at_piece = _positions(real)  # (C,) of pieces.reshape(-1)
         at_gram = _positions(grams != self.pad_id)  # (E,) of grams.reshape(-1)
         # Bags: 0..U-1 the tokens' own rows, U..2U-1 their character n-grams, then one per text
-        # for its token n-grams.
+        # for its token n-grams and spelled n-grams (`grams`, the forward's `extra`).
         features = torch.cat([distinct, _at(pieces, at_piece), _at(grams, at_gram)])
         bags = torch.cat([
             torch.arange(u, device=device),
             u + at_piece // pieces.shape[1],
             2 * u + at_gram // max(grams.shape[1], 1),
         ])  # fmt: skip
-        weights = torch.cat([torch.ones(u + len(at_piece), device=device), _at(w.grams, at_gram)])
+        weights = torch.cat([torch.ones(u + len(at_piece), device=device), _at(w.extra, at_gram)])
         table = self.embed.weight
         if self.embed.sparse and torch.is_grad_enabled() and table.requires_grad:
             pooled = _WeightedBag.apply(table, features, bags, weights, 2 * u + n)
@@ -358,17 +362,18 @@ class FastText(nn.Module):
         block = torch.cat([w.tokens[..., None], w.token_chars[..., None].expand_as(real[..., 1:])],
                           dim=2)  # fmt: skip
         features = torch.cat([pieces.reshape(n, -1), grams], dim=1)
-        weights = torch.cat([(real * block).reshape(n, -1), w.grams], dim=1)
+        weights = torch.cat([(real * block).reshape(n, -1), w.extra], dim=1)
         return self.embed(features, per_sample_weights=weights)
 
 
 class _TextWeights(NamedTuple):
     """FastText's per-position weights, 0 at padding: of a token's own row (N, L), of the sum
-    of its character n-grams' rows (N, L), of a token n-gram's row (N, G)."""
+    of its character n-grams' rows (N, L), of a token n-gram's row and then of a spelled
+    n-gram's row (N, G + L)."""
 
     tokens: Tensor
     token_chars: Tensor
-    grams: Tensor
+    extra: Tensor
 
 
 def _positions(mask: Tensor) -> Tensor:
@@ -485,6 +490,12 @@ def _check_token_spec(spec, model_name: str) -> None:
             f"model {model_name} needs token data (input_kind tokens with vocab_size and "
             f"max_length), got input_kind={spec.input_kind}; use data=csv_text"
         )
+
+
+def text_bow_input(cfg: TextBowConfig) -> WordSpelling | None:
+    """What text_bow asks of its data: with character n-grams, unknown words spelled (so a word
+    training never saw still brings its n-grams, as fastText's subwords do)."""
+    return WordSpelling(tuple(cfg.char_ngrams)) if cfg.char_ngrams else None
 
 
 def build_text_bow(spec, cfg: TextBowConfig, *, aux_head: bool = False) -> FastText:

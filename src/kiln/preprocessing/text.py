@@ -16,6 +16,7 @@ import functools
 import itertools
 import json
 import re
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -35,6 +36,49 @@ SPECIAL_TOKENS = [PAD_TOKEN, UNK_TOKEN]
 
 
 TOKENIZERS = ("bpe", "words")
+
+# Character n-grams, hashed: CRC-32 of the n-gram's UTF-8 bytes (the same on every machine and in
+# every process; Python's own str hash is salted per process), kept to 30 bits so that a spelled
+# id (below) fits the token store's int32. A model reduces the hash modulo its buckets: for a
+# power of two up to 2**30 (the default 2**16) that is CRC-32 modulo the buckets.
+CHAR_HASH_SPACE = 2**30
+MAX_WORD_PIECES = 48  # rows of a word's bag: itself and at most 47 character n-grams
+
+
+def char_ngram_hashes(word: str, char_ngrams: tuple[int, int]) -> list[int]:
+    """fastText's subwords of `word`: the distinct character n-grams (lengths char_ngrams[0] to
+    [1]) of "<word>" -- the markers make a prefix and a suffix differ from the same letters
+    inside a word -- the word itself left out, shortest first then by position, at most
+    MAX_WORD_PIECES - 1, each hashed into [0, CHAR_HASH_SPACE)."""
+    low, high = char_ngrams
+    marked = f"<{word}>"
+    grams = {
+        marked[start : start + n]
+        for n in range(low, high + 1)
+        for start in range(len(marked) - n + 1)
+    }
+    grams.discard(marked)
+    chosen = sorted(grams, key=lambda g: (len(g), marked.find(g)))[: MAX_WORD_PIECES - 1]
+    return [zlib.crc32(g.encode("utf-8")) % CHAR_HASH_SPACE for g in chosen]
+
+
+@dataclass(frozen=True)
+class WordSpelling:
+    """What text_bow asks of the data: each word the vocabulary lacks is its [UNK] id followed by
+    its character n-grams, spelled as ids `vocab_size + hash` (char_ngram_hashes), so a model
+    that embeds character n-grams sees an unseen word's as it sees a known word's. The spelled
+    ids count toward max_length like any other."""
+
+    char_ngrams: tuple[int, int]
+    kind = "word_spelling"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "char_ngrams": list(self.char_ngrams)}
+
+
+def spelled_ids(word: str, unk_id: int, vocab_size: int, char_ngrams: tuple[int, int]) -> list[int]:
+    """An unknown word's ids: [UNK], then its hashed character n-grams after the vocabulary."""
+    return [unk_id, *(vocab_size + h for h in char_ngram_hashes(word, char_ngrams))]
 
 
 def split_pair(text: str) -> str | tuple[str, str]:
@@ -170,15 +214,37 @@ class WordPieces:
         return list(itertools.chain.from_iterable(split)), np.repeat(np.arange(len(words)), counts)
 
 
-def encode_ids(tokenizer, texts: Sequence[str], unk_id: int | None = None) -> list[list[int]]:
+def encode_ids(
+    tokenizer, texts: Sequence[str], unk_id: int | None = None, spelling: WordSpelling | None = None
+) -> list[list[int]]:
     """Cleaned texts -> token ids (unpadded), by the Rust tokenizer's batch encoding. A text that
     cleans to nothing still gets one token (`unk_id`, by default [UNK]), so no row is all
-    padding (an all-padding row would give models a mean over zero tokens)."""
+    padding (an all-padding row would give models a mean over zero tokens). `spelling`: each
+    unknown word spelled after its [UNK] (WordSpelling), then the first max_length ids kept."""
     if unk_id is None:
         unk_id = tokenizer.token_to_id(UNK_TOKEN)
+    if spelling is not None:
+        return _spelled(tokenizer, texts, unk_id, spelling)
     # encode_batch_fast: the same ids without character offsets, which nothing here reads. A
     # pair (a, b) is encoded as one: tokenizer(a, b), truncated longest first.
     return [encoding.ids or [unk_id] for encoding in tokenizer.encode_batch_fast(list(texts))]
+
+
+def _spelled(tokenizer, texts: Sequence[str], unk_id: int, spelling: WordSpelling):
+    """encode_ids with each [UNK] followed by its word's spelling (read back at its offsets).
+    Truncating the tokens to max_length and then the spelled ids too gives the first max_length
+    ids of the whole text spelled: what WordCachedEncoder keeps."""
+    vocab_size, limit = tokenizer.get_vocab_size(), tokenizer.truncation["max_length"]
+    encoded = []
+    for text, encoding in zip(texts, tokenizer.encode_batch(list(texts)), strict=True):
+        ids: list[int] = []
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token_id == unk_id:
+                ids.extend(spelled_ids(text[start:end], unk_id, vocab_size, spelling.char_ngrams))
+            else:
+                ids.append(token_id)
+        encoded.append(ids[:limit] or [unk_id])
+    return encoded
 
 
 # Whitespace as the tokenizer's pre-tokenizer splits on it (Rust's char::is_whitespace, the
@@ -209,6 +275,7 @@ class WordCachedEncoder:
         max_length: int,
         max_words: int = 1_000_000,
         pieces: WordPieces | None = None,
+        spelling: WordSpelling | None = None,
     ):
         from tokenizers import Tokenizer
 
@@ -221,6 +288,7 @@ class WordCachedEncoder:
         self.max_length, self.max_words = max_length, max_words
         self.pieces = pieces or WordPieces(max_words)  # a WordLevel model's: see _learn
         self.unk_id = tokenizer.token_to_id(UNK_TOKEN)
+        self.spelling, self.vocab_size = spelling, tokenizer.get_vocab_size()
         self.index: dict[str, int] = {}  # word -> its number in the cache
         self._starts, self._ids = [np.zeros(1, np.int64)], []  # CSR of the cached words' ids
 
@@ -233,11 +301,15 @@ class WordCachedEncoder:
                 get, unk = self.vocab.get, self.unk_id
                 ids = np.fromiter((get(p, unk) for p in pieces), np.int32, count=len(pieces))
             else:
-                encoding = self.tokenizer.encode(" ".join(chunk))
+                joined = " ".join(chunk)
+                encoding = self.tokenizer.encode(joined)
                 word_starts = np.cumsum([0] + [len(w) + 1 for w in chunk[:-1]])
                 token_starts = np.array([start for start, _ in encoding.offsets], np.int64)
                 owner = np.searchsorted(word_starts, token_starts, side="right") - 1
                 ids = np.array(encoding.ids, dtype=np.int32)
+                pieces = [joined[start:end] for start, end in encoding.offsets]
+            if self.spelling is not None:
+                ids, owner = self._spell(ids, owner, pieces)
             counts = np.bincount(owner, minlength=len(chunk))
             total = int(self._starts[-1][-1])
             self._starts.append(total + np.cumsum(counts))
@@ -248,9 +320,25 @@ class WordCachedEncoder:
         self.ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int32)
         self._starts, self._ids = [self.starts], [self.ids]
 
+    def _spell(self, ids: np.ndarray, owner: np.ndarray, pieces: list[str]):
+        """Each [UNK] of `ids` (the token of pieces[i]) followed by its piece's spelling."""
+        unknown = np.flatnonzero(ids == self.unk_id)
+        if not len(unknown):
+            return ids, owner
+        lists = [[i] for i in ids.tolist()]
+        for at in unknown.tolist():
+            lists[at] = spelled_ids(
+                pieces[at], self.unk_id, self.vocab_size, self.spelling.char_ngrams
+            )
+        sizes = np.fromiter(map(len, lists), np.int64, count=len(lists))
+        flat = np.fromiter(itertools.chain.from_iterable(lists), np.int32, count=int(sizes.sum()))
+        return flat, np.repeat(owner, sizes)
+
     def __call__(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         if len(self.index) > self.max_words:  # a fresh cache: memory stays bounded
-            self.__init__(self.tokenizer, self.max_length, self.max_words, self.pieces)
+            self.__init__(
+                self.tokenizer, self.max_length, self.max_words, self.pieces, self.spelling
+            )
         split = [_words(text) for text in texts]
         index = self.index
         new = list({w: None for words in split for w in words if w not in index})
@@ -284,9 +372,12 @@ def _ranges(first: np.ndarray, count: np.ndarray) -> np.ndarray:
     return offsets + np.arange(total)
 
 
-def encode(tokenizer, texts: Sequence[str], unk_id: int | None = None) -> list[Tensor]:
+def encode(
+    tokenizer, texts: Sequence[str], unk_id: int | None = None, spelling: WordSpelling | None = None
+) -> list[Tensor]:
     """Cleaned texts -> one 1-d LongTensor of ids each (unpadded)."""
-    return [torch.tensor(ids, dtype=torch.long) for ids in encode_ids(tokenizer, texts, unk_id)]
+    encoded = encode_ids(tokenizer, texts, unk_id, spelling)
+    return [torch.tensor(ids, dtype=torch.long) for ids in encoded]
 
 
 def pad_token_ids(sequences: list[Tensor], pad_id: int = PAD_ID) -> Tensor:
@@ -325,11 +416,20 @@ class TokenRecipe:
     # model=hf: the model's PretrainedText.to_dict() (its tokenizer, special tokens and
     # config.json); tokenizer_json is then that model's own tokenizer, special tokens added.
     pretrained: dict[str, Any] | None = None
+    # text_bow's WordSpelling: the character n-gram lengths unknown words are spelled with
+    # after their [UNK] (None: an unknown word is [UNK] alone, as before the option)
+    spell_char_ngrams: tuple[int, int] | None = None
     kind = "tokens"
 
     def __post_init__(self):
         if isinstance(self.cleaning, dict):  # as stored in a checkpoint or a sidecar JSON
             object.__setattr__(self, "cleaning", TextCleaning(**self.cleaning))
+        if self.spell_char_ngrams is not None:
+            object.__setattr__(self, "spell_char_ngrams", tuple(self.spell_char_ngrams))
+
+    @property
+    def spelling(self) -> WordSpelling | None:
+        return None if self.spell_char_ngrams is None else WordSpelling(self.spell_char_ngrams)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **_lists(asdict(self))}
@@ -359,7 +459,7 @@ class TokenRecipe:
         if self.pretrained is not None:  # the model's own unknown token, else its padding
             unk_id = self.pretrained.get("unk_id")
             unk_id = self.pad_id if unk_id is None else unk_id
-        ids = encode(self.tokenizer(), self.clean_inputs(texts), unk_id)
+        ids = encode(self.tokenizer(), self.clean_inputs(texts), unk_id, self.spelling)
         return pad_token_ids(ids, self.pad_id)
 
     def preprocessor(self) -> TokenPreprocessor:
