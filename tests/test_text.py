@@ -20,6 +20,7 @@ from kiln.data import build_data
 from kiln.data.csv_text import CsvTextError, collate_tokens
 from kiln.data.spec import DataSpec
 from kiln.models import build_model
+from kiln.preprocessing import recipe_from_dict
 
 from .conftest import compose_config
 
@@ -238,11 +239,30 @@ def test_collate_fn_is_picklable_for_workers(demo_bundle):
     assert restored is collate_tokens
 
 
-def test_the_recipe_repeats_the_training_encoding(csv_bundle):
+def test_the_recipe_repeats_the_training_encoding(csv_bundle, tmp_path):
     texts = [row["text"] for row in VAL_ROWS]
     encoded = csv_bundle.recipe.encode(texts)
     expected, _ = csv_bundle.collate_fn([csv_bundle.val[i] for i in range(len(texts))])
     assert torch.equal(encoded, expected)
+    # text_bow's data: the validation words training never saw are spelled after their [UNK],
+    # in the store and by the checkpoint's recipe alike.
+    from kiln.models.text import text_bow_input
+
+    spelling = text_bow_input(model_cfg("text_bow", char_ngrams=[2, 5]))
+    train = write_csv(tmp_path / "train.csv", TRAIN_ROWS)
+    val = write_csv(tmp_path / "val.csv", VAL_ROWS)
+    cfg = data_cfg(train_path=str(train), val_path=str(val))
+    spelled = build_data(cfg, pretrained=spelling)
+    assert spelled.recipe.spell_char_ngrams == (2, 5)
+    stored = json.loads(json.dumps(spelled.recipe.to_dict()))  # as a checkpoint holds it
+    assert recipe_from_dict(stored).spelling == spelling
+    encoded = spelled.recipe.encode(texts)
+    expected, _ = spelled.collate_fn([spelled.val[i] for i in range(len(texts))])
+    assert torch.equal(encoded, expected)
+    vocab_size = spelled.spec.vocab_size
+    assert bool((expected >= vocab_size).any())  # the validation file's new words, spelled
+    assert not bool((encoded[:, 0:1] >= vocab_size).any())  # a spelling follows its [UNK]
+    assert text_bow_input(model_cfg("text_bow", char_ngrams=[])) is None
 
 
 # --- models ----------------------------------------------------------------------------------

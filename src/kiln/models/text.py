@@ -5,7 +5,8 @@ Both take one int64 tensor of ids: what the ONNX export and the server feed them
 - text_bow (FastText): fastText's classifier (Joulin et al., 2017) -- the token embeddings, their
   character n-grams' and hashed token n-grams', weighed as TF-IDF weighs a bag (sublinear tf,
   each block L2-normalised), one EmbeddingBag -> linear. The n-grams are
-  hashed from the ids inside the model, so inference needs nothing but the ids.
+  hashed from the ids inside the model (an unknown word's come spelled after its [UNK]), so
+  inference needs nothing but the ids.
 - text_transformer (TextTransformer): token + position embeddings -> nn.TransformerEncoder with
   a padding mask -> masked mean -> linear. Attention runs through scaled_dot_product_attention
   (no attention weights are ever computed), and in eval mode under no_grad the encoder takes
@@ -178,8 +179,9 @@ class FastText(nn.Module):
     ones' shrinking.) Token n-grams are hashed from the ids and the character n-gram rows of
     each vocabulary token are a table the model holds (from `tokens`, the vocabulary the data
     gives it), so inference, ONNX and the server need nothing but the ids. A word the
-    vocabulary lacks is [UNK]: its n-grams are not seen (a larger data.vocab_size keeps more
-    words).
+    vocabulary lacks comes spelled (text_bow_input asks the data for WordSpelling): its [UNK]
+    followed by its character n-grams as ids past the vocabulary, read from the same hashed rows
+    (split_spelled).
 
     Speed: each distinct token of a batch is pooled from its pieces once, and all of a batch's
     bags go through one weighted EmbeddingBag sum (its fast CPU kernel; padding never enters
