@@ -101,8 +101,14 @@ IDS = [
 # what shapes_detection gives them at 64 px, four times the pixels: minutes of probes per pair
 # on two CPU cores. Their readers have tests of their own (tests/test_detection_files.py).
 SLOW_DATA = ("coco", "yolo")
+# resnet50 on 32-64 px images: a minute and a half of probes for code resnet18 runs through
+# (kiln.models.resnet builds both); resnet50 on digits stays in the default suite.
+SLOW_PAIRS = (("resnet50", "image_folder"), ("resnet50", "synthetic_images"))
 CASES = [
-    pytest.param(*case, marks=pytest.mark.slow) if case[1] in SLOW_DATA else case for case in CASES
+    pytest.param(*case, marks=pytest.mark.slow)
+    if case[1] in SLOW_DATA or case[:2] in SLOW_PAIRS
+    else case
+    for case in CASES
 ]
 ERRORS = {RULE_1: ShapeInferenceError, RULE_2: LossBranchError, RULE_3: ShapeContractError,
           DEVICES: DeviceMismatchError, LOGITS: ProbabilitiesNotLogitsError,

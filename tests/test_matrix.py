@@ -1,5 +1,8 @@
-"""scripts/matrix.py through real train.py runs: the reduced matrix in the default suite, the
-whole one in make test-all, and a broken model's cell failing with its [FAIL] line."""
+"""scripts/matrix.py through real train.py runs: a broken model's cell failing with its [FAIL]
+line in the default suite; the reduced matrix (each model once through train.py, plus a DDP and
+an AMP cell: two and a half minutes on two cores) and the whole one in make test-all. Every
+model's training steps stay in the default suite (tests/test_train_smoke.py), and so do DDP
+(tests/test_ddp.py) and bf16 autocast."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ def matrix(tmp_path, *args, env=None):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_reduced_matrix_runs_each_model_once_plus_a_ddp_and_an_amp_cell(tmp_path):
     result = matrix(tmp_path, "--reduced")
