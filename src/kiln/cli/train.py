@@ -204,7 +204,9 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
 def check_model_names(cfg) -> None:
     """A zoo model's arch and weights, checked against its library before Hydra starts a run:
     a misspelt arch or a missing weights file fails here. Only then is torch imported (the
-    library needs it, and the run would import it next); other models import nothing."""
+    library needs it, and the run would import it next); so it is for text_bow, whose
+    declaration (what it asks of its data) lives beside the model; other models import
+    nothing."""
     from kiln.registry import MODELS
 
     if MODELS.entry(cfg.model.name).meta.get("preprocessing"):

@@ -234,7 +234,8 @@ def _spelled(tokenizer, texts: Sequence[str], unk_id: int, spelling: WordSpellin
     """encode_ids with each [UNK] followed by its word's spelling (read back at its offsets).
     Truncating the tokens to max_length and then the spelled ids too gives the first max_length
     ids of the whole text spelled: what WordCachedEncoder keeps."""
-    vocab_size, limit = tokenizer.get_vocab_size(), tokenizer.truncation["max_length"]
+    vocab_size = tokenizer.get_vocab_size()
+    limit = (tokenizer.truncation or {}).get("max_length")  # None: the tokenizer keeps all
     encoded = []
     for text, encoding in zip(texts, tokenizer.encode_batch(list(texts)), strict=True):
         ids: list[int] = []
