@@ -212,6 +212,20 @@ def test_the_tokenizer_learns_from_a_seeded_sample_of_the_training_rows(tmp_path
     assert sampled.report["cache"]["dir"] != full.report["cache"]["dir"]
 
 
+def test_min_token_count_leaves_rare_words_out_and_keys_the_cache(tmp_path):
+    path = write_ticket_csv(tmp_path / "t.csv", 200)
+    built = {
+        m: build_data(
+            data_cfg(train_path=str(path), cache_dir=str(tmp_path / f"c{m}"), min_token_count=m)
+        )  # fmt: skip
+        for m in (1, 2, 5)
+    }
+    sizes = [built[m].spec.vocab_size for m in (1, 2, 5)]
+    assert sizes[0] > sizes[1] > sizes[2]  # each floor leaves rarer words out
+    assert len({b.report["cache"]["dir"] for b in built.values()}) == 3
+    assert all(len(b.train) == 160 for b in built.values())  # every row still encoded
+
+
 def test_a_second_run_loads_the_cache_without_reading_the_csv(tmp_path, monkeypatch):
     path = write_ticket_csv(tmp_path / "t.csv", 100)
     cfg = data_cfg(train_path=str(path), cache_dir=str(tmp_path / "cache"))

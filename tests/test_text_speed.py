@@ -276,3 +276,15 @@ def test_a_batch_fetched_whole_equals_the_items_collated(tmp_path):
     items = bundle.collate_fn([bundle.train[i] for i in indices])
     assert torch.equal(whole[0], items[0]) and torch.equal(whole[1], items[1])
     assert whole[0].dtype == torch.long
+
+
+@pytest.mark.parametrize("kind", ["words", "bpe"])
+def test_a_token_seen_fewer_than_min_count_times_is_not_learned(kind):
+    """data.min_token_count (TF-IDF's min_df): a word seen once in training stays out of the
+    vocabulary (words) or is not merged whole (bpe); at 1 it is learned."""
+    texts = ["the cat sat", "the dog ran", "zyxwvq the cat", *["the cat sat on the mat"] * 3]
+    vocabs = {
+        m: train_tokenizer([texts], 300, 32, kind=kind, min_count=m).get_vocab() for m in (1, 2)
+    }
+    assert {m: "zyxwvq" in vocab for m, vocab in vocabs.items()} == {1: True, 2: False}
+    assert all("cat" in vocab for vocab in vocabs.values())  # seen often: learned either way

@@ -133,6 +133,10 @@ class CsvTextConfig(DataConfig):
     cache_dir: str | None = None  # token cache; null: $XDG_CACHE_HOME or ~/.cache, /kiln/text
     tokenizer: Tokenizer = Tokenizer.words  # words | bpe (both split on spaces and punctuation)
     vocab_size: int = 16000  # tokenizer vocabulary, at most
+    # a word (words) or a merge (bpe) seen fewer times in the tokenizer's training texts is not
+    # learned (TF-IDF's min_df): one text's typo or identifier is noise a model can memorise.
+    # text_bow still reads such a word through its character n-grams (it comes spelled)
+    min_token_count: int = 2
     tokenizer_rows: int = 200_000  # training rows the tokenizer learns from (a seeded sample)
     max_length: int = 256  # tokens per text after truncation
     bucket_by_length: bool = True  # batch texts of similar length (shuffled buckets): less padding
@@ -147,6 +151,7 @@ class CsvTextConfig(DataConfig):
         in_range(self.val_fraction, 0, 1, f"{key}.val_fraction", open_low=True, open_high=True)
         at_least(self.vocab_size, 16, f"{key}.vocab_size", "room for special tokens and letters")
         at_least(self.max_length, 1, f"{key}.max_length")
+        at_least(self.min_token_count, 1, f"{key}.min_token_count")
         at_least(self.chunk_rows, 1, f"{key}.chunk_rows")
         at_least(self.tokenizer_rows, 1, f"{key}.tokenizer_rows")
         at_least(self.min_rows_per_class, 1, f"{key}.min_rows_per_class")

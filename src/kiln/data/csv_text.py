@@ -663,7 +663,8 @@ def build_entry(
             texts = _joined(spool.batches(ENCODE_BATCH, keep=keep))
             pieces = WordPieces()  # the training words, split once for the vocabulary and ids
             tokenizer = train_tokenizer(
-                texts, cfg.vocab_size, cfg.max_length, len(learn_from), str(cfg.tokenizer), pieces
+                texts, cfg.vocab_size, cfg.max_length, len(learn_from), str(cfg.tokenizer), pieces,
+                min_count=cfg.min_token_count,
             )
         with _timed(timings, "encode_s"):
             offsets = _encode_spool(spool, tokenizer, cfg.max_length, directory, pieces, spelling)
@@ -722,6 +723,7 @@ def _key_inputs(
         "cleaning": settings.cleaning.to_dict(),
         "tokenizer": str(cfg.tokenizer),
         "vocab_size": cfg.vocab_size,
+        "min_token_count": cfg.min_token_count,
         "tokenizer_rows": cfg.tokenizer_rows,
         "max_length": cfg.max_length,
     }

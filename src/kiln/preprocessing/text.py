@@ -101,17 +101,19 @@ def train_tokenizer(
     num_texts: int | None = None,
     kind: str = "bpe",
     pieces: WordPieces | None = None,
+    min_count: int = 1,
 ):
     """A tokenizer with [PAD]=0 and [UNK], truncating to max_length, trained on already-cleaned
     texts, split by BERT's pre-tokenizer (whitespace, then punctuation on its own). `kind`:
-    bpe -- byte-pair-encoding merges within each piece; words -- each piece a token, the
-    vocab_size - 2 most frequent ones (the rest [UNK]), counted in one pass. `text_batches` is
+    bpe -- byte-pair-encoding merges within each piece, of pairs seen at least min_count times;
+    words -- each piece a token, the vocab_size - 2 most frequent ones seen at least min_count
+    times (the rest [UNK]), counted in one pass. `text_batches` is
     consumed once, batch by batch, so the texts never need to be in memory together. `pieces`
     (words): the words' pieces are kept there for a WordCachedEncoder given the same object."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     if kind == "words":
-        vocab = _word_vocab(text_batches, vocab_size, pieces or WordPieces())
+        vocab = _word_vocab(text_batches, vocab_size, pieces or WordPieces(), min_count)
         tokenizer = Tokenizer(models.WordLevel(vocab, UNK_TOKEN))
         tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     else:
@@ -122,6 +124,7 @@ def train_tokenizer(
             special_tokens=SPECIAL_TOKENS,
             # Rare characters each cost an entry; keep at least half the vocabulary for merges.
             limit_alphabet=max(1, (vocab_size - len(SPECIAL_TOKENS)) // 2),
+            min_frequency=min_count,
             show_progress=False,
         )
         tokenizer.train_from_iterator(text_batches, trainer=trainer, length=num_texts)
@@ -132,9 +135,10 @@ def train_tokenizer(
 
 
 def _word_vocab(
-    text_batches: Iterable[Sequence[str]], vocab_size: int, word_pieces: WordPieces
+    text_batches: Iterable[Sequence[str]], vocab_size: int, word_pieces: WordPieces, min_count: int
 ) -> dict[str, int]:
-    """The most frequent pieces (BERT pre-tokenized) of the texts, ties by the piece itself:
+    """The most frequent pieces (BERT pre-tokenized) of the texts seen at least min_count
+    times, ties by the piece itself:
     {"[PAD]": 0, "[UNK]": 1, piece: id, ...}. Whitespace words are counted first, and the
     distinct words split into pieces together."""
     words: collections.Counter[str] = collections.Counter()
@@ -147,7 +151,10 @@ def _word_vocab(
     pieces: dict[str, int] = {}
     for piece, count in zip(found, counts[owner].tolist(), strict=True):
         pieces[piece] = pieces.get(piece, 0) + count
-    ranked = sorted(pieces.items(), key=lambda item: (-item[1], item[0]))
+    ranked = sorted(
+        ((piece, count) for piece, count in pieces.items() if count >= min_count),
+        key=lambda item: (-item[1], item[0]),
+    )
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for piece, _ in ranked[: max(0, vocab_size - len(SPECIAL_TOKENS))]:
         vocab[piece] = len(vocab)
