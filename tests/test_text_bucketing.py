@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.data.loaders import BucketedSampler, ResumableSampler
+from kiln.data.loaders import BucketedSampler, LengthOrderedSampler, ResumableSampler
 from kiln.engine.distributed import DistInfo
 from kiln.engine.preemption import Preempted
 from kiln.engine.run import build_trainer, resume_if_asked
@@ -77,6 +77,40 @@ def test_ranks_get_equal_disjoint_shares_in_batches(world_size):
     # Step k on every rank draws from one global bucket: similar lengths across ranks too.
     step_max = [[max(lengths[i] for i in b) for b in batches(s, 8)] for s in samplers]
     assert all(max(col) - min(col) <= 30 for col in zip(*step_max[:-1], strict=False))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_validation_reads_shortest_first_every_item_once_per_rank_share(world_size):
+    lengths = LENGTHS[:997]
+    samplers = [
+        LengthOrderedSampler(range(997), lengths, num_replicas=world_size, rank=r, seed=0)
+        for r in range(world_size)
+    ]
+    orders = [list(s) for s in samplers]
+    assert set().union(*orders) == set(range(997))  # DDP's padding repeats, never drops
+    assert {len(o) for o in orders} == {math.ceil(997 / world_size)}
+    for order in orders:  # DDP's padding (the shortest again) may end a rank's share
+        real = [lengths[i] for i in order[: 997 // world_size]]
+        assert real == sorted(real)
+    in_file_order = ResumableSampler(range(997), num_replicas=1, rank=0, shuffle=False, seed=0)
+    assert padding_frac(lengths, batches(samplers[0], 32)) < 0.1
+    assert padding_frac(lengths, batches(in_file_order, 32)) > 0.3
+
+
+def test_evaluation_in_length_order_gives_the_metrics_of_file_order(tmp_path):
+    """The validation metrics are sums over every item: reading the items shortest first
+    (data.bucket_by_length) changes the batches, not the numbers."""
+    cfg = compose_config("data=csv_text", "model=text_bow", "data.batch_size=32", *FAST)
+    trainer = build_trainer(cfg, tmp_path, DistInfo(), torch.device("cpu"), lambda *a: None)
+    assert type(trainer.val_loader.sampler) is LengthOrderedSampler
+    ordered = trainer.evaluate()
+    trainer.val_loader = torch.utils.data.DataLoader(
+        trainer.val_loader.dataset, batch_size=32, collate_fn=trainer.val_loader.collate_fn
+    )  # file order
+    in_file_order = trainer.evaluate()
+    assert ordered.keys() == in_file_order.keys()
+    for key, value in ordered.items():
+        assert value == pytest.approx(in_file_order[key], rel=1e-6, abs=1e-9), key
 
 
 # --- through the trainer ---------------------------------------------------------------------

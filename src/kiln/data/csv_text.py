@@ -663,7 +663,12 @@ def build_entry(
             texts = _joined(spool.batches(ENCODE_BATCH, keep=keep))
             pieces = WordPieces()  # the training words, split once for the vocabulary and ids
             tokenizer = train_tokenizer(
-                texts, cfg.vocab_size, cfg.max_length, len(learn_from), str(cfg.tokenizer), pieces,
+                texts,
+                cfg.vocab_size,
+                cfg.max_length,
+                len(learn_from),
+                str(cfg.tokenizer),
+                pieces,
                 min_count=cfg.min_token_count,
             )
         with _timed(timings, "encode_s"):
@@ -888,6 +893,7 @@ def build_csv_text(cfg: CsvTextConfig, *, pretrained=None) -> DataBundle:
         else functools.partial(token_batch_metrics, pad_id=pad_id),
         report=report,
         bucket_lengths=train.lengths if cfg.bucket_by_length else None,
+        val_lengths=val.lengths if cfg.bucket_by_length else None,
         sources={
             "train": split_sources(cfg, entry, "train"),
             "val": split_sources(cfg, entry, "val"),

@@ -71,6 +71,8 @@ class DataBundle:
     # Tokens (or any size) per item of `train`: when set, training batches group items of
     # similar length (kiln.data.loaders.BucketedSampler), so little of a batch is padding.
     bucket_lengths: Sequence[int] | None = None
+    # The same of `val`: evaluation reads it shortest first (kiln.data.loaders.LengthOrderedSampler)
+    val_lengths: Sequence[int] | None = None
     # A held-out test split, evaluated once at the end of training (<run>/eval/).
     test: Dataset | None = None
     # What each item of a split is, for reports (errors.csv): {"val": ["photos/cat/1.jpg", ...]}
