@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_image_folder.py"
 
 
+@pytest.mark.slow  # 8 s: the whole script
 def test_bench_image_folder_reports_both_pipelines_and_their_ratio(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(

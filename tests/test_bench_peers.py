@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_peers.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -15,6 +17,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 import bench_peers  # noqa: E402
 
 
+@pytest.mark.slow  # 12 s: the whole script; the ratio and slowdown arithmetic below stays
 def test_kiln_and_a_plain_loop_train_the_same_losses_and_the_table_says_so(tmp_path):
     out, table = tmp_path / "peers.json", tmp_path / "peers.md"
     proc = subprocess.run(

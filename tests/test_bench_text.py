@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_text.py"
 
 
+@pytest.mark.slow  # 44 s: the whole script on a small CSV; make bench runs it for real
 @pytest.mark.timeout(900)
 def test_bench_text_reports_every_section_on_a_given_csv(tmp_path):
     path = tmp_path / "mine.csv"

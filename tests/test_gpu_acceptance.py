@@ -29,6 +29,7 @@ def acceptance(tmp_path, *args):
     return result, {row["name"]: row for row in json.loads(out.read_text())}
 
 
+@pytest.mark.slow  # 26 s: each CPU row of the GPU machine's script
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine every row runs")
 def test_cpu_rows_run_and_cuda_rows_are_skipped(tmp_path):
     result, rows = acceptance(tmp_path, "--only", *CPU_ROWS, *CUDA_ONLY)

@@ -33,6 +33,7 @@ def digits_ckpt(tmp_path_factory) -> Path:
     return run_dir / "checkpoints" / "best.pt"
 
 
+@pytest.mark.slow  # 13 s: a server process and the load test against it
 def test_loadtest_checks_every_answer_and_reports_the_floors(digits_ckpt, tmp_path):
     out = tmp_path / "load.json"
     done = run_script(
@@ -103,6 +104,7 @@ def test_loadtest_all_modes(digits_ckpt, tmp_path):
     assert len(result["rows"]) == 3 * 2 * 4 and result["wrong_answers"] == 0
 
 
+@pytest.mark.slow  # 7 s: the whole script, three backends
 def test_bench_infer_compares_eager_fp32_and_int8(digits_ckpt, tmp_path_factory, tmp_path):
     text_dir, _ = text_run(tmp_path_factory)
     out = tmp_path / "bench.json"

@@ -111,6 +111,7 @@ def check_predictions_agree(run_dir: Path, damaged, tmp_path: Path) -> None:
     np.testing.assert_allclose(served, expected.to_numpy(), atol=1e-4)
 
 
+@pytest.mark.slow  # 23 s; the photos: the torchvision twin below; timm weights: test_zoo.py
 def test_timm_resnet18_with_a_weights_file_end_to_end(damaged, tmp_path):
     weights = imagenet_weights("timm", tmp_path / "resnet18.safetensors")
     run_dir = tmp_path / "run"
