@@ -290,3 +290,19 @@ def test_a_two_rank_fsdp_run_resumed_on_one_rank_names_the_ranks_and_the_batch(t
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert read_summary(run_dir)["steps"] == 6
+
+
+def test_a_checkpoint_saved_before_a_key_existed_resumes_as_its_run_did():
+    """A key added later (kiln.engine.resume.ABSENT_MEANS) is judged as the value that
+    reproduces the old run: the refusal names it, and setting it resumes."""
+    from kiln.engine.resume import check, judge
+
+    old = contract(config={**contract().config})  # saved before data.min_token_count
+    now = contract(config={**contract().config, "data.min_token_count": 2})
+    with pytest.raises(ResumeError) as info:
+        check(judge(old, now, []), "run/checkpoints/last.pt")
+    message = str(info.value)
+    assert "data.min_token_count: 1 -> 2" in message
+    assert "to resume it as it was: data.min_token_count=1" in message
+    as_it_was = contract(config={**contract().config, "data.min_token_count": 1})
+    check(judge(old, as_it_was, []), "last.pt")  # accepted: the same data

@@ -144,6 +144,14 @@ def data_fingerprint(spec: dict, recipe: dict, sizes: tuple[int, int]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# Keys added after checkpoints were saved without them: the value that reproduces what such a
+# checkpoint's run did. Judged as that value, so resuming "as it was" names it (and a run that
+# sets it resumes as it always did); a key not listed is compared as '<absent>'.
+ABSENT_MEANS: dict[str, Any] = {
+    "data.min_token_count": 1,  # 2026-12-03: before it, every word seen in training was learned
+}
+
+
 def rule_for(key: str) -> str:
     matches = [p for p in RULES if key == p or (p.endswith(".") and key.startswith(p))]
     return RULES[max(matches, key=len)] if matches else CHANGES_RUN
@@ -165,7 +173,8 @@ def judge(saved: Contract, now: Contract, overrides: list[str]) -> Judgement:
 
     same_global_batch = saved.global_batch == now.global_batch
     for key in sorted(set(saved.config) | set(now.config)):
-        old, new = saved.config.get(key, "<absent>"), now.config.get(key, "<absent>")
+        old = saved.config.get(key, ABSENT_MEANS.get(key, "<absent>"))
+        new = now.config.get(key, "<absent>")
         if old == new:
             continue
         verdict = rule_for(key)
