@@ -20,6 +20,70 @@ from kiln.registry import load_plugins
 # Your own modules join the registry-wide tests: KILN_PLUGINS=my_parts make test
 load_plugins([m for m in os.environ.get("KILN_PLUGINS", "").split(",") if m])
 
+# Tests moved from `make test` to `make test-all` by their measured time (pytest --durations
+# on the 2-core CI machine, 2026-12-03), so the default suite stays near ten minutes. Each is
+# 8 s or more, and `make test` keeps a quicker test of the same concern: the value names it.
+LONG_TESTS = {
+    "test_finetune.py::test_sigkill_mid_epoch_resume_is_exact_with_init_from_freeze_head_lr_and_ema":
+        "test_resume.py::test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run",
+    "test_failures.py::test_a_users_models_join_the_registry_wide_tests_without_any_test_edit":
+        "test_registry.py::test_a_users_model_and_dataset_train_through_train_py_and_predict",
+    "test_registry.py::test_a_checkpoint_records_its_plugin_package_and_names_it_when_it_is_gone":
+        "test_registry.py::test_an_installed_plugin_that_fails_to_import_is_named_and_skipped",
+    "test_printed_commands.py::test_a_plugin_run_carries_its_plugins_into_the_commands_it_prints":
+        "test_printed_commands.py::test_a_failed_runs_printed_commands_run_as_printed",
+    "test_printed_commands.py::test_an_entry_point_plugin_declares_its_config_folder":
+        "test_registry.py::test_plugins_can_also_come_from_an_entry_point",
+    "test_matrix.py::test_a_broken_cell_fails_the_matrix_with_its_fail_line":
+        "test_failures.py: each broken model's one [FAIL] line",
+    "test_image_folder.py::test_train_py_on_the_example_photos_with_resnet18":
+        "test_readme.py (the README's image-folder command) and test_image_folder.py's predictor",
+    "test_torchvision_detection_export.py::"
+    "test_fasterrcnn_exports_to_onnx_with_box_parity_and_serves_from_it":
+        "test_torchvision_detection_export.py::test_the_traced_resize_sizes_every_image_as_eager_torch_does",
+    "test_ddp.py::test_the_other_ranks_wait_for_the_main_ranks_fail_line_before_they_exit":
+        "test_ddp.py::test_nonfinite_loss_under_ddp_stops_every_rank_with_one_fail_line",
+    "test_ddp.py::test_parameters_used_in_some_steps_stop_a_ddp_run_before_step_1":
+        "test_ddp.py::test_two_cpu_processes_match_one_process_with_the_same_global_batch",
+    "test_ddp.py::test_ranks_share_one_run_directory_without_hydra_run_dir":
+        "test_ddp.py::test_two_cpu_processes_match_one_process_with_the_same_global_batch",
+    "test_fsdp.py::test_fsdp_on_two_ranks_trains_as_one_process_and_writes_sharded_checkpoints":
+        "test_fsdp.py::test_a_checkpoint_naming_incomplete_shards_is_skipped_and_stray_folders_removed",
+    "test_zoo_photos.py::test_torchvision_resnet18_fine_tuned_from_a_state_dict_end_to_end":
+        "test_zoo.py::test_resnet18_trains_then_exports_and_predicts_without_its_weights_file",
+    "test_antibodies.py::test_behaviour_checks_and_the_learn_probe_pass[resnet18-on-image_folder]":
+        "test_antibodies.py: resnet18-on-synthetic_images",
+    "test_antibodies.py::test_behaviour_checks_and_the_learn_probe_pass"
+    "[torchvision[swin_t]-on-synthetic_images]":
+        "test_antibodies.py: torchvision[efficientnet_b0]-on-synthetic_images",
+    "test_search_storage.py::test_the_same_search_again_continues_its_study":
+        "test_search_configs.py::test_optuna_search_runs_in_memory",
+    "test_triage.py::test_a_flat_loss": "test_triage.py::test_the_command_prints_the_ranked_causes",
+    "test_resume_as_typed.py::test_resume_auto_after_a_finished_run":
+        "test_resume_as_typed.py::test_resume_auto_after_a_preempted_run",
+    "test_train_smoke.py::test_two_step_run_of_each_model[resnet50]":
+        "test_train_smoke.py::test_resnet50_with_amp_runs_on_cpu_as_bf16",
+}  # fmt: skip
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m picks by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark LONG_TESTS slow; a name there that its collected file no longer has is an error (a
+    renamed test would otherwise come back to `make test` unnoticed)."""
+    found, files = set(), set()
+    for item in items:
+        name = item.nodeid.removeprefix("tests/")
+        files.add(name.split("::")[0])
+        if name in LONG_TESTS:
+            item.add_marker(pytest.mark.slow)
+            found.add(name)
+    if any("::" in arg for arg in config.args):
+        return  # tests picked by name: not every test of a file was collected
+    stale = [n for n in LONG_TESTS if n.split("::")[0] in files and n not in found]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py LONG_TESTS names missing tests: {stale}")
+
+
 # Keep CPU work predictable on the 2-core machines tests run on.
 SUBPROCESS_ENV = {
     **os.environ,
