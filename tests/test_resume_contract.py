@@ -306,3 +306,20 @@ def test_a_checkpoint_saved_before_a_key_existed_resumes_as_its_run_did():
     assert "to resume it as it was: data.min_token_count=1" in message
     as_it_was = contract(config={**contract().config, "data.min_token_count": 1})
     check(judge(old, as_it_was, []), "last.pt")  # accepted: the same data
+
+
+def test_a_key_added_since_a_checkpoint_is_read_as_its_schema_default():
+    """An image_folder checkpoint saved before data.val_labels_csv existed resumes under a
+    command that leaves it unset (the schema's None: what the run did), and is refused naming
+    `None -> ...` when the command sets it. A key no schema knows stays '<absent>'."""
+    from kiln.engine.resume import absent_means, check, judge
+
+    saved = {**contract().config, "data.name": "image_folder"}
+    now = {**saved, "data.val_labels_csv": None, "data.test_labels_csv": None}
+    check(judge(contract(config=saved), contract(config=now), []), "last.pt")
+    with pytest.raises(ResumeError, match=r"data.val_labels_csv: None -> 'val.csv'"):
+        changed = contract(config={**now, "data.val_labels_csv": "val.csv"})
+        check(judge(contract(config=saved), changed, []), "last.pt")
+    assert absent_means("data.no_such_key", saved) == "<absent>"
+    assert absent_means("data.val_labels_csv", {"data.name": "no_such_option"}) == "<absent>"
+    assert absent_means("data.min_token_count", {"data.name": "csv_text"}) == 1  # ABSENT_MEANS

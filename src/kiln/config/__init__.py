@@ -10,6 +10,7 @@ Composition and validation errors are ConfigError: one line naming the key and w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from dataclasses import fields, is_dataclass
@@ -117,6 +118,23 @@ def option_from_dict(group: str, data: dict[str, Any]) -> Any:
     twin = composable(registry.entry(data["name"]).config)
     merged = OmegaConf.merge(OmegaConf.structured(twin(name=data["name"])), data)
     return frozen(OmegaConf.to_object(merged))
+
+
+@functools.lru_cache(maxsize=64)
+def schema_defaults(group: str, option: str | None) -> dict[str, Any]:
+    """A group's schema defaults as plain data: the dataclass's own values, not its YAML's
+    (`option` picks the schema in a registry group, e.g. data=image_folder). These are the
+    values a checkpoint saved before a key existed is read with (kiln.engine.resume), which is
+    why a new key's schema default keeps what runs did before it. LookupError for a group or
+    option kiln does not know."""
+    if group in GROUP_SCHEMAS:
+        node = OmegaConf.structured(GROUP_SCHEMAS[group])
+    elif group in GROUP_REGISTRIES and option in GROUP_REGISTRIES[group].names():
+        twin = composable(GROUP_REGISTRIES[group].entry(option).config)
+        node = OmegaConf.structured(twin(name=option))
+    else:
+        raise LookupError(f"no schema for {group}={option}")
+    return OmegaConf.to_container(node, resolve=False, enum_to_str=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kiln.config import schema_defaults
 from kiln.config.overrides import override_value
 from kiln.engine.checkpointer import Fix, ResumeError
 
@@ -144,12 +145,26 @@ def data_fingerprint(spec: dict, recipe: dict, sizes: tuple[int, int]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-# Keys added after checkpoints were saved without them: the value that reproduces what such a
-# checkpoint's run did. Judged as that value, so resuming "as it was" names it (and a run that
-# sets it resumes as it always did); a key not listed is compared as '<absent>'.
+# A key added after a checkpoint was saved is read as its schema default (the dataclass's value,
+# which keeps what runs did before the key: kiln.config.schema_defaults), except the keys here,
+# whose default changed what a run does: the value that reproduces such a checkpoint's run.
+# Judged so, resuming "as it was" names it (and a run that sets it resumes as it always did).
 ABSENT_MEANS: dict[str, Any] = {
     "data.min_token_count": 1,  # 2026-12-03: before it, every word seen in training was learned
 }
+
+
+def absent_means(key: str, saved: dict[str, Any]) -> Any:
+    """What a checkpoint whose flattened config `saved` lacks `key` ran with: ABSENT_MEANS, else
+    the schema default of the key's group option as the checkpoint named it, else '<absent>'."""
+    if key in ABSENT_MEANS:
+        return ABSENT_MEANS[key]
+    group = key.split(".")[0]
+    try:
+        defaults = flatten(schema_defaults(group, saved.get(f"{group}.name")), f"{group}.")
+    except LookupError:
+        return "<absent>"
+    return defaults.get(key, "<absent>")
 
 
 def rule_for(key: str) -> str:
@@ -173,7 +188,7 @@ def judge(saved: Contract, now: Contract, overrides: list[str]) -> Judgement:
 
     same_global_batch = saved.global_batch == now.global_batch
     for key in sorted(set(saved.config) | set(now.config)):
-        old = saved.config.get(key, ABSENT_MEANS.get(key, "<absent>"))
+        old = saved.config[key] if key in saved.config else absent_means(key, saved.config)
         new = now.config.get(key, "<absent>")
         if old == new:
             continue
