@@ -255,12 +255,11 @@ def train_sampler_for(bundle: DataBundle, batch_size: int, rank: int, world_size
 
 
 def val_sampler_for(bundle: DataBundle, rank: int, world_size: int, seed: int):
-    """LengthOrderedSampler when the dataset gives lengths for its validation items, else the
-    items in order."""
-    lengths = bundle.val_lengths
-    if lengths is not None and len(lengths) == len(bundle.val):
+    """LengthOrderedSampler when the dataset gives lengths for its validation items (a length
+    per item, or it says which is missing), else the items in order."""
+    if bundle.val_lengths is not None:
         return LengthOrderedSampler(
-            bundle.val, lengths, num_replicas=world_size, rank=rank, seed=seed
+            bundle.val, bundle.val_lengths, num_replicas=world_size, rank=rank, seed=seed
         )
     return ResumableSampler(
         bundle.val, num_replicas=world_size, rank=rank, shuffle=False, seed=seed
