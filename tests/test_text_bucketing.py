@@ -11,10 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.data.loaders import BucketedSampler, LengthOrderedSampler, ResumableSampler
+from kiln.data.loaders import (
+    BucketedSampler,
+    LengthOrderedSampler,
+    ResumableSampler,
+    val_sampler_for,
+)
 from kiln.engine.distributed import DistInfo
 from kiln.engine.preemption import Preempted
-from kiln.engine.run import build_trainer, resume_if_asked
+from kiln.engine.run import build_trainer, load_data, resume_if_asked
 
 from .conftest import FAST, compose_config, read_metrics, train_in_process
 
@@ -180,3 +185,12 @@ def test_padding_frac_and_tokens_per_s_are_logged(tmp_path):
     shuffled, _ = logged(False)
     assert all(m["tokens_per_s"] > 0 and 0 <= m["padding_frac"] < 1 for m in steps)
     assert bucketed < 0.1 and shuffled > 2 * bucketed
+
+
+def test_validation_lengths_of_the_wrong_count_are_an_error_not_file_order(tmp_path):
+    """A dataset whose validation lengths miss items has a bug: the sampler names the counts
+    (val_sampler_for no longer falls back to file order behind its back)."""
+    cfg = compose_config("data=csv_text", "model=text_bow", f"data.cache_dir={tmp_path}")
+    bundle = dataclasses.replace(load_data(cfg), val_lengths=[3, 1])
+    with pytest.raises(ValueError, match=f"2 lengths for {len(bundle.val)} items"):
+        val_sampler_for(bundle, rank=0, world_size=1, seed=0)
