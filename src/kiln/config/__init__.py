@@ -10,7 +10,6 @@ Composition and validation errors are ConfigError: one line naming the key and w
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import re
 from dataclasses import fields, is_dataclass
@@ -120,7 +119,6 @@ def option_from_dict(group: str, data: dict[str, Any]) -> Any:
     return frozen(OmegaConf.to_object(merged))
 
 
-@functools.lru_cache(maxsize=64)
 def schema_defaults(group: str, option: str | None) -> dict[str, Any]:
     """A group's schema defaults as plain data: the dataclass's own values, not its YAML's
     (`option` picks the schema in a registry group, e.g. data=image_folder). These are the

@@ -255,8 +255,8 @@ def train_sampler_for(bundle: DataBundle, batch_size: int, rank: int, world_size
 
 
 def val_sampler_for(bundle: DataBundle, rank: int, world_size: int, seed: int):
-    """LengthOrderedSampler when the dataset gives lengths for its validation items (a length
-    per item, or it says which is missing), else the items in order."""
+    """LengthOrderedSampler when the dataset gives lengths for its validation items (one per
+    item: a wrong count is the sampler's error), else the items in order."""
     if bundle.val_lengths is not None:
         return LengthOrderedSampler(
             bundle.val, bundle.val_lengths, num_replicas=world_size, rank=rank, seed=seed
