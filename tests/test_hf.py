@@ -533,3 +533,73 @@ def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(bert_run, co
     assert len({depth for depth, _, _ in groups}) > 2, groups
     assert groups == [(g["depth"], g["decay"], g["lr_mult"])
                       for g in reference_state["optimizer"]["param_groups"]]  # fmt: skip
+
+
+def test_parameters_the_library_never_reaches_are_frozen_and_said(caplog):
+    """BigBird's classifier reads the first token's hidden state, never its pooler: kiln freezes
+    the pooler (rule 2 would otherwise stop every run on a model kiln does not own) and says so;
+    BERT's pooler, which its classifier reads, stays trainable; whatever is trainable gets a
+    gradient from one backward."""
+    from kiln.data.spec import DataSpec
+
+    spec = DataSpec("classification", "tokens", 3, ("a", "b", "c"), vocab_size=50,
+                    max_length=12, pad_id=0)  # fmt: skip
+    hf = ("data=csv_text", "model=hf")
+    with caplog.at_level(logging.INFO, logger="kiln.models.zoo.transformers"):
+        big_bird = build_model(spec, compose_config(*hf, "model.arch=big_bird").model)
+    frozen = [name for name, p in big_bird.named_parameters() if not p.requires_grad]
+    assert frozen == ["net.bert.pooler.weight", "net.bert.pooler.bias"]
+    assert "2 parameter(s) its classification forward never reaches are frozen" in caplog.text
+    bert = build_model(spec, compose_config(*hf, "model.arch=bert").model)
+    assert all(p.requires_grad for p in bert.parameters())
+    ids = torch.randint(1, 50, (2, 12))
+    for model in (big_bird, bert):
+        model(ids).sum().backward()
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        assert all(p.grad is not None for _, p in trainable), type(model.net).__name__
+
+
+def test_a_big_bird_run_trains_where_rule_2_stopped_it(tmp_path):
+    """`model=hf model.arch=big_bird` stopped at rule 2 before step 1 (its pooler got no
+    gradient); now it trains, the pooler as it began."""
+    run_dir = tmp_path / "run"
+    summary = train_in_process(run_dir, "data=csv_text", "model=hf", "model.arch=big_bird",
+                               "data.max_length=24", "trainer.max_epochs=2")  # fmt: skip
+    # Two epochs of a tiny model may still be at chance: what matters is that no rule stopped it.
+    assert summary["status"] in ("ok", "at_chance") and summary["error"] is None, summary
+    first = torch.load(run_dir / "checkpoints" / "epoch-1.pt", weights_only=True)["model"]
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    for key in ("net.bert.pooler.weight", "net.bert.pooler.bias"):
+        assert torch.equal(first[key], last[key]), key
+    layer = "net.bert.encoder.layer.0.output.dense.weight"
+    assert not torch.equal(first[layer], last[layer])
+
+
+def test_a_thawed_backbone_leaves_frozen_what_the_model_froze_itself(tmp_path):
+    """trainer.unfreeze_at_epoch thaws what model.freeze froze, not BigBird's unreached pooler."""
+    from kiln.data import build_data
+    from kiln.engine.distributed import DistInfo
+    from kiln.engine.run import build_run_model
+
+    cfg = compose_config("data=csv_text", "model=hf", "model.arch=big_bird",
+                         "model.freeze=backbone", "trainer.unfreeze_at_epoch=1")  # fmt: skip
+    spec = build_data(cfg.data).spec
+    model, plan = build_run_model(cfg, spec, torch.device("cpu"), DistInfo(), tmp_path, False)
+    assert "net.bert.encoder.layer.0.output.dense.weight" in plan.names
+    assert not plan.names & {"net.bert.pooler.weight", "net.bert.pooler.bias"}
+    plan.apply(model, epoch=1)
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == ["net.bert.pooler.weight", "net.bert.pooler.bias"]
+
+
+def test_a_model_type_built_of_sub_models_is_refused_not_built_at_full_size():
+    """gemma3 from its type is a text and a vision model, each sized by its own config: kiln's
+    small size reaches neither, and the library's defaults are 2.7B parameters."""
+    from kiln.data.spec import DataSpec
+
+    spec = DataSpec("classification", "tokens", 3, ("a", "b", "c"), vocab_size=50,
+                    max_length=12, pad_id=0)  # fmt: skip
+    cfg = compose_config("data=csv_text", "model=hf", "model.arch=gemma3")
+    with pytest.raises(ConfigError, match="text_config and vision_config") as caught:
+        build_model(spec, cfg.model)
+    assert caught.value.key == "model.arch"

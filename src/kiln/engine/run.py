@@ -202,8 +202,11 @@ def build_run_model(
         from kiln.models.weights import init_from
 
         init_from(model, cfg.init_from)  # weights only: a new run from them
+    # What the model froze itself (model=hf's parameters its forward never reaches) stays
+    # frozen: trainer.unfreeze_at_epoch thaws only what model.freeze froze.
+    fixed = {name for name, p in model.named_parameters() if not p.requires_grad}
     freeze = FreezePlan(
-        frozen_parameter_names(model, getattr(cfg.model, "freeze", None), cfg.model.name),
+        frozen_parameter_names(model, getattr(cfg.model, "freeze", None), cfg.model.name) - fixed,
         cfg.trainer.unfreeze_at_epoch,
     )
     freeze.apply(model, epoch=0)  # before DDP registers the parameters it reduces

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from kiln.config.base import ConfigError
@@ -250,7 +251,48 @@ def build_hf(
         sep_id = folder_sep_id(source.folder)
     if int(getattr(config, "type_vocab_size", 0) or 0) < 2:
         sep_id = None  # the model has no token types (RoBERTa's one, DistilBERT's none)
-    return HfClassifier(net, spec.num_classes, spec.pad_id, aux_head, sep_id=sep_id)
+    model = HfClassifier(net, spec.num_classes, spec.pad_id, aux_head, sep_id=sep_id)
+    freeze_unreached(model)
+    return model
+
+
+def freeze_unreached(model: HfClassifier, length: int = 8) -> list[str]:
+    """Freezes the parameters the library's own classification forward never reaches, says so
+    and returns their names. Some architectures carry them by design: BigBird's pooler (its head
+    reads the first token's hidden state, not the pooler), a DeepSeek-style sparse-attention
+    indexer (trained by an objective of its own, which a classifier does not have). Left
+    trainable they would stop every run at rule 2 with advice about a model kiln does not own,
+    make DDP wait for gradients that never come and take weight decay for nothing. Found by one
+    train-mode backward of two short texts (torch's random numbers forked, so the run's stream
+    is untouched); skipped on the meta device and under inference mode, where nothing trains."""
+    params = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    if not params or next(iter(params.values())).is_meta or torch.is_inference_mode_enabled():
+        return []
+    vocab = int(model.net.config.vocab_size)
+    ids = torch.arange(2 * length).reshape(2, length) % max(vocab - 1, 1)
+    ids = torch.where(ids >= model.pad_id, ids + 1, ids).clamp(max=vocab - 1)  # never padding
+    ids[1, length // 2 :] = model.pad_id  # a padded text: the mask's path too
+    training = model.training
+    try:
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            model.train()
+            out = model(ids)
+            total = sum(t.float().sum() for t in (out.values() if isinstance(out, dict) else [out]))
+            grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
+    finally:
+        model.train(training)
+    unreached = [name for (name, p), g in zip(params.items(), grads, strict=True) if g is None]
+    for name in unreached:
+        params[name].requires_grad_(False)
+    if unreached:
+        shown = ", ".join(unreached[:6]) + (
+            f" and {len(unreached) - 6} more" if len(unreached) > 6 else ""
+        )
+        log.info(
+            "model=hf %s: %d parameter(s) its classification forward never reaches are frozen: %s",
+            type(model.net).__name__, len(unreached), shown,
+        )  # fmt: skip
+    return unreached
 
 
 def _is_folder_or_hub(arch: str) -> bool:
@@ -291,6 +333,16 @@ def architecture(spec, cfg: HfConfig, source: HfSource | None, pretrained) -> An
             max_position_embeddings=positions,
             **size,
         )
+        parts = sized_parts(config)
+        if parts:
+            raise ConfigError(
+                f"model type {cfg.arch!r} is built of {' and '.join(parts)}, each sized by its "
+                "own settings: kiln's small from-scratch size (hidden 64, 2 layers) reaches "
+                "none of them, so it would be the library's full-size model",
+                "model.arch",
+                "give a folder save_pretrained wrote at the size you want (model.arch=<folder>), "
+                "or a text-only model type (bert, roberta, llama, ...)",
+            )  # fmt: skip
     for key, value in dict(cfg.config).items():
         if not hasattr(config, key):
             raise ConfigError(
@@ -310,6 +362,14 @@ def architecture(spec, cfg: HfConfig, source: HfSource | None, pretrained) -> An
     if spec.multi_label:  # kiln computes the loss (BCE); said for readers of config.json
         config.problem_type = "multi_label_classification"
     return config
+
+
+def sized_parts(config) -> list[str]:
+    """The sub-configs with sizes of their own (a multimodal model's text_config and
+    vision_config, an encoder-decoder's encoder and decoder), which SMALL_SIZE set on the
+    top-level config does not reach."""
+    subs = getattr(config, "sub_configs", None) or {}
+    return [k for k in subs if any(hasattr(getattr(config, k, None), key) for key in SMALL_SIZE)]
 
 
 def weights_of(source: HfSource, weights: str | None) -> Path | None:
