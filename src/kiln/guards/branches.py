@@ -27,7 +27,7 @@ def check_loss_branches(model: nn.Module, criterion, batch: Any) -> dict[str, to
     for name, term in terms.items():
         if not torch.isfinite(term).all():
             raise LossBranchError(f"{RULE_2}: the {name!r} term is {term.item()} (not finite)")
-        if float(term) == 0.0:
+        if float(term.detach()) == 0.0:
             raise LossBranchError(
                 f"{RULE_2}: the {name!r} term is exactly 0: switched on, it does nothing"
             )
