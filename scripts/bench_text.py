@@ -201,8 +201,13 @@ def data_path(cfg) -> dict:
         for t in chunk.texts
     ]
     batches = [texts[i : i + ENCODE_BATCH] for i in range(0, len(texts), ENCODE_BATCH)]
-    bpe = train_tokenizer(batches, cfg.vocab_size, cfg.max_length, len(texts), "bpe")
-    words = train_tokenizer(batches, cfg.vocab_size, cfg.max_length, len(texts), "words")
+    # As a run learns them (kiln.data.csv_text): data.min_token_count included.
+    bpe, words = (
+        train_tokenizer(
+            batches, cfg.vocab_size, cfg.max_length, len(texts), kind, min_count=cfg.min_token_count
+        )
+        for kind in ("bpe", "words")
+    )
 
     def run(tokenize) -> tuple[float, int, list]:
         start, ids = time.perf_counter(), []
