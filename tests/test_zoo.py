@@ -157,6 +157,16 @@ def test_a_misspelt_arch_is_one_error_suggesting_the_nearest_names(model, typo, 
     assert f"; did you mean {nearest}" in message
 
 
+def test_a_timm_encoder_without_a_classifier_is_refused_naming_it():
+    """timm builds qwen3_vit_88m_enc headless whatever num_classes says: its output is features
+    (N, 4, 1024), which rule 1 would blame on literals in forward. The builder says what it is
+    (built on the meta device: the check comes before any forward)."""
+    with torch.device("meta"), pytest.raises(ConfigError, match="has no classifier head") as info:
+        build_model(image_spec(side=64), zoo_cfg("timm", "model.arch=qwen3_vit_88m_enc"))
+    assert info.value.key == "model.arch"
+    assert "asked for 7 classes it built num_classes=0" in str(info.value)
+
+
 def test_train_py_refuses_a_misspelt_arch_before_hydra_starts_a_run(tmp_path):
     run_dir = tmp_path / "run"
     result = run_train(run_dir, "model=timm", "model.arch=resnet81", "data=synthetic_images")

@@ -227,6 +227,14 @@ def build_timm(spec, cfg: TimmConfig, *, aux_head: bool = False) -> TimmClassifi
             f"{str(err).splitlines()[0][:300]}: "
             f"{what_fits(read_state_dict(source.path, 'model.weights'))}"
         ) from None
+    if getattr(net, "num_classes", spec.num_classes) != spec.num_classes:
+        # timm builds some architectures headless whatever num_classes says (an image encoder
+        # for a multimodal model): its output is features, not the data's classes.
+        raise ConfigError(
+            f"timm {arch} has no classifier head: asked for {spec.num_classes} classes it built "
+            f"num_classes={net.num_classes} (an encoder: its output is features)",
+            "model.arch", "choose an architecture with a classifier (timm.list_models())",
+        )  # fmt: skip
     if source is not None:
         log_timm_load(source, classes, spec.num_classes, timm_classifiers(source.model_name))
     if fixed:
