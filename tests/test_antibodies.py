@@ -681,3 +681,27 @@ def test_rule3_eval_only_crash_names_the_mode_module_and_shapes():
     message = str(info.value)
     assert message.startswith(f"{RULE_3}: the eval-mode forward raised RuntimeError in 1.fc")
     assert "with inputs ((8, 32),)" in message
+
+
+def test_rule2_a_branch_at_zero_that_still_pulls_passes_one_that_moves_nothing_stops():
+    """A zero-initialised head (timm's naflexvit radio) gives uniform logits, where kiln's label
+    smoothing term is exactly 0 while its gradient is not: the branch works and rule 2 lets it
+    be. A term that is 0 and moves nothing is still a branch that does nothing."""
+    from kiln.guards.branches import check_loss_branches
+
+    head = nn.Linear(4, 3)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    batch = (torch.randn(8, 4), torch.arange(8) % 3)
+    criterion = build_criterion(head, compose_config("loss.force_all_branches=true").loss)
+    terms = check_loss_branches(head, criterion, batch)
+    assert float(terms["label_smoothing"]) == 0.0  # the case: 0, and passed
+
+    def dead_branch(model, batch):
+        logits = model(batch[0])
+        terms = {"main": nn.functional.cross_entropy(logits, batch[1]),
+                 "dead": 0.0 * logits.sum()}  # fmt: skip
+        return sum(terms.values()), terms
+
+    with pytest.raises(LossBranchError, match="'dead' term is exactly 0 and moves nothing"):
+        check_loss_branches(head, dead_branch, batch)
