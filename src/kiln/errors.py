@@ -26,6 +26,14 @@ def did_you_mean(
     return f"; did you mean {' or '.join(spell(c) for c in close)}?" if close else ""
 
 
+def first_few(items: Iterable, most: int = 6) -> str:
+    """How a message names a long list: the first `most` items, comma-joined, then " and N
+    more"."""
+    shown = [str(item) for item in items]
+    rest = len(shown) - most
+    return ", ".join(shown[:most]) + (f" and {rest} more" if rest > 0 else "")
+
+
 class MissingFileError(UserError, FileNotFoundError):
     """A file or folder the user named (a checkpoint, an input, an export) is not there."""
 

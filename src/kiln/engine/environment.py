@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from kiln.errors import first_few
+
 ENVIRONMENT_FILE = "environment.json"
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|PASSPHRASE|CREDENTIAL|AUTH|COOKIE|SESSION", re.I)
 DIGEST = "sha256:"
@@ -77,8 +79,7 @@ def run_environment(run_dir: Path) -> Iterator[list[str]]:
                 os.environ[name] = then
             restored.append(f"{name}={then if then is not None else '(unset)'}")
         if restored:
-            more = f" and {len(restored) - 8} more" if len(restored) > 8 else ""
-            notes.append(f"replayed with the run's environment: {', '.join(restored[:8])}{more}")
+            notes.append(f"replayed with the run's environment: {first_few(restored, 8)}")
         if secrets:
             notes.append(
                 f"this environment differs from the run's in {', '.join(secrets)} (secrets: "

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.errors import first_few
 from kiln.guards.input_sizes import select
 from kiln.guards.no_trace import untouched
 from kiln.guards.rules import BATCH, ProbeFailure
@@ -266,8 +267,7 @@ def _reaches(grad: torch.Tensor | None, others: list[int]) -> list[int]:
 
 
 def _rows(rows: list[int]) -> str:
-    shown = ", ".join(map(str, rows[:6]))
-    return shown + (f" and {len(rows) - 6} more" if len(rows) > 6 else "")
+    return first_few(rows)
 
 
 def _between(before: Event | None, after: Event | None, model: nn.Module) -> Leak:

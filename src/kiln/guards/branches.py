@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.errors import first_few
 from kiln.guards.rules import RULE_2, ProbeFailure
 
 
@@ -90,7 +91,7 @@ def no_gradient_error(
     modules = sorted({name.rpartition(".")[0] for name in missing})
     kinds = {m: type(model.get_submodule(m)).__name__ for m in modules}
     where = ", ".join(f"{m or '<model>'} ({kind})" for m, kind in kinds.items())
-    shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    shown = first_few(missing)
     flag = flag_for(missing) if flag_for is not None else None
     todo = (
         f"{flag} turns that branch off (or switch on the loss flag that trains it)"

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from kiln.errors import first_few
 from kiln.guards.input_sizes import select
 from kiln.guards.rules import DEAD, ProbeFailure
 
@@ -105,7 +106,7 @@ def _named(model: nn.Module, names: list[str]) -> str:
     where = ", ".join(
         f"{m or '<model>'} ({type(model.get_submodule(m)).__name__})" for m in modules
     )
-    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    shown = first_few(names)
     return f"{shown} (in {where})"
 
 

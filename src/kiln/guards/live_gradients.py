@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from kiln.errors import first_few
 from kiln.guards.branches import no_gradient_error
 from kiln.guards.rules import DEAD, ProbeFailure
 from kiln.guards.step_probe import StepObservation
@@ -106,7 +107,7 @@ def check_live_gradients(
         where = ", ".join(
             f"{m or '<model>'} ({type(model.get_submodule(m)).__name__})" for m in modules
         )
-        shown = ", ".join(zero[:6]) + (f" and {len(zero) - 6} more" if len(zero) > 6 else "")
+        shown = first_few(zero)
         raise DeadGradientError(
             f"{DEAD}: {name}: {len(zero)} trainable parameter(s) got a gradient that is exactly "
             f"zero in the probe step before step 1, and again after one optimizer step: "

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from kiln.config.base import ConfigError
 from kiln.config.model import HfConfig
+from kiln.errors import first_few
 from kiln.models.weights import WeightsError, check_values, read_state_dict
 from kiln.models.zoo.cache import hub_cache_dir, weight_file
 from kiln.models.zoo.wrappers import HfClassifier
@@ -290,12 +291,9 @@ def freeze_unreached(model: HfClassifier, length: int = 8) -> list[str]:
     for name in unreached:
         params[name].requires_grad_(False)
     if unreached:
-        shown = ", ".join(unreached[:6]) + (
-            f" and {len(unreached) - 6} more" if len(unreached) > 6 else ""
-        )
         log.info(
             "model=hf %s: %d parameter(s) its classification forward never reaches are frozen: %s",
-            type(model.net).__name__, len(unreached), shown,
+            type(model.net).__name__, len(unreached), first_few(unreached),
         )  # fmt: skip
     return unreached
 
