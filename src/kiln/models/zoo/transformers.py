@@ -270,12 +270,12 @@ def freeze_unreached(model: HfClassifier, length: int = 8) -> list[str]:
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if not params or next(iter(params.values())).is_meta or torch.is_inference_mode_enabled():
         return []
-    vocab = int(model.net.config.get_text_config().vocab_size)
-    ids = torch.arange(2 * length).reshape(2, length) % max(vocab - 1, 1)
-    ids = torch.where(ids >= model.pad_id, ids + 1, ids).clamp(max=vocab - 1)  # never padding
-    ids[1, length // 2 :] = model.pad_id  # a padded text: the mask's path too
     training = model.training
     try:
+        vocab = int(model.net.config.get_text_config().vocab_size)
+        ids = torch.arange(2 * length).reshape(2, length) % max(vocab - 1, 1)
+        ids = torch.where(ids >= model.pad_id, ids + 1, ids).clamp(max=vocab - 1)  # not padding
+        ids[1, length // 2 :] = model.pad_id  # a padded text: the mask's path too
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
             model.train()
             out = model(ids.to(next(iter(params.values())).device))
