@@ -7,7 +7,8 @@ the server's load test (scripts/loadtest_bombs.py) and its tests:
                   2.7 GB as RGB (deflate packs the 112 MB of 1-bit rows about 1000:1).
     grey_png()    ~16 KB: an 8-bit greyscale PNG of 4000 x 4000 (16 M pixels, within the limit
                   and over the server's large-image mark): a legal file in a small body that
-                  takes ~0.3-0.7 s to decode (Pillow); grey_png(8000): 64 M pixels, ~4x that.
+                  takes ~0.05-0.1 s to decode (Pillow, one quiet core; slower under load);
+                  grey_png(8000): 64 M pixels, ~4x that.
     large_jpeg()  a real photo-like JPEG within Pillow's pixel limit (default 6000 x 6000, 36 M
                   pixels): allowed, and slow to decode -- the "huge but legal" input.
 
@@ -52,7 +53,7 @@ def png_bomb(side: int = PNG_SIDE) -> bytes:
 @functools.cache
 def grey_png(side: int = SLOW_PNG_SIDE, bit_depth: int = 8) -> bytes:
     """A greyscale PNG of side x side, every pixel 0. At 8 bits and the default 4000 x 4000 (16 M
-    pixels, within Pillow's limit) it is a legal image whose 16 KB take ~0.5 s to decode."""
+    pixels, within Pillow's limit) it is a legal image whose 16 KB take ~0.05-0.1 s to decode."""
     row = b"\x00" + bytes((side * bit_depth + 7) // 8)  # filter type 0, then the packed pixels
     packer = zlib.compressobj(9)
     parts = [packer.compress(row) for _ in range(side)]
