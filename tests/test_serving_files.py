@@ -304,11 +304,11 @@ def test_a_one_photo_request_is_not_stuck_behind_many_large_images(photos):
 
 
 def test_large_images_never_take_every_decode_thread(photos):
-    """Two requests of one legal 16 M-pixel image each, two decode threads: large images
+    """Two requests of one legal 64 M-pixel image each, two decode threads: large images
     decode on at most one of them, so a one-photo request sent meanwhile finds the other free
     and is answered before either large one (with both threads on large images it waited for
     one of them)."""
-    slow, photo = grey_png(), good_files(1)[0]
+    slow, photo = grey_png(8000), good_files(1)[0]  # 64 M pixels: ~0.2 s a decode, a wide window
     with live_server(create_app(photos, decode_threads=2, **ROOMY)) as server:
 
         async def scenario():
@@ -335,7 +335,7 @@ def test_large_images_never_take_every_decode_thread(photos):
 
 
 def test_a_full_decode_queue_answers_503_with_retry_after(photos):
-    slow, good = grey_png(), good_files(2)
+    slow, good = grey_png(8000), good_files(2)  # 64 M pixels: ~0.2 s a decode, a wide window
     app = create_app(
         photos, decode_threads=1, max_decode_queue_size=2, max_inputs_per_request=2, **ROOMY
     )
