@@ -4,6 +4,7 @@ deliberately broken models that each rule must catch, in the suite and in train.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import importlib
@@ -237,6 +238,44 @@ def test_behaviour_checks_and_the_learn_probe_pass(model, data, model_overrides)
 def test_devices_a_layer_left_behind_is_named(model, data, model_overrides):
     message = check_device_diagnosis(*parts(model, data, model_overrides=model_overrides))
     assert message.startswith(f"{DEVICES}: device mismatch in ")
+
+
+class _Sized(nn.Module):
+    """Passes a torch.Size and a named tuple on, as timm's MViTv2 stages pass (x, feat_size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, size):
+        return collections.namedtuple("Out", "x size")(self.proj(x), size)
+
+
+class _SizesBetweenModules(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stage, self.head = _Sized(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = self.stage(x, x.shape)
+        return self.head(out.x)
+
+
+def test_devices_named_through_modules_that_pass_sizes_and_named_tuples():
+    """The trace described each call's inputs by rebuilding their containers: a torch.Size was
+    rebuilt from strings and raised inside the traced forward, so the diagnosis of timm's
+    mvitv2_* named the whole model, not the head left on meta. (A named tuple raised too.)"""
+    from kiln.guards.devices import diagnose, is_device_mismatch
+
+    model, x = _SizesBetweenModules(), torch.randn(2, 4)
+    model.head.to("meta")
+    with torch.no_grad(), pytest.raises(RuntimeError) as raised:
+        model(x)
+    assert is_device_mismatch(raised.value)
+    with torch.no_grad():
+        found = diagnose(raised.value, model, lambda: model(x), x)
+    assert found.module == "head", str(found)
+    assert "its parameters/buffers are on meta, its inputs on cpu" in str(found)
 
 
 # ---------------------------------------------------------------------------------------------

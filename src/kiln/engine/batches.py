@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from kiln.guards.tree import same_container
+
 
 def move_to(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
     if isinstance(obj, torch.Tensor):
@@ -13,7 +15,7 @@ def move_to(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
     if isinstance(obj, dict):
         return {k: move_to(v, device, non_blocking) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(move_to(v, device, non_blocking) for v in obj)
+        return same_container(obj, [move_to(v, device, non_blocking) for v in obj])
     return obj
 
 
@@ -32,5 +34,5 @@ def to_channels_last(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_channels_last(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(to_channels_last(v) for v in obj)
+        return same_container(obj, [to_channels_last(v) for v in obj])
     return obj

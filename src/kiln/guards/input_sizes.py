@@ -19,7 +19,7 @@ from torch import nn
 
 from kiln.guards.rules import DEAD, LAYOUT, NUMERICS, RULE_1, ProbeFailure
 from kiln.guards.trace import failing_call
-from kiln.guards.tree import describe, iter_tensors
+from kiln.guards.tree import describe, iter_tensors, same_container
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def select(batch: Any, index: list[int]) -> Any:
     """The samples `index` of a collated (inputs, targets) batch, in that order (every tensor
     whose first dimension is the batch, every per-sample list entry)."""
     size = len(batch[0])
-    return type(batch)(_index(part, index, size) for part in batch)
+    return same_container(batch, [_index(part, index, size) for part in batch])
 
 
 def _index(obj: Any, index: list[int], size: int) -> Any:

@@ -25,11 +25,24 @@ def describe(obj: Any) -> Any:
         if obj.is_nested:  # ragged: no single shape (the Transformer's eval fast path)
             return f"nested tensor of {obj.size(0)}"
         return tuple(obj.shape)
+    if isinstance(obj, torch.Size):  # a shape passed between modules (timm's MViTv2): its ints
+        return tuple(obj)
     if isinstance(obj, dict):
         return {key: describe(value) for key, value in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(describe(value) for value in obj)
+        return same_container(obj, [describe(value) for value in obj])
     return type(obj).__name__
+
+
+def same_container(obj: list | tuple, values: list) -> list | tuple:
+    """`values` in a container of `obj`'s kind: a named tuple takes them as fields; a subclass whose
+    constructor refuses them (torch.Size of non-ints) becomes a plain tuple or list."""
+    if hasattr(obj, "_fields"):
+        return type(obj)(*values)
+    try:
+        return type(obj)(values)
+    except TypeError:
+        return list(values) if isinstance(obj, list) else tuple(values)
 
 
 def copy_batch(batch: Any) -> Any:
@@ -39,5 +52,5 @@ def copy_batch(batch: Any) -> Any:
     if isinstance(batch, dict):
         return {k: copy_batch(v) for k, v in batch.items()}
     if isinstance(batch, list | tuple):
-        return type(batch)(copy_batch(v) for v in batch)
+        return same_container(batch, [copy_batch(v) for v in batch])
     return batch

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.guards.tree import describe
+from kiln.guards.tree import describe, same_container
 
 Calls = list[tuple[str, str, Any]]  # (module path, class name, described output), as finished
 
@@ -44,7 +44,7 @@ def _without_batch(described: Any, batch: int | None) -> Any:
     if isinstance(described, dict):
         return {k: _without_batch(v, batch) for k, v in described.items()}
     if isinstance(described, list | tuple):
-        return type(described)(_without_batch(v, batch) for v in described)
+        return same_container(described, [_without_batch(v, batch) for v in described])
     return described
 
 
