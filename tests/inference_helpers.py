@@ -6,6 +6,7 @@ mode=serve` in its own process."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -87,6 +88,19 @@ def mixed_size_images(count: int = 4, seed: int = 0) -> list[np.ndarray]:
         make_image(rng, h, w, max_objects=3, num_classes=2)[0].numpy().astype(np.float32)
         for h, w in sizes
     ]
+
+
+def binary_request(pixels: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    """A v2 request body over the binary extension (the pixels as FP32 bytes after the JSON
+    head), asking for the labels only, and its headers."""
+    tensor = {
+        "name": "input",
+        "shape": list(pixels.shape),
+        "datatype": "FP32",
+        "parameters": {"binary_data_size": pixels.nbytes},
+    }
+    head = json.dumps({"inputs": [tensor], "outputs": [{"name": "label"}]}).encode()
+    return head + pixels.tobytes(), {"Inference-Header-Content-Length": str(len(head))}
 
 
 def free_port() -> int:

@@ -6,7 +6,6 @@ queue is cut with 503s -- never 500s."""
 from __future__ import annotations
 
 import copy
-import json
 import signal
 import socket
 import threading
@@ -20,21 +19,9 @@ from kiln.inference import Predictor
 from kiln.serving import create_app
 from kiln.serving.server import DrainingServer, uvicorn_config
 
-from .inference_helpers import digits_run, raw_digits_val, serve_process
+from .inference_helpers import binary_request, digits_run, raw_digits_val, serve_process
 
 NUM_REQUESTS, INPUTS_PER_REQUEST = 12, 4096
-
-
-def binary_request(pixels: np.ndarray) -> tuple[bytes, dict[str, str]]:
-    """A v2 request over the binary extension, asking for the labels only."""
-    tensor = {
-        "name": "input",
-        "shape": list(pixels.shape),
-        "datatype": "FP32",
-        "parameters": {"binary_data_size": pixels.nbytes},
-    }
-    head = json.dumps({"inputs": [tensor], "outputs": [{"name": "label"}]}).encode()
-    return head + pixels.tobytes(), {"Inference-Header-Content-Length": str(len(head))}
 
 
 def send_all(url: str, body: bytes, headers: dict, count: int) -> tuple[list, list]:

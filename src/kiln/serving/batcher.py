@@ -49,7 +49,8 @@ SECONDS_PER_INPUT_PRIOR = 1e-3  # the Retry-After estimate before the first batc
 EMA_WEIGHT = 0.2  # how fast the per-input time estimate follows new batches
 SECONDS_PER_CALL_PRIOR = 1.0  # before the first call is timed: as if slow (the thread)
 # A model call shorter than this runs on the event loop (it blocks other requests for at most
-# about this long): for a tiny model the thread hand-off was most of a request's time.
+# about this long: the batch loop yields after each batch): for a tiny model the thread
+# hand-off was most of a request's time.
 INLINE_CALL_S = 0.0005
 
 
@@ -212,6 +213,9 @@ class DynamicBatcher:
                 batch = self._take_batch()
                 if batch:
                     await self._run_batch(batch)
+                # With a full queue and inline calls nothing above awaits: without this the
+                # loop would run every queued batch before a health check or a new request.
+                await asyncio.sleep(0)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug here must not stop serving: log it, run the next batch
