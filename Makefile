@@ -38,7 +38,7 @@ train: install ## train the default experiment (extra overrides: make train ARGS
 	$(PY) train.py $(ARGS)
 
 # Measured (docs/benchmarks.md, "How long things take"): 606 tests, 26 CPU-minutes; 52 min wall at load 5-8.
-TEST_TIME := 10-15 min on 2 quiet CPU cores (measured 2026-12-03: 1,597 tests, 10.0-15.4 min from a fresh clone with the install), longer on a busy machine
+TEST_TIME := 10-15 min on 2 quiet CPU cores (measured 2026-12-03: 1,600 tests, 10.0-15.4 min from a fresh clone with the install), longer on a busy machine
 
 test: lint ## ruff + the default test suite (everything but `slow`)
 	@echo "make test: the default suite, $(TEST_TIME); one dot per test, the share done at each line's end"
