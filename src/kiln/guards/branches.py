@@ -33,16 +33,16 @@ def check_loss_branches(model: nn.Module, criterion, batch: Any) -> dict[str, to
             if term.requires_grad
             else []
         )
-        still = all(g is None or not g.any() for g in grads)
+        moves_nothing = all(g is None or not g.any() for g in grads)
         # A term can be 0 at one point and still pull (label smoothing on a zero-initialised
         # head's uniform logits: its value is 0, its gradient is not): only 0 with no gradient
         # is a branch that does nothing.
-        if float(term.detach()) == 0.0 and still:
+        if float(term.detach()) == 0.0 and moves_nothing:
             raise LossBranchError(
                 f"{RULE_2}: the {name!r} term is exactly 0 and moves nothing: switched on, it "
                 "does nothing"
             )
-        if still:
+        if moves_nothing:
             raise LossBranchError(
                 f"{RULE_2}: the {name!r} term reaches no parameter (computed from detached "
                 "tensors or under no_grad?); its flag would change nothing but the logged loss"
