@@ -107,6 +107,15 @@ def train_in_process(run_dir: Path, *overrides: str) -> dict:
 
 
 @pytest.fixture(autouse=True)
+def _own_probe_cache(tmp_path_factory, monkeypatch):
+    """Each test its own probe cache (kiln.guards.probe_cache), in this process and in the
+    subprocesses it starts: a model another test probed is probed again."""
+    directory = str(tmp_path_factory.mktemp("probe-cache"))
+    monkeypatch.setenv("KILN_PROBE_CACHE", directory)
+    monkeypatch.setitem(SUBPROCESS_ENV, "KILN_PROBE_CACHE", directory)
+
+
+@pytest.fixture(autouse=True)
 def _quiet_threads():
     """One intra-op thread per test, as the subprocess runs have (OMP_NUM_THREADS=1)."""
     import torch

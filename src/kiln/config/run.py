@@ -83,6 +83,31 @@ class FsdpConfig:
         at_least(self.min_block_params, 1, f"{key}.min_block_params")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProbeBudgetConfig:
+    """What the checks before step 1 may cost (docs/antibodies.md, "The probe budget"): the
+    first check, one observed step, is timed; the others run in order while their estimates fit,
+    and one that does not is skipped and named (the learn probe reads the first steps instead)."""
+
+    share_of_epoch: float = 0.02  # of the first epoch's time, estimated from the observed step
+    min_s: float = 1.0  # seconds allowed whatever the epoch (a small run checks everything)
+    max_s: float | None = 15.0  # seconds at most, however long the epoch (null: no cap)
+    enforce: bool = True  # false: every check runs before step 1, whatever it costs
+
+    def check(self, key: str) -> None:
+        if not 0 <= self.share_of_epoch <= 1:
+            raise invalid(
+                f"{key}.share_of_epoch", f"must be in [0, 1], got {self.share_of_epoch:g}"
+            )
+        if not self.min_s >= 0:
+            raise invalid(f"{key}.min_s", f"must be >= 0 seconds, got {self.min_s:g}")
+        if self.max_s is not None and not self.max_s >= self.min_s:
+            raise invalid(
+                f"{key}.max_s",
+                f"must be >= {key}.min_s ({self.min_s:g} s), got {self.max_s:g}, or null (no cap)",
+            )
+
+
 # The behaviour checks of the probes before step 1 a run can leave out (trainer.skip_checks), by
 # the name its [FAIL] line gives them. Rules 1 and 3 have their own switches (trainer.probe_sizes,
 # trainer.shape_check), the learn probe and the fp16 probe theirs.
@@ -117,6 +142,9 @@ class TrainerConfig:
     learn_probe: bool = True  # before step 1, a few steps on one batch (on copies) must lower it
     fp16_check: bool = False  # the fp16 overflow probe also without precision=amp
     skip_checks: list[str] = field(default_factory=list)  # checks left out: [determinism,...]
+    # What the checks before step 1 may cost: a share of the first epoch, within min_s..max_s
+    probe_budget: ProbeBudgetConfig = field(default_factory=ProbeBudgetConfig)
+    probe_cache: bool = True  # a model that passed its checks before is not probed again
     find_unused_parameters: bool = False  # DDP: parameters may go unused in some steps (slower)
     max_skipped_steps: int = 20  # nan_policy=skip fails the run past this many (-1: no limit)
     checkpoint_every_n_steps: int = 0  # also save last.pt every N optimizer steps (0: off)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
-import os
 import zipfile
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from kiln.atomic import atomic_file
+from kiln.caches import cache_dir
 from kiln.config.data import DigitsConfig
 from kiln.data.spec import DataBundle, DataSpec, SourceNames
 from kiln.data.split import stratified_split
@@ -39,9 +39,8 @@ def split_digits(cfg: DigitsConfig) -> dict[str, np.ndarray]:
 
 def split_cache_path(cfg: DigitsConfig) -> Path:
     """Keyed by scikit-learn's version (its file and its split) and the split's settings."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     version = importlib.metadata.version("scikit-learn")
-    return base / "kiln" / "digits" / f"sklearn{version}-{cfg.val_fraction!r}-{cfg.split_seed}.npz"
+    return cache_dir("digits") / f"sklearn{version}-{cfg.val_fraction!r}-{cfg.split_seed}.npz"
 
 
 def digits_split(cfg: DigitsConfig) -> dict[str, np.ndarray]:

@@ -24,6 +24,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from kiln.atomic import write_json
+from kiln.caches import cache_dir
 from kiln.data.bad_inputs import BadInputLog
 from kiln.errors import UserError
 from kiln.preprocessing.file_tree import (
@@ -66,8 +67,7 @@ class ImageFolderError(UserError, ValueError):
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kiln" / "images"
+    return cache_dir("images")
 
 
 @dataclass

@@ -23,7 +23,6 @@ import fcntl
 import hashlib
 import itertools
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -36,6 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from kiln.caches import cache_dir
 from kiln.preprocessing.text import PAD_ID
 
 STORE_VERSION = 2  # bump when the layout or the meaning of a stored entry changes
@@ -44,8 +44,7 @@ ENCODE_BATCH = 4096  # texts per encode_batch call: bounds the tokenizer's per-c
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kiln" / "text"
+    return cache_dir("text")
 
 
 def file_digest(path: Path) -> str:

@@ -62,7 +62,8 @@ from kiln.engine.trainer import (
 from kiln.errors import DiskFullError
 from kiln.guards.input_sizes import EpochPlan
 from kiln.guards.learn_probe import STEPS as LEARN_PROBE_STEPS
-from kiln.guards.probes import ProbePlan, ProbeSubject, probe_batch_sizes
+from kiln.guards.probe_cache import ProbeKey
+from kiln.guards.probes import ProbeBudget, ProbePlan, ProbeSubject, probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import summarize, write_json, write_summary
 from kiln.models import build_model, without_weights
@@ -73,7 +74,9 @@ from kiln.threads import BusyElsewhere
 
 log = logging.getLogger(__name__)
 
-PROBE_BATCH_SIZE = 8  # rule 3's probe: a real batch of at most this many samples
+PROBE_BATCH_SIZE = 8  # the probes' batch: a real batch of at most this many samples
+# ... and of a detector's images, each large and slow to step: the checks need two.
+PROBE_IMAGE_LIST_SIZE = 2
 
 
 def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> DataBundle:
@@ -139,6 +142,7 @@ def build_trainer(
         bundle.spec.task, precision=precision, device=device, dist=dist, **settings
     )
     subject = probe_subject(cfg, bundle, train_loader, model, precision, device, want_aux)
+    plan = probe_plan(cfg, subject.criterion, dist)
     scheduler = build_scheduler(optimizer, cfg.scheduler, planned_steps)
     parts = TrainingParts(
         model=wrapped,
@@ -157,8 +161,9 @@ def build_trainer(
         rewrap=wrap if dist.enabled and freeze.unfreeze_at_epoch is not None else None,
         ema=WeightAverage(model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None,
         data=bundle,
-        probe_plan=probe_plan(cfg, subject.criterion, dist),
+        probe_plan=plan,
         probe_subject=subject,
+        probe_key=probe_key(cfg, subject, plan, device),
         cpu_watch=cpu_watch,
         early_stopping=early_stopping_patience(cfg.trainer.early_stopping, bundle.spec),
     )
@@ -227,13 +232,19 @@ def probe_subject(
     batch_size = cfg.data.batch_size
     plan = epoch_plan(train_loader, cfg)
     sizes = probe_batch_sizes(batch_size, plan.samples if not plan.drop_last else 0)
-    mode_size = min(batch_size, PROBE_BATCH_SIZE)
+    largest = PROBE_IMAGE_LIST_SIZE if bundle.spec.input_kind == "image_list" else PROBE_BATCH_SIZE
+    mode_size = min(batch_size, largest)
     # The data's own extremes, never a sample: the same probes whatever the seed.
     probes = probe_batches(bundle, max([mode_size, *sizes]), batch_size)
     criterion = build_criterion(model, cfg.loss, bundle.spec.multi_label)
 
     def build_fresh(spec) -> torch.nn.Module:  # what rule 1's probes build: no weights to load
         return build_model(spec, without_weights(cfg.model), aux_head=want_aux).to(device)
+
+    def parameter_shapes(spec) -> dict[str, tuple]:  # a build on the meta device: no memory
+        with torch.device("meta"), forked():
+            built = build_model(spec, without_weights(cfg.model), aux_head=want_aux)
+        return {name: tuple(p.shape) for name, p in built.named_parameters()}
 
     def optimizer_for(copy: torch.nn.Module, lr_scale: float) -> torch.optim.Optimizer:
         """The run's optimizer for another model (the learn probe's copy), lr scaled."""
@@ -259,7 +270,38 @@ def probe_subject(
         # Under the run's autocast, as training and evaluation run: a path that breaks only
         # in bf16/fp16 is caught here, not at the first evaluation.
         autocast=precision.autocast,
+        parameter_shapes=parameter_shapes,
     )
+
+
+def probe_key(cfg: KilnConfig, subject: ProbeSubject, plan: ProbePlan, device) -> ProbeKey | None:
+    """What the probes' outcome depends on (kiln.guards.probe_cache): None under
+    trainer.probe_cache=false or where the model's code cannot be read."""
+    if not cfg.trainer.probe_cache:
+        return None
+    from kiln.guards.probe_cache import batch_shapes, digest, fingerprint
+
+    checks = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    for left_out in ("budget", "passed"):  # how much runs now, not what a pass means
+        del checks[left_out]
+    epoch = subject.epoch_plan
+    data = {
+        "spec": {k: v for k, v in subject.spec.to_dict().items() if k != "tokens"},
+        "batch": batch_shapes(subject.batch),
+        "cases": [(label, batch_shapes(batch)) for label, batch in subject.cases],
+        "epoch": dataclasses.asdict(epoch) if epoch is not None else None,
+        "batch_sizes": list(subject.batch_sizes),
+        "mode_batch_size": subject.mode_batch_size,
+        "model": to_plain(cfg.model),
+        "loss": to_plain(cfg.loss),
+        "precision": cfg.precision.name,
+        "channels_last": cfg.trainer.channels_last,
+        "device": device.type,
+    }
+    model = fingerprint(subject.model, subject.criterion, checks, data)
+    if model is None:
+        return None
+    return ProbeKey(model, (("learn probe", digest(to_plain(cfg.optimizer))),))
 
 
 def run_contract(
@@ -294,6 +336,7 @@ def probe_plan(cfg: KilnConfig, criterion, dist: DistInfo) -> ProbePlan:
         learn_steps=LEARN_PROBE_STEPS if t.learn_probe else 0,
         fp16=t.fp16_check or cfg.precision.name == "amp",  # amp is fp16 on CUDA
         conditional_is_fatal=dist.enabled and not is_sharded(t) and not t.find_unused_parameters,
+        budget=ProbeBudget(**dataclasses.asdict(t.probe_budget)),
     )
 
 

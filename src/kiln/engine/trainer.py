@@ -7,6 +7,7 @@ window (device-side sums between log lines)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -42,7 +43,8 @@ from kiln.guards import assert_finite_inputs, check_train_eval_agreement, descri
 from kiln.guards.conditional_params import GradientPresence
 from kiln.guards.devices import diagnose, is_device_mismatch
 from kiln.guards.input_sizes import take
-from kiln.guards.probes import ProbePlan, ProbeReport, ProbeSubject, copy_or_build, run_probe_plan
+from kiln.guards.no_trace import untouched
+from kiln.guards.probes import ProbePlan, ProbeReport, ProbeSubject, probe_model, run_probe_plan
 from kiln.guards.rules import RULE_2
 from kiln.rng import forked, rng_state, set_rng_state
 
@@ -143,6 +145,7 @@ class TrainingParts:
     data: Any = None  # the DataBundle: its test split is evaluated when training ends (run.py)
     probe_plan: ProbePlan = field(default_factory=ProbePlan)  # which checks run before step 1
     probe_subject: ProbeSubject | None = None  # what they run on: model, batches, builders
+    probe_key: Any = None  # kiln.guards.probe_cache.ProbeKey: what a pass was kept under
     cpu_watch: Any = None  # kiln.threads.BusyElsewhere, started with the run: threads=auto
     early_stopping: int | None = None  # trainer.early_stopping resolved: patience in epochs
 
@@ -287,6 +290,7 @@ class Trainer:
         self.last_eval: dict = {}
         self.probe_time_s = 0.0
         self.probe_report = ProbeReport()
+        self.probes_cached: Any = None  # kiln.guards.probe_cache.CachedProbes: passed before
         # Which parameters got gradients, step by step: one used only in some steps is named at
         # once (under DDP without find_unused_parameters the step fails before its collective).
         self.gradient_presence = self.new_gradient_presence()
@@ -455,25 +459,81 @@ class Trainer:
 
     def run_probes(self) -> None:
         """Before the first step: the probe plan (rules 1 and 3, the behaviour checks, the learn
-        probe; kiln.guards.probes), on the run's real samples, leaving no trace on the run."""
+        probe; kiln.guards.probes) within its budget, on the run's real samples and its own
+        model, leaving no trace on the run; what a model passed before is not run again
+        (kiln.guards.probe_cache)."""
         plan, subject = self.parts.probe_plan, self.parts.probe_subject
         self.current_step = self.state.global_step
         if subject is None:
             return
+        self.probes_cached = self.cached_probes()
+        if self.probes_cached is not None:
+            plan = dataclasses.replace(plan, passed=self.probes_cached.passed)
         started = time.perf_counter()
-        self.probe_report = run_probe_plan(plan, subject)
-        self.probe_time_s = time.perf_counter() - started
+        try:
+            self.probe_report = run_probe_plan(plan, subject)
+        finally:
+            self.probe_time_s = time.perf_counter() - started
+        report = self.probe_report
+        self.gradient_presence.zero_to_confirm = list(report.pending_zero)
+        self.remember_probes()
         if self.dist.is_main and plan.anything:
-            shown = ", ".join(f"{k} {v:.2f}" for k, v in self.probe_report.seconds.items())
-            log.info("pre-step probes took %.2f s (%s)", self.probe_time_s, shown)
+            self.say_probes(report)
         if self.flops_per_sample is None and subject.build is not None:
             started, size = time.perf_counter(), subject.mode_batch_size
-            counted = copy_or_build(self.raw_model, subject.build, subject.spec)
-            with forked():  # a detector's forward samples proposals: not the run's numbers
+            counted = probe_model(self.raw_model, subject.build, subject.spec)
+            # forked: a detector's forward samples proposals, not the run's numbers
+            with untouched(counted), forked():
                 self.flops_per_sample = flops_per_sample(
                     counted, self.criterion.forward, take(subject.batch, size), size
                 )
             self.flops_time_s = time.perf_counter() - started
+
+    def cached_probes(self):
+        """What this model passed before (every rank takes the main rank's answer: a rank that
+        reads the cache after the main one wrote it would otherwise skip what the others run)."""
+        from kiln.guards.probe_cache import lookup
+
+        found = lookup(self.parts.probe_key)
+        if self.dist.enabled:
+            shared = [found]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            found = shared[0]
+        return found
+
+    def remember_probes(self) -> None:
+        """What the model passed, kept for its next run (the main rank writes it)."""
+        from kiln.guards.probe_cache import remember
+
+        cached = self.probes_cached.passed if self.probes_cached is not None else frozenset()
+        if self.dist.is_main:
+            remember(self.parts.probe_key, set(cached) | set(self.probe_report.passed),
+                     self.checkpointer.directory.parent)  # fmt: skip
+
+    def say_probes(self, report: ProbeReport) -> None:
+        """One line of what the probes took and cost; one more for what they left out."""
+        cached = self.probes_cached
+        if cached is not None:
+            left = [k for k in report.passed if k not in cached.passed]
+            log.info(
+                "probes: this model passed %s before (%s, %s): not run again%s "
+                "(trainer.probe_cache=false runs them all)",
+                ", ".join(sorted(cached.passed)), cached.date, cached.run_dir,
+                f"; run now: {', '.join(left)}" if left else "",
+            )  # fmt: skip
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in report.seconds.items())
+        log.info("pre-step probes took %.2f s (%s); %s", self.probe_time_s, shown,
+                 report.budget_note)  # fmt: skip
+        if report.skipped or report.learn_reading is not None or report.pending_zero:
+            left_out = [f"{k} (est. {v:.2g} s)" for k, v in report.skipped.items()]
+            moved = ["the learn probe"] if report.learn_reading is not None else []
+            moved += ["dead gradients' second step"] if report.pending_zero else []
+            log.warning(
+                "probe budget: %s%s; trainer.probe_budget.enforce=false runs every check before "
+                'step 1 (docs/antibodies.md, "The probe budget")',
+                f"skipped {', '.join(left_out)}" if left_out else "nothing skipped",
+                f"; {' and '.join(moved)} read the first steps instead" if moved else "",
+            )
 
     def new_gradient_presence(self) -> GradientPresence:
         from kiln.engine.rank_watch import post_failure
@@ -554,6 +614,12 @@ class Trainer:
             self.log_window(result.lr, bar)
         if due:
             self.checkpointer.save("last.pt", self.state_dict())
+        reading = self.probe_report.learn_reading  # the learn probe, moved into the first steps
+        if reading is not None and not reading.done:
+            reading.after_step(s.global_step, s.planned_steps)
+            if reading.done:  # it learns (else the line above raised)
+                self.probe_report.passed.append("learn probe")
+                self.remember_probes()
         if self.preemption.agreed(every_step=not self.dist.enabled or self.should_log()):
             self.log_window(result.lr, bar)
             self.checkpointer.save("last.pt", self.state_dict())

@@ -139,12 +139,17 @@ class GradientPresence:
         self.expected: list[bool] | None = None
         self.first_step = 0
         self.said: set[tuple[str, ...]] = set()
+        # Gradients exactly zero in the probe step, confirmed at the second step when the probe
+        # budget left no room for the probes' own second step (kiln.guards.probes).
+        self.zero_to_confirm: list[str] = []
 
     def check(self, step: int) -> None:
         present = [p.grad is not None for _, p in self.named]
         if self.expected is None:
             self.expected, self.first_step = present, step
             return
+        if self.zero_to_confirm:
+            self.confirm_zero(step)
         if present == self.expected:
             return
         pairs = list(zip(self.named, present, self.expected, strict=True))
@@ -170,6 +175,22 @@ class GradientPresence:
         if key not in self.said:
             self.said.add(key)
             log.warning("%s: parameters used only in some steps: %s. %s", DEAD, varied, DDP_ADVICE)
+
+    def confirm_zero(self, step: int) -> None:
+        """The probe step's exactly-zero gradients, again at `step` (after one optimizer step):
+        those still zero are dead (kiln.guards.live_gradients.judge_zero)."""
+        from kiln.guards.live_gradients import judge_zero, moves
+
+        params = dict(self.named)
+        still = [
+            n
+            for n in self.zero_to_confirm
+            if n in params and (params[n].grad is None or not moves(params[n].grad))
+        ]
+        self.zero_to_confirm = []
+        trainable = [n for n, _ in self.named]
+        when = f"in the probe step before step 1, and again at step {step} of the run"
+        judge_zero(self.model, still, trainable, when)
 
 
 def probe_backward_reached(model: nn.Module) -> frozenset[str]:

@@ -1,6 +1,7 @@
-"""Can it learn (trainer.learn_probe): the "overfit one batch" habit, automatic. On a copy of the
-model and a new optimizer built as the run's (its configured learning rates, no schedule), a few
-steps on one fixed batch must lower that batch's loss. The loss is measured before and after in
+"""Can it learn (trainer.learn_probe): the "overfit one batch" habit, automatic. On the model
+(stepped in place, its weights put back after: kiln.guards.no_trace.weights_kept) and a new
+optimizer built as the run's (its configured learning rates, no schedule), a few steps on one
+fixed batch must lower that batch's loss. The loss is measured before and after in
 train mode with the same random numbers (the same dropout masks), so a change is the steps' own,
 and the steps run in fp32 (no loss scaling to skip one). A loss that does not fall by 0.1% is a
 failure naming what the probe saw: no gradient reaching the weights, dead layers, an update too
@@ -10,7 +11,6 @@ optimizer that overshoots on one batch and comes back has still shown it can low
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.guards.no_trace import KeptWeights, weights_kept
 from kiln.guards.rules import LEARN, ProbeFailure
 from kiln.rng import forked
 
@@ -69,14 +70,21 @@ def seeded_loss(model: nn.Module, criterion, batch: Any, grad: bool) -> torch.Te
 
 
 def learn(
-    model: nn.Module, optimizer: torch.optim.Optimizer, criterion, batch: Any, steps: int = STEPS
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion,
+    batch: Any,
+    steps: int = STEPS,
+    kept: KeptWeights | None = None,
 ) -> LearnResult:
-    """`steps` optimizer steps of `model` (a copy: it is trained) on `batch`. Each step's own
-    forward, seeded alike, measures the loss the previous step left (one more forward measures
-    the last): steps + 1 forwards in all."""
+    """`steps` optimizer steps of `model` (it is trained: the caller keeps its weights) on
+    `batch`. Each step's own forward, seeded alike, measures the loss the previous step left
+    (one more forward measures the last): steps + 1 forwards in all. `kept`: the weights before
+    the first step, on the host (else the first step copies them, for its update's size)."""
     lr = max(float(g["lr"]) for g in optimizer.param_groups)
     losses, update = [], 0.0
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    names = {id(p): name for name, p in model.named_parameters()}
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         loss = seeded_loss(model, criterion, batch, grad=True)
@@ -84,7 +92,13 @@ def learn(
         if not loss.requires_grad or not math.isfinite(losses[-1]):
             break
         loss.backward()
-        before = [p.detach().clone() for p in params] if step == 0 else None
+        before = None
+        if step == 0:
+            before = (
+                [p.detach().clone() for p in params]
+                if kept is None
+                else [kept.saved[names[id(p)]] for p in params]
+            )
         optimizer.step()
         if before is not None:
             update = _update_ratio(params, before)
@@ -99,7 +113,7 @@ def _update_ratio(params: list[torch.Tensor], before: list[torch.Tensor]) -> flo
     """|Δw|/|w| of a step: how far it moved the weights, relative to their size."""
     moved = math.sqrt(
         sum(
-            float((p.detach() - b).float().pow(2).sum())
+            float((p.detach().to(b.device) - b).float().pow(2).sum())
             for p, b in zip(params, before, strict=True)
         )
     )
@@ -115,19 +129,24 @@ def check_can_learn(
     *,
     steps: int = STEPS,
     dead_layers: dict[str, str] | None = None,
-) -> LearnResult:
-    """`model` is a copy to train; `optimizer_for(model, lr_scale)` builds the run's optimizer for
-    it (lr_scale 1: as configured). Raises CannotLearnError."""
-    initial = copy.deepcopy(model.state_dict())
-    result = learn(model, optimizer_for(model, 1.0), criterion, batch, steps)
+) -> None:
+    """`model` is trained in place and put back as it was (weights and buffers, bitwise);
+    `optimizer_for(model, lr_scale)` builds the run's optimizer for it (lr_scale 1: as
+    configured). Raises CannotLearnError."""
+    with weights_kept(model) as initial:
+        _check_can_learn(model, optimizer_for, criterion, batch, steps, dead_layers, initial)
+
+
+def _check_can_learn(model, optimizer_for, criterion, batch, steps, dead_layers, initial) -> None:
+    result = learn(model, optimizer_for(model, 1.0), criterion, batch, steps, initial)
     if result.fell:
-        return result
+        return
     name, n = type(model).__name__, len(batch[0])
     saw = f"{steps} steps on one fixed batch of {n} at lr {result.lr:g}: its loss {result.shown}"
     first, last = result.losses[0], result.losses[-1]
     if not math.isfinite(last) or last > first * (1 + MIN_DROP):
-        model.load_state_dict(initial)
-        tenth = learn(model, optimizer_for(model, 0.1), criterion, batch, steps)
+        initial.restore()
+        tenth = learn(model, optimizer_for(model, 0.1), criterion, batch, steps, initial)
         went = "went non-finite" if not math.isfinite(last) else "rose"
         healthy = result.healthy_lr
         sized = (

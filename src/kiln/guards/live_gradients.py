@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from kiln.errors import first_few
 from kiln.guards.branches import no_gradient_error
@@ -91,32 +92,8 @@ def check_live_gradients(
     zero = [n for n, g in seen.grads.items() if g is not None and not moves(g)]
     if zero and second_step is not None:
         zero = second_step(zero)
-    params = dict(model.named_parameters())
-    trainable = sum(params[n].numel() for n in seen.grads)
-    share = sum(params[n].numel() for n in zero) / max(trainable, 1)
-    if zero and share < FATAL_ZERO_SHARE:
-        log.warning(
-            "%s: %d parameter(s) holding %.2g%% of the trainable values got a gradient that is "
-            "exactly zero in the probe step and after one optimizer step (nothing the loss "
-            "computes on these inputs reaches them): %s",
-            DEAD, len(zero), 100 * share, ", ".join(zero[:8]) + (" ..." if len(zero) > 8 else ""),
-        )  # fmt: skip
-        zero = []
-    if zero:
-        modules = sorted({n.rpartition(".")[0] for n in zero})
-        where = ", ".join(
-            f"{m or '<model>'} ({type(model.get_submodule(m)).__name__})" for m in modules
-        )
-        shown = first_few(zero)
-        raise DeadGradientError(
-            f"{DEAD}: {name}: {len(zero)} trainable parameter(s) got a gradient that is exactly "
-            f"zero in the probe step before step 1, and again after one optimizer step: "
-            f"{shown}, in {where} ({share:.0%} of the trainable values); no step can move "
-            "them (a gradient of zeros is one no loss term reaches: an output multiplied by a "
-            "0 that never learns, a branch through a detached tensor, units that never fire)"
-            + _layers_note(off),
-            module=modules[0],
-        )
+    judge_zero(model, zero, list(seen.grads), "in the probe step before step 1, and again after "
+               "one optimizer step", _layers_note(off))  # fmt: skip
     if off:
         first = next(iter(off))
         raise DeadGradientError(
@@ -131,6 +108,38 @@ def check_live_gradients(
             DEAD, path, detail,
         )  # fmt: skip
     return layers
+
+
+def judge_zero(
+    model: nn.Module, zero: list[str], trainable: list[str], when: str, note: str = ""
+) -> None:
+    """Parameters whose gradient stayed exactly zero `when`: said when they hold under
+    FATAL_ZERO_SHARE of the trainable values, else a DeadGradientError."""
+    if not zero:
+        return
+    params = dict(model.named_parameters())
+    size = sum(params[n].numel() for n in trainable)
+    share = sum(params[n].numel() for n in zero) / max(size, 1)
+    if share < FATAL_ZERO_SHARE:
+        log.warning(
+            "%s: %d parameter(s) holding %.2g%% of the trainable values got a gradient that is "
+            "exactly zero %s (nothing the loss computes on these inputs reaches them): %s",
+            DEAD, len(zero), 100 * share, when,
+            ", ".join(zero[:8]) + (" ..." if len(zero) > 8 else ""),
+        )  # fmt: skip
+        return
+    modules = sorted({n.rpartition(".")[0] for n in zero})
+    where = ", ".join(
+        f"{m or '<model>'} ({type(model.get_submodule(m)).__name__})" for m in modules
+    )
+    raise DeadGradientError(
+        f"{DEAD}: {type(model).__name__}: {len(zero)} trainable parameter(s) got a gradient that "
+        f"is exactly zero {when}: {first_few(zero)}, in {where} ({share:.0%} of the trainable "
+        "values); no step can move them (a gradient of zeros is one no loss term reaches: an "
+        "output multiplied by a 0 that never learns, a branch through a detached tensor, units "
+        "that never fire)" + note,
+        module=modules[0],
+    )
 
 
 def _layers_note(off: dict[str, str]) -> str:

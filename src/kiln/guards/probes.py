@@ -1,18 +1,33 @@
-"""The checks a run makes before its first step, as one plan (ProbePlan), each check its own
-module: rule 1 at other batch and input sizes and at the data's extremes (input_sizes), rule 3
-in train and eval mode (shape_check), logits (outputs), determinism in eval (determinism), batch
-independence (batch_independence), one observed training step on a copy for purity (purity),
-finite values (numerics) and live gradients (live_gradients), parameters used only in some steps
-(conditional_params), the learn probe (learn_probe), the device probe on the meta device
-(devices) and the fp16 probe (fp16). They leave no trace: RNG states, the model's weights,
-buffers, modes and gradients are as before (what must train works on copies), so a resumed run
-still equals an uninterrupted one."""
+"""The checks a run makes before its first step: one table (CHECKS), one runner, one budget.
+
+Each check is one small idea in its own module: rule 1 at other batch and input sizes and at the
+data's extremes (input_sizes), rule 3 in train and eval mode (shape_check), logits (outputs),
+one observed training step (step_probe) read for purity (purity), finite values (numerics), live
+gradients (live_gradients) and parameters used only in some steps (conditional_params),
+determinism in eval (determinism), batch independence (batch_independence), the learn probe
+(learn_probe), the device probe (devices), the fp16 probe (fp16) and rule 2's loss terms
+(branches).
+
+They run on the run's own model, never a copy: every check leaves the weights, buffers, modes,
+gradients and RNG states as it found them (kiln.guards.no_trace), so a resumed run still equals
+an uninterrupted one. The two that must step the weights (the learn probe, and the second step of
+a zero-initialised model) keep the weights on the host meanwhile and put them back bitwise
+(`weights_kept`): the model's memory is never doubled on its device. (A sharded FSDP model, which
+cannot be stepped outside its ranks' collectives, is probed on a new unsharded build.)
+
+The budget (trainer.probe_budget, `ProbeBudget`): the observed step runs first and is timed; each
+other check's cost is estimated in such steps, and the first epoch's time from the step and the
+training batch. The checks then run in the table's order while their estimates fit in a share of
+that epoch (at least `min_s`, at most `max_s`); one that does not fit is skipped and named -- in
+the log and in summary.json, never silently -- except the learn probe, which then reads the first
+real steps instead (kiln.guards.first_steps). The order puts first what catches the most and
+costs the least; a failure is reported in the same order as when every check runs."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -23,10 +38,11 @@ import torch
 from torch import nn
 
 from kiln.guards.input_sizes import EpochPlan, plan_probes, run_size_probe, size_probes, take
-from kiln.guards.no_trace import untouched
+from kiln.guards.no_trace import untouched, weights_kept
 from kiln.guards.numerics import NumericsError
 from kiln.guards.outputs import check_logits
 from kiln.guards.shape_check import check_train_eval_agreement
+from kiln.guards.step_probe import StepObservation, observe_step, restore_batch
 from kiln.guards.tree import copy_batch
 from kiln.models import logits_of
 from kiln.rng import forked
@@ -34,6 +50,40 @@ from kiln.rng import forked
 log = logging.getLogger(__name__)
 
 Forward = Callable[[nn.Module, Any, bool], Any]
+
+# The cost of a forward without grad, in observed steps (a forward and its backward): a backward
+# costs about twice its forward.
+FORWARD = 1 / 3
+
+
+@dataclass(frozen=True)
+class ProbeBudget:
+    """What the checks before step 1 may cost (trainer.probe_budget): `share_of_epoch` of the
+    first epoch's estimated time, at least `min_s` (a small run checks everything), at most
+    `max_s` (None: no cap). `enforce=False`: every check runs, whatever it costs."""
+
+    share_of_epoch: float = 0.02
+    min_s: float = 1.0
+    max_s: float | None = 15.0
+    enforce: bool = True
+
+    def seconds(self, epoch_s: float) -> float:
+        if not self.enforce:
+            return math.inf
+        allowed = max(self.min_s, self.share_of_epoch * epoch_s)
+        return allowed if self.max_s is None else min(allowed, self.max_s)
+
+    def explain(self, epoch_s: float) -> str:
+        """How the budget was set, for the log line."""
+        if not self.enforce:
+            return "no budget (trainer.probe_budget.enforce=false)"
+        share = self.share_of_epoch * epoch_s
+        why = f"{self.share_of_epoch:.0%} of the first epoch's estimated {epoch_s:.3g} s"
+        if share < self.min_s:
+            why = f"trainer.probe_budget.min_s; {why} is less"
+        elif self.max_s is not None and share > self.max_s:
+            why = f"trainer.probe_budget.max_s; {why} is more"
+        return f"budget {self.seconds(epoch_s):.3g} s ({why})"
 
 
 @dataclass(frozen=True)
@@ -47,6 +97,8 @@ class ProbePlan:
     learn_steps: int = 0  # the learn probe's steps (0: off; trainer.learn_probe)
     fp16: bool = False  # the fp16 probe (precision=amp, or trainer.fp16_check)
     conditional_is_fatal: bool = False  # DDP without trainer.find_unused_parameters
+    budget: ProbeBudget = ProbeBudget(enforce=False)  # the model contract checks everything
+    passed: frozenset[str] = frozenset()  # checks this model passed before (the probe cache)
 
     def runs(self, check: str) -> bool:
         return check not in self.skip
@@ -73,16 +125,75 @@ class ProbeSubject:
     optimizer_for: Callable[[nn.Module, float], torch.optim.Optimizer] | None = None
     flag_for_unused: Callable[[list[str]], str | None] | None = None
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    # The shapes of the parameters a model built for a spec has (a build on the meta device):
+    # where they equal the run's model's, rule 1's second input size runs on the run's model.
+    parameter_shapes: Callable[[Any], dict[str, tuple]] | None = None
 
 
 @dataclass
 class ProbeReport:
     seconds: dict[str, float] = field(default_factory=dict)  # per check, in the order run
     mostly_dead: dict[str, str] = field(default_factory=dict)  # ReLU layers mostly off
+    skipped: dict[str, float] = field(default_factory=dict)  # check -> its estimate (s)
+    passed: list[str] = field(default_factory=list)  # the checks that ran and passed
+    budget_s: float | None = None
+    epoch_estimate_s: float | None = None
+    budget_note: str = ""  # how the budget was set
+    learn_reading: Any = None  # kiln.guards.first_steps.LearnReading: the learn probe, deferred
+    pending_zero: list[str] = field(default_factory=list)  # zero gradients to confirm at step 2
 
     @property
     def total_s(self) -> float:
         return sum(self.seconds.values())
+
+
+@dataclass
+class Probe:
+    """One run of the plan: the subject, the batch the checks share, and the observed step."""
+
+    plan: ProbePlan
+    subject: ProbeSubject
+    batch: Any  # the mode batch: every check that takes "a real batch" takes this one
+    report: ProbeReport
+    seen: StepObservation | None = None
+    step_error: BaseException | None = None  # the observed step's forward or loss raised
+    step_changes: list[str] = field(default_factory=list)  # what the step changed in its batch
+    step_s: float = 0.0  # seconds of the observed step: the unit of every estimate
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def spent_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def fits(self, seconds: float) -> bool:
+        """Whether `seconds` more stay within the budget."""
+        budget = self.report.budget_s
+        return budget is None or self.spent_s + seconds <= budget
+
+    @property
+    def model(self) -> nn.Module:
+        return self.subject.model
+
+    @property
+    def forward(self) -> Forward:
+        return self.subject.criterion.forward
+
+    @property
+    def size(self) -> int:
+        return len(self.batch[0])
+
+
+@dataclass(frozen=True)
+class Check:
+    """One entry of the table: its name (the log's, summary.json's probe_times_s), whether the
+    plan asks for it, its cost in observed steps, and what it does."""
+
+    name: str
+    wanted: Callable[[Probe], bool]
+    cost: Callable[[Probe], float]
+    run: Callable[[Probe], None]
+    required: Callable[[Probe], bool] = lambda probe: False  # never left out by the budget
+    under_autocast: bool = True  # the run's autocast, as training runs it
 
 
 def classifier_output_problems(model: nn.Module, output: Any, size: int, spec: Any) -> list[str]:
@@ -103,14 +214,18 @@ def classifier_output_problems(model: nn.Module, output: Any, size: int, spec: A
     return problems
 
 
-def copy_or_build(model: nn.Module, build: Callable[[Any], nn.Module], spec: Any) -> nn.Module:
-    """A throw-away model to probe: a copy, or (for a sharded FSDP model, which cannot be
-    copied) a new unsharded build of the same architecture."""
+def is_sharded(model: nn.Module) -> bool:
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
-    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
-        with forked():  # initialising weights draws random numbers: not ours
-            return build(spec)
-    return copy.deepcopy(model)
+    return fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
+
+
+def probe_model(model: nn.Module, build: Callable[[Any], nn.Module] | None, spec: Any):
+    """The model a check runs on: the run's own, or for a sharded FSDP model (whose forward
+    and step are its ranks' collectives) a new unsharded build of the same architecture."""
+    if build is None or not is_sharded(model):
+        return model
+    with forked():  # initialising weights draws random numbers: not ours
+        return build(spec)
 
 
 def probe_batch_sizes(batch_size: int, samples_per_rank: int) -> list[int]:
@@ -120,167 +235,76 @@ def probe_batch_sizes(batch_size: int, samples_per_rank: int) -> list[int]:
     return sorted(n for n in sizes if 0 < n < batch_size)
 
 
+# ------------------------------------------------------------------------------------ runner
+
+
 def run_probe_plan(plan: ProbePlan, subject: ProbeSubject) -> ProbeReport:
-    """Runs the plan's checks in order; raises the first check's error (a ProbeFailure naming
-    its check and module). Returns the seconds each took."""
+    """Runs the table's checks the plan asks for, in order, within its budget; raises the
+    first check's error (a ProbeFailure naming its check and module). Returns what each took,
+    what the budget left out, and what the first real steps must still read."""
     report = ProbeReport()
-    model, forward = subject.model, subject.criterion.forward
-    mode_batch = take(subject.batch, subject.mode_batch_size)
-    with untouched(model):
-        with _timed(report, "rule 1"), subject.autocast():
-            if plan.sizes and subject.build is not None:
-                _rule1(plan, subject, mode_batch)
-        with _timed(report, "rule 3"), subject.autocast():
-            if plan.modes:
-                check_train_eval_agreement(model, mode_batch, forward, finite=plan.runs("numerics"))
-            if plan.logits and (plan.sizes or plan.modes):
-                check_logits(model, mode_batch, forward)
-        _behaviour(plan, subject, mode_batch, report)
-        with _timed(report, "loss terms"), subject.autocast():  # last, as the first step's was
-            _terms_reach_the_model(subject, mode_batch)
+    probe = Probe(plan, subject, take(subject.batch, subject.mode_batch_size), report)
+    due = [c for c in CHECKS if c.name not in plan.passed and c.wanted(probe)]
+    with untouched(subject.model):
+        if due:
+            backward = any(c.name in NEEDS_A_STEP for c in due)
+            with _timed(report, "step probe" if backward else "loss terms"), subject.autocast():
+                _observe(probe, backward)
+        probe.step_s = probe.spent_s
+        _set_budget(probe)
+        for check in due:
+            units = check.cost(probe)
+            estimate = units * probe.step_s
+            if units and not probe.fits(estimate) and not check.required(probe):
+                _leave_out(probe, check, estimate)
+                continue
+            autocast = subject.autocast() if check.under_autocast else contextlib.nullcontext()
+            with _timed(report, check.name), autocast, untouched(subject.model):
+                check.run(probe)
+            report.passed.append(check.name)
+            _learn_rate(probe, units, report.seconds.get(check.name, 0.0))
     return report
 
 
-def _terms_reach_the_model(subject: ProbeSubject, batch: Any) -> None:
-    """Rule 2 in every run: each term of the loss a training step computes needs a gradient (a
-    throwaway train-mode forward on a copy, with grad, as the first step's)."""
-    from kiln.guards.branches import check_terms_reach_the_model
-
-    scratch = copy_or_build(subject.model, subject.build, subject.spec)
-    scratch.train()
-    _, terms = subject.criterion(scratch, copy_batch(batch))
-    check_terms_reach_the_model(terms)
+# The checks that read the observed step, or whose cost is estimated in such steps: with none of
+# them due, the step is a forward only (for rule 2's loss terms) and nothing is estimated.
+NEEDS_A_STEP = {"rule 1", "rule 3", "purity", "numerics", "dead gradients", "learn probe"}
 
 
-def _rule1(plan: ProbePlan, subject: ProbeSubject, mode_batch: Any) -> None:
-    batch_sizes, epoch = subject.batch_sizes, subject.epoch_plan
-    if epoch is not None and epoch.last_batch == 1:  # probed in train mode below
-        batch_sizes = [n for n in batch_sizes if n != 1]
-    # The data's extremes first: a failure there is named by the extreme it met.
-    fixed = getattr(subject.model, "fixed_input_size", False)
-    probes = plan_probes(epoch, subject.batch, subject.spec, subject.cases)
-    probes += size_probes(subject.batch, subject.spec, batch_sizes, fixed_input_size=fixed)
-    for probe in probes:
-        # Another batch size runs a copy of the model; another input size a new build.
-        subject_model = (
-            subject.build(probe.spec)
-            if probe.new_size
-            else copy_or_build(subject.model, subject.build, subject.spec)
-        )
-        try:
-            run_size_probe(
-                subject_model,
-                probe,
-                subject.criterion.forward,
-                classifier_output_problems,
-                finite=plan.runs("numerics"),
-            )
-        except NumericsError as err:
-            # NaN at a smaller batch where the training batch is finite: statistics over the
-            # batch (a std of one sample) are the cause to name, when they are.
-            if len(probe.batch[0]) < len(mode_batch[0]) and plan.runs("batch dependence"):
-                from kiln.guards.batch_independence import check_batch_independence
-
-                with subject.autocast():
-                    check_batch_independence(subject.model, mode_batch, subject.criterion.forward)
-            raise err
+def _set_budget(probe: Probe) -> None:
+    """The first epoch's time, estimated from the observed step at the training batch size,
+    and the budget it sets."""
+    report, epoch, budget = probe.report, probe.subject.epoch_plan, probe.plan.budget
+    if epoch is not None and probe.size:  # per sample, times the epoch's samples
+        report.epoch_estimate_s = probe.step_s / probe.size * epoch.samples
+    estimate = report.epoch_estimate_s or 0.0
+    report.budget_s = budget.seconds(estimate)
+    report.budget_note = budget.explain(estimate)
 
 
-def _behaviour(plan: ProbePlan, subject: ProbeSubject, batch: Any, report: ProbeReport) -> None:
-    """The behaviour checks, cheapest first; the ones that train or move weights on a copy."""
-    from kiln.guards.batch_independence import check_batch_independence
-    from kiln.guards.determinism import check_eval_determinism
-
-    model, forward = subject.model, subject.criterion.forward
-    step_checks = ("purity", "numerics", "dead gradients")
-    scratch = None
-    if any(plan.runs(c) for c in step_checks) or plan.learn_steps:
-        scratch = copy_or_build(model, subject.build, subject.spec)
-        with _timed(report, "step probe"), subject.autocast():  # first: a batch it changes
-            _observed_step(plan, subject, scratch, batch, report)  # would mislead the others
-    with _timed(report, "determinism"), subject.autocast():
-        if plan.runs("determinism"):
-            check_eval_determinism(model, batch, forward)
-    with _timed(report, "batch dependence"), subject.autocast():
-        if plan.runs("batch dependence"):
-            check_batch_independence(model, batch, forward)
-    if plan.learn_steps and subject.optimizer_for is not None:
-        from kiln.guards.learn_probe import check_can_learn
-
-        with _timed(report, "learn probe"):  # fp32: no loss scaling to skip a step
-            check_can_learn(
-                scratch,
-                subject.optimizer_for,
-                subject.criterion,
-                batch,
-                steps=plan.learn_steps,
-                dead_layers=report.mostly_dead,
-            )
-    if plan.runs("device"):
-        from kiln.guards.devices import check_devices_follow
-
-        with _timed(report, "device"):
-            check_devices_follow(model, batch, forward)
-    if plan.fp16:
-        from kiln.guards.fp16 import check_fp16
-
-        with _timed(report, "fp16"):
-            check_fp16(model, batch, forward)
+def _learn_rate(probe: Probe, units: float, seconds: float) -> None:
+    """The observed step ran first and cold (the first call of every kernel, the first touch of
+    its memory): a check that ran warm tells the cost of a step better. The step's cost, the
+    epoch's estimate and the budget follow the cheapest rate seen."""
+    if units >= 0.5 and 0 < seconds / units < probe.step_s:
+        probe.step_s = seconds / units
+        _set_budget(probe)
 
 
-def _observed_step(
-    plan: ProbePlan, subject: ProbeSubject, scratch: nn.Module, batch: Any, report: ProbeReport
-) -> None:
-    from kiln.guards.conditional_params import (
-        conditional_error,
-        find_conditional_parameters,
-        probe_backward_reached,
-    )
-    from kiln.guards.live_gradients import check_live_gradients, still_zero
-    from kiln.guards.numerics import check_finite
-    from kiln.guards.purity import check_purity
-    from kiln.guards.step_probe import observe_step, restore_batch
+def _leave_out(probe: Probe, check: Check, estimate: float) -> None:
+    """A check the budget has no room for: the learn probe moves into the first real steps;
+    the others are named (log and summary.json)."""
+    if check.name == "learn probe":
+        from kiln.guards.first_steps import LearnReading
 
-    criterion, forward = subject.criterion, subject.criterion.forward
-    fresh = lambda: copy_batch(batch)  # noqa: E731
-    seen = observe_step(scratch, criterion, fresh())
-    try:
-        if plan.runs("purity"):
-            check_purity(seen, criterion, forward, fresh=fresh)
-    finally:
-        restore_batch(seen)
-    if plan.runs("numerics") and seen.loss is not None:
-        check_finite(
-            scratch, seen.loss, probe="the probe step's loss (train mode, with grad)",
-            batch=seen.batch, rerun=lambda: criterion(scratch, seen.batch),
-        )  # fmt: skip
-    if plan.runs("dead gradients"):
-        # Parameters some samples reach and others not first: under DDP that is fatal, and one
-        # that the whole batch leaves without a gradient is then no unused branch (rule 2).
-        whole = probe_backward_reached(scratch)
-        varied = find_conditional_parameters(scratch, criterion, seen.batch, whole)
-        if varied is not None:
-            first = next(iter(sorted(varied[1])), "")
-            error = conditional_error(scratch, varied[0], first.rpartition(".")[0])
-            if plan.conditional_is_fatal:
-                raise error
-            log.warning("%s", error)
-        # The probe step's gradients again: the second step breaks a zero initialisation's tie.
-        for name, p in scratch.named_parameters():
-            p.grad = seen.grads.get(name)
-        optimizer = (
-            subject.optimizer_for(scratch, 1.0)
-            if subject.optimizer_for is not None
-            else torch.optim.SGD([p for p in scratch.parameters() if p.requires_grad], lr=0.1)
-        )
-        report.mostly_dead = check_live_gradients(
-            seen,
-            subject.flag_for_unused,
-            used_sometimes=varied[1] if varied else frozenset(),
-            second_step=lambda zero: still_zero(seen, zero, optimizer, criterion),
-        )
-    for p in scratch.parameters():
-        p.grad = None
+        subject = probe.subject
+        with _timed(probe.report, "learn probe (reference loss)"), untouched(probe.model):
+            probe.report.learn_reading = LearnReading.start(
+                probe.model, subject.criterion, probe.batch, subject.optimizer_for,
+                steps=probe.plan.learn_steps, dead_layers=probe.report.mostly_dead,
+            )  # fmt: skip
+        return
+    probe.report.skipped[check.name] = estimate
 
 
 @contextlib.contextmanager
@@ -292,3 +316,366 @@ def _timed(report: ProbeReport, check: str) -> Iterator[None]:
         elapsed = time.perf_counter() - started
         if elapsed > 1e-4:
             report.seconds[check] = report.seconds.get(check, 0.0) + elapsed
+
+
+# ---------------------------------------------------------------------- the observed step
+
+
+def _observe(probe: Probe, backward: bool) -> None:
+    """One training step's forward, loss and (`backward`) backward on the probe batch (train
+    mode, seeded as the learn probe's first forward), observed; its verdicts come at their
+    checks. Its gradients are kept aside; the model's own are put back."""
+    from kiln.guards.learn_probe import MEASURE_SEED
+
+    subject = probe.subject
+    model = probe_model(subject.model, subject.build, subject.spec)
+    batch = copy_batch(probe.batch)
+    with untouched(model), forked(seed=MEASURE_SEED):
+        try:
+            probe.seen = observe_step(model, subject.criterion, batch, backward=backward)
+        except Exception as err:  # noqa: BLE001 -- raised at its check, after rules 1 and 3
+            probe.step_error = err
+    if probe.seen is not None:  # a model that changed its batch must not change the rest
+        from kiln.guards.purity import changed
+
+        probe.step_changes = changed(probe.seen.batch, probe.seen.before)
+        restore_batch(probe.seen)
+
+
+def _step_seen(probe: Probe) -> StepObservation:
+    """The observed step, for a check that reads it; its own error where it could not run."""
+    if probe.step_error is not None:
+        raise probe.step_error
+    assert probe.seen is not None
+    return probe.seen
+
+
+# --------------------------------------------------------------------------------- checks
+
+
+def _rule1_probes(probe: Probe, new_size: bool) -> list:
+    subject = probe.subject
+    batch_sizes, epoch = subject.batch_sizes, subject.epoch_plan
+    if epoch is not None and epoch.last_batch == 1:  # probed in train mode below
+        batch_sizes = [n for n in batch_sizes if n != 1]
+    fixed = getattr(subject.model, "fixed_input_size", False)
+    # The data's extremes first: a failure there is named by the extreme it met.
+    probes = plan_probes(epoch, subject.batch, subject.spec, subject.cases)
+    probes += size_probes(subject.batch, subject.spec, batch_sizes, fixed_input_size=fixed)
+    return [p for p in probes if p.new_size == new_size]
+
+
+def _rule1_cost(probe: Probe, new_size: bool) -> float:
+    cost = 0.0
+    for size_probe in _rule1_probes(probe, new_size):
+        share = len(size_probe.batch[0]) / max(probe.size, 1)
+        grad = size_probe.new_size or size_probe.backward
+        cost += share * (1.0 if grad else FORWARD)
+    if new_size:
+        cost *= 2.25  # a second size 1.5x the side: 2.25x the pixels (and perhaps a build)
+    return cost
+
+
+def _run_rule1(probe: Probe, new_size: bool) -> None:
+    subject, plan = probe.subject, probe.plan
+    for size_probe in _rule1_probes(probe, new_size):
+        model = _model_for(probe, size_probe.spec) if size_probe.new_size else None
+        model = model or probe_model(subject.model, subject.build, subject.spec)
+        try:
+            with untouched(model):
+                run_size_probe(
+                    model,
+                    size_probe,
+                    subject.criterion.forward,
+                    classifier_output_problems,
+                    finite=plan.runs("numerics"),
+                )
+        except NumericsError as err:
+            # NaN at a smaller batch where the training batch is finite: statistics over the
+            # batch (a std of one sample) are the cause to name, when they are.
+            if len(size_probe.batch[0]) < probe.size and plan.runs("batch dependence"):
+                from kiln.guards.batch_independence import check_batch_independence
+
+                check_batch_independence(subject.model, probe.batch, subject.criterion.forward)
+            raise err
+
+
+def _model_for(probe: Probe, spec: Any) -> nn.Module:
+    """The model for another input size: the run's own where a build for that spec has the
+    same parameters (on the meta device: nothing allocated), else a new build."""
+    subject = probe.subject
+    if spec == subject.spec or subject.build is None:
+        return subject.model
+    if subject.parameter_shapes is not None:
+        own = {name: tuple(p.shape) for name, p in subject.model.named_parameters()}
+        try:
+            same = subject.parameter_shapes(spec) == own
+        except Exception:  # noqa: BLE001 -- a builder the meta device cannot run: build it
+            same = False
+        if same and not is_sharded(subject.model):
+            return subject.model
+    with forked():  # initialising weights draws random numbers: not ours
+        return subject.build(spec)
+
+
+def _run_rule3(probe: Probe) -> None:
+    plan = probe.plan
+    if plan.modes:
+        check_train_eval_agreement(
+            probe.model, probe.batch, probe.forward, finite=plan.runs("numerics")
+        )
+    if plan.logits:
+        check_logits(probe.model, probe.batch, probe.forward)
+
+
+def _run_purity(probe: Probe) -> None:
+    from kiln.guards.purity import check_purity
+
+    seen = _step_seen(probe)
+    check_purity(
+        seen,
+        probe.subject.criterion,
+        probe.forward,
+        fresh=lambda: copy_batch(seen.batch),
+        step_changes=probe.step_changes,
+    )
+
+
+def _run_numerics(probe: Probe) -> None:
+    from kiln.guards.numerics import check_finite
+
+    seen, criterion = _step_seen(probe), probe.subject.criterion
+    if seen.loss is not None:
+        check_finite(
+            seen.model, seen.loss, probe="the probe step's loss (train mode, with grad)",
+            batch=seen.batch, rerun=lambda: criterion(seen.model, seen.batch),
+        )  # fmt: skip
+
+
+def _dead_gradients_cost(probe: Probe) -> float:
+    """Parameters used by some samples only (each sample alone: a backward each), and a second
+    step when some gradient is exactly zero (a zero-initialised branch)."""
+    from kiln.guards.conditional_params import SAMPLES
+    from kiln.guards.live_gradients import moves
+
+    cost = min(probe.size, SAMPLES) / max(probe.size, 1) * 1.5  # small batches cost more each
+    seen = probe.seen
+    if seen is not None and any(g is not None and not moves(g) for g in seen.grads.values()):
+        cost += 2.0  # an optimizer step and another forward and backward
+    return cost
+
+
+def _run_dead_gradients(probe: Probe) -> None:
+    from kiln.guards.conditional_params import (
+        conditional_error,
+        find_conditional_parameters,
+        probe_backward_reached,
+    )
+    from kiln.guards.live_gradients import check_live_gradients
+
+    seen, subject, plan = _step_seen(probe), probe.subject, probe.plan
+    model, criterion = seen.model, subject.criterion
+    # Parameters some samples reach and others not first: under DDP that is fatal, and one
+    # that the whole batch leaves without a gradient is then no unused branch (rule 2).
+    with _grads_of(seen):
+        whole = probe_backward_reached(model)
+    varied = find_conditional_parameters(model, criterion, seen.batch, whole)
+    if varied is not None:
+        first = next(iter(sorted(varied[1])), "")
+        error = conditional_error(model, varied[0], first.rpartition(".")[0])
+        if plan.conditional_is_fatal:
+            raise error
+        log.warning("%s", error)
+    probe.report.mostly_dead = check_live_gradients(
+        seen,
+        subject.flag_for_unused,
+        used_sometimes=varied[1] if varied else frozenset(),
+        second_step=lambda zero: _second_step(probe, zero),
+    )
+
+
+def _second_step(probe: Probe, zero: list[str]) -> list[str]:
+    """The zero-gradient parameters still at zero after one optimizer step from the probe
+    step's gradients (kiln.guards.live_gradients.still_zero), stepped in place with the weights
+    kept on the host. Where the budget has no room for it, step 2 of the run confirms them
+    instead (the trainer's GradientPresence reads its real gradients)."""
+    from kiln.guards.live_gradients import still_zero
+
+    if not probe.fits(2.0 * probe.step_s):
+        probe.report.pending_zero = list(zero)
+        return []
+    seen, subject = probe.seen, probe.subject
+    model = seen.model
+    with untouched(model), weights_kept(model), _grads_of(seen):
+        optimizer = (
+            subject.optimizer_for(model, 1.0)
+            if subject.optimizer_for is not None
+            else torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        )
+        return still_zero(seen, zero, optimizer, subject.criterion)
+
+
+@contextlib.contextmanager
+def _grads_of(seen: StepObservation) -> Iterator[None]:
+    """The observed step's gradients on the model's parameters for the block."""
+    params = list(seen.model.named_parameters())
+    saved = [p.grad for _, p in params]
+    for name, p in params:
+        p.grad = seen.grads.get(name)
+    try:
+        yield
+    finally:
+        for (_, p), grad in zip(params, saved, strict=True):
+            p.grad = grad
+
+
+def _run_determinism(probe: Probe) -> None:
+    from kiln.guards.determinism import check_eval_determinism
+
+    check_eval_determinism(probe.model, probe.batch, probe.forward)
+
+
+def _run_batch_dependence(probe: Probe) -> None:
+    from kiln.guards.batch_independence import check_batch_independence
+
+    check_batch_independence(probe.model, probe.batch, probe.forward)
+
+
+def _batch_dependence_cost(probe: Probe) -> float:
+    from kiln.guards.batch_independence import LOCATE_SAMPLES
+
+    if probe.size < 2 or isinstance(probe.batch[0], list):
+        return 0.0
+    alone = 2 / probe.size * FORWARD
+    leak = min(probe.size, LOCATE_SAMPLES) / probe.size  # the train-mode backward
+    return 2 * FORWARD + alone + leak
+
+
+def _run_learn(probe: Probe) -> None:
+    from kiln.guards.learn_probe import check_can_learn
+
+    subject = probe.subject
+    check_can_learn(  # in place: it keeps the weights on the host and puts them back
+        probe_model(subject.model, subject.build, subject.spec),
+        subject.optimizer_for,
+        subject.criterion,
+        probe.batch,
+        steps=probe.plan.learn_steps,
+        dead_layers=probe.report.mostly_dead,
+    )
+
+
+def _run_device(probe: Probe) -> None:
+    from kiln.guards.devices import check_devices_follow
+
+    check_devices_follow(probe.model, probe.batch, probe.forward)
+
+
+def _run_fp16(probe: Probe) -> None:
+    from kiln.guards.fp16 import check_fp16
+
+    check_fp16(probe.model, probe.batch, probe.forward)
+
+
+def _run_loss_terms(probe: Probe) -> None:
+    """Rule 2 in every run: each term of the loss a training step computes needs a gradient
+    (the observed step's terms, as the first step computes them)."""
+    from kiln.guards.branches import check_terms_reach_the_model
+
+    check_terms_reach_the_model(_step_seen(probe).terms)
+
+
+def _behaviour(name: str) -> Callable[[Probe], bool]:
+    return lambda probe: probe.plan.runs(name)
+
+
+def _fatal_conditionals(probe: Probe) -> bool:
+    return probe.plan.conditional_is_fatal  # DDP fails at step 2 without this check
+
+
+# The order is the order of the findings: rule 1 at the data's extremes and other batch sizes
+# first (a failure there is named by the case it met), the observed step's verdicts next, the
+# checks that cost more later.
+CHECKS: tuple[Check, ...] = (
+    Check(
+        "rule 1",
+        wanted=lambda p: p.plan.sizes and p.subject.build is not None,
+        cost=lambda p: _rule1_cost(p, new_size=False),
+        run=lambda p: _run_rule1(p, new_size=False),
+    ),
+    Check(
+        "rule 1 input size",
+        wanted=lambda p: p.plan.sizes and p.subject.build is not None,
+        cost=lambda p: _rule1_cost(p, new_size=True),
+        run=lambda p: _run_rule1(p, new_size=True),
+    ),
+    Check(
+        "rule 3",
+        wanted=lambda p: p.plan.modes or p.plan.logits and p.plan.sizes,
+        cost=lambda p: 3 * FORWARD,  # train, eval, and logits' eval forward
+        run=_run_rule3,
+    ),
+    Check("purity", _behaviour("purity"), cost=lambda p: FORWARD, run=_run_purity),
+    Check("numerics", _behaviour("numerics"), cost=lambda p: 0.0, run=_run_numerics),
+    Check(
+        "dead gradients",
+        _behaviour("dead gradients"),
+        cost=_dead_gradients_cost,
+        run=_run_dead_gradients,
+        required=_fatal_conditionals,
+    ),
+    Check(
+        "determinism",
+        _behaviour("determinism"),
+        cost=lambda p: 3 * FORWARD + FORWARD / max(p.size, 1),
+        run=_run_determinism,
+    ),
+    Check(
+        "batch dependence",
+        _behaviour("batch dependence"),
+        cost=_batch_dependence_cost,
+        run=_run_batch_dependence,
+    ),
+    Check(
+        "learn probe",
+        wanted=lambda p: p.plan.learn_steps > 0 and p.subject.optimizer_for is not None,
+        cost=lambda p: 2.0 * p.plan.learn_steps + FORWARD,
+        run=_run_learn,
+        under_autocast=False,  # fp32: no loss scaling to skip a step
+    ),
+    Check(
+        "device",
+        _behaviour("device"),
+        cost=lambda p: 3 * FORWARD,  # a traced forward: Python's work on every op
+        run=_run_device,
+        under_autocast=False,  # what a GPU run meets at its first step, in any precision
+    ),
+    Check(
+        "fp16",
+        lambda p: p.plan.fp16,
+        cost=lambda p: 3 * FORWARD,
+        run=_run_fp16,
+        under_autocast=False,  # under fp16's own autocast
+    ),
+    Check("loss terms", lambda p: True, cost=lambda p: 0.0, run=_run_loss_terms),
+)
+
+
+def check_names() -> list[str]:
+    """The table's checks, in the order they run (docs/antibodies.md lists them)."""
+    return [check.name for check in CHECKS]
+
+
+__all__ = [
+    "CHECKS",
+    "Check",
+    "ProbeBudget",
+    "ProbePlan",
+    "ProbeReport",
+    "ProbeSubject",
+    "check_names",
+    "classifier_output_problems",
+    "probe_batch_sizes",
+    "probe_model",
+    "run_probe_plan",
+]

@@ -53,12 +53,19 @@ def changed(batch: Any, before: list[tuple[str, torch.Tensor]]) -> list[str]:
 
 
 def check_purity(
-    seen: StepObservation, criterion, forward: Forward, *, fresh: Callable[[], Any]
+    seen: StepObservation,
+    criterion,
+    forward: Forward,
+    *,
+    fresh: Callable[[], Any],
+    step_changes: list[str] | None = None,
 ) -> None:
     """`seen` is the probe step; `fresh()` gives an unchanged copy of its batch (for naming the
-    module and for the eval-mode forward). Raises ImpureForwardError."""
+    module and for the eval-mode forward); `step_changes`: what the step changed, where its batch
+    was put back since (`changed`). Raises ImpureForwardError."""
     model = seen.model
-    step_changes = changed(seen.batch, seen.before)
+    if step_changes is None:
+        step_changes = changed(seen.batch, seen.before)
     if step_changes:
         where = _first_call_that_changes(model, fresh(), lambda m, b: criterion(m, b), True)
         raise _impure(model, "a training step's forward and loss (train mode)", step_changes, where)

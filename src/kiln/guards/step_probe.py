@@ -1,5 +1,5 @@
-"""One training step's forward, loss and backward on a copy of the model, observed: what the
-purity, numerics and live-gradient checks read (one step, not one per check). The batch is
+"""One training step's forward, loss and backward, observed: what the purity, numerics and
+live-gradient checks read (one step, not one per check). The batch is
 copied before and compared after; every ReLU's units are watched; the gradients are kept."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Units:
 
 @dataclass
 class StepObservation:
-    model: nn.Module  # the copy that ran the step
+    model: nn.Module  # the model that ran the step
     batch: Any  # the batch, as the step left it
     before: list[tuple[str, torch.Tensor]]  # its tensors, copied before the step
     loss: torch.Tensor | None = None
@@ -46,10 +46,11 @@ def copied_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def observe_step(
-    model: nn.Module, criterion: Callable[[nn.Module, Any], tuple], batch: Any
+    model: nn.Module, criterion: Callable[[nn.Module, Any], tuple], batch: Any, backward=True
 ) -> StepObservation:
-    """`model` is a copy (its gradients, statistics and RNG use are the probe's own); the caller
-    holds the run's autocast. Returns what the step did."""
+    """`model`'s gradients, statistics and RNG use are the probe's own: the caller puts them back
+    (kiln.guards.no_trace.untouched) and holds the run's autocast. Without `backward`, the forward
+    and loss only. Returns what the step did."""
     seen = StepObservation(model=model, batch=batch, before=copied_tensors(batch))
     handles = [
         m.register_forward_hook(_watch(path, seen.units))
@@ -64,6 +65,8 @@ def observe_step(
     finally:
         for handle in handles:
             handle.remove()
+    if not backward:
+        return seen
     try:
         seen.loss.backward()
     except RuntimeError as err:  # "element 0 of tensors does not require grad": detached

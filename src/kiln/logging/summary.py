@@ -45,12 +45,26 @@ def summarize(trainer, final: dict[str, Any], *, status: str, error: str | None)
         "scaler_skipped": s.scaler_skipped if s else 0,
         "probe_time_s": trainer.probe_time_s if trainer else None,  # the probes before step 1
         "probe_times_s": dict(trainer.probe_report.seconds) if trainer else {},  # per check
+        **(_probe_budget(trainer) if trainer else {}),
         "threads": trainer.threads if trainer else None,  # torch's intra-op threads
         "num_workers": getattr(trainer.train_loader, "num_workers", None) if trainer else None,
         "model_flops_per_sample": trainer.flops_per_sample if trainer else None,
         **(trainer.utilisation(trainer.samples_per_s) if trainer else {}),
         "train_time_s": s.step_time_s if s else None,
         "error": error,
+    }
+
+
+def _probe_budget(trainer) -> dict:
+    """What the probe budget allowed and left out, and what a cached pass spared."""
+    report, cached = trainer.probe_report, trainer.probes_cached
+    return {
+        "probe_budget_s": report.budget_s,  # null: no probes ran
+        "probe_epoch_estimate_s": report.epoch_estimate_s,
+        "probe_skipped": dict(report.skipped),  # check -> its estimated seconds
+        "probe_first_steps": (["learn probe"] if report.learn_reading is not None else [])
+        + (["dead gradients (second step)"] if report.pending_zero else []),
+        "probe_cached": sorted(cached.passed) if cached is not None else [],  # passed before
     }
 
 
