@@ -94,6 +94,15 @@ SUBPROCESS_ENV = {
 }
 
 
+# Every check before step 1 off (rule 2's loss terms stay: a forward without backward).
+PROBES_OFF = (
+    "trainer.probe_sizes=false",
+    "trainer.shape_check=false",
+    "trainer.learn_probe=false",
+    "trainer.skip_checks=[batch_dependence,determinism,purity,numerics,dead_gradients,device]",
+)
+
+
 def compose_config(*overrides: str):
     """The typed config `python train.py <overrides>` would run (kiln.config.load_config)."""
     return load_config(list(overrides))

@@ -62,7 +62,7 @@ from kiln.models import build_model
 from kiln.registry import MODELS, compatible_pairs, dataset_provides, model_inputs
 
 from .broken_models import BROKEN, TWINS, Broken, Twin
-from .conftest import compose_config, train_in_process
+from .conftest import PROBES_OFF, compose_config, train_in_process
 from .image_folder_helpers import EXAMPLES
 from .test_engine import make_trainer
 
@@ -517,14 +517,6 @@ def test_each_correct_twin_passes_the_check_its_broken_model_fails(twin, twin_re
     criterion = build_criterion(build(bundle.spec), cfg.loss)
     extra = {"cfg": cfg} if as_broken.check in ("behaviour", "fp16") else {}
     CHECKS[as_broken.check](build, criterion, bundle, **extra)
-
-
-PROBES_OFF = (
-    "trainer.probe_sizes=false",
-    "trainer.shape_check=false",
-    "trainer.learn_probe=false",
-    "trainer.skip_checks=[batch_dependence,determinism,purity,numerics,dead_gradients,device]",
-)
 
 
 @pytest.mark.parametrize("twin", TWINS, ids=[t.name for t in TWINS])

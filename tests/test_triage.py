@@ -25,7 +25,7 @@ from kiln.registry import DATASETS, MODELS
 from kiln.triage import triage
 
 from .broken_models import BROKEN
-from .conftest import SUBPROCESS_ENV, compose_config, read_summary
+from .conftest import PROBES_OFF, SUBPROCESS_ENV, compose_config, read_summary
 
 QUIET = ("env.progress_bar=false", "logger=none", "trainer.log_every_n_steps=1")
 # Runs made to reach the loop's own failures: the learn probe would stop them before step 1.
@@ -84,7 +84,8 @@ def test_fp16_overflow_shows_as_growing_scaler_skips(tmp_path):
     steps: the scaler skips those steps and backs off."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    cfg = compose_config(*QUIET, "trainer.max_steps=20", "scheduler=none")
+    # The probes run backward on the run's own model: the hook below would see theirs first.
+    cfg = compose_config(*QUIET, "trainer.max_steps=20", "scheduler=none", *PROBES_OFF)
     recorder = RunRecorder(cfg.logger, run_dir, run_name=cfg.name, config={}, is_main=True)
     trainer = build_trainer(cfg, run_dir, DistInfo(), torch.device("cpu"), recorder)
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=True)
