@@ -191,10 +191,3 @@ class GradientPresence:
         trainable = [n for n, _ in self.named]
         when = f"in the probe step before step 1, and again at step {step} of the run"
         judge_zero(self.model, still, trainable, when)
-
-
-def probe_backward_reached(model: nn.Module) -> frozenset[str]:
-    """The trainable parameters with a gradient now (after the probe step's backward)."""
-    return frozenset(
-        n for n, p in model.named_parameters() if p.requires_grad and p.grad is not None
-    )

@@ -76,11 +76,13 @@ def learn(
     batch: Any,
     steps: int = STEPS,
     kept: KeptWeights | None = None,
+    measure_update: bool = True,
 ) -> LearnResult:
     """`steps` optimizer steps of `model` (it is trained: the caller keeps its weights) on
     `batch`. Each step's own forward, seeded alike, measures the loss the previous step left
-    (one more forward measures the last): steps + 1 forwards in all. `kept`: the weights before
-    the first step, on the host (else the first step copies them, for its update's size)."""
+    (one more forward measures the last): steps + 1 forwards in all. `measure_update`: the
+    first step's |Δw|/|w| too, from `kept` (the weights before it, kept aside) or else from a
+    copy of the weights the first step takes."""
     lr = max(float(g["lr"]) for g in optimizer.param_groups)
     losses, update = [], 0.0
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -93,7 +95,7 @@ def learn(
             break
         loss.backward()
         before = None
-        if step == 0:
+        if step == 0 and measure_update:
             before = (
                 [p.detach().clone() for p in params]
                 if kept is None
@@ -138,9 +140,13 @@ def check_can_learn(
 
 
 def _check_can_learn(model, optimizer_for, criterion, batch, steps, dead_layers, initial) -> None:
-    result = learn(model, optimizer_for(model, 1.0), criterion, batch, steps, initial)
+    # The size of the first update explains a failure only: measured then, by the same steps
+    # again (seeded: the same losses), so a model that learns holds no copy of its weights.
+    result = learn(model, optimizer_for(model, 1.0), criterion, batch, steps, measure_update=False)
     if result.fell:
         return
+    initial.restore()
+    result = learn(model, optimizer_for(model, 1.0), criterion, batch, steps, initial)
     name, n = type(model).__name__, len(batch[0])
     saw = f"{steps} steps on one fixed batch of {n} at lr {result.lr:g}: its loss {result.shown}"
     first, last = result.losses[0], result.losses[-1]

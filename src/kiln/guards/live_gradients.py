@@ -52,17 +52,21 @@ def dead_layers(seen: StepObservation) -> dict[str, str]:
 
 def still_zero(seen: StepObservation, zero: list[str], optimizer, criterion) -> list[str]:
     """The parameters of `zero` whose gradient is still exactly zero after one optimizer step
-    of the copy on the same batch: a residual branch behind a zero-initialised scale (timm's
-    zero_init_last, a zero-initialised head) gets gradients from the second step on, a branch
-    behind a zero that never learns does not."""
+    of the model on the same batch (the caller keeps its weights): a residual branch behind a
+    zero-initialised scale (timm's zero_init_last, a zero-initialised head) gets gradients from
+    the second step on, a branch behind a zero that never learns does not."""
     model = seen.model
-    optimizer.step()  # the copy's first step, from the probe step's gradients
-    optimizer.zero_grad(set_to_none=True)
     model.train()
-    loss, _ = criterion(model, seen.batch)
-    loss.backward()
+    for step in ("first", "second"):
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = criterion(model, seen.batch)
+        loss.backward()
+        if step == "first":  # the probe step's gradients again (not kept), and its update
+            optimizer.step()
     params = dict(model.named_parameters())
-    return [n for n in zero if params[n].grad is None or not moves(params[n].grad)]
+    still = [n for n in zero if params[n].grad is None or not moves(params[n].grad)]
+    optimizer.zero_grad(set_to_none=True)
+    return still
 
 
 def check_live_gradients(
@@ -86,13 +90,13 @@ def check_live_gradients(
             ".detach(), torch.no_grad(), or a trip through .item()/.numpy()/.tolist() in forward)"
             + _layers_note(off),
         )
-    missing = [n for n, g in seen.grads.items() if g is None and n not in used_sometimes]
+    missing = [n for n, hit in seen.reached.items() if not hit and n not in used_sometimes]
     if missing:
         raise no_gradient_error(model, missing, flag_for, "in the probe step before step 1")
-    zero = [n for n, g in seen.grads.items() if g is not None and not moves(g)]
+    zero = list(seen.zero)
     if zero and second_step is not None:
         zero = second_step(zero)
-    judge_zero(model, zero, list(seen.grads), "in the probe step before step 1, and again after "
+    judge_zero(model, zero, list(seen.reached), "in the probe step before step 1, and again after "
                "one optimizer step", _layers_note(off))  # fmt: skip
     if off:
         first = next(iter(off))

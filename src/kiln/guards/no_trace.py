@@ -1,12 +1,14 @@
 """What a check before step 1 may not change: every RNG state, and the model's buffers, modes and
 gradients. `untouched(model)` puts them back however the block ends, so the probes leave no
 trace on the run and a resumed run stays bitwise equal to an uninterrupted one. A check that
-must step the weights (the learn probe) does so in place inside `weights_kept(model)`, which holds
-them on the host meanwhile: the model is never copied on its device."""
+must step the weights (the learn probe) does so in place inside `weights_kept(model)`, which keeps
+them off the model's memory meanwhile: the model is never copied where it lives."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -74,21 +76,37 @@ def changed_buffers(model: nn.Module, saved: Snapshot) -> list[str]:
 
 
 class KeptWeights:
-    """The model's parameters and buffers as they were, on the host (`restore()` puts them
-    back, bitwise)."""
+    """The model's parameters and buffers as they were (`restore()` puts them back, bitwise),
+    kept off the model's own memory: a GPU model's on the host, a CPU model's in a temporary
+    file (read back through a memory map), so a check that steps the weights in place costs
+    no second copy where the model lives."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.saved = {
-            name: t.detach().to("cpu", copy=True)
-            for name, t in [*model.named_parameters(), *model.named_buffers()]
-        }
+        named = [*model.named_parameters(), *model.named_buffers()]
+        on_cpu = {name: t.detach() for name, t in named if t.device.type == "cpu"}
+        self.saved = {name: t.detach().to("cpu") for name, t in named if name not in on_cpu}
+        self.file: str | None = None
+        if on_cpu:
+            handle, self.file = tempfile.mkstemp(prefix="kiln-weights-", suffix=".pt")
+            os.close(handle)
+            try:
+                torch.save(on_cpu, self.file)
+                self.saved.update(torch.load(self.file, mmap=True, weights_only=True))
+            except OSError:  # no room in the temporary folder: kept in memory instead
+                self.saved.update({name: t.clone() for name, t in on_cpu.items()})
 
     def restore(self) -> None:
         with torch.no_grad():
             for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
                 if name in self.saved:
                     t.copy_(self.saved[name])
+
+    def close(self) -> None:
+        self.saved = {}
+        if self.file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.file)
 
 
 @contextlib.contextmanager
@@ -99,3 +117,4 @@ def weights_kept(model: nn.Module) -> Iterator[KeptWeights]:
         yield kept
     finally:
         kept.restore()
+        kept.close()

@@ -158,6 +158,7 @@ class Probe:
     seen: StepObservation | None = None
     step_error: BaseException | None = None  # the observed step's forward or loss raised
     step_changes: list[str] = field(default_factory=list)  # what the step changed in its batch
+    used_sometimes: frozenset[str] = frozenset()  # parameters some samples reach, others not
     step_s: float = 0.0  # seconds of the observed step: the unit of every estimate
     started: float = field(default_factory=time.perf_counter)
 
@@ -268,7 +269,15 @@ def run_probe_plan(plan: ProbePlan, subject: ProbeSubject) -> ProbeReport:
 
 # The checks that read the observed step, or whose cost is estimated in such steps: with none of
 # them due, the step is a forward only (for rule 2's loss terms) and nothing is estimated.
-NEEDS_A_STEP = {"rule 1", "rule 3", "purity", "numerics", "dead gradients", "learn probe"}
+NEEDS_A_STEP = {
+    "rule 1",
+    "rule 3",
+    "purity",
+    "numerics",
+    "conditional parameters",
+    "dead gradients",
+    "learn probe",
+}
 
 
 def _set_budget(probe: Probe) -> None:
@@ -452,44 +461,41 @@ def _run_numerics(probe: Probe) -> None:
         )  # fmt: skip
 
 
-def _dead_gradients_cost(probe: Probe) -> float:
-    """Parameters used by some samples only (each sample alone: a backward each), and a second
-    step when some gradient is exactly zero (a zero-initialised branch)."""
+def _conditional_cost(probe: Probe) -> float:
+    """Each sample alone, forward and backward (small batches cost more per sample)."""
     from kiln.guards.conditional_params import SAMPLES
-    from kiln.guards.live_gradients import moves
 
-    cost = min(probe.size, SAMPLES) / max(probe.size, 1) * 1.5  # small batches cost more each
-    seen = probe.seen
-    if seen is not None and any(g is not None and not moves(g) for g in seen.grads.values()):
-        cost += 2.0  # an optimizer step and another forward and backward
-    return cost
+    return min(probe.size, SAMPLES) / max(probe.size, 1) * 1.5
+
+
+def _run_conditional(probe: Probe) -> None:
+    """Parameters some samples reach and others not: under DDP that is fatal; and one the whole
+    batch leaves without a gradient is then no unused branch (rule 2, below)."""
+    from kiln.guards.conditional_params import conditional_error, find_conditional_parameters
+
+    seen = _step_seen(probe)
+    model = seen.model
+    whole = frozenset(name for name, hit in seen.reached.items() if hit)
+    varied = find_conditional_parameters(model, probe.subject.criterion, seen.batch, whole)
+    if varied is None:
+        return
+    probe.used_sometimes = varied[1]
+    first = next(iter(sorted(varied[1])), "")
+    error = conditional_error(model, varied[0], first.rpartition(".")[0])
+    if probe.plan.conditional_is_fatal:
+        raise error
+    log.warning("%s", error)
 
 
 def _run_dead_gradients(probe: Probe) -> None:
-    from kiln.guards.conditional_params import (
-        conditional_error,
-        find_conditional_parameters,
-        probe_backward_reached,
-    )
+    """The observed step's gradients: none missing, none exactly zero after a second step, no
+    layer all of whose units are off (kiln.guards.live_gradients)."""
     from kiln.guards.live_gradients import check_live_gradients
 
-    seen, subject, plan = _step_seen(probe), probe.subject, probe.plan
-    model, criterion = seen.model, subject.criterion
-    # Parameters some samples reach and others not first: under DDP that is fatal, and one
-    # that the whole batch leaves without a gradient is then no unused branch (rule 2).
-    with _grads_of(seen):
-        whole = probe_backward_reached(model)
-    varied = find_conditional_parameters(model, criterion, seen.batch, whole)
-    if varied is not None:
-        first = next(iter(sorted(varied[1])), "")
-        error = conditional_error(model, varied[0], first.rpartition(".")[0])
-        if plan.conditional_is_fatal:
-            raise error
-        log.warning("%s", error)
     probe.report.mostly_dead = check_live_gradients(
-        seen,
-        subject.flag_for_unused,
-        used_sometimes=varied[1] if varied else frozenset(),
+        _step_seen(probe),
+        probe.subject.flag_for_unused,
+        used_sometimes=probe.used_sometimes,
         second_step=lambda zero: _second_step(probe, zero),
     )
 
@@ -497,7 +503,7 @@ def _run_dead_gradients(probe: Probe) -> None:
 def _second_step(probe: Probe, zero: list[str]) -> list[str]:
     """The zero-gradient parameters still at zero after one optimizer step from the probe
     step's gradients (kiln.guards.live_gradients.still_zero), stepped in place with the weights
-    kept on the host. Where the budget has no room for it, step 2 of the run confirms them
+    kept aside (weights_kept). Where the budget has no room for it, step 2 of the run confirms them
     instead (the trainer's GradientPresence reads its real gradients)."""
     from kiln.guards.live_gradients import still_zero
 
@@ -506,27 +512,13 @@ def _second_step(probe: Probe, zero: list[str]) -> list[str]:
         return []
     seen, subject = probe.seen, probe.subject
     model = seen.model
-    with untouched(model), weights_kept(model), _grads_of(seen):
+    with untouched(model), weights_kept(model):
         optimizer = (
             subject.optimizer_for(model, 1.0)
             if subject.optimizer_for is not None
             else torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
         )
         return still_zero(seen, zero, optimizer, subject.criterion)
-
-
-@contextlib.contextmanager
-def _grads_of(seen: StepObservation) -> Iterator[None]:
-    """The observed step's gradients on the model's parameters for the block."""
-    params = list(seen.model.named_parameters())
-    saved = [p.grad for _, p in params]
-    for name, p in params:
-        p.grad = seen.grads.get(name)
-    try:
-        yield
-    finally:
-        for (_, p), grad in zip(params, saved, strict=True):
-            p.grad = grad
 
 
 def _run_determinism(probe: Probe) -> None:
@@ -618,11 +610,17 @@ CHECKS: tuple[Check, ...] = (
     Check("purity", _behaviour("purity"), cost=lambda p: FORWARD, run=_run_purity),
     Check("numerics", _behaviour("numerics"), cost=lambda p: 0.0, run=_run_numerics),
     Check(
+        "conditional parameters",
+        _behaviour("dead gradients"),
+        cost=_conditional_cost,
+        run=_run_conditional,
+        required=_fatal_conditionals,
+    ),
+    Check(
         "dead gradients",
         _behaviour("dead gradients"),
-        cost=_dead_gradients_cost,
+        cost=lambda p: 0.0,  # the observed step's gradients; a second step pays its own way
         run=_run_dead_gradients,
-        required=_fatal_conditionals,
     ),
     Check(
         "determinism",

@@ -1,6 +1,7 @@
 """One training step's forward, loss and backward, observed: what the purity, numerics and
-live-gradient checks read (one step, not one per check). The batch is
-copied before and compared after; every ReLU's units are watched; the gradients are kept."""
+live-gradient checks read (one step, not one per check). The batch is copied before and compared
+after; every ReLU's units are watched; which parameters the gradients reach, and which they do
+not move, is noted."""
 
 from __future__ import annotations
 
@@ -37,7 +38,11 @@ class StepObservation:
     loss: torch.Tensor | None = None
     terms: dict[str, torch.Tensor] = field(default_factory=dict)
     backward_error: BaseException | None = None  # the loss reaches no parameter, ...
-    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)  # trainable params
+    # Per trainable parameter: whether the backward reached it, and whether its gradient moves
+    # it (a gradient of exact zeros does not). The gradients themselves are not kept: the
+    # checks after this one would hold a model's worth of memory for two bits a parameter.
+    reached: dict[str, bool] = field(default_factory=dict)
+    zero: list[str] = field(default_factory=list)
     units: dict[str, Units] = field(default_factory=dict)  # per ReLU module path
 
 
@@ -71,7 +76,14 @@ def observe_step(
         seen.loss.backward()
     except RuntimeError as err:  # "element 0 of tensors does not require grad": detached
         seen.backward_error = err
-    seen.grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    from kiln.guards.live_gradients import moves
+
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            seen.reached[name] = p.grad is not None
+            if p.grad is not None and not moves(p.grad):
+                seen.zero.append(name)
+            p.grad = None
     return seen
 
 

@@ -1,0 +1,181 @@
+"""The checks before step 1 under a budget (trainer.probe_budget) and once per model
+(trainer.probe_cache): what does not fit is skipped and named, the learn probe reads the first
+real steps instead, a zero-initialised model's second step is step 2 of the run, and a model that
+passed before is not probed again (kiln.guards.probes, kiln.guards.probe_cache)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from kiln.engine.run import train
+from kiln.guards.learn_probe import CannotLearnError
+from kiln.guards.live_gradients import DeadGradientError
+
+from .broken_models import TinyLogits, ZeroGradients
+from .conftest import SUBPROCESS_ENV, compose_config
+
+QUIET = ("env.progress_bar=false", "logger=none", "trainer.log_every_n_steps=5")
+# No room for anything but the observed step and what reads it for free.
+NO_ROOM = ("trainer.probe_budget.min_s=0", "trainer.probe_budget.max_s=0")
+
+
+def summary_of(run_dir) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def logged(caplog) -> str:
+    return "\n".join(record.getMessage() for record in caplog.records)
+
+
+def test_a_budget_with_no_room_names_every_check_it_skips_and_the_run_still_learns(
+    tmp_path, caplog
+):
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.INFO):
+        summary = train(compose_config(*QUIET, "trainer.max_epochs=1", *NO_ROOM), run_dir)
+    assert summary["status"] == "ok" and summary["probe_budget_s"] == 0
+    skipped = set(summary["probe_skipped"])
+    assert {"rule 1", "rule 3", "determinism", "batch dependence", "device"} <= skipped
+    assert summary["probe_first_steps"] == ["learn probe"]  # moved, not skipped
+    assert "learn probe" not in skipped
+    # What reads the observed step for free still runs.
+    assert {"step probe", "numerics", "loss terms"} <= set(summary["probe_times_s"])
+    log = logged(caplog)
+    said = [line for line in log.splitlines() if "probe budget: skipped" in line]
+    assert len(said) == 1 and "rule 1 (est." in said[0] and "determinism (est." in said[0]
+    assert "the learn probe read the first steps instead" in said[0]
+    assert "learn probe: the probe batch's loss fell" in log
+
+
+def test_the_budget_follows_the_epoch_between_its_floor_and_its_cap(tmp_path):
+    """min_s allows a small run everything; a share of a long epoch is capped at max_s."""
+    roomy = train(compose_config(*QUIET, "trainer.max_steps=2"), tmp_path / "roomy")
+    assert roomy["probe_budget_s"] == 1.0 and not roomy["probe_skipped"]
+    assert 0 < roomy["probe_epoch_estimate_s"] < 50  # digits: 1,437 samples, a small MLP
+    capped = train(
+        compose_config(*QUIET, "trainer.max_steps=2", "trainer.probe_budget.share_of_epoch=1",
+                       "trainer.probe_cache=false",
+                       "trainer.probe_budget.max_s=0.001", "trainer.probe_budget.min_s=0"),
+        tmp_path / "capped",
+    )  # fmt: skip
+    assert capped["probe_budget_s"] == 0.001 and capped["probe_skipped"]
+
+
+def test_the_learn_probe_read_from_the_first_steps_still_stops_a_model_that_cannot_learn(
+    tmp_path, temporary_model
+):
+    cfg = temporary_model("tiny_logits_budget", TinyLogits, *QUIET, "trainer.max_epochs=2",
+                          *NO_ROOM)  # fmt: skip
+    with pytest.raises(CannotLearnError) as info:
+        train(cfg, tmp_path / "run")
+    message = str(info.value)
+    assert message.startswith("cannot learn (")
+    assert "the run's first steps did not lower it either" in message
+    assert "after step 20" in message
+    summary = summary_of(tmp_path / "run")
+    assert summary["status"] == "failed" and summary["steps"] == 20
+    assert summary["failed_check"]["what"] == "cannot learn"
+
+
+def test_a_zero_gradient_with_no_room_for_a_second_probe_step_is_confirmed_at_step_2(
+    tmp_path, temporary_model
+):
+    cfg = temporary_model("zero_gate_budget", ZeroGradients, *QUIET, "trainer.max_epochs=1",
+                          "trainer.probe_budget.min_s=0", "trainer.probe_budget.max_s=1e-9",
+                          "trainer.learn_probe=false")  # fmt: skip
+    with pytest.raises(DeadGradientError) as info:
+        train(cfg, tmp_path / "run")
+    assert "again at step 2 of the run" in str(info.value)
+    assert "branch.fc.weight" in str(info.value)
+    assert summary_of(tmp_path / "run")["steps"] == 1
+
+
+def test_a_model_that_passed_is_not_probed_again_and_a_changed_one_is(tmp_path, caplog):
+    first = train(compose_config(*QUIET, "trainer.max_steps=2"), tmp_path / "first")
+    ran = set(first["probe_times_s"])
+    assert {"rule 1", "determinism", "learn probe"} <= ran and not first["probe_cached"]
+
+    with caplog.at_level(logging.INFO):
+        again = train(compose_config(*QUIET, "trainer.max_steps=2"), tmp_path / "again")
+    assert {"rule 1", "determinism", "learn probe"} <= set(again["probe_cached"])
+    assert not set(again["probe_times_s"]) & {"rule 1", "determinism", "learn probe"}
+    log = logged(caplog)
+    assert "probes: this model passed" in log and "not run again" in log
+    assert str(tmp_path / "first") in log  # where it passed
+
+    # Another learning rate: the model's checks stand, the learn probe runs for it.
+    lr = train(compose_config(*QUIET, "trainer.max_steps=2", "optimizer.lr=0.01"), tmp_path / "lr")
+    assert "learn probe" in lr["probe_times_s"] and "rule 1" in lr["probe_cached"]
+    # Another model: everything again.
+    wider = train(compose_config(*QUIET, "trainer.max_steps=2", "model.hidden_dims=[64]"),
+                  tmp_path / "wider")  # fmt: skip
+    assert not wider["probe_cached"] and "rule 1" in wider["probe_times_s"]
+    # Asked not to: everything again.
+    off = train(compose_config(*QUIET, "trainer.max_steps=2", "trainer.probe_cache=false"),
+                tmp_path / "off")  # fmt: skip
+    assert not off["probe_cached"] and "determinism" in off["probe_times_s"]
+
+
+def test_a_failure_is_never_kept_and_its_model_meets_the_check_again(tmp_path, temporary_model):
+    cfg = temporary_model("tiny_logits_cache", TinyLogits, *QUIET, "trainer.max_epochs=1")
+    for attempt in ("first", "second"):
+        with pytest.raises(CannotLearnError):
+            train(cfg, tmp_path / attempt)
+        assert summary_of(tmp_path / attempt)["steps"] == 0  # stopped before step 1 each time
+
+
+def test_a_resumed_run_is_not_probed_again(tmp_path):
+    run_dir = tmp_path / "run"
+    train(compose_config(*QUIET, "scheduler=none", "trainer.max_steps=3"), run_dir)
+    resumed = train(
+        compose_config(*QUIET, "scheduler=none", "trainer.max_steps=6", "resume=auto"), run_dir
+    )
+    assert resumed["steps"] == 6 and "determinism" in resumed["probe_cached"]
+
+
+MEMORY = """
+import sys, torch
+from pathlib import Path
+from kiln.config import load_config
+from kiln.engine.distributed import DistInfo
+from kiln.engine.run import build_trainer
+
+def status(key):  # kB, from the kernel's own accounting
+    line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
+    return int(line.split()[1])
+
+torch.set_num_threads(1)
+cfg = load_config(sys.argv[3:])
+trainer = build_trainer(cfg, Path(sys.argv[1]), DistInfo(), torch.device("cpu"), lambda *a: None)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) starts again from what is resident now
+before = status("VmRSS")
+if sys.argv[2] == "probes":
+    trainer.run_probes()
+else:
+    trainer.train_step(trainer.epoch_batches(), 1)
+print((status("VmHWM") - before) / 1024)
+"""
+
+
+def test_the_probes_peak_memory_is_at_most_one_training_steps(tmp_path):
+    """A model whose weights dominate its memory (4,096 x 4,096 hidden, 67 MB of them), every
+    check on: the probes never copy it where it lives (the learn probe steps it in place and
+    keeps the weights in a file meanwhile), so their peak stays within 1.1x of one step's."""
+    model = ("model.hidden_dims=[4096,4096]", "data.batch_size=32", "trainer.probe_cache=false",
+             "trainer.probe_budget.enforce=false", "logger=none")  # fmt: skip
+    grown = {}
+    for what in ("probes", "step"):
+        result = subprocess.run(
+            [sys.executable, "-c", MEMORY, str(tmp_path / what), what, *model],
+            capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        grown[what] = float(result.stdout.split()[-1])
+    assert grown["step"] > 150, grown  # gradients and AdamW's two moments: 3 x 67 MB
+    assert grown["probes"] <= 1.1 * grown["step"], grown
