@@ -228,7 +228,7 @@ def probe_subject(
 ) -> ProbeSubject:
     """What the probes before step 1 run on (kiln.guards.probes): the run's model and criterion,
     real batches of the data's extremes on the device, the other batch sizes rule 1 must survive,
-    and how to build a fresh model or the run's optimizer for a copy."""
+    and how to build a model for another input size or the run's optimizer for the learn probe."""
     batch_size = cfg.data.batch_size
     plan = epoch_plan(train_loader, cfg)
     sizes = probe_batch_sizes(batch_size, plan.samples if not plan.drop_last else 0)

@@ -11,17 +11,19 @@ determinism in eval (determinism), batch independence (batch_independence), the 
 They run on the run's own model, never a copy: every check leaves the weights, buffers, modes,
 gradients and RNG states as it found them (kiln.guards.no_trace), so a resumed run still equals
 an uninterrupted one. The two that must step the weights (the learn probe, and the second step of
-a zero-initialised model) keep the weights on the host meanwhile and put them back bitwise
-(`weights_kept`): the model's memory is never doubled on its device. (A sharded FSDP model, which
-cannot be stepped outside its ranks' collectives, is probed on a new unsharded build.)
+a zero-initialised model) keep the weights aside meanwhile (`weights_kept`: a GPU model's on the
+host, a CPU model's in a file) and put them back bitwise: the model's memory is never doubled
+where it lives. (A sharded FSDP model, whose forward and step are its ranks' collectives, is
+probed on a new unsharded build.)
 
 The budget (trainer.probe_budget, `ProbeBudget`): the observed step runs first and is timed; each
-other check's cost is estimated in such steps, and the first epoch's time from the step and the
-training batch. The checks then run in the table's order while their estimates fit in a share of
-that epoch (at least `min_s`, at most `max_s`); one that does not fit is skipped and named -- in
-the log and in summary.json, never silently -- except the learn probe, which then reads the first
-real steps instead (kiln.guards.first_steps). The order puts first what catches the most and
-costs the least; a failure is reported in the same order as when every check runs."""
+other check's cost is estimated in such steps, and the first epoch's time from the step (per
+sample, times the epoch's samples). The checks then run in the table's order while their
+estimates fit in a share of that epoch (at least `min_s`, at most `max_s`); one that does not fit
+is skipped and named -- in the log and in summary.json, never silently -- except the learn probe,
+which then reads the first real steps instead (kiln.guards.first_steps), and a zero-initialised
+model's second step, which step 2 of the run confirms. What costs nothing (it reads the observed
+step) always runs. The order is the order of the findings, as when every check runs."""
 
 from __future__ import annotations
 
