@@ -46,6 +46,7 @@ from .hf_helpers import (
     with_remote_code,
     write_bert,
 )
+from .inference_helpers import free_port
 from .test_evaluate import run_infer
 
 TEXTS = ["the ndarray broadcast along an axis", "a session cookie in the request header",
@@ -315,10 +316,11 @@ MODES = {
     "predict": ("input={csv}", "output={tmp}/preds.csv"),
     "evaluate": ("mode=evaluate", "data={csv}", "output={tmp}/eval"),
     "export": ("mode=export",),
-    "serve": ("mode=serve",),
+    "serve": ("mode=serve", "server.port={port}"),
 }
 
 
+@pytest.mark.timeout(120)  # serve, were the check gone, would listen until stopped
 @pytest.mark.parametrize("mode", MODES)
 def test_an_edited_tokenizer_in_a_checkpoint_is_refused_by_every_mode(
     hf_checkpoint, tmp_path, capsys, mode
@@ -327,7 +329,7 @@ def test_an_edited_tokenizer_in_a_checkpoint_is_refused_by_every_mode(
     recorded and never compared."""
     ckpt = tampered(hf_checkpoint, tmp_path / "best.pt", swap_tokenizer)
     csv = hf_checkpoint.parent.parent.parent / "train.csv"
-    args = [a.format(csv=csv, tmp=tmp_path) for a in MODES[mode]]
+    args = [a.format(csv=csv, tmp=tmp_path, port=free_port()) for a in MODES[mode]]
     code, _, err = run_infer(capsys, f"ckpt={ckpt}", *args)
     assert code == 2, err
     assert err.strip().splitlines() == [
