@@ -221,8 +221,8 @@ def test_a_users_model_and_dataset_train_through_train_py_and_predict(user_proje
     refused = predict()
     assert refused.returncode == 2, refused.stderr
     (line,) = refused.stderr.strip().splitlines()
-    assert line.startswith(f"error: checkpoint best.pt was trained with 'plugins=[my_parts]'")
-    assert f"add 'plugins=[my_parts]' to the command" in line and str(user_project) in line
+    assert line.startswith("error: checkpoint best.pt was trained with 'plugins=[my_parts]'")
+    assert "add 'plugins=[my_parts]' to the command" in line and str(user_project) in line
     predicted = predict("plugins=[my_parts]")
     assert predicted.returncode == 0, predicted.stderr
     assert (user_project / "preds.csv").read_text().startswith("index,label,prob_left,prob_right")

@@ -264,7 +264,8 @@ class HfConfig(PretrainedConfig, ClassifierConfig):
     # parsed (real ones are a few KB; one naming 20,000 classes is about 1 MB)
     max_config_bytes: int = 4 * MIB
     # each tokenizer file (tokenizer.json, tokenizer_config.json, vocab.txt, merges.txt, ...):
-    # a larger one is refused before it is parsed (the largest real tokenizer.json is ~35 MB)
+    # a larger one is refused before it is parsed (real ones go to ~30 MB: large multilingual
+    # vocabularies; the default is about twice that)
     max_tokenizer_bytes: int = 64 * MIB
 
     def check(self, key: str) -> None:
