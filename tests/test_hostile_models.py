@@ -199,6 +199,19 @@ def test_a_config_past_the_machine_is_refused_naming_the_key_and_the_size(
     assert gigabytes * 2**30 > available_memory()
 
 
+def test_a_model_type_sized_past_the_machine_by_model_config_is_refused_before_it_is_built():
+    """model.config reaches a from-scratch model type's sizes too: judged with the data's
+    vocabulary and max_length when the model is built, before transformers allocates it."""
+    from kiln.data.spec import DataSpec
+    from kiln.models import build_model
+
+    spec = DataSpec("classification", "tokens", 2, ("a", "b"), vocab_size=50, max_length=16)
+    cfg = compose_config(*HF, "model.arch=bert", "+model.config.hidden_size=1000000")
+    said = r"bert \(from scratch\): config \(with model.config\)'s hidden_size=1000000 gives a"
+    with pytest.raises(ConfigError, match=said):
+        build_model(spec, cfg.model)
+
+
 def test_model_max_params_is_a_limit_of_ones_own(bert, capsys):
     line = refused(capsys, bert, "model.max_params=1000")
     assert "more than model.max_params=1000 (model.max_params)" in line

@@ -51,16 +51,18 @@ def check_model_size(
     max_params: int | None,
     available: int,
     length: int | None = None,
+    config_name: str = "config.json",
 ) -> ModelSize:
     """The size of the model `config` (a transformers config) describes, refused with one
-    ConfigError when it is past `max_params` or needs more than `available` bytes."""
+    ConfigError when it is past `max_params` or needs more than `available` bytes.
+    `config_name`: what the refusal calls the config (config.json, or a model type's)."""
     size = model_size(config, length)
     too_many = max_params is not None and size.params > max_params
     if not too_many and size.need_bytes <= available:
         return size
     key, value = largest_key(config, length)
     asked = f"{key}={value} gives" if key else "its sizes give"
-    what = f"{label}: config.json's {asked} a model of {size.params:.3g} parameters"
+    what = f"{label}: {config_name}'s {asked} a model of {size.params:.3g} parameters"
     if too_many:
         raise ConfigError(
             f"{what}, more than model.max_params={max_params}", "model.max_params",
@@ -76,8 +78,9 @@ def check_model_size(
         f"{BYTES_PER_PARAM * size.params / 2**30:.1f} GB{activations}, and this process may take "
         f"{available / 2**30:.1f} GB of memory; nothing was built",
         "model.arch",
-        "check config.json against the weights it came with; for a model this large use a "
-        "machine with more memory (model.max_params sets a limit of your own)",
+        f"check the sizes {config_name} asks for (against the weights it came with); for a "
+        "model this large use a machine with more memory (model.max_params sets a limit of "
+        "your own)",
     )
 
 

@@ -261,13 +261,20 @@ def transformers_config(data: dict[str, Any], cfg: HfConfig, label: str) -> Any:
     return config
 
 
-def check_size(config: Any, cfg: HfConfig, label: str, length: int | None = None) -> None:
+def check_size(
+    config: Any, cfg: HfConfig, label: str, length: int | None = None, name: str = "config.json"
+) -> None:
     """The model `config` describes, counted on the meta device, against model.max_params and
     the memory this process may take (kiln.models.zoo.hf_size); a config.json whose model
-    transformers cannot build is one error too."""
+    transformers cannot build is one error too. `name`: what the error calls the config."""
     try:
         check_model_size(
-            config, label, max_params=cfg.max_params, available=available_memory(), length=length
+            config,
+            label,
+            max_params=cfg.max_params,
+            available=available_memory(),
+            length=length,
+            config_name=name,
         )
     except (ValueError, TypeError, IndexError, AttributeError) as err:
         if isinstance(err, ConfigError):
@@ -278,6 +285,21 @@ def check_size(config: Any, cfg: HfConfig, label: str, length: int | None = None
             f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__})",
             "model.arch", "save the model again with save_pretrained",
         ) from None  # fmt: skip
+
+
+# (config.json as JSON, max_length, model.max_params) already judged to fit: the run's own
+# later copies of its model (the probes' fresh builds) are not judged again against a memory
+# the first copy now holds.
+_FITS: set[tuple[str, int | None, int | None]] = set()
+
+
+def check_size_once(config: Any, cfg: HfConfig, source: HfSource, length: int | None) -> None:
+    key = (config.to_json_string(use_diff=False), length, cfg.max_params)
+    if key not in _FITS:
+        # a model type's config is kiln's small size with model.config's changes
+        name = "config.json" if source.folder is not None else "config (with model.config)"
+        check_size(config, cfg, source.label, length, name)
+        _FITS.add(key)
 
 
 def position_limit(config: dict[str, Any], model_max_length: int | None = None) -> int:
@@ -319,8 +341,8 @@ def build_hf(
     elif pretrained is None:
         source = resolve_source(cfg.arch)
     config = architecture(spec, cfg, source, pretrained)
-    if source is not None:  # a checkpoint's model is the size of the weights it holds
-        check_size(config, cfg, source.label, length=spec.max_length)
+    if source is not None and not torch.empty(0).is_meta:  # a checkpoint's: its weights' size
+        check_size_once(config, cfg, source, spec.max_length)
     from transformers import AutoModelForSequenceClassification
 
     with warnings.catch_warnings(), nothing_on_stdin():
