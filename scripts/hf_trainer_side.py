@@ -119,12 +119,13 @@ def main(argv=None) -> None:
     val_texts, val_names = read_rows(args.val)
     classes = sorted(set(train_names))
     label2id = {name: i for i, name in enumerate(classes)}
-    tokenizer = AutoTokenizer.from_pretrained(args.folder)
+    tokenizer = AutoTokenizer.from_pretrained(args.folder, trust_remote_code=False)
     train_set = Encoded(tokenizer, train_texts, [label2id[name] for name in train_names])
     val_set = Encoded(tokenizer, val_texts, [label2id.get(name, -100) for name in val_names])
     set_seed(args.seed)
     config = AutoConfig.from_pretrained(
         args.folder,
+        trust_remote_code=False,  # never the folder's own code, never a prompt (as kiln)
         num_labels=len(classes),
         id2label=dict(enumerate(classes)),
         label2id=label2id,
@@ -135,6 +136,7 @@ def main(argv=None) -> None:
         args.folder,
         config=config,
         ignore_mismatched_sizes=True,  # another head: re-initialised
+        trust_remote_code=False,
     )
     clock = StepClock()
     trainer = CountingTrainer(

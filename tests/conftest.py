@@ -63,6 +63,8 @@ LONG_TESTS = {
         "test_resume_as_typed.py::test_resume_auto_after_a_preempted_run",
     "test_train_smoke.py::test_two_step_run_of_each_model[resnet50]":
         "test_train_smoke.py::test_resnet50_with_amp_runs_on_cpu_as_bf16",
+    "test_hostile_models.py::test_refusals_take_little_memory_in_a_fresh_process":
+        "test_hostile_models.py::test_a_config_past_the_machine_is_refused_naming_the_key_and_the_size",
 }  # fmt: skip
 
 

@@ -38,7 +38,8 @@ def test_the_docs_dataset_and_detector_plugins_train_check_and_export(tmp_path):
     assert report["classes"] == ["flower", "portrait"]
     assert report["train_files"]["annotations"]["annotations_read"] == 22
     export = [sys.executable, str(REPO_ROOT / "infer.py"), "mode=export",
-              f"ckpt={project / 'run' / 'checkpoints' / 'best.pt'}"]  # fmt: skip
+              f"ckpt={project / 'run' / 'checkpoints' / 'best.pt'}",
+              "plugins=[box_csv,tiny_detector]"]  # fmt: skip
     done = subprocess.run(export, cwd=project, env=SUBPROCESS_ENV, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -209,8 +209,8 @@ def plugin_run(project: Path, searchpath: str, env: dict) -> Output:
 
 def test_a_plugin_run_carries_its_plugins_into_the_commands_it_prints(tmp_path):
     """plugins=[...] hydra.searchpath=[...]: the printed train command carries both and runs;
-    --help takes them; infer.py finds the plugin from another folder (the checkpoint records
-    where it came from)."""
+    --help takes them; the printed infer.py commands carry plugins=[...] (a checkpoint never
+    makes infer.py import a module: from another folder, it is named and its folder said)."""
     project, searchpath = plugin_project(tmp_path)
     env = environment()
     first = plugin_run(project, searchpath, env)
@@ -221,10 +221,19 @@ def test_a_plugin_run_carries_its_plugins_into_the_commands_it_prints(tmp_path):
     described = shell(f"python ../train.py --help 'plugins=[my_parts]' '{searchpath}' model=plain",
                       project, env)  # fmt: skip
     assert described.rc == 0 and "width" in described.text and "24" in described.text, described
+    predicts = [c for c in first.commands if "infer.py" in c]
+    assert predicts and all("'plugins=[my_parts]'" in c for c in predicts), predicts
     best = next(project.glob("outputs/*/*/checkpoints/best.pt")).resolve()
     example = best.parent.parent / "example_input.npy"
     elsewhere = shell(f"python {REPO_ROOT}/infer.py ckpt={best} input={example}", tmp_path, env)
-    assert elsewhere.rc == 0, elsewhere.text[-3000:]
+    assert elsewhere.rc == 2, elsewhere.text[-3000:]
+    assert "add 'plugins=[my_parts]' to the command" in elsewhere.text
+    assert f"my_parts was imported from {project.resolve()}" in elsewhere.text
+    named = shell(
+        f"PYTHONPATH={project} python {REPO_ROOT}/infer.py ckpt={best} input={example} "
+        "'plugins=[my_parts]'", tmp_path, env,
+    )  # fmt: skip
+    assert named.rc == 0, named.text[-3000:]
 
 
 @pytest.mark.slow

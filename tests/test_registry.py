@@ -201,20 +201,30 @@ def test_a_users_model_and_dataset_train_through_train_py_and_predict(user_proje
         timeout=120,
     )
     assert "tiny" in described.stdout and "blobs" in described.stdout
-    # Inference imports the plugin the checkpoint names.
+    # Inference imports the plugins the user names, never those the checkpoint names: without
+    # plugins=[...] it says what to add; with it, it predicts.
     import numpy as np
 
     np.save(user_project / "x.npy", np.zeros((3, 1, 2, 2), dtype=np.float32))
     ckpt = user_project / "run" / "checkpoints" / "best.pt"
-    predict = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "infer.py"), f"ckpt={ckpt}", "input=x.npy"],
-        cwd=user_project,
-        capture_output=True,
-        text=True,
-        env=SUBPROCESS_ENV,
-        timeout=120,
-    )
-    assert predict.returncode == 0, predict.stderr
+
+    def predict(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(REPO_ROOT / "infer.py"), f"ckpt={ckpt}", "input=x.npy", *extra],
+            cwd=user_project,
+            capture_output=True,
+            text=True,
+            env=SUBPROCESS_ENV,
+            timeout=120,
+        )
+
+    refused = predict()
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("error: checkpoint best.pt was trained with 'plugins=[my_parts]'")
+    assert "add 'plugins=[my_parts]' to the command" in line and str(user_project) in line
+    predicted = predict("plugins=[my_parts]")
+    assert predicted.returncode == 0, predicted.stderr
     assert (user_project / "preds.csv").read_text().startswith("index,label,prob_left,prob_right")
 
 
@@ -329,8 +339,8 @@ def test_a_checkpoint_records_its_plugin_package_and_names_it_when_it_is_gone(us
     )
     assert gone.returncode == 2 and gone.stderr.strip().splitlines() == [
         "error: checkpoint best.pt was trained with the plugin 'my_parts' from the package "
-        "my-parts==0.1 (entry point 'parts'), which cannot be imported here (No module named "
-        "'my_parts'); install it: pip install 'my-parts==0.1'"
+        "my-parts==0.1 (entry point 'parts'), which is not installed here; install it: "
+        "pip install 'my-parts==0.1'"
     ]
 
 

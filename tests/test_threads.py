@@ -76,6 +76,29 @@ def test_no_cgroup_file_means_no_quota(tmp_path):
     assert cgroup_quota(tmp_path) is None
 
 
+def test_available_memory_is_capped_by_the_room_under_a_cgroup_limit(tmp_path):
+    """A container sees the machine's memory in /proc/meminfo: its cgroup's limit less what it
+    uses is the tighter figure (v2, and v1 with its "no limit" of ~2**63)."""
+    import psutil
+
+    from kiln.threads import available_memory
+
+    machine = psutil.virtual_memory().available
+    assert available_memory(tmp_path) == pytest.approx(machine, rel=0.2)  # no cgroup file
+    write(tmp_path, "proc/self/cgroup", "0::/jobs/run7\n")
+    write(tmp_path, "sys/fs/cgroup/memory.max", "max\n")
+    write(tmp_path, "sys/fs/cgroup/memory.current", "100\n")
+    write(tmp_path, "sys/fs/cgroup/jobs/run7/memory.max", f"{3 * 2**20}\n")
+    write(tmp_path, "sys/fs/cgroup/jobs/run7/memory.current", f"{2**20}\n")
+    assert available_memory(tmp_path) == 2 * 2**20
+    write(tmp_path, "proc/self/cgroup", "4:memory:/docker/abc\n")
+    write(tmp_path, "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes", f"{2**62}\n")
+    write(tmp_path, "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes", "5\n")
+    assert available_memory(tmp_path) == pytest.approx(machine, rel=0.2)  # no limit
+    write(tmp_path, "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes", f"{2**30}\n")
+    assert available_memory(tmp_path) == 2**30 - 5
+
+
 def test_this_machines_quota_is_read_without_error():
     quota = cgroup_quota()
     assert quota is None or quota > 0

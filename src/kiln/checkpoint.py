@@ -12,7 +12,9 @@ sharded_checkpoint), resharded to its own ranks."""
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import logging
 import os
 import pickle
@@ -137,6 +139,75 @@ def load_checkpoint(path: Path, map_location="cpu", *, consolidate: bool = True)
     if is_sharded(ckpt):
         return _with_shards(ckpt, path.parent / ckpt["sharded"]["folder"], path, consolidate)
     return ckpt
+
+
+# ---------------------------------------------------------------------------------------------
+# The files a checkpoint embeds, and their recorded hashes
+
+EMBEDDED_SHA256 = "embedded_sha256"  # the checkpoint's key: {file name: sha256 hex}
+
+
+def canonical_json(value: Any) -> str:
+    """`value` as one canonical JSON text (keys sorted, no spaces): what its hash is taken of."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      default=repr)  # fmt: skip
+
+
+def embedded_files(preprocessing: dict[str, Any]) -> dict[str, str]:
+    """The files a checkpoint's preprocessing record embeds, as text, by the name a refusal
+    gives them: tokenizer.json (a text model's tokenizer, as the Rust tokenizer reads it),
+    config.json (model=hf's) and the whole record ("preprocessing": normalisation, cleaning,
+    class names, ... as canonical JSON)."""
+    files = {}
+    if isinstance(preprocessing.get("tokenizer_json"), str):
+        files["tokenizer.json"] = preprocessing["tokenizer_json"]
+    pretrained = preprocessing.get("pretrained") or {}
+    if isinstance(pretrained, dict) and isinstance(pretrained.get("model_config"), dict):
+        files["config.json"] = canonical_json(pretrained["model_config"])
+    files["preprocessing"] = canonical_json(preprocessing)
+    return files
+
+
+def embedded_hashes(preprocessing: dict[str, Any]) -> dict[str, str]:
+    """{file name: sha256} of `embedded_files`: what a checkpoint records when it is written."""
+    return {name: _sha256(text) for name, text in embedded_files(preprocessing).items()}
+
+
+def check_embedded(ckpt: dict[str, Any], source: Path | str) -> None:
+    """Each file the checkpoint embeds against the sha256 recorded when it was written (its
+    EMBEDDED_SHA256; model=hf's tokenizer also against the tokenizer_sha256 its record held
+    before these hashes were): a file edited since is one CheckpointError naming the checkpoint
+    and the file. A checkpoint older than both records is read as it is.
+
+    The hashes are in the file they check: they catch an edit of an embedded file (or damage
+    that leaves the archive readable), not someone who also rewrites the hashes -- for that,
+    compare the checkpoint's own sha256 with one kept elsewhere."""
+    preprocessing = ckpt.get("preprocessing") or {}
+    files = embedded_files(preprocessing)
+    expected = dict(ckpt.get(EMBEDDED_SHA256) or {})
+    pretrained = preprocessing.get("pretrained") or {}
+    if isinstance(pretrained, dict) and pretrained.get("tokenizer_sha256"):
+        expected.setdefault("tokenizer.json", pretrained["tokenizer_sha256"])
+        if isinstance(pretrained.get("tokenizer_json"), str):  # the copy inside the record
+            found = _sha256(pretrained["tokenizer_json"])
+            if found != pretrained["tokenizer_sha256"]:
+                raise _edited(source, "tokenizer.json", pretrained["tokenizer_sha256"], found)
+    for name, recorded in expected.items():
+        found = _sha256(files[name]) if name in files else "absent"
+        if found != recorded:
+            raise _edited(source, name, recorded, found)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _edited(source: Path | str, name: str, recorded: str, found: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {source}: its embedded {name} does not match the sha256 recorded when it "
+        f"was written ({recorded[:12]}..., now {found[:12]}...): it was edited or damaged "
+        "since; refused -- use the checkpoint as its training run wrote it"
+    )
 
 
 def load_weights_file(path: Path) -> Any:

@@ -94,6 +94,18 @@ def infer(*args: str) -> str:
     return line(script("infer.py"), list(args))
 
 
+def plugin_override(config: dict | None) -> tuple[str, ...]:
+    """infer.py's plugins=[...] for a run's checkpoint: the modules the run named (inference
+    imports none on a checkpoint's word: kiln.registry.check_plugins)."""
+    modules = list((config or {}).get("plugins") or [])
+    return (f"plugins=[{','.join(modules)}]",) if modules else ()
+
+
+def run_config(run_dir: Path) -> dict:
+    """The run's resolved config as Hydra recorded it (.hydra/config.yaml), or {}."""
+    return _read_yaml(Path(run_dir) / ".hydra" / "config.yaml") or {}
+
+
 def line(program: str, args: list[str]) -> str:
     return " ".join([program, *(shlex.quote(a) for a in args)])
 

@@ -11,13 +11,15 @@ the builder's module is imported when the entry is first built. The registries f
 on first use (`load_builtins`), whatever was imported before, and a user's modules are imported
 by `load_plugins` (config key `plugins`, or the `kiln.plugins` entry-point group). A plugin that
 ships option YAMLs declares their folder with `register_config_dir`, so no hydra.searchpath is
-needed; where each plugin was imported from is recorded (`plugin_sources`) so that its
-checkpoints find it again from any working directory."""
+needed. A checkpoint records its run's plugins (and where each was imported from,
+`plugin_sources`), but never chooses code to import: inference checks that the command imported
+them (`check_plugins`: infer.py plugins=[...]) and says what to add when it did not."""
 
 from __future__ import annotations
 
 import importlib
 import logging
+import shlex
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import UserError, did_you_mean
+from kiln.errors import UserError, did_you_mean, first_few
 
 BUILTIN_MODULES = (  # where kiln's own entries are declared (torch-free)
     "kiln.config.data",
@@ -165,18 +167,18 @@ def load_builtins() -> None:
         importlib.import_module(module)
 
 
-def load_plugins(modules: Iterable[str] = (), sources: dict[str, str] | None = None) -> list[str]:
+def load_plugins(modules: Iterable[str] = ()) -> list[str]:
     """Import the user's modules (which register entries) and those advertised under the
-    `kiln.plugins` entry-point group. The working directory is importable, as with `python -m`;
-    `sources` ({module: folder}, what a checkpoint recorded) are tried after it. Returns the
-    module names imported."""
+    `kiln.plugins` entry-point group. The working directory is importable, as with `python -m`.
+    `modules` come from the user (plugins=[...] of a command line), never from a checkpoint.
+    Returns the module names imported."""
     load_builtins()
     if str(Path.cwd()) not in sys.path:
         sys.path.append(str(Path.cwd()))
     imported = []
     for module in modules:
         if module not in sys.modules:
-            _import_plugin(module, (sources or {}).get(module))
+            _import_plugin(module)
         _PLUGIN_SOURCES.setdefault(module, _source_folder(module))
         imported.append(module)
     for point in entry_points(group=ENTRY_POINT_GROUP):
@@ -247,46 +249,59 @@ def plugin_packages(modules: Iterable[str]) -> dict[str, dict[str, str | None]]:
     return found
 
 
-def require_plugin_packages(packages: dict[str, dict], checkpoint: str) -> None:
-    """Import the plugin modules a checkpoint recorded with their package; a package that is
-    not installed here is one error naming it and the command that installs it."""
+def check_plugins(
+    modules: list[str],
+    packages: dict[str, dict],
+    sources: dict[str, str],
+    checkpoint: str,
+) -> None:
+    """What a checkpoint's run imported -- its plugins=[...] `modules` (found in `sources`
+    folders) and installed plugin `packages` -- checked against what this process imported,
+    never imported on the checkpoint's word: its record is data anyone can edit, and a module
+    it names (with a folder to put on sys.path) would run as soon as it is imported. The
+    installed packages' entry points are loaded here, as every command loads them; the
+    plugins=[...] modules the user names (infer.py plugins=[...], or an `import` in Python).
+    One PluginImportError says what is missing and what to add."""
+    load_plugins()  # kiln's own entries and the installed entry points: this machine's choice
+    missing = [m for m in modules if m not in sys.modules]
+    if missing:
+        override = shlex.quote(f"plugins=[{','.join(modules)}]")
+        where = "; ".join(
+            f"{m} was imported from {sources[m]}" for m in missing if sources.get(m)
+        )  # fmt: skip
+        raise PluginImportError(
+            f"checkpoint {checkpoint} was trained with {override}, and this command imported "
+            f"no {first_few(missing)}: kiln imports no code a checkpoint names; add {override} "
+            "to the command (from the folder the module is in, or with it on PYTHONPATH"
+            + (f": {where})" if where else ")")
+        )
     for module, package in packages.items():
-        try:
-            importlib.import_module(module)
-        except ImportError as err:
-            dist, version = package.get("distribution"), package.get("version")
-            pinned = f"{dist}=={version}" if version else dist
-            entry = package.get("entry_point")
-            point = f" (entry point {entry!r})" if entry else ""
-            raise PluginImportError(
-                f"checkpoint {checkpoint} was trained with the plugin {module!r} from the package "
-                f"{pinned}{point}, which cannot be imported here ({err}); install it: "
-                f"pip install '{pinned}'"
-            ) from None
+        if module in sys.modules:
+            continue
+        dist, version = package.get("distribution"), package.get("version")
+        pinned = f"{dist}=={version}" if version else dist
+        entry = package.get("entry_point")
+        point = f" (entry point {entry!r})" if entry else ""
+        raise PluginImportError(
+            f"checkpoint {checkpoint} was trained with the plugin {module!r} from the package "
+            f"{pinned}{point}, which is not installed here; install it: pip install '{pinned}'"
+        )
 
 
-def _import_plugin(module: str, recorded: str | None) -> None:
-    try:
-        importlib.import_module(module)
-        return
-    except ModuleNotFoundError as err:
-        if recorded is None or err.name != module.split(".")[0]:
-            raise _not_importable(module, err) from None
-    sys.path.append(recorded)  # where the run that wrote the checkpoint found it
+def _import_plugin(module: str) -> None:
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as err:
-        raise _not_importable(module, err, recorded) from None
+        raise _not_importable(module, err) from None
 
 
 class PluginImportError(UserError, ImportError):
     """plugins=[...] names a module that cannot be found."""
 
 
-def _not_importable(module: str, err: Exception, recorded: str | None = None) -> ImportError:
-    where = f", nor from {recorded} where the run found it" if recorded else ""
+def _not_importable(module: str, err: Exception) -> ImportError:
     return PluginImportError(
-        f"plugins: cannot import {module!r} ({err}{where}); a plugin is a module name importable "
+        f"plugins: cannot import {module!r} ({err}); a plugin is a module name importable "
         "from the working directory or PYTHONPATH (my_model for ./my_model.py)"
     )
 

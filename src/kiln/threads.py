@@ -176,6 +176,51 @@ def _v1_quota(directory: Path) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The memory this process may still take
+
+
+def available_memory(root: Path = Path("/")) -> int:
+    """Bytes this process may still allocate: the kernel's estimate of available memory
+    (psutil's `available`, /proc/meminfo's MemAvailable on Linux), capped by the room left under
+    its cgroup's memory limit (v2 `memory.max - memory.current`, v1 `memory.limit_in_bytes -
+    memory.usage_in_bytes`, the tightest along the cgroup's path): a container sees the
+    machine's memory in /proc/meminfo, not its own limit."""
+    import psutil  # here: the CPU rules above stay stdlib-only
+
+    room = [int(psutil.virtual_memory().available)]
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return room[0]
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":
+            room += _along(root / "sys/fs/cgroup", path, _v2_room)
+        elif "memory" in controllers.split(","):
+            for mount in _v1_mounts(root, controllers):
+                room += _along(mount, path, _v1_room)
+    return max(0, min(r for r in room if r is not None))
+
+
+def _v2_room(directory: Path) -> int | None:
+    try:
+        limit = (directory / "memory.max").read_text().strip()
+        used = int((directory / "memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else int(limit) - used
+
+
+def _v1_room(directory: Path) -> int | None:
+    try:
+        limit = int((directory / "memory.limit_in_bytes").read_text())
+        used = int((directory / "memory.usage_in_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if limit >= 1 << 62 else limit - used  # v1 writes "no limit" as ~2**63
+
+
+# ---------------------------------------------------------------------------------------------
 # What other processes keep busy
 
 

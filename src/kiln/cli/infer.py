@@ -180,6 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = parse_args(argv)
+        if cfg.plugins:  # the user's modules, named here: a checkpoint never names what runs
+            from kiln.registry import load_plugins
+
+            load_plugins(cfg.plugins)
         RUNNERS[cfg.mode](cfg)
     except UserError as err:  # a bug (kiln's or a plugin's) is a traceback and exit 1
         print(f"error: {err}", file=sys.stderr, flush=True)

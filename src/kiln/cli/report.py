@@ -10,7 +10,7 @@ import logging
 import os
 from pathlib import Path
 
-from kiln.commands import RunCommand, infer, shown
+from kiln.commands import RunCommand, infer, plugin_override, shown
 from kiln.config.overrides import override
 
 log = logging.getLogger("kiln")
@@ -128,25 +128,27 @@ def next_commands(run_dir: Path, link: Path | None, command: RunCommand, config:
     lines = []
     best = Path(link or run_dir) / "checkpoints" / "best.pt"
     if best.is_file():
-        ckpt = f"ckpt={shown(best)}"
+        ckpt_args = f"ckpt={shown(best)}", *plugin_override(config)
         example = predict_input(best, run_dir, link, config)
         if example is not None:
             lines.append(
                 commented(
-                    infer(ckpt, *example),
+                    infer(*ckpt_args, *example),
                     "predict: writes preds.csv (input= also takes your .npy, .csv, images)",
                 )
             )
         lines += [
             commented(
-                infer("mode=evaluate", ckpt),
+                infer("mode=evaluate", *ckpt_args),
                 "the evaluation report (eval/): its test split, else validation; data= yours",
             ),
             commented(
-                infer("mode=export", ckpt), "ONNX: model.onnx beside it, checked against torch"
+                infer("mode=export", *ckpt_args),
+                "ONNX: model.onnx beside it, checked against torch",
             ),
             commented(
-                infer("mode=serve", ckpt), "HTTP on 127.0.0.1:8000; GET /v1/example: a body to POST"
+                infer("mode=serve", *ckpt_args),
+                "HTTP on 127.0.0.1:8000; GET /v1/example: a body to POST",
             ),
         ]
     last = run_dir / "checkpoints" / "last.pt"

@@ -82,10 +82,15 @@ class InferConfig:
     # predict, detectors, image files: each image also written with its boxes drawn, as
     # <output name>_boxes/<index>_<file>.png beside the CSV
     draw: bool = False
+    # your modules that register the checkpoint's model or data (my_parts for ./my_parts.py),
+    # imported before the checkpoint is read: kiln never imports a module a checkpoint names,
+    # and refuses one trained with plugins not given here, printing the plugins=[...] to add
+    plugins: list[str] = field(default_factory=list)
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
 USAGE = """usage: python infer.py [mode=predict|export|serve] ckpt=<path> [key=value ...]
+  plugins: python infer.py ckpt=... plugins=[my_parts]   # a checkpoint trained with plugins
   predict: python infer.py ckpt=run/checkpoints/best.pt input=x.npy output=preds.csv [backend=onnx]
            python infer.py ckpt=run/checkpoints/best.pt input=photos/test   # image files, a glob
   export:  python infer.py mode=export ckpt=run/checkpoints/best.pt [int8=true] [format=triton]
@@ -114,6 +119,8 @@ def usage() -> str:
 
 
 def _convert(key: str, text: str, declared: Any) -> Any:
+    if typing.get_origin(declared) is list:
+        return _names(key, text)
     optional = isinstance(declared, types.UnionType) and type(None) in typing.get_args(declared)
     if optional and text.lower() in ("null", "none", ""):
         return None
@@ -128,6 +135,21 @@ def _convert(key: str, text: str, declared: Any) -> Any:
         return base(text)
     except ValueError:
         raise ArgumentError(f"{key}={text!r}: expected {base.__name__}") from None
+
+
+def _names(key: str, text: str) -> list[str]:
+    """`[a,b]` (or `a`, or `[]`) as train.py's plugins=[...] writes it: a list of module names."""
+    inner = text.strip()
+    if inner.startswith("[") and inner.endswith("]"):
+        inner = inner[1:-1]
+    names = [name.strip().strip("'\"") for name in inner.split(",")]
+    names = [name for name in names if name]
+    bad = [name for name in names if not all(part.isidentifier() for part in name.split("."))]
+    if bad:
+        raise ArgumentError(
+            f"{key}={text!r}: {bad[0]!r} is not a module name (e.g. {key}=[my_parts])"
+        )
+    return names
 
 
 def _unknown_key(key: str) -> ArgumentError:

@@ -13,6 +13,8 @@ from omegaconf import MISSING
 from kiln.config.base import ConfigError, at_least, check_branch_defaults, in_range, invalid
 from kiln.registry import MODELS
 
+MIB = 1024 * 1024
+
 
 class Init(StrEnum):
     default = "default"  # PyTorch's per-layer defaults
@@ -254,6 +256,24 @@ class HfConfig(PretrainedConfig, ClassifierConfig):
     # recompute each encoder layer's activations in the backward pass instead of keeping them:
     # less memory for longer texts or larger batches, about a third more compute
     gradient_checkpointing: bool = False
+    # the most parameters the config may give the model, counted before anything is built
+    # (null: no limit of its own; what the weights, their gradients and one sequence's
+    # activations need is always compared with the memory this process may take)
+    max_params: int | None = None
+    # config.json and a shard index (*.index.json): a larger file is refused before it is
+    # parsed (real ones are a few KB; one naming 20,000 classes is about 1 MB)
+    max_config_bytes: int = 4 * MIB
+    # each tokenizer file (tokenizer.json, tokenizer_config.json, vocab.txt, merges.txt, ...):
+    # a larger one is refused before it is parsed (real ones go to ~30 MB: large multilingual
+    # vocabularies; the default is about twice that)
+    max_tokenizer_bytes: int = 64 * MIB
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        if self.max_params is not None:
+            at_least(self.max_params, 1, f"{key}.max_params")
+        at_least(self.max_config_bytes, 1024, f"{key}.max_config_bytes")
+        at_least(self.max_tokenizer_bytes, 1024, f"{key}.max_tokenizer_bytes")
 
 
 # Zoo architectures the default test suite checks against every registry-wide rule, at a small

@@ -98,7 +98,8 @@ class ResumeError(UserError, ValueError):
 
 # What inference needs from a checkpoint; a weights-only best.pt holds just these.
 INFERENCE_KEYS = ("model", "config", "preprocessing", "pretrained", "data_spec", "model_name",
-                  "kiln_version", "state", "contract", "plugins")  # fmt: skip
+                  "kiln_version", "state", "contract", "plugins",
+                  files.EMBEDDED_SHA256)  # fmt: skip
 
 
 # The metric that breaks ties on the monitored one (lower is better); its value at the best

@@ -78,6 +78,10 @@ RULES: dict[str, str] = {
     "plugins": HARMLESS,
     "init_from": HARMLESS,  # not applied on resume: the checkpoint's weights win
     "extra": HARMLESS,
+    # model=hf's limits on what its folder may ask for: checked at start-up, never trained on
+    "model.max_params": HARMLESS,
+    "model.max_config_bytes": HARMLESS,
+    "model.max_tokenizer_bytes": HARMLESS,
 }
 
 

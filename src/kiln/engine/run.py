@@ -18,6 +18,7 @@ from torch.utils.data import Subset
 
 import kiln
 from kiln import run_lock
+from kiln.checkpoint import EMBEDDED_SHA256, embedded_hashes
 from kiln.config import KilnConfig, to_plain
 from kiln.data import DataBundle, build_data, build_dataloaders, example_batch
 from kiln.data.extremes import probe_batches
@@ -409,10 +410,14 @@ def checkpoint_record(
 ) -> dict[str, Any]:
     """What every checkpoint carries besides the training state: enough to rebuild the model and
     repeat its preprocessing, as plain data. "pretrained": what the model's weights expect
-    (the data may have followed it: an image recipe's own `pretrained` says so)."""
+    (the data may have followed it: an image recipe's own `pretrained` says so). The files
+    the preprocessing embeds (tokenizer.json, config.json, the record itself) are hashed, so
+    inference refuses one edited since (kiln.checkpoint.check_embedded)."""
+    preprocessing = bundle.recipe.to_dict()
     return {
         "config": to_plain(cfg),
-        "preprocessing": bundle.recipe.to_dict(),
+        "preprocessing": preprocessing,
+        EMBEDDED_SHA256: embedded_hashes(preprocessing),
         "pretrained": pretrained.to_dict() if pretrained is not None else None,
         "data_spec": bundle.spec.to_dict(),
         "model_name": cfg.model.name,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.checkpoint import load_checkpoint
+from kiln.checkpoint import EMBEDDED_SHA256, check_embedded, embedded_hashes, load_checkpoint
 from kiln.config import option_from_dict
 from kiln.data.spec import DataSpec
 from kiln.errors import MissingFileError
@@ -26,7 +26,7 @@ from kiln.inference.errors import (
 from kiln.models import build_model, without_weights
 from kiln.preprocessing import Recipe, recipe_from_dict
 from kiln.preprocessing.pretrained import pretrained_from_dict
-from kiln.registry import load_plugins, require_plugin_packages
+from kiln.registry import check_plugins
 
 BEST_CHECKPOINT = "best.pt"
 
@@ -43,6 +43,9 @@ class ModelRecord:
     plugin_sources: dict[str, str] = field(default_factory=dict)
     # {module: {distribution, version, entry_point}}: the installed packages its plugins came from
     plugin_packages: dict[str, dict] = field(default_factory=dict)
+    # {file: sha256} of the files `recipe.to_dict()` embeds (kiln.checkpoint.embedded_hashes):
+    # an ONNX export's sidecar holds them, and is refused when its preprocessing was edited
+    embedded_sha256: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +57,7 @@ class ModelRecord:
             "checkpoint_sha256": self.checkpoint_sha256,
             "plugin_sources": self.plugin_sources,
             "plugin_packages": self.plugin_packages,
+            EMBEDDED_SHA256: self.embedded_sha256,
         }
 
     @classmethod
@@ -96,18 +100,22 @@ def check_policy(record: ModelRecord, source: Path) -> None:
 
 
 def read_checkpoint(path: str | Path) -> tuple[ModelRecord, dict[str, Any]]:
-    """(record, model state dict) from a training checkpoint, after the support/policy checks."""
+    """(record, model state dict) from a training checkpoint, after the support/policy checks
+    and the check of the files it embeds against their recorded hashes."""
     path = Path(path)
     ckpt = load_checkpoint(path)
+    check_embedded(ckpt, path)
+    recipe = recipe_from_dict(ckpt["preprocessing"])
     record = ModelRecord(
         spec=DataSpec.from_dict(ckpt["data_spec"]),
-        recipe=recipe_from_dict(ckpt["preprocessing"]),
+        recipe=recipe,
         config=ckpt["config"],
         model_name=ckpt["model_name"],
         checkpoint_name=path.name,
         checkpoint_sha256=file_sha256(path),
         plugin_sources=(ckpt.get("plugins") or {}).get("sources", {}),
         plugin_packages=(ckpt.get("plugins") or {}).get("packages", {}),
+        embedded_sha256=embedded_hashes(recipe.to_dict()),  # of what a sidecar will hold
     )
     check_supported(record, path)
     check_policy(record, path)
@@ -174,7 +182,9 @@ def read_sidecar(onnx_path: Path) -> ModelRecord:
             f"{sidecar} is missing: it holds the preprocessing for {onnx_path.name}; re-run "
             "`python infer.py mode=export ckpt=<the .pt>`"
         )
-    record = ModelRecord.from_json(json.loads(sidecar.read_text()))
+    data = json.loads(sidecar.read_text())
+    check_embedded(data, sidecar)
+    record = ModelRecord.from_json(data)
     check_supported(record, onnx_path)
     check_policy(record, onnx_path)
     return record
@@ -188,10 +198,14 @@ def rebuild_model(record: ModelRecord, state_dict: dict[str, Any]) -> nn.Module:
     """The trained network in eval mode. A model trained with an auxiliary head (by
     model.aux_head or the loss branch) has `aux.*` weights, so it is rebuilt with one. Pretrained
     weights (a zoo model's model.weights) are not read again: the state dict holds them."""
-    # A user's model registers itself when its module is imported: from here, or from where
-    # the training run found it.
-    require_plugin_packages(record.plugin_packages, record.checkpoint_name)
-    load_plugins(record.config.get("plugins", []), record.plugin_sources)
+    # A user's model registers itself when its module is imported: by the user (infer.py
+    # plugins=[...]), never on the checkpoint's word.
+    check_plugins(
+        list(record.config.get("plugins") or []),
+        record.plugin_packages,
+        record.plugin_sources,
+        record.checkpoint_name,
+    )
     aux_head = any(key.startswith("aux.") for key in state_dict)
     model_cfg = without_weights(option_from_dict("model", record.config["model"]))
     pretrained = pretrained_from_dict(getattr(record.recipe, "pretrained", None))

@@ -19,7 +19,7 @@ import pandas as pd
 import yaml
 
 from kiln.atomic import atomic_file, write_text
-from kiln.commands import infer, shown
+from kiln.commands import infer, plugin_override, run_config, shown
 from kiln.logging.summary import SUMMARY_FILE, SUMMARY_KEYS, read_summary
 from kiln.sorting import natural_key
 
@@ -259,11 +259,12 @@ def best_run(frame: pd.DataFrame, sweep_dir: str | Path) -> list[str]:
     lines = [f"Best {metric}: {frame[metric].iloc[best]:.4g} in {shown(run_dir)}"]
     ckpt = run_dir / "checkpoints" / "best.pt"
     if ckpt.is_file():
+        args = f"ckpt={shown(ckpt)}", *plugin_override(run_config(run_dir))
         lines[0] += ":"
         lines += [
             "",
-            f"    {infer('mode=export', f'ckpt={shown(ckpt)}')}   # ONNX, parity-checked",
-            f"    {infer('mode=serve', f'ckpt={shown(ckpt)}')}   # HTTP on 127.0.0.1:8000",
+            f"    {infer('mode=export', *args)}   # ONNX, parity-checked",
+            f"    {infer('mode=serve', *args)}   # HTTP on 127.0.0.1:8000",
         ]
     return lines
 

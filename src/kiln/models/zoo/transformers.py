@@ -8,17 +8,24 @@
     model.weights  auto: the weights beside config.json (none for a model type); null: random
                  weights from the config; a .safetensors/.bin/.pt file
 
-The weights are read by kiln.models.weights.read_state_dict (the one reader) and matched by name
-and shape: a head of another size (another number of classes) is re-initialised and said so, as
-for the other zoo models. The tokenizer and config.json travel in the checkpoint (PretrainedText),
+Before transformers opens a folder's files, kiln.models.zoo.hf_folder checks them (confined to
+the folder, sizes bounded, no `auto_map` code) and kiln.models.zoo.hf_size counts the model its
+config.json asks for on the meta device; transformers is always called with
+trust_remote_code=False and with nothing to read on stdin. The weights are read by
+kiln.models.weights.read_state_dict (the one reader) and matched by name and shape: a head of
+another size (another number of classes) is re-initialised and said so, as for the other zoo
+models. The tokenizer and config.json travel in the checkpoint (PretrainedText),
 so inference and serving need neither the folder nor the hub again."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,15 +39,24 @@ from kiln.config.model import HfConfig
 from kiln.errors import first_few
 from kiln.models.weights import WeightsError, check_values, read_state_dict
 from kiln.models.zoo.cache import hub_cache_dir, weight_file
+from kiln.models.zoo.hf_folder import (
+    CONFIG_FILE,
+    SHARD_INDEXES,
+    WEIGHT_FILES,
+    check_folder,
+    check_weights_fit_memory,
+    folder_root,
+    read_json,
+    shard_files,
+)
+from kiln.models.zoo.hf_size import check_model_size
 from kiln.models.zoo.wrappers import HfClassifier
 from kiln.preprocessing.pretrained import PretrainedText
+from kiln.threads import available_memory
 
 log = logging.getLogger(__name__)
 
 AUTO_WEIGHTS = "auto"
-# What save_pretrained writes, in the order transformers itself prefers them.
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 # A model type built from scratch: small enough for a CPU run in seconds (model.config grows it).
 SMALL_SIZE = {
     "hidden_size": 64,
@@ -130,11 +146,21 @@ def hf_preprocessing(cfg: HfConfig) -> PretrainedText | None:
         if cfg.weights not in (None, AUTO_WEIGHTS):
             weight_file(cfg.weights)  # a file for a from-scratch type: it must exist
         return None
-    weights_of(source, cfg.weights)  # a missing weights file fails now, not after the data
+    # The folder's files, then the size its config.json asks for, then its weights' files, all
+    # before transformers reads any of them (and before the data is built).
+    config = check_folder(
+        source.folder,
+        source.label,
+        max_config_bytes=cfg.max_config_bytes,
+        max_tokenizer_bytes=cfg.max_tokenizer_bytes,
+    )
+    check_size(transformers_config(config, cfg, source.label), cfg, source.label)
+    path = weights_of(source, cfg.weights)  # a missing weights file fails now, not after the data
+    if path is not None:
+        check_weights_fit_memory(weight_files(path, source, cfg), available_memory(), source.label)
     tokenizer = fast_tokenizer(source)
     backend = tokenizer.backend_tokenizer
     tokenizer_json = backend.to_str()
-    config = config_dict(source.folder)
     pad_id = tokenizer.pad_token_id
     if pad_id is None:  # GPT-style vocabularies: pad with end-of-text, masked all the same
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
@@ -159,13 +185,28 @@ def folder_sep_id(folder: Path) -> int | None:
     return fast_tokenizer(HfSource(str(folder), folder, f"hf folder {folder}")).sep_token_id
 
 
+@contextlib.contextmanager
+def nothing_on_stdin():
+    """stdin replaced by an empty stream: a library that asks (transformers' "[y/N]" before it
+    runs a folder's code) reads end-of-file, never what a user or `yes |` would type."""
+    saved = sys.stdin
+    with open(os.devnull, encoding="utf-8") as empty:
+        sys.stdin = empty
+        try:
+            yield
+        finally:
+            sys.stdin = saved
+
+
 def fast_tokenizer(source: HfSource):
     from transformers import AutoTokenizer
 
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), nothing_on_stdin():
             warnings.simplefilter("ignore")
-            tokenizer = AutoTokenizer.from_pretrained(str(source.folder), local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(source.folder), local_files_only=True, trust_remote_code=False
+            )
     except (OSError, ValueError, TypeError, KeyError) as err:
         raise ConfigError(
             f"{source.label}: no tokenizer could be read ({str(err).splitlines()[0][:200]})",
@@ -183,8 +224,82 @@ def fast_tokenizer(source: HfSource):
     return tokenizer
 
 
-def config_dict(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / "config.json").read_text(encoding="utf-8"))
+def config_dict(folder: Path, cfg: HfConfig, label: str) -> dict[str, Any]:
+    """The folder's config.json, bounded by model.max_config_bytes before it is parsed."""
+    return read_json(folder / CONFIG_FILE, cfg.max_config_bytes, label, "model.max_config_bytes")
+
+
+def transformers_config(data: dict[str, Any], cfg: HfConfig, label: str) -> Any:
+    """config.json as its transformers config class (never a class of the folder's own: a
+    recorded or checked config.json's `auto_map` is dropped, the class is model_type's), with
+    model.config's changes."""
+    from transformers import CONFIG_MAPPING
+
+    data = {k: v for k, v in data.items() if k != "auto_map"}
+    model_type = data.pop("model_type", None)
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(
+            f"{label}: config.json has model_type {model_type!r}, which transformers does not "
+            "know", "model.arch",
+            "use a model saved by save_pretrained of a transformers architecture",
+        )  # fmt: skip
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(data)
+    except (ValueError, TypeError, KeyError) as err:  # the config class refuses the file's values
+        raise ConfigError(
+            f"{label}: transformers cannot read its config.json "
+            f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__})",
+            "model.arch", "save the model again with save_pretrained",
+        ) from None  # fmt: skip
+    for key, value in dict(cfg.config).items():
+        if not hasattr(config, key):
+            raise ConfigError(
+                f"{type(config).__name__} has no setting {key!r}", f"model.config.{key}",
+                "use a key of the model's config.json",
+            )  # fmt: skip
+        setattr(config, key, value)
+    return config
+
+
+def check_size(
+    config: Any, cfg: HfConfig, label: str, length: int | None = None, name: str = "config.json"
+) -> None:
+    """The model `config` describes, counted on the meta device, against model.max_params and
+    the memory this process may take (kiln.models.zoo.hf_size); a config.json whose model
+    transformers cannot build is one error too. `name`: what the error calls the config."""
+    try:
+        check_model_size(
+            config,
+            label,
+            max_params=cfg.max_params,
+            available=available_memory(),
+            length=length,
+            config_name=name,
+        )
+    except (ValueError, TypeError, IndexError, AttributeError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        # transformers' own refusal of the sizes (hidden_size not a multiple of the heads...)
+        raise ConfigError(
+            f"{label}: transformers cannot build the model its config.json describes "
+            f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__})",
+            "model.arch", "save the model again with save_pretrained",
+        ) from None  # fmt: skip
+
+
+# (config.json as JSON, max_length, model.max_params) already judged to fit: the run's own
+# later copies of its model (the probes' fresh builds) are not judged again against a memory
+# the first copy now holds.
+_FITS: set[tuple[str, int | None, int | None]] = set()
+
+
+def check_size_once(config: Any, cfg: HfConfig, source: HfSource, length: int | None) -> None:
+    key = (config.to_json_string(use_diff=False), length, cfg.max_params)
+    if key not in _FITS:
+        # a model type's config is kiln's small size with model.config's changes
+        name = "config.json" if source.folder is not None else "config (with model.config)"
+        check_size(config, cfg, source.label, length, name)
+        _FITS.add(key)
 
 
 def position_limit(config: dict[str, Any], model_max_length: int | None = None) -> int:
@@ -226,15 +341,18 @@ def build_hf(
     elif pretrained is None:
         source = resolve_source(cfg.arch)
     config = architecture(spec, cfg, source, pretrained)
+    if source is not None and not torch.empty(0).is_meta:  # a checkpoint's: its weights' size
+        check_size_once(config, cfg, source, spec.max_length)
     from transformers import AutoModelForSequenceClassification
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), nothing_on_stdin():
         warnings.simplefilter("ignore")
-        net = AutoModelForSequenceClassification.from_config(config)
+        net = AutoModelForSequenceClassification.from_config(config, trust_remote_code=False)
     if cfg.weights is not None and source is not None:
         path = weights_of(source, cfg.weights)
         if path is not None:
-            load_hf_weights(net, read_weights(path), label=f"{source.label} ({path.name})")
+            files = weight_files(path, source, cfg)
+            load_hf_weights(net, read_weights(files), label=f"{source.label} ({path.name})")
     elif cfg.weights is None and source is not None and source.folder is not None:
         log.info("model.weights=null: %s built from its config.json, random weights", cfg.arch)
     if cfg.gradient_checkpointing:
@@ -322,19 +440,13 @@ def _is_folder_or_hub(arch: str) -> bool:
 def architecture(spec, cfg: HfConfig, source: HfSource | None, pretrained) -> Any:
     """The transformers config: config.json (recorded, or the folder's) or a small one of the
     model type, then model.config's changes, then the data's classes."""
-    from transformers import CONFIG_MAPPING, AutoConfig
+    from transformers import AutoConfig
 
     if pretrained is not None or (source is not None and source.folder is not None):
+        label = getattr(source, "label", cfg.arch)
         recorded = pretrained.model_config if pretrained is not None else None
-        data = dict(recorded if recorded is not None else config_dict(source.folder))
-        model_type = data.pop("model_type", None)
-        if model_type not in CONFIG_MAPPING:
-            raise ConfigError(
-                f"{getattr(source, 'label', cfg.arch)}: config.json has model_type "
-                f"{model_type!r}, which transformers does not know", "model.arch",
-                "use a model saved by save_pretrained of a transformers architecture",
-            )  # fmt: skip
-        config = CONFIG_MAPPING[model_type].from_dict(data)
+        data = recorded if recorded is not None else config_dict(source.folder, cfg, label)
+        config = transformers_config(data, cfg, label)
         if spec.vocab_size is not None and spec.vocab_size > config.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {spec.vocab_size} tokens, the model's embeddings "
@@ -363,13 +475,13 @@ def architecture(spec, cfg: HfConfig, source: HfSource | None, pretrained) -> An
                 "give a folder save_pretrained wrote at the size you want (model.arch=<folder>), "
                 "or a text-only model type (bert, roberta, llama, ...)",
             )  # fmt: skip
-    for key, value in dict(cfg.config).items():
-        if not hasattr(config, key):
-            raise ConfigError(
-                f"{type(config).__name__} has no setting {key!r}", f"model.config.{key}",
-                "use a key of the model's config.json",
-            )  # fmt: skip
-        setattr(config, key, value)
+        for key, value in dict(cfg.config).items():
+            if not hasattr(config, key):
+                raise ConfigError(
+                    f"{type(config).__name__} has no setting {key!r}", f"model.config.{key}",
+                    "use a key of the model's config.json",
+                )  # fmt: skip
+            setattr(config, key, value)
     if cfg.dropout > 0:
         if not hasattr(config, "classifier_dropout"):
             log.warning("model.dropout=%s ignored: %s has no classifier_dropout",
@@ -409,15 +521,22 @@ def weights_of(source: HfSource, weights: str | None) -> Path | None:
     )  # fmt: skip
 
 
-def read_weights(path: Path) -> dict[str, Tensor]:
-    """A state dict from a weights file, or from every shard a *.index.json names."""
-    if path.name.endswith(".index.json"):
-        shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
-        state: dict[str, Tensor] = {}
-        for shard in shards:
-            state.update(read_state_dict(path.parent / shard, "model.weights"))
-        return state
-    return read_state_dict(path, "model.weights")
+def weight_files(path: Path, source: HfSource, cfg: HfConfig) -> list[Path]:
+    """The files model.weights reads: `path`, or every shard a *.index.json of the folder names
+    (each confined to the folder's root: kiln.models.zoo.hf_folder.shard_files)."""
+    if not path.name.endswith(".index.json"):
+        return [path]
+    own = cfg.weights == AUTO_WEIGHTS and source.folder is not None  # else the user's own file
+    root = folder_root(source.folder if own else path.parent)
+    return shard_files(path, root, source.label, cfg.max_config_bytes)
+
+
+def read_weights(files: list[Path]) -> dict[str, Tensor]:
+    """A state dict from a weights file, or from every shard of an index (`weight_files`)."""
+    state: dict[str, Tensor] = {}
+    for file in files:
+        state.update(read_state_dict(file, "model.weights"))
+    return state
 
 
 def load_hf_weights(net: nn.Module, state: dict[str, Tensor], *, label: str) -> None:
