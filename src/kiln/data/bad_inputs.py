@@ -26,11 +26,12 @@ class BadInputLog:
     counts: dict[str, int] = field(default_factory=dict)  # reason -> inputs dropped
     records: list[dict] = field(default_factory=list)
 
-    def add(self, record: dict) -> None:
-        """One input dropped: `record` holds its "reason" and where it is."""
+    def add(self, record: dict, count: int = 1) -> None:
+        """`count` inputs dropped (one, or many that one record stands for): `record` holds
+        their "reason" and where they are."""
         reason = record["reason"]
         listed = self.counts.get(reason, 0)
-        self.counts[reason] = listed + 1
+        self.counts[reason] = listed + count
         if self.listed_per_reason is None or listed < self.listed_per_reason:
             self.records.append(record)
 
