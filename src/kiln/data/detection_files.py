@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from kiln.config.data import DetectionFilesConfig
-from kiln.data.bad_inputs import BadInputLog
+from kiln.data.bad_inputs import BadInputLog, changed_file
 from kiln.data.image_scan import VerdictCache, default_cache_dir, verify_file
 from kiln.data.shapes_detection import collate_image_list
 from kiln.data.spec import DataBundle, DataSpec
@@ -303,9 +303,7 @@ class DetectionImages(Dataset):
         try:
             pixels = read_image_file(path, 3, self.max_pixels)
         except (OSError, ValueError) as err:  # changed or removed since it was checked
-            raise DetectionDataError(
-                f"{path}: {err} (the file changed since it was checked)"
-            ) from None
+            raise changed_file(path, err) from None
         image = pixels.to(torch.float32).div_(255.0) if scale else pixels
         target = {"boxes": torch.from_numpy(self.boxes[index]).clone(),
                   "labels": torch.from_numpy(self.labels[index]).clone()}  # fmt: skip

@@ -54,6 +54,18 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
+def display_name(name: str) -> str:
+    """A file or folder name (or path) as text every writer takes. A name that is not UTF-8 on
+    disk reaches Python with its bytes as lone surrogates, which UTF-8 files, JSON readers and
+    fonts refuse (a class folder b"caf\\xe9" crashed infer.py's table and evaluate's plot):
+    those bytes become `\\xNN` escapes, "caf\\xe9" -- the same name every time it is read."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(name).decode("utf-8", "backslashreplace")
+    return name
+
+
 def os_detail(err: OSError) -> str:
     """An OSError as a person reads it, without the path (the caller names it): "Permission
     denied", "dangling symbolic link", "symbolic link loop"."""
