@@ -72,7 +72,8 @@ def hostile_cases(out: Path) -> dict:
 
     images = out / "images"
     images.mkdir(exist_ok=True)
-    Image.new("RGB", (40, 30), (90, 120, 30)).save(images / "a.png")
+    for name in "abcde":  # five: a validation split of one
+        Image.new("RGB", (40, 30), (90, 120, 30)).save(images / f"{name}.png")
     cases = {}
     deep = out / "deep.json"
     deep.write_text(deep_json())
@@ -84,7 +85,8 @@ def hostile_cases(out: Path) -> dict:
     crowded = out / "crowded.json"
     boxes = [{"id": i, "image_id": 1, "category_id": 1, "bbox": [i % 30, i % 20, 5, 5]}
              for i in range(1_000_000)]  # fmt: skip
-    crowded.write_text(json.dumps({"images": [{"id": 1, "file_name": "a.png"}],
+    others = [{"id": 2 + k, "file_name": f"{n}.png"} for k, n in enumerate("bcde")]
+    crowded.write_text(json.dumps({"images": [{"id": 1, "file_name": "a.png"}, *others],
                                    "annotations": boxes,
                                    "categories": [{"id": 1, "name": "x"}]}))  # fmt: skip
     cases["one image with 1,000,000 boxes (kept 1,000)"] = [f"data.train_json={crowded}"]
@@ -93,7 +95,8 @@ def hostile_cases(out: Path) -> dict:
     yolo = out / "yolo"
     (yolo / "images" / "train").mkdir(parents=True, exist_ok=True)
     (yolo / "labels" / "train").mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", (40, 30)).save(yolo / "images" / "train" / "a.png")
+    for name in "abcde":
+        Image.new("RGB", (40, 30)).save(yolo / "images" / "train" / f"{name}.png")
     with (yolo / "labels" / "train" / "a.txt").open("wb") as f:
         f.truncate(100 * 2**20)
     (yolo / "data.yaml").write_text("names: [x]\n")
@@ -115,6 +118,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--images", type=int, default=118_287)
     parser.add_argument("--skip-pycocotools", action="store_true")
+    parser.add_argument("--only-refusals", action="store_true", help="the hostile inputs only")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "coco2017_like.json"
@@ -122,15 +126,17 @@ def main() -> None:
         print(f"writing {path}", file=sys.stderr)
         write_coco_like(path, args.images, 7, polygon_points=26)
     results = {"file_mib": path.stat().st_size / 2**20, "imports_only": run(IMPORTS)}
-    results["kiln"] = run(CHILD, "kiln", str(path))
-    if not args.skip_pycocotools:
+    if not args.only_refusals:
+        results["kiln"] = run(CHILD, "kiln", str(path))
+    if not args.skip_pycocotools and not args.only_refusals:
         results["pycocotools"] = run(CHILD, "pycocotools", str(path))
     results["refused"] = {name: run(REFUSE, *overrides)
                           for name, overrides in hostile_cases(args.out).items()}  # fmt: skip
     results["date"] = time.strftime("%Y-%m-%d")
     results["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                                        capture_output=True, text=True).stdout.strip()  # fmt: skip
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    name = "refusals.json" if args.only_refusals else "results.json"
+    (args.out / name).write_text(json.dumps(results, indent=1))
     print(f"| reader | peak RSS | wall | ({results['file_mib']:.0f} MiB file) |")
     print("|---|---|---|---|")
     for name in ("kiln", "pycocotools"):
