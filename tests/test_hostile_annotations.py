@@ -85,14 +85,16 @@ def test_a_coco_file_is_parsed_with_bounded_memory(tmp_path):
 def test_a_coco_file_past_max_json_bytes_is_refused_before_parsing(tmp_path):
     images, entries, boxes = six_images(tmp_path)
     path = coco_file(tmp_path / "train.json", entries, boxes * 20)  # 2.4 KB
+    cfg = compose_config("data=coco", "model=detector", f"data.train_json={path}",
+                         f"data.train_images={images}", "data.max_json_bytes=1024")  # fmt: skip
     started = time.perf_counter()
     with pytest.raises(
         DetectionDataError,
         match=r"is [\d,]+ bytes, over the limit of 1,024 .*"
         r"\(data\.train_json\): refused before parsing; raise data\.max_json_",
     ):
-        coco_data(tmp_path, path, images, "data.max_json_bytes=1024")
-    assert time.perf_counter() - started < 1.0
+        build_data(cfg.data)
+    assert time.perf_counter() - started < 2.0
 
 
 @pytest.mark.parametrize("where", ["images", "info"])
@@ -237,3 +239,45 @@ def test_yolo_boxes_past_the_limit_are_counted(tmp_path):
     report = bundle.report["train_files"]["annotations"]
     assert report["dropped"] == {"too_many_boxes": 20}
     assert report["annotations_read"] == 35 and report["annotations_kept"] == 15
+
+
+def random_json(rng, depth: int = 0):
+    if depth > 3 or rng.random() < 0.3:
+        return rng.choice([1, -2.5e10, 123456789, 'a"b\\c', "é", None, True, 0.1, "", 1e-7])
+    if rng.random() < 0.5:
+        return [random_json(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    return {f"k{i}": random_json(rng, depth + 1) for i in range(rng.randint(0, 4))}
+
+
+def test_the_stream_reads_what_json_loads_reads_across_every_cut(monkeypatch):
+    """Read 7 characters at a time, every value is cut somewhere (a number's exponent, a
+    string's escape): what the stream gives is what json.loads gives."""
+    import io
+    import random
+
+    from kiln.data import json_stream
+
+    monkeypatch.setattr(json_stream, "CHUNK_CHARS", 7)
+    rng = random.Random(0)
+    for _ in range(1500):
+        document = {f"m{j}": random_json(rng) for j in range(rng.randint(0, 5))}
+        text = json.dumps(document, indent=rng.choice([None, 1, 4]))
+        stream, read = json_stream.JsonStream(io.StringIO(text), 10**6), {}
+        for key in stream.members():
+            read[key] = list(stream.elements()) if stream.next_is_array() else stream.value()
+        assert read == document, text
+
+
+def test_a_mistake_early_in_a_large_file_is_named_where_it_is(tmp_path, monkeypatch):
+    """A decode error well before the buffer's end is the file's own: named at once, not read
+    on until the element limit (1 MiB here) and then blamed on the size."""
+    from kiln.data import coco
+
+    monkeypatch.setattr(coco, "MAX_ELEMENT_CHARS", 2**20)
+    images = ",".join(json.dumps({"id": i, "file_name": f"{i}.png"}) for i in range(60_000))
+    path = tmp_path / "bad.json"
+    path.write_text('{"images": [{"id": 1,, "file_name": "a.png"}, ' + images + "]}")
+    assert path.stat().st_size > 2 * 2**20
+    expected = r"Expecting property name .*\(line 1, column 22\)"
+    with pytest.raises(DetectionDataError, match=expected):
+        read_coco_file(path, "train_json", max_bytes=2**30)

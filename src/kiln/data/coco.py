@@ -83,11 +83,8 @@ def read_coco_file(path: Path, key: str, max_bytes: int) -> CocoFile:
                 f"{path} is {err.detail} (data.{key}): refused before parsing; raise "
                 "data.max_json_bytes if the file is a real annotation file"
             ) from None
-        what = "no such file" if err.detail == "no such file" else f"cannot read {path}"
-        raise DetectionDataError(
-            f"{what}: {path if what == 'no such file' else err.detail} (data.{key}): give a "
-            "COCO instances JSON file"
-        ) from None
+        what = f"no such file: {path}" if err.detail == "no such file" else str(err)
+        raise DetectionDataError(f"{what} (data.{key}): give a COCO instances JSON file") from None
     coco, seen = CocoFile(path), set()
     with io.TextIOWrapper(binary, encoding="utf-8-sig") as text:
         stream = JsonStream(text, MAX_ELEMENT_CHARS)

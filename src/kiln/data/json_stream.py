@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 CHUNK_CHARS = 1 << 20  # characters read at a time
+CUT_MARGIN = 1024  # a decode error this near the buffer's end may be the end's cut: read on
 _SPACE = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
 
@@ -99,7 +100,10 @@ class JsonStream:
                     self.pos = end
                     return value
             except json.JSONDecodeError as err:
-                if self.eof:
+                # More of the file can mend only what the buffer's end cut (a string left open
+                # may start anywhere); a mistake well before the end is the file's own.
+                cut = err.pos >= len(self.buf) - CUT_MARGIN or err.msg.startswith("Unterminated")
+                if self.eof or not cut:
                     raise self._error(err.msg, err.pos) from None
             except RecursionError:
                 raise self._error(
