@@ -59,8 +59,8 @@ def coco_bundle(tmp_path):
     return build_data(cfg.data)
 
 
-@pytest.mark.parametrize("kind", ["image_folder", "coco"])
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("kind", "workers"), [("image_folder", 0), ("image_folder", 2),
+                                               ("coco", 0)])  # fmt: skip
 def test_an_image_deleted_after_the_scan_is_one_error_line(tmp_path, kind, workers):
     if kind == "coco":
         bundle = coco_bundle(tmp_path)
@@ -91,7 +91,7 @@ def test_a_run_whose_images_vanish_after_the_scan_stops_on_one_line(tmp_path, te
 
     cfg = temporary_model("vanishing_mlp", vanishing, "data=image_folder",
                           f"data.train_dir={train}", f"data.cache_dir={tmp_path / 'cache'}",
-                          *TINY[:1], *TINY[2:], "data.num_workers=2")  # fmt: skip
+                          *TINY[:1], *TINY[2:])  # fmt: skip
     from kiln.engine.run import train as run_training
 
     with pytest.raises(FileChangedError, match=r"^a file changed since the data was checked"):
