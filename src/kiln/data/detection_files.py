@@ -47,7 +47,7 @@ BAD_LINE = "bad_label_line"  # YOLO: a line that is not `class cx cy w h` number
 DUPLICATE_IMAGE = "duplicate_image_id"  # COCO: a second image entry with an id already seen
 TOO_MANY_BOXES = "too_many_boxes"  # an image's boxes past data.max_boxes_per_image
 OUTSIDE_ROOT = "outside_images_root"  # a file_name (or a link) leading out of the images folder
-LABEL_FILE = "label_file"  # YOLO: a label file too large or not a regular file (its boxes)
+LABEL_FILE = "label_file"  # YOLO: a label file too large, not regular or linked out: unread
 ANNOTATION_REASONS = (MISSING_IMAGE, UNKNOWN_IMAGE, BOX_OUTSIDE, ZERO_AREA, UNKNOWN_CATEGORY,
                       BAD_LINE, TOO_MANY_BOXES, LABEL_FILE)  # fmt: skip
 IMAGE_REASONS = (MISSING_IMAGE, DUPLICATE_IMAGE, OUTSIDE_ROOT, "empty_file", "truncated",
