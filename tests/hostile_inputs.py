@@ -271,3 +271,62 @@ def make_hostile_tree(base) -> dict:
         + (how["file"] == "a link to a file no one may read")
         + (how["folder"] is not None and how["folder"].startswith("a link")),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile annotation files (data=coco, data=yolo)
+
+
+def deep_json(depth: int = 100_000) -> str:
+    """A COCO file whose first image is a list nested `depth` deep (json.loads: RecursionError)."""
+    return '{"images": [' + "[" * depth + "]" * depth + '], "annotations": [], "categories": []}'
+
+
+def yaml_bomb(levels: int = 9) -> str:
+    """Billion laughs as a data.yaml: `names` is nine lists of nine aliases of the list before,
+    9**9 (387 M) "lol"s for whoever walks it; 600 bytes."""
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for level in range(1, levels):
+        refs = ", ".join([f"*a{level - 1}"] * 9)
+        lines.append(f"a{level}: &a{level} [{refs}]")
+    lines.append(f"names: *a{levels - 1}")
+    return "\n".join(lines) + "\n"
+
+
+def write_coco_like(
+    path, num_images: int, boxes_per_image: int, polygon_points: int = 20, seed: int = 0,
+    file_names=None,
+):  # fmt: skip
+    """A COCO instances file shaped like COCO 2017's (each annotation with its polygon
+    segmentation, area, iscrowd; images with their licence and sizes), written element by
+    element: COCO 2017 train is ~118,000 images, ~7.3 boxes each, ~40-point polygons, 448 MiB.
+    `file_names`: the images' names (default img_<i>.jpg). Returns the path."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    names = file_names or [f"img_{i}.jpg" for i in range(num_images)]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write('{"info": {"description": "synthetic", "year": 2017}, "licenses": [], ')
+        f.write('"images": [')
+        for i in range(num_images):
+            image = {"license": 1, "file_name": names[i], "height": 480, "width": 640,
+                     "date_captured": "2013-11-14 17:02:52", "id": i + 1}  # fmt: skip
+            f.write(("," if i else "") + json.dumps(image))
+        f.write('], "annotations": [')
+        ann_id = 0
+        for i in range(num_images):
+            for _ in range(boxes_per_image):
+                x, y = rng.uniform(0, 500), rng.uniform(0, 380)
+                w, h = rng.uniform(5, 140), rng.uniform(5, 100)
+                polygon = [round(rng.uniform(0, 640), 2) for _ in range(2 * polygon_points)]
+                ann = {"segmentation": [polygon], "area": round(w * h, 2), "iscrowd": 0,
+                       "image_id": i + 1, "bbox": [round(v, 2) for v in (x, y, w, h)],
+                       "category_id": 1 + ann_id % 3, "id": ann_id + 1}  # fmt: skip
+                f.write(("," if ann_id else "") + json.dumps(ann))
+                ann_id += 1
+        f.write('], "categories": [')
+        f.write(",".join(json.dumps({"supercategory": "thing", "id": k, "name": f"class{k}"})
+                         for k in (1, 2, 3)))  # fmt: skip
+        f.write("]}")
+    return path

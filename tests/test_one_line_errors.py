@@ -58,6 +58,27 @@ def test_the_grammar_error_of_a_real_train_py_process_is_one_line(tmp_path):
     assert """'init_from="~/w.pt"'""" in done.stderr
 
 
+def test_a_column_named_in_other_letters_reads_with_the_quoting_the_error_shows(tmp_path, capsys):
+    """`data.text_column=Käse` is refused by Hydra's grammar (a letter outside ASCII); the
+    one-line error's quoted override composes, and the data reads that column."""
+    with pytest.raises(SystemExit) as stopped:
+        train_main(["data=csv_text", "data.text_column=Käse"])
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    quoted = line.rsplit("inside quotes for the shell: ", 1)[1]
+    assert quoted == "'data.text_column=\"Käse\"'"
+    path = tmp_path / "käse.csv"
+    rows = [("Käse", "label")] + [(f"text {i} {'ab'[i % 2]}", "ab"[i % 2]) for i in range(40)]
+    path.write_text("".join(f"{a},{b}\n" for a, b in rows), encoding="utf-8")
+    cfg = compose_config("data=csv_text", *shlex.split(quoted), "model=text_bow",
+                         override("data.train_path", str(path)),
+                         f"data.cache_dir={tmp_path / 'cache'}")  # fmt: skip
+    assert cfg.data.text_column == "Käse"
+    from kiln.data import build_data
+
+    assert len(build_data(cfg.data).train) == 32
+
+
 NASTY = [
     "/data/my photos/run 1/last.pt",
     "/data/a,b/last.pt",

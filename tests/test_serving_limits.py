@@ -123,6 +123,53 @@ def test_a_lone_surrogate_fails_only_its_own_request(tmp_path_factory):
     assert v2.status_code == 400 and "lone surrogate" in v2.json()["error"]
 
 
+def resident_mb() -> float:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_huge_and_unclosed_html_texts_neither_block_the_loop_nor_grow_memory(tmp_path_factory):
+    """Five concurrent 10 MB texts took the text server past 6 GB (each tokenized whole before
+    truncation; here, without the limit, all five 504) and 64 KB of unclosed `<!--` held the
+    event loop for seconds: now the long texts are refused (422, server.max_text_chars) before
+    cleaning or tokenizing, the comments clean in linear time, and /healthz answers
+    throughout."""
+    run_dir, _ = text_run(tmp_path_factory)
+    predictor = Predictor.from_checkpoint(run_dir / "checkpoints" / "best.pt")
+    huge = json.dumps({"inputs": ["word " * 2_000_000]})  # 10 MB
+    bodies = [huge] * 5 + [json.dumps({"inputs": ["<!--" * 16_384]})] * 5
+    bodies.append(json.dumps({"inputs": ["match report"]}))
+    with live_server(create_app(predictor)) as server:
+        before, peak, waits = resident_mb(), [0.0], []
+        done = threading.Event()
+
+        def watch():
+            with httpx.Client(base_url=server.url, timeout=30) as client:
+                while not done.is_set():
+                    peak[0] = max(peak[0], resident_mb())
+                    started = time.perf_counter()
+                    assert client.get("/healthz").status_code == 200
+                    waits.append(time.perf_counter() - started)
+                    time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            responses = post_together(server.url, bodies)
+        finally:
+            done.set()
+            watcher.join(timeout=60)
+    assert [r.status_code for r in responses] == [422] * 5 + [200] * 6
+    assert (
+        "item 0: a text of 10,000,000 characters; server.max_text_chars is 1,048,576"
+        in (responses[0].json()["detail"])
+    )
+    assert responses[-1].json()["predictions"] == predictor.predict(["match report"])
+    assert waits and max(waits) < 1.0, max(waits)
+    assert peak[0] - before < 600, f"{peak[0] - before:.0f} MB more resident"
+
+
 def test_a_huge_integer_pixel_is_refused_not_500(digits):
     """Today: an integer literal like 10**400 in a pixel gave 500."""
     huge = "1" + "0" * 400

@@ -245,6 +245,9 @@ class DetectionFilesConfig(DataConfig):
     bad_rows: BadRows = BadRows.drop
     cache_dir: str | None = None  # image file checks; null: ~/.cache/kiln/images
     max_image_pixels: int | None = 89_478_485  # header pixels above: too_large (null: no limit)
+    # an image's boxes past this many (in file order) are left out and counted as
+    # too_many_boxes in data_report.json; COCO 2017's most crowded image has 93
+    max_boxes_per_image: int = 1000
     # training images only, boxes kept in sync (transforms v2, tv_tensors.BoundingBoxes):
     # none | hflip | hflip_scale | ssd; seeded per item, so a resumed run sees the same batches
     augment: DetectionAugment = DetectionAugment.none
@@ -258,6 +261,7 @@ class DetectionFilesConfig(DataConfig):
         in_range(self.val_fraction, 0, 1, f"{key}.val_fraction", open_low=True, open_high=True)
         if self.max_image_pixels is not None:
             at_least(self.max_image_pixels, 1, f"{key}.max_image_pixels")
+        at_least(self.max_boxes_per_image, 1, f"{key}.max_boxes_per_image")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,9 +280,13 @@ class CocoConfig(DetectionFilesConfig):
     val_images: str | None = None  # null: train_images
     test_json: str | None = None  # evaluated once at the end (<run>/eval/)
     test_images: str | None = None  # null: train_images
+    # an annotation file larger than this is refused before it is parsed (it is read element
+    # by element, never held whole); 2 GiB fits COCO 2017 train's 448 MiB and LVIS v1's 1.1 GB
+    max_json_bytes: int = 2 * 2**30
 
     def check(self, key: str) -> None:
         super().check(key)
+        at_least(self.max_json_bytes, 1024, f"{key}.max_json_bytes")
         if self.train_json is None or self.train_images is None:
             raise ConfigError(
                 "no training annotations given",
@@ -302,9 +310,13 @@ class YoloConfig(DetectionFilesConfig):
     test_dir: str | None = None  # evaluated once at the end (<run>/eval/)
     # data.yaml or data.names; null: the first found in train_dir's parent folders
     names_file: str | None = None
+    # a label file (or the names file) larger than this is refused unread: its boxes are
+    # left out as label_file; 1 MiB holds ~25,000 boxes, far past max_boxes_per_image
+    max_label_file_bytes: int = 2**20
 
     def check(self, key: str) -> None:
         super().check(key)
+        at_least(self.max_label_file_bytes, 1024, f"{key}.max_label_file_bytes")
         if self.train_dir is None:
             raise ConfigError(
                 "no training images given",

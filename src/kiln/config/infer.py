@@ -53,6 +53,10 @@ class ServerConfig:
     # sending bombs back to back is held to a few per second, and its CPU (on the same machine:
     # the server's) with it. Good requests are never delayed. 0: answer at once.
     refusal_delay_ms: float = 500.0
+    # Texts (text models): a longer text is a 422 naming the item, before it is cleaned or
+    # tokenized (a tokenizer holds every token of a text before truncating it to max_length);
+    # the default is training's data.max_field_bytes
+    max_text_chars: int = 1_048_576
     model_name: str = "kiln"  # the <name> in /v2/models/<name> (and the Triton model's folder)
 
 
@@ -259,6 +263,7 @@ def validate_server(s: ServerConfig) -> None:
     _at_least("server.decode_threads", s.decode_threads, 0)
     _at_least("server.max_decode_queue_size", s.max_decode_queue_size, 1)
     _at_least("server.refusal_delay_ms", s.refusal_delay_ms, 0)
+    _at_least("server.max_text_chars", s.max_text_chars, 1)
     if s.timeout_ms <= 0:
         raise ArgumentError(f"server.timeout_ms={s.timeout_ms:g}: must be > 0")
     if s.drain_grace_s <= 0:

@@ -14,6 +14,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln.errors import UserError
+
+
+class FileChangedError(UserError, ValueError):
+    """A file the data's scan checked that is gone or no longer reads when its item is loaded
+    (deleted, replaced, truncated during the run): one `error:` line naming it.
+
+    Raised in a DataLoader worker, torch raises it again in the training process as
+    `type(err)("Caught FileChangedError in DataLoader worker process N.\nOriginal Traceback
+    ...\n<module>.FileChangedError: <message>")`; the constructor keeps the message, so the
+    run still ends on one line (tests/test_changing_files.py fails if torch changes this)."""
+
+    def __init__(self, message: str):
+        if message.startswith("Caught ") and "Original Traceback" in message:
+            message = message.rstrip().splitlines()[-1].split(": ", 1)[-1]
+        super().__init__(message)
+
+
+def changed_file(path, err: Exception) -> FileChangedError:
+    """The error for an item whose file changed since the scan checked it."""
+    detail = getattr(err, "detail", None) or getattr(err, "strerror", None) or str(err)
+    return FileChangedError(
+        f"a file changed since the data was checked: {detail} ({path}): restore it, or start "
+        "the run again (the scan leaves out files that are gone or unreadable)"
+    )
+
 
 @dataclass
 class BadInputLog:
@@ -26,11 +52,12 @@ class BadInputLog:
     counts: dict[str, int] = field(default_factory=dict)  # reason -> inputs dropped
     records: list[dict] = field(default_factory=list)
 
-    def add(self, record: dict) -> None:
-        """One input dropped: `record` holds its "reason" and where it is."""
+    def add(self, record: dict, count: int = 1) -> None:
+        """`count` inputs dropped (one, or many that one record stands for): `record` holds
+        their "reason" and where they are."""
         reason = record["reason"]
         listed = self.counts.get(reason, 0)
-        self.counts[reason] = listed + 1
+        self.counts[reason] = listed + count
         if self.listed_per_reason is None or listed < self.listed_per_reason:
             self.records.append(record)
 

@@ -18,8 +18,11 @@ export) and the folder its `file_name`s are relative to:
 
 from __future__ import annotations
 
+import io
 import json
 import time
+from array import array
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.config.data import CocoConfig
@@ -31,70 +34,159 @@ from kiln.data.detection_files import (
     UNKNOWN_IMAGE,
     Annotation,
     BadInput,
+    BoxLimit,
     DetectionDataError,
     DetectionSplit,
     ImageEntry,
     check_entries,
     detection_bundle,
 )
+from kiln.data.json_stream import JsonStream, JsonStreamError
 from kiln.data.spec import DataBundle
+from kiln.preprocessing.file_tree import FileAccessError, open_regular
 
 REQUIRED = ("images", "annotations", "categories")
+EXPECTED = (
+    '{"images": [{"id", "file_name", ...}], "annotations": [{"id", "image_id", "category_id", '
+    '"bbox": [x, y, w, h]}], "categories": [{"id", "name"}]}'
+)
+# One element of the file (an image, an annotation with its segmentation): a longer one is an
+# error. The largest of COCO 2017 (an RLE crowd mask) is under 100 KB.
+MAX_ELEMENT_CHARS = 64 * 2**20
 
 
-def read_json(path: Path, key: str) -> dict:
+@dataclass
+class CocoFile:
+    """What data=coco reads of an instances file: its categories, images and annotations (the
+    boxes as columns: a segmentation or any other key is never kept)."""
+
+    path: Path
+    categories: dict[int, str] = field(default_factory=dict)  # id -> name, in id order
+    images: list[tuple[int, str]] = field(default_factory=list)  # (id, file_name) in file order
+    annotation_ids: list = field(default_factory=list)  # each one's "id" (its position if none)
+    image_ids: array = field(default_factory=lambda: array("q"))
+    category_ids: array = field(default_factory=lambda: array("q"))
+    boxes: array = field(default_factory=lambda: array("d"))  # x, y, w, h of each, flat
+    crowd: bytearray = field(default_factory=bytearray)  # 1: an iscrowd region
+
+
+def read_coco_file(path: Path, key: str, max_bytes: int) -> CocoFile:
+    """The file read element by element (kiln.data.json_stream): memory holds what is kept of
+    it, never the parsed document. Refused before parsing when larger than `max_bytes`
+    (data.max_json_bytes); a malformed file, an element of the wrong shape or JSON nested past
+    the reader's depth is one DetectionDataError naming the file, the key and where."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DetectionDataError(
-            f"no such file: {path} (data.{key}): give a COCO instances JSON file"
-        ) from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise DetectionDataError(f"cannot read {path} (data.{key}): {err}") from None
-    except json.JSONDecodeError as err:
-        raise DetectionDataError(
-            f"{path} is not JSON (data.{key}): {err.msg} at line {err.lineno} column {err.colno}"
-        ) from None
-    missing = [k for k in REQUIRED if not isinstance(data, dict) or k not in data]
+        binary = open_regular(path, max_bytes=max_bytes)
+    except FileAccessError as err:
+        if err.reason == "too_large":
+            raise DetectionDataError(
+                f"{path} is {err.detail} (data.{key}): refused before parsing; raise "
+                "data.max_json_bytes if the file is a real annotation file"
+            ) from None
+        what = f"no such file: {path}" if err.detail == "no such file" else str(err)
+        raise DetectionDataError(f"{what} (data.{key}): give a COCO instances JSON file") from None
+    coco, seen = CocoFile(path), set()
+    with io.TextIOWrapper(binary, encoding="utf-8-sig") as text:
+        stream = JsonStream(text, MAX_ELEMENT_CHARS)
+        try:
+            for member in stream.members():
+                if member in seen and member in REQUIRED:
+                    raise DetectionDataError(f"{path}: '{member}' appears twice (data.{key})")
+                seen.add(member)
+                if member not in REQUIRED:
+                    stream.skip()
+                    continue
+                if not stream.next_is_array():
+                    raise DetectionDataError(
+                        f"{path}: '{member}' is not a list (data.{key}); expected {EXPECTED}"
+                    )
+                read_element = {"images": _image, "annotations": _annotation,
+                                "categories": _category}[member]  # fmt: skip
+                for position, element in enumerate(stream.elements()):
+                    read_element(coco, element, position)
+        except JsonStreamError as err:
+            raise DetectionDataError(f"{path} is not valid JSON (data.{key}): {err}") from None
+        except UnicodeDecodeError as err:
+            raise DetectionDataError(
+                f"{path} is not UTF-8 text (data.{key}): byte {err.object[err.start]:#x}; "
+                "JSON files are UTF-8"
+            ) from None
+        except OSError as err:
+            raise DetectionDataError(f"cannot read {path} (data.{key}): {err}") from None
+    missing = [k for k in REQUIRED if k not in seen]
     if missing:
         raise DetectionDataError(
-            f"{path} is not COCO instances JSON (data.{key}): no {', '.join(missing)}; expected "
-            '{"images": [{"id", "file_name", ...}], "annotations": [{"id", "image_id", '
-            '"category_id", "bbox": [x, y, w, h]}], "categories": [{"id", "name"}]}'
+            f"{path} is not COCO instances JSON (data.{key}): no {', '.join(missing)}; "
+            f"expected {EXPECTED}"
         )
-    return data
-
-
-def categories_of(data: dict, path: Path) -> dict[int, str]:
-    """{category id: name} in id order."""
-    try:
-        found = {int(c["id"]): str(c["name"]) for c in data["categories"]}
-    except (KeyError, TypeError, ValueError):
-        raise DetectionDataError(
-            f"{path}: every entry of 'categories' needs an integer 'id' and a 'name'"
-        ) from None
-    if not found:
+    if not coco.categories:
         raise DetectionDataError(f"{path}: 'categories' is empty: detection needs a class")
-    return dict(sorted(found.items()))
+    coco.categories = dict(sorted(coco.categories.items()))
+    return coco
+
+
+def _shown(element) -> str:
+    return json.dumps(element)[:120]
+
+
+def _image(coco: CocoFile, image, position: int) -> None:
+    try:
+        coco.images.append((int(image["id"]), str(image["file_name"])))
+    except (KeyError, TypeError, ValueError, OverflowError):
+        raise DetectionDataError(
+            f"{coco.path}: images[{position}] needs an integer 'id' and a 'file_name' "
+            f"(got {_shown(image)})"
+        ) from None
+
+
+def _category(coco: CocoFile, category, position: int) -> None:
+    try:
+        coco.categories[int(category["id"])] = str(category["name"])
+    except (KeyError, TypeError, ValueError, OverflowError):
+        raise DetectionDataError(
+            f"{coco.path}: every entry of 'categories' needs an integer 'id' and a 'name' "
+            f"(categories[{position}] is {_shown(category)})"
+        ) from None
+
+
+def _annotation(coco: CocoFile, ann, position: int) -> None:
+    try:
+        ann_id, image_id = ann.get("id", position), int(ann["image_id"])
+        category = int(ann["category_id"])
+        x, y, w, h = (float(v) for v in ann["bbox"])
+        crowd = 1 if ann.get("iscrowd", 0) else 0
+        coco.image_ids.append(image_id)  # an id past int64: OverflowError (and the run stops)
+        coco.category_ids.append(category)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+        raise DetectionDataError(
+            f"{coco.path}: annotations[{position}] needs 'image_id', 'category_id' and "
+            f"'bbox': [x, y, w, h] (got {_shown(ann)})"
+        ) from None
+    coco.annotation_ids.append(ann_id)
+    coco.boxes.extend((x, y, w, h))
+    coco.crowd.append(crowd)
+
+
+def image_path(images_root: Path, file_name: str) -> Path:
+    """Where a file_name points. A Windows tool's `train\\x.jpg` is `train/x.jpg` when no file
+    holds the backslash in its name. Whether it stays inside images_root is checked later
+    (check_entries), before anything is read."""
+    path = images_root / file_name
+    if "\\" in file_name and not path.exists():
+        path = images_root / file_name.replace("\\", "/")
+    return path
 
 
 def read_coco_split(
-    json_path: Path, images_root: Path, label_of: dict[int, int], cfg: CocoConfig, key: str
+    coco: CocoFile, images_root: Path, label_of: dict[int, int], cfg: CocoConfig
 ) -> tuple[DetectionSplit, int]:
     """The checked split of one COCO file, and the number of its iscrowd annotations."""
-    data = read_json(json_path, key)
+    json_path = coco.path
     images_log = BadInputLog(str(json_path), unit="images", reasons=IMAGE_REASONS)
     annotations_log = BadInputLog(str(json_path), unit="annotations", reasons=ANNOTATION_REASONS)
     bad = BadInput(str(cfg.bad_rows), images_log, annotations_log)
     entries: dict[int, ImageEntry] = {}
-    for position, image in enumerate(data["images"]):
-        try:
-            image_id, file_name = int(image["id"]), str(image["file_name"])
-        except (KeyError, TypeError, ValueError):
-            raise DetectionDataError(
-                f"{json_path}: images[{position}] needs an integer 'id' and a 'file_name' "
-                f"(got {json.dumps(image)[:120]})"
-            ) from None
+    for image_id, file_name in coco.images:
         if image_id in entries:
             images_log.read += 1
             first = entries[image_id].path.name
@@ -103,22 +195,19 @@ def read_coco_split(
                  "image_id": image_id, "detail": f"id {image_id} is also {first}"}
             )  # fmt: skip
             continue
-        entries[image_id] = ImageEntry(images_root / file_name, where={"image_id": image_id})
+        entries[image_id] = ImageEntry(image_path(images_root, file_name),
+                                       where={"image_id": image_id})  # fmt: skip
     crowd = 0
-    annotations_log.read = len(data["annotations"])
-    for position, ann in enumerate(data["annotations"]):
-        try:
-            ann_id, image_id = ann.get("id", position), int(ann["image_id"])
-            category = int(ann["category_id"])
-            x, y, w, h = (float(v) for v in ann["bbox"])
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise DetectionDataError(
-                f"{json_path}: annotations[{position}] needs 'image_id', 'category_id' and "
-                f"'bbox': [x, y, w, h] (got {json.dumps(ann)[:120]})"
-            ) from None
+    limit = BoxLimit(cfg.max_boxes_per_image, bad)
+    annotations_log.read = len(coco.annotation_ids)
+    for at, ann_id in enumerate(coco.annotation_ids):
+        image_id, category = coco.image_ids[at], coco.category_ids[at]
+        x, y, w, h = coco.boxes[4 * at : 4 * at + 4]
         entry = entries.get(image_id)
-        if ann.get("iscrowd", 0):
+        if coco.crowd[at]:
             crowd += 1
+            if entry is not None and not limit.room(entry, crowd=True):
+                continue  # counted among the annotations left out (too_many_boxes)
             annotations_log.read -= 1  # not a box to train on, nor a bad one
             if entry is not None:
                 entry.crowd.append(Annotation((x, y, x + w, y + h), label_of.get(category, 0),
@@ -128,10 +217,13 @@ def read_coco_split(
             bad.annotation({"reason": UNKNOWN_IMAGE, "annotation_id": ann_id,
                             "image_id": image_id})  # fmt: skip
             continue
+        if not limit.room(entry):
+            continue
         where = {"annotation_id": ann_id, "image_id": image_id}
         if category not in label_of:
             where["category_id"] = category
         entry.annotations.append(Annotation((x, y, x + w, y + h), label_of.get(category, 0), where))
+    limit.report()
     split = check_entries(list(entries.values()), bad, num_classes=len(label_of),
                           images_root=images_root, cfg=cfg)  # fmt: skip
     return split, crowd
@@ -140,7 +232,8 @@ def read_coco_split(
 def build_coco(cfg: CocoConfig) -> DataBundle:
     started = time.perf_counter()
     train_json = Path(cfg.train_json)
-    categories = categories_of(read_json(train_json, "train_json"), train_json)
+    train = read_coco_file(train_json, "train_json", cfg.max_json_bytes)
+    categories = train.categories
     label_of = {category: label for label, category in enumerate(categories, start=1)}
     splits, crowd = {}, {}
     for split, json_key, images_key in (("train", "train_json", "train_images"),
@@ -155,15 +248,15 @@ def build_coco(cfg: CocoConfig) -> DataBundle:
                 f"no such folder: {images_root} (data.{images_key}): give the folder the "
                 f"file_names of {path} are relative to"
             )
-        if split != "train":
-            others = categories_of(read_json(Path(path), json_key), Path(path))
-            if others != categories:
-                raise DetectionDataError(
-                    f"{path} has other categories than {train_json} (data.{json_key}): "
-                    f"{others} vs {categories}; give files of one labelling"
-                )
-        splits[split], crowd[split] = read_coco_split(Path(path), images_root, label_of, cfg,
-                                                      json_key)  # fmt: skip
+        coco = train if split == "train" else read_coco_file(Path(path), json_key,
+                                                             cfg.max_json_bytes)  # fmt: skip
+        if coco.categories != categories:
+            raise DetectionDataError(
+                f"{path} has other categories than {train_json} (data.{json_key}): "
+                f"{coco.categories} vs {categories}; give files of one labelling"
+            )
+        splits[split], crowd[split] = read_coco_split(coco, images_root, label_of, cfg)
+        train = coco = None  # the split holds what it needs of the file
     extra = {"format": "coco", "categories": {str(k): v for k, v in categories.items()},
              "iscrowd": crowd}  # fmt: skip
     return detection_bundle(cfg, list(categories.values()), splits, val_key="val_json",

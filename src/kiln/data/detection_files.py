@@ -14,6 +14,7 @@ trained on, as torchvision's reference leaves them out."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,13 +25,14 @@ import torch
 from torch.utils.data import Dataset
 
 from kiln.config.data import DetectionFilesConfig
-from kiln.data.bad_inputs import BadInputLog
+from kiln.data.bad_inputs import BadInputLog, changed_file
 from kiln.data.image_scan import VerdictCache, default_cache_dir, verify_file
 from kiln.data.shapes_detection import collate_image_list
 from kiln.data.spec import DataBundle, DataSpec
 from kiln.data.split import stratified_split, val_count
 from kiln.errors import UserError
 from kiln.preprocessing import ImageListRecipe
+from kiln.preprocessing.file_tree import FileAccessError, inside
 from kiln.preprocessing.image_files import read_image_file, read_oriented_size
 
 log = logging.getLogger(__name__)
@@ -43,17 +45,20 @@ ZERO_AREA = "zero_area_box"  # width or height <= 0 (or not finite)
 UNKNOWN_CATEGORY = "unknown_category"  # a category id / class index the names do not have
 BAD_LINE = "bad_label_line"  # YOLO: a line that is not `class cx cy w h` numbers
 DUPLICATE_IMAGE = "duplicate_image_id"  # COCO: a second image entry with an id already seen
+TOO_MANY_BOXES = "too_many_boxes"  # an image's boxes past data.max_boxes_per_image
+OUTSIDE_ROOT = "outside_images_root"  # a file_name (or a link) leading out of the images folder
+LABEL_FILE = "label_file"  # YOLO: a label file too large, not regular or linked out: unread
 ANNOTATION_REASONS = (MISSING_IMAGE, UNKNOWN_IMAGE, BOX_OUTSIDE, ZERO_AREA, UNKNOWN_CATEGORY,
-                      BAD_LINE)  # fmt: skip
-IMAGE_REASONS = (MISSING_IMAGE, DUPLICATE_IMAGE, "empty_file", "truncated", "unreadable",
-                 "too_large", "cannot_open")  # fmt: skip
+                      BAD_LINE, TOO_MANY_BOXES, LABEL_FILE)  # fmt: skip
+IMAGE_REASONS = (MISSING_IMAGE, DUPLICATE_IMAGE, OUTSIDE_ROOT, "empty_file", "truncated",
+                 "unreadable", "too_large", "cannot_open")  # fmt: skip
 
 
 class DetectionDataError(UserError, ValueError):
     """A problem with a user's detection files; the message names the file (and line or id)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Annotation:
     box: tuple[float, float, float, float]  # (x1, y1, x2, y2) pixels, not yet checked
     label: int  # 1..C, 0 for unknown (checked by the caller)
@@ -103,10 +108,11 @@ class BadInput:
     def image(self, record: dict) -> None:
         self._add(self.images_log, record)
 
-    def annotation(self, record: dict) -> None:
-        self._add(self.annotations_log, record)
+    def annotation(self, record: dict, count: int = 1) -> None:
+        """`record` drops `count` annotations (one record for many: too_many_boxes)."""
+        self._add(self.annotations_log, record, count)
 
-    def _add(self, report: BadInputLog, record: dict) -> None:
+    def _add(self, report: BadInputLog, record: dict, count: int = 1) -> None:
         if self.stop:
             where = ", ".join(f"{k} {v}" for k, v in record.items() if k not in ("reason",))
             raise DetectionDataError(
@@ -114,7 +120,35 @@ class BadInput:
                 "annotation or the file, or set data.bad_rows=drop to leave such inputs out "
                 "(listed in data_report.json)"
             )
-        report.add(record)
+        report.add(record, count)
+
+
+class BoxLimit:
+    """data.max_boxes_per_image: an image's boxes (or crowd regions) past the limit, in file
+    order, are left out before any is checked or held: counted as too_many_boxes, one record
+    per image in data_report.json. (A million boxes on one image hung the run for minutes: a
+    detector matches every box against every anchor.)"""
+
+    def __init__(self, limit: int, bad: BadInput):
+        self.limit, self.bad = limit, bad
+        self.excess: dict[int, tuple[ImageEntry, int]] = {}  # id(entry) -> (entry, left out)
+
+    def room(self, entry: ImageEntry, crowd: bool = False) -> bool:
+        """Whether one more box (crowd region) fits on `entry`; counts it when not."""
+        if len(entry.crowd if crowd else entry.annotations) < self.limit:
+            return True
+        _, count = self.excess.get(id(entry), (entry, 0))
+        self.excess[id(entry)] = (entry, count + 1)
+        return False
+
+    def report(self) -> None:
+        for entry, count in self.excess.values():
+            self.bad.annotation(
+                {"reason": TOO_MANY_BOXES, "file": str(entry.path), **entry.where,
+                 "left_out": count, "detail": f"{self.limit + count:,} boxes or more; "
+                 f"data.max_boxes_per_image={self.limit:,}: the first {self.limit:,} kept"},
+                count,
+            )  # fmt: skip
 
 
 def clip_box(box, height: int, width: int) -> tuple[str | None, tuple[float, ...]]:
@@ -141,7 +175,9 @@ def check_entries(
     """Each image decoded once (verdicts cached under data.cache_dir), each box checked against
     its image; what is left out goes to the report (or stops the run: data.bad_rows=error)."""
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-    present = [e.path for e in entries if e.path.is_file()]
+    real_root = os.path.realpath(images_root)
+    outside = {id(e) for e in entries if not inside(e.path, real_root)}  # never opened
+    present = [e.path for e in entries if id(e) not in outside and e.path.is_file()]
     check = lambda path: verify_file(path, 3, cfg.max_image_pixels)  # noqa: E731
     cache = VerdictCache(cache_dir, images_root, cfg.max_image_pixels)
     verdicts = cache.verdicts(present, check)
@@ -151,8 +187,14 @@ def check_entries(
     for entry in entries:
         error = verdicts.get(entry.path)
         reason = MISSING_IMAGE if entry.path not in verdicts else error and error.reason
+        if id(entry) in outside:
+            reason = OUTSIDE_ROOT
+            error = FileAccessError(OUTSIDE_ROOT, entry.path, f"leads out of {images_root} "
+                                    f"(to {os.path.realpath(entry.path)}); not read")  # fmt: skip
         if reason:
             detail = "no such file" if error is None else error.detail
+            if error is None and "\\" in entry.path.name:
+                detail += " (the name holds '\\': a Windows path? write it with '/')"
             bad.image({"reason": reason, "file": str(entry.path), **entry.where,
                        "detail": detail})  # fmt: skip
             for ann in entry.annotations:
@@ -261,9 +303,7 @@ class DetectionImages(Dataset):
         try:
             pixels = read_image_file(path, 3, self.max_pixels)
         except (OSError, ValueError) as err:  # changed or removed since it was checked
-            raise DetectionDataError(
-                f"{path}: {err} (the file changed since it was checked)"
-            ) from None
+            raise changed_file(path, err) from None
         image = pixels.to(torch.float32).div_(255.0) if scale else pixels
         target = {"boxes": torch.from_numpy(self.boxes[index]).clone(),
                   "labels": torch.from_numpy(self.labels[index]).clone()}  # fmt: skip

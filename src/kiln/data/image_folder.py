@@ -38,6 +38,7 @@ from torch.utils.data import Dataset
 
 from kiln.atomic import write_json
 from kiln.config.data import Augment, ImageFolderConfig, Normalize
+from kiln.data.bad_inputs import changed_file
 from kiln.data.image_labels import ListedImages, missing_labels_csv, read_labels_csv
 from kiln.data.image_scan import (
     FolderImages,
@@ -168,9 +169,7 @@ class ImageFiles(Dataset):
         try:
             return read_image_file(path, self.channels, self.max_pixels)
         except (OSError, ValueError) as err:  # changed or removed since the scan
-            raise ImageFolderError(
-                f"{path}: {err} (the file changed since it was checked)"
-            ) from None
+            raise changed_file(path, err) from None
 
     def __getitem__(self, key: int | tuple[int, int, int]):
         index, seed, epoch = key if isinstance(key, tuple) else (key, 0, 0)

@@ -38,6 +38,7 @@ from kiln.preprocessing.file_tree import (
     SYMLINK,
     FileAccessError,
     TreeEntry,
+    display_name,
     walk_tree,
 )
 from kiln.preprocessing.image_files import (
@@ -147,7 +148,7 @@ def list_classes(
     for name, paths in classes.items():
         folder = root / name
         paths.sort(key=lambda p: natural_key(p.relative_to(folder).as_posix()))
-    return classes
+    return {display_name(name): paths for name, paths in classes.items()}  # the classes' names
 
 
 def _account(entry: TreeEntry, classes: dict[str, list[Path]], log_: FolderLog) -> None:

@@ -14,6 +14,7 @@ file that is unreadable."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -23,9 +24,11 @@ from kiln.data.detection_files import (
     ANNOTATION_REASONS,
     BAD_LINE,
     IMAGE_REASONS,
+    LABEL_FILE,
     MISSING_IMAGE,
     Annotation,
     BadInput,
+    BoxLimit,
     DetectionDataError,
     DetectionSplit,
     ImageEntry,
@@ -33,6 +36,7 @@ from kiln.data.detection_files import (
     detection_bundle,
 )
 from kiln.data.spec import DataBundle
+from kiln.preprocessing.file_tree import TOO_LARGE, FileAccessError, inside, open_regular
 from kiln.preprocessing.image_files import is_image_name, read_oriented_size
 from kiln.sorting import natural_key
 
@@ -66,19 +70,52 @@ def find_names_file(images: Path, given: str | None) -> Path:
     )
 
 
-def read_names(path: Path) -> list[str]:
+def read_small_text(path: Path, max_bytes: int, key: str) -> str:
+    """A names file's text, refused unread past `max_bytes` (data.max_label_file_bytes) or when
+    not a regular file."""
+    try:
+        with open_regular(path, max_bytes=max_bytes) as f:
+            return f.read().decode("utf-8", errors="replace")
+    except FileAccessError as err:
+        fix = "; raise data.max_label_file_bytes if it is real" if err.reason == TOO_LARGE else ""
+        raise DetectionDataError(f"{path}: {err.detail} (data.{key}){fix}") from None
+
+
+def load_yaml(text: str):
+    """YAML without anchors and aliases: `*ref` is refused, so a billion-laughs file (aliases of
+    aliases, each doubling what a reader walks) is one error line, not gigabytes. A data.yaml
+    has no use for them. PyYAML's SafeLoader, refusing an alias where it meets one."""
+    import yaml
+
+    class NoAliases(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise yaml.composer.ComposerError(
+                    None, None, "aliases (*name) are not read: write the value out", mark
+                )
+            return super().compose_node(parent, index)
+
+    return yaml.load(text, Loader=NoAliases)  # a SafeLoader: builds no Python objects
+
+
+def read_names(path: Path, max_bytes: int = 2**20) -> list[str]:
     """Class names by index from a data.yaml (`names:` a list or {index: name}) or data.names
     (one name per line)."""
+    text = read_small_text(path, max_bytes, "names_file")
     if path.suffix == ".names":
-        names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+        names = [line.strip() for line in text.splitlines()]
         names = [n for n in names if n]
     else:
         import yaml
 
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            data = load_yaml(text)
         except yaml.YAMLError as err:
-            raise DetectionDataError(f"{path} is not YAML (data.names_file): {err}") from None
+            detail = " ".join(str(err).split())
+            raise DetectionDataError(
+                f"{path} is not YAML kiln reads (data.names_file): {detail}"
+            ) from None
         raw = data.get("names") if isinstance(data, dict) else None
         if isinstance(raw, dict):
             try:
@@ -120,22 +157,29 @@ def read_yolo_split(images: Path, num_classes: int, cfg: YoloConfig, key: str) -
     files = sorted((p for p in images.rglob("*") if p.is_file() and is_image_name(p.name)),
                    key=lambda p: natural_key(str(p)))  # fmt: skip
     by_stem = {p.relative_to(images).with_suffix(""): p for p in files}
+    labels_root, images_root = os.path.realpath(labels), os.path.realpath(images)
+    limit = BoxLimit(cfg.max_boxes_per_image, bad)
     entries = []
     for stem, path in by_stem.items():
         entry = ImageEntry(path)
         label_file = labels / stem.with_suffix(".txt")
         if label_file.is_file():
-            try:
-                with open(path, "rb") as stream:  # normalised to the picture as it decodes
-                    height, width = read_oriented_size(stream)
-            except (OSError, ValueError):
-                width = height = 0  # an unreadable image: check_entries reports it
-            _read_labels(label_file, width, height, entry, bad)
+            text = _label_text(label_file, labels_root, cfg.max_label_file_bytes, entry, bad)
+            if text is not None and inside(path, images_root):  # else never opened
+                try:
+                    with open_regular(path) as stream:  # boxes of the picture as it decodes
+                        height, width = read_oriented_size(stream)
+                except (OSError, ValueError):
+                    width = height = 0  # an unreadable image: check_entries reports it
+                _read_labels(label_file, text, width, height, entry, bad, limit)
         entries.append(entry)
+    limit.report()
     if labels.is_dir():  # label files whose image is not there
         for label_file in sorted(labels.rglob("*.txt")):
             if label_file.relative_to(labels).with_suffix("") not in by_stem:
-                count = sum(1 for line in label_file.read_text().splitlines() if line.strip())
+                orphan = ImageEntry(label_file, where={"label_file": str(label_file)})
+                text = _label_text(label_file, labels_root, cfg.max_label_file_bytes, orphan, bad)
+                count = sum(1 for line in (text or "").splitlines() if line.strip())
                 annotations_log.read += count
                 for number in range(count):
                     bad.annotation({"reason": MISSING_IMAGE, "file": str(label_file),
@@ -143,12 +187,38 @@ def read_yolo_split(images: Path, num_classes: int, cfg: YoloConfig, key: str) -
     return check_entries(entries, bad, num_classes=num_classes, images_root=images, cfg=cfg)
 
 
-def _read_labels(label_file: Path, width: int, height: int, entry: ImageEntry, bad: BadInput):
-    text = label_file.read_text(encoding="utf-8", errors="replace")
+def _label_text(
+    label_file: Path, labels_root: str, max_bytes: int, entry: ImageEntry, bad: BadInput
+) -> str | None:
+    """A label file's text; None (and one label_file record, its boxes unknown) for one that
+    leads out of the labels folder, is not a regular file, or is larger than max_bytes
+    (data.max_label_file_bytes): such a file is never read."""
+    if not inside(label_file, labels_root):
+        detail = f"leads out of {Path(labels_root)} (to {os.path.realpath(label_file)})"
+    else:
+        try:
+            with open_regular(label_file, max_bytes=max_bytes) as f:
+                return f.read().decode("utf-8", errors="replace")
+        except FileAccessError as err:
+            detail = err.detail
+            if err.reason == TOO_LARGE:
+                detail += " (data.max_label_file_bytes)"
+    bad.annotations_log.read += 1
+    bad.annotation({"reason": LABEL_FILE, "file": str(entry.path), "label_file": str(label_file),
+                    "detail": f"{detail}; not read"})  # fmt: skip
+    return None
+
+
+def _read_labels(
+    label_file: Path, text: str, width: int, height: int, entry: ImageEntry, bad: BadInput,
+    limit: BoxLimit,
+):  # fmt: skip
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         bad.annotations_log.read += 1
+        if not limit.room(entry):
+            continue
         where = {"line": number, "label_file": str(label_file)}
         parsed = parse_line(line)
         if parsed is None:
@@ -167,7 +237,7 @@ def build_yolo(cfg: YoloConfig) -> DataBundle:
     started = time.perf_counter()
     train = Path(cfg.train_dir)
     names_file = find_names_file(train, cfg.names_file)
-    names = read_names(names_file)
+    names = read_names(names_file, cfg.max_label_file_bytes)
     splits = {}
     for split, key in (("train", "train_dir"), ("val", "val_dir"), ("test", "test_dir")):
         if getattr(cfg, key) is not None:

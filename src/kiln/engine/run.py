@@ -21,6 +21,7 @@ from kiln import run_lock
 from kiln.checkpoint import EMBEDDED_SHA256, embedded_hashes
 from kiln.config import KilnConfig, to_plain
 from kiln.data import DataBundle, build_data, build_dataloaders, example_batch
+from kiln.data.degenerate import check_inputs_vary
 from kiln.data.extremes import probe_batches
 from kiln.device import resolve_device
 from kiln.engine.batches import move_to, to_channels_last
@@ -86,6 +87,7 @@ def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> Dat
     if cfg.loss.force_all_branches and hasattr(data_cfg, "with_all_branches"):
         data_cfg = data_cfg.with_all_branches()  # e.g. MixUp and CutMix: the data's branches
     bundle = build_data(data_cfg, pretrained=pretrained)
+    check_inputs_vary(bundle.train, f"the training split of data={data_cfg.name}")
     if cfg.trainer.overfit_batches:  # the same few batches, for training and validation alike
         count = min(cfg.trainer.overfit_batches * cfg.data.batch_size, len(bundle.train))
         few = Subset(bundle.train, range(count))

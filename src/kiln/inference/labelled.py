@@ -29,7 +29,15 @@ import numpy as np
 from kiln.data.bad_inputs import BadInputLog
 from kiln.data.multilabel import multi_hot, split_labels
 from kiln.errors import UserError
-from kiln.preprocessing.file_tree import FILE, FOLDER, HIDDEN, TreeEntry, os_detail, walk_tree
+from kiln.preprocessing.file_tree import (
+    FILE,
+    FOLDER,
+    HIDDEN,
+    TreeEntry,
+    display_name,
+    os_detail,
+    walk_tree,
+)
 from kiln.preprocessing.image_files import image_extensions
 from kiln.sorting import natural_key
 
@@ -71,7 +79,8 @@ def read_labelled_folder(
         entries = list(walk_tree(path, follow_symlinks=follow_symlinks))
     except OSError as err:
         raise LabelledDataError(f"{path}: cannot list this folder: {os_detail(err)}") from None
-    folders = [e.parts[0] for e in entries if e.status == FOLDER and len(e.parts) == 1]
+    folders = [display_name(e.parts[0]) for e in entries
+               if e.status == FOLDER and len(e.parts) == 1]  # fmt: skip
     if not folders:
         raise LabelledDataError(
             f"{path}: no class subfolders; evaluate reads <folder>/<class name>/<image files> "
@@ -105,8 +114,8 @@ def read_labelled_folder(
             report.add({"reason": "not_an_image", "path": str(entry.path)})
             continue
         files.append(entry.path)
-        targets.append(class_names.index(entry.parts[0]))
-        sources.append(str(entry.path))
+        targets.append(class_names.index(display_name(entry.parts[0])))
+        sources.append(display_name(str(entry.path)))
     if not files:
         raise LabelledDataError(
             f"{path}: no image files (or .npy arrays) in its class subfolders "

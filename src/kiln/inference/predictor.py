@@ -46,6 +46,7 @@ from kiln.inference.record import (
     rebuild_model,
 )
 from kiln.preprocessing import InputError, Preprocessor
+from kiln.preprocessing.file_tree import display_name
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,9 @@ class Predictor:
 
     @property
     def class_names(self) -> list[str]:
-        return list(self.spec.class_names)
+        """The checkpoint's class names as text (one kept from a folder name that is not UTF-8,
+        by a checkpoint made before training wrote it so: display_name's escapes)."""
+        return [display_name(name) for name in self.spec.class_names]
 
     @property
     def multi_label(self) -> tuple[str, float] | None:

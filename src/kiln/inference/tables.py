@@ -23,7 +23,9 @@ class CsvTable(AtomicFile):
     `commit` (or removed by `discard`)."""
 
     def __init__(self, path: Path, header: list[str]):
-        super().__init__(path, "w", unique=True, newline="", encoding="utf-8")
+        # A path that is not UTF-8 on disk (lone surrogates) is written escaped, never a crash
+        super().__init__(path, "w", unique=True, newline="", encoding="utf-8",
+                         errors="backslashreplace")  # fmt: skip
         self.writer = csv.writer(self.file, lineterminator="\n")  # as pandas writes it
         self.writer.writerow(header)
 

@@ -24,6 +24,7 @@ from kiln.sorting import natural_key
 
 NOT_REGULAR = "not_regular"  # a FIFO, socket or device: never opened
 CANNOT_OPEN = "cannot_open"  # a dangling link, a link loop, no permission, an I/O error
+TOO_LARGE = "too_large"  # open_regular(max_bytes=): more bytes than the reader's limit
 HIDDEN = "hidden"  # a name starting with "." (.DS_Store, .ipynb_checkpoints/, ._x.jpg)
 SYMLINK = "symlink"  # a link, not followed (follow_symlinks=False)
 LINK_INTO_TREE = "link_into_tree"  # a folder link leading back into the walked tree
@@ -53,6 +54,18 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
+def display_name(name: str) -> str:
+    """A file or folder name (or path) as text every writer takes. A name that is not UTF-8 on
+    disk reaches Python with its bytes as lone surrogates, which UTF-8 files, JSON readers and
+    fonts refuse (a class folder b"caf\\xe9" crashed infer.py's table and evaluate's plot):
+    those bytes become `\\xNN` escapes, "caf\\xe9" -- the same name every time it is read."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(name).decode("utf-8", "backslashreplace")
+    return name
+
+
 def os_detail(err: OSError) -> str:
     """An OSError as a person reads it, without the path (the caller names it): "Permission
     denied", "dangling symbolic link", "symbolic link loop"."""
@@ -63,11 +76,13 @@ def os_detail(err: OSError) -> str:
     return err.strerror or type(err).__name__
 
 
-def open_regular(path: str | os.PathLike) -> BinaryIO:
+def open_regular(path: str | os.PathLike, *, max_bytes: int | None = None) -> BinaryIO:
     """The file at `path` opened for reading in binary, if it is a regular file (links
     followed); FileAccessError saying why not. Non-regular files are refused from their
     stat() before any open, and the opened descriptor is checked again (the path may have been
-    swapped for a FIFO in between: opened non-blocking, so even then nothing hangs)."""
+    swapped for a FIFO in between: opened non-blocking, so even then nothing hangs). A file
+    larger than `max_bytes` is refused from the opened descriptor's size (TOO_LARGE), before
+    a byte is read."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -82,9 +97,13 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
     except OSError as err:
         raise FileAccessError(CANNOT_OPEN, path, os_detail(err)) from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise FileAccessError(NOT_REGULAR, path, f"{file_kind(mode)}, not a regular file")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileAccessError(NOT_REGULAR, path, f"{file_kind(st.st_mode)}, not a regular file")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise FileAccessError(
+                TOO_LARGE, path, f"{st.st_size:,} bytes, over the limit of {max_bytes:,}"
+            )
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -161,6 +180,12 @@ def walk_tree(
 
 def _within(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def inside(path: str | os.PathLike, real_root: str) -> bool:
+    """Whether `path`, every link on its way resolved, is `real_root` (a realpath) or below it:
+    a name holding `..`, an absolute name or a link leading elsewhere is not."""
+    return _within(os.path.realpath(path), real_root)
 
 
 def _listing(folder: Path) -> Iterator[os.DirEntry]:

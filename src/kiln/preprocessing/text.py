@@ -403,6 +403,19 @@ def _tokenizer_from_json(tokenizer_json: str, max_length: int):
     return tokenizer
 
 
+class CleanText(str):
+    """A text its recipe has cleaned (and a pair's two texts joined, for kiln's own tokenizers):
+    TokenRecipe.encode tokenizes it as it is."""
+
+    __slots__ = ()
+
+
+class CleanPair(tuple):
+    """A pair of texts its recipe has cleaned, for a pretrained tokenizer that reads pairs."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True)
 class TokenRecipe:
     tokenizer_json: str
@@ -450,14 +463,18 @@ class TokenRecipe:
 
     def clean_inputs(self, inputs: Sequence[Any]) -> list[Any]:
         """Raw inputs cleaned: texts, or (a, b) pairs each side cleaned -- fed to a pretrained
-        tokenizer as a pair, to kiln's own joined by a space (as training spooled them)."""
+        tokenizer as a pair, to kiln's own joined by a space (as training spooled them). An
+        input cleaned already (CleanText, CleanPair: TokenPreprocessor.convert's) stays."""
+        return [item if isinstance(item, CleanText | CleanPair) else self._cleaned(item)
+                for item in inputs]  # fmt: skip
+
+    def _cleaned(self, item: Any) -> CleanText | CleanPair:
         if self.pair_column is None:
-            return self.clean(inputs)
-        firsts = self.clean([a for a, _ in inputs])
-        seconds = self.clean([b for _, b in inputs])
+            return CleanText(*self.clean([item]))
+        first, second = self.clean(list(item))
         if self.pretrained is not None and not self.join_columns:
-            return list(zip(firsts, seconds, strict=True))
-        return [join_pair(a, b) for a, b in zip(firsts, seconds, strict=True)]
+            return CleanPair((first, second))
+        return CleanText(join_pair(first, second))
 
     def encode(self, texts: Sequence[str]) -> Tensor:
         """Raw texts -> LongTensor (N, L) padded with pad_id, exactly as in training."""
@@ -513,12 +530,12 @@ class TokenPreprocessor:
                 index,
             ) from None
 
-    def convert(self, raw_inputs: Sequence[Any]) -> list[Any]:
-        """Texts (or pairs of texts, as tuples), each validated on its own."""
+    def convert(self, raw_inputs: Sequence[Any]) -> list[CleanText | CleanPair]:
+        """Texts (or pairs of texts), each validated on its own, then cleaned: here, so that a
+        server does the work where it converts a request (off its event loop for a large body),
+        not in the model call."""
         self.validate(raw_inputs)
-        if self.recipe.pair_column is not None:
-            return [tuple(item) for item in raw_inputs]
-        return list(raw_inputs)
+        return self.recipe.clean_inputs(raw_inputs)
 
     def __call__(self, raw_inputs: Sequence[Any]) -> Tensor:
         return self.recipe.encode(self.convert(raw_inputs))

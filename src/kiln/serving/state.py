@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from kiln.config.infer import ServerConfig
 from kiln.inference import Predictor
+from kiln.preprocessing import InputError
 from kiln.preprocessing.image import ENCODED
 from kiln.serving.batcher import DynamicBatcher
 from kiln.serving.decoding import DecodePool
@@ -142,9 +143,12 @@ class ServingState:
         self, request: Request | None, inputs: list, size: int, deadline: float
     ) -> Any:
         """Raw inputs -> the batcher's items (InputError naming the first bad one). Image files
-        are decoded in the decode pool, whatever the body's size; the rest is converted here,
-        or in the parsing thread for a large body. ClientGone if the client leaves meanwhile
+        are decoded in the decode pool, whatever the body's size; the rest is converted (texts
+        cleaned: at most server.max_text_chars each) here, or in the parsing thread for a large
+        body. ClientGone if the client leaves meanwhile
         (its files not started are never decoded)."""
+        if self.predictor.preprocess.input_kind == "tokens":
+            check_text_lengths(inputs, self.config.max_text_chars)
         files = [(i, item) for i, item in enumerate(inputs) if isinstance(item, ENCODED)]
         if files:
             decoding = self.decoder.decode(files, deadline)
@@ -192,6 +196,20 @@ class ServingState:
     def close(self) -> None:
         self.decoder.stop()
         self._parser.shutdown(wait=False)
+
+
+def check_text_lengths(inputs: list, limit: int) -> None:
+    """InputError naming the first text (or either text of a pair) longer than `limit`
+    characters: refused before any cleaning, tokenizing or batching."""
+    for index, item in enumerate(inputs):
+        texts = item if isinstance(item, list | tuple) else (item,)
+        longest = max((len(text) for text in texts if isinstance(text, str | bytes)), default=0)
+        if longest > limit:
+            raise InputError(
+                f"item {index}: a text of {longest:,} characters; server.max_text_chars is "
+                f"{limit:,} (the model reads only its first tokens: send the start of it)",
+                index,
+            )
 
 
 def client_gone(request: Request, when: str) -> ClientGone:
