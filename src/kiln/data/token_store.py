@@ -23,6 +23,7 @@ import fcntl
 import hashlib
 import itertools
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
