@@ -71,6 +71,34 @@ def test_coco_boxes_are_xyxy_with_contiguous_labels_and_names(clean):
     assert bundle.report["images_without_boxes"]["train"] == 1
 
 
+def test_the_probes_pick_a_detection_sets_extremes_from_its_headers_without_decoding(
+    clean, tmp_path
+):
+    """The sizes and box counts a COCO set lists (from the files' headers, at the scan) equal
+    its decoded items'; the probes pick the data's extremes from that list, opening no image:
+    with every image moved away the list is still there."""
+    import shutil
+    from pathlib import Path
+
+    from kiln.data.extremes import image_list_sizes
+
+    bundle = coco(clean)
+    decoded = [
+        (image.shape[-2], image.shape[-1], len(target["boxes"]))
+        for image, target in (bundle.train[i] for i in range(len(bundle.train)))
+    ]
+    paths = [Path(p) for p in bundle.train.paths]
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for path in paths:
+        shutil.move(path, kept / path.name)
+    try:
+        assert image_list_sizes(bundle) == decoded
+    finally:
+        for path in paths:
+            shutil.move(kept / path.name, path)
+
+
 def test_the_same_images_as_yolo_give_the_same_dataset(clean):
     from_coco = coco(clean)
     from_yolo = build_data(compose_config(*yolo_overrides(clean)).data)

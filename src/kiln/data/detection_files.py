@@ -269,8 +269,21 @@ class DetectionImages(Dataset):
     With a `transform` (training, data.augment) an item's randomness is seeded from (run seed,
     epoch, index) -- the key the training sampler sends -- as image folders' items are."""
 
-    def __init__(self, paths, boxes, labels, *, max_pixels: int | None, transform=None, crowd=None):
+    def __init__(
+        self,
+        paths,
+        boxes,
+        labels,
+        *,
+        max_pixels: int | None,
+        transform=None,
+        crowd=None,
+        sizes=None,
+    ):
         self.paths, self.boxes, self.labels = list(paths), list(boxes), list(labels)
+        # (H, W) per image from its header: the probes pick the data's extremes without
+        # decoding every image (kiln.data.extremes)
+        self.sizes = list(sizes) if sizes is not None else None
         self.crowd = crowd  # [(boxes (M, 4), labels (M,))] per image: evaluation splits only
         self.max_pixels = max_pixels
         self.transform = transform
@@ -278,6 +291,12 @@ class DetectionImages(Dataset):
 
     def __len__(self) -> int:
         return len(self.paths)
+
+    def item_sizes(self) -> list[tuple[int, int, int]] | None:
+        """(height, width, boxes) of each item as its file says (before any augmentation)."""
+        if self.sizes is None:
+            return None
+        return [(h, w, len(b)) for (h, w), b in zip(self.sizes, self.boxes, strict=True)]
 
     def __getitem__(self, key):
         index, seed, epoch = key if isinstance(key, tuple) else (key, 0, 0)
@@ -372,9 +391,15 @@ def detection_bundle(
         transform = box_transform(str(cfg.augment), side) if training else None
         crowd = None if training else list(zip(part["crowd_boxes"], part["crowd_labels"],
                                                strict=True))  # fmt: skip
-        return DetectionImages(part["paths"], part["boxes"], part["labels"],
-                               max_pixels=cfg.max_image_pixels, transform=transform,
-                               crowd=crowd)  # fmt: skip
+        return DetectionImages(
+            part["paths"],
+            part["boxes"],
+            part["labels"],
+            max_pixels=cfg.max_image_pixels,
+            transform=transform,
+            crowd=crowd,
+            sizes=[sizes_by_path[p] for p in part["paths"]],
+        )
 
     counts = {
         name: dict(zip(names, np.bincount(np.concatenate([np.zeros(0, np.int64), *p["labels"]]),

@@ -101,13 +101,27 @@ def _at_length(batch: Any, length: int, pad_id: int) -> Any:
     return torch.stack(rows), targets
 
 
-def _image_list_batches(bundle: DataBundle, size: int) -> ProbeBatches:
-    areas, boxes, aspects = [], [], []
+def image_list_sizes(bundle: DataBundle) -> list[tuple[int, int, int]]:
+    """(height, width, boxes) per training item: the dataset's own list where it has one (a
+    file's header, no decoding), else each item read (at most SCAN_LIMIT of them)."""
+    listed = getattr(bundle.train, "item_sizes", None)
+    known = listed() if listed is not None else None
+    if known is not None and len(known) == len(bundle.train):
+        return known
+    sizes = []
     for i in _scanned(bundle):
         image, target = bundle.train[i]
-        areas.append(int(image.shape[-2]) * int(image.shape[-1]))
-        aspects.append(int(image.shape[-1]) / int(image.shape[-2]))  # width / height
-        boxes.append(int(target["boxes"].shape[0]) if "boxes" in target else 0)
+        boxes = int(target["boxes"].shape[0]) if "boxes" in target else 0
+        sizes.append((int(image.shape[-2]), int(image.shape[-1]), boxes))
+    return sizes
+
+
+def _image_list_batches(bundle: DataBundle, size: int) -> ProbeBatches:
+    areas, boxes, aspects = [], [], []
+    for height, width, count in image_list_sizes(bundle):
+        areas.append(height * width)
+        aspects.append(width / height)
+        boxes.append(count)
     areas_a, boxes_a, aspects_a = np.asarray(areas), np.asarray(boxes), np.asarray(aspects)
     smallest, largest = int(areas_a.argmin()), int(areas_a.argmax())
     tallest, widest = int(aspects_a.argmin()), int(aspects_a.argmax())
