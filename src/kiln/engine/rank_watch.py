@@ -23,13 +23,13 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
 
 from kiln.engine.distributed import DistInfo, group_store
+from kiln.engine.preemption import SIGNALS
 
 log = logging.getLogger(__name__)
 
@@ -41,30 +41,13 @@ EXIT_FAILED = 1
 
 _claim = threading.Lock()
 _claimed = False
-_reporting = threading.Event()  # a failure is being reported: SIGTERM waits for it
-_deferred: list[int] = []
-
-
-def hold_sigterm_while_reporting() -> None:
-    """From now on (the training process's main thread), a SIGTERM that arrives while a failure
-    is being reported waits until the report is written: torchrun sends it to every rank once
-    one died, often while the main rank writes the [FAIL] line and summary.json. Any other
-    time it ends the process as before (the preemption handlers take it over during fit)."""
-
-    def handler(signum, frame):
-        if _reporting.is_set():
-            _deferred.append(signum)
-            return
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    with contextlib.suppress(ValueError):  # not the main thread (a test's): as before
-        signal.signal(signal.SIGTERM, handler)
 
 
 def reporting_failure() -> None:
-    """The run is failing: its report is written from here on (see hold_sigterm_while_...)."""
-    _reporting.set()
+    """The run is failing: its report is written from here on, and a stop signal waits for it
+    (kiln.engine.preemption): torchrun sends SIGTERM to every rank once one died, often while
+    the main rank writes the [FAIL] line and summary.json."""
+    SIGNALS.reporting_failure()
 
 
 def open_report() -> None:
@@ -116,18 +99,10 @@ class RankWatch:
         self.stop = threading.Event()
         self.main_thread = threading.main_thread().ident
         self.thread: threading.Thread | None = None
-        self.signals: socket.socket | None = None
-        self.previous_fd = -1
 
     def __enter__(self) -> RankWatch:
         if not self.dist.enabled or group_store() is None:
             return self
-        reader, writer = socket.socketpair()
-        reader.setblocking(False)
-        writer.setblocking(False)
-        with contextlib.suppress(ValueError):  # not the main thread: no signal wake-ups
-            self.previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-            self.signals, self._writer = reader, writer
         self.thread = threading.Thread(target=self._run, name="kiln-rank-watch", daemon=True)
         self.thread.start()
         return self
@@ -136,11 +111,6 @@ class RankWatch:
         self.stop.set()
         if self.thread is not None:
             self.thread.join(timeout=2 * POLL_S)
-        if self.signals is not None:
-            with contextlib.suppress(ValueError):
-                signal.set_wakeup_fd(self.previous_fd)
-            self.signals.close()
-            self._writer.close()
 
     # ------------------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -199,15 +169,11 @@ class RankWatch:
             sys.stderr.flush()
             os._exit(EXIT_FAILED)
 
-    def _sigterm(self) -> bool:
-        if self.signals is None:
-            return False
-        try:
-            received = self.signals.recv(64)
-        except BlockingIOError:
-            return False
-        # Other signals (SIGINT...) go on to their handlers; SIGTERM is the one torchrun sends.
-        return signal.SIGTERM in received
+    @staticmethod
+    def _sigterm() -> bool:
+        """Whether SIGTERM (the one torchrun sends) arrived: seen by the stop signals' watch as
+        it arrives, also while the main thread is held in a collective."""
+        return signal.SIGTERM in SIGNALS.seen
 
     def _main_frame(self):
         frame = sys._current_frames().get(self.main_thread)

@@ -35,7 +35,7 @@ from kiln.engine.finetune import FreezePlan, WeightAverage
 from kiln.engine.loss import BRANCHES
 from kiln.engine.metrics import MetricWindow
 from kiln.engine.precision import Precision
-from kiln.engine.preemption import Preempted, PreemptionFlag
+from kiln.engine.preemption import SIGNALS, Preempted, PreemptionFlag
 from kiln.engine.sharded_checkpoint import load_model_and_optimizer, model_and_optimizer_state
 from kiln.engine.throughput import flops_per_sample
 from kiln.guards import assert_finite_inputs, check_train_eval_agreement, describe, tensor_stats
@@ -313,9 +313,10 @@ class Trainer:
         it ends (done, preempted, failing), the checkpoints asked for are on disk when it returns
         or raises."""
         try:
-            with self.preemption:
-                self.run_probes()
+            with self.preemption:  # the process's handlers (kiln.engine.preemption), or these
+                self.run_probes()  # before step 1: a signal stops the run at once
                 self.settle_threads()
+                self.preemption.defer()  # from step 1: at the next step boundary
                 while self.state.epoch < self.cfg.max_epochs and not self.reached_max_steps():
                     self.train_epoch()
                     if (
@@ -334,6 +335,7 @@ class Trainer:
             self.finish_writes_quietly()  # the last.pt of a preemption is what resume reads
             raise
         self.checkpointer.flush()  # every checkpoint on disk before the run reports done
+        SIGNALS.trained(self.state.global_step)  # from here a signal stops the run at once
         self.report_data_time()
         return self.last_eval
 
@@ -556,8 +558,13 @@ class Trainer:
             self.checkpointer.save("last.pt", self.state_dict())
         if self.preemption.agreed(every_step=not self.dist.enabled or self.should_log()):
             self.log_window(result.lr, bar)
-            self.checkpointer.save("last.pt", self.state_dict())
-            raise self.preemption.stop(s.global_step)
+            raise self.checkpoint_and_stop()
+
+    def checkpoint_and_stop(self) -> Preempted:
+        """A stop was asked: last.pt at the step boundary the state is at (its write finishes
+        on the way out, in fit), and the exception that ends the run."""
+        self.checkpointer.save("last.pt", self.state_dict())
+        return self.preemption.stop(self.state.global_step)
 
     def log_window(self, lr: float | None = None, bar=None) -> None:
         """One host read of the window: its metrics become a log line, its non-finite record
@@ -748,6 +755,12 @@ class Trainer:
         for i, batch in enumerate(self.val_loader):
             if 0 <= limit <= i:
                 return
+            # A stop asked during an evaluation ends it at this batch: the state is still at the
+            # step boundary it evaluates. Under DDP the evaluation runs to its end (stopping
+            # early would need the ranks to agree at every batch) and the loop stops after it.
+            if self.preemption.requested and not self.dist.enabled:
+                self.preemption.say_what_arrived()
+                raise self.checkpoint_and_stop()
             batch = move_to(batch, self.device, self.non_blocking)
             yield to_channels_last(batch) if self.cfg.channels_last else batch
 
