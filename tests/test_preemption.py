@@ -151,11 +151,15 @@ class Run:
     def __init__(self, script: str, args: list[str], cwd: Path, phase: str = ""):
         self.cwd, self.args = cwd, args
         self.out, self.err = cwd / f"{script}.out", cwd / f"{script}.err"
-        env = {**SUBPROCESS_ENV, "KILN_TEST_PHASE": phase, "KILN_TEST_MARKERS": str(cwd / "markers"),
-               "XDG_CACHE_HOME": str(cwd / "cache")}  # fmt: skip
+        env = {
+            **SUBPROCESS_ENV,
+            "KILN_TEST_PHASE": phase,
+            "KILN_TEST_MARKERS": str(cwd / "markers"),
+            "XDG_CACHE_HOME": str(cwd / "cache"),  # the token store's, built anew
+        }
+        command = [sys.executable, str(REPO_ROOT / script), *args]
         with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen([sys.executable, str(REPO_ROOT / script), *args],
-                                         cwd=cwd, env=env, stdout=out, stderr=err)  # fmt: skip
+            self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err)
 
     def wait_for(self, ready, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
@@ -209,14 +213,14 @@ def building_token_store(project: Path):
 
 # The phase, the signal, the overrides, what says the phase began, and the latest moment in
 # it (s) to send the signal at (each phase lasts longer than that).
+TOKENIZING = ("data=csv_text", "model=text_bow", "data.tokenizer=bpe", "data.train_path=big.csv")
 BEFORE_START = {
     "imports": (signal.SIGTERM, PARTS, "imports", 0.3),
     "scan": (signal.SIGUSR1, PARTS, "scan", 3.0),
-    "tokenizing": (signal.SIGINT, ("data=csv_text", "model=text_bow", "data.tokenizer=bpe",
-                                   "data.train_path=big.csv"), None, 1.5),
+    "tokenizing": (signal.SIGINT, TOKENIZING, None, 1.5),
     "probes": (signal.SIGTERM, PARTS, "probes", 1.5),
     "native": (signal.SIGTERM, PARTS, "native", 0.5),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("phase", list(BEFORE_START))
@@ -252,9 +256,9 @@ def test_a_signal_before_step_1_stops_the_run_at_once_saying_nothing_was_trained
 
 
 def test_a_signal_during_an_evaluation_ends_it_and_checkpoints_that_step(project):
-    args = ["hydra.run.dir=run", *QUIET, *PARTS, *LONG, searchpath(project),
-            "trainer.limit_train_batches=2", "trainer.limit_val_batches=10",
-            "trainer.log_every_n_steps=1"]  # fmt: skip
+    args = ["hydra.run.dir=run", *QUIET, *PARTS, *LONG, searchpath(project)]
+    args += ["trainer.limit_train_batches=2", "trainer.limit_val_batches=10"]
+    args += ["trainer.log_every_n_steps=1"]
     run = Run("train.py", args, project, "evaluation")
     metrics = project / "run" / "metrics.jsonl"
     # Step 2 ends the first epoch; its evaluation (10 batches of 0.3 s) follows.
@@ -275,8 +279,8 @@ def test_a_signal_during_an_evaluation_ends_it_and_checkpoints_that_step(project
 
 def test_a_signal_during_a_checkpoint_write_leaves_whole_files(project):
     (project / "conf" / "model" / "phase_net.yaml").write_text("ballast_floats: 25000000\n")
-    args = ["hydra.run.dir=run", *QUIET, *PARTS, *LONG, searchpath(project),
-            "trainer.checkpoint_every_n_steps=1", "trainer.learn_probe=false"]  # fmt: skip
+    args = ["hydra.run.dir=run", *QUIET, *PARTS, *LONG, searchpath(project)]
+    args += ["trainer.checkpoint_every_n_steps=1", "trainer.learn_probe=false"]
     run = Run("train.py", args, project)
     checkpoints = project / "run" / "checkpoints"
     run.wait_for(lambda: checkpoints.is_dir() and any(checkpoints.glob(".*.tmp")))
@@ -314,10 +318,9 @@ def test_before_step_1_the_handler_raises_at_once_and_from_step_1_it_asks_the_lo
 
     from kiln.engine.distributed import DistInfo
 
-    flag = PreemptionFlag(DistInfo(), torch.device("cpu"))
-    with flag:
-        with pytest.raises(PreemptedBeforeStart, match="preempted before step 1: nothing was"):
-            signal.raise_signal(signal.SIGUSR1)
+    before = pytest.raises(PreemptedBeforeStart, match="preempted before step 1: nothing was")
+    with PreemptionFlag(DistInfo(), torch.device("cpu")), before:
+        signal.raise_signal(signal.SIGUSR1)
     flag = PreemptionFlag(DistInfo(), torch.device("cpu"))  # a new run starts afresh
     with flag:
         flag.defer()
@@ -333,10 +336,10 @@ def test_a_held_block_finishes_and_its_stop_comes_after_it():
     from kiln.engine.distributed import DistInfo
 
     done = []
-    with PreemptionFlag(DistInfo(), torch.device("cpu")), pytest.raises(Interrupted):
-        with SIGNALS.hold():
-            signal.raise_signal(signal.SIGINT)
-            done.append("the second rename")
+    flag = PreemptionFlag(DistInfo(), torch.device("cpu"))
+    with flag, pytest.raises(Interrupted), SIGNALS.hold():
+        signal.raise_signal(signal.SIGINT)
+        done.append("the second rename")
     assert done == ["the second rename"]
 
 

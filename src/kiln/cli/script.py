@@ -9,36 +9,33 @@ stays as Python does it (atexit handlers, files flushed and closed, threads join
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import importlib
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
-def run_script(main: Callable[[], object] | str) -> None:
+def run_script(main: Callable[[], object]) -> None:
     """`main()` as a script runs it; whatever way it ends (returns, exits, raises), the objects it
-    leaves are frozen before the interpreter shuts down. `main` may be named "module:function"
-    (as an entry point is): then SIGTERM, SIGUSR1 and Ctrl-C are handled from before its
-    imports (kiln.engine.preemption), and a stop during them ends the process in one line."""
+    leaves are frozen before the interpreter shuts down."""
     try:
-        if callable(main):
-            main()
-        else:
-            run_named(main)
+        main()
     finally:
         gc.freeze()
 
 
-def run_named(entry: str) -> None:
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGTERM, SIGUSR1 and Ctrl-C handled from here on (kiln.engine.preemption), imports
+    included: a stop that comes before the entry point can say it (during its own imports) ends
+    the process here, in one line, exit 75 (130 for Ctrl-C)."""
     from kiln.engine.preemption import SIGNALS, Preempted, exit_code  # imports no torch
 
-    module, _, name = entry.partition(":")
     with SIGNALS.installed():
         try:
-            main = getattr(importlib.import_module(module), name)
-        except Preempted as stop:  # main() says its own stops; these came before it could
-            command = shlex.join(["python", *sys.argv])
-            print(f"{stop}; start it again with: {command}", flush=True)
+            yield
+        except Preempted as stop:
+            again = shlex.join(["python", *sys.argv])
+            print(f"{stop}; start it again with: {again}", flush=True)
             raise SystemExit(exit_code(stop)) from None
-        main()
