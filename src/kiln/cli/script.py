@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import shlex
 import sys
 from collections.abc import Callable, Iterator
@@ -36,6 +37,16 @@ def stop_signals() -> Iterator[None]:
         try:
             yield
         except Preempted as stop:
-            again = shlex.join(["python", *sys.argv])
-            print(f"{stop}; start it again with: {again}", flush=True)
+            if not int(os.environ.get("RANK", 0)):  # one line for the run, from the main rank
+                print(f"{stop}; start it again with: {typed_again()}", flush=True)
             raise SystemExit(exit_code(stop)) from None
+
+
+def typed_again() -> str:
+    """This process's command line as kiln prints commands (kiln.commands: torchrun's too)."""
+    try:
+        from kiln.commands import line, script
+
+        return line(script(os.path.basename(sys.argv[0])), sys.argv[1:])
+    except Exception:  # noqa: BLE001 -- the stop cut its import short: as Python saw it
+        return shlex.join(["python", *sys.argv])

@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     typed = list(sys.argv[1:] if argv is None else argv)  # to type again after a stop
 
     def say(stop: BaseException) -> None:
-        print(stopped_before_start(stop, typed), flush=True)
+        if not int(os.environ.get("RANK", 0)):  # one line for the run, from the main rank
+            print(stopped_before_start(stop, typed), flush=True)
 
     with SIGNALS.installed(), SIGNALS.last_word(say):
         try:

@@ -92,6 +92,7 @@ class StopSignals:
         self.raised: Preempted | None = None  # the stop on its way out
         self.notes: list[str] = []  # what the handler saw while deferring, logged by the loop
         self.seen: dict[int, float] = {}  # signal -> when the watch saw it (rank_watch reads it)
+        self.ranks_watched = False  # a DDP rank watch runs (kiln.engine.rank_watch)
         self._holds = 0
         self._held: int | None = None  # a signal that arrived during a hold
         self._reporting = False  # a failure is being reported: stops wait for good
@@ -285,15 +286,23 @@ class StopSignals:
             self._answered.clear()
 
     def _end_if_stuck(self, signum: int) -> None:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # A DDP rank held in a collective either gets out once its peers, signalled too,
-            # reach it, or waits for a peer that died: the rank watch (kiln.engine.rank_watch)
-            # reports that one as the failure it is.
+        if self.ranks_watched:
+            # A DDP rank held in a collective gets out once its peers, signalled too, reach it;
+            # or a peer stopped before step 1 (the rank watch ends this rank the same way), or
+            # died (the rank watch reports that failure).
             return
         with self._lock:
             if self.deferring or self._reporting or self._holds or self.raised is not None:
                 return  # the loop stops at its step boundary; a report or a commit finishes
-            self.raised = stop = self._stop_now(signum == signal.SIGINT)
+            self.end_now(self._stop_now(signum == signal.SIGINT))
+
+    def end_now(self, stop: Preempted) -> None:
+        """From a thread: end the process with `stop`'s code after its last words, unless the
+        main thread is already on its way out (then this returns)."""
+        with self._lock:
+            if self.raised is not None:
+                return
+            self.raised = stop
         for say in reversed(self._last_words):
             with contextlib.suppress(Exception):  # the exit must go on
                 say(stop)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 
 from kiln.engine.distributed import DistInfo, group_store
-from kiln.engine.preemption import SIGNALS
+from kiln.engine.preemption import SIGNALS, InterruptedBeforeStart, PreemptedBeforeStart
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,16 @@ def claim_report() -> bool:
             return False
         _claimed = True
         return True
+
+
+def post_stop(dist: DistInfo, stop: PreemptedBeforeStart) -> None:
+    """Tell the other ranks this rank stopped before step 1: one that had begun step 1 waits in
+    its first collective for this rank; its watch ends it the same way (nothing was trained)."""
+    store = group_store()
+    if store is None or not dist.enabled:
+        return
+    with contextlib.suppress(Exception):  # the store went away: nobody left to tell
+        store.set(f"kiln/stopped/{dist.rank}", stop.status)
 
 
 class RankFailed(RuntimeError):
@@ -105,10 +115,12 @@ class RankWatch:
             return self
         self.thread = threading.Thread(target=self._run, name="kiln-rank-watch", daemon=True)
         self.thread.start()
+        SIGNALS.ranks_watched = True  # a rank held in a collective is this watch's to end
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.stop.set()
+        SIGNALS.ranks_watched = False
         if self.thread is not None:
             self.thread.join(timeout=2 * POLL_S)
 
@@ -121,6 +133,7 @@ class RankWatch:
             now = time.monotonic()
             try:
                 store.set(f"kiln/alive/{rank}", str(time.time()))
+                self._stop_with_a_peer(store, world)
                 if sigterm_at is None and self._sigterm():
                     sigterm_at = now
                 current = self._main_frame()
@@ -168,6 +181,17 @@ class RankWatch:
                 store.set("kiln/reported", "1")
             sys.stderr.flush()
             os._exit(EXIT_FAILED)
+
+    def _stop_with_a_peer(self, store, world: int) -> None:
+        """A peer stopped before step 1 (post_stop): this rank, which may wait for it in a
+        collective, ends as it would have (unless its own thread is already on its way)."""
+        for other in range(world):
+            key = f"kiln/stopped/{other}"
+            if other != self.dist.rank and store.check([key]):
+                ctrl_c = store.get(key).decode() == "interrupted"
+                kind = InterruptedBeforeStart if ctrl_c else PreemptedBeforeStart
+                how = "interrupted (Ctrl-C)" if ctrl_c else "preempted"
+                SIGNALS.end_now(kind(f"{how} before step 1: nothing was trained"))
 
     @staticmethod
     def _sigterm() -> bool:

@@ -48,7 +48,7 @@ from kiln.engine.optim import (
 )
 from kiln.engine.precision import resolve_precision
 from kiln.engine.preemption import SIGNALS, Preempted, PreemptedBeforeStart
-from kiln.engine.rank_watch import RankWatch, reporting_failure
+from kiln.engine.rank_watch import RankWatch, post_stop, reporting_failure
 from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge, map_position
 from kiln.engine.seeding import set_deterministic
 from kiln.engine.sharded_checkpoint import ShardedWriter
@@ -623,6 +623,8 @@ def train(
         failing = True
         if trainer is not None:  # what was asked before the failure, whole on disk
             finish_writes(trainer)
+        if isinstance(err, PreemptedBeforeStart):
+            post_stop(dist, err)  # a rank waiting for this one in step 1 stops too
         if isinstance(err, NonFiniteLossError) and err.batches and dist.is_main:
             save_failing_batches(run_dir, err)  # kiln triage replays the step with them
         raise
