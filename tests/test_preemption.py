@@ -23,7 +23,6 @@ from kiln import checkpoint as files
 from kiln.cli.paths import REPO_ROOT
 from kiln.engine.preemption import (
     SIGNALS,
-    Interrupted,
     Preempted,
     PreemptedBeforeStart,
     PreemptionFlag,
@@ -328,19 +327,6 @@ def test_before_step_1_the_handler_raises_at_once_and_from_step_1_it_asks_the_lo
         assert flag.requested and not flag.interrupted and flag.agreed()
         with pytest.raises(Preempted, match="at step 7, after the last step"):
             SIGNALS.trained(7)  # a stop asked after the last boundary: raised at once
-
-
-def test_a_held_block_finishes_and_its_stop_comes_after_it():
-    import torch
-
-    from kiln.engine.distributed import DistInfo
-
-    done = []
-    flag = PreemptionFlag(DistInfo(), torch.device("cpu"))
-    with flag, pytest.raises(Interrupted), SIGNALS.hold():
-        signal.raise_signal(signal.SIGINT)
-        done.append("the second rename")
-    assert done == ["the second rename"]
 
 
 def test_a_forked_child_leaves_the_signal_to_its_parent():

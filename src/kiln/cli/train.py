@@ -125,27 +125,35 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     """One job: its run directory made, trained (run_job). A stop before step 1 that came
     before train() could record it (during the imports, say) is recorded here, in
     summary.json; main() says it."""
-    from kiln.engine.preemption import SIGNALS, Preempted, PreemptedBeforeStart
+    from kiln.engine.preemption import SIGNALS, Interrupted, Preempted, PreemptedBeforeStart
     from kiln.logging.summary import stopped_summary, write_summary  # before any stop: no torch
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra = HydraConfig.get()
+    run_dir = Path(hydra.runtime.output_dir)
+    command = RunCommand.of(hydra.overrides.task, hydra.overrides.hydra)  # to type it again
     tidy_console()
     SIGNALS.starting()  # each job of a multirun starts anew
+    main_rank = not int(os.environ.get("RANK", 0))
 
     def record_stop(stop: Preempted) -> None:
-        if int(os.environ.get("RANK", 0)) == 0 and not getattr(stop, "summary_written", False):
+        if main_rank and not getattr(stop, "summary_written", False):
             write_summary(run_dir, stopped_summary(None, stop))
             stop.summary_written = True
 
+    def last_word(stop: Preempted) -> None:  # the process ends in a native call
+        record_stop(stop)
+        if main_rank and not isinstance(stop, PreemptedBeforeStart):  # (main() says those)
+            print(report.preempted(run_dir, command, isinstance(stop, Interrupted)), flush=True)
+
     try:
-        with SIGNALS.last_word(record_stop):  # the process ends in a native call
-            return run_job(raw_cfg, run_dir)
+        with SIGNALS.last_word(last_word):
+            return run_job(raw_cfg, run_dir, command)
     except PreemptedBeforeStart as err:
         record_stop(err)
         raise
 
 
-def run_job(raw_cfg: DictConfig, run_dir: Path) -> float | None:
+def run_job(raw_cfg: DictConfig, run_dir: Path, command: RunCommand) -> float | None:
     """Train, then say how it went: the run's end, or its one [FAIL] line, error line or
     preemption (exit 75/130)."""
     from kiln.engine.distributed import env_dist_info, leave_together, teardown
@@ -155,7 +163,6 @@ def run_job(raw_cfg: DictConfig, run_dir: Path) -> float | None:
 
     hydra = HydraConfig.get()
     multirun = hydra.mode == RunMode.MULTIRUN
-    command = RunCommand.of(hydra.overrides.task, hydra.overrides.hydra)  # to type it again
     dist = env_dist_info()
     open_report()  # each job of a multirun reports its own failure
     finished = False
@@ -283,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     typed = list(sys.argv[1:] if argv is None else argv)  # to type again after a stop
 
     def say(stop: BaseException) -> None:
-        if not int(os.environ.get("RANK", 0)):  # one line for the run, from the main rank
+        main_rank = not int(os.environ.get("RANK", 0))  # one line for the run, from it
+        if main_rank and isinstance(stop, PreemptedBeforeStart):
             print(stopped_before_start(stop, typed), flush=True)
 
     with SIGNALS.installed(), SIGNALS.last_word(say):

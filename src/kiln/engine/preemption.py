@@ -82,7 +82,7 @@ def signal_name(signum: int) -> str:
 class StopSignals:
     """The process's handlers of STOP_SIGNALS (one instance: SIGNALS) and what they saw. The
     training loop says when to stop at step boundaries instead (`defer`) and when again at once
-    (`trained`); `hold` keeps a stop out of a block that must finish (a report, a commit)."""
+    (`trained`); while a failure is reported a stop waits (`reporting_failure`)."""
 
     def __init__(self) -> None:
         self.requested = False  # a stop was asked while deferring: the loop acts on it
@@ -93,8 +93,6 @@ class StopSignals:
         self.notes: list[str] = []  # what the handler saw while deferring, logged by the loop
         self.seen: dict[int, float] = {}  # signal -> when the watch saw it (rank_watch reads it)
         self.ranks_watched = False  # a DDP rank watch runs (kiln.engine.rank_watch)
-        self._holds = 0
-        self._held: int | None = None  # a signal that arrived during a hold
         self._reporting = False  # a failure is being reported: stops wait for good
         self._lock = threading.RLock()  # the handler (main thread) against the watch
         self._answered = threading.Event()  # the handler ran for the signal the watch saw
@@ -167,8 +165,9 @@ class StopSignals:
         at once."""
         with self._lock:
             self.requested = self.interrupted = self.deferring = self._reporting = False
-            self.trained_to, self.raised, self._held = None, None, None
+            self.trained_to, self.raised = None, None
             self.notes.clear()
+            self.seen.clear()
 
     def defer(self) -> None:
         """Step 1 begins: from now on a signal asks the loop to stop at a step boundary."""
@@ -193,23 +192,6 @@ class StopSignals:
             self._reporting = True
 
     @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """A block a stop must not cut in two (two renames that belong together): a signal
-        inside it is raised when the block ends."""
-        with self._lock:
-            self._holds += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._holds -= 1
-                held = self._held if not self._holds else None
-                if held is not None:
-                    self._held = None
-        if held is not None:
-            self._handle(held, None)
-
-    @contextlib.contextmanager
     def last_word(self, say: Callable[[Preempted], None]) -> Iterator[None]:
         """`say(stop)` runs if the watch ends the process during the block (the handler could
         not run): the latest registered first."""
@@ -230,10 +212,6 @@ class StopSignals:
         ctrl_c = signum == signal.SIGINT
         with self._lock:
             if self._reporting or self.raised is not None:
-                self._answered.set()
-                return
-            if self._holds:
-                self._held = self._held or signum
                 self._answered.set()
                 return
             if self.deferring:
@@ -292,8 +270,8 @@ class StopSignals:
             # died (the rank watch reports that failure).
             return
         with self._lock:
-            if self.deferring or self._reporting or self._holds or self.raised is not None:
-                return  # the loop stops at its step boundary; a report or a commit finishes
+            if self.deferring or self._reporting or self.raised is not None:
+                return  # the loop stops at its step boundary; a failure's report finishes
             self.end_now(self._stop_now(signum == signal.SIGINT))
 
     def end_now(self, stop: Preempted) -> None:

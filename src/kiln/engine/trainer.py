@@ -558,12 +558,14 @@ class Trainer:
             self.checkpointer.save("last.pt", self.state_dict())
         if self.preemption.agreed(every_step=not self.dist.enabled or self.should_log()):
             self.log_window(result.lr, bar)
-            raise self.checkpoint_and_stop()
+            raise self.checkpoint_and_stop(saved=due)
 
-    def checkpoint_and_stop(self) -> Preempted:
-        """A stop was asked: last.pt at the step boundary the state is at (its write finishes
-        on the way out, in fit), and the exception that ends the run."""
-        self.checkpointer.save("last.pt", self.state_dict())
+    def checkpoint_and_stop(self, saved: bool = False) -> Preempted:
+        """A stop was asked: last.pt at the step boundary the state is at, unless `saved` there
+        already (its write finishes on the way out, in fit), and the exception that ends the
+        run."""
+        if not saved:
+            self.checkpointer.save("last.pt", self.state_dict())
         return self.preemption.stop(self.state.global_step)
 
     def log_window(self, lr: float | None = None, bar=None) -> None:
