@@ -1,10 +1,11 @@
 """SIGTERM and SIGUSR1 (a scheduler preempting the job) and SIGINT (Ctrl-C) in every phase of a
 run, from train.py's first line to its exit.
 
-- **Before step 1** (imports, config, the data scan and tokenizing, building, the probes)
-  nothing needs saving: the handler raises PreemptedBeforeStart at once, and train.py exits 75
-  (130 for Ctrl-C) with one line saying nothing was trained and the command to start it again.
-- **From step 1** the loop checkpoints at the next step boundary and exits 75 (requeue with
+- **Before step 1 is done** (imports, config, the data scan and tokenizing, building, the
+  probes, the first step itself) nothing needs saving: the handler raises PreemptedBeforeStart
+  at once, and train.py exits 75 (130 for Ctrl-C) with one line saying nothing was trained and
+  the command to start it again.
+- **From then on** the loop checkpoints at the next step boundary and exits 75 (requeue with
   resume=auto); an evaluation in progress stops at its next batch and last.pt is saved at the
   step it evaluates. A second Ctrl-C stops at once (KeyboardInterrupt, no checkpoint of the
   half-done step). Under DDP the ranks agree at log lines before anyone stops.
@@ -89,6 +90,7 @@ class StopSignals:
         self.interrupted = False  # ... by Ctrl-C
         self.deferring = False  # from step 1 to the last step: stop at a step boundary
         self.trained_to: int | None = None  # the last step, once training is over
+        self.first_step = 1  # this run's first step (a resumed run's is later)
         self.raised: Preempted | None = None  # the stop on its way out
         self.notes: list[str] = []  # what the handler saw while deferring, logged by the loop
         self.seen: dict[int, float] = {}  # signal -> when the watch saw it (rank_watch reads it)
@@ -165,14 +167,19 @@ class StopSignals:
         at once."""
         with self._lock:
             self.requested = self.interrupted = self.deferring = self._reporting = False
-            self.trained_to, self.raised = None, None
+            self.trained_to, self.raised, self.first_step = None, None, 1
             self.notes.clear()
             self.seen.clear()
 
+    def starting_at(self, step: int) -> None:
+        """The run's first step will be step + 1 (a resumed run's is later than 1)."""
+        self.first_step = step + 1
+
     def defer(self) -> None:
-        """Step 1 begins: from now on a signal asks the loop to stop at a step boundary."""
-        with self._lock:
-            self.deferring = True
+        """A step is done: from now on a signal asks the loop to stop at a step boundary."""
+        if not self.deferring:
+            with self._lock:
+                self.deferring = True
 
     def trained(self, step: int) -> None:
         """Training is over and every checkpoint is on disk: a signal stops the run at once
@@ -180,7 +187,7 @@ class StopSignals:
         with self._lock:
             self.deferring, self.trained_to = False, step
             if self.requested and self.raised is None:
-                self.raised = self._stop_now(self.interrupted)
+                self.raised = self.stop_now(self.interrupted)
         if self.raised is not None:
             raise self.raised
 
@@ -225,11 +232,11 @@ class StopSignals:
                 )
                 self.requested, self.interrupted = True, self.interrupted or ctrl_c
                 return
-            self.raised = self._stop_now(ctrl_c)
+            self.raised = self.stop_now(ctrl_c)
             self._answered.set()
         raise self.raised
 
-    def _stop_now(self, ctrl_c: bool) -> Preempted:
+    def stop_now(self, ctrl_c: bool) -> Preempted:
         """The stop raised at once: before step 1, or after the last one."""
         if self.trained_to is not None:
             kind = Interrupted if ctrl_c else Preempted
@@ -240,6 +247,11 @@ class StopSignals:
             )
         kind = InterruptedBeforeStart if ctrl_c else PreemptedBeforeStart
         how = "interrupted (Ctrl-C)" if ctrl_c else "preempted"
+        if self.first_step > 1:  # a resumed run
+            return kind(
+                f"{how} before step {self.first_step}: nothing was trained since its checkpoint "
+                f"at step {self.first_step - 1}"
+            )
         return kind(f"{how} before step 1: nothing was trained")
 
     # ------------------------------------------------------------------------ the watch
@@ -272,7 +284,7 @@ class StopSignals:
         with self._lock:
             if self.deferring or self._reporting or self.raised is not None:
                 return  # the loop stops at its step boundary; a failure's report finishes
-            self.end_now(self._stop_now(signum == signal.SIGINT))
+            self.end_now(self.stop_now(signum == signal.SIGINT))
 
     def end_now(self, stop: Preempted) -> None:
         """From a thread: end the process with `stop`'s code after its last words, unless the
@@ -314,8 +326,11 @@ class PreemptionFlag:
             self._installed.close()
             self._installed = None
 
+    def starting_at(self, step: int) -> None:
+        SIGNALS.starting_at(step)
+
     def defer(self) -> None:
-        """Step 1 begins: a signal from now on stops the run at a step boundary."""
+        """A step is done: a signal from now on stops the run at a step boundary."""
         SIGNALS.defer()
 
     @property

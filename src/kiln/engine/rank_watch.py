@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 
 from kiln.engine.distributed import DistInfo, group_store
-from kiln.engine.preemption import SIGNALS, InterruptedBeforeStart, PreemptedBeforeStart
+from kiln.engine.preemption import SIGNALS, PreemptedBeforeStart
 
 log = logging.getLogger(__name__)
 
@@ -188,10 +188,7 @@ class RankWatch:
         for other in range(world):
             key = f"kiln/stopped/{other}"
             if other != self.dist.rank and store.check([key]):
-                ctrl_c = store.get(key).decode() == "interrupted"
-                kind = InterruptedBeforeStart if ctrl_c else PreemptedBeforeStart
-                how = "interrupted (Ctrl-C)" if ctrl_c else "preempted"
-                SIGNALS.end_now(kind(f"{how} before step 1: nothing was trained"))
+                SIGNALS.end_now(SIGNALS.stop_now(store.get(key).decode() == "interrupted"))
 
     @staticmethod
     def _sigterm() -> bool:

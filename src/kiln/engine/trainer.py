@@ -314,9 +314,11 @@ class Trainer:
         or raises."""
         try:
             with self.preemption:  # the process's handlers (kiln.engine.preemption), or these
-                self.run_probes()  # before step 1: a signal stops the run at once
+                # Until this process's first step is done a signal stops the run at once (the
+                # probes, a first step that compiles); from then on at a step boundary.
+                self.preemption.starting_at(self.state.global_step)
+                self.run_probes()
                 self.settle_threads()
-                self.preemption.defer()  # from step 1: at the next step boundary
                 while self.state.epoch < self.cfg.max_epochs and not self.reached_max_steps():
                     self.train_epoch()
                     if (
@@ -544,6 +546,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- logging & checkpoints
     def after_step(self, result: StepResult, bar) -> None:
+        self.preemption.defer()  # a step is done: a stop from now on saves it first
         s = self.state
         s.samples_seen += result.samples * self.dist.world_size
         s.data_time_s += result.data_time_s
