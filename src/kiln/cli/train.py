@@ -29,7 +29,7 @@ from kiln.cli.paths import (
     with_env_profile,
 )
 from kiln.cli.resume import with_resume_run_dir
-from kiln.commands import RunCommand
+from kiln.commands import RunCommand, line, script
 from kiln.config import load_config, register_configs, to_plain, to_typed
 from kiln.config.overrides import check_grammar
 from kiln.errors import UserError
@@ -285,7 +285,7 @@ def with_env_overrides(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """train.py: a stop (SIGTERM, SIGUSR1, Ctrl-C) before step 1 ends it at once, with one
     line (kiln.engine.preemption), from before the heavy imports to the first step."""
-    from kiln.engine.preemption import SIGNALS, PreemptedBeforeStart, exit_code
+    from kiln.engine.preemption import SIGNALS, Preempted, PreemptedBeforeStart, exit_code
 
     typed = list(sys.argv[1:] if argv is None else argv)  # to type again after a stop
 
@@ -300,12 +300,13 @@ def main(argv: list[str] | None = None) -> None:
         except PreemptedBeforeStart as stop:
             say(stop)
             raise SystemExit(exit_code(stop)) from None
+        except Preempted as stop:  # between two jobs of a sweep: each job said its own end
+            print(stop, flush=True)
+            raise SystemExit(exit_code(stop)) from None
 
 
 def stopped_before_start(stop: BaseException, typed: list[str]) -> str:
     """The one line of a run stopped before step 1: nothing trained, the same command."""
-    from kiln.commands import line, script
-
     return f"{stop}; start it again with: {line(script('train.py'), typed)}"
 
 

@@ -333,6 +333,10 @@ class PreemptionFlag:
         """A step is done: a signal from now on stops the run at a step boundary."""
         SIGNALS.defer()
 
+    def trained(self, step: int) -> None:
+        """Training is over, every checkpoint on disk: a signal stops the run at once again."""
+        SIGNALS.trained(step)
+
     @property
     def requested(self) -> bool:
         return SIGNALS.requested

@@ -35,7 +35,7 @@ from kiln.engine.finetune import FreezePlan, WeightAverage
 from kiln.engine.loss import BRANCHES
 from kiln.engine.metrics import MetricWindow
 from kiln.engine.precision import Precision
-from kiln.engine.preemption import SIGNALS, Preempted, PreemptionFlag
+from kiln.engine.preemption import Preempted, PreemptionFlag
 from kiln.engine.sharded_checkpoint import load_model_and_optimizer, model_and_optimizer_state
 from kiln.engine.throughput import flops_per_sample
 from kiln.guards import assert_finite_inputs, check_train_eval_agreement, describe, tensor_stats
@@ -337,7 +337,7 @@ class Trainer:
             self.finish_writes_quietly()  # the last.pt of a preemption is what resume reads
             raise
         self.checkpointer.flush()  # every checkpoint on disk before the run reports done
-        SIGNALS.trained(self.state.global_step)  # from here a signal stops the run at once
+        self.preemption.trained(self.state.global_step)  # from here a signal stops it at once
         self.report_data_time()
         return self.last_eval
 
@@ -762,7 +762,7 @@ class Trainer:
                 return
             # A stop asked during an evaluation ends it at this batch: the state is still at the
             # step boundary it evaluates. Under DDP the evaluation runs to its end (stopping
-            # early would need the ranks to agree at every batch) and the loop stops after it.
+            # early would need the ranks to agree at every batch): the ranks agree afterwards.
             if self.preemption.requested and not self.dist.enabled:
                 self.preemption.say_what_arrived()
                 raise self.checkpoint_and_stop()
