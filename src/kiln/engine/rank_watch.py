@@ -13,6 +13,10 @@ and a rank that fails posts why before it stops (`post_failure`). The lowest liv
   thread has not moved for STALL_S (it is stuck in a collective): "rank N stopped", naming the
   ranks whose heartbeat ended.
 
+Any rank's watch also ends its rank when a peer stopped before step 1 (`post_stop`: a
+preemption, kiln.engine.preemption), as that peer did: this rank may wait for it in a
+collective of the probes or of the first step, and nothing was trained.
+
 Then it leaves at once (os._exit), as it does on SIGTERM once the run is reported: the stuck
 thread would only wait for torchrun's SIGKILL. One report per run: the first to claim it
 (`claim_report`, shared with the main thread's own failure path) writes it."""
