@@ -148,7 +148,6 @@ class Run:
     fill and hold it up), stopped by a signal at a moment the test picks."""
 
     def __init__(self, script: str, args: list[str], cwd: Path, phase: str = ""):
-        self.cwd, self.args = cwd, args
         self.out, self.err = cwd / f"{script}.out", cwd / f"{script}.err"
         env = {
             **SUBPROCESS_ENV,
