@@ -1,7 +1,9 @@
 """Train a model: `python train.py [group=option ...] [key=value ...]`. See README.md."""
 
-from kiln.cli.script import run_script
-from kiln.cli.train import main
+from kiln.cli.script import run_script, stop_signals
 
 if __name__ == "__main__":
-    run_script(main)
+    with stop_signals():  # from before the imports: a preemption during them is one line too
+        from kiln.cli.train import main
+
+        run_script(main)

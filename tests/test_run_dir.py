@@ -279,6 +279,7 @@ def test_a_signal_handler_writes_nothing_and_the_loop_says_what_arrived(signum, 
 
     flag = PreemptionFlag(DistInfo(), torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="kiln.engine.preemption"), flag:
+        flag.defer()  # training: a signal asks for a checkpoint at the step boundary
         signal.raise_signal(signum)  # the handler runs here, as it would mid-step
         assert flag.requested and caplog.records == []
         assert flag.agreed() is True

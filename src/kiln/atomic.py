@@ -103,6 +103,27 @@ def atomic_file(
         raise
 
 
+@contextlib.contextmanager
+def atomic_path(path, *, failed: Failed = disk_full_error) -> Iterator[Path]:
+    """A temporary path beside `path` for a writer that takes a file name, not a file
+    (torch.onnx.export, onnx.save, a quantiser): `path` is replaced by what was written there
+    when the block ends; on failure, or a stop, the temporary file goes and `path` is as it
+    was. The temporary name keeps the suffix (`.model.onnx.tmp.onnx`): some writers read it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as err:
+        try:
+            if isinstance(err, Exception):
+                failed(err, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_bytes(path, data: bytes, **kw: Any) -> None:
     with atomic_file(path, "wb", **kw) as f:
         f.write(data)

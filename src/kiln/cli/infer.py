@@ -184,7 +184,30 @@ def main(argv: list[str] | None = None) -> None:
             from kiln.registry import load_plugins
 
             load_plugins(cfg.plugins)
-        RUNNERS[cfg.mode](cfg)
+        if cfg.mode == "serve":  # the server drains on SIGTERM and Ctrl-C (kiln.serving)
+            run_serve(cfg)
+        else:
+            stoppable(RUNNERS[cfg.mode], cfg, argv)
     except UserError as err:  # a bug (kiln's or a plugin's) is a traceback and exit 1
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None
+
+
+def stoppable(run, cfg: InferConfig, argv: list[str]) -> None:
+    """`run(cfg)`, ended at once by SIGTERM, SIGUSR1 or Ctrl-C (kiln.engine.preemption): every
+    file it writes is written whole or not at all, so a stop leaves none half-written (an
+    export's model.onnx included). One line and exit 75 (130 for Ctrl-C)."""
+    from kiln.commands import infer
+    from kiln.engine.preemption import SIGNALS, Interrupted, Preempted, exit_code
+
+    def say(stop: BaseException) -> None:
+        how = "interrupted (Ctrl-C)" if isinstance(stop, Interrupted) else "preempted"
+        line = f"infer.py mode={cfg.mode} {how}: no file was left half-written; run it again"
+        print(f"{line} with: {infer(*argv)}", file=sys.stderr, flush=True)
+
+    with SIGNALS.installed(), SIGNALS.last_word(say):
+        try:
+            run(cfg)
+        except Preempted as stop:
+            say(stop)
+            raise SystemExit(exit_code(stop)) from None

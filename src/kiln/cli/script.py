@@ -9,8 +9,12 @@ stays as Python does it (atexit handlers, files flushed and closed, threads join
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable
+import os
+import shlex
+import sys
+from collections.abc import Callable, Iterator
 
 
 def run_script(main: Callable[[], object]) -> None:
@@ -20,3 +24,29 @@ def run_script(main: Callable[[], object]) -> None:
         main()
     finally:
         gc.freeze()
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGTERM, SIGUSR1 and Ctrl-C handled from here on (kiln.engine.preemption), imports
+    included: a stop that comes before the entry point can say it (during its own imports) ends
+    the process here, in one line, exit 75 (130 for Ctrl-C)."""
+    from kiln.engine.preemption import SIGNALS, Preempted, exit_code  # imports no torch
+
+    with SIGNALS.installed():
+        try:
+            yield
+        except Preempted as stop:
+            if not int(os.environ.get("RANK", 0)):  # one line for the run, from the main rank
+                print(f"{stop}; start it again with: {typed_again()}", flush=True)
+            raise SystemExit(exit_code(stop)) from None
+
+
+def typed_again() -> str:
+    """This process's command line as kiln prints commands (kiln.commands: torchrun's too)."""
+    try:
+        from kiln.commands import line, script
+
+        return line(script(os.path.basename(sys.argv[0])), sys.argv[1:])
+    except Exception:  # noqa: BLE001 -- the stop cut its import short: as Python saw it
+        return shlex.join(["python", *sys.argv])

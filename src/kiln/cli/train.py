@@ -29,7 +29,7 @@ from kiln.cli.paths import (
     with_env_profile,
 )
 from kiln.cli.resume import with_resume_run_dir
-from kiln.commands import RunCommand
+from kiln.commands import RunCommand, line, script
 from kiln.config import load_config, register_configs, to_plain, to_typed
 from kiln.config.overrides import check_grammar
 from kiln.errors import UserError
@@ -122,25 +122,49 @@ def user_error(err: BaseException, message: str | None = None) -> SystemExit:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_main(raw_cfg: DictConfig) -> float | None:
-
-    from kiln.engine.distributed import env_dist_info, leave_together, teardown
-    from kiln.engine.preemption import Interrupted, Preempted
-    from kiln.engine.rank_watch import (
-        claim_report,
-        hold_sigterm_while_reporting,
-        open_report,
-        post_failure,
-    )
-    from kiln.engine.run import train
+    """One job: its run directory made, trained (run_job). A stop before step 1 that came
+    before train() could record it (during the imports, say) is recorded here, in
+    summary.json; main() says it."""
+    from kiln.engine.preemption import SIGNALS, Interrupted, Preempted, PreemptedBeforeStart
+    from kiln.logging.summary import stopped_summary, write_summary  # before any stop: no torch
 
     hydra = HydraConfig.get()
     run_dir = Path(hydra.runtime.output_dir)
-    multirun = hydra.mode == RunMode.MULTIRUN
     command = RunCommand.of(hydra.overrides.task, hydra.overrides.hydra)  # to type it again
-    dist = env_dist_info()
     tidy_console()
+    SIGNALS.starting()  # each job of a multirun starts anew
+    main_rank = not int(os.environ.get("RANK", 0))
+
+    def record_stop(stop: Preempted) -> None:
+        if main_rank and not getattr(stop, "summary_written", False):
+            write_summary(run_dir, stopped_summary(None, stop))
+            stop.summary_written = True
+
+    def last_word(stop: Preempted) -> None:  # the process ends in a native call
+        record_stop(stop)
+        if main_rank and not isinstance(stop, PreemptedBeforeStart):  # (main() says those)
+            print(report.preempted(run_dir, command, isinstance(stop, Interrupted)), flush=True)
+
+    try:
+        with SIGNALS.last_word(last_word):
+            return run_job(raw_cfg, run_dir, command)
+    except PreemptedBeforeStart as err:
+        record_stop(err)
+        raise
+
+
+def run_job(raw_cfg: DictConfig, run_dir: Path, command: RunCommand) -> float | None:
+    """Train, then say how it went: the run's end, or its one [FAIL] line, error line or
+    preemption (exit 75/130)."""
+    from kiln.engine.distributed import env_dist_info, leave_together, teardown
+    from kiln.engine.preemption import Interrupted, Preempted, PreemptedBeforeStart
+    from kiln.engine.rank_watch import claim_report, open_report, post_failure
+    from kiln.engine.run import train
+
+    hydra = HydraConfig.get()
+    multirun = hydra.mode == RunMode.MULTIRUN
+    dist = env_dist_info()
     open_report()  # each job of a multirun reports its own failure
-    hold_sigterm_while_reporting()
     finished = False
     try:
         cfg = to_typed(raw_cfg)
@@ -148,6 +172,9 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
             quiet_console()
         summary = train(cfg, run_dir, lambda err: record_failure(cfg, run_dir, err, True))
         finished = True
+    except PreemptedBeforeStart:  # nothing trained: main() says it in one line
+        finished = True  # no report to wait for: every rank leaves at once
+        raise
     except Preempted as err:
         log.warning("%s", err)
         interrupted = isinstance(err, Interrupted)
@@ -256,7 +283,34 @@ def with_env_overrides(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """train.py: a stop (SIGTERM, SIGUSR1, Ctrl-C) before step 1 ends it at once, with one
+    line (kiln.engine.preemption), from before the heavy imports to the first step."""
+    from kiln.engine.preemption import SIGNALS, Preempted, PreemptedBeforeStart, exit_code
+
+    typed = list(sys.argv[1:] if argv is None else argv)  # to type again after a stop
+
+    def say(stop: BaseException) -> None:
+        main_rank = not int(os.environ.get("RANK", 0))  # one line for the run, from it
+        if main_rank and isinstance(stop, PreemptedBeforeStart):
+            print(stopped_before_start(stop, typed), flush=True)
+
+    with SIGNALS.installed(), SIGNALS.last_word(say):
+        try:
+            prepare_and_train(typed)
+        except PreemptedBeforeStart as stop:
+            say(stop)
+            raise SystemExit(exit_code(stop)) from None
+        except Preempted as stop:  # between two jobs of a sweep: each job said its own end
+            print(stop, flush=True)
+            raise SystemExit(exit_code(stop)) from None
+
+
+def stopped_before_start(stop: BaseException, typed: list[str]) -> str:
+    """The one line of a run stopped before step 1: nothing trained, the same command."""
+    return f"{stop}; start it again with: {line(script('train.py'), typed)}"
+
+
+def prepare_and_train(argv: list[str]) -> None:
     argv = with_env_overrides(with_env_profile(argv))
     try:
         check_grammar(argv)  # Hydra's parse errors as one line, before anything else

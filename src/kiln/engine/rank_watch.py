@@ -13,6 +13,10 @@ and a rank that fails posts why before it stops (`post_failure`). The lowest liv
   thread has not moved for STALL_S (it is stuck in a collective): "rank N stopped", naming the
   ranks whose heartbeat ended.
 
+Any rank's watch also ends its rank when a peer stopped before step 1 (`post_stop`: a
+preemption, kiln.engine.preemption), as that peer did: this rank may wait for it in a
+collective of the probes or of the first step, and nothing was trained.
+
 Then it leaves at once (os._exit), as it does on SIGTERM once the run is reported: the stuck
 thread would only wait for torchrun's SIGKILL. One report per run: the first to claim it
 (`claim_report`, shared with the main thread's own failure path) writes it."""
@@ -23,13 +27,13 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
 
 from kiln.engine.distributed import DistInfo, group_store
+from kiln.engine.preemption import SIGNALS, PreemptedBeforeStart
 
 log = logging.getLogger(__name__)
 
@@ -41,30 +45,13 @@ EXIT_FAILED = 1
 
 _claim = threading.Lock()
 _claimed = False
-_reporting = threading.Event()  # a failure is being reported: SIGTERM waits for it
-_deferred: list[int] = []
-
-
-def hold_sigterm_while_reporting() -> None:
-    """From now on (the training process's main thread), a SIGTERM that arrives while a failure
-    is being reported waits until the report is written: torchrun sends it to every rank once
-    one died, often while the main rank writes the [FAIL] line and summary.json. Any other
-    time it ends the process as before (the preemption handlers take it over during fit)."""
-
-    def handler(signum, frame):
-        if _reporting.is_set():
-            _deferred.append(signum)
-            return
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    with contextlib.suppress(ValueError):  # not the main thread (a test's): as before
-        signal.signal(signal.SIGTERM, handler)
 
 
 def reporting_failure() -> None:
-    """The run is failing: its report is written from here on (see hold_sigterm_while_...)."""
-    _reporting.set()
+    """The run is failing: its report is written from here on, and a stop signal waits for it
+    (kiln.engine.preemption): torchrun sends SIGTERM to every rank once one died, often while
+    the main rank writes the [FAIL] line and summary.json."""
+    SIGNALS.reporting_failure()
 
 
 def open_report() -> None:
@@ -82,6 +69,16 @@ def claim_report() -> bool:
             return False
         _claimed = True
         return True
+
+
+def post_stop(dist: DistInfo, stop: PreemptedBeforeStart) -> None:
+    """Tell the other ranks this rank stopped before step 1: one that had begun step 1 waits in
+    its first collective for this rank; its watch ends it the same way (nothing was trained)."""
+    store = group_store()
+    if store is None or not dist.enabled:
+        return
+    with contextlib.suppress(Exception):  # the store went away: nobody left to tell
+        store.set(f"kiln/stopped/{dist.rank}", stop.status)
 
 
 class RankFailed(RuntimeError):
@@ -116,31 +113,20 @@ class RankWatch:
         self.stop = threading.Event()
         self.main_thread = threading.main_thread().ident
         self.thread: threading.Thread | None = None
-        self.signals: socket.socket | None = None
-        self.previous_fd = -1
 
     def __enter__(self) -> RankWatch:
         if not self.dist.enabled or group_store() is None:
             return self
-        reader, writer = socket.socketpair()
-        reader.setblocking(False)
-        writer.setblocking(False)
-        with contextlib.suppress(ValueError):  # not the main thread: no signal wake-ups
-            self.previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-            self.signals, self._writer = reader, writer
         self.thread = threading.Thread(target=self._run, name="kiln-rank-watch", daemon=True)
         self.thread.start()
+        SIGNALS.ranks_watched = True  # a rank held in a collective is this watch's to end
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.stop.set()
+        SIGNALS.ranks_watched = False
         if self.thread is not None:
             self.thread.join(timeout=2 * POLL_S)
-        if self.signals is not None:
-            with contextlib.suppress(ValueError):
-                signal.set_wakeup_fd(self.previous_fd)
-            self.signals.close()
-            self._writer.close()
 
     # ------------------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -151,6 +137,7 @@ class RankWatch:
             now = time.monotonic()
             try:
                 store.set(f"kiln/alive/{rank}", str(time.time()))
+                self._stop_with_a_peer(store, world)
                 if sigterm_at is None and self._sigterm():
                     sigterm_at = now
                 current = self._main_frame()
@@ -199,15 +186,19 @@ class RankWatch:
             sys.stderr.flush()
             os._exit(EXIT_FAILED)
 
-    def _sigterm(self) -> bool:
-        if self.signals is None:
-            return False
-        try:
-            received = self.signals.recv(64)
-        except BlockingIOError:
-            return False
-        # Other signals (SIGINT...) go on to their handlers; SIGTERM is the one torchrun sends.
-        return signal.SIGTERM in received
+    def _stop_with_a_peer(self, store, world: int) -> None:
+        """A peer stopped before step 1 (post_stop): this rank, which may wait for it in a
+        collective, ends as it would have (unless its own thread is already on its way)."""
+        for other in range(world):
+            key = f"kiln/stopped/{other}"
+            if other != self.dist.rank and store.check([key]):
+                SIGNALS.end_now(SIGNALS.stop_now(store.get(key).decode() == "interrupted"))
+
+    @staticmethod
+    def _sigterm() -> bool:
+        """Whether SIGTERM (the one torchrun sends) arrived: seen by the stop signals' watch as
+        it arrives, also while the main thread is held in a collective."""
+        return signal.SIGTERM in SIGNALS.seen
 
     def _main_frame(self):
         frame = sys._current_frames().get(self.main_thread)

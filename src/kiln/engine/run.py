@@ -4,6 +4,7 @@ tests call it in-process with `load_config([...])`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -48,8 +49,8 @@ from kiln.engine.optim import (
     total_optimizer_steps,
 )
 from kiln.engine.precision import resolve_precision
-from kiln.engine.preemption import Interrupted, Preempted
-from kiln.engine.rank_watch import RankWatch, reporting_failure
+from kiln.engine.preemption import SIGNALS, Preempted, PreemptedBeforeStart
+from kiln.engine.rank_watch import RankWatch, post_stop, reporting_failure
 from kiln.engine.resume import Contract, check, data_fingerprint, flatten, judge, map_position
 from kiln.engine.seeding import set_deterministic
 from kiln.engine.sharded_checkpoint import ShardedWriter
@@ -67,7 +68,7 @@ from kiln.guards.learn_probe import STEPS as LEARN_PROBE_STEPS
 from kiln.guards.probe_cache import ProbeKey
 from kiln.guards.probes import ProbeBudget, ProbePlan, ProbeSubject, probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
-from kiln.logging.summary import summarize, write_json, write_summary
+from kiln.logging.summary import stopped_summary, summarize, write_json, write_summary
 from kiln.models import build_model, without_weights
 from kiln.preprocessing.pretrained import PretrainedInput, pretrained_input
 from kiln.registry import config_dirs, plugin_packages, plugin_sources
@@ -600,6 +601,7 @@ def train(
     every exit, failures included. Under DDP a rank watch (kiln.engine.rank_watch) reports a
     failure the main thread cannot (stuck in a collective a failed rank never joins):
     summary.json, then `report_failure(err)` (train.py's [FAIL] line and failures.log)."""
+    SIGNALS.starting()  # a signal from here to step 1 stops the run at once
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     set_deterministic(cfg.trainer.deterministic)
@@ -626,11 +628,18 @@ def train(
         if report_failure is not None:
             report_failure(err)
 
+    def last_word(stop: Preempted) -> None:  # the process ends in a native call (preemption)
+        if dist.is_main:
+            write_summary(run_dir, stopped_summary(built[0] if built else None, stop))
+            stop.summary_written = True
+
     if dist.is_main:  # what the run's own environment was, for kiln triage's replay
         write_environment(run_dir)
     watch = RankWatch(dist, step=lambda: built[0].current_step if built else 0, report=report)
+    stack = contextlib.ExitStack()
     try:
         watch.__enter__()
+        stack.enter_context(SIGNALS.last_word(last_word))
         recorder = RunRecorder(
             cfg.logger, run_dir, run_name=cfg.name, config=to_plain(cfg), is_main=dist.is_main
         )
@@ -655,21 +664,22 @@ def train(
         reporting_failure()  # a SIGTERM now (torchrun's, after a rank died) waits for the report
         if trainer is not None and not hasattr(err, "step"):
             err.kiln_step = trainer.current_step  # where the failure line says it happened
-        status = "preempted" if isinstance(err, Preempted) else "failed"
-        if isinstance(err, Interrupted | KeyboardInterrupt):  # Ctrl-C, once or twice
-            status = "interrupted"
-        at_once = isinstance(err, KeyboardInterrupt)
-        last_eval = trainer.last_eval if trainer is not None else {}
-        summary = summarize(trainer, last_eval, status=status, error=f"{type(err).__name__}: {err}")
+        # A second Ctrl-C, or a stop before step 1: no last picture of curves nobody drew.
+        at_once = isinstance(err, KeyboardInterrupt | PreemptedBeforeStart)
+        summary = stopped_summary(trainer, err)
+        err.summary_written = dist.is_main  # below, in close_run
         if isinstance(getattr(err, "what", None), str):  # a check's finding: what kiln triage reads
             summary["failed_check"] = {"what": err.what, "module": getattr(err, "module", "")}
         failing = True
         if trainer is not None:  # what was asked before the failure, whole on disk
             finish_writes(trainer)
+        if isinstance(err, PreemptedBeforeStart):
+            post_stop(dist, err)  # a rank waiting for this one in step 1 stops too
         if isinstance(err, NonFiniteLossError) and err.batches and dist.is_main:
             save_failing_batches(run_dir, err)  # kiln triage replays the step with them
         raise
     finally:
+        stack.close()
         watch.__exit__(None, None, None)
         full = close_run(run_dir, recorder, summary if dist.is_main else None, draw=not at_once)
         if dist.is_main:

@@ -317,7 +317,10 @@ class Trainer:
         it ends (done, preempted, failing), the checkpoints asked for are on disk when it returns
         or raises."""
         try:
-            with self.preemption:
+            with self.preemption:  # the process's handlers (kiln.engine.preemption), or these
+                # Until this process's first step is done a signal stops the run at once (the
+                # probes, a first step that compiles); from then on at a step boundary.
+                self.preemption.starting_at(self.state.global_step)
                 self.run_probes()
                 self.settle_threads()
                 while self.state.epoch < self.cfg.max_epochs and not self.reached_max_steps():
@@ -338,6 +341,7 @@ class Trainer:
             self.finish_writes_quietly()  # the last.pt of a preemption is what resume reads
             raise
         self.checkpointer.flush()  # every checkpoint on disk before the run reports done
+        self.preemption.trained(self.state.global_step)  # from here a signal stops it at once
         self.report_data_time()
         return self.last_eval
 
@@ -602,6 +606,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- logging & checkpoints
     def after_step(self, result: StepResult, bar) -> None:
+        self.preemption.defer()  # a step is done: a stop from now on saves it first
         s = self.state
         s.samples_seen += result.samples * self.dist.world_size
         s.data_time_s += result.data_time_s
@@ -622,8 +627,15 @@ class Trainer:
                 self.remember_probes()
         if self.preemption.agreed(every_step=not self.dist.enabled or self.should_log()):
             self.log_window(result.lr, bar)
+            raise self.checkpoint_and_stop(saved=due)
+
+    def checkpoint_and_stop(self, saved: bool = False) -> Preempted:
+        """A stop was asked: last.pt at the step boundary the state is at, unless `saved` there
+        already (its write finishes on the way out, in fit), and the exception that ends the
+        run."""
+        if not saved:
             self.checkpointer.save("last.pt", self.state_dict())
-            raise self.preemption.stop(s.global_step)
+        return self.preemption.stop(self.state.global_step)
 
     def log_window(self, lr: float | None = None, bar=None) -> None:
         """One host read of the window: its metrics become a log line, its non-finite record
@@ -814,6 +826,12 @@ class Trainer:
         for i, batch in enumerate(self.val_loader):
             if 0 <= limit <= i:
                 return
+            # A stop asked during an evaluation ends it at this batch: the state is still at the
+            # step boundary it evaluates. Under DDP the evaluation runs to its end (stopping
+            # early would need the ranks to agree at every batch): the ranks agree afterwards.
+            if self.preemption.requested and not self.dist.enabled:
+                self.preemption.say_what_arrived()
+                raise self.checkpoint_and_stop()
             batch = move_to(batch, self.device, self.non_blocking)
             yield to_channels_last(batch) if self.cfg.channels_last else batch
 

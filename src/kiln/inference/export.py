@@ -16,7 +16,6 @@ graphs (with an image classifier's normalisation folded in) into a Triton model 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import tempfile
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from kiln.atomic import atomic_path, disk_full_error, write_json
 from kiln.inference.backends import (
     DETECTION_OUTPUTS,
     ONNX_INPUT,
@@ -335,7 +335,7 @@ def export_checked(
         except Exception as err:  # any failure of one exporter: try the next, report all
             log.info("the %s ONNX exporter did not work: %s", name, err)
             failures.append(f"{name} exporter: {type(err).__name__}: {str(err)[:300]}")
-    onnx_path.unlink(missing_ok=True)
+    onnx_path.unlink(missing_ok=True)  # (Triton's folder; mode=export writes a temporary file)
     raise ExportParityError(
         f"no ONNX export of {onnx_path} agreed with torch: " + "; ".join(failures)
     )
@@ -362,8 +362,7 @@ def write_sidecar(record: ModelRecord, onnx_path: Path, fixed_batch: int | None 
     anyone feeding it without kiln."""
     path = sidecar_path(onnx_path)
     described = graph_input(record, fixed_batch)
-    path.write_text(json.dumps({"graph_input": described, **record.to_json()},
-                               indent=1) + "\n")  # fmt: skip
+    write_json(path, {"graph_input": described, **record.to_json()}, indent=1)
     return path
 
 
@@ -511,11 +510,11 @@ def quiet_root_logger():
         root.setLevel(level)
 
 
-def quantize_int8(onnx_path: Path) -> Path:
+def quantize_int8(onnx_path: Path, int8_path: Path) -> Path:
+    """The int8 (dynamically quantised) model of `onnx_path`, written to `int8_path`."""
     import onnx
     from onnxruntime.quantization import QuantType, quant_pre_process, quantize_dynamic
 
-    int8_path = onnx_path.with_name(onnx_path.name.removesuffix(".onnx") + ".int8.onnx")
     with tempfile.TemporaryDirectory() as tmp, quiet_root_logger():
         # The dynamo exporter's intermediate shape annotations can contradict onnx's own shape
         # inference, which quantisation runs; drop them and let it infer afresh.
@@ -542,12 +541,20 @@ def check_int8(
         agree = ((ours >= threshold) == (theirs >= threshold)).all(axis=1)
     agreement = float(agree.mean())
     if agreement < INT8_MIN_AGREEMENT:
-        int8_path.unlink()  # never leave a model behind that failed its check
+        int8_path.unlink(missing_ok=True)  # never leave a model behind that failed its check
         raise ExportParityError(
             f"{int8_path}: the int8 model's prediction matches torch on only {agreement:.1%} of "
             f"{len(examples)} examples (< {INT8_MIN_AGREEMENT:.0%}); use the fp32 model.onnx"
         )
     return agreement
+
+
+def none_left(err: Exception, path: Path) -> None:
+    """A model that failed its export or its check leaves none behind, not even an older one
+    (it came from another export, maybe of another checkpoint)."""
+    path.unlink(missing_ok=True)
+    sidecar_path(path).unlink(missing_ok=True)
+    disk_full_error(err, path)
 
 
 def export(
@@ -574,16 +581,22 @@ def export(
         record.spec.input_kind,
         graph.fixed_batch,
     )
-    exporter, parity = export_checked(graph, batches, onnx_path, device)
+    # Each model file is written and checked under a temporary name, and renamed into place
+    # only once it passed: a failure or a stop (SIGTERM, Ctrl-C) leaves no half-written or
+    # unchecked model.onnx. Its sidecar goes in place just before it.
+    with atomic_path(onnx_path, failed=none_left) as written:
+        exporter, parity = export_checked(graph, batches, written, device)
+        write_sidecar(record, onnx_path, graph.fixed_batch)
     report = ExportReport(onnx_path, parity, exporter=exporter, examples_source=source)
-    write_sidecar(record, onnx_path, graph.fixed_batch)
     if int8:
-        report.int8_path = quantize_int8(onnx_path)
+        int8_path = onnx_path.with_name(onnx_path.name.removesuffix(".onnx") + ".int8.onnx")
         threshold = record.spec.threshold if record.spec.multi_label else None
-        report.int8_threshold = threshold
-        report.int8_agreement = check_int8(graph.net, report.int8_path, examples, device, threshold)
+        with atomic_path(int8_path, failed=none_left) as written:
+            quantize_int8(onnx_path, written)
+            report.int8_agreement = check_int8(graph.net, written, examples, device, threshold)
+            write_sidecar(record, int8_path)
+        report.int8_path, report.int8_threshold = int8_path, threshold
         report.int8_num_examples = len(examples)
-        write_sidecar(record, report.int8_path)
     for line in report.lines():
         log.info(line)
     return report

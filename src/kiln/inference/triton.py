@@ -207,7 +207,6 @@ def export_triton(
     model_dir = repository / model_name
     if model_dir.exists():
         shutil.rmtree(model_dir)  # a stale version folder must not survive a re-export
-    onnx_path = model_dir / VERSION / "model.onnx"
     graph = graph_for(record, rebuild_model(record, state_dict), raw_pixels=True)
     if graph.fixed_batch is not None:
         arch = record.config["model"].get("arch", record.config["model"]["name"])
@@ -217,16 +216,26 @@ def export_triton(
             "mode=export and serve it with kiln's server (backend=onnx)"
         )
     batches, source = parity_examples(record)
-    exporter, parity = export_checked(graph, batches, onnx_path, device)
-
-    config = model_config(onnx_path, model_name, max_batch_size, max_delay_ms, record.spec.task)
-    header = [f"# Triton model config written by kiln from {ckpt_path.name}"]
-    header += [f"# {line}" for line in client_notes(record)]
-    (model_dir / "config.pbtxt").write_text("\n".join(header) + "\n" + to_pbtxt(config) + "\n")
-    (model_dir / "labels.txt").write_text("\n".join(record.spec.class_names) + "\n")
-    if record.spec.input_kind == "tokens":
-        (model_dir / "tokenizer.json").write_text(record.recipe.tokenizer_json)
-    (model_dir / "kiln.json").write_text(json.dumps(record.to_json(), indent=1) + "\n")
+    # Built in a hidden folder beside it and renamed into place whole: a failure or a stop
+    # (SIGTERM, Ctrl-C) leaves no half-written model folder for Triton to load.
+    staging = repository / f".{model_name}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)  # what a stopped export left
+    try:
+        onnx_path = staging / VERSION / "model.onnx"
+        exporter, parity = export_checked(graph, batches, onnx_path, device)
+        task = record.spec.task
+        config = model_config(onnx_path, model_name, max_batch_size, max_delay_ms, task)
+        header = [f"# Triton model config written by kiln from {ckpt_path.name}"]
+        header += [f"# {line}" for line in client_notes(record)]
+        (staging / "config.pbtxt").write_text("\n".join(header) + "\n" + to_pbtxt(config) + "\n")
+        (staging / "labels.txt").write_text("\n".join(record.spec.class_names) + "\n")
+        if record.spec.input_kind == "tokens":
+            (staging / "tokenizer.json").write_text(record.recipe.tokenizer_json)
+        (staging / "kiln.json").write_text(json.dumps(record.to_json(), indent=1) + "\n")
+        staging.rename(model_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     report = TritonReport(model_dir, exporter, parity, source)
     for line in report.lines():
         log.info(line)

@@ -68,6 +68,17 @@ def _probe_budget(trainer) -> dict:
     }
 
 
+def stopped_summary(trainer, err: BaseException) -> dict:
+    """The summary of a run that ended with `err`: preempted or interrupted (its `status`,
+    kiln.engine.preemption), interrupted (a second Ctrl-C) or failed. It imports nothing: a stop
+    may have cut an import short (torch's, say), and a module half imported cannot be imported
+    again in the same process."""
+    status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+    status = getattr(err, "status", status)
+    last_eval = trainer.last_eval if trainer is not None else {}
+    return summarize(trainer, last_eval, status=status, error=f"{type(err).__name__}: {err}")
+
+
 def _chance(trainer) -> dict:
     """The monitored metric's chance level, as the evaluator measured it (kiln.engine.chance)."""
     chance = trainer.chance() if trainer is not None else None

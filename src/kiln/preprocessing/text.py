@@ -221,20 +221,45 @@ class WordPieces:
         return list(itertools.chain.from_iterable(split)), np.repeat(np.arange(len(words)), counts)
 
 
+# Characters per call of the Rust tokenizer's batch encoding (about 0.2 s on 2 cores): a call
+# holds the main thread, and a stop signal's handler runs only between two (a batch of 4096
+# long texts took 40 s in one call). A pair counts both its texts.
+ENCODE_CHARS = 500_000
+
+
+def in_calls(texts: Sequence[str | tuple[str, str]], max_chars: int = ENCODE_CHARS):
+    """`texts` in consecutive lists of at most `max_chars` characters (at least one text)."""
+    call, chars = [], 0
+    for text in texts:
+        size = len(text) if isinstance(text, str) else sum(map(len, text))
+        if call and chars + size > max_chars:
+            yield call
+            call, chars = [], 0
+        call.append(text)
+        chars += size
+    if call:
+        yield call
+
+
 def encode_ids(
     tokenizer, texts: Sequence[str], unk_id: int | None = None, spelling: WordSpelling | None = None
 ) -> list[list[int]]:
-    """Cleaned texts -> token ids (unpadded), by the Rust tokenizer's batch encoding. A text that
-    cleans to nothing still gets one token (`unk_id`, by default [UNK]), so no row is all
-    padding (an all-padding row would give models a mean over zero tokens). `spelling`: each
-    unknown word spelled after its [UNK] (WordSpelling), then the first max_length ids kept."""
+    """Cleaned texts -> token ids (unpadded), by the Rust tokenizer's batch encoding (in calls of
+    at most ENCODE_CHARS characters). A text that cleans to nothing still gets one token
+    (`unk_id`, by default [UNK]), so no row is all padding (an all-padding row would give
+    models a mean over zero tokens). `spelling`: each unknown word spelled after its [UNK]
+    (WordSpelling), then the first max_length ids kept."""
     if unk_id is None:
         unk_id = tokenizer.token_to_id(UNK_TOKEN)
     if spelling is not None:
         return _spelled(tokenizer, texts, unk_id, spelling)
     # encode_batch_fast: the same ids without character offsets, which nothing here reads. A
     # pair (a, b) is encoded as one: tokenizer(a, b), truncated longest first.
-    return [encoding.ids or [unk_id] for encoding in tokenizer.encode_batch_fast(list(texts))]
+    return [
+        encoding.ids or [unk_id]
+        for call in in_calls(texts)
+        for encoding in tokenizer.encode_batch_fast(call)
+    ]
 
 
 def _spelled(tokenizer, texts: Sequence[str], unk_id: int, spelling: WordSpelling):
@@ -244,7 +269,8 @@ def _spelled(tokenizer, texts: Sequence[str], unk_id: int, spelling: WordSpellin
     vocab_size = tokenizer.get_vocab_size()
     limit = (tokenizer.truncation or {}).get("max_length")  # None: the tokenizer keeps all
     encoded = []
-    for text, encoding in zip(texts, tokenizer.encode_batch(list(texts)), strict=True):
+    encodings = (e for call in in_calls(texts) for e in tokenizer.encode_batch(call))
+    for text, encoding in zip(texts, encodings, strict=True):
         ids: list[int] = []
         for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
             if token_id == unk_id:
