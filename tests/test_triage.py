@@ -468,3 +468,27 @@ def test_the_replay_runs_with_the_runs_environment(tmp_path, model_named, monkey
     assert any("differs from the run's in TRIAGE_DEMO_API_TOKEN" in n for n in run.replay.notes)
     assert causes[0].title == "NaN/Inf first appears in ReadsItsEnvironment.forward", causes
     assert "TRIAGE_DEMO_POISON" not in __import__("os").environ  # put back after the replay
+
+
+def test_triage_reads_the_finding_not_the_message(tmp_path):
+    """A check's finding is data (findings.json: kind, evidence, module, fix): triage ranks
+    from it, so a message reworded (here: every word of it replaced) loses no advice, and the
+    fix the learn probe found for this very case (a learning rate) is the one suggested."""
+    import json
+
+    run_dir = tmp_path / "run"
+    fails(compose_config(*QUIET, "optimizer.lr=50", "trainer.max_epochs=1"), run_dir)
+    found = json.loads((run_dir / "findings.json").read_text())
+    fatal = [f for f in found if f["fatal"]]
+    assert len(fatal) == 1 and fatal[0]["kind"] == "learning rate diverges", found
+    assert fatal[0]["fix"].startswith("optimizer.lr="), fatal[0]
+    for record in found:
+        record["evidence"] = "reworded beyond recognition"
+    (run_dir / "findings.json").write_text(json.dumps(found))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["error"] = "CannotLearnError: reworded beyond recognition"
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    _, causes = triage(run_dir, replay=False)
+    assert causes[0].title == "the learning rate diverges on one batch", causes
+    assert causes[0].try_ == fatal[0]["fix"]
+    assert "reworded beyond recognition" in causes[0].evidence

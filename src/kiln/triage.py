@@ -11,13 +11,14 @@ import logging
 import math
 import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kiln.errors import UserError
+from kiln.findings import Finding, read_findings
 from kiln.logging.jsonl import read_jsonl
 from kiln.logging.summary import read_summary
 
@@ -41,6 +42,7 @@ class Run:
     config: dict[str, Any]
     batch_stats: dict[str, Any] | None
     replay: Any = None  # kiln.engine.replay.Replay, for a failed run
+    findings: list[Finding] = field(default_factory=list)  # findings.json: what checks found
 
     @classmethod
     def read(cls, path: Path) -> Run:
@@ -64,6 +66,7 @@ class Run:
             evals=[m for m in metrics if any(k.startswith("val_") for k in m)],
             config=run_config(path) or {},
             batch_stats=_json_object(stats_file) if stats_file.is_file() else None,
+            findings=read_findings(path),
         )
 
     def key(self, dotted: str, default: Any = None) -> Any:
@@ -427,27 +430,13 @@ def replayed_eval_only(run: Run) -> Cause | None:
     )
 
 
-def softmax_head(run: Run) -> Cause | None:
-    text = " ".join([run.error, run.replay.probe_error if run.replay is not None else ""])
-    if "returns probabilities" not in text:
-        return None
-    found = re.search(r"come from (\S+ \(\w+\)|\S+\.forward itself)", text)
-    module = found.group(1) if found else "the model"
-    return Cause(
-        9,
-        "a softmax head: the model returns probabilities where the criterion expects logits",
-        text[text.index("returns probabilities") :].split(". The cross-entropy", 1)[0],
-        f"remove the final softmax ({module}): kiln's cross-entropy applies log_softmax itself, "
-        "and inference turns logits into probabilities",
-    )
-
-
 def replayed_probe(run: Run) -> Cause | None:
     r = run.replay
-    if r is None or not r.probe_error or "returns probabilities" in r.probe_error:
+    if r is None or not r.probe_error:
         return None
-    if r.probe_check[0] in FOUND_BY or "memory layout (" in r.probe_error:
-        return None  # named by its own cause (found_before_step_1)
+    finding, _ = stopping_finding(run)
+    if finding is not None and finding.kind in NAMED_BY_FINDING:
+        return None  # named by its own cause (found_by_a_check)
     return Cause(
         7,
         "a probe before step 1 refused the model",
@@ -456,99 +445,49 @@ def replayed_probe(run: Run) -> Cause | None:
     )
 
 
-# ------------------------------------------------------------- from the checks before step 1
+# --------------------------------------------------------------------- from the checks' findings
 
-# What each behaviour check's finding means, and what to do: (title, fix).
-FOUND_BY = {
-    "batch dependence": (
-        "samples leak across the batch",
-        "make each sample's output depend on that sample alone: transpose/permute where a .view "
-        "regrouped the batch, batch_first=True for a recurrent layer fed (N, L, D), statistics "
-        "over features instead of dim 0, no state kept on self",
-    ),
-    "determinism": (
-        "evaluation is not deterministic",
-        "switch randomness off in eval mode (F.dropout(..., training=self.training), noise only "
-        "under self.training) and keep no state on self that forward updates",
-    ),
-    "purity": (
-        "the forward changes the batch in place",
-        "work on copies in forward and in the loss (x = x / s, not x /= s; clone() a target "
-        "before rescaling it)",
-    ),
-    "dead gradients": (
-        "dead gradients",
-        "reconnect what the message names: a zero that never learns, a detached tensor, an "
-        "initialisation that keeps every ReLU off; for parameters used only in some steps, "
-        "trainer.find_unused_parameters=true under DDP or compute the module in every step",
-    ),
-    "cannot learn": (
-        "the model cannot lower the loss of one batch",
-        "fix what the learn probe saw (its message says what moved and what did not)",
-    ),
-    "device": (
-        "a tensor a GPU run would have on the CPU",
-        "create it with device=x.device (or x.new_zeros), or register it as a buffer",
-    ),
-    "memory layout": (
-        "a .view of memory it cannot view",
-        "use .reshape(...) (or .contiguous().view(...)) where the message says",
-    ),
-    "numerics": (
-        "non-finite values before step 1",
-        "fix the module the message names (a division by a value that can be 0, a constant "
-        "beyond the dtype's range)",
-    ),
-}
-FP16 = "under fp16 autocast"
+# The kinds of finding named as a cause of their own (kiln.findings.KINDS says what each
+# means and what to do); the rest (shapes, loss branches) by the replayed probe's message.
+NAMED_BY_FINDING = {
+    "probabilities", "batch dependence", "determinism", "purity", "dead gradients",
+    "conditional parameters", "cannot learn", "learning rate diverges", "device",
+    "memory layout", "numerics", "fp16 overflow",
+}  # fmt: skip
 
 
-def found_before_step_1(run: Run) -> Cause | None:
-    """A behaviour check stopped the run (summary.json's failed_check; the replayed probes'
-    message is the evidence when the replay ran)."""
+def stopping_finding(run: Run) -> tuple[Finding | None, bool]:
+    """The check's finding that stopped the run, and whether the replay found it: the replayed
+    probes' (where the replay ran), else the run's own (findings.json), else summary.json's
+    failed_check (a run from before findings.json)."""
+    r = run.replay
+    if r is not None and getattr(r, "probe_finding", None) is not None:
+        return r.probe_finding, True
+    fatal = [f for f in run.findings if f.fatal]
+    if fatal:
+        return fatal[-1], False
     check = run.summary.get("failed_check") or {}
-    what = check.get("what") or ""
-    replayed = run.replay.probe_error if run.replay is not None else ""
-    if replayed and run.replay.probe_check[0]:
-        what = run.replay.probe_check[0]
-    if what == "shapes" and "memory layout (" in (replayed or run.error):
-        what = "memory layout"
-    if what not in FOUND_BY or (run.summary.get("steps") or 0) > 1:
+    kind = check.get("kind") or check.get("what") or ""
+    if not kind:
+        return None, False
+    evidence = run.error.split(": ", 1)[-1]  # without the exception's class name
+    return Finding(kind, evidence, check.get("module") or "", check.get("fix") or ""), False
+
+
+def found_by_a_check(run: Run) -> Cause | None:
+    """A check stopped the run: its finding is the cause, titled and advised by its kind
+    (kiln.findings.KINDS), with the fix it found for this case where it found one."""
+    finding, replayed = stopping_finding(run)
+    if finding is None or finding.kind not in NAMED_BY_FINDING:
         return None
     r = run.replay
-    if what == "numerics" and r is not None and (r.first_op is not None or r.nonfinite_inputs):
+    numerics = finding.kind in ("numerics", "fp16 overflow")
+    if numerics and r is not None and (r.first_op or r.nonfinite_inputs):
         return None  # the replay's op-level causes name it (log(0), fp16 overflow, the data)
-    message = (replayed or run.error).split(": ", 1)[-1]  # without the exception's class name
-    module = check.get("module") or (run.replay.probe_check[1] if replayed else "")
-    title, fix = FOUND_BY[what]
-    if what == "numerics" and FP16 in message:
-        title, fix = (
-            "fp16 overflow (found by the fp16 probe)",
-            ("precision=bf16 (fp32's range, no loss scaling), or keep that module in fp32"),
-        )
-    if what == "dead gradients" and "used only in some steps" in message:
-        title = "parameters used only in some steps"
-        fix = (
-            "trainer.find_unused_parameters=true (DDP then looks for unused parameters in every "
-            "step), or compute the module in every step and let the condition weight its output"
-        )
-    if what == "cannot learn":
-        tenth = re.search(r"at a tenth of it \(([^)]+)\) the loss falls", message)
-        healthy = re.search(r"would be about ([0-9.e+-]+) \(optimizer\.lr\)", message)
-        if tenth:
-            title = "the learning rate diverges on one batch"
-            fix = (
-                f"optimizer.lr={tenth.group(1)} (a tenth: the learn probe's steps lowered the loss)"
-            )
-        elif "diverges" in message and healthy:  # a tenth diverged too: the measured size
-            title = "the learning rate diverges on one batch"
-            fix = (
-                f"optimizer.lr={healthy.group(1)} (what moves the weights by 0.001 of their size "
-                "at the first step, measured by the learn probe)"
-            )
-    where = f" in {module}" if module else ""
-    source = "replayed the probes: " if replayed else "the run's probes before step 1: "
-    return Cause(9.6, f"{title}{where}", source + message[:600], fix)
+    where = f" in {finding.module}" if finding.module else ""
+    source = "replayed the probes: " if replayed else "the run's checks: "
+    score = 9 if finding.kind == "probabilities" else 9.6
+    return Cause(score, f"{finding.title}{where}", source + finding.evidence[:600], finding.advice)
 
 
 def at_chance(run: Run) -> Cause | None:
@@ -566,14 +505,13 @@ def at_chance(run: Run) -> Cause | None:
 
 
 CHECKS = (
-    found_before_step_1,
+    found_by_a_check,
     at_chance,
     replayed_inputs,
     lr_too_high_at_the_first_update,
     replayed_explosion,
     replayed_first_op,
     replayed_eval_only,
-    softmax_head,
     replayed_probe,
     exploding_gradients,
     fp16_overflow,

@@ -38,6 +38,7 @@ from kiln.config.base import composable, frozen, thaw
 from kiln.engine.batches import move_to
 from kiln.engine.distributed import DistInfo
 from kiln.engine.environment import run_environment
+from kiln.findings import Finding, finding_of
 from kiln.guards.no_trace import untouched
 from kiln.guards.numerics import (
     FirstNonFinite,
@@ -88,6 +89,7 @@ class Replay:
     buffers: dict[str, str] = field(default_factory=dict)  # the failing module's buffers
     probe_error: str = ""  # a run stopped by a probe: its message, replayed
     probe_check: tuple[str, str] = ("", "")  # (the check's name, the module it named), replayed
+    probe_finding: Finding | None = None  # what the replayed check found, as data
     notes: list[str] = field(default_factory=list)
 
 
@@ -447,7 +449,14 @@ def _replay_probes(
     """A run stopped before step 1: its probes again (they take the data's extremes, never a
     sample, so they fail again the same way; parameters used only in some steps stop a run
     that was distributed, as they stopped it)."""
-    trainer_cfg = dataclasses.replace(cfg.trainer, probe_sizes=True, shape_check=True)
+    # Every check, whatever it costs and whatever a cache says the model passed.
+    trainer_cfg = dataclasses.replace(
+        cfg.trainer,
+        probe_sizes=True,
+        shape_check=True,
+        probe_cache=False,
+        probe_budget=dataclasses.replace(cfg.trainer.probe_budget, enforce=False),
+    )
     trainer = _build(dataclasses.replace(cfg, trainer=trainer_cfg), scratch)
     plan = trainer.parts.probe_plan
     trainer.parts.probe_plan = dataclasses.replace(
@@ -458,8 +467,9 @@ def _replay_probes(
     except Exception as err:  # the probe's own message is the evidence
         found.probe_error, found.reproduced = f"{type(err).__name__}: {err}", True
         found.probe_check = (getattr(err, "what", "") or "", getattr(err, "module", "") or "")
+        found.probe_finding = finding_of(err)
         if found.probe_check[0] == "numerics":
-            _bisect_probe(trainer, found, fp16="under fp16 autocast" in str(err))
+            _bisect_probe(trainer, found, fp16=getattr(err, "kind", "") == "fp16 overflow")
     else:
         found.reproduced = False
     return found

@@ -63,6 +63,7 @@ from kiln.engine.trainer import (
     loop_settings,
 )
 from kiln.errors import DiskFullError
+from kiln.findings import Finding, finding_of, write_findings
 from kiln.guards.input_sizes import EpochPlan
 from kiln.guards.learn_probe import STEPS as LEARN_PROBE_STEPS
 from kiln.guards.probe_cache import ProbeKey
@@ -568,6 +569,18 @@ def save_failing_batches(run_dir: Path, err: NonFiniteLossError) -> None:
         log.warning("could not save the failing batch to %s", run_dir / FAILING_BATCHES)
 
 
+def keep_findings(run_dir: Path, trainer: Trainer | None, fatal: Finding | None = None) -> None:
+    """What the checks found, as data (findings.json, read by kiln triage): what they said and
+    the run went on, and what stopped it. Nothing found: no file."""
+    said = list(trainer.probe_report.findings) if trainer is not None else []
+    found = said + ([fatal] if fatal is not None else [])
+    if found:
+        try:
+            write_findings(run_dir, found)
+        except (OSError, DiskFullError) as err:  # the run's own outcome is what is reported
+            log.warning("findings.json not written: %s", err)
+
+
 def finish_writes(trainer: Trainer) -> None:
     """On a failing run's way out: the background checkpoint writes end (a failure among
     them is logged: the run's own error is the one reported)."""
@@ -659,6 +672,8 @@ def train(
         summary.update(report_test_split(trainer, cfg, run_dir, device))
         if cfg.trainer.overfit_batches:
             summary.update(check_overfit(recorder.history))
+        if dist.is_main:
+            keep_findings(run_dir, trainer)
         return summary
     except BaseException as err:
         reporting_failure()  # a SIGTERM now (torchrun's, after a rank died) waits for the report
@@ -668,8 +683,16 @@ def train(
         at_once = isinstance(err, KeyboardInterrupt | PreemptedBeforeStart)
         summary = stopped_summary(trainer, err)
         err.summary_written = dist.is_main  # below, in close_run
-        if isinstance(getattr(err, "what", None), str):  # a check's finding: what kiln triage reads
-            summary["failed_check"] = {"what": err.what, "module": getattr(err, "module", "")}
+        finding = finding_of(err, getattr(err, "step", getattr(err, "kiln_step", 0)) or 0)
+        if finding is not None:  # a check's finding: what kiln triage reads (findings.json)
+            summary["failed_check"] = {
+                "what": err.what,
+                "module": finding.module,
+                "kind": finding.kind,
+                "fix": finding.fix,
+            }
+            if dist.is_main:
+                keep_findings(run_dir, trainer, finding)
         failing = True
         if trainer is not None:  # what was asked before the failure, whole on disk
             finish_writes(trainer)

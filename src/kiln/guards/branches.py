@@ -104,4 +104,5 @@ def no_gradient_error(
         f"{shown}, in {where}; nothing the loss computes reaches them; {todo}",
         module=modules[0],
         what="dead gradients",
+        fix=flag or "",
     )

@@ -38,6 +38,7 @@ class ConditionalParametersError(ProbeFailure):
     """Parameters that get a gradient in some steps and not in others (fatal under DDP)."""
 
     what = "dead gradients"
+    kind = "conditional parameters"
 
 
 def _with_gradient(model: nn.Module, criterion, batch: Any) -> frozenset[str]:

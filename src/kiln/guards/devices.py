@@ -32,6 +32,8 @@ class DeviceMismatchError(ProbeFailure):
     """Tensors of one step live on different devices; the message names the module (the path
     where devices first mix)."""
 
+    kind = "device"
+
     def __init__(self, message: str, module: str = "", what: str | None = None):
         super().__init__(message, module, what or f"device mismatch in {module or 'the model'}")
 

@@ -84,4 +84,6 @@ class LearnReading:
             raise CannotLearnError(
                 f"{err} (the run's first steps did not lower it either: {self.shown()})",
                 module=err.module,
+                kind=err.kind,
+                fix=err.fix,
             ) from None

@@ -27,6 +27,7 @@ from kiln.guards.tree import iter_tensors
 
 Forward = Callable[[nn.Module, Any, bool], Any]
 FP16_MAX = 65504.0
+FP16_FIX = "precision=bf16 (fp32's range, no loss scaling), or keep that module in fp32"
 
 
 def check_fp16(model: nn.Module, batch: Any, forward: Forward) -> None:
@@ -54,6 +55,8 @@ def check_fp16(model: nn.Module, batch: Any, forward: Forward) -> None:
                 "from the tensor's dtype (torch.finfo(x.dtype).min for a mask), or keep that "
                 "module in fp32",
                 module=call.path if call is not None else "",
+                kind="fp16 overflow",
+                fix=FP16_FIX,
             ) from err
         finally:
             modules.close()
@@ -70,6 +73,8 @@ def check_fp16(model: nn.Module, batch: Any, forward: Forward) -> None:
         "float16's range. precision=bf16 (fp32's range), or keep that module in fp32 "
         "(torch.autocast(..., enabled=False) around it), or scale it down",
         module=op.module,
+        kind="fp16 overflow",
+        fix=FP16_FIX,
     )
 
 

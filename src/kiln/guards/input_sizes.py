@@ -38,6 +38,8 @@ class MemoryLayoutError(ShapeInferenceError):
     """A .view of memory it cannot view (a transposed, permuted or channels-last tensor): no
     literal size is wrong, the memory layout is."""
 
+    kind = "memory layout"
+
 
 def probe_error(
     model: nn.Module, label: str, inputs: Any, err: BaseException, trace, fix: str = ""
@@ -75,7 +77,9 @@ def probe_error(
             "float16 tensor): take it from the dtype (torch.finfo(x.dtype).min)",
             module=module,
         )
-    return ShapeInferenceError(_failure(model, label, inputs, err, trace, fix), module=module)
+    return ShapeInferenceError(
+        _failure(model, label, inputs, err, trace, fix), module=module, fix=fix
+    )
 
 
 @dataclass

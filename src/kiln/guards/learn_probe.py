@@ -166,8 +166,19 @@ def _check_can_learn(model, optimizer_for, criterion, batch, steps, dead_layers,
             if tenth.fell
             else f"a tenth of it ({tenth.lr:g}) does not lower it either ({tenth.shown}){sized}"
         )
+        if tenth.fell:
+            fix = f"optimizer.lr={tenth.lr:g} (a tenth: the learn probe's steps lowered the loss)"
+        elif healthy is not None:
+            fix = (
+                f"optimizer.lr={healthy:.1g} (what moves the weights by {HEALTHY_UPDATE:g} of "
+                "their size at the first step, measured by the learn probe)"
+            )
+        else:
+            fix = ""
         raise CannotLearnError(
-            f"{LEARN}: {name}: {saw}: it {went}: the learning rate diverges on one batch; {then}"
+            f"{LEARN}: {name}: {saw}: it {went}: the learning rate diverges on one batch; {then}",
+            kind="learning rate diverges",
+            fix=fix,
         )
     why = _why_flat(result, dead_layers or {})
     raise CannotLearnError(f"{LEARN}: {name}: {saw}: it does not fall (by {MIN_DROP:.1%}); {why}")

@@ -22,9 +22,16 @@ class ProbabilitiesNotLogitsError(ProbeFailure):
     """A classifier returned probabilities where its criterion expects logits (`module`: the
     path that produced them, "" for the model's own forward)."""
 
-    def __init__(self, message: str, module: str):
+    kind = "probabilities"
+
+    def __init__(self, message: str, module: str, made_by: str = ""):
         what = f"probabilities, not logits, from {module or 'the forward'}"
-        super().__init__(message, module, what)
+        fix = (
+            f"remove the final softmax ({made_by or module or 'the forward'}): kiln's "
+            "cross-entropy applies log_softmax itself, and inference turns logits into "
+            "probabilities"
+        )
+        super().__init__(message, module, what, fix=fix)
 
 
 def looks_like_probabilities(scores: torch.Tensor) -> bool:
@@ -67,7 +74,10 @@ def check_logits(model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any
         for name, scores in heads.items():
             if isinstance(scores, torch.Tensor) and looks_like_probabilities(scores):
                 path = producer(model, lambda: forward(model, batch, False), _picker(output, name))
-                raise ProbabilitiesNotLogitsError(_message(model, name, scores, path), path)
+                made_by = _made_by(model, path)
+                raise ProbabilitiesNotLogitsError(
+                    _message(model, name, scores, made_by), path, made_by
+                )
     finally:
         model.train(was_training)
 
@@ -76,14 +86,15 @@ def _picker(output: Any, name: str) -> Callable[[Any], Any]:
     return (lambda out: out[name]) if isinstance(output, dict) else (lambda out: out)
 
 
-def _message(model: nn.Module, head: str, scores: torch.Tensor, path: str) -> str:
+def _made_by(model: nn.Module, path: str) -> str:
+    if path:
+        return f"{path} ({type(model.get_submodule(path)).__name__})"
+    return f"{type(model).__name__}.forward itself (a functional softmax on the output)"
+
+
+def _message(model: nn.Module, head: str, scores: torch.Tensor, where: str) -> str:
     row = " ".join(f"{v:.3f}" for v in scores[0, :6].float().tolist())
     more = " ..." if scores.shape[1] > 6 else ""
-    where = (
-        f"{path} ({type(model.get_submodule(path)).__name__})"
-        if path
-        else f"{type(model).__name__}.forward itself (a functional softmax on the output)"
-    )
     return (
         f"{LOGITS}: {type(model).__name__} returns probabilities as its {head}: every row of a "
         f"batch of {scores.shape[0]} lies in [0, 1] and sums to 1 (row 0: {row}{more}); they "

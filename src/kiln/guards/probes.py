@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.findings import Finding
 from kiln.guards.input_sizes import EpochPlan, plan_probes, run_size_probe, size_probes, take
 from kiln.guards.no_trace import untouched, weights_kept
 from kiln.guards.numerics import NumericsError
@@ -142,6 +143,7 @@ class ProbeReport:
     epoch_estimate_s: float | None = None
     budget_note: str = ""  # how the budget was set
     learn_reading: Any = None  # kiln.guards.first_steps.LearnReading: the learn probe, deferred
+    findings: list[Finding] = field(default_factory=list)  # what the checks said, not fatal
     pending_zero: list[str] = field(default_factory=list)  # zero gradients to confirm at step 2
 
     @property
@@ -487,6 +489,9 @@ def _run_conditional(probe: Probe) -> None:
     if probe.plan.conditional_is_fatal:
         raise error
     log.warning("%s", error)
+    probe.report.findings.append(
+        Finding(error.kind, str(error), error.module, error.fix, fatal=False)
+    )
 
 
 def _run_dead_gradients(probe: Probe) -> None:
@@ -494,12 +499,16 @@ def _run_dead_gradients(probe: Probe) -> None:
     layer all of whose units are off (kiln.guards.live_gradients)."""
     from kiln.guards.live_gradients import check_live_gradients
 
-    probe.report.mostly_dead = check_live_gradients(
+    report = probe.report
+    report.mostly_dead = check_live_gradients(
         _step_seen(probe),
         probe.subject.flag_for_unused,
         used_sometimes=probe.used_sometimes,
         second_step=lambda zero: _second_step(probe, zero),
     )
+    for path, detail in report.mostly_dead.items():
+        said = f"{path}: {detail} on every sample of the probe batch"
+        report.findings.append(Finding("dead gradients", said, path, fatal=False))
 
 
 def _second_step(probe: Probe, zero: list[str]) -> list[str]:

@@ -18,12 +18,26 @@ LAYOUT = "memory layout (.view needs memory it can view)"
 
 class ProbeFailure(RuntimeError):
     """A check before step 1 (or a guard during the run) refused the model. `what` is the
-    check's name in the run's [FAIL] line; `module` the module path it names ("" for none)."""
+    check's name in the run's [FAIL] line; `module` the module path it names ("" for none);
+    `kind` the finding's kind (kiln.findings.KINDS: what it means, what to do; `what`
+    where not given) and `fix` the fix for this very case, where the check knows one (an
+    override): what `kiln triage` reads, never the message's wording."""
 
     what = "probe"
+    kind = ""
 
-    def __init__(self, message: str, module: str = "", what: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        module: str = "",
+        what: str | None = None,
+        *,
+        kind: str | None = None,
+        fix: str = "",
+    ):
         super().__init__(message)
         self.module = module
         if what is not None:
             self.what = what
+        self.kind = kind or type(self).kind or self.what
+        self.fix = fix
