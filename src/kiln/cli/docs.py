@@ -173,7 +173,45 @@ def readme_with_index(readme: str) -> str:
     return f"{head}{INDEX_START}{marker}\n" + "\n".join(entries) + f"\n{INDEX_END}{tail}"
 
 
-PAGES = {"config-reference.md": config_reference, "layout.md": layout}
+def checks() -> str:
+    """docs/checks.md: the checks before step 1, in the order they run (kiln.guards.probes'
+    table), and the kinds of finding they write (kiln.findings.KINDS): the page, the runner and
+    kiln triage read the same two tables."""
+    from kiln.findings import KINDS
+    from kiln.guards.probes import CHECKS
+
+    out = [
+        GENERATED,
+        "# The checks before step 1",
+        "",
+        "What each check runs, what it costs in observed steps (one forward, loss and backward of",
+        "the probe batch) and the kinds of finding it writes, in the order they run under the",
+        "probe budget ([antibodies](antibodies.md#the-antibodies)). A check that does not fit",
+        "the budget is skipped and named; the learn probe then reads the first steps.",
+        "",
+        "| check | runs | costs | finds |",
+        "|---|---|---|---|",
+    ]
+    for check in CHECKS:
+        finds = ", ".join(check.finds)
+        out.append(f"| {check.name} | {_cell(check.needs)} | {_cell(check.cost_class)} | {finds} |")
+    out += [
+        "",
+        "## What each finding means, and what to do",
+        "",
+        "A finding is data: `findings.json` in the run directory holds each one (kind, evidence,",
+        "module, and the fix for that case where the check found one); `kiln triage` ranks from",
+        "it. Where a finding brings no fix of its own, the advice below is what triage says.",
+        "",
+        "| kind | means | do | read |",
+        "|---|---|---|---|",
+    ]
+    for name, kind in KINDS.items():
+        out.append(f"| {name} | {_cell(kind.title)} | {_cell(kind.advice)} | {kind.section} |")
+    return "\n".join(out) + "\n"
+
+
+PAGES = {"config-reference.md": config_reference, "layout.md": layout, "checks.md": checks}
 README = REPO_ROOT / "README.md"
 
 

@@ -191,7 +191,8 @@ class Probe:
 @dataclass(frozen=True)
 class Check:
     """One entry of the table: its name (the log's, summary.json's probe_times_s), whether the
-    plan asks for it, its cost in observed steps, and what it does."""
+    plan asks for it, its cost in observed steps, what it does and needs, and the kinds of
+    finding it writes (what each means and what to do: kiln.findings.KINDS)."""
 
     name: str
     wanted: Callable[[Probe], bool]
@@ -199,6 +200,9 @@ class Check:
     run: Callable[[Probe], None]
     required: Callable[[Probe], bool] = lambda probe: False  # never left out by the budget
     under_autocast: bool = True  # the run's autocast, as training runs it
+    needs: str = ""  # what it runs, in words (docs/checks.md)
+    cost_class: str = ""  # its cost in observed steps, in words (docs/checks.md)
+    finds: tuple[str, ...] = ()  # the kinds of finding it writes (kiln.findings.KINDS)
 
 
 def classifier_output_problems(model: nn.Module, output: Any, size: int, spec: Any) -> list[str]:
@@ -605,45 +609,84 @@ CHECKS: tuple[Check, ...] = (
         wanted=lambda p: p.plan.sizes and p.subject.build is not None,
         cost=lambda p: _rule1_cost(p, new_size=False),
         run=lambda p: _run_rule1(p, new_size=False),
+        needs="the data's extremes and other batch sizes: a forward each (and backward where "
+        "the epoch trains on it)",
+        cost_class="a forward per case (8 samples: about 1 step)",
+        finds=("shapes", "memory layout", "numerics"),
     ),
     Check(
         "rule 1 input size",
         wanted=lambda p: p.plan.sizes and p.subject.build is not None,
         cost=lambda p: _rule1_cost(p, new_size=True),
         run=lambda p: _run_rule1(p, new_size=True),
+        needs="a batch of 2 at a second input size, forward and backward (a new build only "
+        "where the parameters follow the size)",
+        cost_class="a step at 2.25x the pixels of 2 samples",
+        finds=("shapes", "memory layout", "numerics"),
     ),
     Check(
         "rule 3",
         wanted=lambda p: p.plan.modes or p.plan.logits and p.plan.sizes,
         cost=lambda p: 3 * FORWARD,  # train, eval, and logits' eval forward
         run=_run_rule3,
+        needs="a no-grad forward in each mode (and one for the logits)",
+        cost_class="3 forwards",
+        finds=("shapes", "numerics", "probabilities"),
     ),
-    Check("purity", _behaviour("purity"), cost=lambda p: FORWARD, run=_run_purity),
-    Check("numerics", _behaviour("numerics"), cost=lambda p: 0.0, run=_run_numerics),
+    Check(
+        "purity",
+        _behaviour("purity"),
+        cost=lambda p: FORWARD,
+        run=_run_purity,
+        needs="the observed step's batch, and an eval forward",
+        cost_class="1 forward",
+        finds=("purity",),
+    ),
+    Check(
+        "numerics",
+        _behaviour("numerics"),
+        cost=lambda p: 0.0,
+        run=_run_numerics,
+        needs="the observed step's loss",
+        cost_class="free",
+        finds=("numerics",),
+    ),
     Check(
         "conditional parameters",
         _behaviour("dead gradients"),
         cost=_conditional_cost,
         run=_run_conditional,
         required=_fatal_conditionals,
+        needs="each sample alone, forward and backward",
+        cost_class="a step per sample alone (about 1.5 steps)",
+        finds=("conditional parameters",),
     ),
     Check(
         "dead gradients",
         _behaviour("dead gradients"),
         cost=lambda p: 0.0,  # the observed step's gradients; a second step pays its own way
         run=_run_dead_gradients,
+        needs="the observed step's gradients (a second step where one is exactly zero)",
+        cost_class="free (2 steps where a gradient is exactly zero)",
+        finds=("dead gradients", "loss branches"),
     ),
     Check(
         "determinism",
         _behaviour("determinism"),
         cost=lambda p: 3 * FORWARD + FORWARD / max(p.size, 1),
         run=_run_determinism,
+        needs="three eval forwards of the batch and one of another",
+        cost_class="3 forwards",
+        finds=("determinism",),
     ),
     Check(
         "batch dependence",
         _behaviour("batch dependence"),
         cost=_batch_dependence_cost,
         run=_run_batch_dependence,
+        needs="the batch whole, reversed and its ends alone (eval); a backward of 5 samples",
+        cost_class="about 1.5 steps",
+        finds=("batch dependence",),
     ),
     Check(
         "learn probe",
@@ -651,6 +694,9 @@ CHECKS: tuple[Check, ...] = (
         cost=lambda p: 2.0 * p.plan.learn_steps + FORWARD,
         run=_run_learn,
         under_autocast=False,  # fp32: no loss scaling to skip a step
+        needs="5 optimizer steps on the batch, the weights kept aside (else the first steps)",
+        cost_class="11 steps (or a forward at steps 5, 10, 20)",
+        finds=("cannot learn", "learning rate diverges"),
     ),
     Check(
         "device",
@@ -658,6 +704,9 @@ CHECKS: tuple[Check, ...] = (
         cost=lambda p: 3 * FORWARD,  # a traced forward: Python's work on every op
         run=_run_device,
         under_autocast=False,  # what a GPU run meets at its first step, in any precision
+        needs="a forward traced op by op",
+        cost_class="a traced forward (about 3 forwards)",
+        finds=("device",),
     ),
     Check(
         "fp16",
@@ -665,8 +714,19 @@ CHECKS: tuple[Check, ...] = (
         cost=lambda p: 3 * FORWARD,
         run=_run_fp16,
         under_autocast=False,  # under fp16's own autocast
+        needs="a forward under fp16 autocast, traced op by op",
+        cost_class="a traced forward (about 3 forwards)",
+        finds=("fp16 overflow",),
     ),
-    Check("loss terms", lambda p: True, cost=lambda p: 0.0, run=_run_loss_terms),
+    Check(
+        "loss terms",
+        lambda p: True,
+        cost=lambda p: 0.0,
+        run=_run_loss_terms,
+        needs="the observed step's loss terms",
+        cost_class="free",
+        finds=("loss branches",),
+    ),
 )
 
 
