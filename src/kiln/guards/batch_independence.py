@@ -28,6 +28,7 @@ from kiln.errors import first_few
 from kiln.guards.input_sizes import select
 from kiln.guards.no_trace import untouched
 from kiln.guards.rules import BATCH, ProbeFailure
+from kiln.guards.trace import ModuleCalls
 from kiln.guards.tree import iter_tensors
 
 Forward = Callable[[nn.Module, Any, bool], Any]
@@ -168,40 +169,28 @@ class Leak:
 def recording(model: nn.Module, n: int):
     """Records every module call's batch-leading floating inputs and outputs, in time order."""
     events: list[Event] = []
-    open_calls: list[str] = []
 
     def tensors(obj):
-        return [t for _, t in iter_tensors(obj) if t.is_floating_point() and not t.is_nested
-                and t.dim() and t.shape[0] == n]  # fmt: skip
+        return [
+            t
+            for _, t in iter_tensors(obj)
+            if t.is_floating_point() and not t.is_nested and t.dim() and t.shape[0] == n
+        ]
 
-    def pre(path):
-        def hook(module, args, kwargs):
-            caller = open_calls[-1] if open_calls else None
-            open_calls.append(path)
-            for t in tensors((args, kwargs)):
-                events.append(Event(path, type(module).__name__, "input", caller, t))
+    def enter(call, caller, args, kwargs) -> None:
+        for t in tensors((args, kwargs)):
+            events.append(Event(call.path, call.kind, "input", _path(caller), t))
 
-        return hook
+    def leave(call, caller, args, kwargs, output) -> None:
+        for t in tensors(output):
+            events.append(Event(call.path, call.kind, "output", _path(caller), t))
 
-    def post(path):
-        def hook(module, args, kwargs, output):
-            if open_calls:
-                open_calls.pop()
-            caller = open_calls[-1] if open_calls else None
-            for t in tensors(output):
-                events.append(Event(path, type(module).__name__, "output", caller, t))
-
-        return hook
-
-    handles = []
-    for path, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(pre(path), with_kwargs=True))
-        handles.append(module.register_forward_hook(post(path), with_kwargs=True))
-    try:
+    with ModuleCalls(model, enter, leave):
         yield events
-    finally:
-        for handle in handles:
-            handle.remove()
+
+
+def _path(call) -> str | None:
+    return call.path if call is not None else None
 
 
 def leak_origin(

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from kiln.errors import first_few
+from kiln.graph import reached_parameters
 from kiln.guards.input_sizes import select
 from kiln.guards.rules import DEAD, ProbeFailure
 
@@ -42,26 +43,21 @@ class ConditionalParametersError(ProbeFailure):
 
 
 def _with_gradient(model: nn.Module, criterion, batch: Any) -> frozenset[str]:
-    for p in model.parameters():
-        p.grad = None
+    """The trainable parameters the loss of `batch` reaches (kiln.graph: its autograd graph,
+    read without a backward)."""
     loss, _ = criterion(model, batch)
-    if loss.requires_grad:
-        loss.backward()
-    return frozenset(
-        n for n, p in model.named_parameters() if p.requires_grad and p.grad is not None
-    )
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return reached_parameters([loss], trainable)
 
 
 def find_conditional_parameters(
     model: nn.Module, criterion, batch: Any, whole: frozenset[str]
 ) -> tuple[str, frozenset[str]] | None:
-    """`model` is the probe's copy (train mode; its gradients are the probe's); `whole` the
-    parameters the whole batch's backward reached. Returns (what varied, the parameters that
-    varied), or None."""
+    """`model` in train mode (the caller puts back its buffers and RNG); `whole` the parameters
+    the whole batch's backward reached. Each sample's forward and loss, its graph read for the
+    parameters it reaches. Returns (what varied, the parameters that varied), or None."""
     n = len(batch[0])
     groups = [[i] for i in range(min(n, SAMPLES))]
-    for p in model.parameters():
-        p.grad = None
     runs: list[tuple[str, frozenset[str]]] = []
     try:
         for group in groups:
@@ -77,9 +73,6 @@ def find_conditional_parameters(
         except Exception as err:  # noqa: BLE001 -- the check cannot run: said, not fatal
             log.info("conditional parameters: not checked (%s: %s)", type(err).__name__, err)
             return None
-    finally:
-        for p in model.parameters():
-            p.grad = None
     runs.append((f"the whole batch of {n}", whole))
     every = frozenset.intersection(*(used for _, used in runs))
     union = frozenset.union(*(used for _, used in runs))

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kiln.guards.rules import NUMERICS, ProbeFailure
+from kiln.guards.trace import ModuleCalls
 from kiln.guards.tree import iter_tensors
 
 
@@ -69,22 +70,9 @@ def nonfinite_count(obj: Any) -> int:
 def first_nonfinite_module(model: nn.Module, run: Callable[[], Any]) -> tuple[str, str] | None:
     """(path, class name) of the first module, in the order forwards finish (innermost first),
     whose output holds a NaN or Inf while `run()` calls the model; None when none does."""
-    found: list[tuple[str, str]] = []
-
-    def hook(path: str):
-        def record(module, args, output):
-            if not found and nonfinite_count(output):
-                found.append((path, type(module).__name__))
-
-        return record
-
-    handles = [m.register_forward_hook(hook(path)) for path, m in model.named_modules()]
-    try:
+    with ModuleStack(model) as modules:
         run()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return found[0] if found else None
+    return modules.first_bad
 
 
 def nonfinite_inputs(batch: Any) -> dict[str, str]:
@@ -148,40 +136,22 @@ def tensor_summary(t: torch.Tensor) -> dict:
     return stats
 
 
-class ModuleStack:
-    """Which module is running (forward hooks), for the ops traced inside it; and the first
-    module whose output is non-finite."""
+class ModuleStack(ModuleCalls):
+    """Which module is running (`current`: (path, class), for the ops traced inside it), and
+    the first module whose output is non-finite (`first_bad`)."""
 
     def __init__(self, model: nn.Module):
-        self.stack: list[tuple[str, str]] = []
         self.first_bad: tuple[str, str] | None = None
-        self.handles = []
-        for path, module in model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(self._enter(path)))
-            self.handles.append(module.register_forward_hook(self._leave(path)))
+        super().__init__(model, leave=self._left)
 
-    def _enter(self, path):
-        def hook(module, args):
-            self.stack.append((path, type(module).__name__))
-
-        return hook
-
-    def _leave(self, path):
-        def hook(module, args, output):
-            if self.stack:
-                self.stack.pop()
-            if self.first_bad is None and nonfinite_count(output):
-                self.first_bad = (path, type(module).__name__)
-
-        return hook
+    def _left(self, call, caller, args, kwargs, output) -> None:
+        if self.first_bad is None and nonfinite_count(output):
+            self.first_bad = (call.path, call.kind)
 
     @property
     def current(self) -> tuple[str, str]:
-        return self.stack[-1] if self.stack else ("", "")
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        call = self.open[-1] if self.open else None
+        return (call.path, call.kind) if call is not None else ("", "")
 
 
 @dataclass

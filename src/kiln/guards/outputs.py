@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kiln.guards.rules import LOGITS, ProbeFailure
+from kiln.guards.trace import ModuleCalls
 from kiln.models import logits_of
 
 SUM_TOLERANCE = 2e-2  # bf16 probabilities sum to 1 within about 1e-2
@@ -47,16 +48,12 @@ def producer(model: nn.Module, run: Callable[[], Any], pick: Callable[[Any], Any
     """The innermost module whose forward returned the tensor `pick(output)`, or "" when the
     model's own forward made it (a functional softmax)."""
     finished: list[tuple[str, Any]] = []  # (path, output), innermost first
-    handles = [
-        module.register_forward_hook(lambda m, args, out, path=path: finished.append((path, out)))
-        for path, module in model.named_modules()
-    ]
-    try:
-        with torch.no_grad():
-            target = pick(run())
-    finally:
-        for handle in handles:
-            handle.remove()
+
+    def leave(call, caller, args, kwargs, output) -> None:
+        finished.append((call.path, output))
+
+    with ModuleCalls(model, leave=leave), torch.no_grad():
+        target = pick(run())
     return next((path for path, out in finished if out is target and path), "")
 
 

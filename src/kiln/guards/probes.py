@@ -470,10 +470,10 @@ def _run_numerics(probe: Probe) -> None:
 
 
 def _conditional_cost(probe: Probe) -> float:
-    """Each sample alone, forward and backward (small batches cost more per sample)."""
+    """Each sample alone, a forward and its graph read (small batches cost more per sample)."""
     from kiln.guards.conditional_params import SAMPLES
 
-    return min(probe.size, SAMPLES) / max(probe.size, 1) * 1.5
+    return min(probe.size, SAMPLES) / max(probe.size, 1) * 1.5 * FORWARD
 
 
 def _run_conditional(probe: Probe) -> None:
@@ -657,8 +657,8 @@ CHECKS: tuple[Check, ...] = (
         cost=_conditional_cost,
         run=_run_conditional,
         required=_fatal_conditionals,
-        needs="each sample alone, forward and backward",
-        cost_class="a step per sample alone (about 1.5 steps)",
+        needs="each sample alone: a forward, its autograd graph read (no backward)",
+        cost_class="a forward per sample alone (about 1.5 forwards)",
         finds=("conditional parameters",),
     ),
     Check(

@@ -17,6 +17,7 @@ from torch import nn
 from kiln.guards.no_trace import untouched
 from kiln.guards.rules import PURITY, ProbeFailure
 from kiln.guards.step_probe import StepObservation, copied_tensors
+from kiln.guards.trace import ModuleCalls
 from kiln.guards.tree import iter_tensors
 
 Forward = Callable[[nn.Module, Any, bool], Any]
@@ -98,38 +99,20 @@ def _first_call_that_changes(
     it was; the criterion (outside every module) when only the whole run changes it."""
     before = copied_tensors(batch)
     found: list[tuple[str, str]] = []
-    open_calls: list[tuple[str, str]] = []  # (path, class) of the calls in progress
 
-    def before_call(path: str):
-        def hook(module, args):
-            if not found and changed(batch, before):  # changed by the caller's own code
-                caller = open_calls[-1] if open_calls else ("", type(model).__name__)
-                found.append((caller[0], f"{caller[0] or '<model>'} ({caller[1]}).forward, "
-                              f"before it calls {path}"))  # fmt: skip
-            open_calls.append((path, type(module).__name__))
+    def enter(call, caller, args, kwargs) -> None:
+        if not found and changed(batch, before):  # changed by the caller's own code
+            path, kind = (caller.path, caller.kind) if caller else ("", type(model).__name__)
+            where = f"{path or '<model>'} ({kind}).forward, before it calls {call.path}"
+            found.append((path, where))
 
-        return hook
+    def leave(call, caller, args, kwargs, output) -> None:
+        if not found and changed(batch, before):
+            found.append((call.path, call.where))
 
-    def after_call(path: str):
-        def hook(module, args, output):
-            if open_calls:
-                open_calls.pop()
-            if not found and changed(batch, before):
-                found.append((path, f"{path or '<model>'} ({type(module).__name__})"))
-
-        return hook
-
-    handles = []
-    for path, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(before_call(path)))
-        handles.append(module.register_forward_hook(after_call(path)))
-    try:
-        with untouched(model), torch.set_grad_enabled(train_mode):
-            model.train(train_mode)
-            run(model, batch)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with ModuleCalls(model, enter, leave), untouched(model), torch.set_grad_enabled(train_mode):
+        model.train(train_mode)
+        run(model, batch)
     if found:
         return found[0]
     return "", "the model's forward returned: in the loss (the criterion) or after the last call"

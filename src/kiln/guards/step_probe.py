@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.guards.trace import ModuleCalls
 from kiln.guards.tree import iter_tensors
 
 DEAD_ACTIVATIONS = (nn.ReLU, nn.ReLU6)  # exactly 0 where a unit is off
@@ -57,19 +58,11 @@ def observe_step(
     (kiln.guards.no_trace.untouched) and holds the run's autocast. Without `backward`, the forward
     and loss only. Returns what the step did."""
     seen = StepObservation(model=model, batch=batch, before=copied_tensors(batch))
-    handles = [
-        m.register_forward_hook(_watch(path, seen.units))
-        for path, m in model.named_modules()
-        if isinstance(m, DEAD_ACTIVATIONS)
-    ]
     model.train()
     for p in model.parameters():
         p.grad = None
-    try:
+    with ModuleCalls(model, leave=_watch(seen.units), only=DEAD_ACTIVATIONS):
         seen.loss, seen.terms = criterion(model, batch)
-    finally:
-        for handle in handles:
-            handle.remove()
     if not backward:
         return seen
     try:
@@ -87,17 +80,17 @@ def observe_step(
     return seen
 
 
-def _watch(path: str, units: dict[str, Units]):
-    def record(module, args, output):
+def _watch(units: dict[str, Units]):
+    def record(call, caller, args, kwargs, output):
         if not isinstance(output, torch.Tensor) or output.dim() < 2 or not output.numel():
             return
         unit_dim = 1 if output.dim() >= 4 else output.dim() - 1  # channels, else features
         alive = (output.detach() > 0).movedim(unit_dim, 0).flatten(1).any(dim=1)
-        known = units.get(path)
+        known = units.get(call.path)
         if known is not None and known.total == alive.numel():
             known.alive |= alive
         elif known is None:
-            units[path] = Units(type(module).__name__, alive.numel(), alive)
+            units[call.path] = Units(call.kind, alive.numel(), alive)
 
     return record
 

@@ -1,5 +1,8 @@
-"""Which module a forward pass was in when it failed, and what went into it: forward pre/post
-hooks on every module keep a stack of the calls in progress and each call's inputs."""
+"""Which module did it: the one locator every check uses. `ModuleCalls` hooks every module of a
+model and keeps the stack of calls in progress (`current`: the innermost), telling a check's
+own `enter`/`leave` of each call with its path, class and caller; `traced` records each call's
+inputs and devices with it, and `failing_call` runs a forward without hooks and only when it
+raises again under a trace, to find the module."""
 
 from __future__ import annotations
 
@@ -47,38 +50,98 @@ def _own_devices(module: nn.Module) -> set[str]:
     return {str(t.device) for t in tensors}
 
 
-@contextlib.contextmanager
-def traced(model: nn.Module) -> Iterator[Trace]:
-    """Record every module call inside the block; the hooks are removed on exit."""
-    trace = Trace()
+@dataclass(frozen=True)
+class Open:
+    """A module call in progress."""
 
-    def pre_hook(path: str):
+    path: str  # the module's name in the model ("" for the model itself)
+    kind: str  # its class name
+    module: nn.Module
+
+    @property
+    def where(self) -> str:
+        return f"{self.path or '<model>'} ({self.kind})"
+
+
+Enter = Callable[[Open, Open | None, tuple, dict], None]  # (call, caller, args, kwargs)
+Leave = Callable[[Open, Open | None, tuple, dict, Any], None]  # ..., output
+
+
+class ModuleCalls:
+    """Hooks on every module of `model` (of the classes `only`, where given) that keep the stack
+    of calls in progress and tell `enter(call, caller, args, kwargs)` before each call and
+    `leave(call, caller, args, kwargs, output)` after it (`caller`: the call it runs inside,
+    None at the outermost). A context manager; `close()` removes the hooks."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        enter: Enter | None = None,
+        leave: Leave | None = None,
+        only: type | tuple[type, ...] | None = None,
+    ):
+        self.open: list[Open] = []
+        self.enter, self.leave = enter, leave
+        self.handles = []
+        for path, module in model.named_modules():
+            if only is not None and not isinstance(module, only):
+                continue
+            call = Open(path, type(module).__name__, module)
+            self.handles.append(module.register_forward_pre_hook(self._pre(call), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+
+    @property
+    def current(self) -> Open | None:
+        return self.open[-1] if self.open else None
+
+    def _pre(self, call: Open):
         def hook(module, args, kwargs):
-            call = Call(
-                path,
-                type(module).__name__,
-                describe((args, kwargs) if kwargs else args),
-                _devices((args, kwargs)),
-                _own_devices(module),
-            )
-            trace.calls.append(call)
-            trace.open.append(call)
+            caller = self.open[-1] if self.open else None
+            self.open.append(call)
+            if self.enter is not None:
+                self.enter(call, caller, args, kwargs)
 
         return hook
 
-    def post_hook(module, args, kwargs, output):
-        call = trace.open.pop()
-        call.output_devices = _devices(output)
+    def _post(self, module, args, kwargs, output):
+        call = self.open.pop() if self.open else Open("", type(module).__name__, module)
+        if self.leave is not None:
+            self.leave(call, self.open[-1] if self.open else None, args, kwargs, output)
 
-    handles = []
-    for path, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(pre_hook(path), with_kwargs=True))
-        handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
-    try:
-        yield trace
-    finally:
-        for handle in handles:
+    def close(self) -> None:
+        for handle in self.handles:
             handle.remove()
+        self.handles = []
+
+    def __enter__(self) -> ModuleCalls:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def traced(model: nn.Module) -> Iterator[Trace]:
+    """Record every module call inside the block: its inputs (described) and the devices of its
+    inputs, its own tensors and its output. The hooks are removed on exit."""
+    trace = Trace()
+
+    def enter(call: Open, caller, args, kwargs) -> None:
+        record = Call(
+            call.path,
+            call.kind,
+            describe((args, kwargs) if kwargs else args),
+            _devices((args, kwargs)),
+            _own_devices(call.module),
+        )
+        trace.calls.append(record)
+        trace.open.append(record)
+
+    def leave(call: Open, caller, args, kwargs, output) -> None:
+        trace.open.pop().output_devices = _devices(output)  # calls finish innermost first
+
+    with ModuleCalls(model, enter, leave):
+        yield trace
 
 
 def failing_call(model: nn.Module, run: Callable[[], Any]) -> tuple[BaseException | None, Trace]:

@@ -5,12 +5,14 @@ attach never touch a healthy run."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from kiln.guards.trace import ModuleCalls
 from kiln.guards.tree import describe, same_container
 
 Calls = list[tuple[str, str, Any]]  # (module path, class name, described output), as finished
@@ -19,19 +21,12 @@ Calls = list[tuple[str, str, Any]]  # (module path, class name, described output
 def module_outputs(model: nn.Module, run: Callable[[], Any]) -> Calls:
     """Every module's output shapes while `run()` calls the model, innermost first."""
     calls: Calls = []
-    handles = [
-        module.register_forward_hook(
-            lambda m, args, out, path=path: calls.append((path, type(m).__name__, describe(out)))
-        )
-        for path, module in model.named_modules()
-    ]
-    try:
-        run()
-    except Exception:  # the calls up to the failure are what we compare
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
+
+    def leave(call, caller, args, kwargs, output) -> None:
+        calls.append((call.path, call.kind, describe(output)))
+
+    with ModuleCalls(model, leave=leave), contextlib.suppress(Exception):
+        run()  # a run that fails: the calls up to the failure are what is compared
     return calls
 
 

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from kiln.config.base import ConfigError
 from kiln.config.model import HfConfig
 from kiln.errors import first_few
+from kiln.graph import graph_leaves
 from kiln.models.weights import WeightsError, check_values, read_state_dict
 from kiln.models.zoo.cache import hub_cache_dir, weight_file
 from kiln.models.zoo.hf_folder import (
@@ -414,23 +415,6 @@ def freeze_unreached(model: HfClassifier, length: int = 8) -> list[str]:
             type(model.net).__name__, len(unreached), first_few(unreached),
         )  # fmt: skip
     return unreached
-
-
-def graph_leaves(outputs) -> set[int]:
-    """The ids of the leaf tensors (parameters) the autograd graph of `outputs` reaches: those a
-    backward would give a gradient."""
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    seen, leaves = set(), set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf's
-        if variable is not None:
-            leaves.add(id(variable))
-        stack.extend(child for child, _ in node.next_functions)
-    return leaves
 
 
 def _is_folder_or_hub(arch: str) -> bool:
