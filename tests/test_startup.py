@@ -145,3 +145,28 @@ def test_the_bytecode_check_sees_a_missing_or_stale_pyc(tmp_path):
     assert compiled(module)
     module.write_text("x = 22\n")  # edited after compiling: Python would compile it again
     assert not compiled(module)
+
+
+FLOPS_WITHOUT_TRITON = """
+import sys, torch
+from kiln.engine.flop_count import FlopCount
+with FlopCount() as counted:
+    torch.nn.Linear(10, 20)(torch.zeros(3, 10))
+print(counted.total, sorted(m for m in sys.modules if m.split(".")[0] == "triton"))
+import triton.runtime.jit  # still there for whoever needs it
+"""
+
+
+def test_counting_flops_loads_no_triton():
+    """A run counts its step's FLOPs before step 1 with torch's formulas; their module imports
+    triton at its top (0.1-0.3 s of every start-up) for kernels kiln never counts."""
+    done = subprocess.run(
+        [sys.executable, "-c", FLOPS_WITHOUT_TRITON],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1200", "[]"]  # 2 x 10 x 20 per row, 3 rows
+    assert "triton" not in done.stderr  # torch's "triton not found" warning stays quiet
