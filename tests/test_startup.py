@@ -12,11 +12,13 @@ import importlib.util
 import py_compile
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kiln.cli.paths import REPO_ROOT
+from kiln.startup import StartupClock
 
 from .conftest import SUBPROCESS_ENV
 
@@ -170,3 +172,27 @@ def test_counting_flops_loads_no_triton():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["1200", "[]"]  # 2 x 10 x 20 per row, 3 rows
     assert "triton" not in done.stderr  # torch's "triton not found" warning stays quiet
+
+
+def test_the_start_up_clock_gives_each_lap_to_its_phase():
+    clock = StartupClock(time.perf_counter() - 1.0)  # a process a second old
+    clock.lap("imports")
+    time.sleep(0.05)
+    clock.lap("first step", within={"probes": 0.03, "build": 0.01})
+    seconds = clock.as_dict()
+    assert 1.0 <= seconds["imports"] < 1.05
+    assert (seconds["probes"], seconds["build"]) == (0.03, 0.01)
+    assert 0.01 <= seconds["first step"] < 0.1 and seconds["config"] == seconds["data"] == 0
+    assert seconds["total"] == pytest.approx(seconds["imports"] + 0.04 + seconds["first step"])
+    assert clock.line().startswith("start-up 1.1 s: imports 1.0, config 0.00, data 0.00, build")
+
+
+def test_the_process_age_counts_from_the_process_start():
+    """train.py's start-up line starts with the interpreter: the age is read from the kernel's
+    record of the process, not from when kiln was imported."""
+    code = "import time; time.sleep(0.5); from kiln.startup import process_age_s as a; print(a())"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert 0.5 <= float(done.stdout) < 30

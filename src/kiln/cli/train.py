@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from kiln import startup
 from kiln.cli import report
 from kiln.cli.failures import record_failure
 from kiln.cli.paths import (
@@ -122,7 +123,7 @@ def user_error(err: BaseException, message: str | None = None) -> SystemExit:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_main(raw_cfg: DictConfig) -> float | None:
-
+    startup.lap("config")  # the command line checked, Hydra's composition and run directory
     from kiln.engine.distributed import env_dist_info, leave_together, teardown
     from kiln.engine.preemption import Interrupted, Preempted
     from kiln.engine.rank_watch import (
@@ -133,6 +134,7 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     )
     from kiln.engine.run import train
 
+    startup.lap("imports")  # torch and the engine
     hydra = HydraConfig.get()
     run_dir = Path(hydra.runtime.output_dir)
     multirun = hydra.mode == RunMode.MULTIRUN
@@ -256,6 +258,7 @@ def with_env_overrides(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    startup.lap("imports")  # the interpreter, Hydra, kiln's command line (kiln.startup)
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = with_env_overrides(with_env_profile(argv))
     try:
