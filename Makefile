@@ -71,9 +71,10 @@ sweep: install ## a short multirun over num_workers x accumulation x precision; 
 	$(PY) train.py -m data.num_workers=0,2 trainer.accumulate_grad_batches=1,4 \
 		precision=fp32,amp trainer.max_epochs=1 $(ARGS)
 
-bench: install ## engine vs a hand-written loop; kiln vs Lightning, quiet and beside a busy process; text vs SVC and fastText, model=hf vs Hugging Face's Trainer; detection vs torchvision's reference loop
+bench: install ## engine vs a hand-written loop; kiln vs Lightning, quiet and beside a busy process; start-up vs Lightning and a plain loop, infer.py vs the server; text vs SVC and fastText, model=hf vs Hugging Face's Trainer; detection vs torchvision's reference loop
 	$(PY) scripts/bench_engine.py $(ARGS)
 	$(PY) scripts/bench_peers.py --contention 1 --rounds 3
+	$(PY) scripts/bench_startup.py
 	$(PY) scripts/loadtest.py && $(PY) scripts/loadtest_bombs.py && $(PY) scripts/bench_infer.py
 	$(PY) scripts/bench_text.py --fasttext venv --contention 1
 	$(PY) scripts/bench_image_folder.py

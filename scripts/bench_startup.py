@@ -97,7 +97,7 @@ def works(tiny: bool) -> dict[str, Work]:
                 *BERT_BASE,
                 "data.batch_size=16",
                 "data.bucket_by_length=false",
-            ),  # fmt: skip
+            ),
             20,
             3,
         ),
@@ -108,9 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument(
-        "--works", default=",".join([*TRAINING_WORKS, "infer"]),
+        "--works",
+        default=",".join([*TRAINING_WORKS, "infer"]),
         help=f"comma-separated: {', '.join(TRAINING_WORKS)}, infer",
-    )  # fmt: skip
+    )
     parser.add_argument("--peers", default="kiln,lightning,plain", help="sides, kiln first")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads, every side")
     parser.add_argument("--rows", type=int, default=1000, help="infer: rows predicted")
@@ -120,9 +121,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="exit 1 when a floor is missed")
     parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON")
     parser.add_argument(
-        "--markdown", type=Path, default=None,
+        "--markdown",
+        type=Path,
+        default=None,
         help="also write the tables as docs/benchmarks.md holds them (date, commit, machine)",
-    )  # fmt: skip
+    )
     parser.add_argument("--infer-worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.infer_worker:
@@ -212,7 +215,7 @@ def summarize_work(rounds: list[dict], sides: list[str], work: Work) -> dict:
                     r["kiln"]["launch_to_first_step_s"] / r[peer]["launch_to_first_step_s"]
                     for r in rounds
                 ]
-            ),  # fmt: skip
+            ),
             "run": spread([r["kiln"]["wall_s"] / r[peer]["wall_s"] for r in rounds]),
         }
     return row
@@ -241,7 +244,7 @@ def training_floors(name: str, row: dict) -> list[dict]:
             floor(
                 f"kiln's first step <= {FIRST_STEP_RATIO_FLOOR}x Lightning's",
                 name,
-                f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})",
+                _ratio(ratio),
                 ratio["median"] <= FIRST_STEP_RATIO_FLOOR,
             )
         )
@@ -262,10 +265,16 @@ def infer_setup(args, tmp: Path) -> dict:
 
     run_dir = tmp / "infer-model"
     command = [
-        sys.executable, str(REPO / "train.py"), "data=csv_text", f"model={args.infer_model}",
-        "trainer.max_epochs=2", f"data.cache_dir={tmp / 'cache'}", "logger=none",
-        "env.progress_bar=false", f"hydra.run.dir={run_dir}",
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "train.py"),
+        "data=csv_text",
+        f"model={args.infer_model}",
+        "trainer.max_epochs=2",
+        f"data.cache_dir={tmp / 'cache'}",
+        "logger=none",
+        "env.progress_bar=false",
+        f"hydra.run.dir={run_dir}",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=quiet_env())
     if done.returncode != 0:
         raise RuntimeError(f"training the infer model failed:\n{done.stdout}{done.stderr}")
@@ -290,8 +299,11 @@ def infer_side(setup: dict, tmp: Path) -> dict:
     launched = time.time()
     done = subprocess.run(
         [sys.executable, __file__, "--infer-worker", str(job / "job.json")],
-        capture_output=True, text=True, env=quiet_env(), cwd=job,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=quiet_env(),
+        cwd=job,
+    )
     wall = time.time() - launched
     if done.returncode != 0:
         raise RuntimeError(f"infer.py failed:\n{done.stdout}{done.stderr}")
@@ -471,10 +483,21 @@ def markdown(report: dict, chosen: dict[str, Work], args) -> str:
             "| import torch s | model load s | infer.py first model call s | infer.py predict s "
             "| infer.py wall s | server ready s | server answer s |",
             "|---:|---:|---:|---:|---:|---:|---:|",
-            "| " + " | ".join(_range(row[k]) for k in (
-                "import_torch_s", "load_s", "first_call_s", "predict_s", "wall_s",
-                "server_ready_s", "server_answer_s")) + " |",
-        ]  # fmt: skip
+            "| "
+            + " | ".join(
+                _range(row[k])
+                for k in (
+                    "import_torch_s",
+                    "load_s",
+                    "first_call_s",
+                    "predict_s",
+                    "wall_s",
+                    "server_ready_s",
+                    "server_answer_s",
+                )
+            )
+            + " |",
+        ]
     lines += ["", "| floor | work | measured | met |", "|---|---|---|---|"]
     for f in report["floors"]:
         lines.append(
