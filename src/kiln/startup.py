@@ -1,6 +1,6 @@
 """Where a run's start-up goes: the seconds from the process's start to the end of its first
 optimizer step, by phase, said in one train.log line after that step and kept in summary.json
-as `startup_s`:
+as `startup_s`. For example:
 
     start-up 3.1 s: imports 1.9, config 0.4, data 0.1, build 0.1, probes 0.04, first step 0.2
 
