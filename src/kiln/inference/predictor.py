@@ -278,8 +278,9 @@ class Predictor:
     def run_texts_by_length(self, raw_inputs: Sequence[Any], batch_size: int) -> np.ndarray:
         """Texts run shortest first, `batch_size` at a time, and their outputs put back in the
         inputs' order. A model call pads its texts to the longest among them, so texts of like
-        length pad little: 600 tickets through a 6-layer BERT-sized model took 32 s in the
-        file's order and 17 s by length, on one thread (sentence-transformers sorts alike)."""
+        length pad little: 600 tickets (60 tokens on average, the longest 112) through a 6-layer,
+        384-wide BERT took 15.1 CPU-s in the file's order and 11.2 by length, on one thread
+        (sentence-transformers sorts alike)."""
         items = join(
             [
                 self.convert_chunk(raw_inputs, s, batch_size)
