@@ -215,6 +215,8 @@ def worker(side: str, job_file: Path) -> None:
     result = {
         "run_s": finished - started,
         "to_first_step_s": log.ends[0] - started if log.ends else None,
+        # on the wall clock, which the parent shares: its launch to this process's first step
+        "first_step_unix": time.time() - (time.perf_counter() - log.ends[0]) if log.ends else None,
         "after_last_step_s": finished - log.ends[-1] if log.ends else None,
         "ends": [t - started for t in log.ends],
         "cpu_ends": log.cpu_ends,
@@ -237,6 +239,7 @@ def run_kiln(job: dict, log: StepLog) -> None:
 
     def recorded(self, batches, window):
         checks["probes_s"], checks["flops_s"] = self.probe_time_s, self.flops_time_s
+        checks["batches_per_epoch"] = self.batches_per_epoch
         result = train_step(self, batches, window)
         log.step(result.loss, self.state.epoch, result.samples)
         return result
@@ -250,6 +253,8 @@ def run_kiln(job: dict, log: StepLog) -> None:
         main([*job["kiln_overrides"], f"hydra.run.dir={job['run_dir']}"])
     finally:
         Trainer.train_step = train_step
+    summary = json.loads((Path(job["run_dir"]) / "summary.json").read_text())
+    checks["startup_s"] = summary.get("startup_s")  # its own start-up line, by phase
 
 
 def import_builders() -> None:
@@ -274,12 +279,14 @@ def built(job: dict):
     from kiln.engine.finetune import parameter_groups
     from kiln.engine.optim import build_optimizer, build_scheduler
     from kiln.models import build_model
+    from kiln.preprocessing.pretrained import pretrained_input
 
     cfg = {group: option_from_dict(group, job["config"][group]) for group in
            ("data", "model", "optimizer", "scheduler")}  # fmt: skip
     seed = job["config"]["seed"]
     torch.manual_seed(seed)  # as kiln's build_trainer: seed, data, model
-    bundle = build_data(cfg["data"])
+    # a pretrained model's preprocessing, for the data that follows it (None for the rest)
+    bundle = build_data(cfg["data"], pretrained=pretrained_input(cfg["model"]))
     model = build_model(bundle.spec, cfg["model"])
     opt_cfg = cfg["optimizer"]
 
@@ -318,6 +325,20 @@ def torch_optimizer(groups: list, cfg):
     return theirs(groups, **{k: v for k, v in ours.defaults.items() if k in accepted})
 
 
+def batch_loss(model, batch):
+    """The training loss as the peers' users write it: cross-entropy on the logits, or the sum
+    of the loss terms of a model that computes its own (torchvision's detectors, whose
+    batches are (images, targets))."""
+    import torch.nn.functional as F
+
+    from kiln.models import logits_of
+
+    inputs, targets = batch
+    if getattr(model, "computes_own_loss", False):
+        return sum(model(inputs, targets).values())
+    return F.cross_entropy(logits_of(model(inputs)), targets)
+
+
 def run_peer(side: str, job: dict, log: StepLog) -> None:
     if side == "plain":
         run_plain(job, log)
@@ -348,11 +369,15 @@ def run_plain(job: dict, log: StepLog) -> None:
         loss_sum, correct, count = 0.0, 0, 0
         with torch.no_grad():
             for x, y in val:
+                if getattr(model, "computes_own_loss", False):  # a detector: its predictions
+                    model(x)
+                    continue
                 logits = logits_of(model(x))
                 loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
                 correct += int((logits.argmax(-1) == y).sum())
                 count += len(y)
-        print(f"step {step}: val_loss {loss_sum / count:.4f} val_acc {correct / count:.4f}")
+        if count:
+            print(f"step {step}: val_loss {loss_sum / count:.4f} val_acc {correct / count:.4f}")
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "step": step}  # fmt: skip
         torch.save(state, out / "last.pt")
@@ -361,14 +386,14 @@ def run_plain(job: dict, log: StepLog) -> None:
     while step < job["steps"]:
         sampler.set_epoch(epoch)
         model.train()
-        for x, y in train:
+        for batch in train:
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(logits_of(model(x)), y)
+            loss = batch_loss(model, batch)
             loss.backward()
             optimizer.step()
             scheduler.step()
             step += 1
-            log.step(loss, epoch, len(y))
+            log.step(loss, epoch, len(batch[1]))
             if step % 10 == 0:
                 print(f"step {step}: loss {loss.item():.4f}")
             if step == job["steps"]:
@@ -390,15 +415,16 @@ def run_lightning(job: dict, log: StepLog) -> None:
     log.begin()
     model, optimizer_and_schedule, _, train, val = built(job)
 
+    own_loss = getattr(model, "computes_own_loss", False)  # a detector: no accuracy
+
     class Classifier(pl.LightningModule):
         def __init__(self, net):
             super().__init__()
             self.net = net
 
         def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = F.cross_entropy(logits_of(self.net(x)), y)
-            self.log("train_loss", loss)
+            loss = batch_loss(self.net, batch)
+            self.log("train_loss", loss, batch_size=len(batch[1]))
             return loss
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -406,6 +432,9 @@ def run_lightning(job: dict, log: StepLog) -> None:
 
         def validation_step(self, batch, batch_idx):
             x, y = batch
+            if own_loss:
+                self.net(x)  # its predictions
+                return
             logits = logits_of(self.net(x))
             self.log("val_loss", F.cross_entropy(logits, y))
             self.log("val_acc", (logits.argmax(-1) == y).float().mean())
@@ -415,7 +444,17 @@ def run_lightning(job: dict, log: StepLog) -> None:
             return {"optimizer": optimizer,
                     "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}  # fmt: skip
 
+    class SanityClock(pl.Callback):
+        """Lightning's own check before training: its sanity validation (2 batches), timed."""
+
+        def on_sanity_check_start(self, trainer, pl_module):
+            self.started = time.perf_counter()
+
+        def on_sanity_check_end(self, trainer, pl_module):
+            log.extra["sanity_s"] = time.perf_counter() - self.started
+
     out = Path(job["run_dir"])
+    monitor = None if own_loss else "val_acc"
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -424,7 +463,8 @@ def run_lightning(job: dict, log: StepLog) -> None:
         precision="32-true",
         logger=CSVLogger(out, name="lightning"),
         callbacks=[
-            ModelCheckpoint(out / "checkpoints", monitor="val_acc", mode="max", save_last=True)
+            ModelCheckpoint(out / "checkpoints", monitor=monitor, mode="max", save_last=True),
+            SanityClock(),
         ],  # fmt: skip
         log_every_n_steps=10,
         enable_progress_bar=False,
@@ -478,13 +518,15 @@ def run_side(
         env = their_defaults(env)
     command = [str(python), __file__, "--worker", side, "--job", str(run_dir / "job.json")]
     with busy_processes(busy):
-        started = time.perf_counter()
+        started, launched = time.perf_counter(), time.time()
         proc = subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise RuntimeError(f"the {side} side failed ({work.label}):\n{proc.stdout}{proc.stderr}")
     result = json.loads((run_dir / "result.json").read_text())
     result["wall_s"] = wall
+    if result.get("first_step_unix") is not None:  # the interpreter and imports included
+        result["launch_to_first_step_s"] = result["first_step_unix"] - launched
     result.update(rates(result, work.warmup))
     return result
 

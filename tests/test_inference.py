@@ -159,6 +159,26 @@ def test_text_model_predict_and_export_two_lengths(text_ckpt):
         predictor.predict(["fine", 3])
 
 
+def test_a_file_of_texts_runs_in_calls_of_like_length_and_answers_in_order(text_ckpt):
+    """infer.py's texts are run shortest first (a call pads its texts to the longest among
+    them) and answered in the file's order, each as that text alone would be."""
+    texts, _ = demo_corpus()
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(texts, size=rng.integers(1, 8))) for _ in range(48)]
+    predictor = Predictor.from_checkpoint(text_ckpt[0])
+    tokens = [predictor.preprocess.recipe.encode([t]).shape[1] for t in texts]
+    calls = []
+    probs = predictor.backend.probs  # the real backend, its calls' shapes recorded
+    predictor.backend.probs = lambda batch: calls.append(tuple(batch.shape)) or probs(batch)
+    together = predictor.predict_probs(texts, batch_size=8)
+    assert len(calls) == 6
+    assert sum(n * length for n, length in calls) < 1.25 * sum(tokens)  # file order: 1.6x
+    alone = np.concatenate([predictor.predict_probs([t]) for t in texts])
+    np.testing.assert_allclose(together, alone, atol=1e-6)
+    with pytest.raises(InputError, match="item 41: expected a text"):
+        predictor.predict_probs([*texts[:41], 3], batch_size=8)
+
+
 def test_text_bow_with_character_ngrams_exports_with_parity(tmp_path_factory, tmp_path):
     """The character n-grams are a table inside the model: the ONNX graph holds it, and takes
     the same ids (two lengths, batch 1 and more)."""

@@ -8,12 +8,17 @@ call 6 s."""
 
 from __future__ import annotations
 
+import importlib.util
+import py_compile
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from kiln.cli.paths import REPO_ROOT
+from kiln.startup import StartupClock
 
 from .conftest import SUBPROCESS_ENV
 
@@ -97,3 +102,97 @@ def test_the_scripts_exit_skips_the_final_collection_and_nothing_else(end, code,
         assert "ValueError: boom" in done.stderr
     for script in ("train.py", "infer.py"):
         assert "run_script(main)" in (REPO_ROOT / script).read_text()
+
+
+def compiled(source: Path) -> bool:
+    """Whether Python would load `source` from bytecode, as importlib judges a .pyc: the file
+    cache_from_source names, this Python's magic number, and (for a timestamp .pyc) the
+    source's mtime and size in its header; a hash .pyc is taken as it stands."""
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    if not cached.is_file():
+        return False
+    header = cached.read_bytes()[:16]
+    if header[:4] != importlib.util.MAGIC_NUMBER:
+        return False
+    if int.from_bytes(header[4:8], "little") & 1:  # hash-based
+        return True
+    stat = source.stat()
+    mtime, size = int.from_bytes(header[8:12], "little"), int.from_bytes(header[12:16], "little")
+    return (mtime, size) == (int(stat.st_mtime) & 0xFFFFFFFF, stat.st_size & 0xFFFFFFFF)
+
+
+def test_the_installed_torch_is_byte_compiled():
+    """`make install` byte-compiles the environment: with PYTHONDONTWRITEBYTECODE=1 (this
+    machine, many images) nothing is written at import, and every process would compile torch's
+    modules again (`import torch` 3.7 s instead of 1.6 s, and each test's subprocess with it).
+    Checked on the venv these tests run in: torch's package and a spread sample of its tree."""
+    import torch
+
+    root = Path(torch.__file__).parent
+    sources = sorted(root.rglob("*.py"))
+    assert len(sources) > 1000  # the whole of torch is there to sample
+    sample = sorted({*root.glob("*.py"), *sources[::50]})  # __init__.py among them
+    missing = [str(s.relative_to(root)) for s in sample if not compiled(s)]
+    assert not missing, (
+        f"{len(missing)} of {len(sample)} sampled torch modules have no bytecode "
+        f"(e.g. {missing[:3]}): run `make install` (it byte-compiles .venv)"
+    )
+
+
+def test_the_bytecode_check_sees_a_missing_or_stale_pyc(tmp_path):
+    module = tmp_path / "mod.py"
+    module.write_text("x = 1\n")
+    assert not compiled(module)
+    py_compile.compile(str(module), cfile=importlib.util.cache_from_source(str(module)))
+    assert compiled(module)
+    module.write_text("x = 22\n")  # edited after compiling: Python would compile it again
+    assert not compiled(module)
+
+
+FLOPS_WITHOUT_TRITON = """
+import sys, torch
+from kiln.engine.flop_count import FlopCount
+with FlopCount() as counted:
+    torch.nn.Linear(10, 20)(torch.zeros(3, 10))
+print(counted.total, sorted(m for m in sys.modules if m.split(".")[0] == "triton"))
+import triton.runtime.jit  # still there for whoever needs it
+"""
+
+
+def test_counting_flops_loads_no_triton():
+    """A run counts its step's FLOPs before step 1 with torch's formulas; their module imports
+    triton at its top (0.1-0.3 s of every start-up) for kernels kiln never counts."""
+    done = subprocess.run(
+        [sys.executable, "-c", FLOPS_WITHOUT_TRITON],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1200", "[]"]  # 2 x 10 x 20 per row, 3 rows
+    assert "triton" not in done.stderr  # torch's "triton not found" warning stays quiet
+
+
+def test_the_start_up_clock_gives_each_lap_to_its_phase():
+    clock = StartupClock(time.perf_counter() - 1.0)  # a process a second old
+    clock.lap("imports")
+    time.sleep(0.05)
+    clock.lap("first step", within={"probes": 0.03, "build": 0.01})
+    seconds = clock.as_dict()
+    assert 1.0 <= seconds["imports"] < 1.05
+    assert (seconds["probes"], seconds["build"]) == (0.03, 0.01)
+    assert 0.01 <= seconds["first step"] < 0.1 and seconds["config"] == seconds["data"] == 0
+    assert seconds["total"] == pytest.approx(seconds["imports"] + 0.04 + seconds["first step"])
+    assert clock.line().startswith("start-up 1.1 s: imports 1.0, config 0.00, data 0.00, build")
+
+
+def test_the_process_age_counts_from_the_process_start():
+    """train.py's start-up line starts with the interpreter: the age is read from the kernel's
+    record of the process, not from when kiln was imported."""
+    code = "import time; time.sleep(0.5); from kiln.startup import process_age_s as a; print(a())"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert 0.5 <= float(done.stdout) < 30

@@ -291,22 +291,32 @@ def test_bad_thread_settings_are_config_errors(value):
 
 
 def test_prediction_and_serving_take_the_same_rule(tmp_path_factory, caplog, monkeypatch):
-    """infer.py sizes a model call of its batch by the checkpoint's own forward FLOPs; the
-    server (server.model_threads=0) does the same for server.max_batch_size, a core kept."""
+    """infer.py sizes a model call of its batch by the checkpoint's own forward FLOPs, counted
+    on the model it then runs (built once: a second build cost a BERT-sized infer.py 3-4 s);
+    the server (server.model_threads=0) does the same for server.max_batch_size, a core kept."""
     from kiln.config.infer import model_threads
-    from kiln.inference.predictor import Predictor, auto_threads
+    from kiln.inference import predictor as predictor_module
+    from kiln.inference.predictor import Predictor, auto_threads, forward_flops
 
     from .inference_helpers import digits_run
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     run_dir, _ = digits_run(tmp_path_factory)
     ckpt = run_dir / "checkpoints" / "best.pt"
+    builds = []
+    rebuild = predictor_module.rebuild_model  # the real one, counted
+    monkeypatch.setattr(
+        predictor_module, "rebuild_model", lambda *a: builds.append(1) or rebuild(*a)
+    )
     torch.set_num_threads(2)
     with caplog.at_level(logging.INFO):
-        Predictor.from_checkpoint(ckpt, threads="auto", batch_size=256)
+        predictor = Predictor.from_checkpoint(ckpt, threads="auto", batch_size=256)
+    assert len(builds) == 1
     assert torch.get_num_threads() == 1  # the digits MLP: a few MFLOP a call
     assert "threads: 1 intra-op (a model call of 256 input(s) is " in caplog.text
     assert model_threads(0) == "auto" and model_threads(3) == 3
-    assert auto_threads(ckpt, "torch", 32, reserve=1) == 1
+    flops = forward_flops(predictor.record, predictor.backend.net.model)
+    assert 1e3 < flops < 1e7
+    assert auto_threads(flops, 32, reserve=1) == 1
     # An ONNX file alone has no model to count: the usable cores, less the reserve.
-    assert auto_threads(tmp_path_factory.mktemp("x") / "m.onnx", "onnx", 32, reserve=0) >= 1
+    assert auto_threads(None, 32, reserve=0) >= 1

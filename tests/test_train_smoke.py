@@ -3,11 +3,15 @@ train.py, the rest train in-process through the same `train(cfg, run_dir)`."""
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 import torch
 
 from kiln.data.csv_text import CsvTextError
 from kiln.logging.summary import SUMMARY_KEYS
+from kiln.startup import PHASES
 
 from .conftest import FAST, read_metrics, read_summary, run_train, train_in_process
 
@@ -54,13 +58,35 @@ def check_run_files(run_dir, model: str, steps: int) -> None:
 
 def test_train_py_leaves_the_contract_files(tmp_path):
     run_dir = tmp_path / "run"
+    started = time.perf_counter()
     result = run_train(run_dir, "model=mlp", *FAST, "trainer.max_steps=2")
+    wall = time.perf_counter() - started
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"run directory: {run_dir}" in result.stdout
     for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
         assert (run_dir / ".hydra" / name).is_file()
-    assert "step 2" in (run_dir / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "step 2" in log
     check_run_files(run_dir, "mlp", steps=2)
+    check_startup_line(log, read_summary(run_dir), wall)
+
+
+def check_startup_line(log: str, summary: dict, wall: float) -> None:
+    """One line says where the start-up went, from the process's start to step 1's end
+    (kiln.startup); summary.json holds the same seconds."""
+    lines = [line.split(" - ", 1)[1] for line in log.splitlines() if " - start-up " in line]
+    assert len(lines) == 1, lines
+    startup = summary["startup_s"]
+    assert list(startup) == [*PHASES, "total"]
+    total, phases = re.fullmatch(r"start-up ([\d.]+) s: (.*)", lines[0]).groups()
+    said = dict(part.rsplit(" ", 1) for part in phases.split(", "))
+    assert list(said) == list(PHASES)
+    assert all(float(said[p]) == pytest.approx(startup[p], abs=0.05) for p in PHASES)
+    assert float(total) == pytest.approx(startup["total"], abs=0.05)
+    assert startup["total"] == pytest.approx(sum(startup[p] for p in PHASES), abs=0.01)
+    assert startup["probes"] == pytest.approx(summary["probe_time_s"], abs=1e-3)
+    assert startup["imports"] > 0.3  # the interpreter and torch, from the process's start
+    assert startup["total"] < wall  # all of it inside the process's life
 
 
 @pytest.mark.parametrize("model", sorted(CASES))

@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from kiln import startup
 from kiln.cli import report
 from kiln.cli.failures import record_failure
 from kiln.cli.paths import (
@@ -125,6 +126,7 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
     """One job: its run directory made, trained (run_job). A stop before step 1 that came
     before train() could record it (during the imports, say) is recorded here, in
     summary.json; main() says it."""
+    startup.lap("config")  # the command line checked, Hydra's composition and run directory
     from kiln.engine.preemption import SIGNALS, Interrupted, Preempted, PreemptedBeforeStart
     from kiln.logging.summary import stopped_summary, write_summary  # before any stop: no torch
 
@@ -161,6 +163,7 @@ def run_job(raw_cfg: DictConfig, run_dir: Path, command: RunCommand) -> float | 
     from kiln.engine.rank_watch import claim_report, open_report, post_failure
     from kiln.engine.run import train
 
+    startup.lap("imports")  # torch and the engine
     hydra = HydraConfig.get()
     multirun = hydra.mode == RunMode.MULTIRUN
     dist = env_dist_info()
@@ -311,6 +314,7 @@ def stopped_before_start(stop: BaseException, typed: list[str]) -> str:
 
 
 def prepare_and_train(argv: list[str]) -> None:
+    startup.lap("imports")  # the interpreter, Hydra, kiln's command line (kiln.startup)
     argv = with_env_overrides(with_env_profile(argv))
     try:
         check_grammar(argv)  # Hydra's parse errors as one line, before anything else

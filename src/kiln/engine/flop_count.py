@@ -1,10 +1,36 @@
-"""Counting a step's FLOPs with torch's formulas, without importing torch._dynamo."""
+"""Counting a step's FLOPs with torch's formulas, without importing torch._dynamo or triton."""
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+
+
+def _formulas() -> dict:
+    """torch.utils.flop_counter's formulas. That module imports triton at its top (0.1 s of a
+    quiet start-up, 0.3 s of a busy one) only to know triton kernels, which FlopCount never
+    counts (a higher-order op: NotImplemented). Unless triton is loaded already, it is hidden
+    for that import (None in sys.modules: the import fails at once, as without triton) and
+    restored after; only registering a flop formula for a triton kernel is then refused."""
+    if "torch.utils.flop_counter" in sys.modules or "triton" in sys.modules:
+        from torch.utils.flop_counter import flop_registry
+
+        return flop_registry
+    said = logging.getLogger("torch.utils.flop_counter")  # "triton not found" on CUDA builds
+    sys.modules["triton"] = None
+    said.disabled = True
+    try:
+        from torch.utils.flop_counter import flop_registry
+    finally:
+        del sys.modules["triton"]
+        said.disabled = False
+    return flop_registry
+
+
+flop_registry = _formulas()
 
 
 class FlopCount(TorchDispatchMode):

@@ -74,6 +74,7 @@ from kiln.models import build_model, without_weights
 from kiln.preprocessing.pretrained import PretrainedInput, pretrained_input
 from kiln.registry import config_dirs, plugin_packages, plugin_sources
 from kiln.rng import forked, seed_everything
+from kiln.startup import StartupClock, run_clock
 from kiln.threads import BusyElsewhere
 
 log = logging.getLogger(__name__)
@@ -98,15 +99,25 @@ def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> Dat
 
 
 def build_trainer(
-    cfg: KilnConfig, run_dir: Path, dist: DistInfo, device: torch.device, recorder
+    cfg: KilnConfig,
+    run_dir: Path,
+    dist: DistInfo,
+    device: torch.device,
+    recorder,
+    startup: StartupClock | None = None,
 ) -> Trainer:
     """The run's parts from `cfg`, in the order that draws the same random numbers every time
     (initial weights, then the data's and the probes'). What it derives -- a found batch size,
-    the plan of the probes -- is passed on as new values; `cfg` is frozen."""
+    the plan of the probes -- is passed on as new values; `cfg` is frozen. `startup`: the run's
+    start-up clock (kiln.startup), lapped here and said by the Trainer after the first step."""
     cpu_watch = BusyElsewhere()  # what other processes keep busy while this run starts
     seed_everything(cfg.seed)  # the same initial weights on every rank and in single runs
     pretrained = pretrained_input(cfg.model)  # checks a zoo model's arch and weights first
+    if startup is not None:
+        startup.lap("build")  # the run's set-up: device, process group, loggers
     bundle = load_data(cfg, pretrained)
+    if startup is not None:
+        startup.lap("data")
     want_aux = bool(getattr(cfg.model, "aux_head", False) or cfg.loss.aux_head)
     want_aux = want_aux or cfg.loss.force_all_branches
     model, freeze = build_run_model(cfg, bundle.spec, device, dist, run_dir, want_aux)
@@ -198,6 +209,7 @@ def build_trainer(
         progress_bar=cfg.env.progress_bar,
         planned_steps=planned_steps,
         contract=contract,
+        startup=startup,
     )
 
 
@@ -615,6 +627,8 @@ def train(
     failure the main thread cannot (stuck in a collective a failed rank never joins):
     summary.json, then `report_failure(err)` (train.py's [FAIL] line and failures.log)."""
     SIGNALS.starting()  # a signal from here to step 1 stops the run at once
+    startup = run_clock()
+    startup.lap("config")  # train.py: the typed config; in-process: nothing yet
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     set_deterministic(cfg.trainer.deterministic)
@@ -658,11 +672,12 @@ def train(
         )
         resume = resume_after_restart(cfg.resume, run_dir / "checkpoints")
         cfg = dataclasses.replace(cfg, resume=resume)  # a new value: the caller's stays
-        trainer = build_trainer(cfg, run_dir, dist, device, recorder)
+        trainer = build_trainer(cfg, run_dir, dist, device, recorder, startup)
         built.append(trainer)
         resumed = resume_if_asked(trainer, cfg)
         if resumed is not None:
             recorder.carry_on(run_of(resumed) / "metrics.jsonl", trainer.state.global_step)
+        startup.lap("build")
         final = trainer.fit()
         trainer.checkpointer.check_pointed_files()  # no run ends ok pointing at a bad file
         status, at_chance = trainer.outcome()

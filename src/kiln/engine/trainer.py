@@ -47,6 +47,7 @@ from kiln.guards.no_trace import untouched
 from kiln.guards.probes import ProbePlan, ProbeReport, ProbeSubject, probe_model, run_probe_plan
 from kiln.guards.rules import RULE_2
 from kiln.rng import forked, rng_state, set_rng_state
+from kiln.startup import StartupClock
 
 log = logging.getLogger(__name__)
 
@@ -265,9 +266,11 @@ class Trainer:
         progress_bar: bool = False,
         planned_steps: int = 0,
         contract: Any = None,
+        startup: StartupClock | None = None,
     ):
         """`planned_steps`: the optimizer steps the run plans (the LR schedule's length);
-        `contract`: what a resume must agree with (kiln.engine.resume.Contract)."""
+        `contract`: what a resume must agree with (kiln.engine.resume.Contract); `startup`: the
+        run's start-up clock, said in one line after the first step (kiln.startup)."""
         self.cfg, self.parts = cfg, parts
         self.model, self.raw_model = parts.model, parts.raw_model
         self.optimizer, self.scheduler, self.scaler = parts.optimizer, parts.scheduler, parts.scaler
@@ -299,6 +302,8 @@ class Trainer:
         self.current_step = 0  # the step in progress: failures are reported "@ step N"
         self.threads: int | None = None  # torch's intra-op threads, decided before step 1
         self.stopped_early = False  # trainer.early_stopping ended the run
+        self.startup = startup
+        self.startup_s: dict[str, float] | None = None  # where the start-up went, by phase
 
     def read_on_host(self, on: bool) -> None:
         """Where a step's flags and numbers live. On the host (the CPU, one process: a read
@@ -365,6 +370,8 @@ class Trainer:
                 )
                 self.current_step = s.global_step + 1
                 result = self.train_step(batches, window)
+                if self.startup_s is None and self.startup is not None:
+                    self.say_startup()
                 s.batch_in_epoch += window
                 s.global_step += 1
                 self.after_step(result, bar)
@@ -538,6 +545,15 @@ class Trainer:
                 f"skipped {', '.join(left_out)}" if left_out else "nothing skipped",
                 f"; {' and '.join(moved)} read the first steps instead" if moved else "",
             )
+
+    def say_startup(self) -> None:
+        """After this run's first step (issued: a GPU's is not waited for): where the start-up
+        went, in one line. Counting the step's FLOPs is the build's, the probes their own."""
+        within = {"probes": self.probe_time_s, "build": self.flops_time_s}
+        self.startup.lap("first step", within=within)
+        self.startup_s = self.startup.as_dict()
+        if self.dist.is_main:
+            log.info("%s", self.startup.line())
 
     def new_gradient_presence(self) -> GradientPresence:
         from kiln.engine.rank_watch import post_failure

@@ -46,6 +46,7 @@ def summarize(trainer, final: dict[str, Any], *, status: str, error: str | None)
         "probe_time_s": trainer.probe_time_s if trainer else None,  # the probes before step 1
         "probe_times_s": dict(trainer.probe_report.seconds) if trainer else {},  # per check
         **(_probe_budget(trainer) if trainer else {}),
+        "startup_s": trainer.startup_s if trainer else None,  # process start to step 1, by phase
         "threads": trainer.threads if trainer else None,  # torch's intra-op threads
         "num_workers": getattr(trainer.train_loader, "num_workers", None) if trainer else None,
         "model_flops_per_sample": trainer.flops_per_sample if trainer else None,
