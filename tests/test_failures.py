@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from kiln.cli.paths import REPO_ROOT
+from kiln.findings import KINDS
 from kiln.guards.rules import BATCH, DEAD, DETERMINISM, LEARN
 
 from .conftest import SUBPROCESS_ENV, read_summary
@@ -111,7 +112,9 @@ def test_a_model_that_computes_the_wrong_thing_stops_before_step_1_through_plugi
     assert lines[fail[0] + 1].startswith(f"  {RULES_BY_WHAT[what]}: "), lines[fail[0] + 1]
     summary = read_summary(run_dir)
     assert summary["status"] == "failed" and summary["steps"] == 0
-    assert summary["failed_check"] == {"what": what, "module": module}, summary["failed_check"]
+    check = summary["failed_check"]
+    assert (check["what"], check["module"]) == (what, module), check
+    assert check["kind"] in KINDS, check  # the finding's kind: what kiln triage reads
 
 
 PLUGIN = """
