@@ -533,7 +533,11 @@ class Trainer:
                 f"; run now: {', '.join(left)}" if left else "",
             )  # fmt: skip
         shown = ", ".join(f"{k} {v:.2f}" for k, v in report.seconds.items())
-        log.info("pre-step probes took %.2f s (%s); %s", self.probe_time_s, shown,
+        subject = self.parts.probe_subject
+        cut = report.batch_size < subject.mode_batch_size
+        took = f" on {report.batch_size} samples" if report.batch_size else ""
+        took += f" (of {subject.mode_batch_size}: the budget)" if cut else ""
+        log.info("pre-step probes took %.2f s (%s)%s; %s", self.probe_time_s, shown, took,
                  report.budget_note)  # fmt: skip
         if report.skipped or report.learn_reading is not None or report.pending_zero:
             left_out = [f"{k} (est. {v:.2g} s)" for k, v in report.skipped.items()]

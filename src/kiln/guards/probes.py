@@ -142,6 +142,7 @@ class ProbeReport:
     budget_s: float | None = None
     epoch_estimate_s: float | None = None
     budget_note: str = ""  # how the budget was set
+    batch_size: int = 0  # samples the checks took (the probe batch, cut to fit the budget)
     learn_reading: Any = None  # kiln.guards.first_steps.LearnReading: the learn probe, deferred
     findings: list[Finding] = field(default_factory=list)  # what the checks said, not fatal
     pending_zero: list[str] = field(default_factory=list)  # zero gradients to confirm at step 2
@@ -255,11 +256,14 @@ def run_probe_plan(plan: ProbePlan, subject: ProbeSubject) -> ProbeReport:
     probe = Probe(plan, subject, take(subject.batch, subject.mode_batch_size), report)
     due = [c for c in CHECKS if c.name not in plan.passed and c.wanted(probe)]
     with untouched(subject.model):
+        per_sample = _fit_probe_batch(probe) if due else None
         if due:
             backward = any(c.name in NEEDS_A_STEP for c in due)
             with _timed(report, "step probe" if backward else "loss terms"), subject.autocast():
                 _observe(probe, backward)
-        probe.step_s = probe.spent_s
+        # A step's cost, the unit of every estimate: warm where it was measured (the observed
+        # step is the process's first backward, and pays its first calls).
+        probe.step_s = per_sample * probe.size if per_sample else probe.spent_s
         _set_budget(probe)
         for check in due:
             units = check.cost(probe)
@@ -286,6 +290,37 @@ NEEDS_A_STEP = {
     "dead gradients",
     "learn probe",
 }
+
+
+def _fit_probe_batch(probe: Probe) -> float | None:
+    """Under a budget, the probe batch is cut to what it allows: one sample's eval forward (no
+    grad) is timed twice -- the first pays the process's first calls, the second is what a step
+    costs warm, three forwards a sample -- the epoch and the budget estimated from it, and the
+    batch halved (8, 4, 2) until its observed step takes at most a third of the budget (two
+    samples are the least: batch dependence compares them). Returns a step's warm cost per
+    sample (None where it was not measured)."""
+    plan, subject, report = probe.plan, probe.subject, probe.report
+    report.batch_size = probe.size
+    if not plan.budget.enforce or subject.epoch_plan is None:
+        return None
+    one = take(probe.batch, 1)
+    try:
+        with untouched(probe.model), torch.no_grad(), subject.autocast():
+            probe.model.eval()
+            for _ in range(2):
+                started = time.perf_counter()
+                probe.forward(probe.model, one, False)
+    except Exception:  # noqa: BLE001 -- a timing, not a check: the checks name what fails
+        return None
+    per_sample = (time.perf_counter() - started) / FORWARD
+    budget = plan.budget.seconds(per_sample * subject.epoch_plan.samples)
+    size = probe.size
+    while size > 2 and per_sample * size > budget / 3:
+        size = max(2, size // 2)
+    if size < probe.size:
+        probe.batch = take(probe.batch, size)
+        report.batch_size = size
+    return per_sample
 
 
 def _set_budget(probe: Probe) -> None:
@@ -383,14 +418,20 @@ def _rule1_probes(probe: Probe, new_size: bool) -> list:
 
 
 def _rule1_cost(probe: Probe, new_size: bool) -> float:
+    """Each probe's inputs, as a share of the probe batch's (its samples and their sizes: the
+    longest texts, a larger image side), a forward or a step."""
+    whole = _input_size(probe.batch) or 1
     cost = 0.0
     for size_probe in _rule1_probes(probe, new_size):
-        share = len(size_probe.batch[0]) / max(probe.size, 1)
         grad = size_probe.new_size or size_probe.backward
-        cost += share * (1.0 if grad else FORWARD)
-    if new_size:
-        cost *= 2.25  # a second size 1.5x the side: 2.25x the pixels (and perhaps a build)
+        cost += _input_size(size_probe.batch) / whole * (1.0 if grad else FORWARD)
     return cost
+
+
+def _input_size(batch: Any) -> int:
+    """Input values of a batch (its first part: a tensor, or a detector's list of images)."""
+    inputs = batch[0]
+    return sum(t.numel() for t in inputs) if isinstance(inputs, list) else inputs.numel()
 
 
 def _run_rule1(probe: Probe, new_size: bool) -> None:
