@@ -287,6 +287,7 @@ def probe_subject(
         # Under the run's autocast, as training and evaluation run: a path that breaks only
         # in bf16/fp16 is caught here, not at the first evaluation.
         autocast=precision.autocast,
+        full_precision=precision.autocast_dtype is None,
         parameter_shapes=parameter_shapes,
     )
 

@@ -487,18 +487,32 @@ class Trainer:
             self.probe_time_s = time.perf_counter() - started
         report = self.probe_report
         self.gradient_presence.zero_to_confirm = list(report.pending_zero)
-        self.remember_probes()
         if self.dist.is_main and plan.anything:
             self.say_probes(report)
-        if self.flops_per_sample is None and subject.build is not None:
-            started, size = time.perf_counter(), subject.mode_batch_size
-            counted = probe_model(self.raw_model, subject.build, subject.spec)
-            # forked: a detector's forward samples proposals, not the run's numbers
-            with untouched(counted), forked():
-                self.flops_per_sample = flops_per_sample(
-                    counted, self.criterion.forward, take(subject.batch, size), size
-                )
-            self.flops_time_s = time.perf_counter() - started
+        self.count_flops()
+        self.remember_probes()
+
+    def count_flops(self) -> None:
+        """A training step's model FLOPs per sample, where something reads them: the thread
+        count (trainer.threads=auto) and the MFU (a device whose peak is known); known from the
+        probe cache where the model was counted before, else counted once, on the probes'
+        batch and the run's own model (a new unsharded build for an FSDP one)."""
+        subject = self.parts.probe_subject
+        needed = self.cfg.threads == "auto" or self.parts.peak_flops is not None
+        if self.flops_per_sample is not None or not needed or subject.build is None:
+            return
+        if self.probes_cached is not None and self.probes_cached.flops_per_sample:
+            self.flops_per_sample = self.probes_cached.flops_per_sample
+            return
+        started = time.perf_counter()
+        size = self.probe_report.batch_size or subject.mode_batch_size
+        counted = probe_model(self.raw_model, subject.build, subject.spec)
+        # forked: a detector's forward samples proposals, not the run's numbers
+        with untouched(counted), forked():
+            self.flops_per_sample = flops_per_sample(
+                counted, self.criterion.forward, take(subject.batch, size), size
+            )
+        self.flops_time_s = time.perf_counter() - started
 
     def cached_probes(self):
         """What this model passed before (every rank takes the main rank's answer: a rank that
@@ -518,8 +532,9 @@ class Trainer:
 
         cached = self.probes_cached.passed if self.probes_cached is not None else frozenset()
         if self.dist.is_main:
-            remember(self.parts.probe_key, set(cached) | set(self.probe_report.passed),
-                     self.checkpointer.directory.parent)  # fmt: skip
+            passed = set(cached) | set(self.probe_report.passed)
+            run_dir = self.checkpointer.directory.parent
+            remember(self.parts.probe_key, passed, run_dir, self.flops_per_sample)
 
     def say_probes(self, report: ProbeReport) -> None:
         """One line of what the probes took and cost; one more for what they left out."""

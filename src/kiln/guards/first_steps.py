@@ -45,8 +45,12 @@ class LearnReading:
     done: bool = False
 
     @classmethod
-    def start(cls, model, criterion, batch, optimizer_for, *, steps, dead_layers) -> LearnReading:
-        before = measured_loss(model, criterion, batch)
+    def start(
+        cls, model, criterion, batch, optimizer_for, *, steps, dead_layers, before=None
+    ) -> LearnReading:
+        """`before`: the probe batch's loss before step 1 where it is known already."""
+        if before is None:
+            before = measured_loss(model, criterion, batch)
         return cls(model, criterion, batch, optimizer_for, steps, dead_layers, before)
 
     def shown(self) -> str:

@@ -93,6 +93,7 @@ class CachedProbes:
     passed: frozenset[str]
     date: str
     run_dir: str
+    flops_per_sample: float | None = None  # a training step's model FLOPs, counted before
 
 
 @dataclass(frozen=True)
@@ -123,24 +124,34 @@ def lookup(key: ProbeKey | None) -> CachedProbes | None:
         stored = set(record["passed"])
         names = {n.partition("@")[0] for n in stored}
         passed = frozenset(n for n in names if key.stored(n) in stored)
-        return CachedProbes(passed, record["date"], record["run_dir"])
+        flops = record.get("flops_per_sample")
+        flops = float(flops) if isinstance(flops, int | float) else None
+        return CachedProbes(passed, record["date"], record["run_dir"], flops)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def remember(key: ProbeKey | None, passed: set[str], run_dir: Path | str) -> None:
+def remember(
+    key: ProbeKey | None,
+    passed: set[str],
+    run_dir: Path | str,
+    flops_per_sample: float | None = None,
+) -> None:
     """Keep what this model passed (with what it passed before, under other optimizer
-    options too); an unwritable cache only costs the probes next time."""
+    options too) and its step's FLOPs; an unwritable cache only costs the probes next time."""
     if key is None or not passed:
         return
     path = probe_cache_dir() / f"{key.model}.json"
     try:
-        before = set(json.loads(path.read_text())["passed"])
+        before = json.loads(path.read_text())
+        known = set(before["passed"])
     except (OSError, ValueError, KeyError, TypeError):
-        before = set()
+        before, known = {}, set()
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    stored = before | {key.stored(name) for name in passed}
-    record = {"passed": sorted(stored), "date": now, "run_dir": str(run_dir)}
+    stored = known | {key.stored(name) for name in passed}
+    flops = flops_per_sample or before.get("flops_per_sample")
+    record = {"passed": sorted(stored), "date": now, "run_dir": str(run_dir),
+              "flops_per_sample": flops}  # fmt: skip
     try:
         write_json(path, record, unique=True)
     except OSError as err:

@@ -128,6 +128,8 @@ class ProbeSubject:
     optimizer_for: Callable[[nn.Module, float], torch.optim.Optimizer] | None = None
     flag_for_unused: Callable[[list[str]], str | None] | None = None
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    full_precision: bool = True  # the autocast above is a no-op (fp32): a loss is the learn
+    # probe's own measure
     # The shapes of the parameters a model built for a spec has (a build on the meta device):
     # where they equal the run's model's, rule 1's second input size runs on the run's model.
     parameter_shapes: Callable[[Any], dict[str, tuple]] | None = None
@@ -349,12 +351,22 @@ def _leave_out(probe: Probe, check: Check, estimate: float) -> None:
     if check.name == "learn probe":
         from kiln.guards.first_steps import LearnReading
 
-        subject = probe.subject
+        subject, seen = probe.subject, probe.seen
+        # The observed step's loss is the reference where it was measured as the learn probe
+        # measures (seeded alike, in fp32); else one more forward.
+        before = None
+        if subject.full_precision and seen is not None and seen.loss is not None:
+            before = float(seen.loss.detach())
         with _timed(probe.report, "learn probe (reference loss)"), untouched(probe.model):
             probe.report.learn_reading = LearnReading.start(
-                probe.model, subject.criterion, probe.batch, subject.optimizer_for,
-                steps=probe.plan.learn_steps, dead_layers=probe.report.mostly_dead,
-            )  # fmt: skip
+                probe.model,
+                subject.criterion,
+                probe.batch,
+                subject.optimizer_for,
+                steps=probe.plan.learn_steps,
+                dead_layers=probe.report.mostly_dead,
+                before=before,
+            )
         return
     probe.report.skipped[check.name] = estimate
 
