@@ -512,8 +512,16 @@ def run_side(
         "result": str(run_dir / "result.json"),
     }
     (run_dir / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "PYTHONWARNINGS": "ignore", "KILN_OVERRIDES": ""}  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "PYTHONWARNINGS": "ignore",
+        "KILN_OVERRIDES": "",
+        # Each run probes as a model's first run does: the probe cache would spare a repeated
+        # one nearly all of it (trainer.probe_cache), and the rounds would measure the cache.
+        "KILN_PROBE_CACHE": str(run_dir / "probe-cache"),
+    }
     if args.contention:
         env = their_defaults(env)
     command = [str(python), __file__, "--worker", side, "--job", str(run_dir / "job.json")]

@@ -62,7 +62,8 @@ def test_train_py_leaves_the_contract_files(tmp_path):
     result = run_train(run_dir, "model=mlp", *FAST, "trainer.max_steps=2")
     wall = time.perf_counter() - started
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"run directory: {run_dir}" in result.stdout
+    # Inside the working directory the run is named as the user would type it there.
+    assert "run directory: run  (also " in result.stdout
     for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
         assert (run_dir / ".hydra" / name).is_file()
     log = (run_dir / "train.log").read_text()

@@ -55,7 +55,7 @@ def duration(seconds: float) -> str:
 
 
 def where(run_dir: Path, link: Path | None) -> str:
-    return f"{run_dir}" + (f"  (also {link})" if link is not None else "")
+    return f"{shown(run_dir)}" + (f"  (also {link})" if link is not None else "")
 
 
 def commented(command: str, what: str) -> str:
@@ -76,7 +76,7 @@ def finished(
         *test_report(summary),
     ]
     if (run_dir / "curves.png").is_file():
-        lines.append(f"curves: {run_dir / 'curves.png'}")
+        lines.append(f"curves: {shown(run_dir / 'curves.png')}")
     triage = (
         [commented(f"kiln triage {link or run_dir}", "why it learned nothing")]
         if summary["status"] == "at_chance"
