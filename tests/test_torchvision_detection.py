@@ -186,3 +186,44 @@ def test_imagenet_backbone_weights_and_trainable_layers(folder, tmp_path, monkey
         compose_config(
             *overrides(folder, "model.weights=DEFAULT", "model.weights_backbone=DEFAULT")
         )
+
+
+def test_ssdlite_levels_that_match_no_object_are_said_not_judged_dead(folder, caplog):
+    """SSDlite320 on the photos (objects of 30-60 px in images of about 120 px, resized to its
+    320): the anchors of its coarse levels match no object, so no loss term reaches their heads
+    and the extra layers feeding them (gradients exactly zero). The dead-gradients check says
+    why instead of refusing torchvision's own model; a parameter of a level that did match an
+    object stays judged."""
+    from kiln.engine.loss import OwnLossCriterion
+    from kiln.guards.live_gradients import check_live_gradients, judged
+    from kiln.guards.step_probe import observe_step
+
+    cfg = compose_config(*overrides(folder, "model.arch=ssdlite320_mobilenet_v3_large"))
+    bundle = build_data(cfg.data)
+    torch.manual_seed(0)
+    model = build_model(bundle.spec, cfg.model)
+    batch = bundle.collate_fn([bundle.train[i] for i in range(4)])
+    seen = observe_step(model, OwnLossCriterion(), batch)
+    coarse = "net.head.regression_head.module_list.5.1.weight"  # the 1x1 level
+    assert coarse in seen.zero and "net.backbone.extra.3.0.0.weight" in seen.zero
+    with caplog.at_level("WARNING"):
+        check_live_gradients(seen)
+    assert "not judged on the probe batch" in caplog.text
+    assert "matched no object in the batch" in caplog.text and "1x1" in caplog.text
+    matched, _, side = model.matched_levels(batch)
+    assert 0 < len(matched) < 6 and side == 320
+    level = min(matched)
+    at_a_matched_level = f"net.head.regression_head.module_list.{level}.1.weight"
+    assert judged(model, [coarse, at_a_matched_level], batch) == [at_a_matched_level]
+
+
+@pytest.mark.slow  # every box detector, with every check before step 1: minutes on two CPU cores
+@pytest.mark.parametrize("arch", detection_archs())
+def test_every_box_detector_trains_with_every_check_on(arch, folder, tmp_path):
+    """torchvision's detectors at their defaults on the photo set, every check before step 1
+    run (no budget): none refuses torchvision's own model."""
+    summary = train_in_process(tmp_path / "run", *overrides(folder, f"model.arch={arch}"),
+                               "trainer.max_steps=2", "trainer.probe_budget.enforce=false",
+                               "logger=none", "device=cpu", "env.progress_bar=false")  # fmt: skip
+    assert summary["status"] in ("ok", "at_chance"), summary
+    assert summary["steps"] == 2
