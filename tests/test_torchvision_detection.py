@@ -68,6 +68,29 @@ def test_coco_weights_load_with_the_class_head_sized_from_the_data(folder, torch
     assert model.net.transform.min_size == (96,) and model.net.transform.max_size == 96
 
 
+def test_ssdlite_weights_reinitialise_only_the_class_layers(folder, tmp_path, caplog):
+    """SSDlite's classification head also holds depthwise convolutions and BatchNorm that the
+    classes do not size: those load from the file; only the class layers start fresh, and the
+    log counts the classes (the head's outputs are anchors x classes), not its channels."""
+    import torchvision.models
+
+    arch = "ssdlite320_mobilenet_v3_large"
+    net = torchvision.models.get_model(arch, weights=None, weights_backbone=None, num_classes=91)
+    freeze_batchnorm(net)
+    torch.save(net.state_dict(), tmp_path / "ssdlite_coco.pth")
+    cfg = compose_config(*overrides(folder, f"model.arch={arch}",
+                                    f"model.weights={tmp_path / 'ssdlite_coco.pth'}"))  # fmt: skip
+    with caplog.at_level("INFO"):
+        model = build_model(build_data(cfg.data).spec, cfg.model)
+    assert "re-initialised (91 classes in the file, 3 in the data)" in caplog.text, caplog.text
+    head = "head.classification_head.module_list.0"
+    ours, theirs = model.net.state_dict(), net.state_dict()
+    assert torch.equal(ours[f"{head}.0.0.weight"], theirs[f"{head}.0.0.weight"])  # loaded
+    assert ours[f"{head}.1.weight"].shape[0] == 6 * 3  # 6 anchors x (2 classes + background)
+    regression = "head.regression_head.module_list.0.1.weight"  # boxes: not sized by classes
+    assert torch.equal(ours[regression], theirs[regression])
+
+
 @pytest.mark.slow  # about 40 s on two CPU cores (fasterrcnn's evaluation, the checkpoints)
 def test_fasterrcnn_trains_on_coco_from_a_weights_file_and_its_checkpoint_predicts(
     folder, torch_home, tmp_path

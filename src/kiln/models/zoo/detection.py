@@ -224,7 +224,8 @@ def build_torchvision_detection(
             for key, value in net.state_dict().items():
                 if key.endswith("num_batches_tracked"):
                     state.setdefault(key, value)
-        load_weights(net, state, label=label, head=head, first_conv=None, channels=3)
+        load_weights(net, state, label=label, head=head, first_conv=None, channels=3,
+                     num_classes=spec.num_classes + 1)  # fmt: skip
     if cfg.weights_backbone is not None:
         load_backbone(net, arch, cfg.weights_backbone)
     if cfg.trainable_layers is not None:
