@@ -876,6 +876,22 @@ class OffsetsMovedToTheInputsDevice(OffsetsInAList):
         super().__init__(spec, cfg, moved=True)
 
 
+class OffsetsReplacedByMovedCopies(OffsetsInAList):
+    """AnchorGenerator's way: each forward replaces the list by its tensors moved to the
+    input's device, then uses them (the first tensors are let go: their ids come back)."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg)
+
+    def forward(self, x):
+        h = self.body(x.flatten(1))
+        listed = self.offsets
+        listed._offsets = [o.to(dtype=h.dtype, device=h.device) for o in listed._offsets]
+        shifts = torch.arange(h.shape[-1], device=h.device)[:, None] + listed._offsets[1][:, None]
+        h = h * listed.scale + listed._offsets[0] + shifts.sum(1)
+        return self.head(h.relu())
+
+
 class MaskedScores(nn.Module):
     """Attention-style scores masked with -1e9 (float16 holds +-65504) or with the dtype's
     own minimum (the twin)."""
@@ -1199,6 +1215,7 @@ TWINS = [
     Twin("refine_every_step", RefineEveryStep, "conditional_refine"),
     Twin("tensor_on_the_inputs_device", TensorOnTheInputsDevice, "tensor_without_device"),
     Twin("offsets_moved_to_the_inputs_device", OffsetsMovedToTheInputsDevice, "offsets_in_a_list"),
+    Twin("offsets_replaced_by_moved_copies", OffsetsReplacedByMovedCopies, "offsets_in_a_list"),
     Twin("mask_fill_from_dtype", MaskFillFromDtype, "mask_fill_minus_1e9"),
     Twin("exp_of_half_stable", ExpOfHalfStable, "exp_of_half"),
     Twin("reshape_on_permuted", ReshapeOnPermuted, "view_on_permuted"),

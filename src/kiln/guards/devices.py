@@ -103,12 +103,12 @@ class StrayTensors(TorchFunctionMode):
     The first operation that combines one (not a 0-dim scalar, which PyTorch allows) with a
     tensor on the run's device is recorded with the module it ran in and the one that made it."""
 
-    def __init__(self, modules: ModuleStack, attributes: dict[int, str]):
+    def __init__(self, modules: ModuleStack, attributes: dict[int, tuple[torch.Tensor, str]]):
         super().__init__()
         self.modules = modules
-        self.stray: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (tensor, how it was made)
-        for tensor_id, how in attributes.items():
-            self.stray[tensor_id] = (None, how)
+        # id -> (tensor, how it was made): the tensor is kept, so that its id is not reused
+        # meanwhile (a forward may replace an attribute: AnchorGenerator's cell_anchors)
+        self.stray: dict[int, tuple[torch.Tensor, str]] = dict(attributes)
         self.found: str | None = None
         self.module = ""
 
@@ -164,7 +164,7 @@ class StrayTensors(TorchFunctionMode):
 MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
-def plain_attribute_tensors(model: nn.Module) -> dict[int, str]:
+def plain_attribute_tensors(model: nn.Module) -> dict[int, tuple[torch.Tensor, str]]:
     """Tensors kept on modules as plain attributes, alone or in a list, tuple or dict
     (torchvision's DefaultBoxGenerator keeps its anchor shapes in a list): .to(device) moves
     parameters and buffers only, so on a GPU these stay on the CPU."""
@@ -176,8 +176,9 @@ def plain_attribute_tensors(model: nn.Module) -> dict[int, str]:
                 continue
             for inner, tensor in iter_tensors(value, attr):
                 found[id(tensor)] = (
+                    tensor,
                     f"the plain attribute {path + '.' if path else ''}{inner} of "
-                    f"{type(module).__name__} (not a buffer: .to(device) never moves it)"
+                    f"{type(module).__name__} (not a buffer: .to(device) never moves it)",
                 )
     return found
 
