@@ -175,8 +175,8 @@ class TorchvisionDetector(DetectionContract, nn.Module):
         finally:
             net.train(was_training)
         grids = [tuple(f.shape[-2:]) for f in features]
-        per_level = [h * w * n for (h, w), n in
-                     zip(grids, net.anchor_generator.num_anchors_per_location(), strict=True)]  # fmt: skip
+        per_cell = net.anchor_generator.num_anchors_per_location()
+        per_level = [h * w * n for (h, w), n in zip(grids, per_cell, strict=True)]
         bounds = torch.tensor(per_level).cumsum(0)
         matched: set[int] = set()
         for anchors_per_image, target in zip(anchors, targets, strict=True):
