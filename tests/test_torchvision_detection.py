@@ -241,6 +241,7 @@ def test_ssdlite_levels_that_match_no_object_are_said_not_judged_dead(folder, ca
 
 
 @pytest.mark.slow  # every box detector, with every check before step 1: minutes on two CPU cores
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("arch", detection_archs())
 def test_every_box_detector_trains_with_every_check_on(arch, folder, tmp_path):
     """torchvision's detectors at their defaults on the photo set, every check before step 1
