@@ -451,6 +451,12 @@ def test_evaluate_a_detector_on_a_coco_file_and_a_yolo_folder(detector, tmp_path
     true_boxes = sum(r["true_boxes"] for r in reports["coco"]["per_class"].values())
     assert len(matched) + (boxes["status"] == "missed").sum() == true_boxes
     assert "predictions.csv" in reports["coco"]["files"]
+    labelled = json.loads(coco.read_text())
+    labelled["categories"][0]["name"] = "triangle"  # a class the checkpoint does not know
+    coco.write_text(json.dumps(labelled))
+    code, _, err = run_infer(capsys, "mode=evaluate", f"ckpt={run_dir}/checkpoints/best.pt",
+                             f"data={coco.parent}", f"output={tmp_path / 'x'}")  # fmt: skip
+    assert code == 2 and "boxes of class(es) 'triangle', which the checkpoint does not know" in err
 
 
 def test_box_predictions_match_every_box_to_a_true_one_or_say_why():

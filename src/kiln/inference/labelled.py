@@ -271,43 +271,14 @@ def read_labelled_boxes(
     data.yaml above). Boxes and images are checked as training checks them (what is left out is
     in the report); classes are matched to the checkpoint's by name, and a box of a class it
     does not know is an error naming the class."""
-    from kiln.config.data import CocoConfig, YoloConfig
-    from kiln.data.coco import read_coco_file, read_coco_split
     from kiln.data.detection_files import DetectionImages
-    from kiln.data.yolo import find_names_file, labels_dir, read_names, read_yolo_split
+    from kiln.data.yolo import labels_dir
 
+    if path.is_dir() and "images" in path.parts and labels_dir(path).is_dir():
+        split, file_names, root, layout = _yolo_folder(path, max_image_pixels)
+    else:
+        split, file_names, root, layout = _coco_file(_coco_json(path), max_image_pixels)
     names = list(class_names)
-    if path.is_dir():
-        jsons = sorted(path.glob("*.json"))
-        parts = path.parts
-        if "images" in parts and labels_dir(path).is_dir():
-            cfg = YoloConfig(name="yolo", train_dir=str(path), max_image_pixels=max_image_pixels)
-            file_names = read_names(find_names_file(path, None), cfg.max_label_file_bytes)
-            split = read_yolo_split(path, len(file_names), cfg, "data")
-            layout, root = "yolo", path
-        elif len(jsons) == 1:
-            path = jsons[0]
-        else:
-            raise LabelledDataError(
-                f"data={path}: a detector is evaluated on a COCO file (data=<file>.json, or a "
-                "folder holding one) or a YOLO images folder (data=<root>/images/<split>, with "
-                f"<root>/labels/<split> beside it); this folder has {len(jsons)} .json files "
-                "and no labels folder beside it"
-            )
-    elif not path.is_file():
-        raise LabelledDataError(f"data={path}: no such file or folder")
-    if path.is_file():
-        if path.suffix.lower() != ".json":
-            raise LabelledDataError(
-                f"data={path}: a detector is evaluated on a COCO .json file or a YOLO images folder"
-            )
-        cfg = CocoConfig(name="coco", train_json=str(path), max_image_pixels=max_image_pixels)
-        coco = read_coco_file(path, "data", cfg.max_json_bytes)
-        file_names = list(coco.categories.values())
-        root = coco_images_folder(path)
-        split, _ = read_coco_split(coco, root, {c: k for k, c in enumerate(coco.categories, 1)},
-                                   cfg)  # fmt: skip
-        layout = "coco"
     # The file's labels (1..len(file_names)) as the checkpoint numbers its classes
     to_ours = np.array([0] + [names.index(n) + 1 if n in names else -1 for n in file_names])
     used = {int(k) for labels in split.labels + split.crowd_labels for k in labels}
@@ -331,3 +302,47 @@ def read_labelled_boxes(
     )  # fmt: skip
     sources = [display_name(os.path.relpath(p, root)) for p in split.paths]
     return LabelledBoxes(dataset, sources, split.report(), layout)
+
+
+def _coco_json(path: Path) -> Path:
+    """The COCO file `data=` names: itself, or the one .json of a folder."""
+    if path.is_dir():
+        found = sorted(path.glob("*.json"))
+        if len(found) == 1:
+            return found[0]
+        raise LabelledDataError(
+            f"data={path}: a detector is evaluated on a COCO file (data=<file>.json, or a "
+            "folder holding one) or a YOLO images folder (data=<root>/images/<split>, with "
+            f"<root>/labels/<split> beside it); this folder has {len(found)} .json files and "
+            "no labels folder beside it"
+        )
+    if not path.is_file():
+        raise LabelledDataError(f"data={path}: no such file or folder")
+    if path.suffix.lower() != ".json":
+        raise LabelledDataError(
+            f"data={path}: a detector is evaluated on a COCO .json file or a YOLO images folder"
+        )
+    return path
+
+
+def _coco_file(path: Path, max_image_pixels: int | None):
+    """(split, the file's class names by label, its images folder, "coco")."""
+    from kiln.config.data import CocoConfig
+    from kiln.data.coco import read_coco_file, read_coco_split
+
+    cfg = CocoConfig(name="coco", train_json=str(path), max_image_pixels=max_image_pixels)
+    coco = read_coco_file(path, "data", cfg.max_json_bytes)
+    root = coco_images_folder(path)
+    label_of = {category: k for k, category in enumerate(coco.categories, start=1)}
+    split, _ = read_coco_split(coco, root, label_of, cfg)
+    return split, list(coco.categories.values()), root, "coco"
+
+
+def _yolo_folder(path: Path, max_image_pixels: int | None):
+    """(split, the names file's class names by label, the images folder, "yolo")."""
+    from kiln.config.data import YoloConfig
+    from kiln.data.yolo import find_names_file, read_names, read_yolo_split
+
+    cfg = YoloConfig(name="yolo", train_dir=str(path), max_image_pixels=max_image_pixels)
+    file_names = read_names(find_names_file(path, None), cfg.max_label_file_bytes)
+    return read_yolo_split(path, len(file_names), cfg, "data"), file_names, path, "yolo"
