@@ -85,6 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def total_steps(args) -> int:
+    """Step 1, the warm-up round and the timed rounds, on each side."""
+    return 1 + (args.rounds + 1) * args.steps
+
+
 def kiln_config(folder, args, cache: Path):
     return load_config(
         [
@@ -100,6 +105,9 @@ def kiln_config(folder, args, cache: Path):
             f"data.batch_size={args.batch_size}",
             "data.num_workers=0",
             f"seed={args.seed}",
+            # the schedule spans the bench's steps exactly (both sides build it from this)
+            f"trainer.max_steps={total_steps(args)}",
+            "trainer.max_epochs=100000",
             "logger=none",
             "device=cpu",
             "trainer.log_every_n_steps=1000000",  # no log line inside the timed steps
@@ -151,15 +159,14 @@ def measure(args) -> dict:
         val = bundle.collate_fn([bundle.val[i] for i in range(len(bundle.val))])
         twin = build_model(spec, cfg.model)  # the same builder, then kiln's initial weights
         twin.load_state_dict(trainer.raw_model.state_dict())
-        total_steps = 1 + (args.rounds + 1) * args.steps
         reference = ReferenceLoop(twin.net, cfg, trainer.state.planned_steps)
         loader = trainer.train_loader
         batches, epoch = [], 0
-        while len(batches) < total_steps:  # the same batches for both sides, in order
+        while len(batches) < total_steps(args):  # the same batches for both sides, in order
             loader.sampler.set_epoch(epoch)
             batches += list(loader)
             epoch += 1
-        batches = batches[:total_steps]
+        batches = batches[: total_steps(args)]
         images_per_batch = [len(images) for images, _ in batches]
 
         def kiln_steps(indices) -> dict:
