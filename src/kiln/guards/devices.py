@@ -167,7 +167,9 @@ MODULE_INTERNALS = frozenset(vars(nn.Module()))
 def plain_attribute_tensors(model: nn.Module) -> dict[int, tuple[torch.Tensor, str]]:
     """Tensors kept on modules as plain attributes, alone or in a list, tuple or dict
     (torchvision's DefaultBoxGenerator keeps its anchor shapes in a list): .to(device) moves
-    parameters and buffers only, so on a GPU these stay on the CPU."""
+    parameters and buffers only, so on a GPU these stay on the CPU. A list of the model's own
+    parameters (nn.RNN's _flat_weights, which it re-points when moved) is not one of them."""
+    registered = {id(t) for t in (*model.parameters(), *model.buffers())}
     found = {}
     for path, module in model.named_modules():
         kept = {*module._parameters, *module._buffers}
@@ -175,6 +177,8 @@ def plain_attribute_tensors(model: nn.Module) -> dict[int, tuple[torch.Tensor, s
             if attr in kept or attr in MODULE_INTERNALS or attr.startswith("__"):
                 continue
             for inner, tensor in iter_tensors(value, attr):
+                if id(tensor) in registered:
+                    continue
                 found[id(tensor)] = (
                     tensor,
                     f"the plain attribute {path + '.' if path else ''}{inner} of "
