@@ -240,12 +240,33 @@ def test_ssdlite_levels_that_match_no_object_are_said_not_judged_dead(folder, ca
     assert judged(model, [coarse, at_a_matched_level], batch) == [at_a_matched_level]
 
 
+# Refused by the learn probe at the defaults (AdamW, lr 3e-3, from random weights with frozen
+# BatchNorm, which normalises nothing): one step at 3e-3 takes the probe batch's loss up 1e3 to
+# 1e9 times, while at 3e-4 it falls (measured 2026-12-04). A run at the defaults without the
+# probe is unstable too (fasterrcnn_resnet50_fpn: 6.8 -> 0.71 at step 2, then 35 and 58 when
+# the one-cycle schedule reaches 3e-3, 18 at step 20). Strict: a default that fits them, or a
+# probe that judges otherwise, makes these pass, and the mark must go.
+LEARN_PROBE_REFUSES = {
+    "fasterrcnn_resnet50_fpn", "fasterrcnn_resnet50_fpn_v2", "retinanet_resnet50_fpn",
+    "ssd300_vgg16",
+}  # fmt: skip
+
+
+def every_arch():
+    from kiln.guards.learn_probe import CannotLearnError
+
+    why = "the learn probe: lr 3e-3 diverges from random weights"
+    refused = pytest.mark.xfail(raises=CannotLearnError, strict=True, reason=why)
+    return [pytest.param(a, marks=refused) if a in LEARN_PROBE_REFUSES else a
+            for a in detection_archs()]  # fmt: skip
+
+
 @pytest.mark.slow  # every box detector, with every check before step 1: minutes on two CPU cores
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("arch", detection_archs())
+@pytest.mark.parametrize("arch", every_arch())
 def test_every_box_detector_trains_with_every_check_on(arch, folder, tmp_path):
     """torchvision's detectors at their defaults on the photo set, every check before step 1
-    run (no budget): none refuses torchvision's own model."""
+    run (no budget): none refuses torchvision's own model (but LEARN_PROBE_REFUSES)."""
     summary = train_in_process(tmp_path / "run", *overrides(folder, f"model.arch={arch}"),
                                "trainer.max_steps=2", "trainer.probe_budget.enforce=false",
                                "logger=none", "device=cpu", "env.progress_bar=false")  # fmt: skip
