@@ -17,8 +17,10 @@ the same order (prefetched once, so both sides time training alone), one torch t
 both runs from the same weights under the same seed (Faster R-CNN samples its proposals at
 random): its losses must agree term by term. Then interleaved rounds of --steps steps a side
 (which side goes first alternates; round 0 warms up and is not counted): the median of the
-per-round ratios kiln / reference against a floor of 1.0. Speed is reported, never asserted,
-unless --check.
+per-round ratios kiln / reference against a floor of 1.0. After each round, outside the timing,
+both networks are evaluated on the validation photos (mAP and mAP@.5: torchmetrics'
+MeanAveragePrecision, the computation of kiln's val_map): the two must learn alike. Speed is
+reported, never asserted, unless --check.
 
     python scripts/bench_detection.py                     # fasterrcnn_mobilenet_v3_large_320_fpn
     python scripts/bench_detection.py --image-size 96 --rounds 3 --steps 4 --markdown
@@ -62,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--arch", default="fasterrcnn_mobilenet_v3_large_320_fpn")
     parser.add_argument("--image-size", type=int, default=128, help="data.image_size")
     parser.add_argument("--images", type=int, default=16, help="training images generated")
+    parser.add_argument("--val-images", type=int, default=6, help="validation images (mAP)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per side a round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after a warm-up)")
@@ -82,6 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def total_steps(args) -> int:
+    """Step 1, the warm-up round and the timed rounds, on each side."""
+    return 1 + (args.rounds + 1) * args.steps
+
+
 def kiln_config(folder, args, cache: Path):
     return load_config(
         [
@@ -97,6 +105,9 @@ def kiln_config(folder, args, cache: Path):
             f"data.batch_size={args.batch_size}",
             "data.num_workers=0",
             f"seed={args.seed}",
+            # the schedule spans the bench's steps exactly (both sides build it from this)
+            f"trainer.max_steps={total_steps(args)}",
+            "trainer.max_epochs=100000",
             "logger=none",
             "device=cpu",
             "trainer.log_every_n_steps=1000000",  # no log line inside the timed steps
@@ -139,22 +150,23 @@ def measure(args) -> dict:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
-        folder = make_photo_boxes(work / "photos", num_train=args.images, num_val=2)
+        folder = make_photo_boxes(work / "photos", num_train=args.images, num_val=args.val_images)
         cfg = kiln_config(folder, args, work / "cache")
         trainer = build_trainer(cfg, work / "run", DistInfo(), torch.device("cpu"),
                                 lambda metrics, step: None)  # fmt: skip
-        spec = build_data(cfg.data).spec
+        bundle = build_data(cfg.data)
+        spec = bundle.spec
+        val = bundle.collate_fn([bundle.val[i] for i in range(len(bundle.val))])
         twin = build_model(spec, cfg.model)  # the same builder, then kiln's initial weights
         twin.load_state_dict(trainer.raw_model.state_dict())
-        total_steps = 1 + (args.rounds + 1) * args.steps
         reference = ReferenceLoop(twin.net, cfg, trainer.state.planned_steps)
         loader = trainer.train_loader
         batches, epoch = [], 0
-        while len(batches) < total_steps:  # the same batches for both sides, in order
+        while len(batches) < total_steps(args):  # the same batches for both sides, in order
             loader.sampler.set_epoch(epoch)
             batches += list(loader)
             epoch += 1
-        batches = batches[:total_steps]
+        batches = batches[: total_steps(args)]
         images_per_batch = [len(images) for images, _ in batches]
 
         def kiln_steps(indices) -> dict:
@@ -187,7 +199,9 @@ def measure(args) -> dict:
         progress(f"step 1 losses {'agree' if same else 'DIFFER'}: {step1}")
 
         rates: dict[str, list[float]] = {"kiln": [], "reference": []}
+        maps: dict[str, list[dict]] = {"kiln": [], "reference": []}
         sides = {"kiln": kiln_steps, "reference": reference_steps}
+        networks = {"kiln": trainer.raw_model, "reference": twin.net}
         for round_ in range(args.rounds + 1):  # round 0: warm-up
             indices = range(1 + round_ * args.steps, 1 + (round_ + 1) * args.steps)
             count = sum(images_per_batch[i] for i in indices)
@@ -200,9 +214,11 @@ def measure(args) -> dict:
             if round_:
                 for name, rate in measured.items():
                     rates[name].append(rate)
+                    maps[name].append(validation_map(networks[name], val, spec.class_names))
                 progress(
-                    f"round {round_}: kiln {measured['kiln']:.2f} images/s, reference "
-                    f"{measured['reference']:.2f} images/s"
+                    f"round {round_}: kiln {measured['kiln']:.2f} images/s, mAP@.5 "
+                    f"{maps['kiln'][-1]['map_50']:.3f}; reference {measured['reference']:.2f} "
+                    f"images/s, mAP@.5 {maps['reference'][-1]['map_50']:.3f}"
                 )
     ratios = [k / r for k, r in zip(rates["kiln"], rates["reference"], strict=True)]
     median = statistics.median(ratios)
@@ -219,12 +235,34 @@ def measure(args) -> dict:
         "step1_losses_agree": same,
         "kiln_images_per_s": rates["kiln"],
         "reference_images_per_s": rates["reference"],
+        "val_images": len(val[0]),
+        "steps_after_round": [1 + (r + 1) * args.steps for r in range(1, args.rounds + 1)],
+        "kiln_map": maps["kiln"],
+        "reference_map": maps["reference"],
         "ratios": ratios,
         "median_ratio": median,
         "spread": [min(ratios), max(ratios)],
         "floor": FLOOR,
         "meets_floor": median >= FLOOR,
     }
+
+
+@torch.no_grad()
+def validation_map(net: torch.nn.Module, val, class_names) -> dict[str, float]:
+    """mAP and mAP@.5 of a network (kiln's wrapper or torchvision's module: the same eval
+    forward) on the validation photos; its train mode given back."""
+    from kiln.inference.detection_report import detection_metrics
+
+    images, targets = val
+    net.eval()
+    try:
+        found = net(list(images))
+    finally:
+        net.train()
+    detections = [{k: v.numpy() for k, v in d.items()} for d in found]
+    truth = [{k: v.numpy() for k, v in t.items()} for t in targets]
+    metrics = detection_metrics(detections, truth, class_names)
+    return {"map": metrics["map"] or 0.0, "map_50": metrics["map_50"] or 0.0}
 
 
 def table(result: dict) -> str:
@@ -242,6 +280,17 @@ def table(result: dict) -> str:
         _row("kiln (Trainer.train_step)", result["kiln_images_per_s"]),
         _row("torchvision reference train_one_epoch", result["reference_images_per_s"]),
         f"| ratio kiln / reference | {result['median_ratio']:.2f} | {low:.2f} | {high:.2f} |",
+        "",
+        f"validation mAP over the rounds, on {result['val_images']} photos:",
+        "",
+        "| after step | kiln mAP@.5 | reference mAP@.5 | kiln mAP | reference mAP |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for step, ours, theirs in zip(result["steps_after_round"], result["kiln_map"],
+                                  result["reference_map"], strict=True):  # fmt: skip
+        rows.append(f"| {step} | {ours['map_50']:.3f} | {theirs['map_50']:.3f} | "
+                    f"{ours['map']:.3f} | {theirs['map']:.3f} |")  # fmt: skip
+    rows += [
         "",
         "| step 1 loss | kiln | reference | relative difference |",
         "|---|---:|---:|---:|",

@@ -839,6 +839,59 @@ class TensorOnTheInputsDevice(TensorWithoutDevice):
         super().__init__(spec, cfg, on_device=True)
 
 
+class ListedOffsets(nn.Module):
+    """Constant offsets kept in a list (as torchvision's DefaultBoxGenerator keeps its anchor
+    shapes): .to(device) moves parameters and buffers, never a list attribute's tensors."""
+
+    def __init__(self, width, moved=False):
+        super().__init__()
+        self.moved = moved
+        self.scale = nn.Parameter(torch.ones(width))
+        self._offsets = [torch.linspace(0, 1, width), torch.linspace(1, 0, width)]
+
+    def forward(self, h):
+        if not self.moved:  # the bug: the CPU tensors meet the run's own
+            return h * self.scale + self._offsets[0]
+        # DefaultBoxGenerator's way: computed on the CPU, then moved to the input's device
+        steps = (torch.arange(h.shape[-1]) + 0.5) / h.shape[-1]
+        offsets = torch.cat(
+            [steps[:, None] * self._offsets[0][:, None], self._offsets[1][:, None]], 1
+        )
+        return h * self.scale + offsets.to(h.device).sum(1)
+
+
+class OffsetsInAList(nn.Module):
+    def __init__(self, spec, cfg, *, aux_head=False, moved=False):
+        super().__init__()
+        self.body = nn.Linear(features(spec), 16)
+        self.offsets = ListedOffsets(16, moved)
+        self.head = nn.Linear(16, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.offsets(self.body(x.flatten(1))).relu())
+
+
+class OffsetsMovedToTheInputsDevice(OffsetsInAList):
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg, moved=True)
+
+
+class OffsetsReplacedByMovedCopies(OffsetsInAList):
+    """AnchorGenerator's way: each forward replaces the list by its tensors moved to the
+    input's device, then uses them (the first tensors are let go: their ids come back)."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__(spec, cfg)
+
+    def forward(self, x):
+        h = self.body(x.flatten(1))
+        listed = self.offsets
+        listed._offsets = [o.to(dtype=h.dtype, device=h.device) for o in listed._offsets]
+        shifts = torch.arange(h.shape[-1], device=h.device)[:, None] + listed._offsets[1][:, None]
+        h = h * listed.scale + listed._offsets[0] + shifts.sum(1)
+        return self.head(h.relu())
+
+
 class MaskedScores(nn.Module):
     """Attention-style scores masked with -1e9 (float16 holds +-65504) or with the dtype's
     own minimum (the twin)."""
@@ -1120,6 +1173,9 @@ BROKEN += [
     Broken("tensor_without_device", TensorWithoutDevice, "digits", DEVICES, "behaviour",
            "in position (PositionBias) combines a tensor of shape (16,) made by "
            "torch.arange(...) without device= in position (PositionBias)"),
+    Broken("offsets_in_a_list", OffsetsInAList, "digits", DEVICES, "behaviour",
+           "in offsets (ListedOffsets) combines a tensor of shape (16,) made by the plain "
+           "attribute offsets._offsets[0] of ListedOffsets"),
     Broken("mask_fill_minus_1e9", MaskFillMinus1e9, "digits", NUMERICS, "fp16",
            "under fp16 autocast (precision=amp on CUDA) mask (MaskedScores) uses a value float16 "
            "cannot hold", overrides=("precision=amp",)),
@@ -1158,6 +1214,8 @@ TWINS = [
     Twin("open_gate", OpenGate, "zero_gradients"),
     Twin("refine_every_step", RefineEveryStep, "conditional_refine"),
     Twin("tensor_on_the_inputs_device", TensorOnTheInputsDevice, "tensor_without_device"),
+    Twin("offsets_moved_to_the_inputs_device", OffsetsMovedToTheInputsDevice, "offsets_in_a_list"),
+    Twin("offsets_replaced_by_moved_copies", OffsetsReplacedByMovedCopies, "offsets_in_a_list"),
     Twin("mask_fill_from_dtype", MaskFillFromDtype, "mask_fill_minus_1e9"),
     Twin("exp_of_half_stable", ExpOfHalfStable, "exp_of_half"),
     Twin("reshape_on_permuted", ReshapeOnPermuted, "view_on_permuted"),

@@ -90,6 +90,18 @@ def mixed_size_images(count: int = 4, seed: int = 0) -> list[np.ndarray]:
     ]
 
 
+def assert_boxes_agree(
+    got: list[dict], expected: list[dict], names=("torch", "the other"), max_corner_px=None
+) -> None:
+    """Two runs of a detector on the same images, box for box as the export's parity check
+    matches them (kiln.inference.box_agreement): twins by label, score and place, near-tied
+    scores a tie, at least one box compared."""
+    from kiln.inference.box_agreement import match_images
+
+    agreement = match_images(expected, got, names)
+    assert agreement.problem(max_corner_px) is None, agreement.problem(max_corner_px)
+
+
 def binary_request(pixels: np.ndarray) -> tuple[bytes, dict[str, str]]:
     """A v2 request body over the binary extension (the pixels as FP32 bytes after the JSON
     head), asking for the labels only, and its headers."""

@@ -23,6 +23,7 @@ def test_bench_detection_matches_step1_losses_and_reports_the_ratio(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--image-size", "64", "--images", "4", "--batch-size", "2"]
+        + ["--val-images", "3"]
         + ["--rounds", "1", "--steps", "1", "--workdir", str(tmp_path), "--out", str(out)]
         + ["--markdown"],
         cwd=REPO,
@@ -42,5 +43,13 @@ def test_bench_detection_matches_step1_losses_and_reports_the_ratio(tmp_path):
     assert math.isclose(ratio, kiln / reference, rel_tol=1e-9)
     assert result["meets_floor"] == (ratio >= result["floor"] == 1.0)
     assert "| ratio kiln / reference |" in done.stdout
+    # both networks evaluated after the round, the same way (torchmetrics' mAP)
+    assert result["steps_after_round"] == [3] and result["val_images"] == 3
+    for side in ("kiln_map", "reference_map"):
+        ((scores,),) = [result[side]]
+        assert set(scores) == {"map", "map_50"} and all(0 <= v <= 1 for v in scores.values())
+    assert "| after step | kiln mAP@.5 | reference mAP@.5 | kiln mAP | reference mAP |" in (
+        done.stdout
+    )
     assert "*Recorded " in done.stdout and ", commit " in done.stdout  # --markdown's stamp
     assert "[bench_detection] round 1:" in done.stderr

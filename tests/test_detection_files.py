@@ -165,6 +165,54 @@ def test_a_yolo_line_that_does_not_parse_is_reported(clean, tmp_path):
     assert bad_line["line"] == len(lines) - 1 and bad_line["label_file"] == str(label)
 
 
+def yolo_copy(clean, tmp_path, names_yaml: str):
+    import shutil
+
+    root = tmp_path / "yolo"
+    shutil.copytree(clean.yolo_train.parent.parent, root)
+    (root / "data.yaml").write_text(names_yaml)
+    return root
+
+
+def yolo_bundle(root, tmp_path):
+    cfg = compose_config("data=yolo", "model=detector", f"data.train_dir={root / 'images/train'}",
+                         f"data.cache_dir={tmp_path / 'cache'}").data  # fmt: skip
+    return build_data(cfg)
+
+
+def test_yolo_nc_and_names_are_checked_against_each_other_and_the_labels(clean, tmp_path, caplog):
+    """nc that is not the number of names is an error; a name no label uses (an empty class)
+    is a warning naming it, and listed in data_report.json."""
+    root = yolo_copy(clean, tmp_path, "nc: 3\nnames: [portrait, flower]\n")
+    with pytest.raises(DetectionDataError, match=r"nc: 3 but names lists 2 class\(es\) "
+                                                 r"\(portrait, flower\)"):  # fmt: skip
+        yolo_bundle(root, tmp_path)
+    (root / "data.yaml").write_text("nc: 4\nnames: [portrait, flower, dog, cat]\n")
+    with caplog.at_level("WARNING"):
+        bundle = yolo_bundle(root, tmp_path)
+    assert bundle.report["names_without_boxes"] == ["dog", "cat"]
+    assert "names 2 class(es) no label uses: dog, cat" in caplog.text
+
+
+def test_pixel_unit_yolo_labels_are_named_as_such(clean, tmp_path):
+    root = yolo_copy(clean, tmp_path, "names: [portrait, flower]\n")
+    label = root / "labels" / "train" / "img_001.txt"
+    label.write_text(label.read_text() + "1 60 50 30 20\n")  # pixels of a ~120 px image
+    report = yolo_bundle(root, tmp_path).report["train_files"]["annotations"]
+    assert report["dropped"] == {"pixel_units": 1}
+    (record,) = report["dropped_records"]
+    assert record["label_file"] == str(label) and record["text"] == "1 60 50 30 20"
+    assert "values > 1: these look like pixels, YOLO wants 0..1" in record["detail"]
+
+
+def test_boxes_clipped_to_their_image_are_counted_in_the_log(damaged, caplog):
+    with caplog.at_level("WARNING"):
+        bundle = coco(damaged)
+    line = "train.json: 1 box(es) partly outside their image clipped to it and kept"
+    assert line in caplog.text
+    assert any(line in summary for summary in bundle.report["summary"])
+
+
 def test_missing_keys_and_files_are_one_line_errors(tmp_path):
     from kiln.config import ConfigError
 

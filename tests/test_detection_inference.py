@@ -6,6 +6,7 @@ test_detection_learns (slow)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from kiln.inference.export import BOX_TOLERANCE_PX, export
 from kiln.serving import create_app
 
 from .conftest import SUBPROCESS_ENV, read_summary, run_train
-from .inference_helpers import detector_run, live_server, mixed_size_images
+from .inference_helpers import assert_boxes_agree, detector_run, live_server, mixed_size_images
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,8 @@ def test_detector_onnx_export_has_box_parity(ckpt, predictor, tmp_path):
     assert any("x" in c.name for c in report.parity)  # several image sizes were checked
     onnx = Predictor.from_checkpoint(tmp_path / "model.onnx", backend="onnx")
     images = mixed_size_images(3, seed=4)
-    assert_same_detections(onnx.detect(images), predictor.detect(images), atol=BOX_TOLERANCE_PX)
+    assert_boxes_agree(onnx.detect(images), predictor.detect(images), ("torch", "ONNX Runtime"),
+                       max_corner_px=BOX_TOLERANCE_PX)  # fmt: skip
 
 
 def test_infer_py_writes_boxes_for_a_folder_and_an_npz_of_mixed_sizes(ckpt, predictor, tmp_path):
@@ -142,8 +144,11 @@ def test_the_server_returns_boxes_over_v1_and_v2(predictor):
         }
         for p in v1.json()["predictions"]
     ]
-    assert_same_detections(got, expected)
-    assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 3, -1, -1]}]
+    assert_boxes_agree(got, expected, ("predict", "the server"), max_corner_px=1e-4)
+    assert meta["inputs"] == [
+        {"name": "input", "datatype": "FP32", "shape": [-1, 3, -1, -1]},
+        {"name": "input", "datatype": "BYTES", "shape": [-1]},  # image files
+    ]
     assert [o["name"] for o in meta["outputs"]] == ["boxes", "scores", "labels", "num_detections"]
     for response, found in zip(v2, expected, strict=True):
         assert response.status_code == 200, response.text
@@ -152,6 +157,65 @@ def test_the_server_returns_boxes_over_v1_and_v2(predictor):
         boxes = np.asarray(outputs["boxes"]["data"]).reshape(outputs["boxes"]["shape"])
         np.testing.assert_allclose(boxes, found["boxes"], atol=1e-4)
         assert outputs["labels"]["data"] == [names[k - 1] for k in found["labels"]]
+
+
+def png_files(images: list[np.ndarray]) -> tuple[list[bytes], list[np.ndarray]]:
+    """The images as PNG files, and the pixels those files decode to (3, H, W) in [0, 1]."""
+    import io
+
+    files, pixels = [], []
+    for image in images:
+        rgb = (image.transpose(1, 2, 0) * 255).round().astype(np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(rgb).save(buffer, format="PNG")
+        files.append(buffer.getvalue())
+        pixels.append(rgb.transpose(2, 0, 1).astype(np.float32) / 255)
+    return files, pixels
+
+
+def test_the_server_takes_image_files_for_a_detector(predictor):
+    """v1 base64 (and TF Serving's {"b64": ...}), v2 BYTES in JSON and over the binary extension
+    (tritonclient): the same boxes as predict on the pixels the files decode to; a file below
+    the detector's smallest side or a decompression bomb is one 4xx naming the item."""
+    import base64
+    import io
+
+    import tritonclient.http as triton
+
+    files, pixels = png_files(mixed_size_images(3, seed=5))
+    expected = predictor.detect(pixels)
+    names = predictor.class_names
+    encoded = [base64.b64encode(f).decode() for f in files]
+    tiny = io.BytesIO()
+    Image.new("RGB", (12, 40)).save(tiny, format="PNG")
+    with live_server(create_app(predictor, max_batch_size=4, max_delay_ms=5)) as server:
+        post = functools.partial(httpx.post, timeout=60)
+        v1 = post(f"{server.url}/v1/predict", json={"inputs": encoded[:2] + [{"b64": encoded[2]}]})
+        tensor = {"name": "input", "datatype": "BYTES", "shape": [len(files)], "data": encoded}
+        v2 = post(f"{server.url}/v2/models/kiln/infer", json={"inputs": [tensor]})
+        client = triton.InferenceServerClient(server.url.removeprefix("http://"))
+        binary = triton.InferInput("input", [len(files)], "BYTES")
+        binary.set_data_from_numpy(np.array(files, dtype=object), binary_data=True)
+        found = client.infer("kiln", [binary])
+        metadata = client.get_model_metadata("kiln")["inputs"]
+        client.close()
+        tiny_file = base64.b64encode(tiny.getvalue()).decode()
+        small = post(f"{server.url}/v1/predict", json={"inputs": [encoded[0], tiny_file]})
+    assert v1.status_code == 200, v1.text
+    as_found = [{**p, "labels": [names.index(n) + 1 for n in p["labels"]]}
+                for p in v1.json()["predictions"]]  # fmt: skip
+    assert_boxes_agree(as_found, expected, ("predict", "v1 files"), max_corner_px=1e-4)
+    counts = [len(d["boxes"]) for d in expected]
+    all_boxes = np.concatenate([d["boxes"] for d in expected])
+    assert v2.status_code == 200, v2.text
+    outputs = {o["name"]: o for o in v2.json()["outputs"]}
+    assert outputs["num_detections"]["data"] == counts
+    np.testing.assert_allclose(np.reshape(outputs["boxes"]["data"], (-1, 4)), all_boxes, atol=1e-4)
+    assert found.as_numpy("num_detections").tolist() == counts
+    np.testing.assert_allclose(found.as_numpy("boxes").reshape(-1, 4), all_boxes, atol=1e-4)
+    assert {"name": "input", "datatype": "BYTES", "shape": [-1]} in metadata
+    assert small.status_code == 422
+    assert "item 1: the image is 12x40 px; this detector takes sides of 16 to " in small.text
 
 
 @pytest.mark.slow  # the whole experiment: about 5 minutes of 2 idle CPU cores

@@ -383,6 +383,100 @@ def test_evaluate_detection_reports_per_class_ap(detector, tmp_path, capsys):
     assert (errors["matched"] + errors["missed"] == errors["true_boxes"]).all()
 
 
+def shapes_as_coco_and_yolo(root, count: int = 5, seed: int = 7):
+    """Images drawn like shapes_detection's (classes ellipse, rectangle) written as PNG files
+    with their boxes as a COCO file (category ids 5 and 9, listed rectangle first) and as a
+    YOLO tree (classes in the training's order): (coco json, yolo images folder)."""
+    from PIL import Image
+
+    from kiln.data.shapes_detection import make_image
+
+    rng = np.random.default_rng(seed)
+    categories = [{"id": 9, "name": "rectangle"}, {"id": 5, "name": "ellipse"}]
+    coco = {"images": [], "annotations": [], "categories": categories}
+    for folder in ("coco/images/val", "yolo/images/val", "yolo/labels/val"):
+        (root / folder).mkdir(parents=True)
+    (root / "yolo" / "data.yaml").write_text("names: [ellipse, rectangle]\n")
+    for i in range(count):
+        height, width = 48 + 4 * i, 64 - 3 * i
+        image, target = make_image(rng, height, width, max_objects=3, num_classes=2)
+        pixels = (image.numpy().transpose(1, 2, 0) * 255).round().astype(np.uint8)
+        name = f"img_{i}.png"
+        for folder in ("coco/images/val", "yolo/images/val"):
+            Image.fromarray(pixels).save(root / folder / name)
+        coco["images"].append({"id": 100 + i, "file_name": name, "width": width, "height": height})
+        lines = []
+        for box, label in zip(target["boxes"].tolist(), target["labels"].tolist(), strict=True):
+            x1, y1, x2, y2 = box
+            coco["annotations"].append({"id": len(coco["annotations"]), "image_id": 100 + i,
+                                        "category_id": {1: 5, 2: 9}[label], "iscrowd": 0,
+                                        "bbox": [x1, y1, x2 - x1, y2 - y1]})  # fmt: skip
+            lines.append(f"{label - 1} {(x1 + x2) / 2 / width} {(y1 + y2) / 2 / height} "
+                         f"{(x2 - x1) / width} {(y2 - y1) / height}")  # fmt: skip
+        (root / "yolo" / "labels" / "val" / f"img_{i}.txt").write_text("\n".join(lines))
+    (root / "coco" / "val.json").write_text(json.dumps(coco))
+    return root / "coco" / "val.json", root / "yolo" / "images" / "val"
+
+
+BOX_COLUMNS = ["image", "x1", "y1", "x2", "y2", "score", "label", "status", "truth", "truth_x1",
+               "truth_y1", "truth_x2", "truth_y2", "iou"]  # fmt: skip
+
+
+def test_evaluate_a_detector_on_a_coco_file_and_a_yolo_folder(detector, tmp_path, capsys):
+    """data= a COCO file and the same set as a YOLO folder: the same numbers (classes matched
+    by name, whatever the file's ids or order), and predictions.csv beside the report: every
+    box with the true box it matched and their IoU, then the true boxes nothing found."""
+    run_dir, _ = detector
+    coco, yolo = shapes_as_coco_and_yolo(tmp_path / "sets")
+    reports = {}
+    for layout, data in (("coco", coco), ("yolo", yolo)):
+        out_dir = tmp_path / layout
+        code, _, err = run_infer(capsys, "mode=evaluate", f"ckpt={run_dir}/checkpoints/best.pt",
+                                 f"data={data}", f"output={out_dir}")  # fmt: skip
+        assert code == 0, err
+        reports[layout] = json.loads((out_dir / "metrics.json").read_text())
+        assert reports[layout]["data"]["layout"] == layout
+        assert reports[layout]["data"]["images"]["images_kept"] == 5
+    assert reports["coco"]["count"] == reports["yolo"]["count"] == 5
+    for key in ("map", "map_50"):
+        assert reports["coco"][key] == pytest.approx(reports["yolo"][key], abs=1e-4), key
+    for name, row in reports["coco"]["per_class"].items():
+        assert row == pytest.approx(reports["yolo"]["per_class"][name], abs=1e-4), name
+    boxes = pd.read_csv(tmp_path / "coco" / "predictions.csv")
+    assert list(boxes.columns) == BOX_COLUMNS
+    assert set(boxes["image"]) <= {f"img_{i}.png" for i in range(5)}
+    assert set(boxes["status"]) <= {"matched", "false_positive", "missed"}
+    matched = boxes[boxes["status"] == "matched"]
+    assert (matched["iou"] >= 0.5).all()
+    true_boxes = sum(r["true_boxes"] for r in reports["coco"]["per_class"].values())
+    assert len(matched) + (boxes["status"] == "missed").sum() == true_boxes
+    assert "predictions.csv" in reports["coco"]["files"]
+    labelled = json.loads(coco.read_text())
+    labelled["categories"][0]["name"] = "triangle"  # a class the checkpoint does not know
+    coco.write_text(json.dumps(labelled))
+    code, _, err = run_infer(capsys, "mode=evaluate", f"ckpt={run_dir}/checkpoints/best.pt",
+                             f"data={coco.parent}", f"output={tmp_path / 'x'}")  # fmt: skip
+    assert code == 2 and "boxes of class(es) 'triangle', which the checkpoint does not know" in err
+
+
+def test_box_predictions_match_every_box_to_a_true_one_or_say_why():
+    from kiln.inference.detection_report import box_predictions
+
+    truth = {"boxes": np.array([[0, 0, 10, 10], [20, 20, 40, 40], [50, 50, 60, 60]], np.float32),
+             "labels": np.array([1, 2, 2])}  # fmt: skip
+    found = {
+        "boxes": np.array([[21, 21, 40, 40], [0, 0, 10, 12], [0, 0, 10, 10]], np.float32),
+        "labels": np.array([2, 1, 1]),
+        "scores": np.array([0.3, 0.9, 0.6], np.float32),
+    }
+    rows = box_predictions([found], [truth], ["a.jpg"], ["square", "ring"])
+    assert rows["status"].tolist() == ["matched", "false_positive", "matched", "missed"]
+    assert rows["truth"].tolist()[:1] == [0] and rows["score"].tolist()[:1] == [pytest.approx(0.9)]
+    # the false positive duplicates a box already found: its IoU is its best with its class
+    assert rows["iou"].tolist()[:3] == [0.8333, 1.0, 0.9025]
+    assert rows.iloc[3][["x1", "label", "truth"]].tolist() == [50.0, "ring", 2]
+
+
 def test_detection_metrics_per_class_on_known_answers():
     boxes = np.array([[0, 0, 10, 10], [20, 20, 40, 40], [50, 5, 60, 30]], dtype=np.float32)
     truth = [{"boxes": boxes, "labels": np.array([1, 2, 1])}]
@@ -548,7 +642,7 @@ def test_evaluate_argument_errors_are_one_line(digits, text, detector, tmp_path,
             "3 row(s) have label 'nope' (3 rows: 1, 3, 4), not among",
         ),
         ([text_ckpt, f"data={no_label}"], "no 'label' column; columns present"),
-        ([detector_ckpt, f"data={unknown_class}"], "a detector is evaluated on its own data"),
+        ([detector_ckpt, f"data={unknown_class}"], "a detector is evaluated on a COCO file"),
     ]
     for argv, expected in cases:
         code, _, err = run_infer(capsys, "mode=evaluate", *argv)

@@ -228,3 +228,12 @@ def test_redact_keeps_ordinary_keys():
         "data": {"tokenizer": "wordpiece", "max_tokens": 64},
         "wandb_api_key": "[redacted]",
     }
+
+
+def test_the_step_logs_rate_keeps_two_digits_below_ten_per_second():
+    """A torchvision detector on a CPU trains at 0.4 images/s: the step log said '0 samples/s'."""
+    from kiln.engine.metrics import rate_text
+
+    assert [rate_text(r) for r in (0.4213, 0.0042, 3.71, 12.6, 18432.4)] == [
+        "0.42", "0.0042", "3.7", "13", "18432",
+    ]  # fmt: skip

@@ -17,13 +17,13 @@ import torch
 from kiln.data import build_data
 from kiln.data.photo_boxes import make_photo_boxes
 from kiln.inference import Predictor
-from kiln.inference.export import MIN_BOX_IOU, box_iou_shortfall, export
+from kiln.inference.export import MIN_BOX_IOU, NothingComparedError, export
 from kiln.models import build_model
 from kiln.models.zoo.detection import detection_archs
 from kiln.serving import create_app
 
 from .conftest import compose_config, train_in_process
-from .inference_helpers import live_server
+from .inference_helpers import assert_boxes_agree, live_server
 from .test_torchvision_detection import NO_PROBES, overrides
 
 
@@ -47,20 +47,13 @@ def val_images(folder) -> list[np.ndarray]:
     return [bundle.val[i][0].numpy() for i in range(len(bundle.val))]
 
 
-def assert_same_boxes(got: list[dict], expected: list[dict]) -> None:
-    """Box by box: the same count, each torch box with an ONNX twin of its label at IoU >=
-    MIN_BOX_IOU and a score within 1e-4."""
-    assert len(got) == len(expected)
-    for a, b in zip(got, expected, strict=True):
-        assert box_iou_shortfall(b, a) <= 1 - MIN_BOX_IOU, (a, b)
-
-
 def test_fasterrcnn_exports_to_onnx_with_box_parity_and_serves_from_it(ckpt, folder):
     report = export(ckpt, ckpt.with_name("model.onnx"))
     assert report.exporter == "legacy"
     assert len(report.parity) >= 3 and all(c.unit == "iou" for c in report.parity)
     assert all(1 - c.max_abs_diff >= MIN_BOX_IOU for c in report.parity)
     assert len({c.name for c in report.parity}) >= 2  # several image sizes, one graph
+    assert report.boxes.matched > 0 and "parity, all images: " in "\n".join(report.lines())
     sidecar = json.loads(ckpt.with_name("model.onnx.json").read_text())
     assert sidecar["graph_input"]["shape"] == [1, 3, "height", "width"]
 
@@ -70,7 +63,7 @@ def test_fasterrcnn_exports_to_onnx_with_box_parity_and_serves_from_it(ckpt, fol
     expected = torch_predictor.detect(images)
     assert sum(len(d["boxes"]) for d in expected) > 0  # there are boxes to compare
     assert len({image.shape for image in images}) >= 2  # of mixed sizes
-    assert_same_boxes(onnx_predictor.detect(images), expected)
+    assert_boxes_agree(onnx_predictor.detect(images), expected)
 
     names = onnx_predictor.class_names
     with live_server(create_app(onnx_predictor, max_batch_size=4, max_delay_ms=5)) as server:
@@ -89,7 +82,7 @@ def test_fasterrcnn_exports_to_onnx_with_box_parity_and_serves_from_it(ckpt, fol
         }
         for p in v1.json()["predictions"]
     ]
-    assert_same_boxes(served, expected[:2])
+    assert_boxes_agree(served, expected[:2])
     assert v2.status_code == 200, v2.text
     outputs = {o["name"]: o for o in v2.json()["outputs"]}
     assert outputs["num_detections"]["data"] == [len(expected[0]["boxes"])]
@@ -98,7 +91,7 @@ def test_fasterrcnn_exports_to_onnx_with_box_parity_and_serves_from_it(ckpt, fol
         "scores": np.asarray(outputs["scores"]["data"], dtype=np.float32),
         "labels": np.asarray([names.index(n) + 1 for n in outputs["labels"]["data"]]),
     }
-    assert_same_boxes([from_v2], expected[:1])
+    assert_boxes_agree([from_v2], expected[:1])
 
 
 @pytest.mark.slow  # every box detector, resnet50 ones included: minutes on two CPU cores
@@ -128,6 +121,31 @@ def test_every_box_detector_exports_with_parity_or_is_refused_by_name(arch, fold
         assert all(len(graph.net(batch)[0][0]) for batch in batches.values())
     _, checks = export_checked(graph, batches, tmp_path / "model.onnx", "cpu")
     assert all(1 - c.max_abs_diff >= MIN_BOX_IOU for c in checks)
+
+
+def test_parity_counts_the_boxes_it_compares_and_refuses_to_compare_none(folder, tmp_path):
+    """Random weights at 96 px: the parity lines say how many torch boxes found their ONNX twin
+    on how many images; the same graph with a score threshold no box passes is refused (a
+    check over zero boxes passed before, 'min box IoU 1.0000')."""
+    from kiln.inference.export import boxes_first, export_checked, graph_for, parity_batches
+
+    torch.manual_seed(0)
+    bundle = build_data(compose_config(*overrides(folder)).data)
+    model = build_model(bundle.spec, compose_config(*overrides(folder)).model).eval()
+    record = type("Record", (), {"spec": bundle.spec})()
+    images = [bundle.val[i][0] for i in range(len(bundle.val))]
+    graph = graph_for(record, model)
+    ordered, source = boxes_first(graph, images, "validation")
+    assert source.endswith(f"torch finds boxes on {len(images)} (checked first)")
+    _, checks = export_checked(graph, parity_batches(ordered, "image_list", 1),
+                               tmp_path / "model.onnx", "cpu")  # fmt: skip
+    assert all(c.boxes.problem() is None and c.boxes.matched == c.boxes.boxes > 0 for c in checks)
+    assert " torch boxes matched on 1 of 1 images (min IoU 1.0000" in checks[0].line()
+    model.net.roi_heads.score_thresh = 1.0  # nothing scores above it
+    with pytest.raises(NothingComparedError, match="parity compared no box: neither torch nor"):
+        export_checked(graph_for(record, model), parity_batches(images, "image_list", 1),
+                       tmp_path / "none.onnx", "cpu")  # fmt: skip
+    assert not (tmp_path / "none.onnx").exists()
 
 
 def test_the_traced_resize_sizes_every_image_as_eager_torch_does(tmp_path):

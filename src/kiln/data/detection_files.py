@@ -48,8 +48,9 @@ DUPLICATE_IMAGE = "duplicate_image_id"  # COCO: a second image entry with an id 
 TOO_MANY_BOXES = "too_many_boxes"  # an image's boxes past data.max_boxes_per_image
 OUTSIDE_ROOT = "outside_images_root"  # a file_name (or a link) leading out of the images folder
 LABEL_FILE = "label_file"  # YOLO: a label file too large, not regular or linked out: unread
+PIXEL_UNITS = "pixel_units"  # YOLO: cx cy w h above 1 that fit the image as pixels
 ANNOTATION_REASONS = (MISSING_IMAGE, UNKNOWN_IMAGE, BOX_OUTSIDE, ZERO_AREA, UNKNOWN_CATEGORY,
-                      BAD_LINE, TOO_MANY_BOXES, LABEL_FILE)  # fmt: skip
+                      BAD_LINE, PIXEL_UNITS, TOO_MANY_BOXES, LABEL_FILE)  # fmt: skip
 IMAGE_REASONS = (MISSING_IMAGE, DUPLICATE_IMAGE, OUTSIDE_ROOT, "empty_file", "truncated",
                  "unreadable", "too_large", "cannot_open")  # fmt: skip
 
@@ -88,6 +89,14 @@ class DetectionSplit:
     clipped: list[dict]  # boxes partly outside their image, clipped and kept
     crowd_boxes: list[np.ndarray] = field(default_factory=list)  # (M, 4) per image
     crowd_labels: list[np.ndarray] = field(default_factory=list)  # (M,) per image
+
+    def clipped_summary(self) -> str:
+        """The log's line for the boxes partly outside their image, clipped and kept."""
+        return (
+            f"{self.annotations_log.path}: {len(self.clipped)} box(es) partly outside their "
+            "image clipped to it and kept (annotations_clipped, clipped_records in "
+            "data_report.json)"
+        )
 
     def report(self) -> dict:
         return {
@@ -410,7 +419,8 @@ def detection_bundle(
         **extra_report,
         **{f"{name}_files": split.report() for name, split in splits.items()},
         "summary": [line for split in splits.values()
-                    for line in (split.images_log.summary(), split.annotations_log.summary())],
+                    for line in (split.images_log.summary(), split.annotations_log.summary(),
+                                 *([split.clipped_summary()] if split.clipped else []))],
         "classes": list(names),
         "images": {name: len(p["paths"]) for name, p in parts.items()},
         "images_without_boxes": {name: sum(len(b) == 0 for b in p["boxes"])
@@ -428,6 +438,8 @@ def detection_bundle(
             (log.warning if dropped else log.info)(
                 "data: %s%s", bad_log.summary(), " (see data_report.json)" if dropped else ""
             )
+        if split.clipped:
+            log.warning("data: %s", split.clipped_summary())
     log.info("data: %d classes (%s), %s images", len(names), ", ".join(names),
              " / ".join(f"{n} {split}" for split, n in report["images"].items()))  # fmt: skip
     train_sizes = [sizes_by_path[p] for p in parts["train"]["paths"]]

@@ -14,6 +14,7 @@ file that is unreadable."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from kiln.data.detection_files import (
     IMAGE_REASONS,
     LABEL_FILE,
     MISSING_IMAGE,
+    PIXEL_UNITS,
     Annotation,
     BadInput,
     BoxLimit,
@@ -39,6 +41,8 @@ from kiln.data.spec import DataBundle
 from kiln.preprocessing.file_tree import TOO_LARGE, FileAccessError, inside, open_regular
 from kiln.preprocessing.image_files import is_image_name, read_oriented_size
 from kiln.sorting import natural_key
+
+log = logging.getLogger(__name__)
 
 NAMES_FILES = ("data.yaml", "data.yml", "data.names")
 
@@ -103,6 +107,7 @@ def read_names(path: Path, max_bytes: int = 2**20) -> list[str]:
     """Class names by index from a data.yaml (`names:` a list or {index: name}) or data.names
     (one name per line)."""
     text = read_small_text(path, max_bytes, "names_file")
+    count = None  # data.yaml's nc, where it says one
     if path.suffix == ".names":
         names = [line.strip() for line in text.splitlines()]
         names = [n for n in names if n]
@@ -117,6 +122,7 @@ def read_names(path: Path, max_bytes: int = 2**20) -> list[str]:
                 f"{path} is not YAML kiln reads (data.names_file): {detail}"
             ) from None
         raw = data.get("names") if isinstance(data, dict) else None
+        count = data.get("nc") if isinstance(data, dict) else None
         if isinstance(raw, dict):
             try:
                 ordered = sorted((int(k), str(v)) for k, v in raw.items())
@@ -132,7 +138,19 @@ def read_names(path: Path, max_bytes: int = 2**20) -> list[str]:
             f"{path} names no classes (data.names_file): a data.yaml needs `names: [a, b]` or "
             "`names: {0: a, 1: b}`, a data.names file one name per line"
         )
+    if count is not None and (not isinstance(count, int) or count != len(names)):
+        raise DetectionDataError(
+            f"{path}: nc: {count!r} but names lists {len(names)} class(es) "
+            f"({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}) (data.names_file): "
+            "nc is the number of names; make them agree"
+        )
     return names
+
+
+def names_without_boxes(names: list[str], splits: dict) -> list[str]:
+    """The class names no box of any split has (a class the model can learn nothing of)."""
+    used = {int(k) for split in splits.values() for labels in split.labels for k in labels}
+    return [name for k, name in enumerate(names, start=1) if k not in used]
 
 
 def parse_line(line: str) -> tuple[int, float, float, float, float] | None:
@@ -228,6 +246,13 @@ def _read_labels(
                                       "numbers in 0..1"})  # fmt: skip
             continue
         klass, cx, cy, w, h = parsed
+        if max(cx, cy, w, h) > 1 and cx <= width and cy <= height and w <= width and h <= height:
+            bad.annotation({"reason": PIXEL_UNITS, "file": str(entry.path), **where,
+                            "text": line.strip()[:80],
+                            "detail": "values > 1: these look like pixels, YOLO wants 0..1 "
+                                      "(cx and w divided by the image's width, cy and h by "
+                                      f"its height: {width}x{height})"})  # fmt: skip
+            continue
         box = ((cx - w / 2) * width, (cy - h / 2) * height,
                (cx + w / 2) * width, (cy + h / 2) * height)  # fmt: skip
         entry.annotations.append(Annotation(box, klass + 1, where))
@@ -242,6 +267,13 @@ def build_yolo(cfg: YoloConfig) -> DataBundle:
     for split, key in (("train", "train_dir"), ("val", "val_dir"), ("test", "test_dir")):
         if getattr(cfg, key) is not None:
             splits[split] = read_yolo_split(Path(getattr(cfg, key)), len(names), cfg, key)
-    extra = {"format": "yolo", "names_file": str(names_file)}
+    unused = names_without_boxes(names, splits)
+    if unused:
+        log.warning(
+            "data: %s names %d class(es) no label uses: %s; each is a class the model learns "
+            "nothing of (remove it from names, or label its objects)",
+            names_file, len(unused), ", ".join(unused),
+        )  # fmt: skip
+    extra = {"format": "yolo", "names_file": str(names_file), "names_without_boxes": unused}
     return detection_bundle(cfg, names, splits, val_key="val_dir", started=started,
                             extra_report=extra)  # fmt: skip

@@ -270,3 +270,9 @@ def batch_rates(totals: dict[str, float], steps: int, seconds: float) -> dict[st
         else:
             rates[f"{name}_per_s"] = total / max(seconds, 1e-9)
     return rates
+
+
+def rate_text(per_second: float) -> str:
+    """A rate for the step log: whole numbers from 10 up, two significant digits below (a
+    torchvision detector on a CPU trains well under one image a second: "%.0f" said 0)."""
+    return f"{per_second:.0f}" if per_second >= 10 else f"{per_second:.2g}"

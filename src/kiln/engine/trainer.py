@@ -34,7 +34,7 @@ from kiln.engine.distributed import (
 )
 from kiln.engine.finetune import FreezePlan, WeightAverage
 from kiln.engine.loss import BRANCHES
-from kiln.engine.metrics import MetricWindow
+from kiln.engine.metrics import MetricWindow, rate_text
 from kiln.engine.precision import Precision
 from kiln.engine.preemption import Preempted, PreemptionFlag
 from kiln.engine.sharded_checkpoint import load_model_and_optimizer, model_and_optimizer_state
@@ -711,16 +711,16 @@ class Trainer:
             "scaler_skipped": s.scaler_skipped,
         }
         if bar is not None:
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", sps=f"{metrics['samples_per_s']:.0f}")
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", sps=rate_text(metrics["samples_per_s"]))
         if self.dist.is_main:
             log.info(
-                "epoch %d step %d loss %.4f lr %.3g grad_norm %.3g %.0f samples/s data %.0f%%",
+                "epoch %d step %d loss %.4f lr %.3g grad_norm %.3g %s samples/s data %.0f%%",
                 s.epoch,
                 s.global_step,
                 metrics["loss"],
                 metrics["lr"],
                 metrics.get("grad_norm", float("nan")),
-                metrics["samples_per_s"],
+                rate_text(metrics["samples_per_s"]),
                 100 * metrics["data_time_frac"],
             )
         self.on_metrics(metrics, s.global_step)

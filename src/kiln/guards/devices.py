@@ -105,12 +105,12 @@ class StrayTensors(TorchFunctionMode):
     The first operation that combines one (not a 0-dim scalar, which PyTorch allows) with a
     tensor on the run's device is recorded with the module it ran in and the one that made it."""
 
-    def __init__(self, modules: ModuleStack, attributes: dict[int, str]):
+    def __init__(self, modules: ModuleStack, attributes: dict[int, tuple[torch.Tensor, str]]):
         super().__init__()
         self.modules = modules
-        self.stray: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (tensor, how it was made)
-        for tensor_id, how in attributes.items():
-            self.stray[tensor_id] = (None, how)
+        # id -> (tensor, how it was made): the tensor is kept, so that its id is not reused
+        # meanwhile (a forward may replace an attribute: AnchorGenerator's cell_anchors)
+        self.stray: dict[int, tuple[torch.Tensor, str]] = dict(attributes)
         self.found: str | None = None
         self.module = ""
 
@@ -142,7 +142,9 @@ class StrayTensors(TorchFunctionMode):
         if func in MOVES and (kwargs.get("device") is not None or any(
             isinstance(a, torch.device | str | torch.Tensor) for a in args[1:]
         )):  # fmt: skip
-            return out
+            # Moved to the run's device. On the CPU, .to("cpu") returns the tensor itself: the
+            # caller gets an alias, which is not stray (on a GPU it would be a moved copy).
+            return out.detach() if isinstance(out, torch.Tensor) and id(out) in self.stray else out
         tensors = [t for _, t in iter_tensors((args, kwargs)) if isinstance(t, torch.Tensor)]
         stray = [t for t in tensors if self._is_stray(t)]
         if not stray:
@@ -160,17 +162,29 @@ class StrayTensors(TorchFunctionMode):
         return out
 
 
-def plain_attribute_tensors(model: nn.Module) -> dict[int, str]:
-    """Tensors kept on modules as plain attributes: .to(device) moves parameters and buffers
-    only, so on a GPU these stay on the CPU."""
+# What every nn.Module keeps in its __dict__ (its parameter, buffer, module and hook tables).
+MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def plain_attribute_tensors(model: nn.Module) -> dict[int, tuple[torch.Tensor, str]]:
+    """Tensors kept on modules as plain attributes, alone or in a list, tuple or dict
+    (torchvision's DefaultBoxGenerator keeps its anchor shapes in a list): .to(device) moves
+    parameters and buffers only, so on a GPU these stay on the CPU. A list of the model's own
+    parameters (nn.RNN's _flat_weights, which it re-points when moved) is not one of them."""
+    registered = {id(t) for t in (*model.parameters(), *model.buffers())}
     found = {}
     for path, module in model.named_modules():
         kept = {*module._parameters, *module._buffers}
         for attr, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and attr not in kept and not attr.startswith("__"):
-                found[id(value)] = (
-                    f"the plain attribute {path + '.' if path else ''}{attr} of "
-                    f"{type(module).__name__} (not a buffer: .to(device) never moves it)"
+            if attr in kept or attr in MODULE_INTERNALS or attr.startswith("__"):
+                continue
+            for inner, tensor in iter_tensors(value, attr):
+                if id(tensor) in registered:
+                    continue
+                found[id(tensor)] = (
+                    tensor,
+                    f"the plain attribute {path + '.' if path else ''}{inner} of "
+                    f"{type(module).__name__} (not a buffer: .to(device) never moves it)",
                 )
     return found
 

@@ -93,7 +93,7 @@ def check_live_gradients(
     missing = [n for n, hit in seen.reached.items() if not hit and n not in used_sometimes]
     if missing:
         raise no_gradient_error(model, missing, flag_for, "in the probe step before step 1")
-    zero = list(seen.zero)
+    zero = judged(model, list(seen.zero), seen.batch)
     if zero and second_step is not None:
         zero = second_step(zero)
     judge_zero(model, zero, list(seen.reached), "in the probe step before step 1, and again after "
@@ -112,6 +112,24 @@ def check_live_gradients(
             DEAD, path, detail,
         )  # fmt: skip
     return layers
+
+
+def judged(model: nn.Module, zero: list[str], batch) -> list[str]:
+    """The zero-gradient parameters this check can judge on `batch`: those a model declares
+    this batch's loss cannot reach by design (`unreached_by_batch(zero, batch)` -> (names, why):
+    SSD's anchor levels that match no object of the batch) are said, with why, and left out."""
+    explain = getattr(model, "unreached_by_batch", None)
+    if not zero or explain is None:
+        return zero
+    unreached, why = explain(zero, batch)
+    if not unreached:
+        return zero
+    log.warning(
+        "%s: not judged on the probe batch: %d parameter(s) got a gradient that is exactly zero "
+        "because %s: %s",
+        DEAD, len(unreached), why, first_few(unreached),
+    )  # fmt: skip
+    return [n for n in zero if n not in set(unreached)]
 
 
 def judge_zero(

@@ -111,28 +111,78 @@ def on_crowd(boxes, labels, truth: dict) -> np.ndarray:
     return ((ioa >= DETECTION_MATCH_IOU) & same_class).any(axis=1)
 
 
-def match_image(found: dict, truth: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(predicted labels kept, which of them matched, which true boxes were found): boxes at
-    score >= DETECTION_SCORE_THRESHOLD, matched greedily, highest score first, to the unmatched
-    true box of their class with the largest IoU >= DETECTION_MATCH_IOU. A box left unmatched
-    on a crowd region of its class is not kept (COCO ignores it)."""
+def match_boxes(found: dict, truth: dict, min_score: float = 0.0):
+    """(the predictions kept -- score >= min_score -- highest score first, the true box each
+    matched (-1: none), its IoU with it (unmatched: the best IoU with a true box of its class),
+    which true boxes were found): greedy, COCO's way, each to the unmatched true box of its
+    class with the largest IoU >= DETECTION_MATCH_IOU."""
     from torchvision.ops import box_iou
 
-    order = np.argsort(-np.asarray(found["scores"]), kind="stable")
-    keep = order[np.asarray(found["scores"])[order] >= DETECTION_SCORE_THRESHOLD]
-    labels = np.asarray(found["labels"])[keep]
+    scores = np.asarray(found["scores"]).reshape(-1)
+    order = np.argsort(-scores, kind="stable")
+    keep = order[scores[order] >= min_score]
+    labels = np.asarray(found["labels"]).reshape(-1)[keep]
     boxes = np.asarray(found["boxes"]).reshape(-1, 4)[keep]
-    true_labels = np.asarray(truth["labels"])
+    true_labels = np.asarray(truth["labels"]).reshape(-1)
     ious = box_iou(_as_boxes(boxes), _as_boxes(truth["boxes"])).numpy()
     found_true = np.zeros(len(true_labels), dtype=bool)
-    matched = np.zeros(len(labels), dtype=bool)
+    truth_of = np.full(len(labels), -1, dtype=np.int64)
+    iou_of = np.zeros(len(labels), dtype=np.float64)
     for i, label in enumerate(labels):
-        fits = (true_labels == label) & ~found_true & (ious[i] >= DETECTION_MATCH_IOU)
+        same = true_labels == label
+        fits = same & ~found_true & (ious[i] >= DETECTION_MATCH_IOU)
         if fits.any():
-            found_true[int(np.argmax(np.where(fits, ious[i], -1.0)))] = True
-            matched[i] = True
+            truth_of[i] = int(np.argmax(np.where(fits, ious[i], -1.0)))
+            found_true[truth_of[i]] = True
+        iou_of[i] = ious[i, truth_of[i]] if truth_of[i] >= 0 else ious[i][same].max(initial=0.0)
+    return keep, truth_of, iou_of, found_true
+
+
+def match_image(found: dict, truth: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(predicted labels kept, which of them matched, which true boxes were found): boxes at
+    score >= DETECTION_SCORE_THRESHOLD, matched by match_boxes. A box left unmatched on a crowd
+    region of its class is not kept (COCO ignores it)."""
+    keep, truth_of, _, found_true = match_boxes(found, truth, DETECTION_SCORE_THRESHOLD)
+    labels = np.asarray(found["labels"]).reshape(-1)[keep]
+    boxes = np.asarray(found["boxes"]).reshape(-1, 4)[keep]
+    matched = truth_of >= 0
     counted = matched | ~on_crowd(boxes, labels, truth)
     return labels[counted], matched[counted], found_true
+
+
+BOX_COLUMNS = ["image", "x1", "y1", "x2", "y2", "score", "label", "status", "truth",
+               "truth_x1", "truth_y1", "truth_x2", "truth_y2", "iou"]  # fmt: skip
+
+
+def box_predictions(detections, targets, sources, class_names):
+    """The per-box file of the report (BOX_COLUMNS): every box the model returned, highest
+    score first within its image, with the true box it matched (match_boxes, every score) and
+    their IoU -- status matched, false_positive, or crowd (unmatched on a crowd region of its
+    class) -- then each true box nothing matched (status missed, its own box and label)."""
+    import pandas as pd
+
+    names = list(class_names)
+    rows = []
+    for index, (found, truth) in enumerate(zip(detections, targets, strict=True)):
+        keep, truth_of, iou_of, found_true = match_boxes(found, truth)
+        boxes = np.asarray(found["boxes"]).reshape(-1, 4)[keep]
+        labels = np.asarray(found["labels"]).reshape(-1)[keep]
+        scores = np.asarray(found["scores"]).reshape(-1)[keep]
+        crowd = on_crowd(boxes, labels, truth)
+        true_boxes = np.asarray(truth["boxes"]).reshape(-1, 4)
+        for k in range(len(keep)):
+            status = "matched" if truth_of[k] >= 0 else "crowd" if crowd[k] else "false_positive"
+            matched = true_boxes[truth_of[k]].tolist() if truth_of[k] >= 0 else [None] * 4
+            rows.append([sources[index], *boxes[k].tolist(), float(scores[k]),
+                         names[int(labels[k]) - 1], status,
+                         int(truth_of[k]) if truth_of[k] >= 0 else None, *matched,
+                         round(float(iou_of[k]), 4)])  # fmt: skip
+        true_labels = np.asarray(truth["labels"]).reshape(-1)
+        for t in np.nonzero(~found_true)[0]:
+            rows.append([sources[index], *true_boxes[t].tolist(), None,
+                         names[int(true_labels[t]) - 1], "missed", int(t),
+                         *true_boxes[t].tolist(), None])  # fmt: skip
+    return pd.DataFrame(rows, columns=BOX_COLUMNS)
 
 
 def detection_errors(detections, targets, sources, class_names, limit: int):

@@ -6,6 +6,7 @@ test split), so both say the same thing about a model.
     eval/confusion_matrix.png  classification: counts, coloured by share of the true class
     eval/errors.csv            the most confidently wrong inputs (detection: the worst images)
     eval/predictions.csv       every input: source, true, label (predicted), prob_<class> ...
+                               (detection: every box, with the true box it matched and the IoU)
 
 Classification metrics are torchmetrics' (accuracy, top-5 accuracy when there are more than 5
 classes, macro-F1 over the classes present in the labels or the predictions, per-class
@@ -369,6 +370,7 @@ def write_detection_report(
     from kiln.inference.detection_report import (
         DETECTION_MATCH_IOU,
         DETECTION_SCORE_THRESHOLD,
+        box_predictions,
         detection_errors,
         detection_metrics,
     )
@@ -382,7 +384,9 @@ def write_detection_report(
     directory.mkdir(parents=True, exist_ok=True)
     errors = detection_errors(detections, targets, sources, class_names, num_errors)
     _write_csv(errors, directory / ERRORS_FILE)
-    metrics["files"] = [METRICS_FILE, ERRORS_FILE, AP_FILE]
+    _write_csv(box_predictions(detections, targets, sources, class_names),
+               directory / PREDICTIONS_FILE)  # fmt: skip
+    metrics["files"] = [METRICS_FILE, ERRORS_FILE, PREDICTIONS_FILE, AP_FILE]
     title = f"{metrics['count']} images: mAP {_number(metrics['map'])}, mAP@.5 " + _number(
         metrics["map_50"]
     )
@@ -579,6 +583,18 @@ def evaluate_checkpoint(
         )
         sources = split_sources(sources, described["split"], len(targets))
         images = first_images(predictor, dataset)
+    elif predictor.task == "detection":  # a COCO file or a YOLO folder, read as training reads
+        from kiln.data.shapes_detection import collate_image_list
+        from kiln.inference.labelled import read_labelled_boxes
+
+        labelled = read_labelled_boxes(Path(data), predictor.class_names,
+                                       max_image_pixels=max_image_pixels)  # fmt: skip
+        outputs, targets = predict_split(
+            predictor, labelled.dataset, collate_fn=collate_image_list, batch_size=batch_size
+        )
+        sources, images = labelled.sources, first_images(predictor, labelled.dataset)
+        described = {"path": str(Path(data).resolve()), "layout": labelled.layout,
+                     **labelled.report}  # fmt: skip
     else:
         images = None
         labelled, described = read_labelled(predictor, Path(data), follow_symlinks)
@@ -602,11 +618,6 @@ def read_labelled(
 ) -> tuple[LabelledInputs, dict[str, Any]]:
     kind = predictor.preprocess.input_kind
     names = predictor.class_names
-    if kind == "image_list":
-        raise EvaluateError(
-            f"data={path}: a detector is evaluated on its own data's split (kiln reads no "
-            "labelled detection files); leave out data= to evaluate the checkpoint's recorded data"
-        )
     if kind == "image" and predictor.spec.multi_label:
         raise EvaluateError(
             f"data={path}: a multi-label image model (data.labels_csv) is evaluated on its own "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -35,11 +34,17 @@ from kiln.inference.backends import (
     ONNX_INPUT,
     ONNX_OUTPUTS,
     DetectionHead,
-    Detections,
     ProbabilityHead,
     RawImageHead,
     SingleImageDetectionHead,
+    keep_above,
     ort_session,
+)
+from kiln.inference.box_agreement import (
+    BOX_TOLERANCE_PX,
+    MIN_BOX_IOU,
+    BoxAgreement,
+    match_image,
 )
 from kiln.inference.errors import InferenceError
 from kiln.inference.record import ModelRecord, read_checkpoint, rebuild_model, sidecar_path
@@ -50,11 +55,15 @@ log = logging.getLogger(__name__)
 OPSET = 17
 DYNAMO_OPSET = 18  # the dynamo exporter's lowest supported opset
 PROBS_TOLERANCE = 1e-4  # max |p_onnx - p_torch| over every class of every example
-BOX_TOLERANCE_PX = 1e-2  # max |box_onnx - box_torch| in pixels, over every detection kept
-MIN_BOX_IOU = 0.99  # torchvision's detectors: each torch box against its ONNX twin (same label)
+# Detectors: each torch box against its ONNX twin (kiln.inference.box_agreement): the same
+# label, a score within SCORE_TOLERANCE, IoU >= MIN_BOX_IOU; kiln's detector (fixed K) also
+# corners within BOX_TOLERANCE_PX.
 INT8_MIN_AGREEMENT = 0.95  # share of examples where the int8 model's argmax matches torch's
 NUM_PARITY_EXAMPLES = 64
 NUM_DETECTION_EXAMPLES = 8  # detectors: images of mixed sizes, one call per size
+# Single-image detection graphs: the validation images tried, those where torch finds boxes
+# checked first (parity over images without a box compares nothing).
+NUM_DETECTION_CANDIDATES = 24
 NUM_INT8_EXAMPLES = 512
 
 
@@ -62,13 +71,20 @@ class ExportParityError(InferenceError):
     """The exported graph disagrees with the torch model beyond the tolerance."""
 
 
+class NothingComparedError(ExportParityError):
+    """A detector's parity found no box to compare: whichever exporter made the graph."""
+
+
 @dataclass
 class ParityCheck:
     name: str  # which batch: "batch=1", "batch=64, length=12", "batch=1, 96x120"...
     max_abs_diff: float  # probabilities, box corners in pixels, or 1 - IoU ("iou")
     unit: str = "prob"
+    boxes: BoxAgreement | None = None  # detectors: how torch's boxes met ONNX Runtime's
 
     def line(self) -> str:
+        if self.boxes is not None:
+            return f"  parity {self.name}: {self.boxes.summary()}"
         if self.unit == "iou":
             return f"  parity {self.name}: min box IoU = {1 - self.max_abs_diff:.4f}"
         px = " px" if self.unit == "box" else ""
@@ -87,10 +103,23 @@ class ExportReport:
     int8_threshold: float | None = None
     examples_source: str = ""
 
+    @property
+    def boxes(self) -> BoxAgreement | None:
+        """Detectors: every parity image's boxes together."""
+        found = [c.boxes for c in self.parity if c.boxes is not None]
+        if not found:
+            return None
+        total = found[0]
+        for more in found[1:]:
+            total = total.add(more)
+        return total
+
     def lines(self) -> list[str]:
         sidecar = sidecar_path(self.onnx_path).name
         out = [f"wrote {self.onnx_path} (+ {sidecar}; {self.exporter} exporter)"]
         out += [c.line() for c in self.parity]
+        if self.boxes is not None:
+            out.append(f"  parity, all images: {self.boxes.summary()}")
         out.append(f"  examples: {self.examples_source}")
         if self.int8_path is not None:
             what = (
@@ -125,6 +154,8 @@ class Graph:
     # (a detector's K): written into the graph so Triton's config can say them.
     output_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
     fixed_batch: int | None = None  # the batch axis is this size (None: dynamic)
+    # Detectors (`difference` returns a BoxAgreement): twins' corners at most this far apart
+    max_corner_px: float | None = None
     exporters: tuple[str, ...] = ("legacy", "dynamo")  # tried in this order
 
 
@@ -146,6 +177,7 @@ def graph_for(record: ModelRecord, model: nn.Module, *, raw_pixels: bool = False
             ),
             tolerance=BOX_TOLERANCE_PX,
             unit="box",
+            max_corner_px=BOX_TOLERANCE_PX,
             output_dims={"boxes": (k, 4), "scores": (k,), "labels": (k,)},
         )
     if spec.input_kind == "tokens":
@@ -233,6 +265,16 @@ def random_examples(record: ModelRecord, limit: int) -> Any:
         return [low + (high - low) * torch.rand((3, h, w), generator=gen) for h, w in sizes]
     raw = low + (high - low) * torch.rand((limit, *preprocess.shape), generator=gen)
     return preprocess(raw.numpy())
+
+
+@torch.inference_mode()
+def boxes_first(graph: Graph, images: list[Tensor], source: str) -> tuple[list[Tensor], str]:
+    """A single-image detection graph's parity images: those where torch finds a box first (an
+    image without one compares nothing), and the source saying how many had one."""
+    found = [len(graph.net(image[None])[0][0]) > 0 for image in images]
+    ordered = [im for im, has in zip(images, found, strict=True) if has]
+    ordered += [im for im, has in zip(images, found, strict=True) if not has]
+    return ordered, f"{source}, torch finds boxes on {sum(found)} (checked first)"
 
 
 def raw_pixels_of(record: ModelRecord, standardised: Tensor) -> Tensor:
@@ -332,6 +374,9 @@ def export_checked(
             declare_output_dims(onnx_path, graph.output_dims)
             onnx.checker.check_model(str(onnx_path))
             return name, check_parity(graph, onnx_path, batches, device)
+        except NothingComparedError:
+            onnx_path.unlink(missing_ok=True)
+            raise
         except Exception as err:  # any failure of one exporter: try the next, report all
             log.info("the %s ONNX exporter did not work: %s", name, err)
             failures.append(f"{name} exporter: {type(err).__name__}: {str(err)[:300]}")
@@ -413,64 +458,25 @@ def probs_difference(net: nn.Module, session, batch: Tensor) -> float:
 
 
 @torch.inference_mode()
-def detection_difference(net: nn.Module, session, batch: Tensor, threshold: float) -> float:
-    """Largest box-corner difference (pixels) between each detection torch keeps and the ONNX
-    detection of the same class nearest to it; a score that moved by more than PROBS_TOLERANCE
-    counts as infinitely far. Detections are matched rather than compared by rank, because two
-    equal scores may come out of top-k in either order."""
+def detection_difference(net: nn.Module, session, batch: Tensor, threshold: float):
+    """kiln's detector (a fixed K per image): the detections each side keeps (score >=
+    threshold), matched image by image (kiln.inference.box_agreement)."""
     torch_out = [t.numpy() for t in net(batch)]
     onnx_out = session.run(list(DETECTION_OUTPUTS), {ONNX_INPUT: batch.numpy()})
-    worst = 0.0
-    for (boxes, scores, labels), (o_boxes, o_scores, o_labels) in zip(
-        zip(*torch_out, strict=True), zip(*onnx_out, strict=True), strict=True
-    ):
-        for box, score, label in zip(boxes, scores, labels, strict=True):
-            if score < threshold:
-                continue
-            same = o_labels == label
-            if not same.any():
-                return float("inf")
-            distance = np.abs(o_boxes[same] - box).max(axis=1)
-            nearest = int(distance.argmin())
-            if abs(o_scores[same][nearest] - score) > PROBS_TOLERANCE:
-                return float("inf")
-            worst = max(worst, float(distance[nearest]))
-    return worst
-
-
-def box_iou_shortfall(torch_found: Detections, onnx_found: Detections) -> float:
-    """1 - the lowest IoU between a torch detection and its ONNX twin: the ONNX detection of the
-    same label and a score within PROBS_TOLERANCE that overlaps it most; infinite when the two
-    disagree on how many boxes there are or a box has no such twin. Matched rather than
-    compared by rank: two equal scores may come out in either order, and one place may hold
-    several boxes (of several pyramid levels) with different scores."""
-    from torchvision.ops import box_iou
-
-    if len(torch_found["boxes"]) != len(onnx_found["boxes"]):
-        return float("inf")
-    if not len(torch_found["boxes"]):
-        return 0.0
-    boxes, o_boxes = torch.as_tensor(torch_found["boxes"]), torch.as_tensor(onnx_found["boxes"])
-    # A box of zero area (cut to the image's edge) has no IoU (0 / 0): the same corners match.
-    same_corners = (boxes[:, None, :] - o_boxes[None, :, :]).abs().amax(dim=2) <= BOX_TOLERANCE_PX
-    iou = torch.where(same_corners, 1.0, box_iou(boxes, o_boxes).nan_to_num(0.0))
-    same_label = torch_found["labels"][:, None] == onnx_found["labels"][None, :]
-    same_score = np.abs(torch_found["scores"][:, None] - onnx_found["scores"][None, :])
-    twins = torch.as_tensor(same_label & (same_score <= PROBS_TOLERANCE))
-    best = torch.where(twins, iou, torch.full_like(iou, -1.0)).max(dim=1).values
-    if (best < 0).any():
-        return float("inf")
-    return float(1 - best.min())
+    total = BoxAgreement()
+    for ours, theirs in zip(zip(*torch_out, strict=True), zip(*onnx_out, strict=True), strict=True):
+        total = total.add(match_image(keep_above(*ours, threshold), keep_above(*theirs, threshold)))
+    return total
 
 
 @torch.inference_mode()
-def detection_iou_difference(net: nn.Module, session, batch: Tensor) -> float:
-    """A single-image graph's detections against torch's on the same image (box IoU)."""
+def detection_iou_difference(net: nn.Module, session, batch: Tensor) -> BoxAgreement:
+    """A single-image graph's detections against torch's on the same image, matched."""
     boxes, scores, labels = (t[0].numpy() for t in net(batch))
     o_boxes, o_scores, o_labels = (
         t[0] for t in session.run(list(DETECTION_OUTPUTS), {ONNX_INPUT: batch.numpy()})
     )
-    return box_iou_shortfall(
+    return match_image(
         {"boxes": boxes, "scores": scores, "labels": labels},
         {"boxes": o_boxes, "scores": o_scores, "labels": o_labels},
     )
@@ -481,21 +487,37 @@ def check_parity(graph: Graph, onnx_path: Path, batches: dict[str, Tensor], devi
     checks = []
     for name, batch in batches.items():
         diff = graph.difference(graph.net, session, batch)
+        if isinstance(diff, BoxAgreement):
+            checks.append(box_check(name, diff, graph, onnx_path))
+            continue
         checks.append(ParityCheck(name, diff, graph.unit))
         if not diff <= graph.tolerance:  # also catches NaN
             found = f"max |d{graph.unit}| = {diff:.3g} > {graph.tolerance:g}"
-            if graph.unit == "iou" and math.isinf(diff):
-                found = (
-                    "ONNX Runtime keeps other boxes than torch (another count, a box without a "
-                    f"twin of its label, or a score moved by more than {PROBS_TOLERANCE:g})"
-                )
-            elif graph.unit == "iou":
-                found = f"min box IoU = {1 - diff:.3g} < {1 - graph.tolerance:g}"
             raise ExportParityError(
                 f"{onnx_path}: ONNX Runtime and torch disagree on {name}: {found}; the export is "
                 "not trustworthy"
             )
+    boxes = ExportReport(onnx_path, checks).boxes
+    if boxes is not None and not boxes.boxes:
+        raise NothingComparedError(
+            f"{onnx_path}: parity {boxes.problem()}: a graph checked on no box is not "
+            "trustworthy. Export a checkpoint that finds boxes on the validation images (the "
+            "model's score threshold keeps none: trained too little?)"
+        )
     return checks
+
+
+def box_check(name: str, boxes: BoxAgreement, graph: Graph, onnx_path: Path) -> ParityCheck:
+    """A detector's parity on one batch: refused when a box has no twin (ties aside). A batch
+    without any box is no failure by itself; parity over no box at all is (check_parity)."""
+    problem = boxes.problem(graph.max_corner_px) if boxes.boxes or boxes.second_boxes else None
+    if problem is not None:
+        raise ExportParityError(
+            f"{onnx_path}: ONNX Runtime and torch disagree on {name}: {problem}; the export is "
+            "not trustworthy"
+        )
+    diff = boxes.max_corner_px if graph.unit == "box" else 1 - boxes.min_iou
+    return ParityCheck(name, diff, graph.unit, boxes)
 
 
 @contextlib.contextmanager
@@ -575,7 +597,11 @@ def export(
     onnx_path = Path(out_path) if out_path is not None else ckpt_path.with_name("model.onnx")
     graph = graph_for(record, rebuild_model(record, state_dict))
     limit = NUM_DETECTION_EXAMPLES if detection else NUM_INT8_EXAMPLES if int8 else None
+    if detection and graph.fixed_batch == 1:
+        limit = NUM_DETECTION_CANDIDATES
     examples, source = validation_examples(record, limit or NUM_PARITY_EXAMPLES)
+    if detection and graph.fixed_batch == 1:
+        examples, source = boxes_first(graph, examples, source)
     batches = parity_batches(
         examples if detection else examples[:NUM_PARITY_EXAMPLES],
         record.spec.input_kind,

@@ -19,6 +19,7 @@ metrics.json's `data` reads like a data_report.json entry."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,3 +233,116 @@ def _unknown_rows(unknown: list[tuple[int, str]]) -> str:
 def _some(names: list[str], limit: int = 12) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... {len(names)} in all" if len(names) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection: a COCO file or a YOLO images folder, read by the training's own readers
+
+
+@dataclass
+class LabelledBoxes:
+    """A labelled detection set for the report: its images and boxes (a DetectionImages over
+    every image, labels as the checkpoint numbers its classes), what each image is, and what
+    the reader left out (a data_report.json split entry)."""
+
+    dataset: Any  # kiln.data.detection_files.DetectionImages
+    sources: list[str]
+    report: dict[str, Any]
+    layout: str  # coco | yolo
+
+
+def coco_images_folder(json_path: Path) -> Path:
+    """The folder a COCO file's file_names are relative to: kiln's layout (coco/val.json +
+    coco/images/val/), COCO 2017's (annotations/instances_val2017.json + val2017/), or the
+    file's own folder (Roboflow's valid/_annotations.coco.json + valid/*.jpg)."""
+    folder, stem = json_path.parent, json_path.stem
+    for candidate in (folder / "images" / stem, folder.parent / stem.removeprefix("instances_"),
+                      folder / "images"):  # fmt: skip
+        if candidate.is_dir():
+            return candidate
+    return folder
+
+
+def read_labelled_boxes(
+    path: Path, class_names: Sequence[str], *, max_image_pixels: int | None
+) -> LabelledBoxes:
+    """`data=` of a detector's evaluation: a COCO `instances` JSON (or a folder holding exactly
+    one), or a YOLO images folder (<root>/images/<split>, its labels beside it, its names in a
+    data.yaml above). Boxes and images are checked as training checks them (what is left out is
+    in the report); classes are matched to the checkpoint's by name, and a box of a class it
+    does not know is an error naming the class."""
+    from kiln.data.detection_files import DetectionImages
+    from kiln.data.yolo import labels_dir
+
+    if path.is_dir() and "images" in path.parts and labels_dir(path).is_dir():
+        split, file_names, root, layout = _yolo_folder(path, max_image_pixels)
+    else:
+        split, file_names, root, layout = _coco_file(_coco_json(path), max_image_pixels)
+    names = list(class_names)
+    # The file's labels (1..len(file_names)) as the checkpoint numbers its classes
+    to_ours = np.array([0] + [names.index(n) + 1 if n in names else -1 for n in file_names])
+    used = {int(k) for labels in split.labels + split.crowd_labels for k in labels}
+    unknown = sorted(file_names[k - 1] for k in used if to_ours[k] < 0)
+    if unknown:
+        raise LabelledDataError(
+            f"data={path}: boxes of class(es) {', '.join(map(repr, unknown))}, which the "
+            f"checkpoint does not know (its classes: {', '.join(names)}): evaluate on data "
+            "labelled with its classes"
+        )
+    if not split.paths:
+        raise LabelledDataError(
+            f"data={path}: no usable image ({split.images_log.summary()}; images looked for "
+            f"under {root})"
+        )
+    dataset = DetectionImages(
+        split.paths, split.boxes, [to_ours[k] for k in split.labels],
+        max_pixels=max_image_pixels, sizes=split.sizes,
+        crowd=list(zip(split.crowd_boxes, [to_ours[k] for k in split.crowd_labels],
+                       strict=True)),
+    )  # fmt: skip
+    sources = [display_name(os.path.relpath(p, root)) for p in split.paths]
+    return LabelledBoxes(dataset, sources, split.report(), layout)
+
+
+def _coco_json(path: Path) -> Path:
+    """The COCO file `data=` names: itself, or the one .json of a folder."""
+    if path.is_dir():
+        found = sorted(path.glob("*.json"))
+        if len(found) == 1:
+            return found[0]
+        raise LabelledDataError(
+            f"data={path}: a detector is evaluated on a COCO file (data=<file>.json, or a "
+            "folder holding one) or a YOLO images folder (data=<root>/images/<split>, with "
+            f"<root>/labels/<split> beside it); this folder has {len(found)} .json files and "
+            "no labels folder beside it"
+        )
+    if not path.is_file():
+        raise LabelledDataError(f"data={path}: no such file or folder")
+    if path.suffix.lower() != ".json":
+        raise LabelledDataError(
+            f"data={path}: a detector is evaluated on a COCO .json file or a YOLO images folder"
+        )
+    return path
+
+
+def _coco_file(path: Path, max_image_pixels: int | None):
+    """(split, the file's class names by label, its images folder, "coco")."""
+    from kiln.config.data import CocoConfig
+    from kiln.data.coco import read_coco_file, read_coco_split
+
+    cfg = CocoConfig(name="coco", train_json=str(path), max_image_pixels=max_image_pixels)
+    coco = read_coco_file(path, "data", cfg.max_json_bytes)
+    root = coco_images_folder(path)
+    label_of = {category: k for k, category in enumerate(coco.categories, start=1)}
+    split, _ = read_coco_split(coco, root, label_of, cfg)
+    return split, list(coco.categories.values()), root, "coco"
+
+
+def _yolo_folder(path: Path, max_image_pixels: int | None):
+    """(split, the names file's class names by label, the images folder, "yolo")."""
+    from kiln.config.data import YoloConfig
+    from kiln.data.yolo import find_names_file, read_names, read_yolo_split
+
+    cfg = YoloConfig(name="yolo", train_dir=str(path), max_image_pixels=max_image_pixels)
+    file_names = read_names(find_names_file(path, None), cfg.max_label_file_bytes)
+    return read_yolo_split(path, len(file_names), cfg, "data"), file_names, path, "yolo"

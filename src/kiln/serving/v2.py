@@ -8,7 +8,8 @@
     POST /v2/models/{name}[/versions/1]/infer      JSON or binary tensor data, any content type
 
 The model's one input is `input`: FP32 raw pixels [N, C, H, W] for image classifiers, BYTES [N]
-texts for text models, FP32 [N, 3, H, W] for detectors (any H, W; one size per request).
+texts for text models, FP32 [N, 3, H, W] for detectors (any H, W; one size per request). Models
+that take image files (trained on image folders; detectors) also take BYTES [N]: the files.
 Outputs: `probs` FP32 [N, K] and `label` BYTES [N] (classifiers; `probs` also answers Triton's
 classification extension); `boxes` FP32 [M, 4], `scores` FP32 [M], `labels` BYTES [M] and
 `num_detections` INT64 [N] (detectors: M boxes over the N images, image by image).
@@ -54,8 +55,8 @@ def signature(predictor: Predictor) -> tuple[dict[str, TensorSpec], dict[str, Te
     if kind == "tokens":
         pairs = getattr(predictor.preprocess.recipe, "pair_column", None) is not None
         inputs = [TensorSpec("input", "BYTES", (-1, 2) if pairs else (-1,))]
-    elif kind == "image_list":
-        inputs = [TensorSpec("input", "FP32", (-1, spec.channels, -1, -1))]
+    elif kind == "image_list":  # pixels of any size, or the image files themselves
+        inputs = [TensorSpec("input", "FP32", (-1, spec.channels, -1, -1), True)]
     else:
         files = getattr(predictor.preprocess, "takes_files", False)
         inputs = [TensorSpec("input", "FP32", (-1, spec.channels, *spec.image_size), files)]

@@ -132,6 +132,60 @@ class TorchvisionDetector(DetectionContract, nn.Module):
             return self.net(images, targets)
         return self.net(images)
 
+    def unreached_by_batch(self, names: list[str], batch) -> tuple[list[str], str]:
+        """Of `names` (parameters whose gradient was exactly zero in a training step on
+        `batch`), those this batch's loss cannot reach by SSD's design, and why: a level's head
+        (and the extra layers that feed only coarser levels) learns from the anchors matched to
+        an object at that level, and from the negatives mined there; a level whose anchors match
+        no object of the batch may get neither (kiln.guards.live_gradients does not judge them
+        on this batch). Other families share their heads across levels: nothing."""
+        if family_of(self.net) != "SSD":
+            return [], ""
+        levels = {name: levels_fed(self.net, name) for name in names}
+        matched, grids, side = self.matched_levels(batch)
+        unmatched = set(range(len(grids))) - matched
+        excused = [n for n, fed in levels.items() if fed and fed <= unmatched]
+        if not excused:
+            return [], ""
+        shown = sorted(set().union(*(levels[n] for n in excused)))
+        cells = ", ".join(f"{grids[k][0]}x{grids[k][1]}" for k in shown)
+        why = (
+            f"{self.arch}'s anchor level(s) {', '.join(map(str, shown))} ({cells} cells of its "
+            f"{side} px input) matched no object in the batch, so its loss reaches their heads "
+            "(and the extra layers feeding only them) only through mined negatives, none of "
+            "which were there; they learn from objects those anchors match"
+        )
+        return excused, why
+
+    @torch.no_grad()
+    def matched_levels(self, batch) -> tuple[set[int], list[tuple[int, int]], int]:
+        """The SSD levels with an anchor matched to an object of `batch` (images, targets), each
+        level's grid, and the side images are resized to: SSD's own transform, backbone,
+        anchors and matcher, as its training forward runs them (in eval mode: the matching
+        depends on sizes only, and no statistics move)."""
+        from torchvision.ops import box_iou
+
+        images, targets = batch
+        net, was_training = self.net, self.net.training
+        net.eval()
+        try:
+            image_list, targets = net.transform(list(images), [dict(t) for t in targets])
+            features = list(net.backbone(image_list.tensors).values())
+            anchors = net.anchor_generator(image_list, features)
+        finally:
+            net.train(was_training)
+        grids = [tuple(f.shape[-2:]) for f in features]
+        per_cell = net.anchor_generator.num_anchors_per_location()
+        per_level = [h * w * n for (h, w), n in zip(grids, per_cell, strict=True)]
+        bounds = torch.tensor(per_level).cumsum(0)
+        matched: set[int] = set()
+        for anchors_per_image, target in zip(anchors, targets, strict=True):
+            if target["boxes"].numel():
+                found = net.proposal_matcher(box_iou(target["boxes"], anchors_per_image))
+                hit = torch.where(found >= 0)[0].cpu()
+                matched |= set(torch.bucketize(hit, bounds, right=True).tolist())
+        return matched, grids, int(image_list.tensors.shape[-1])
+
 
 def build_torchvision_detection(
     spec, cfg: TorchvisionDetectionConfig, *, aux_head: bool = False
@@ -170,12 +224,27 @@ def build_torchvision_detection(
             for key, value in net.state_dict().items():
                 if key.endswith("num_batches_tracked"):
                     state.setdefault(key, value)
-        load_weights(net, state, label=label, head=head, first_conv=None, channels=3)
+        load_weights(net, state, label=label, head=head, first_conv=None, channels=3,
+                     num_classes=spec.num_classes + 1)  # fmt: skip
     if cfg.weights_backbone is not None:
         load_backbone(net, arch, cfg.weights_backbone)
     if cfg.trainable_layers is not None:
         freeze_backbone(net, arch, cfg.trainable_layers)
     return TorchvisionDetector(net, spec.num_classes, arch)
+
+
+def levels_fed(net: nn.Module, name: str) -> set[int]:
+    """The SSD feature levels the parameter `name` (of the wrapper: net.<...>) computes: a
+    head's module_list.k feeds level k; the backbone's extra.j every level from its own on
+    (extra layers run one after another); anything else (empty set) feeds every level."""
+    parts = name.split(".")
+    num_levels = len(net.head.classification_head.module_list)
+    if parts[1:3] == ["head", "classification_head"] or parts[1:3] == ["head", "regression_head"]:
+        return {int(parts[4])}
+    if parts[1:3] == ["backbone", "extra"]:
+        first = int(parts[3]) + num_levels - len(net.backbone.extra)
+        return set(range(first, num_levels))
+    return set()
 
 
 def backbone_kind(net: nn.Module, arch: str) -> str:

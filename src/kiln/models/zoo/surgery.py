@@ -11,6 +11,7 @@ import re
 import torch
 from torch import Tensor, nn
 
+from kiln.errors import first_few
 from kiln.models.weights import WeightsError
 
 log = logging.getLogger(__name__)
@@ -85,10 +86,13 @@ def load_weights(
     head: str,
     first_conv: str | None,
     channels: int,
+    num_classes: int | None = None,
 ) -> None:
     """Load a library-layout state dict into `net`: the input convolution adapted to the data's
-    channels, a head of another size dropped (the net's new head stays), keys the net does not
-    have (googlenet's aux logits) ignored. Any other missing or misshapen tensor is an error."""
+    channels, the head's tensors of another size dropped (the net's new ones stay; `num_classes`:
+    the classes the net's head is built for, where its outputs are not one per class), keys the
+    net does not have (googlenet's aux logits) ignored. Any other missing or misshapen tensor is
+    an error."""
     from timm.models import adapt_input_conv
 
     own = net.state_dict()
@@ -100,13 +104,20 @@ def load_weights(
         state[conv_key] = adapt_input_conv(channels, state[conv_key], base_chans=source_channels)
         notes.append(f"{conv_key} adapted from {source_channels} to {channels} channels")
     head_keys = [k for k in own if k.startswith(f"{head}.")]
-    if any(k in state and state[k].shape != own[k].shape for k in head_keys):
-        saved_classes = state[head_keys[0]].shape[0]
-        for k in head_keys:
-            state.pop(k, None)
+    # Only the head's tensors sized by the classes: a detector's head also holds layers that are
+    # not (SSDlite's depthwise convolutions and their BatchNorm), which load from the file.
+    resized = [k for k in head_keys if k in state and state[k].shape != own[k].shape]
+    if resized:
+        first = resized[0]
+        # A detector's class layer has (anchors or boxes) x classes outputs: the classes are the
+        # model's count scaled by the file's outputs over the model's.
+        classes = num_classes or own[first].shape[0]
+        saved_classes = state[first].shape[0] * classes // own[first].shape[0]
+        for k in resized:
+            state.pop(k)
         notes.append(
-            f"head {', '.join(head_keys)} re-initialised ({saved_classes} classes in the file, "
-            f"{own[head_keys[0]].shape[0]} in the data)"
+            f"head {first_few(resized, 4)} re-initialised ({saved_classes} classes in the file, "
+            f"{classes} in the data)"
         )
     missing = [k for k in own if k not in state and k not in head_keys]
     misshapen = [
