@@ -6,7 +6,7 @@
 2. padded share of the tokens in training batches: padding every batch to data.max_length, to
    the longest text of a random batch (dynamic), and of a length-bucketed batch;
 3. kiln's text_bow against linear models, side by side, on three real corpora built from the
-   text installed packages ship (kiln.data.package_text: docstrings by library, exception
+   text installed packages ship (tests/package_text.py: docstrings by library, exception
    messages by exception class, numpydoc sections by heading), or on --csv: the same train and
    validation files (the kept rows, split by data.split_seed), each tool a fresh process timed
    from start to exit (start-up, reading, featurising, training, scoring): `python train.py
@@ -64,11 +64,9 @@ from pathlib import Path
 import numpy as np
 
 from kiln.config import load_config
-from kiln.data.bpe_reference import ReferenceBPE
 from kiln.data.csv_reader import read_labelled_rows, row_log
 from kiln.data.csv_text import csv_settings, prepare, split_rows
 from kiln.data.loaders import BucketedSampler, ResumableSampler
-from kiln.data.package_text import CORPORA, write_corpus
 from kiln.data.text_corpus import write_ticket_csv
 from kiln.data.token_store import ENCODE_BATCH
 from kiln.models.zoo.tiny_hf import POSITIONS
@@ -78,8 +76,12 @@ from kiln.preprocessing.text import WordCachedEncoder, encode_ids, train_tokeniz
 FLOORS = {"rust_over_python": 10.0, "bucketed_padding": 0.10, "text_bow_slowdown": 1.5,
           "hf_over_trainer": 1.0}  # fmt: skip
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the corpora, the BPE
 from contention import busy_processes, load_average, their_defaults  # noqa: E402
 from provenance import stamp  # noqa: E402
+
+from tests.bpe_reference import ReferenceBPE  # noqa: E402
+from tests.package_text import CORPORA, write_corpus  # noqa: E402
 
 
 def progress(message: str) -> None:

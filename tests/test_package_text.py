@@ -1,4 +1,4 @@
-"""kiln.data.package_text: real corpora from the text installed packages ship, each row's label
+"""tests/package_text.py: real corpora from the text installed packages ship, each row's label
 a property of where its text was found. The tests rebuild small versions and check every
 sampled row against its source (the text is in a file of the library it is labelled with,
 after a `raise <label>(` or under a `<label>` numpydoc heading), that the same call builds the
@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from kiln.data.package_text import (
+from .package_text import (
     CORPORA,
     LIBRARIES,
     corpus_rows,
@@ -69,7 +69,7 @@ def test_error_messages_are_labelled_by_the_exception_raised(corpora):
 
 def test_sections_are_labelled_by_their_numpydoc_heading(corpora):
     rows = corpora["sections"]
-    from kiln.data.package_text import NUMPYDOC_LIBRARIES
+    from .package_text import NUMPYDOC_LIBRARIES
 
     sources = "\n".join(sources_of(library) for library in NUMPYDOC_LIBRARIES)
     for text, label in rows[:60]:

@@ -17,7 +17,6 @@ import torch
 
 from kiln.cli.infer import main as infer_main
 from kiln.data import build_data
-from kiln.data.bpe_reference import ReferenceBPE, pre_tokenize
 from kiln.data.csv_reader import CsvSettings, read_labelled_rows, row_log
 from kiln.data.text_corpus import ticket_rows
 from kiln.inference import Predictor
@@ -31,6 +30,7 @@ from kiln.preprocessing.cleaning import (
 )
 from kiln.preprocessing.text import encode_ids, train_tokenizer
 
+from .bpe_reference import ReferenceBPE, pre_tokenize
 from .conftest import FAST, compose_config, train_in_process
 
 DEFAULT = TextCleaning()
