@@ -24,6 +24,7 @@ from kiln.config import KilnConfig, to_plain
 from kiln.data import DataBundle, build_data, build_dataloaders, example_batch
 from kiln.data.degenerate import check_inputs_vary
 from kiln.data.extremes import probe_batches
+from kiln.data.split_hygiene import checked_splits
 from kiln.device import resolve_device
 from kiln.engine.batches import move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer, ResumeError
@@ -90,7 +91,9 @@ def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> Dat
     if cfg.loss.force_all_branches and hasattr(data_cfg, "with_all_branches"):
         data_cfg = data_cfg.with_all_branches()  # e.g. MixUp and CutMix: the data's branches
     bundle = build_data(data_cfg, pretrained=pretrained)
-    check_inputs_vary(bundle.train, f"the training split of data={data_cfg.name}")
+    where = f"data={data_cfg.name}"
+    check_inputs_vary(bundle.train, f"the training split of {where}")
+    bundle = checked_splits(bundle, data_cfg.max_split_overlap, where)  # leaks, class maps
     if cfg.trainer.overfit_batches:  # the same few batches, for training and validation alike
         count = min(cfg.trainer.overfit_batches * cfg.data.batch_size, len(bundle.train))
         few = Subset(bundle.train, range(count))
@@ -584,7 +587,8 @@ def save_failing_batches(run_dir: Path, err: NonFiniteLossError) -> None:
 def keep_findings(run_dir: Path, trainer: Trainer | None, fatal: Finding | None = None) -> None:
     """What the checks found, as data (findings.json, read by kiln triage): what they said and
     the run went on, and what stopped it. Nothing found: no file."""
-    said = list(trainer.probe_report.findings) if trainer is not None else []
+    said = list(trainer.parts.data.findings) if trainer is not None and trainer.parts.data else []
+    said += list(trainer.probe_report.findings) if trainer is not None else []
     found = said + ([fatal] if fatal is not None else [])
     if found:
         try:
@@ -706,8 +710,8 @@ def train(
                 "kind": finding.kind,
                 "fix": finding.fix,
             }
-            if dist.is_main:
-                keep_findings(run_dir, trainer, finding)
+        if dist.is_main:  # what stopped it, and what the checks said before
+            keep_findings(run_dir, trainer, finding)
         failing = True
         if trainer is not None:  # what was asked before the failure, whole on disk
             finish_writes(trainer)
