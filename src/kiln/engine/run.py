@@ -140,12 +140,12 @@ def build_trainer(
         world_size=dist.world_size,
         cuda=device.type == "cuda",
     )
+    batches = batches_per_epoch(train_loader, cfg.trainer.limit_train_batches)
     planned_steps = total_optimizer_steps(
-        batches_per_epoch(train_loader, cfg.trainer.limit_train_batches),
-        cfg.trainer.max_epochs,
-        cfg.trainer.accumulate_grad_batches,
-        cfg.trainer.max_steps,
+        batches, cfg.trainer.max_epochs, cfg.trainer.accumulate_grad_batches, cfg.trainer.max_steps
     )
+    patience = early_stopping_patience(cfg.trainer.early_stopping, bundle.spec)
+    warmup_end = checked_schedule(cfg, planned_steps, batches, patience)
 
     def wrap() -> torch.nn.Module:  # again when frozen parameters thaw under DDP
         wrapped = wrap_model(model, cfg.trainer, dist, device, precision)  # FSDP shards in place
@@ -184,7 +184,8 @@ def build_trainer(
         probe_subject=subject,
         probe_key=probe_key(cfg, subject, plan, device),
         cpu_watch=cpu_watch,
-        early_stopping=early_stopping_patience(cfg.trainer.early_stopping, bundle.spec),
+        early_stopping=patience,
+        warmup_end=warmup_end,
     )
     if bundle.report is not None and dist.is_main:
         write_json(run_dir / "data_report.json", bundle.report)
@@ -358,6 +359,25 @@ def probe_plan(cfg: KilnConfig, criterion, dist: DistInfo) -> ProbePlan:
         conditional_is_fatal=dist.enabled and not is_sharded(t) and not t.find_unused_parameters,
         budget=ProbeBudget(**dataclasses.asdict(t.probe_budget)),
     )
+
+
+def checked_schedule(cfg: KilnConfig, planned_steps: int, batches: int, patience) -> int:
+    """The run's lr schedule read at sampled steps (kiln.engine.schedule_check): a warm-up
+    longer than the run, an lr off for most of it, or early stopping set to stop before the
+    warm-up ends is one error line. Returns the step the warm-up ends at (1: none), which
+    trainer.early_stopping=auto waits for."""
+    from kiln.engine.schedule_check import check_schedule, lr_curve
+
+    curve = lr_curve(lambda opt, n: build_scheduler(opt, cfg.scheduler, n), planned_steps)
+    check_schedule(
+        curve,
+        scheduler=cfg.scheduler.name,
+        lr=cfg.optimizer.lr,
+        steps_per_epoch=math.ceil(batches / cfg.trainer.accumulate_grad_batches),
+        patience=patience,
+        patience_set=cfg.trainer.early_stopping != "auto",
+    )
+    return curve.warmup_end if curve is not None else 1
 
 
 TEXT_PATIENCE = 2  # trainer.early_stopping=auto on text data: text models overfit within epochs

@@ -149,6 +149,7 @@ class TrainingParts:
     probe_key: Any = None  # kiln.guards.probe_cache.ProbeKey: what a pass was kept under
     cpu_watch: Any = None  # kiln.threads.BusyElsewhere, started with the run: threads=auto
     early_stopping: int | None = None  # trainer.early_stopping resolved: patience in epochs
+    warmup_end: int = 1  # the step the lr warm-up ends at: early stopping counts from there
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,6 +303,7 @@ class Trainer:
         self.current_step = 0  # the step in progress: failures are reported "@ step N"
         self.threads: int | None = None  # torch's intra-op threads, decided before step 1
         self.stopped_early = False  # trainer.early_stopping ended the run
+        self.early_stop_held = False  # it would have, at chance: said once
         self.startup = startup
         self.startup_s: dict[str, float] | None = None  # where the start-up went, by phase
 
@@ -592,9 +594,22 @@ class Trainer:
     def should_stop_early(self) -> bool:
         """trainer.early_stopping: `patience` epochs have ended without a better monitored
         metric than best.pt's (the state says when best.pt was written, so a resumed run counts
-        the same way)."""
+        the same way), counted from the end of the lr warm-up at the earliest, and never while
+        the best evaluation is still at chance: a run that has learned nothing yet is not
+        stopped for failing to improve on nothing."""
         patience, s = self.parts.early_stopping, self.state
-        if patience is None or s.best_epoch is None or s.epoch - s.best_epoch < patience:
+        per_epoch = math.ceil(self.batches_per_epoch / self.cfg.accumulate_grad_batches)
+        warmed_up = math.ceil(self.parts.warmup_end / max(per_epoch, 1))  # its epoch
+        if patience is None or s.best_epoch is None:
+            return False
+        if s.epoch - max(s.best_epoch, warmed_up) < patience:
+            return False
+        nothing = self.at_chance(s.best_metric, s.lowest_val_loss)
+        if nothing is not None:
+            if not self.early_stop_held and self.dist.is_main:
+                log.info("early stopping waits: the best evaluation is at chance (%s); "
+                         "nothing was learned to stop on", nothing)  # fmt: skip
+            self.early_stop_held = True
             return False
         if s.epoch < self.cfg.max_epochs and self.dist.is_main:
             log.info(
