@@ -71,7 +71,13 @@ from kiln.guards.probe_cache import ProbeKey
 from kiln.guards.probes import ProbeBudget, ProbePlan, ProbeSubject, probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import stopped_summary, summarize, write_json, write_summary
-from kiln.models import build_model, without_weights
+from kiln.models import (
+    build_model,
+    has_lazy_parameters,
+    materialise,
+    spec_example,
+    without_weights,
+)
 from kiln.preprocessing.pretrained import PretrainedInput, pretrained_input
 from kiln.registry import config_dirs, plugin_packages, plugin_sources
 from kiln.rng import forked, seed_everything
@@ -224,6 +230,8 @@ def build_run_model(
     model.freeze applied (before DDP registers the parameters it reduces) and its memory
     format; returns it with the freeze plan."""
     model = build_model(spec, cfg.model, aux_head=want_aux).to(device)  # with its weights
+    if has_lazy_parameters(model):  # nn.LazyLinear & co: sized before the optimizer sees them
+        materialise(model, spec_example(spec, device))
     if cfg.init_from is not None and not will_resume(cfg, run_dir):
         from kiln.models.weights import init_from
 

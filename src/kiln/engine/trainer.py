@@ -304,6 +304,7 @@ class Trainer:
         self.threads: int | None = None  # torch's intra-op threads, decided before step 1
         self.stopped_early = False  # trainer.early_stopping ended the run
         self.early_stop_held = False  # it would have, at chance: said once
+        self.coverage_checked = False  # every trainable parameter is in the optimizer
         self.startup = startup
         self.startup_s: dict[str, float] | None = None  # where the start-up went, by phase
 
@@ -639,6 +640,8 @@ class Trainer:
     def after_step(self, result: StepResult, bar) -> None:
         self.preemption.defer()  # a step is done: a stop from now on saves it first
         s = self.state
+        if not self.coverage_checked:  # this process's first step: before anything is saved
+            self.check_optimizer_coverage()
         s.samples_seen += result.samples * self.dist.world_size
         s.data_time_s += result.data_time_s
         s.step_time_s += result.step_time_s
@@ -659,6 +662,17 @@ class Trainer:
         if self.preemption.agreed(every_step=not self.dist.enabled or self.should_log()):
             self.log_window(result.lr, bar)
             raise self.checkpoint_and_stop(saved=due)
+
+    def check_optimizer_coverage(self) -> None:
+        """After the first step (a layer built in forward exists by then): every trainable
+        parameter is one the optimizer holds (kiln.guards.optimizer_coverage)."""
+        from kiln.guards.optimizer_coverage import check_optimizer_coverage
+
+        self.coverage_checked = True
+        self.current_step = self.state.global_step
+        check_optimizer_coverage(
+            self.raw_model, self.optimizer, self.state.global_step, self.dist.enabled
+        )
 
     def checkpoint_and_stop(self, saved: bool = False) -> Preempted:
         """A stop was asked: last.pt at the step boundary the state is at, unless `saved` there
