@@ -294,6 +294,7 @@ def probe_subject(
         mode_batch_size=mode_size,
         epoch_plan=plan,
         cases=[(label, on_device(batch)) for label, batch in probes.cases],
+        padding=on_device(probes.padding) if probes.padding is not None else None,
         optimizer_for=optimizer_for,
         flag_for_unused=lambda names: option_behind(names, bundle.spec, cfg, want_aux),
         # Under the run's autocast, as training and evaluation run: a path that breaks only
@@ -318,6 +319,7 @@ def probe_key(cfg: KilnConfig, subject: ProbeSubject, plan: ProbePlan, device) -
         "spec": {k: v for k, v in subject.spec.to_dict().items() if k != "tokens"},
         "batch": batch_shapes(subject.batch),
         "cases": [(label, batch_shapes(batch)) for label, batch in subject.cases],
+        "padding": batch_shapes(subject.padding) if subject.padding is not None else None,
         "epoch": dataclasses.asdict(epoch) if epoch is not None else None,
         "batch_sizes": list(subject.batch_sizes),
         "mode_batch_size": subject.mode_batch_size,

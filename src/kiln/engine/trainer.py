@@ -486,6 +486,9 @@ class Trainer:
         started = time.perf_counter()
         try:
             self.probe_report = run_probe_plan(plan, subject)
+        except BaseException as err:  # the summary keeps what ran until the check that failed
+            self.probe_report = getattr(err, "probe_report", self.probe_report)
+            raise
         finally:
             self.probe_time_s = time.perf_counter() - started
         report = self.probe_report

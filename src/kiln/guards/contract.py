@@ -94,13 +94,15 @@ def check_behaviour(
         fp16=fp16,
         conditional_is_fatal=True,
     )
+    probes = probe_batches(bundle, 8, 8)
     subject = ProbeSubject(
         model=build(bundle.spec),
         build=build,
         criterion=criterion,
-        batch=_batch(bundle, 8),
+        batch=probes.base,
         spec=bundle.spec,
         optimizer_for=optimizer_for,
+        padding=probes.padding,
     )
     return run_probe_plan(plan, subject)
 
