@@ -19,7 +19,7 @@ from torch.utils.data import Subset
 
 import kiln
 from kiln import run_lock
-from kiln.checkpoint import EMBEDDED_SHA256, embedded_hashes
+from kiln.checkpoint import EMBEDDED_SHA256, embedded_hashes, plain_record
 from kiln.config import KilnConfig, to_plain
 from kiln.data import DataBundle, build_data, build_dataloaders, example_batch
 from kiln.data.degenerate import check_inputs_vary
@@ -462,13 +462,13 @@ def checkpoint_record(
     (the data may have followed it: an image recipe's own `pretrained` says so). The files
     the preprocessing embeds (tokenizer.json, config.json, the record itself) are hashed, so
     inference refuses one edited since (kiln.checkpoint.check_embedded)."""
-    preprocessing = bundle.recipe.to_dict()
+    preprocessing = plain_record(bundle.recipe.to_dict(), "preprocessing")
     return {
         "config": to_plain(cfg),
         "preprocessing": preprocessing,
         EMBEDDED_SHA256: embedded_hashes(preprocessing),
         "pretrained": pretrained.to_dict() if pretrained is not None else None,
-        "data_spec": bundle.spec.to_dict(),
+        "data_spec": plain_record(bundle.spec.to_dict(), "data_spec"),
         "model_name": cfg.model.name,
         "kiln_version": kiln.__version__,
         "plugins": {
