@@ -10,6 +10,8 @@ import dataclasses
 import importlib
 import random
 import re
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from torch import nn
 
 from kiln.cli.paths import CONF_DIR
 from kiln.config import ConfigError
+from kiln.config.data import DataConfig
 from kiln.data import build_data
 from kiln.engine.loss import build_criterion
 from kiln.guards import (
@@ -59,7 +62,7 @@ from kiln.guards.rules import (
     ProbeFailure,
 )
 from kiln.models import build_model
-from kiln.registry import MODELS, compatible_pairs, dataset_provides, model_inputs
+from kiln.registry import DATASETS, MODELS, compatible_pairs, dataset_provides, model_inputs
 
 from .broken_models import BROKEN, TWINS, Broken, Twin
 from .conftest import PROBES_OFF, compose_config, train_in_process
@@ -84,6 +87,35 @@ SMALL = {
     ),  # fmt: skip
     "yolo": (f"data.train_dir={DETECTION / 'yolo/images/train'}",),
 }
+_examples: dict[str, tuple[str, ...]] = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def example_folder(tmp_path_factory):
+    """Where the datasets that read files write their declared examples (one per session)."""
+    global EXAMPLE_ROOT
+    EXAMPLE_ROOT = tmp_path_factory.mktemp("dataset-examples")
+    return EXAMPLE_ROOT
+
+
+EXAMPLE_ROOT = None
+
+
+def small(data: str) -> tuple[str, ...]:
+    """The overrides a dataset is tested with: a registry entry that reads files declares a
+    small example of its own input (`example=`: folder -> overrides, written into that
+    folder), so a plugin dataset a user adds tomorrow is built here too; else SMALL's."""
+    declared = DATASETS.entry(data).meta.get("example")
+    if declared is None:
+        return SMALL.get(data, ())
+    if data not in _examples:
+        root = EXAMPLE_ROOT or Path(tempfile.mkdtemp(prefix="kiln-examples-"))
+        folder = root / data
+        folder.mkdir(parents=True, exist_ok=True)
+        _examples[data] = tuple(declared(folder))
+    return _examples[data]
+
+
 PAIRS = compatible_pairs()
 # Zoo entries (model=torchvision, model=timm, model=hf, model=torchvision_detection) also run
 # each architecture their registry entry declares as a sample, on small data of the kind they
@@ -125,7 +157,7 @@ def bundle_for(data: str, data_overrides=()):
     if key not in _bundles:
         fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
         model = fits[dataset_provides(data)]
-        overrides = (f"data={data}", f"model={model}", *SMALL.get(data, ()), *data_overrides)
+        overrides = (f"data={data}", f"model={model}", *small(data), *data_overrides)
         _bundles[key] = build_data(compose_config(*overrides).data)
     return _bundles[key]
 
@@ -134,7 +166,7 @@ def model_config(model: str, data: str, model_overrides=()):
     """The option's YAML values where kiln's conf/ has it, else its schema's defaults (a plugin's
     model, whose YAML lives in the user's own folder)."""
     if (CONF_DIR / "model" / f"{model}.yaml").is_file():
-        overrides = (f"data={data}", f"model={model}", *SMALL.get(data, ()), *model_overrides)
+        overrides = (f"data={data}", f"model={model}", *small(data), *model_overrides)
         return compose_config(*overrides).model
     return MODELS.entry(model).config(name=model)
 
@@ -143,7 +175,7 @@ def parts(model: str, data: str, *overrides: str, model_overrides=(), data_overr
     """(build, criterion, bundle) as the engine makes them, for `model` on `data`."""
     fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
     base = fits[dataset_provides(data)]
-    cfg = compose_config(f"data={data}", f"model={base}", *SMALL.get(data, ()), *overrides)
+    cfg = compose_config(f"data={data}", f"model={base}", *small(data), *overrides)
     cfg = dataclasses.replace(cfg, model=model_config(model, data, model_overrides))
     aux = cfg.loss.force_all_branches or cfg.loss.aux_head
     built: dict = {}
@@ -230,7 +262,7 @@ def test_behaviour_checks_and_the_learn_probe_pass(model, data, model_overrides)
     parameter used only in some steps (as DDP would need), the device and fp16 probes, and a
     few steps on one batch lowering its loss at the option's own optimizer settings."""
     fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}[dataset_provides(data)]
-    cfg = compose_config(f"data={data}", f"model={fits}", *SMALL.get(data, ()))
+    cfg = compose_config(f"data={data}", f"model={fits}", *small(data))
     check_behaviour(*parts(model, data, model_overrides=model_overrides), optimizer_for_config(cfg))
 
 
@@ -381,7 +413,7 @@ def registered():
 def broken_parts(broken: Broken, *overrides: str):
     schema_option = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
     base = schema_option[broken.inputs[0]]
-    cfg = compose_config(f"data={broken.data}", f"model={base}", *SMALL.get(broken.data, ()),
+    cfg = compose_config(f"data={broken.data}", f"model={base}", *small(broken.data),
                          *broken.overrides, *overrides)  # fmt: skip
     if type(cfg.model) is broken.config:
         model = dataclasses.replace(cfg.model, name=broken.name)
@@ -737,3 +769,101 @@ def test_rule2_a_branch_at_zero_that_still_pulls_passes_one_that_moves_nothing_s
 
     with pytest.raises(LossBranchError, match="'dead' term is exactly 0 and moves nothing"):
         check_loss_branches(head, dead_branch, batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every dataset's checkpoint record loads back; plugin datasets that read files are built
+
+
+@pytest.mark.parametrize("data", DATASETS.names())
+def test_every_datasets_checkpoint_record_loads_back_with_weights_only(data):
+    """What every checkpoint carries of the data (its spec and preprocessing, as
+    kiln.engine.run writes them) loads with weights_only=True: a dataset whose class names are
+    numpy strings trained ok, then kiln could not load its own best.pt."""
+    import io
+
+    from kiln.engine.run import checkpoint_record
+
+    fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}[dataset_provides(data)]
+    cfg = compose_config(f"data={data}", f"model={fits}", *small(data))
+    record = checkpoint_record(cfg, bundle_for(data))
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded["data_spec"] == record["data_spec"]
+    assert all(type(name) is str for name in loaded["data_spec"]["class_names"])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowsFileConfig(DataConfig):
+    """A plugin's dataset read from a file, at a path relative to where the user trains."""
+
+    path: str = "my_rows.npz"
+
+
+def build_rows_file(cfg):
+    """8x8 images and their class names (numpy strings, as a pandas column gives them) from a
+    .npz file."""
+    from torch.utils.data import TensorDataset
+
+    from kiln.data.spec import DataBundle, DataSpec
+    from kiln.preprocessing import ImageRecipe
+
+    with np.load(cfg.path) as data:
+        x, y, names = torch.from_numpy(data["x"]), torch.from_numpy(data["y"]), data["names"]
+    spec = DataSpec("classification", "image", len(names), tuple(names), channels=1,
+                    image_size=(8, 8))  # fmt: skip
+    recipe = ImageRecipe(mean=(0.0,), std=(1.0,), channels=1, image_size=(8, 8),
+                         class_names=tuple(names))  # fmt: skip
+    return DataBundle(spec, TensorDataset(x[:48], y[:48]), TensorDataset(x[48:], y[48:]), recipe)
+
+
+def rows_file_example(folder: Path) -> list[str]:
+    """The small example of its input the dataset declares (`example=` in its registry entry)."""
+    generator = np.random.default_rng(0)
+    y = np.arange(64) % 2
+    x = (generator.normal(size=(64, 1, 8, 8)) + y[:, None, None, None]).astype(np.float32)
+    names = np.array(["left", "right"])  # numpy strings
+    np.savez(folder / "rows.npz", x=x, y=y.astype(np.int64), names=names)
+    return [f"data.path={folder / 'rows.npz'}"]
+
+
+@pytest.fixture
+def rows_file(tmp_path):
+    """The plugin's dataset registered, and its option's YAML in a folder of its own."""
+    from kiln import registry
+
+    (tmp_path / "conf" / "data").mkdir(parents=True)
+    (tmp_path / "conf" / "data" / "rows_file.yaml").write_text("batch_size: 16\n")
+    DATASETS.register("rows_file", config=RowsFileConfig, provides="image",
+                      example=rows_file_example)(build_rows_file)  # fmt: skip
+    registry.register_config_dir(tmp_path / "conf")
+    yield "rows_file"
+    del DATASETS._entries["rows_file"]
+    registry._CONFIG_DIRS.remove(f"file://{(tmp_path / 'conf').resolve()}")
+    _examples.pop("rows_file", None)
+
+
+def test_a_plugin_dataset_that_reads_a_file_is_built_from_the_example_it_declares(
+    rows_file, tmp_path
+):
+    """The registry-wide tests build every dataset from the repository's root: a plugin's
+    dataset that reads a file at a relative path was a FileNotFoundError (42 of them). Its
+    declared example is what the suite builds; and its run's best.pt loads back, numpy class
+    names and all."""
+    from kiln.checkpoint import load_checkpoint
+    from kiln.engine.run import train
+
+    with pytest.raises(FileNotFoundError):  # what the suite met without the example
+        build_data(compose_config(f"data={rows_file}").data)
+    bundle = bundle_for(rows_file)
+    assert len(bundle.train) == 48 and bundle.spec.class_names == ("left", "right")
+    assert all(type(name) is str for name in bundle.spec.class_names)
+    cfg = compose_config(f"data={rows_file}", *small(rows_file), "trainer.max_steps=2",
+                         "logger=none", "env.progress_bar=false")  # fmt: skip
+    train(cfg, tmp_path / "run")
+    best = load_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")
+    assert best["data_spec"]["class_names"] == ["left", "right"] or tuple(
+        best["data_spec"]["class_names"]
+    ) == ("left", "right")
