@@ -146,7 +146,9 @@ def plain_record(value: Any, where: str = "record") -> Any:
         if isinstance(value, kind):
             return kind(value)
     if isinstance(value, dict):
-        return {plain_record(k, where): plain_record(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {
+            plain_record(k, where): plain_record(v, f"{where}[{k!r}]") for k, v in value.items()
+        }
     if isinstance(value, list | tuple):
         parts = [plain_record(v, f"{where}[{i}]") for i, v in enumerate(value)]
         return parts if isinstance(value, list) else tuple(parts)

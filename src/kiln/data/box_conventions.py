@@ -110,8 +110,9 @@ def _labels(t: Targets, classes: int, names) -> tuple[tuple[str, np.ndarray], st
     if zero.any():
         top = int(t.labels.max())
         said = (
-            f"{int(zero.sum())} of {len(t.labels)} boxes are labelled 0 (labels {int(t.labels.min())}"
-            f"..{top}), and kiln's detectors reserve 0 for the background: they would be "
+            f"{int(zero.sum())} of {len(t.labels)} boxes are labelled 0 (labels "
+            f"{int(t.labels.min())}..{top}), and kiln's detectors reserve 0 for the background: "
+            "they would be "
             f"trained as background, and label k read as {names[0]!r} for k=1"
         )
         fix = (

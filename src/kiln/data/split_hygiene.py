@@ -253,8 +253,11 @@ class Overlap:
         return (
             f"{self.shared} of {self.compared} {self.split} items ({self.fraction:.1%}) are also "
             f"in the {self.other} split"
-            + (f" (the {self.other} split repeats {self.repeated:.1%} of its own items)"
-               if self.repeated else "")  # fmt: skip
+            + (
+                f" (the {self.other} split repeats {self.repeated:.1%} of its own items)"
+                if self.repeated
+                else ""
+            )  # fmt: skip
         )
 
 

@@ -305,6 +305,7 @@ class Trainer:
         self.stopped_early = False  # trainer.early_stopping ended the run
         self.early_stop_held = False  # it would have, at chance: said once
         self.coverage_checked = False  # every trainable parameter is in the optimizer
+        self.boxes_read = False  # a detector's boxes, after the first evaluation
         self.startup = startup
         self.startup_s: dict[str, float] | None = None  # where the start-up went, by phase
 
@@ -780,6 +781,8 @@ class Trainer:
         if isinstance(loss, float) and math.isfinite(loss):
             s.lowest_val_loss = loss if s.lowest_val_loss is None else min(s.lowest_val_loss, loss)
         self.say_if_at_chance(self.last_eval)
+        if not self.boxes_read and self.parts.data is not None:
+            self.read_box_predictions()  # a detector: once, after the first evaluation
         bad = nonfinite_metrics(self.last_eval)
         if bad and self.cfg.nan_policy == NanPolicy.fail:
             raise NonFiniteEvalError(self.last_eval, bad, s.global_step)
@@ -791,6 +794,27 @@ class Trainer:
                 ", ".join(f"{k}={self.last_eval[k]}" for k in bad),
                 kept,
             )
+
+    def read_box_predictions(self) -> None:
+        """A detection run's boxes on one validation batch, once, after the first evaluation
+        (kiln.guards.box_predictions): degenerate boxes, or boxes that fit their targets better
+        flipped or read in another format, are said and kept as findings."""
+        self.boxes_read = True
+        if self.parts.data.spec.task != "detection" or not self.dist.is_main:
+            return
+        from kiln.guards.box_predictions import check_box_predictions
+
+        batch = next(iter(self.val_batches()), None)
+        if batch is None:
+            return
+        self.raw_model.eval()
+        with self.precision.autocast():
+            found = check_box_predictions(
+                self.raw_model, batch, self.criterion.forward, self.state.global_step
+            )
+        for finding in found:
+            log.warning("box predictions: %s", finding.evidence)
+        self.probe_report.findings.extend(found)
 
     def chance(self):
         """What the monitored metric is for a model that knows nothing (kiln.engine.chance), as

@@ -11,9 +11,7 @@ import torch
 from torch import nn
 
 from kiln.errors import first_few
-from kiln.guards.rules import ProbeFailure
-
-COVERAGE = "optimizer coverage (every trainable parameter is one the optimizer holds)"
+from kiln.guards.rules import COVERAGE, ProbeFailure
 
 
 class OutsideTheOptimizerError(ProbeFailure):

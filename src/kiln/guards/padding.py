@@ -30,10 +30,9 @@ from kiln.guards.batch_independence import (
 )
 from kiln.guards.input_sizes import select
 from kiln.guards.no_trace import untouched
-from kiln.guards.rules import BATCH, ProbeFailure
+from kiln.guards.rules import BATCH, PADDING, ProbeFailure
 
 Forward = Callable[[nn.Module, Any, bool], Any]
-PADDING = "padding (a text's output does not depend on its padding)"
 
 
 class PaddingError(ProbeFailure):

@@ -264,7 +264,7 @@ def run_probe_plan(plan: ProbePlan, subject: ProbeSubject) -> ProbeReport:
 
 
 def _run_due(probe: Probe, due: list[Check]) -> None:
-    plan, subject, report = probe.plan, probe.subject, probe.report
+    subject, report = probe.subject, probe.report
     with untouched(subject.model):
         if due:
             backward = any(c.name in NEEDS_A_STEP for c in due)
