@@ -457,8 +457,12 @@ NAMED_BY_FINDING = {
 }  # fmt: skip
 # What a check said while the run went on (findings.json, fatal: false), ranked as causes of a
 # run that ended at chance or suspiciously well: above the bare symptom (at_chance, 3).
-SAID_SCORE = {"split leak": 8, "box predictions": 7, "conditional parameters": 5,
-              "dead gradients": 4}  # fmt: skip
+SAID_SCORE = {
+    "split leak": 8,
+    "box predictions": 7,
+    "conditional parameters": 5,
+    "dead gradients": 4,
+}
 
 
 def stopping_finding(run: Run) -> tuple[Finding | None, bool]:
@@ -504,9 +508,9 @@ def said_by_the_checks(run: Run) -> list[Cause]:
         if finding.fatal:
             continue
         where = f" in {finding.module}" if finding.module else ""
-        causes.append(Cause(SAID_SCORE.get(finding.kind, 3.5), f"{finding.title}{where}",
-                            "the run's checks said: " + finding.evidence[:600],
-                            finding.advice))  # fmt: skip
+        title = f"{finding.title}{where}"
+        evidence = "the run's checks said: " + finding.evidence[:600]
+        causes.append(Cause(SAID_SCORE.get(finding.kind, 3.5), title, evidence, finding.advice))
     return causes
 
 

@@ -205,8 +205,12 @@ def content_keys(dataset, limit: int = ITEM_LIMIT) -> list[bytes]:
         return row_digests(table.tensors[0])
     count = min(len(dataset), limit)
     if count < len(dataset):
-        log.info("split hygiene: the first %d of %d items compared (the dataset gives no "
-                 "content_keys())", count, len(dataset))  # fmt: skip
+        log.info(
+            "split hygiene: the first %d of %d items compared (the dataset gives no "
+            "content_keys())",
+            count,
+            len(dataset),
+        )
     return [digest(_input(dataset, i)) for i in range(count)]
 
 
@@ -257,7 +261,7 @@ class Overlap:
                 f" (the {self.other} split repeats {self.repeated:.1%} of its own items)"
                 if self.repeated
                 else ""
-            )  # fmt: skip
+            )
         )
 
 

@@ -66,9 +66,14 @@ def box_findings(images: list, targets: list, outputs: list, step: int) -> list[
             boxes.append(predicted[0])
             sides = (predicted[:, 2:] - predicted[:, :2]).clamp_min(0)
             areas.append(sides.prod(dim=1))
-            outside += int(((predicted[:, 0] < -1) | (predicted[:, 1] < -1)
-                            | (predicted[:, 2] > width + 1)
-                            | (predicted[:, 3] > height + 1)).sum())  # fmt: skip
+            outside += int(
+                (
+                    (predicted[:, 0] < -1)
+                    | (predicted[:, 1] < -1)
+                    | (predicted[:, 2] > width + 1)
+                    | (predicted[:, 3] > height + 1)
+                ).sum()
+            )
         if not len(wanted) or not len(predicted):
             continue
         top = predicted[: TOP * len(wanted)]
@@ -96,7 +101,7 @@ def box_findings(images: list, targets: list, outputs: list, step: int) -> list[
             f"after the first evaluation (step {step}): {said}",
             fatal=False,
             step=step,
-        )  # fmt: skip
+        )
         for said in found
     ]
 

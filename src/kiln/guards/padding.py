@@ -66,8 +66,10 @@ def check_padding(model: nn.Module, pair: Any, forward: Forward, pad_id: int) ->
     trimmed, alone, count, width = runs
     with untouched(model), torch.no_grad():
         model.eval()
-        outputs = [per_sample(forward(model, batch, False), len(batch[0]))
-                   for batch in (trimmed, alone, pair)]  # fmt: skip
+        outputs = [
+            per_sample(forward(model, batch, False), len(batch[0]))
+            for batch in (trimmed, alone, pair)
+        ]
         if not outputs[0]:
             return
         for path, base in outputs[0].items():
