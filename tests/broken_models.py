@@ -14,6 +14,7 @@ from torch import nn
 from kiln.config.model import DetectorConfig, MlpConfig, TextBowConfig
 from kiln.guards.rules import (
     BATCH,
+    COVERAGE,
     DEAD,
     DETERMINISM,
     DEVICES,
@@ -21,6 +22,7 @@ from kiln.guards.rules import (
     LEARN,
     LOGITS,
     NUMERICS,
+    PADDING,
     PURITY,
     RULE_1,
     RULE_2,
@@ -1162,4 +1164,118 @@ TWINS = [
     Twin("exp_of_half_stable", ExpOfHalfStable, "exp_of_half"),
     Twin("reshape_on_permuted", ReshapeOnPermuted, "view_on_permuted"),
     Twin("unit_temperature", UnitTemperature, "tiny_logits"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 48: bugs that still ended `ok` -- a model that reads its padding or its neighbours in
+# attention pooling, a layer built in forward or a tie re-made there (the optimizer never sees
+# either) -- each with its correct twin; and broken datasets (BROKEN_DATA below).
+
+
+class TokenPooling(nn.Module):
+    """Embeds token ids and pools them over the sequence: `pool` says how."""
+
+    pool = "masked_mean"
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.pad_id = spec.pad_id
+        self.embed = nn.Embedding(spec.vocab_size, 16)  # padding embeds to a vector, not 0
+        self.score = nn.Linear(16, 1) if self.pool.startswith("softmax") else None
+        self.head = nn.Linear(16, spec.num_classes)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        real = (ids != self.pad_id)[..., None]
+        if self.pool == "mean_over_padding":  # the bug: padding counts in the mean
+            pooled = h.mean(dim=1)
+        elif self.pool == "masked_mean":  # the mean over each text's real tokens
+            pooled = (h * real).sum(dim=1) / real.sum(dim=1).clamp(min=1)
+        else:  # attention pooling
+            scores = self.score(h).masked_fill(~real, -1e9)
+            dim = 0 if self.pool == "softmax_over_batch" else 1  # the bug: dim 0, the batch
+            pooled = (scores.softmax(dim=dim) * h * real).sum(dim=1)
+        return self.head(pooled)
+
+
+class MeanOverPadding(TokenPooling):
+    pool = "mean_over_padding"
+
+
+class MeanOverRealTokens(TokenPooling):
+    pool = "masked_mean"
+
+
+class SoftmaxOverBatch(TokenPooling):
+    pool = "softmax_over_batch"
+
+
+class SoftmaxOverSequence(TokenPooling):
+    pool = "softmax_over_sequence"
+
+
+class BuiltInForward(nn.Module):
+    """Builds its projection on the first call, sized from the first batch: the optimizer, built
+    before any forward, never holds it."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.proj: nn.Module | None = None
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        h = x.flatten(1)
+        if self.proj is None:
+            self.proj = nn.Linear(h.shape[1], 32).to(h.device)
+        return self.head(self.proj(h).relu())
+
+
+class LazyProjection(nn.Module):
+    """The same, with torch's own lazy layer: sized by a dry forward before the optimizer."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.proj = nn.LazyLinear(32)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.proj(x.flatten(1)).relu())
+
+
+class TiedInForward(nn.Module):
+    """Ties its decoder to its encoder on the first call, with a copy made a new Parameter
+    (the tie meant was the Parameter itself): the optimizer holds the old one."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.tied = False
+        self.encode = nn.Linear(features(spec), 32, bias=False)
+        self.decode = nn.Linear(32, features(spec), bias=False)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        if not self.tied:
+            self.decode.weight = nn.Parameter(self.encode.weight.detach().t().clone())
+            self.tied = True
+        h = self.encode(x.flatten(1)).relu()
+        return self.head(h + 0.1 * self.encode(self.decode(h)))
+
+
+BROKEN += [
+    Broken("mean_over_padding", MeanOverPadding, "csv_text", PADDING, "behaviour",
+           "the model reads its padding; first seen in <model> (MeanOverPadding).forward, "
+           "before it calls head (Linear)", TextBowConfig, ("tokens",)),
+    Broken("softmax_over_batch", SoftmaxOverBatch, "csv_text", BATCH, "behaviour",
+           "its output depends on its neighbour", TextBowConfig, ("tokens",)),
+    Broken("built_in_forward", BuiltInForward, "digits", COVERAGE, "coverage",
+           "proj.weight, proj.bias (in proj (Linear)) are trainable parameters of the model "
+           "after step 1 that the optimizer does not hold"),
+    Broken("tied_in_forward", TiedInForward, "digits", COVERAGE, "coverage",
+           "decode.weight (in decode (Linear))"),
+]  # fmt: skip
+TWINS += [
+    Twin("mean_over_real_tokens", MeanOverRealTokens, "mean_over_padding"),
+    Twin("softmax_over_sequence", SoftmaxOverSequence, "softmax_over_batch"),
+    Twin("lazy_projection", LazyProjection, "built_in_forward"),
 ]

@@ -36,6 +36,7 @@ from kiln.guards.batch_independence import BatchDependenceError
 from kiln.guards.contract import (
     check_behaviour,
     check_device_diagnosis,
+    check_optimizer_sees_every_parameter,
     check_outputs_are_logits,
     check_rule1,
     check_rule2,
@@ -45,9 +46,12 @@ from kiln.guards.determinism import NondeterministicEvalError
 from kiln.guards.input_sizes import EpochPlan, MemoryLayoutError
 from kiln.guards.learn_probe import CannotLearnError
 from kiln.guards.numerics import NumericsError
+from kiln.guards.optimizer_coverage import OutsideTheOptimizerError
+from kiln.guards.padding import PaddingError
 from kiln.guards.purity import ImpureForwardError
 from kiln.guards.rules import (
     BATCH,
+    COVERAGE,
     DEAD,
     DETERMINISM,
     DEVICES,
@@ -55,6 +59,7 @@ from kiln.guards.rules import (
     LEARN,
     LOGITS,
     NUMERICS,
+    PADDING,
     PURITY,
     RULE_1,
     RULE_2,
@@ -147,7 +152,8 @@ ERRORS = {RULE_1: ShapeInferenceError, RULE_2: LossBranchError, RULE_3: ShapeCon
           DEVICES: DeviceMismatchError, LOGITS: ProbabilitiesNotLogitsError,
           NUMERICS: NumericsError, BATCH: BatchDependenceError,
           DETERMINISM: NondeterministicEvalError, PURITY: ImpureForwardError,
-          DEAD: ProbeFailure, LEARN: CannotLearnError, LAYOUT: MemoryLayoutError}  # fmt: skip
+          DEAD: ProbeFailure, LEARN: CannotLearnError, LAYOUT: MemoryLayoutError,
+          PADDING: PaddingError, COVERAGE: OutsideTheOptimizerError}  # fmt: skip
 
 _bundles: dict[tuple[str, ...], object] = {}
 
@@ -264,6 +270,15 @@ def test_behaviour_checks_and_the_learn_probe_pass(model, data, model_overrides)
     fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}[dataset_provides(data)]
     cfg = compose_config(f"data={data}", f"model={fits}", *small(data))
     check_behaviour(*parts(model, data, model_overrides=model_overrides), optimizer_for_config(cfg))
+
+
+@pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
+def test_the_optimizer_holds_every_trainable_parameter_after_a_step(model, data, model_overrides):
+    fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}[dataset_provides(data)]
+    cfg = compose_config(f"data={data}", f"model={fits}", *small(data))
+    check_optimizer_sees_every_parameter(
+        *parts(model, data, model_overrides=model_overrides), optimizer_for_config(cfg)
+    )
 
 
 @pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
@@ -435,12 +450,18 @@ def fp16_check(build, criterion, bundle, cfg=None):
     return check_behaviour(build, criterion, bundle, optimizer_for_config(cfg), fp16=True)
 
 
+def coverage_check(build, criterion, bundle, cfg=None):
+    return check_optimizer_sees_every_parameter(build, criterion, bundle, optimizer_for_config(cfg))
+
+
 CHECKS = {"rule1": check_rule1, "rule2": check_rule2, "rule3": check_rule3,
           "logits": check_outputs_are_logits, "behaviour": behaviour_check,
-          "fp16": fp16_check}  # fmt: skip
+          "fp16": fp16_check, "coverage": coverage_check}  # fmt: skip
+WITH_CFG = ("behaviour", "fp16", "coverage")  # the checks that build the run's optimizer
 WHAT = {RULE_1: "shapes", RULE_3: "shapes", DEVICES: "device", NUMERICS: "numerics",
         BATCH: "batch dependence", DETERMINISM: "determinism", PURITY: "purity",
-        DEAD: "dead gradients", LEARN: "cannot learn", LAYOUT: "shapes"}  # fmt: skip
+        DEAD: "dead gradients", LEARN: "cannot learn", LAYOUT: "shapes", PADDING: "padding",
+        COVERAGE: "optimizer coverage"}  # fmt: skip
 
 
 @pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
@@ -463,7 +484,7 @@ def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
     # The epoch's plan as the run would cut it (batch size from the broken model's data).
     extra = {"plan": EpochPlan(len(bundle.train), cfg.data.batch_size)}
     extra = extra if broken.check == "rule1" else {}
-    extra = {"cfg": cfg} if broken.check in ("behaviour", "fp16") else extra
+    extra = {"cfg": cfg} if broken.check in WITH_CFG else extra
     with pytest.raises(ERRORS[broken.rule]) as info:
         CHECKS[broken.check](build, criterion, bundle, **extra)
     message = str(info.value)
@@ -512,6 +533,9 @@ def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_
     assert '"steps": 0' in summary or '"steps": 1' in summary  # at the first step at the latest
     if broken.check in ("behaviour", "fp16"):  # before step 1, naming the module
         assert '"steps": 0' in summary and needle in message, message
+    if broken.check == "coverage":  # after step 1, before anything is saved
+        assert '"steps": 1' in summary and needle in message, message
+        assert not (tmp_path / "run" / "checkpoints" / "best.pt").exists()
 
 
 def register_twin(twin: Twin) -> Broken:
@@ -547,7 +571,7 @@ def test_each_correct_twin_passes_the_check_its_broken_model_fails(twin, twin_re
 
     bundle = bundle_for(as_broken.data)
     criterion = build_criterion(build(bundle.spec), cfg.loss)
-    extra = {"cfg": cfg} if as_broken.check in ("behaviour", "fp16") else {}
+    extra = {"cfg": cfg} if as_broken.check in WITH_CFG else {}
     CHECKS[as_broken.check](build, criterion, bundle, **extra)
 
 
