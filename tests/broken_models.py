@@ -1279,3 +1279,116 @@ TWINS += [
     Twin("softmax_over_sequence", SoftmaxOverSequence, "softmax_over_batch"),
     Twin("lazy_projection", LazyProjection, "built_in_forward"),
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Broken datasets (issue 48): each is a dataset kiln builds, changed the way real data goes
+# wrong; the data checks stop each before any model is built, naming it. The twin of each is
+# the unchanged dataset (`mended`), which must pass the same check.
+
+
+def _with_val(bundle, val):
+    import dataclasses as dc
+
+    return dc.replace(bundle, val=val, val_lengths=None, sources=None)
+
+
+def val_is_train(bundle):
+    """The validation split is the training split (a path copied into both keys)."""
+    return _with_val(bundle, bundle.train)
+
+
+def val_overlaps_train(bundle):
+    """Half the validation split is training images (a split made twice, with two seeds)."""
+    from torch.utils.data import ConcatDataset, Subset
+
+    half = len(bundle.val) // 2
+    return _with_val(bundle, ConcatDataset([Subset(bundle.train, range(half)),
+                                            Subset(bundle.val, range(half))]))  # fmt: skip
+
+
+class ClassMapped(torch.utils.data.Dataset):
+    """A split that declares its class-to-index map, as torchvision's ImageFolder does."""
+
+    def __init__(self, dataset, class_to_idx: dict[str, int]):
+        self.dataset, self.class_to_idx = dataset, class_to_idx
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+
+def class_maps(bundle, swap: bool):
+    """Each split with its own class map; `swap`: the validation folder listed another way, so
+    two classes trade indices (ImageFolder on a folder missing a class shifts them alike)."""
+    import dataclasses as dc
+
+    names = list(bundle.spec.class_names)
+    train_map = {name: i for i, name in enumerate(names)}
+    val_map = dict(train_map)
+    if swap:
+        val_map[names[0]], val_map[names[1]] = 1, 0
+    return dc.replace(bundle, train=ClassMapped(bundle.train, train_map),
+                      val=ClassMapped(bundle.val, val_map))  # fmt: skip
+
+
+class Retargeted(torch.utils.data.Dataset):
+    """Detection items whose targets a function rewrites."""
+
+    def __init__(self, dataset, change):
+        self.dataset, self.change = dataset, change
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        image, target = self.dataset[index]
+        return image, self.change(dict(target))
+
+
+def _retargeted(bundle, change):
+    import dataclasses as dc
+
+    return dc.replace(bundle, train=Retargeted(bundle.train, change),
+                      val=Retargeted(bundle.val, change))  # fmt: skip
+
+
+def labels_from_zero(bundle):
+    """Labels 0..C-1, where the detectors reserve 0 for the background."""
+    return _retargeted(bundle, lambda t: {**t, "labels": t["labels"] - 1})
+
+
+def boxes_as_xywh(bundle):
+    """Boxes written as COCO's (x, y, w, h) where kiln's items carry (x1, y1, x2, y2)."""
+    from torchvision.ops import box_convert
+
+    return _retargeted(bundle, lambda t: {**t, "boxes": box_convert(t["boxes"], "xyxy", "xywh")})
+
+
+@dataclass(frozen=True)
+class BrokenData:
+    name: str
+    change: object  # DataBundle -> DataBundle: the bug
+    data: str  # the dataset it changes
+    what: str  # the [FAIL] line's <what> (and the finding's kind)
+    needle: str  # a fragment the message must hold
+    mended: object = None  # DataBundle -> DataBundle: the twin (None: the dataset as it is)
+    overrides: tuple[str, ...] = ()
+
+
+BROKEN_DATA = [
+    BrokenData("val_is_train", val_is_train, "digits", "split leak",
+               "1437 of 1437 val items (100.0%) are also in the train split"),
+    BrokenData("val_overlaps_train", val_overlaps_train, "digits", "split leak",
+               "180 of 360 val items (50.0%) are also in the train split"),
+    BrokenData("class_map_swapped", lambda b: class_maps(b, swap=True), "digits", "class map",
+               "2 class(es) at another index: '0' -> 1 in val, 0 in train, '1' -> 0 in val, 1 "
+               "in train", mended=lambda b: class_maps(b, swap=False)),
+    BrokenData("labels_from_zero", labels_from_zero, "shapes_detection", "box convention",
+               "boxes are labelled 0 (labels 0..1), and kiln's detectors reserve 0 for the "
+               "background", overrides=("model=detector",)),
+    BrokenData("boxes_as_xywh", boxes_as_xywh, "shapes_detection", "box convention",
+               "have x2 <= x1 or y2 <= y1", overrides=("model=detector",)),
+]  # fmt: skip

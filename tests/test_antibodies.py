@@ -69,7 +69,7 @@ from kiln.guards.rules import (
 from kiln.models import build_model
 from kiln.registry import DATASETS, MODELS, compatible_pairs, dataset_provides, model_inputs
 
-from .broken_models import BROKEN, TWINS, Broken, Twin
+from .broken_models import BROKEN, BROKEN_DATA, TWINS, Broken, Twin
 from .conftest import PROBES_OFF, compose_config, train_in_process
 from .image_folder_helpers import EXAMPLES
 from .test_engine import make_trainer
@@ -891,3 +891,70 @@ def test_a_plugin_dataset_that_reads_a_file_is_built_from_the_example_it_declare
     assert best["data_spec"]["class_names"] == ["left", "right"] or tuple(
         best["data_spec"]["class_names"]
     ) == ("left", "right")
+
+
+# ---------------------------------------------------------------------------------------------
+# The broken datasets (tests/broken_models.py BROKEN_DATA): stopped by the data checks before a
+# model is built, each named; triage names each cause from its finding
+
+
+@pytest.mark.parametrize("broken", BROKEN_DATA, ids=[b.name for b in BROKEN_DATA])
+def test_the_data_checks_stop_each_broken_dataset_and_pass_its_twin(broken):
+    from kiln.data.split_hygiene import checked_splits
+
+    bundle = bundle_for(broken.data)
+    with pytest.raises(RuntimeError) as info:
+        checked_splits(broken.change(bundle), 0.05, f"data={broken.data}")
+    assert info.value.what == broken.what == info.value.kind, info.value
+    assert broken.needle in str(info.value), str(info.value)
+    mended = broken.mended(bundle) if broken.mended else bundle
+    checked = checked_splits(mended, 0.05, f"data={broken.data}")  # the twin passes
+    assert not checked.findings and checked.report["splits"]["overlap"]
+
+
+@pytest.fixture
+def broken_dataset():
+    """Register a broken dataset (its base dataset, changed) for one test."""
+    added = []
+
+    def register(broken) -> str:
+        name = f"broken_{broken.name}"
+        base = DATASETS.entry(broken.data)
+
+        def build(cfg):
+            return broken.change(build_data(dataclasses.replace(cfg, name=broken.data)))
+
+        DATASETS.register(name, config=base.config, provides=base.meta["provides"])(build)
+        added.append(name)
+        return name
+
+    yield register
+    for name in added:
+        del DATASETS._entries[name]
+
+
+@pytest.mark.parametrize("broken", BROKEN_DATA, ids=[b.name for b in BROKEN_DATA])
+def test_train_stops_each_broken_dataset_before_the_model_and_triage_names_it(
+    broken, broken_dataset, tmp_path
+):
+    import json
+
+    from kiln.engine.run import train
+    from kiln.findings import KINDS
+    from kiln.triage import triage
+
+    name = broken_dataset(broken)
+    cfg = compose_config(f"data={broken.data}", *broken.overrides, *small(broken.data),
+                         "logger=none", "env.progress_bar=false")  # fmt: skip
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, name=name))
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError) as info:
+        train(cfg, run_dir)
+    assert info.value.what == broken.what and broken.needle in str(info.value)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["failed_check"]["kind"] == broken.what
+    (finding,) = json.loads((run_dir / "findings.json").read_text())
+    assert finding["kind"] == broken.what and finding["fatal"]
+    _, causes = triage(run_dir)
+    assert causes[0].title == KINDS[broken.what].title, causes
+    assert causes[0].try_ == (info.value.fix or KINDS[broken.what].advice)

@@ -99,7 +99,7 @@ def check_box_conventions(bundle, where: str, name: Callable[[str, int], str]) -
             )
             raise BoxConventionError(
                 f"box convention (targets: (x1, y1, x2, y2) pixels, labels 1..C): the {split} "
-                f"split ({where}): {said[0]} (e.g. {shown}). {fix}",
+                f"split ({where}): {said[0]} (e.g. {shown}). {fix[0].upper()}{fix[1:]}",
                 fix=fix,
             )
 
@@ -112,8 +112,8 @@ def _labels(t: Targets, classes: int, names) -> tuple[tuple[str, np.ndarray], st
         said = (
             f"{int(zero.sum())} of {len(t.labels)} boxes are labelled 0 (labels "
             f"{int(t.labels.min())}..{top}), and kiln's detectors reserve 0 for the background: "
-            "they would be "
-            f"trained as background, and label k read as {names[0]!r} for k=1"
+            f"they would be trained as background, and label 1 read as {names[0]!r} "
+            "(class_names[0])"
         )
         fix = (
             "count labels from 1: label k means class_names[k - 1] (add 1 to every label "
