@@ -958,3 +958,58 @@ def test_train_stops_each_broken_dataset_before_the_model_and_triage_names_it(
     _, causes = triage(run_dir)
     assert causes[0].title == KINDS[broken.what].title, causes
     assert causes[0].try_ == (info.value.fix or KINDS[broken.what].advice)
+
+
+ISSUE_48_TITLES = {
+    "mean_over_padding": "the output depends on padding: the same text alone and padded beside "
+    "a longer one give different outputs",
+    "softmax_over_batch": "samples leak across the batch",
+    "built_in_forward": "parameters the optimizer never updates in proj",
+    "tied_in_forward": "parameters the optimizer never updates in decode",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ISSUE_48_TITLES))
+def test_triage_names_each_new_kind_from_its_finding(name, registered, tmp_path):
+    """kiln triage named the cause in 1 of 14 such runs: each is now the first cause, titled and
+    advised by its finding's kind."""
+    from kiln.engine.run import train
+    from kiln.triage import triage
+
+    broken = next(b for b in BROKEN if b.name == name)
+    registered(broken)
+    cfg = broken_parts(broken, "env.progress_bar=false", "logger=none", "trainer.max_epochs=1")
+    with pytest.raises(ProbeFailure):
+        train(cfg, tmp_path / "run")
+    _, causes = triage(tmp_path / "run")
+    assert causes[0].title == ISSUE_48_TITLES[name], causes
+    assert causes[0].try_ and broken.needle[:40] in causes[0].evidence
+
+
+def test_inference_rebuilds_a_model_whose_layers_are_built_or_sized_at_the_first_call(
+    registered, tmp_path
+):
+    """best.pt of a model with nn.LazyLinear, and of one that builds its layer in forward (as
+    an older run wrote it): infer.py refused the second ("unexpected proj.weight"); both are
+    rebuilt with a dry forward and predict as trained."""
+    from kiln.engine.run import train
+    from kiln.inference.record import read_checkpoint, rebuild_model
+
+    twin = next(t for t in TWINS if t.name == "lazy_projection")
+    as_broken = register_twin(twin)
+    try:
+        cfg = broken_parts(as_broken, "env.progress_bar=false", "logger=none",
+                           "trainer.max_steps=2")  # fmt: skip
+        train(cfg, tmp_path / "run")
+        record, state = read_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")
+        lazy = rebuild_model(record, state)
+        x = bundle_for("digits").val.tensors[0][:4]
+        # The same weights under a builder that makes `proj` in forward: rebuilt too.
+        del MODELS._entries[twin.name]
+        from .broken_models import BuiltInForward
+
+        MODELS.register(twin.name, config=as_broken.config)(BuiltInForward)
+        built = rebuild_model(record, state)
+        assert torch.equal(lazy(x), built(x))
+    finally:
+        del MODELS._entries[twin.name]
