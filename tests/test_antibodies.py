@@ -1013,3 +1013,76 @@ def test_inference_rebuilds_a_model_whose_layers_are_built_or_sized_at_the_first
         assert torch.equal(lazy(x), built(x))
     finally:
         del MODELS._entries[twin.name]
+
+
+def test_box_predictions_flipped_misread_or_degenerate_are_named_and_right_ones_are_not():
+    """After the first evaluation (kiln.guards.box_predictions): a detector that learned boxes
+    flipped (a dataset's flip that left the boxes behind) or decoded in another format fits its
+    targets far better read back that way; its twin, right, says nothing."""
+    from torchvision.ops import box_convert
+
+    from kiln.guards.box_predictions import box_findings
+
+    generator = torch.Generator().manual_seed(0)
+    images = [torch.zeros(3, 64, 80) for _ in range(4)]
+    targets = []
+    for _ in images:
+        corner = torch.rand(3, 2, generator=generator) * 40
+        size = 8 + torch.rand(3, 2, generator=generator) * 20
+        targets.append({"boxes": torch.cat([corner, corner + size], dim=1)})
+
+    def outputs(change):
+        return [{"boxes": change(t["boxes"]), "scores": torch.linspace(1, 0.5, len(t["boxes"]))}
+                for t in targets]  # fmt: skip
+
+    def flipped(b):
+        return torch.stack([80 - b[:, 2], b[:, 1], 80 - b[:, 0], b[:, 3]], dim=1)
+
+    def decoded_as_cxcywh(b):  # raw (x1, y1, x2, y2) outputs decoded as (cx, cy, w, h)
+        return box_convert(b, "cxcywh", "xyxy")
+
+    assert box_findings(images, targets, outputs(lambda b: b + 1.0), step=23) == []  # the twin
+    (found,) = box_findings(images, targets, outputs(flipped), step=23)
+    assert found.kind == "box predictions" and not found.fatal
+    assert found.evidence.startswith(
+        "after the first evaluation (step 23): the boxes fit their targets better flipped "
+        "horizontally (mean best IoU 1.00 against"
+    ), found.evidence
+    misread = [f.evidence for f in box_findings(images, targets, outputs(decoded_as_cxcywh), 23)]
+    assert any("better read back as (cx, cy, w, h)" in said for said in misread), misread
+    flat = box_findings(images, targets, outputs(lambda b: b[:, [0, 1, 0, 1]]), step=23)
+    assert "12 of 12 predicted boxes have no area" in flat[0].evidence, flat
+
+
+def test_a_split_overlap_within_the_limit_is_reported_said_and_triaged(broken_dataset, tmp_path):
+    """10 validation digits copied from training (2.8%, under data.max_split_overlap=0.05): the
+    run goes on; data_report.json counts them and names examples, findings.json says so, and
+    triage names it above the bare symptom."""
+    import json
+
+    from kiln.engine.run import train
+    from kiln.triage import triage
+
+    from .broken_models import BrokenData, _with_val
+
+    def ten_copied(bundle):
+        from torch.utils.data import ConcatDataset, Subset
+
+        rest = Subset(bundle.val, range(10, len(bundle.val)))
+        return _with_val(bundle, ConcatDataset([Subset(bundle.train, range(10)), rest]))
+
+    name = broken_dataset(BrokenData("ten_copied", ten_copied, "digits", "split leak", ""))
+    cfg = compose_config("trainer.max_steps=2", "logger=none", "env.progress_bar=false")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, name=name))
+    summary = train(cfg, tmp_path / "run")
+    assert summary["status"] in ("ok", "at_chance")
+    report = json.loads((tmp_path / "run" / "data_report.json").read_text())["splits"]
+    shared = report["overlap"]["val/train"]
+    assert shared["shared"] == 10 and shared["compared"] == 360
+    assert shared["examples"][0] == "val item 0 = train item 0"
+    (finding,) = json.loads((tmp_path / "run" / "findings.json").read_text())
+    assert finding["kind"] == "split leak" and not finding["fatal"]
+    assert "10 of 360 val items (2.8%) are also in the train split" in finding["evidence"]
+    _, causes = triage(tmp_path / "run")
+    leak = [c for c in causes if c.title.startswith("the same examples in the training split")]
+    assert leak and "10 of 360 val items" in leak[0].evidence, causes
