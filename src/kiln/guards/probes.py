@@ -765,6 +765,36 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class Elsewhere:
+    """A check that runs outside the probe plan, where what it reads exists: the data's before
+    a model is built, the schedule's once the planned steps are known, the optimizer's after
+    step 1, a detector's boxes after the first evaluation (docs/checks.md lists them)."""
+
+    name: str  # its [FAIL] line's <what>
+    when: str
+    needs: str
+    finds: tuple[str, ...]
+
+
+ELSEWHERE: tuple[Elsewhere, ...] = (
+    Elsewhere("split leak", "data loaded, before the model (kiln.data.split_hygiene)",
+              "every split's items as digests (rows, token ids, file bytes cached by mtime); "
+              "class maps compared", ("split leak", "class map")),
+    Elsewhere("box convention", "data loaded, detection (kiln.data.box_conventions)",
+              "every target's boxes and labels, as listed (no image decoded)",
+              ("box convention",)),
+    Elsewhere("schedule", "planned steps known (kiln.engine.schedule_check)",
+              "the lr schedule read at 512 sampled steps on a stand-in optimizer",
+              ("schedule",)),
+    Elsewhere("optimizer coverage", "after step 1 (kiln.guards.optimizer_coverage)",
+              "the model's trainable parameters against the optimizer's", ("optimizer coverage",)),
+    Elsewhere("box predictions", "after the first evaluation, detection "
+              "(kiln.guards.box_predictions)", "one eval forward of a validation batch",
+              ("box predictions",)),
+)  # fmt: skip
+
+
 def check_names() -> list[str]:
     """The table's checks, in the order they run (docs/antibodies.md lists them)."""
     return [check.name for check in CHECKS]
@@ -772,7 +802,9 @@ def check_names() -> list[str]:
 
 __all__ = [
     "CHECKS",
+    "ELSEWHERE",
     "Check",
+    "Elsewhere",
     "ProbeBudget",
     "ProbePlan",
     "ProbeReport",
