@@ -125,9 +125,7 @@ def check_optimizer_sees_every_parameter(
     if has_lazy_parameters(model):
         materialise(model, spec_example(bundle.spec))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = (
-        optimizer_for(model, 1.0) if optimizer_for else torch.optim.SGD(trainable, lr=1e-3)
-    )
+    optimizer = optimizer_for(model, 1.0) if optimizer_for else torch.optim.SGD(trainable, lr=1e-3)
     model.train()
     loss, _ = criterion(model, _batch(bundle, 4))
     loss.backward()
