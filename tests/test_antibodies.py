@@ -1086,3 +1086,19 @@ def test_a_split_overlap_within_the_limit_is_reported_said_and_triaged(broken_da
     _, causes = triage(tmp_path / "run")
     leak = [c for c in causes if c.title.startswith("the same examples in the training split")]
     assert leak and "10 of 360 val items" in leak[0].evidence, causes
+
+
+def test_splits_made_by_random_split_are_compared_by_their_own_items():
+    """torch's random_split gives Subsets of one table: each is its own items, not the table's
+    (which would read as a 100% overlap); a copied row across them is found."""
+    from torch.utils.data import Subset, TensorDataset, random_split
+
+    from kiln.data.split_hygiene import content_keys, overlap
+
+    table = TensorDataset(torch.randn(100, 4), torch.zeros(100))
+    train, val = random_split(table, [80, 20], generator=torch.Generator().manual_seed(0))
+    assert overlap("val", content_keys(val), "train", content_keys(train)).shared == 0
+    leaked = Subset(table, [*val.indices[:15], train.indices[0]])
+    found = overlap("val", content_keys(leaked), "train", content_keys(train))
+    assert (found.shared, found.compared) == (1, 16)
+    assert found.examples == ["val item 15 = train item 0"]

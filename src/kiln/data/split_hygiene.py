@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Subset, TensorDataset
 
 from kiln.errors import first_few
 
@@ -197,12 +197,9 @@ def content_keys(dataset, limit: int = ITEM_LIMIT) -> list[bytes]:
     one): what the dataset says its items are (`content_keys()`), an in-memory table's rows,
     else each item's input as the dataset gives it (`load(i)`, before random augmentation,
     where it has one)."""
-    own = getattr(dataset, "content_keys", None)
-    if callable(own):
-        return list(own())
-    table = getattr(dataset, "dataset", dataset)  # kiln's loaders wrap a TensorDataset
-    if isinstance(table, TensorDataset):
-        return row_digests(table.tensors[0])
+    listed = _listed(dataset)
+    if listed is not None:
+        return listed
     count = min(len(dataset), limit)
     if count < len(dataset):
         log.info(
@@ -212,6 +209,20 @@ def content_keys(dataset, limit: int = ITEM_LIMIT) -> list[bytes]:
             len(dataset),
         )
     return [digest(_input(dataset, i)) for i in range(count)]
+
+
+def _listed(dataset) -> list[bytes] | None:
+    """The digests a dataset gives without reading item by item: its own `content_keys()`, an
+    in-memory table's rows, a Subset's share of its parent's (torch's random_split)."""
+    own = getattr(dataset, "content_keys", None)
+    if callable(own):
+        return list(own())
+    if isinstance(dataset, TensorDataset):
+        return row_digests(dataset.tensors[0])
+    if isinstance(dataset, Subset):
+        parent = _listed(dataset.dataset)
+        return [parent[i] for i in dataset.indices] if parent is not None else None
+    return None
 
 
 def _input(dataset, index: int) -> Any:

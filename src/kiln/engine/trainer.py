@@ -798,9 +798,10 @@ class Trainer:
     def read_box_predictions(self) -> None:
         """A detection run's boxes on one validation batch, once, after the first evaluation
         (kiln.guards.box_predictions): degenerate boxes, or boxes that fit their targets better
-        flipped or read in another format, are said and kept as findings."""
+        flipped or read in another format, are said and kept as findings. Every rank runs its
+        own batch (a sharded model's forward is its ranks' collectives); the main rank says."""
         self.boxes_read = True
-        if self.parts.data.spec.task != "detection" or not self.dist.is_main:
+        if self.parts.data.spec.task != "detection":
             return
         from kiln.guards.box_predictions import check_box_predictions
 
@@ -812,6 +813,8 @@ class Trainer:
             found = check_box_predictions(
                 self.raw_model, batch, self.criterion.forward, self.state.global_step
             )
+        if not self.dist.is_main:
+            return
         for finding in found:
             log.warning("box predictions: %s", finding.evidence)
         self.probe_report.findings.extend(found)
