@@ -1215,6 +1215,33 @@ class SoftmaxOverSequence(TokenPooling):
     pool = "softmax_over_sequence"
 
 
+class MaskedAttention(nn.Module):
+    """Self-attention over the tokens, padding masked (key_padding_mask: True where a token is
+    padding), then a mean over the real tokens; `inverted`: the mask handed over the other way
+    round (True where a token is real), as an attention_mask convention would have it."""
+
+    inverted = False
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.pad_id = spec.pad_id
+        self.embed = nn.Embedding(spec.vocab_size, 16)
+        self.attend = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, spec.num_classes)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        padding = ids == self.pad_id
+        mask = ~padding if self.inverted else padding
+        out, _ = self.attend(h, h, h, key_padding_mask=mask, need_weights=False)
+        real = (~padding)[..., None]
+        return self.head((out * real).sum(dim=1) / real.sum(dim=1).clamp(min=1))
+
+
+class InvertedAttentionMask(MaskedAttention):
+    inverted = True
+
+
 class BuiltInForward(nn.Module):
     """Builds its projection on the first call, sized from the first batch: the optimizer, built
     before any forward, never holds it."""
@@ -1268,6 +1295,9 @@ BROKEN += [
            "before it calls head (Linear)", TextBowConfig, ("tokens",)),
     Broken("softmax_over_batch", SoftmaxOverBatch, "csv_text", BATCH, "behaviour",
            "its output depends on its neighbour", TextBowConfig, ("tokens",)),
+    Broken("inverted_attention_mask", InvertedAttentionMask, "csv_text", PADDING, "behaviour",
+           "the model reads its padding; first seen in attend (MultiheadAttention)",
+           TextBowConfig, ("tokens",)),
     Broken("built_in_forward", BuiltInForward, "digits", COVERAGE, "coverage",
            "proj.weight, proj.bias (in proj (Linear)) are trainable parameters of the model "
            "after step 1 that the optimizer does not hold"),
@@ -1277,6 +1307,7 @@ BROKEN += [
 TWINS += [
     Twin("mean_over_real_tokens", MeanOverRealTokens, "mean_over_padding"),
     Twin("softmax_over_sequence", SoftmaxOverSequence, "softmax_over_batch"),
+    Twin("masked_attention", MaskedAttention, "inverted_attention_mask"),
     Twin("lazy_projection", LazyProjection, "built_in_forward"),
 ]
 
