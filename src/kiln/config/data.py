@@ -30,7 +30,8 @@ class DataConfig:
     drop_last: bool = False  # leave out each epoch's partial last training batch (BatchNorm: 1)
     # the share of a validation or test split's examples also in an earlier split (training)
     # that stops the run, counted beyond the share the training split repeats of itself (data
-    # that repeats itself shares that much with any random split); 1: never stop
+    # that repeats itself shares that much with any random split; one shared item never
+    # stops it); 1: never stop
     max_split_overlap: float = 0.05
 
     def check(self, key: str) -> None:
