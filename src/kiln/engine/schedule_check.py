@@ -61,8 +61,9 @@ class Curve:
 def lr_curve(build, steps: int) -> Curve | None:
     """The schedule `build(optimizer, steps)` makes (None: a constant lr), read on a stand-in
     optimizer with lr 1; None where it is constant or too long to step through."""
-    param = torch.zeros(1, requires_grad=True)
-    optimizer = torch.optim.SGD([param], lr=1.0)
+    from kiln.engine.optim import SGD  # torch's own imports torch._dynamo when built: 2-4 s
+
+    optimizer = SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "get_lr() outside step", "step() before optimizer"
         scheduler = build(optimizer, steps)
