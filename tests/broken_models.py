@@ -14,6 +14,7 @@ from torch import nn
 from kiln.config.model import DetectorConfig, MlpConfig, TextBowConfig
 from kiln.guards.rules import (
     BATCH,
+    COVERAGE,
     DEAD,
     DETERMINISM,
     DEVICES,
@@ -21,6 +22,7 @@ from kiln.guards.rules import (
     LEARN,
     LOGITS,
     NUMERICS,
+    PADDING,
     PURITY,
     RULE_1,
     RULE_2,
@@ -1221,3 +1223,261 @@ TWINS = [
     Twin("reshape_on_permuted", ReshapeOnPermuted, "view_on_permuted"),
     Twin("unit_temperature", UnitTemperature, "tiny_logits"),
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 48: bugs that still ended `ok` -- a model that reads its padding or its neighbours in
+# attention pooling, a layer built in forward or a tie re-made there (the optimizer never sees
+# either) -- each with its correct twin; and broken datasets (BROKEN_DATA below).
+
+
+class TokenPooling(nn.Module):
+    """Embeds token ids and pools them over the sequence: `pool` says how."""
+
+    pool = "masked_mean"
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.pad_id = spec.pad_id
+        self.embed = nn.Embedding(spec.vocab_size, 16)  # padding embeds to a vector, not 0
+        self.score = nn.Linear(16, 1) if self.pool.startswith("softmax") else None
+        self.head = nn.Linear(16, spec.num_classes)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        real = (ids != self.pad_id)[..., None]
+        if self.pool == "mean_over_padding":  # the bug: padding counts in the mean
+            pooled = h.mean(dim=1)
+        elif self.pool == "masked_mean":  # the mean over each text's real tokens
+            pooled = (h * real).sum(dim=1) / real.sum(dim=1).clamp(min=1)
+        else:  # attention pooling
+            scores = self.score(h).masked_fill(~real, -1e9)
+            dim = 0 if self.pool == "softmax_over_batch" else 1  # the bug: dim 0, the batch
+            pooled = (scores.softmax(dim=dim) * h * real).sum(dim=1)
+        return self.head(pooled)
+
+
+class MeanOverPadding(TokenPooling):
+    pool = "mean_over_padding"
+
+
+class MeanOverRealTokens(TokenPooling):
+    pool = "masked_mean"
+
+
+class SoftmaxOverBatch(TokenPooling):
+    pool = "softmax_over_batch"
+
+
+class SoftmaxOverSequence(TokenPooling):
+    pool = "softmax_over_sequence"
+
+
+class MaskedAttention(nn.Module):
+    """Self-attention over the tokens, padding masked (key_padding_mask: True where a token is
+    padding), then a mean over the real tokens; `inverted`: the mask handed over the other way
+    round (True where a token is real), as an attention_mask convention would have it."""
+
+    inverted = False
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.pad_id = spec.pad_id
+        self.embed = nn.Embedding(spec.vocab_size, 16)
+        self.attend = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, spec.num_classes)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        padding = ids == self.pad_id
+        mask = ~padding if self.inverted else padding
+        out, _ = self.attend(h, h, h, key_padding_mask=mask, need_weights=False)
+        real = (~padding)[..., None]
+        return self.head((out * real).sum(dim=1) / real.sum(dim=1).clamp(min=1))
+
+
+class InvertedAttentionMask(MaskedAttention):
+    inverted = True
+
+
+class BuiltInForward(nn.Module):
+    """Builds its projection on the first call, sized from the first batch: the optimizer, built
+    before any forward, never holds it."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.proj: nn.Module | None = None
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        h = x.flatten(1)
+        if self.proj is None:
+            self.proj = nn.Linear(h.shape[1], 32).to(h.device)
+        return self.head(self.proj(h).relu())
+
+
+class LazyProjection(nn.Module):
+    """The same, with torch's own lazy layer: sized by a dry forward before the optimizer."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.proj = nn.LazyLinear(32)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        return self.head(self.proj(x.flatten(1)).relu())
+
+
+class TiedInForward(nn.Module):
+    """Ties its decoder to its encoder on the first call, with a copy made a new Parameter
+    (the tie meant was the Parameter itself): the optimizer holds the old one."""
+
+    def __init__(self, spec, cfg, *, aux_head=False):
+        super().__init__()
+        self.tied = False
+        self.encode = nn.Linear(features(spec), 32, bias=False)
+        self.decode = nn.Linear(32, features(spec), bias=False)
+        self.head = nn.Linear(32, spec.num_classes)
+
+    def forward(self, x):
+        if not self.tied:
+            self.decode.weight = nn.Parameter(self.encode.weight.detach().t().clone())
+            self.tied = True
+        h = self.encode(x.flatten(1)).relu()
+        return self.head(h + 0.1 * self.encode(self.decode(h)))
+
+
+BROKEN += [
+    Broken("mean_over_padding", MeanOverPadding, "csv_text", PADDING, "behaviour",
+           "the model reads its padding; first seen in <model> (MeanOverPadding).forward, "
+           "before it calls head (Linear)", TextBowConfig, ("tokens",)),
+    Broken("softmax_over_batch", SoftmaxOverBatch, "csv_text", BATCH, "behaviour",
+           "its output depends on its neighbour", TextBowConfig, ("tokens",)),
+    Broken("inverted_attention_mask", InvertedAttentionMask, "csv_text", PADDING, "behaviour",
+           "the model reads its padding; first seen in attend (MultiheadAttention)",
+           TextBowConfig, ("tokens",)),
+    Broken("built_in_forward", BuiltInForward, "digits", COVERAGE, "coverage",
+           "proj.weight, proj.bias (in proj (Linear)) are trainable parameters of the model "
+           "after step 1 that the optimizer does not hold"),
+    Broken("tied_in_forward", TiedInForward, "digits", COVERAGE, "coverage",
+           "decode.weight (in decode (Linear))"),
+]  # fmt: skip
+TWINS += [
+    Twin("mean_over_real_tokens", MeanOverRealTokens, "mean_over_padding"),
+    Twin("softmax_over_sequence", SoftmaxOverSequence, "softmax_over_batch"),
+    Twin("masked_attention", MaskedAttention, "inverted_attention_mask"),
+    Twin("lazy_projection", LazyProjection, "built_in_forward"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Broken datasets (issue 48): each is a dataset kiln builds, changed the way real data goes
+# wrong; the data checks stop each before any model is built, naming it. The twin of each is
+# the unchanged dataset (`mended`), which must pass the same check.
+
+
+def _with_val(bundle, val):
+    import dataclasses as dc
+
+    return dc.replace(bundle, val=val, val_lengths=None, sources=None)
+
+
+def val_is_train(bundle):
+    """The validation split is the training split (a path copied into both keys)."""
+    return _with_val(bundle, bundle.train)
+
+
+def val_overlaps_train(bundle):
+    """Half the validation split is training images (a split made twice, with two seeds)."""
+    from torch.utils.data import ConcatDataset, Subset
+
+    half = len(bundle.val) // 2
+    return _with_val(bundle, ConcatDataset([Subset(bundle.train, range(half)),
+                                            Subset(bundle.val, range(half))]))  # fmt: skip
+
+
+class ClassMapped(torch.utils.data.Dataset):
+    """A split that declares its class-to-index map, as torchvision's ImageFolder does."""
+
+    def __init__(self, dataset, class_to_idx: dict[str, int]):
+        self.dataset, self.class_to_idx = dataset, class_to_idx
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+
+def class_maps(bundle, swap: bool):
+    """Each split with its own class map; `swap`: the validation folder listed another way, so
+    two classes trade indices (ImageFolder on a folder missing a class shifts them alike)."""
+    import dataclasses as dc
+
+    names = list(bundle.spec.class_names)
+    train_map = {name: i for i, name in enumerate(names)}
+    val_map = dict(train_map)
+    if swap:
+        val_map[names[0]], val_map[names[1]] = 1, 0
+    return dc.replace(bundle, train=ClassMapped(bundle.train, train_map),
+                      val=ClassMapped(bundle.val, val_map))  # fmt: skip
+
+
+class Retargeted(torch.utils.data.Dataset):
+    """Detection items whose targets a function rewrites."""
+
+    def __init__(self, dataset, change):
+        self.dataset, self.change = dataset, change
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        image, target = self.dataset[index]
+        return image, self.change(dict(target))
+
+
+def _retargeted(bundle, change):
+    import dataclasses as dc
+
+    return dc.replace(bundle, train=Retargeted(bundle.train, change),
+                      val=Retargeted(bundle.val, change))  # fmt: skip
+
+
+def labels_from_zero(bundle):
+    """Labels 0..C-1, where the detectors reserve 0 for the background."""
+    return _retargeted(bundle, lambda t: {**t, "labels": t["labels"] - 1})
+
+
+def boxes_as_xywh(bundle):
+    """Boxes written as COCO's (x, y, w, h) where kiln's items carry (x1, y1, x2, y2)."""
+    from torchvision.ops import box_convert
+
+    return _retargeted(bundle, lambda t: {**t, "boxes": box_convert(t["boxes"], "xyxy", "xywh")})
+
+
+@dataclass(frozen=True)
+class BrokenData:
+    name: str
+    change: object  # DataBundle -> DataBundle: the bug
+    data: str  # the dataset it changes
+    what: str  # the [FAIL] line's <what> (and the finding's kind)
+    needle: str  # a fragment the message must hold
+    mended: object = None  # DataBundle -> DataBundle: the twin (None: the dataset as it is)
+    overrides: tuple[str, ...] = ()
+
+
+BROKEN_DATA = [
+    BrokenData("val_is_train", val_is_train, "digits", "split leak",
+               "1437 of 1437 val items (100.0%) are also in the train split"),
+    BrokenData("val_overlaps_train", val_overlaps_train, "digits", "split leak",
+               "180 of 360 val items (50.0%) are also in the train split"),
+    BrokenData("class_map_swapped", lambda b: class_maps(b, swap=True), "digits", "class map",
+               "2 class(es) at another index: '0' -> 1 in val, 0 in train, '1' -> 0 in val, 1 "
+               "in train", mended=lambda b: class_maps(b, swap=False)),
+    BrokenData("labels_from_zero", labels_from_zero, "shapes_detection", "box convention",
+               "boxes are labelled 0 (labels 0..1), and kiln's detectors reserve 0 for the "
+               "background", overrides=("model=detector",)),
+    BrokenData("boxes_as_xywh", boxes_as_xywh, "shapes_detection", "box convention",
+               "have x2 <= x1 or y2 <= y1", overrides=("model=detector",)),
+]  # fmt: skip

@@ -10,6 +10,8 @@ import dataclasses
 import importlib
 import random
 import re
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from torch import nn
 
 from kiln.cli.paths import CONF_DIR
 from kiln.config import ConfigError
+from kiln.config.data import DataConfig
 from kiln.data import build_data
 from kiln.engine.loss import build_criterion
 from kiln.guards import (
@@ -33,6 +36,7 @@ from kiln.guards.batch_independence import BatchDependenceError
 from kiln.guards.contract import (
     check_behaviour,
     check_device_diagnosis,
+    check_optimizer_sees_every_parameter,
     check_outputs_are_logits,
     check_rule1,
     check_rule2,
@@ -42,9 +46,12 @@ from kiln.guards.determinism import NondeterministicEvalError
 from kiln.guards.input_sizes import EpochPlan, MemoryLayoutError
 from kiln.guards.learn_probe import CannotLearnError
 from kiln.guards.numerics import NumericsError
+from kiln.guards.optimizer_coverage import OutsideTheOptimizerError
+from kiln.guards.padding import PaddingError
 from kiln.guards.purity import ImpureForwardError
 from kiln.guards.rules import (
     BATCH,
+    COVERAGE,
     DEAD,
     DETERMINISM,
     DEVICES,
@@ -52,6 +59,7 @@ from kiln.guards.rules import (
     LEARN,
     LOGITS,
     NUMERICS,
+    PADDING,
     PURITY,
     RULE_1,
     RULE_2,
@@ -59,9 +67,9 @@ from kiln.guards.rules import (
     ProbeFailure,
 )
 from kiln.models import build_model
-from kiln.registry import MODELS, compatible_pairs, dataset_provides, model_inputs
+from kiln.registry import DATASETS, MODELS, compatible_pairs, dataset_provides, model_inputs
 
-from .broken_models import BROKEN, TWINS, Broken, Twin
+from .broken_models import BROKEN, BROKEN_DATA, TWINS, Broken, Twin
 from .conftest import PROBES_OFF, compose_config, train_in_process
 from .image_folder_helpers import EXAMPLES
 from .test_engine import make_trainer
@@ -84,6 +92,35 @@ SMALL = {
     ),  # fmt: skip
     "yolo": (f"data.train_dir={DETECTION / 'yolo/images/train'}",),
 }
+_examples: dict[str, tuple[str, ...]] = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def example_folder(tmp_path_factory):
+    """Where the datasets that read files write their declared examples (one per session)."""
+    global EXAMPLE_ROOT
+    EXAMPLE_ROOT = tmp_path_factory.mktemp("dataset-examples")
+    return EXAMPLE_ROOT
+
+
+EXAMPLE_ROOT = None
+
+
+def small(data: str) -> tuple[str, ...]:
+    """The overrides a dataset is tested with: a registry entry that reads files declares a
+    small example of its own input (`example=`: folder -> overrides, written into that
+    folder), so a plugin dataset a user adds tomorrow is built here too; else SMALL's."""
+    declared = DATASETS.entry(data).meta.get("example")
+    if declared is None:
+        return SMALL.get(data, ())
+    if data not in _examples:
+        root = EXAMPLE_ROOT or Path(tempfile.mkdtemp(prefix="kiln-examples-"))
+        folder = root / data
+        folder.mkdir(parents=True, exist_ok=True)
+        _examples[data] = tuple(declared(folder))
+    return _examples[data]
+
+
 PAIRS = compatible_pairs()
 # Zoo entries (model=torchvision, model=timm, model=hf, model=torchvision_detection) also run
 # each architecture their registry entry declares as a sample, on small data of the kind they
@@ -115,7 +152,8 @@ ERRORS = {RULE_1: ShapeInferenceError, RULE_2: LossBranchError, RULE_3: ShapeCon
           DEVICES: DeviceMismatchError, LOGITS: ProbabilitiesNotLogitsError,
           NUMERICS: NumericsError, BATCH: BatchDependenceError,
           DETERMINISM: NondeterministicEvalError, PURITY: ImpureForwardError,
-          DEAD: ProbeFailure, LEARN: CannotLearnError, LAYOUT: MemoryLayoutError}  # fmt: skip
+          DEAD: ProbeFailure, LEARN: CannotLearnError, LAYOUT: MemoryLayoutError,
+          PADDING: PaddingError, COVERAGE: OutsideTheOptimizerError}  # fmt: skip
 
 _bundles: dict[tuple[str, ...], object] = {}
 
@@ -125,7 +163,7 @@ def bundle_for(data: str, data_overrides=()):
     if key not in _bundles:
         fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
         model = fits[dataset_provides(data)]
-        overrides = (f"data={data}", f"model={model}", *SMALL.get(data, ()), *data_overrides)
+        overrides = (f"data={data}", f"model={model}", *small(data), *data_overrides)
         _bundles[key] = build_data(compose_config(*overrides).data)
     return _bundles[key]
 
@@ -134,7 +172,7 @@ def model_config(model: str, data: str, model_overrides=()):
     """The option's YAML values where kiln's conf/ has it, else its schema's defaults (a plugin's
     model, whose YAML lives in the user's own folder)."""
     if (CONF_DIR / "model" / f"{model}.yaml").is_file():
-        overrides = (f"data={data}", f"model={model}", *SMALL.get(data, ()), *model_overrides)
+        overrides = (f"data={data}", f"model={model}", *small(data), *model_overrides)
         return compose_config(*overrides).model
     return MODELS.entry(model).config(name=model)
 
@@ -143,7 +181,7 @@ def parts(model: str, data: str, *overrides: str, model_overrides=(), data_overr
     """(build, criterion, bundle) as the engine makes them, for `model` on `data`."""
     fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
     base = fits[dataset_provides(data)]
-    cfg = compose_config(f"data={data}", f"model={base}", *SMALL.get(data, ()), *overrides)
+    cfg = compose_config(f"data={data}", f"model={base}", *small(data), *overrides)
     cfg = dataclasses.replace(cfg, model=model_config(model, data, model_overrides))
     aux = cfg.loss.force_all_branches or cfg.loss.aux_head
     built: dict = {}
@@ -230,8 +268,17 @@ def test_behaviour_checks_and_the_learn_probe_pass(model, data, model_overrides)
     parameter used only in some steps (as DDP would need), the device and fp16 probes, and a
     few steps on one batch lowering its loss at the option's own optimizer settings."""
     fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}[dataset_provides(data)]
-    cfg = compose_config(f"data={data}", f"model={fits}", *SMALL.get(data, ()))
+    cfg = compose_config(f"data={data}", f"model={fits}", *small(data))
     check_behaviour(*parts(model, data, model_overrides=model_overrides), optimizer_for_config(cfg))
+
+
+@pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
+def test_the_optimizer_holds_every_trainable_parameter_after_a_step(model, data, model_overrides):
+    fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}[dataset_provides(data)]
+    cfg = compose_config(f"data={data}", f"model={fits}", *small(data))
+    check_optimizer_sees_every_parameter(
+        *parts(model, data, model_overrides=model_overrides), optimizer_for_config(cfg)
+    )
 
 
 @pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
@@ -381,7 +428,7 @@ def registered():
 def broken_parts(broken: Broken, *overrides: str):
     schema_option = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
     base = schema_option[broken.inputs[0]]
-    cfg = compose_config(f"data={broken.data}", f"model={base}", *SMALL.get(broken.data, ()),
+    cfg = compose_config(f"data={broken.data}", f"model={base}", *small(broken.data),
                          *broken.overrides, *overrides)  # fmt: skip
     if type(cfg.model) is broken.config:
         model = dataclasses.replace(cfg.model, name=broken.name)
@@ -403,12 +450,18 @@ def fp16_check(build, criterion, bundle, cfg=None):
     return check_behaviour(build, criterion, bundle, optimizer_for_config(cfg), fp16=True)
 
 
+def coverage_check(build, criterion, bundle, cfg=None):
+    return check_optimizer_sees_every_parameter(build, criterion, bundle, optimizer_for_config(cfg))
+
+
 CHECKS = {"rule1": check_rule1, "rule2": check_rule2, "rule3": check_rule3,
           "logits": check_outputs_are_logits, "behaviour": behaviour_check,
-          "fp16": fp16_check}  # fmt: skip
+          "fp16": fp16_check, "coverage": coverage_check}  # fmt: skip
+WITH_CFG = ("behaviour", "fp16", "coverage")  # the checks that build the run's optimizer
 WHAT = {RULE_1: "shapes", RULE_3: "shapes", DEVICES: "device", NUMERICS: "numerics",
         BATCH: "batch dependence", DETERMINISM: "determinism", PURITY: "purity",
-        DEAD: "dead gradients", LEARN: "cannot learn", LAYOUT: "shapes"}  # fmt: skip
+        DEAD: "dead gradients", LEARN: "cannot learn", LAYOUT: "shapes", PADDING: "padding",
+        COVERAGE: "optimizer coverage"}  # fmt: skip
 
 
 @pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
@@ -431,7 +484,7 @@ def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
     # The epoch's plan as the run would cut it (batch size from the broken model's data).
     extra = {"plan": EpochPlan(len(bundle.train), cfg.data.batch_size)}
     extra = extra if broken.check == "rule1" else {}
-    extra = {"cfg": cfg} if broken.check in ("behaviour", "fp16") else extra
+    extra = {"cfg": cfg} if broken.check in WITH_CFG else extra
     with pytest.raises(ERRORS[broken.rule]) as info:
         CHECKS[broken.check](build, criterion, bundle, **extra)
     message = str(info.value)
@@ -443,7 +496,9 @@ def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
 
 SINGLE_PROCESS_NEEDLE = {
     "conditional_refine": "sample 0's output changes with its neighbours: alone (a batch of 1) "
-    "vs in its batch of 8"
+    "vs in its batch of 8",
+    # A run's rule 3 meets it first: with no padding, every key is masked (NaN in eval mode).
+    "inverted_attention_mask": "the first module whose eval-mode output is non-finite: attend",
 }
 
 
@@ -470,7 +525,8 @@ def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_
     # branch taken when some sample of the batch asks for it makes each sample's output depend
     # on its neighbours: one process stops it there (under DDP, tests/test_ddp.py, the
     # parameters it leaves without a gradient stop it first).
-    rule = {"nan_aux": NUMERICS, "conditional_refine": BATCH}.get(broken.name, broken.rule)
+    rule = {"nan_aux": NUMERICS, "conditional_refine": BATCH,
+            "inverted_attention_mask": NUMERICS}.get(broken.name, broken.rule)  # fmt: skip
     needle = SINGLE_PROCESS_NEEDLE.get(broken.name, broken.needle)
     with pytest.raises(ERRORS[rule]) as info:
         train(cfg, tmp_path / "run")
@@ -480,6 +536,9 @@ def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_
     assert '"steps": 0' in summary or '"steps": 1' in summary  # at the first step at the latest
     if broken.check in ("behaviour", "fp16"):  # before step 1, naming the module
         assert '"steps": 0' in summary and needle in message, message
+    if broken.check == "coverage":  # after step 1, before anything is saved
+        assert '"steps": 1' in summary and needle in message, message
+        assert not (tmp_path / "run" / "checkpoints" / "best.pt").exists()
 
 
 def register_twin(twin: Twin) -> Broken:
@@ -515,7 +574,7 @@ def test_each_correct_twin_passes_the_check_its_broken_model_fails(twin, twin_re
 
     bundle = bundle_for(as_broken.data)
     criterion = build_criterion(build(bundle.spec), cfg.loss)
-    extra = {"cfg": cfg} if as_broken.check in ("behaviour", "fp16") else {}
+    extra = {"cfg": cfg} if as_broken.check in WITH_CFG else {}
     CHECKS[as_broken.check](build, criterion, bundle, **extra)
 
 
@@ -737,3 +796,312 @@ def test_rule2_a_branch_at_zero_that_still_pulls_passes_one_that_moves_nothing_s
 
     with pytest.raises(LossBranchError, match="'dead' term is exactly 0 and moves nothing"):
         check_loss_branches(head, dead_branch, batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every dataset's checkpoint record loads back; plugin datasets that read files are built
+
+
+@pytest.mark.parametrize("data", DATASETS.names())
+def test_every_datasets_checkpoint_record_loads_back_with_weights_only(data):
+    """What every checkpoint carries of the data (its spec and preprocessing, as
+    kiln.engine.run writes them) loads with weights_only=True: a dataset whose class names are
+    numpy strings trained ok, then kiln could not load its own best.pt."""
+    import io
+
+    from kiln.engine.run import checkpoint_record
+
+    fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}[dataset_provides(data)]
+    cfg = compose_config(f"data={data}", f"model={fits}", *small(data))
+    record = checkpoint_record(cfg, bundle_for(data))
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded["data_spec"] == record["data_spec"]
+    assert all(type(name) is str for name in loaded["data_spec"]["class_names"])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowsFileConfig(DataConfig):
+    """A plugin's dataset read from a file, at a path relative to where the user trains."""
+
+    path: str = "my_rows.npz"
+
+
+def build_rows_file(cfg):
+    """8x8 images and their class names (numpy strings, as a pandas column gives them) from a
+    .npz file."""
+    from torch.utils.data import TensorDataset
+
+    from kiln.data.spec import DataBundle, DataSpec
+    from kiln.preprocessing import ImageRecipe
+
+    with np.load(cfg.path) as data:
+        x, y, names = torch.from_numpy(data["x"]), torch.from_numpy(data["y"]), data["names"]
+    spec = DataSpec("classification", "image", len(names), tuple(names), channels=1,
+                    image_size=(8, 8))  # fmt: skip
+    recipe = ImageRecipe(mean=(0.0,), std=(1.0,), channels=1, image_size=(8, 8),
+                         class_names=tuple(names))  # fmt: skip
+    return DataBundle(spec, TensorDataset(x[:48], y[:48]), TensorDataset(x[48:], y[48:]), recipe)
+
+
+def rows_file_example(folder: Path) -> list[str]:
+    """The small example of its input the dataset declares (`example=` in its registry entry)."""
+    generator = np.random.default_rng(0)
+    y = np.arange(64) % 2
+    x = (generator.normal(size=(64, 1, 8, 8)) + y[:, None, None, None]).astype(np.float32)
+    names = np.array(["left", "right"])  # numpy strings
+    np.savez(folder / "rows.npz", x=x, y=y.astype(np.int64), names=names)
+    return [f"data.path={folder / 'rows.npz'}"]
+
+
+@pytest.fixture
+def rows_file(tmp_path):
+    """The plugin's dataset registered, and its option's YAML in a folder of its own."""
+    from kiln import registry
+
+    (tmp_path / "conf" / "data").mkdir(parents=True)
+    (tmp_path / "conf" / "data" / "rows_file.yaml").write_text("batch_size: 16\n")
+    DATASETS.register("rows_file", config=RowsFileConfig, provides="image",
+                      example=rows_file_example)(build_rows_file)  # fmt: skip
+    registry.register_config_dir(tmp_path / "conf")
+    yield "rows_file"
+    del DATASETS._entries["rows_file"]
+    registry._CONFIG_DIRS.remove(f"file://{(tmp_path / 'conf').resolve()}")
+    _examples.pop("rows_file", None)
+
+
+def test_a_plugin_dataset_that_reads_a_file_is_built_from_the_example_it_declares(
+    rows_file, tmp_path
+):
+    """The registry-wide tests build every dataset from the repository's root: a plugin's
+    dataset that reads a file at a relative path was a FileNotFoundError (42 of them). Its
+    declared example is what the suite builds; and its run's best.pt loads back, numpy class
+    names and all."""
+    from kiln.checkpoint import load_checkpoint
+    from kiln.engine.run import train
+
+    with pytest.raises(FileNotFoundError):  # what the suite met without the example
+        build_data(compose_config(f"data={rows_file}").data)
+    bundle = bundle_for(rows_file)
+    assert len(bundle.train) == 48 and bundle.spec.class_names == ("left", "right")
+    assert all(type(name) is str for name in bundle.spec.class_names)
+    cfg = compose_config(f"data={rows_file}", *small(rows_file), "trainer.max_steps=2",
+                         "logger=none", "env.progress_bar=false")  # fmt: skip
+    train(cfg, tmp_path / "run")
+    best = load_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")
+    assert best["data_spec"]["class_names"] == ["left", "right"] or tuple(
+        best["data_spec"]["class_names"]
+    ) == ("left", "right")
+
+
+# ---------------------------------------------------------------------------------------------
+# The broken datasets (tests/broken_models.py BROKEN_DATA): stopped by the data checks before a
+# model is built, each named; triage names each cause from its finding
+
+
+@pytest.mark.parametrize("broken", BROKEN_DATA, ids=[b.name for b in BROKEN_DATA])
+def test_the_data_checks_stop_each_broken_dataset_and_pass_its_twin(broken):
+    from kiln.data.split_hygiene import checked_splits
+
+    bundle = bundle_for(broken.data)
+    with pytest.raises(RuntimeError) as info:
+        checked_splits(broken.change(bundle), 0.05, f"data={broken.data}")
+    assert info.value.what == broken.what == info.value.kind, info.value
+    assert broken.needle in str(info.value), str(info.value)
+    mended = broken.mended(bundle) if broken.mended else bundle
+    checked = checked_splits(mended, 0.05, f"data={broken.data}")  # the twin passes
+    assert not checked.findings and checked.report["splits"]["overlap"]
+
+
+@pytest.fixture
+def broken_dataset():
+    """Register a broken dataset (its base dataset, changed) for one test."""
+    added = []
+
+    def register(broken) -> str:
+        name = f"broken_{broken.name}"
+        base = DATASETS.entry(broken.data)
+
+        def build(cfg):
+            return broken.change(build_data(dataclasses.replace(cfg, name=broken.data)))
+
+        DATASETS.register(name, config=base.config, provides=base.meta["provides"])(build)
+        added.append(name)
+        return name
+
+    yield register
+    for name in added:
+        del DATASETS._entries[name]
+
+
+@pytest.mark.parametrize("broken", BROKEN_DATA, ids=[b.name for b in BROKEN_DATA])
+def test_train_stops_each_broken_dataset_before_the_model_and_triage_names_it(
+    broken, broken_dataset, tmp_path
+):
+    import json
+
+    from kiln.engine.run import train
+    from kiln.findings import KINDS
+    from kiln.triage import triage
+
+    name = broken_dataset(broken)
+    cfg = compose_config(f"data={broken.data}", *broken.overrides, *small(broken.data),
+                         "logger=none", "env.progress_bar=false")  # fmt: skip
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, name=name))
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError) as info:
+        train(cfg, run_dir)
+    assert info.value.what == broken.what and broken.needle in str(info.value)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["failed_check"]["kind"] == broken.what
+    (finding,) = json.loads((run_dir / "findings.json").read_text())
+    assert finding["kind"] == broken.what and finding["fatal"]
+    _, causes = triage(run_dir)
+    assert causes[0].title == KINDS[broken.what].title, causes
+    assert causes[0].try_ == (info.value.fix or KINDS[broken.what].advice)
+
+
+ISSUE_48_TITLES = {
+    "mean_over_padding": "the output depends on padding: the same text alone and padded beside "
+    "a longer one give different outputs",
+    "softmax_over_batch": "samples leak across the batch",
+    "built_in_forward": "parameters the optimizer never updates in proj",
+    "tied_in_forward": "parameters the optimizer never updates in decode",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ISSUE_48_TITLES))
+def test_triage_names_each_new_kind_from_its_finding(name, registered, tmp_path):
+    """kiln triage named the cause in 1 of 14 such runs: each is now the first cause, titled and
+    advised by its finding's kind."""
+    from kiln.engine.run import train
+    from kiln.triage import triage
+
+    broken = next(b for b in BROKEN if b.name == name)
+    registered(broken)
+    cfg = broken_parts(broken, "env.progress_bar=false", "logger=none", "trainer.max_epochs=1")
+    with pytest.raises(ProbeFailure):
+        train(cfg, tmp_path / "run")
+    _, causes = triage(tmp_path / "run")
+    assert causes[0].title == ISSUE_48_TITLES[name], causes
+    assert causes[0].try_ and broken.needle[:40] in causes[0].evidence
+
+
+def test_inference_rebuilds_a_model_whose_layers_are_built_or_sized_at_the_first_call(
+    registered, tmp_path
+):
+    """best.pt of a model with nn.LazyLinear, and of one that builds its layer in forward (as
+    an older run wrote it): infer.py refused the second ("unexpected proj.weight"); both are
+    rebuilt with a dry forward and predict as trained."""
+    from kiln.engine.run import train
+    from kiln.inference.record import read_checkpoint, rebuild_model
+
+    twin = next(t for t in TWINS if t.name == "lazy_projection")
+    as_broken = register_twin(twin)
+    try:
+        cfg = broken_parts(as_broken, "env.progress_bar=false", "logger=none",
+                           "trainer.max_steps=2")  # fmt: skip
+        train(cfg, tmp_path / "run")
+        record, state = read_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")
+        lazy = rebuild_model(record, state)
+        x = bundle_for("digits").val.tensors[0][:4]
+        # The same weights under a builder that makes `proj` in forward: rebuilt too.
+        del MODELS._entries[twin.name]
+        from .broken_models import BuiltInForward
+
+        MODELS.register(twin.name, config=as_broken.config)(BuiltInForward)
+        built = rebuild_model(record, state)
+        assert torch.equal(lazy(x), built(x))
+    finally:
+        del MODELS._entries[twin.name]
+
+
+def test_box_predictions_flipped_misread_or_degenerate_are_named_and_right_ones_are_not():
+    """After the first evaluation (kiln.guards.box_predictions): a detector that learned boxes
+    flipped (a dataset's flip that left the boxes behind) or decoded in another format fits its
+    targets far better read back that way; its twin, right, says nothing."""
+    from torchvision.ops import box_convert
+
+    from kiln.guards.box_predictions import box_findings
+
+    generator = torch.Generator().manual_seed(0)
+    images = [torch.zeros(3, 64, 80) for _ in range(4)]
+    targets = []
+    for _ in images:
+        corner = torch.rand(3, 2, generator=generator) * 40
+        size = 8 + torch.rand(3, 2, generator=generator) * 20
+        targets.append({"boxes": torch.cat([corner, corner + size], dim=1)})
+
+    def outputs(change):
+        return [{"boxes": change(t["boxes"]), "scores": torch.linspace(1, 0.5, len(t["boxes"]))}
+                for t in targets]  # fmt: skip
+
+    def flipped(b):
+        return torch.stack([80 - b[:, 2], b[:, 1], 80 - b[:, 0], b[:, 3]], dim=1)
+
+    def decoded_as_cxcywh(b):  # raw (x1, y1, x2, y2) outputs decoded as (cx, cy, w, h)
+        return box_convert(b, "cxcywh", "xyxy")
+
+    assert box_findings(images, targets, outputs(lambda b: b + 1.0), step=23) == []  # the twin
+    (found,) = box_findings(images, targets, outputs(flipped), step=23)
+    assert found.kind == "box predictions" and not found.fatal
+    assert found.evidence.startswith(
+        "after the first evaluation (step 23): the boxes fit their targets better flipped "
+        "horizontally (mean best IoU 1.00 against"
+    ), found.evidence
+    misread = [f.evidence for f in box_findings(images, targets, outputs(decoded_as_cxcywh), 23)]
+    assert any("better read back as (cx, cy, w, h)" in said for said in misread), misread
+    flat = box_findings(images, targets, outputs(lambda b: b[:, [0, 1, 0, 1]]), step=23)
+    assert "12 of 12 predicted boxes have no area" in flat[0].evidence, flat
+
+
+def test_a_split_overlap_within_the_limit_is_reported_said_and_triaged(broken_dataset, tmp_path):
+    """10 validation digits copied from training (2.8%, under data.max_split_overlap=0.05): the
+    run goes on; data_report.json counts them and names examples, findings.json says so, and
+    triage names it above the bare symptom."""
+    import json
+
+    from kiln.engine.run import train
+    from kiln.triage import triage
+
+    from .broken_models import BrokenData, _with_val
+
+    def ten_copied(bundle):
+        from torch.utils.data import ConcatDataset, Subset
+
+        rest = Subset(bundle.val, range(10, len(bundle.val)))
+        return _with_val(bundle, ConcatDataset([Subset(bundle.train, range(10)), rest]))
+
+    name = broken_dataset(BrokenData("ten_copied", ten_copied, "digits", "split leak", ""))
+    cfg = compose_config("trainer.max_steps=2", "logger=none", "env.progress_bar=false")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, name=name))
+    summary = train(cfg, tmp_path / "run")
+    assert summary["status"] in ("ok", "at_chance")
+    report = json.loads((tmp_path / "run" / "data_report.json").read_text())["splits"]
+    shared = report["overlap"]["val/train"]
+    assert shared["shared"] == 10 and shared["compared"] == 360
+    assert shared["examples"][0] == "val item 0 = train item 0"
+    (finding,) = json.loads((tmp_path / "run" / "findings.json").read_text())
+    assert finding["kind"] == "split leak" and not finding["fatal"]
+    assert "10 of 360 val items (2.8%) are also in the train split" in finding["evidence"]
+    _, causes = triage(tmp_path / "run")
+    leak = [c for c in causes if c.title.startswith("the same examples in the training split")]
+    assert leak and "10 of 360 val items" in leak[0].evidence, causes
+
+
+def test_splits_made_by_random_split_are_compared_by_their_own_items():
+    """torch's random_split gives Subsets of one table: each is its own items, not the table's
+    (which would read as a 100% overlap); a copied row across them is found."""
+    from torch.utils.data import Subset, TensorDataset, random_split
+
+    from kiln.data.split_hygiene import content_keys, overlap
+
+    table = TensorDataset(torch.randn(100, 4), torch.zeros(100))
+    train, val = random_split(table, [80, 20], generator=torch.Generator().manual_seed(0))
+    assert overlap("val", content_keys(val), "train", content_keys(train)).shared == 0
+    leaked = Subset(table, [*val.indices[:15], train.indices[0]])
+    found = overlap("val", content_keys(leaked), "train", content_keys(train))
+    assert (found.shared, found.compared) == (1, 16)
+    assert found.examples == ["val item 15 = train item 0"]

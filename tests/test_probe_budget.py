@@ -15,8 +15,9 @@ import pytest
 from kiln.engine.run import train
 from kiln.guards.learn_probe import CannotLearnError
 from kiln.guards.live_gradients import DeadGradientError
+from kiln.guards.purity import ImpureForwardError
 
-from .broken_models import TinyLogits, ZeroGradients
+from .broken_models import ScalesInputsInPlace, TinyLogits, ZeroGradients
 from .conftest import SUBPROCESS_ENV, compose_config
 
 QUIET = ("env.progress_bar=false", "logger=none", "trainer.log_every_n_steps=5")
@@ -93,6 +94,23 @@ def test_a_zero_gradient_with_no_room_for_a_second_probe_step_is_confirmed_at_st
     assert "again at step 2 of the run" in str(info.value)
     assert "branch.fc.weight" in str(info.value)
     assert summary_of(tmp_path / "run")["steps"] == 1
+
+
+def test_an_in_place_forward_is_stopped_even_with_no_room_for_the_purity_check(
+    tmp_path, temporary_model
+):
+    """The observed step runs first and sees its batch change: the purity finding is in hand,
+    whatever the budget (left out, x /= 16 in forward ended `ok`). The summary of a run a
+    probe stopped keeps what the probes took, the failing check's time included."""
+    cfg = temporary_model("in_place_budget", ScalesInputsInPlace, *QUIET, "trainer.max_epochs=1",
+                          "trainer.probe_cache=false", *NO_ROOM)  # fmt: skip
+    with pytest.raises(ImpureForwardError, match="changed the batch it was given: batch"):
+        train(cfg, tmp_path / "run")
+    summary = summary_of(tmp_path / "run")
+    assert summary["steps"] == 0 and summary["failed_check"]["kind"] == "purity"
+    assert summary["probe_time_s"] > 0 and summary["probe_budget_s"] == 0
+    assert {"step probe", "purity"} <= set(summary["probe_times_s"])
+    assert "rule 1" in summary["probe_skipped"]  # the budget did leave the others out
 
 
 def test_a_model_that_passed_is_not_probed_again_and_a_changed_one_is(tmp_path, caplog):

@@ -254,6 +254,58 @@ def test_a_missing_plugin_module_is_a_clear_error(tmp_path, monkeypatch):
         load_plugins(["not_there"])
 
 
+PLAIN_DATACLASS = """
+from dataclasses import dataclass
+
+from kiln.config.model import MlpConfig
+from kiln.registry import register_model
+
+
+@dataclass
+class {name}Config(MlpConfig):
+    width: int = 3
+
+
+@register_model("{name}", config={name}Config, inputs=("image",))
+def build(spec, cfg, *, aux_head=False):
+    raise NotImplementedError
+"""
+
+
+def test_a_plugin_config_written_as_a_plain_dataclass_is_one_line_saying_what_to_write(
+    tmp_path, monkeypatch, capsys
+):
+    """The form before configs were frozen died with a 34-line TypeError (cannot inherit
+    non-frozen dataclass from a frozen one); a standalone plain @dataclass as a config is
+    refused when registered."""
+    from kiln.cli.train import main as train_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plain_parts.py").write_text(PLAIN_DATACLASS.format(name="plainw"))
+    with pytest.raises(SystemExit) as stopped:
+        train_main(["plugins=[plain_parts]", "model=plainw"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(lines) == 1, lines
+    assert lines[0] == (
+        f"error: plugins: plain_parts: plainwConfig ({tmp_path / 'plain_parts.py'}:8) is a "
+        "plain @dataclass under one of kiln's frozen configs: write @dataclass(frozen=True, "
+        "kw_only=True) above it, as kiln's own configs are (a value derived from a config is a "
+        "new value: dataclasses.replace(cfg, ...))"
+    )
+
+    from dataclasses import dataclass
+
+    from kiln.registry import MODELS
+
+    @dataclass
+    class Standalone:
+        name: str = "standalone"
+
+    with pytest.raises(UserError, match=r"its config .*Standalone .* is a plain @dataclass: write"):
+        MODELS.register("standalone", config=Standalone)(lambda spec, cfg, aux_head=False: None)
+    assert "standalone" not in MODELS
+
+
 def installed_plugin(folder, module: str = "my_parts") -> None:
     """`pip install my-parts` as importlib.metadata sees it: a dist-info advertising the
     module under the kiln.plugins entry-point group (the folder goes on PYTHONPATH)."""

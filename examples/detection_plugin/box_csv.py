@@ -39,7 +39,14 @@ class BoxCsvConfig(DetectionFilesConfig):
     images: str = "../detection/coco/images/train"  # the folder its files are in
 
 
-@register_dataset("box_csv", config=BoxCsvConfig, provides="image_list")
+def example(folder: Path) -> list[str]:
+    """A small example of this dataset's input, for kiln's registry-wide tests (run from any
+    folder): the overrides that read it. The files this folder ships with are the example."""
+    here = Path(__file__).parent
+    return [f"data.csv={here / 'boxes.csv'}", f"data.images={here / BoxCsvConfig.images}"]
+
+
+@register_dataset("box_csv", config=BoxCsvConfig, provides="image_list", example=example)
 def build_box_csv(cfg):
     started = time.perf_counter()
     with open(cfg.csv, newline="") as f:

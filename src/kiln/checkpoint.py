@@ -124,6 +124,41 @@ def _write_failure(path: Path, err: BaseException, disk_full: bool = False) -> s
     return f"could not write checkpoint {path} ({free} on its disk; {kept}): {err}"
 
 
+PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def plain_record(value: Any, where: str = "record") -> Any:
+    """`value` as data torch.load(weights_only=True) loads back: numpy scalars and strings (a
+    dataset's class names from a pandas column, say) become Python's own, numpy arrays lists,
+    containers are rebuilt of plain parts. Anything else (an object of a plugin's class) is a
+    CheckpointError naming where it is in the record, at start-up: a run whose best.pt kiln
+    cannot load back must not train first."""
+    import numpy as np
+    import torch
+
+    if type(value) in PLAIN or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    for kind in (bool, int, float, str):  # subclasses (numpy's str_ and float64 among them)
+        if isinstance(value, kind):
+            return kind(value)
+    if isinstance(value, dict):
+        return {
+            plain_record(k, where): plain_record(v, f"{where}[{k!r}]") for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        parts = [plain_record(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return parts if isinstance(value, list) else tuple(parts)
+    raise CheckpointError(
+        f"the checkpoint's {where} is a {type(value).__module__}.{type(value).__qualname__} "
+        f"({value!r:.80}): checkpoints hold tensors and plain data only (loaded with "
+        "weights_only=True); give it as str, int, float, a list or a dict"
+    )
+
+
 def load_checkpoint(path: Path, map_location="cpu", *, consolidate: bool = True) -> dict[str, Any]:
     """Load with weights_only=True; anything that would need unpickling code is refused. A sharded
     checkpoint (its file or its shard folder) comes back with its full model consolidated from

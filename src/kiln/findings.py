@@ -102,6 +102,52 @@ KINDS: dict[str, Kind] = {
         "precision=bf16 (fp32's range, no loss scaling), or keep that module in fp32",
         "fp16",
     ),
+    "padding": Kind(
+        "the output depends on padding: the same text alone and padded beside a longer one "
+        "give different outputs",
+        "leave padding out of every sum and mean (sum(h * mask) / mask.sum(), mask = ids != "
+        "pad_id), pass key_padding_mask True where a token is padding, and take softmaxes over "
+        "the sequence, never over the batch",
+        "batch dependence",
+    ),
+    "split leak": Kind(
+        "the same examples in the training split and in the validation or test split",
+        "give each split examples of its own (another file or folder, or deduplicate before "
+        "splitting); data.max_split_overlap sets how much overlap beyond the data's own "
+        "repetition stops a run",
+        "split hygiene",
+    ),
+    "class map": Kind(
+        "the splits map the classes to different indices",
+        "build every split's labels from the training split's class-to-index map",
+        "split hygiene",
+    ),
+    "box convention": Kind(
+        "detection targets in another box or label convention than the detectors take",
+        "give boxes as (x1, y1, x2, y2) pixels of their image and labels 1..C (0 is the "
+        "background)",
+        "box conventions",
+    ),
+    "box predictions": Kind(
+        "the first evaluation's boxes are degenerate, or fit the targets better flipped or "
+        "converted",
+        "check the dataset's transforms move boxes with their images (a flip flips both) and "
+        "that boxes are (x1, y1, x2, y2) pixels everywhere",
+        "box conventions",
+    ),
+    "schedule": Kind(
+        "the learning-rate schedule does not fit the run",
+        "fit the warm-up and decay to the planned steps (scheduler.warmup_steps, "
+        "trainer.max_epochs), or early stopping's patience to the warm-up",
+        "schedule sanity",
+    ),
+    "optimizer coverage": Kind(
+        "parameters the optimizer never updates",
+        "create every layer in __init__ (nn.LazyLinear where a size is known only at the first "
+        "call), never replace a parameter once the optimizer is built, and tie weights by "
+        "sharing one nn.Parameter, not a clone",
+        "the optimizer sees every parameter",
+    ),
 }
 
 

@@ -17,6 +17,7 @@ them (`check_plugins`: infer.py plugins=[...]) and says what to add when it did 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import shlex
@@ -80,6 +81,12 @@ class Registry:
     def _add(self, entry: Entry) -> None:
         if entry.name in self._entries:
             raise ValueError(f"{self.kind} {entry.name!r} is already registered")
+        config = entry.config
+        if dataclasses.is_dataclass(config) and not config.__dataclass_params__.frozen:
+            raise PluginConfigError(
+                f"{self.kind} {entry.name!r}: its config {config.__qualname__} "
+                f"({_defined_at(config)}) is a plain @dataclass: {FROZEN_HOWTO}"
+            )
         self._entries[entry.name] = entry
 
     def entry(self, name: str) -> Entry:
@@ -211,6 +218,8 @@ def _skip_broken(point, err: Exception) -> None:
     package = _package_of(point)
     where = f"{package['distribution']} {package['version']}" if package["distribution"] else ""
     why = f"{type(err).__name__}: {_first_line(err)}"
+    if is_plain_dataclass_error(err):
+        why = str(plain_dataclass_error(point.module, err))
     _BROKEN_PLUGINS[point.name] = (
         f"the installed plugin {point.name!r} ({', '.join(filter(None, [where, point.value]))}) "
         f"failed to import: {why}"
@@ -293,10 +302,70 @@ def _import_plugin(module: str) -> None:
         importlib.import_module(module)
     except ModuleNotFoundError as err:
         raise _not_importable(module, err) from None
+    except TypeError as err:
+        if not is_plain_dataclass_error(err):
+            raise
+        raise plain_dataclass_error(module, err) from None
 
 
 class PluginImportError(UserError, ImportError):
     """plugins=[...] names a module that cannot be found."""
+
+
+class PluginConfigError(UserError, TypeError):
+    """A plugin's config class that is not a frozen dataclass."""
+
+
+FROZEN_HOWTO = (
+    "write @dataclass(frozen=True, kw_only=True) above it, as kiln's own configs are (a "
+    "value derived from a config is a new value: dataclasses.replace(cfg, ...))"
+)
+
+
+def is_plain_dataclass_error(err: BaseException) -> bool:
+    """The TypeError `dataclasses` raises for a plain @dataclass under a frozen one."""
+    return isinstance(err, TypeError) and "non-frozen dataclass from a frozen one" in str(err)
+
+
+def plain_dataclass_error(module: str, err: TypeError) -> PluginConfigError:
+    """One line for a plugin whose config class is a plain @dataclass under one of kiln's
+    frozen configs (dataclasses' own TypeError ends a 34-line traceback): the class, where it
+    is, what to write instead."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.endswith(("dataclasses.py", "importlib/__init__.py"))
+              and "<frozen" not in f.filename]  # fmt: skip
+    where, name = "", "a config class"
+    if frames:
+        frame = frames[-1]
+        where = f"{frame.filename}:{frame.lineno}"
+        name = _class_named_at(frame.filename, frame.lineno) or name
+    return PluginConfigError(
+        f"plugins: {module}: {name} ({where or 'its module'}) is a plain @dataclass under one "
+        f"of kiln's frozen configs: {FROZEN_HOWTO}"
+    )
+
+
+def _class_named_at(filename: str, lineno: int) -> str | None:
+    """The class whose statement (or decorator) is at `lineno` of `filename`."""
+    import linecache
+    import re
+
+    for number in range(lineno, lineno + 5):
+        found = re.match(r"\s*class\s+(\w+)", linecache.getline(filename, number))
+        if found:
+            return found.group(1)
+    return None
+
+
+def _defined_at(cls: type) -> str:
+    import inspect
+
+    try:
+        return f"{inspect.getsourcefile(cls)}:{inspect.getsourcelines(cls)[1]}"
+    except (OSError, TypeError):
+        return cls.__module__
 
 
 def _not_importable(module: str, err: Exception) -> ImportError:

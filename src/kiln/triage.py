@@ -452,8 +452,17 @@ def replayed_probe(run: Run) -> Cause | None:
 NAMED_BY_FINDING = {
     "probabilities", "batch dependence", "determinism", "purity", "dead gradients",
     "conditional parameters", "cannot learn", "learning rate diverges", "device",
-    "memory layout", "numerics", "fp16 overflow",
+    "memory layout", "numerics", "fp16 overflow", "padding", "split leak", "class map",
+    "box convention", "box predictions", "schedule", "optimizer coverage",
 }  # fmt: skip
+# What a check said while the run went on (findings.json, fatal: false), ranked as causes of a
+# run that ended at chance or suspiciously well: above the bare symptom (at_chance, 3).
+SAID_SCORE = {
+    "split leak": 8,
+    "box predictions": 7,
+    "conditional parameters": 5,
+    "dead gradients": 4,
+}
 
 
 def stopping_finding(run: Run) -> tuple[Finding | None, bool]:
@@ -488,6 +497,21 @@ def found_by_a_check(run: Run) -> Cause | None:
     source = "replayed the probes: " if replayed else "the run's checks: "
     score = 9 if finding.kind == "probabilities" else 9.6
     return Cause(score, f"{finding.title}{where}", source + finding.evidence[:600], finding.advice)
+
+
+def said_by_the_checks(run: Run) -> list[Cause]:
+    """What the checks said without stopping the run (a split overlap within
+    data.max_split_overlap, boxes that fit better flipped, ...): each a cause, titled and
+    advised by its kind."""
+    causes = []
+    for finding in run.findings:
+        if finding.fatal:
+            continue
+        where = f" in {finding.module}" if finding.module else ""
+        title = f"{finding.title}{where}"
+        evidence = "the run's checks said: " + finding.evidence[:600]
+        causes.append(Cause(SAID_SCORE.get(finding.kind, 3.5), title, evidence, finding.advice))
+    return causes
 
 
 def at_chance(run: Run) -> Cause | None:
@@ -529,6 +553,7 @@ def triage(path: Path, replay: bool = True) -> tuple[Run, list[Cause]]:
     if replay and run.summary.get("status") == "failed" and run.config:
         run.replay = replayed(run)
     causes = [cause for check in CHECKS if (cause := check(run)) is not None]
+    causes += said_by_the_checks(run)
     kept: dict[str, Cause] = {}
     for cause in sorted(causes, key=lambda c: c.score, reverse=True):
         kept.setdefault(cause.title, cause)  # the same cause from the replay and the files

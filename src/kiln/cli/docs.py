@@ -178,7 +178,7 @@ def checks() -> str:
     table), and the kinds of finding they write (kiln.findings.KINDS): the page, the runner and
     kiln triage read the same two tables."""
     from kiln.findings import KINDS
-    from kiln.guards.probes import CHECKS
+    from kiln.guards.probes import CHECKS, ELSEWHERE
 
     out = [
         GENERATED,
@@ -195,6 +195,19 @@ def checks() -> str:
     for check in CHECKS:
         finds = ", ".join(check.finds)
         out.append(f"| {check.name} | {_cell(check.needs)} | {_cell(check.cost_class)} | {finds} |")
+    out += [
+        "",
+        "## The checks outside the probe plan",
+        "",
+        "Each runs where what it reads exists; a fault it finds stops the run with its name in",
+        "the [FAIL] line (the schedule's: one `error:` line) and writes its finding.",
+        "",
+        "| check | when | reads | finds |",
+        "|---|---|---|---|",
+    ]
+    for check in ELSEWHERE:
+        finds = ", ".join(check.finds)
+        out.append(f"| {check.name} | {_cell(check.when)} | {_cell(check.needs)} | {finds} |")
     out += [
         "",
         "## What each finding means, and what to do",

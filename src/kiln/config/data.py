@@ -28,9 +28,15 @@ class DataConfig:
     prefetch_factor: int = 2  # batches each worker loads ahead; only when num_workers > 0
     split_seed: int = 0  # the train/val split and generated data; never the run's seed
     drop_last: bool = False  # leave out each epoch's partial last training batch (BatchNorm: 1)
+    # the share of a validation or test split's examples also in an earlier split (training)
+    # that stops the run, counted beyond the share the training split repeats of itself (data
+    # that repeats itself shares that much with any random split; one shared item never
+    # stops it); 1: never stop
+    max_split_overlap: float = 0.05
 
     def check(self, key: str) -> None:
         at_least(self.batch_size, 1, f"{key}.batch_size")
+        in_range(self.max_split_overlap, 0, 1, f"{key}.max_split_overlap")
         auto_or_count(self.num_workers, 0, f"{key}.num_workers")
         at_least(self.prefetch_factor, 1, f"{key}.prefetch_factor")
 

@@ -301,6 +301,19 @@ class DetectionImages(Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
+    def content_keys(self) -> list[bytes]:
+        """Each file's bytes, digested (kiln.data.split_hygiene, cached by path and mtime)."""
+        from kiln.data.split_hygiene import file_digests
+
+        return file_digests(self.paths)
+
+    def box_targets(self) -> list[tuple[np.ndarray, np.ndarray, tuple[int, int]]] | None:
+        """(boxes, labels, (H, W)) per item as the files say, no image decoded (what the box
+        convention check reads: kiln.data.box_conventions)."""
+        if self.sizes is None:
+            return None
+        return list(zip(self.boxes, self.labels, self.sizes, strict=True))
+
     def item_sizes(self) -> list[tuple[int, int, int]] | None:
         """(height, width, boxes) of each item as its file says (before any augmentation)."""
         if self.sizes is None:

@@ -26,6 +26,9 @@ class ProbeBatches:
 
     base: Any  # `size` items, the extremes first: what the batch-size and mode probes take from
     cases: list[tuple[str, Any]] = field(default_factory=list)  # (label, batch): forward+backward
+    # texts: the shortest and the longest text in one batch, the shortest padded to the longest
+    # (kiln.guards.padding); None for data without padding
+    padding: Any = None
 
 
 def probe_batches(bundle: DataBundle, size: int, batch_size: int) -> ProbeBatches:
@@ -86,7 +89,11 @@ def _token_batches(bundle: DataBundle, size: int, batch_size: int) -> ProbeBatch
                 _collate(bundle, order[:count]),
             )
         )
-    return ProbeBatches(base, cases)
+    shortest = next((i for i in reversed(order) if lengths[i] >= 1), None)
+    padding = None
+    if shortest is not None and int(lengths[shortest]) < longest:
+        padding = _collate(bundle, [shortest, order[0]])
+    return ProbeBatches(base, cases, padding)
 
 
 def _at_length(batch: Any, length: int, pad_id: int) -> Any:

@@ -163,6 +163,12 @@ class ImageFiles(Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
+    def content_keys(self) -> list[bytes]:
+        """Each file's bytes, digested (kiln.data.split_hygiene, cached by path and mtime)."""
+        from kiln.data.split_hygiene import file_digests
+
+        return file_digests(self.paths)
+
     def load(self, index: int) -> torch.Tensor:
         """The decoded uint8 image (C, H, W) of item `index`."""
         path = self.paths[index]

@@ -4,7 +4,7 @@ preprocessing recipe that inference must repeat exactly (kiln.preprocessing)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, overload
 
 from torch.utils.data import Dataset
@@ -34,6 +34,11 @@ class DataSpec:
     # label_separator) and the probability from which a class is predicted (data.threshold)
     label_separator: str | None = None
     threshold: float = 0.5
+
+    def __post_init__(self) -> None:
+        # Plain str, whatever the dataset gave (numpy strings from a pandas column, say): a
+        # checkpoint holds the names, and torch.load(weights_only=True) refuses numpy objects.
+        object.__setattr__(self, "class_names", tuple(str(name) for name in self.class_names))
 
     @property
     def multi_label(self) -> bool:
@@ -78,6 +83,9 @@ class DataBundle:
     # What each item of a split is, for reports (errors.csv): {"val": ["photos/cat/1.jpg", ...]}
     # or row numbers ("row 17"); a split without an entry is named by its index.
     sources: dict[str, Sequence[str]] | None = None
+    # What the data checks said without stopping the run (kiln.findings.Finding: a split
+    # overlap below data.max_split_overlap, ...): written to findings.json with the probes'.
+    findings: list = field(default_factory=list)
 
 
 class SourceNames(Sequence[str]):

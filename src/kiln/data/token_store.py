@@ -254,6 +254,13 @@ class TokenDataset(Dataset):
     def labels(self) -> Tensor:
         return self._labels(self.rows)
 
+    def content_keys(self) -> list[bytes]:
+        """Each text as its token ids (the tokenizer's normalised text), digested: what the
+        split check compares (kiln.data.split_hygiene)."""
+        from kiln.data.split_hygiene import digest
+
+        return [digest(self.store.row_ids(row).astype(np.int64)) for row in self.rows]
+
     @property
     def lengths(self) -> np.ndarray:
         """Tokens per item: what the length-bucketed sampler groups by."""

@@ -19,11 +19,12 @@ from torch.utils.data import Subset
 
 import kiln
 from kiln import run_lock
-from kiln.checkpoint import EMBEDDED_SHA256, embedded_hashes
+from kiln.checkpoint import EMBEDDED_SHA256, embedded_hashes, plain_record
 from kiln.config import KilnConfig, to_plain
 from kiln.data import DataBundle, build_data, build_dataloaders, example_batch
 from kiln.data.degenerate import check_inputs_vary
 from kiln.data.extremes import probe_batches
+from kiln.data.split_hygiene import checked_splits
 from kiln.device import resolve_device
 from kiln.engine.batches import move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer, ResumeError
@@ -70,7 +71,13 @@ from kiln.guards.probe_cache import ProbeKey
 from kiln.guards.probes import ProbeBudget, ProbePlan, ProbeSubject, probe_batch_sizes
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import stopped_summary, summarize, write_json, write_summary
-from kiln.models import build_model, without_weights
+from kiln.models import (
+    build_model,
+    has_lazy_parameters,
+    materialise,
+    spec_example,
+    without_weights,
+)
 from kiln.preprocessing.pretrained import PretrainedInput, pretrained_input
 from kiln.registry import config_dirs, plugin_packages, plugin_sources
 from kiln.rng import forked, seed_everything
@@ -90,7 +97,9 @@ def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> Dat
     if cfg.loss.force_all_branches and hasattr(data_cfg, "with_all_branches"):
         data_cfg = data_cfg.with_all_branches()  # e.g. MixUp and CutMix: the data's branches
     bundle = build_data(data_cfg, pretrained=pretrained)
-    check_inputs_vary(bundle.train, f"the training split of data={data_cfg.name}")
+    where = f"data={data_cfg.name}"
+    check_inputs_vary(bundle.train, f"the training split of {where}")
+    bundle = checked_splits(bundle, data_cfg.max_split_overlap, where)  # leaks, class maps
     if cfg.trainer.overfit_batches:  # the same few batches, for training and validation alike
         count = min(cfg.trainer.overfit_batches * cfg.data.batch_size, len(bundle.train))
         few = Subset(bundle.train, range(count))
@@ -137,12 +146,12 @@ def build_trainer(
         world_size=dist.world_size,
         cuda=device.type == "cuda",
     )
+    batches = batches_per_epoch(train_loader, cfg.trainer.limit_train_batches)
     planned_steps = total_optimizer_steps(
-        batches_per_epoch(train_loader, cfg.trainer.limit_train_batches),
-        cfg.trainer.max_epochs,
-        cfg.trainer.accumulate_grad_batches,
-        cfg.trainer.max_steps,
+        batches, cfg.trainer.max_epochs, cfg.trainer.accumulate_grad_batches, cfg.trainer.max_steps
     )
+    patience = early_stopping_patience(cfg.trainer.early_stopping, bundle.spec)
+    warmup_end = checked_schedule(cfg, planned_steps, batches, patience)
 
     def wrap() -> torch.nn.Module:  # again when frozen parameters thaw under DDP
         wrapped = wrap_model(model, cfg.trainer, dist, device, precision)  # FSDP shards in place
@@ -181,7 +190,8 @@ def build_trainer(
         probe_subject=subject,
         probe_key=probe_key(cfg, subject, plan, device),
         cpu_watch=cpu_watch,
-        early_stopping=early_stopping_patience(cfg.trainer.early_stopping, bundle.spec),
+        early_stopping=patience,
+        warmup_end=warmup_end,
     )
     if bundle.report is not None and dist.is_main:
         write_json(run_dir / "data_report.json", bundle.report)
@@ -220,6 +230,8 @@ def build_run_model(
     model.freeze applied (before DDP registers the parameters it reduces) and its memory
     format; returns it with the freeze plan."""
     model = build_model(spec, cfg.model, aux_head=want_aux).to(device)  # with its weights
+    if has_lazy_parameters(model):  # nn.LazyLinear & co: sized before the optimizer sees them
+        materialise(model, spec_example(spec, device))
     if cfg.init_from is not None and not will_resume(cfg, run_dir):
         from kiln.models.weights import init_from
 
@@ -282,6 +294,7 @@ def probe_subject(
         mode_batch_size=mode_size,
         epoch_plan=plan,
         cases=[(label, on_device(batch)) for label, batch in probes.cases],
+        padding=on_device(probes.padding) if probes.padding is not None else None,
         optimizer_for=optimizer_for,
         flag_for_unused=lambda names: option_behind(names, bundle.spec, cfg, want_aux),
         # Under the run's autocast, as training and evaluation run: a path that breaks only
@@ -307,6 +320,7 @@ def probe_key(cfg: KilnConfig, subject: ProbeSubject, plan: ProbePlan, device) -
         "spec": {k: v for k, v in subject.spec.to_dict().items() if k != "tokens"},
         "batch": batch_shapes(subject.batch),
         "cases": [(label, batch_shapes(batch)) for label, batch in subject.cases],
+        "padding": batch_shapes(subject.padding) if subject.padding is not None else None,
         "epoch": dataclasses.asdict(epoch) if epoch is not None else None,
         "batch_sizes": list(subject.batch_sizes),
         "mode_batch_size": subject.mode_batch_size,
@@ -356,6 +370,25 @@ def probe_plan(cfg: KilnConfig, criterion, dist: DistInfo) -> ProbePlan:
         conditional_is_fatal=dist.enabled and not is_sharded(t) and not t.find_unused_parameters,
         budget=ProbeBudget(**dataclasses.asdict(t.probe_budget)),
     )
+
+
+def checked_schedule(cfg: KilnConfig, planned_steps: int, batches: int, patience) -> int:
+    """The run's lr schedule read at sampled steps (kiln.engine.schedule_check): a warm-up
+    longer than the run, an lr off for most of it, or early stopping set to stop before the
+    warm-up ends is one error line. Returns the step the warm-up ends at (1: none), which
+    trainer.early_stopping=auto waits for."""
+    from kiln.engine.schedule_check import check_schedule, lr_curve
+
+    curve = lr_curve(lambda opt, n: build_scheduler(opt, cfg.scheduler, n), planned_steps)
+    check_schedule(
+        curve,
+        scheduler=cfg.scheduler.name,
+        lr=cfg.optimizer.lr,
+        steps_per_epoch=math.ceil(batches / cfg.trainer.accumulate_grad_batches),
+        patience=patience,
+        patience_set=cfg.trainer.early_stopping != "auto",
+    )
+    return curve.warmup_end if curve is not None else 1
 
 
 TEXT_PATIENCE = 2  # trainer.early_stopping=auto on text data: text models overfit within epochs
@@ -430,13 +463,13 @@ def checkpoint_record(
     (the data may have followed it: an image recipe's own `pretrained` says so). The files
     the preprocessing embeds (tokenizer.json, config.json, the record itself) are hashed, so
     inference refuses one edited since (kiln.checkpoint.check_embedded)."""
-    preprocessing = bundle.recipe.to_dict()
+    preprocessing = plain_record(bundle.recipe.to_dict(), "preprocessing")
     return {
         "config": to_plain(cfg),
         "preprocessing": preprocessing,
         EMBEDDED_SHA256: embedded_hashes(preprocessing),
         "pretrained": pretrained.to_dict() if pretrained is not None else None,
-        "data_spec": bundle.spec.to_dict(),
+        "data_spec": plain_record(bundle.spec.to_dict(), "data_spec"),
         "model_name": cfg.model.name,
         "kiln_version": kiln.__version__,
         "plugins": {
@@ -585,7 +618,8 @@ def save_failing_batches(run_dir: Path, err: NonFiniteLossError) -> None:
 def keep_findings(run_dir: Path, trainer: Trainer | None, fatal: Finding | None = None) -> None:
     """What the checks found, as data (findings.json, read by kiln triage): what they said and
     the run went on, and what stopped it. Nothing found: no file."""
-    said = list(trainer.probe_report.findings) if trainer is not None else []
+    said = list(trainer.parts.data.findings) if trainer is not None and trainer.parts.data else []
+    said += list(trainer.probe_report.findings) if trainer is not None else []
     found = said + ([fatal] if fatal is not None else [])
     if found:
         try:
@@ -707,8 +741,8 @@ def train(
                 "kind": finding.kind,
                 "fix": finding.fix,
             }
-            if dist.is_main:
-                keep_findings(run_dir, trainer, finding)
+        if dist.is_main:  # what stopped it, and what the checks said before
+            keep_findings(run_dir, trainer, finding)
         failing = True
         if trainer is not None:  # what was asked before the failure, whole on disk
             finish_writes(trainer)

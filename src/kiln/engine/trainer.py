@@ -149,6 +149,7 @@ class TrainingParts:
     probe_key: Any = None  # kiln.guards.probe_cache.ProbeKey: what a pass was kept under
     cpu_watch: Any = None  # kiln.threads.BusyElsewhere, started with the run: threads=auto
     early_stopping: int | None = None  # trainer.early_stopping resolved: patience in epochs
+    warmup_end: int = 1  # the step the lr warm-up ends at: early stopping counts from there
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,6 +303,9 @@ class Trainer:
         self.current_step = 0  # the step in progress: failures are reported "@ step N"
         self.threads: int | None = None  # torch's intra-op threads, decided before step 1
         self.stopped_early = False  # trainer.early_stopping ended the run
+        self.early_stop_held = False  # it would have, at chance: said once
+        self.coverage_checked = False  # every trainable parameter is in the optimizer
+        self.boxes_read = False  # a detector's boxes, after the first evaluation
         self.startup = startup
         self.startup_s: dict[str, float] | None = None  # where the start-up went, by phase
 
@@ -483,6 +487,9 @@ class Trainer:
         started = time.perf_counter()
         try:
             self.probe_report = run_probe_plan(plan, subject)
+        except BaseException as err:  # the summary keeps what ran until the check that failed
+            self.probe_report = getattr(err, "probe_report", self.probe_report)
+            raise
         finally:
             self.probe_time_s = time.perf_counter() - started
         report = self.probe_report
@@ -611,9 +618,22 @@ class Trainer:
     def should_stop_early(self) -> bool:
         """trainer.early_stopping: `patience` epochs have ended without a better monitored
         metric than best.pt's (the state says when best.pt was written, so a resumed run counts
-        the same way)."""
+        the same way), counted from the end of the lr warm-up at the earliest, and never while
+        the best evaluation is still at chance: a run that has learned nothing yet is not
+        stopped for failing to improve on nothing."""
         patience, s = self.parts.early_stopping, self.state
-        if patience is None or s.best_epoch is None or s.epoch - s.best_epoch < patience:
+        per_epoch = math.ceil(self.batches_per_epoch / self.cfg.accumulate_grad_batches)
+        warmed_up = math.ceil(self.parts.warmup_end / max(per_epoch, 1))  # its epoch
+        if patience is None or s.best_epoch is None:
+            return False
+        if s.epoch - max(s.best_epoch, warmed_up) < patience:
+            return False
+        nothing = self.at_chance(s.best_metric, s.lowest_val_loss)
+        if nothing is not None:
+            if not self.early_stop_held and self.dist.is_main:
+                log.info("early stopping waits: the best evaluation is at chance (%s); "
+                         "nothing was learned to stop on", nothing)  # fmt: skip
+            self.early_stop_held = True
             return False
         if s.epoch < self.cfg.max_epochs and self.dist.is_main:
             log.info(
@@ -643,6 +663,8 @@ class Trainer:
     def after_step(self, result: StepResult, bar) -> None:
         self.preemption.defer()  # a step is done: a stop from now on saves it first
         s = self.state
+        if not self.coverage_checked:  # this process's first step: before anything is saved
+            self.check_optimizer_coverage()
         s.samples_seen += result.samples * self.dist.world_size
         s.data_time_s += result.data_time_s
         s.step_time_s += result.step_time_s
@@ -663,6 +685,17 @@ class Trainer:
         if self.preemption.agreed(every_step=not self.dist.enabled or self.should_log()):
             self.log_window(result.lr, bar)
             raise self.checkpoint_and_stop(saved=due)
+
+    def check_optimizer_coverage(self) -> None:
+        """After the first step (a layer built in forward exists by then): every trainable
+        parameter is one the optimizer holds (kiln.guards.optimizer_coverage)."""
+        from kiln.guards.optimizer_coverage import check_optimizer_coverage
+
+        self.coverage_checked = True
+        self.current_step = self.state.global_step
+        check_optimizer_coverage(
+            self.raw_model, self.optimizer, self.state.global_step, self.dist.enabled
+        )
 
     def checkpoint_and_stop(self, saved: bool = False) -> Preempted:
         """A stop was asked: last.pt at the step boundary the state is at, unless `saved` there
@@ -767,6 +800,8 @@ class Trainer:
         if isinstance(loss, float) and math.isfinite(loss):
             s.lowest_val_loss = loss if s.lowest_val_loss is None else min(s.lowest_val_loss, loss)
         self.say_if_at_chance(self.last_eval)
+        if not self.boxes_read and self.parts.data is not None:
+            self.read_box_predictions()  # a detector: once, after the first evaluation
         bad = nonfinite_metrics(self.last_eval)
         if bad and self.cfg.nan_policy == NanPolicy.fail:
             raise NonFiniteEvalError(self.last_eval, bad, s.global_step)
@@ -778,6 +813,30 @@ class Trainer:
                 ", ".join(f"{k}={self.last_eval[k]}" for k in bad),
                 kept,
             )
+
+    def read_box_predictions(self) -> None:
+        """A detection run's boxes on one validation batch, once, after the first evaluation
+        (kiln.guards.box_predictions): degenerate boxes, or boxes that fit their targets better
+        flipped or read in another format, are said and kept as findings. Every rank runs its
+        own batch (a sharded model's forward is its ranks' collectives); the main rank says."""
+        self.boxes_read = True
+        if self.parts.data.spec.task != "detection":
+            return
+        from kiln.guards.box_predictions import check_box_predictions
+
+        batch = next(iter(self.val_batches()), None)
+        if batch is None:
+            return
+        self.raw_model.eval()
+        with self.precision.autocast():
+            found = check_box_predictions(
+                self.raw_model, batch, self.criterion.forward, self.state.global_step
+            )
+        if not self.dist.is_main:
+            return
+        for finding in found:
+            log.warning("box predictions: %s", finding.evidence)
+        self.probe_report.findings.extend(found)
 
     def chance(self):
         """What the monitored metric is for a model that knows nothing (kiln.engine.chance), as

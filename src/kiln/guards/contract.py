@@ -3,7 +3,8 @@ suite runs it over every registered model and every dataset whose inputs it acce
 your own): rule 1 at other batch and input sizes, rule 2 with every loss branch on, rule 3 in both
 modes, device diagnosis with one layer left on another device, and the behaviour checks of the
 probe plan (determinism, batch independence, purity, finite values, live gradients, parameters
-used only in some steps as DDP would see them, the device and fp16 probes, the learn probe)."""
+used only in some steps as DDP would see them, the device and fp16 probes, the learn probe,
+padding), and after one real step, every trainable parameter held by the optimizer."""
 
 from __future__ import annotations
 
@@ -94,15 +95,42 @@ def check_behaviour(
         fp16=fp16,
         conditional_is_fatal=True,
     )
+    probes = probe_batches(bundle, 8, 8)
     subject = ProbeSubject(
         model=build(bundle.spec),
         build=build,
         criterion=criterion,
-        batch=_batch(bundle, 8),
+        batch=probes.base,
         spec=bundle.spec,
         optimizer_for=optimizer_for,
+        padding=probes.padding,
     )
     return run_probe_plan(plan, subject)
+
+
+def check_optimizer_sees_every_parameter(
+    build: Build,
+    criterion,
+    bundle: DataBundle,
+    optimizer_for: Callable[[nn.Module, float], torch.optim.Optimizer] | None = None,
+) -> None:
+    """One training step as a run takes it -- torch's lazy layers sized by a dry forward, the
+    run's optimizer built (`optimizer_for(model, 1.0)`), a forward, loss, backward and update --
+    then every trainable parameter must be one the optimizer holds (a layer built in forward,
+    a parameter replaced there: kiln.guards.optimizer_coverage)."""
+    from kiln.guards.optimizer_coverage import check_optimizer_coverage
+    from kiln.models import has_lazy_parameters, materialise, spec_example
+
+    model = build(bundle.spec)
+    if has_lazy_parameters(model):
+        materialise(model, spec_example(bundle.spec))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = optimizer_for(model, 1.0) if optimizer_for else torch.optim.SGD(trainable, lr=1e-3)
+    model.train()
+    loss, _ = criterion(model, _batch(bundle, 4))
+    loss.backward()
+    optimizer.step()
+    check_optimizer_coverage(model, optimizer, step=1)
 
 
 def last_layer_with_weights(model: nn.Module) -> str:
@@ -144,6 +172,7 @@ __all__ = [
     "DeviceMismatchError",
     "check_behaviour",
     "check_device_diagnosis",
+    "check_optimizer_sees_every_parameter",
     "check_outputs_are_logits",
     "check_rule1",
     "check_rule2",

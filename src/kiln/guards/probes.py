@@ -125,6 +125,7 @@ class ProbeSubject:
     mode_batch_size: int = 8  # samples the mode and behaviour checks take
     epoch_plan: EpochPlan | None = None
     cases: list = field(default_factory=list)  # (label, batch): the data's extremes
+    padding: Any = None  # texts: the shortest padded beside the longest (kiln.guards.padding)
     optimizer_for: Callable[[nn.Module, float], torch.optim.Optimizer] | None = None
     flag_for_unused: Callable[[list[str]], str | None] | None = None
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -257,6 +258,16 @@ def run_probe_plan(plan: ProbePlan, subject: ProbeSubject) -> ProbeReport:
     report = ProbeReport()
     probe = Probe(plan, subject, take(subject.batch, subject.mode_batch_size), report)
     due = [c for c in CHECKS if c.name not in plan.passed and c.wanted(probe)]
+    try:
+        _run_due(probe, due)
+    except BaseException as err:
+        err.probe_report = report  # what ran, and what each took, until the check that failed
+        raise
+    return report
+
+
+def _run_due(probe: Probe, due: list[Check]) -> None:
+    subject, report = probe.subject, probe.report
     with untouched(subject.model):
         per_sample = _fit_probe_batch(probe) if due else None
         if due:
@@ -278,7 +289,6 @@ def run_probe_plan(plan: ProbePlan, subject: ProbeSubject) -> ProbeReport:
                 check.run(probe)
             report.passed.append(check.name)
             _learn_rate(probe, units, report.seconds.get(check.name, 0.0))
-    return report
 
 
 # The checks that read the observed step, or whose cost is estimated in such steps: with none of
@@ -611,6 +621,18 @@ def _batch_dependence_cost(probe: Probe) -> float:
     return 2 * FORWARD + alone + leak
 
 
+def _run_padding(probe: Probe) -> None:
+    from kiln.guards.padding import check_padding
+
+    subject = probe.subject
+    check_padding(probe.model, subject.padding, probe.forward, subject.spec.pad_id)
+
+
+def _padding_cost(probe: Probe) -> float:
+    """Three no-grad forwards of one or two texts (the shortest alone, twice, and a pair)."""
+    return 4 / max(probe.size, 1) * FORWARD
+
+
 def _run_learn(probe: Probe) -> None:
     from kiln.guards.learn_probe import check_can_learn
 
@@ -691,9 +713,22 @@ CHECKS: tuple[Check, ...] = (
         _behaviour("purity"),
         cost=lambda p: FORWARD,
         run=_run_purity,
+        # The observed step changed its batch: the finding is in hand, whatever the budget
+        # (left out, a model that divided its inputs in place ended `ok`).
+        required=lambda p: bool(p.step_changes),
         needs="the observed step's batch, and an eval forward",
         cost_class="1 forward",
         finds=("purity",),
+    ),
+    Check(
+        "padding",
+        lambda p: p.plan.runs("batch dependence") and p.subject.padding is not None,
+        cost=_padding_cost,
+        run=_run_padding,
+        needs="the data's shortest text alone unpadded, alone padded to the longest, and "
+        "beside the longest (eval)",
+        cost_class="3 forwards of 1-2 texts",
+        finds=("padding", "batch dependence"),
     ),
     Check(
         "numerics",
@@ -783,6 +818,36 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class Elsewhere:
+    """A check that runs outside the probe plan, where what it reads exists: the data's before
+    a model is built, the schedule's once the planned steps are known, the optimizer's after
+    step 1, a detector's boxes after the first evaluation (docs/checks.md lists them)."""
+
+    name: str  # its [FAIL] line's <what>
+    when: str
+    needs: str
+    finds: tuple[str, ...]
+
+
+ELSEWHERE: tuple[Elsewhere, ...] = (
+    Elsewhere("split leak", "data loaded, before the model (kiln.data.split_hygiene)",
+              "every split's items as digests (rows, token ids, file bytes cached by mtime); "
+              "class maps compared", ("split leak", "class map")),
+    Elsewhere("box convention", "data loaded, detection (kiln.data.box_conventions)",
+              "every target's boxes and labels, as listed (no image decoded)",
+              ("box convention",)),
+    Elsewhere("schedule", "planned steps known (kiln.engine.schedule_check)",
+              "the lr schedule read at 512 sampled steps on a stand-in optimizer",
+              ("schedule",)),
+    Elsewhere("optimizer coverage", "after step 1 (kiln.guards.optimizer_coverage)",
+              "the model's trainable parameters against the optimizer's", ("optimizer coverage",)),
+    Elsewhere("box predictions", "after the first evaluation, detection "
+              "(kiln.guards.box_predictions)", "one eval forward of a validation batch",
+              ("box predictions",)),
+)  # fmt: skip
+
+
 def check_names() -> list[str]:
     """The table's checks, in the order they run (docs/antibodies.md lists them)."""
     return [check.name for check in CHECKS]
@@ -790,7 +855,9 @@ def check_names() -> list[str]:
 
 __all__ = [
     "CHECKS",
+    "ELSEWHERE",
     "Check",
+    "Elsewhere",
     "ProbeBudget",
     "ProbePlan",
     "ProbeReport",

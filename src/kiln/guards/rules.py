@@ -14,6 +14,8 @@ PURITY = "purity (forward and loss leave the batch as they found it)"
 DEAD = "dead gradients (every trainable parameter gets a gradient, in every step)"
 LEARN = "cannot learn (a few steps on one fixed batch must lower its loss)"
 LAYOUT = "memory layout (.view needs memory it can view)"
+PADDING = "padding (a text's output does not depend on its padding)"
+COVERAGE = "optimizer coverage (every trainable parameter is one the optimizer holds)"
 
 
 class ProbeFailure(RuntimeError):

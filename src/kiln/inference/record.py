@@ -23,7 +23,13 @@ from kiln.inference.errors import (
     NonFiniteWeightsError,
     UnsupportedCheckpointError,
 )
-from kiln.models import build_model, without_weights
+from kiln.models import (
+    build_model,
+    has_lazy_parameters,
+    materialise,
+    spec_example,
+    without_weights,
+)
 from kiln.preprocessing import Recipe, recipe_from_dict
 from kiln.preprocessing.pretrained import pretrained_from_dict
 from kiln.registry import check_plugins
@@ -210,6 +216,10 @@ def rebuild_model(record: ModelRecord, state_dict: dict[str, Any]) -> nn.Module:
     model_cfg = without_weights(option_from_dict("model", record.config["model"]))
     pretrained = pretrained_from_dict(getattr(record.recipe, "pretrained", None))
     model = build_model(record.spec, model_cfg, aux_head=aux_head, pretrained=pretrained)
+    built = model.state_dict(keep_vars=True)
+    if has_lazy_parameters(model) or any(key not in built for key in state_dict):
+        # A layer sized (or built) at the first call: a dry forward first, as training had.
+        materialise(model, spec_example(record.spec))
     check_weights_fit(model, state_dict, f"{record.checkpoint_name} ({record.model_name})")
     model.load_state_dict(state_dict)
     return model.eval()

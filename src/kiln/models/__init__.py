@@ -40,9 +40,48 @@ def without_weights(cfg):
     return dataclasses.replace(cfg, **dict.fromkeys(names)) if names else cfg
 
 
+def spec_example(spec, device: Any = "cpu") -> Any:
+    """One model input of the data spec's kind (zeros; a few tokens of id 1): what a dry
+    forward gives a model whose layers take their sizes at the first call."""
+    import torch
+
+    if spec.input_kind == "tokens":
+        return torch.ones(1, min(spec.max_length or 8, 8), dtype=torch.long, device=device)
+    image = torch.zeros(spec.channels or 3, *(spec.image_size or (32, 32)), device=device)
+    return [image] if spec.input_kind == "image_list" else image[None]
+
+
+def has_lazy_parameters(model: nn.Module) -> bool:
+    """torch's lazy layers (nn.LazyLinear, ...) not yet given their sizes by a forward."""
+    from torch.nn.parameter import is_lazy
+
+    return any(is_lazy(t) for t in [*model.parameters(), *model.buffers()])
+
+
+def materialise(model: nn.Module, example: Any) -> None:
+    """A dry forward (eval mode, no grad; the mode put back) that builds what a model builds at
+    its first call: torch's lazy layers take their sizes (and draw their initial weights, as
+    any layer's construction does)."""
+    import torch
+
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        model(example)
+    model.train(training)
+
+
 def logits_of(output: Any) -> Tensor:
     """The main logits of a classifier's output (a tensor, or a dict with "logits")."""
     return output["logits"] if isinstance(output, dict) else output
 
 
-__all__ = ["apply_init", "build_model", "logits_of", "without_weights"]
+__all__ = [
+    "apply_init",
+    "build_model",
+    "has_lazy_parameters",
+    "logits_of",
+    "materialise",
+    "spec_example",
+    "without_weights",
+]
