@@ -74,10 +74,12 @@ def save_to_disk(folder: Path, table: pa.Table, batch_rows: int = 1000) -> Path:
     """A `datasets` Dataset.save_to_disk folder, written with pyarrow as `datasets` writes it."""
     folder.mkdir(parents=True)
     name = "data-00000-of-00001.arrow"
-    with pa.OSFile(str(folder / name), "wb") as sink:
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            for batch in table.to_batches(max_chunksize=batch_rows):
-                writer.write_batch(batch)
+    with (
+        pa.OSFile(str(folder / name), "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema) as writer,
+    ):
+        for batch in table.to_batches(max_chunksize=batch_rows):
+            writer.write_batch(batch)
     info = {"citation": "", "description": "", "features": FEATURES, "homepage": ""}
     (folder / "dataset_info.json").write_text(json.dumps(info))
     state = {
