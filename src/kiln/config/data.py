@@ -153,6 +153,10 @@ class CsvTextConfig(DataConfig):
     min_token_count: int = 2
     tokenizer_rows: int = 200_000  # training rows the tokenizer learns from (a seeded sample)
     max_length: int = 256  # tokens per text after truncation
+    # the linear baseline: TF-IDF + LinearSVC fitted on at most this many training texts (a
+    # seeded sample; as many validation texts scored) at the end of training and by
+    # `infer.py mode=evaluate`, reported beside the model's scores; 0: no baseline
+    baseline_rows: int = 10_000
     bucket_by_length: bool = True  # batch texts of similar length (shuffled buckets): less padding
     strip_html: bool = True  # cleaning: drop HTML tags (keeping their text), scripts and comments
     unescape_entities: bool = True  # cleaning: &amp; -> &, &lt; -> <
@@ -165,6 +169,7 @@ class CsvTextConfig(DataConfig):
         in_range(self.val_fraction, 0, 1, f"{key}.val_fraction", open_low=True, open_high=True)
         at_least(self.vocab_size, 16, f"{key}.vocab_size", "room for special tokens and letters")
         at_least(self.max_length, 1, f"{key}.max_length")
+        at_least(self.baseline_rows, 0, f"{key}.baseline_rows")
         at_least(self.min_token_count, 1, f"{key}.min_token_count")
         at_least(self.chunk_rows, 1, f"{key}.chunk_rows")
         at_least(self.tokenizer_rows, 1, f"{key}.tokenizer_rows")

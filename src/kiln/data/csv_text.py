@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import re
 import time
@@ -45,7 +46,7 @@ from kiln.data.csv_reader import (
     row_log,
 )
 from kiln.data.multilabel import multi_hot, split_labels
-from kiln.data.spec import MULTILABEL, DataBundle, DataSpec, SourceNames
+from kiln.data.spec import MULTILABEL, DataBundle, DataSpec, SourceNames, TextSample
 from kiln.data.split import stratified_split, val_count
 from kiln.data.text_corpus import demo_corpus
 from kiln.data.text_formats import (
@@ -56,6 +57,7 @@ from kiln.data.text_formats import (
     source_name,
 )
 from kiln.data.token_store import (
+    BASELINE,
     ENCODE_BATCH,
     STORE_VERSION,
     IdsWriter,
@@ -564,6 +566,47 @@ def _train_val_rows(cfg: CsvTextConfig, labels: np.ndarray, num_train: int, logs
     return train, val
 
 
+BASELINE_TEXT_CHARS = 2000  # of each text, for the baseline: bounds its character n-grams
+SAMPLE_READ = 64  # sampled texts per read of the spool (one read spans the rows between them)
+
+
+def baseline_sample(spool, labels, train_rows, val_rows, cfg: CsvTextConfig) -> dict:
+    """At most data.baseline_rows training and as many validation texts (seeded samples), each
+    cut to BASELINE_TEXT_CHARS, with their class indices: kiln.data.spec.TextSample's fields."""
+    rng = np.random.default_rng(cfg.split_seed)
+
+    def pick(rows: np.ndarray) -> np.ndarray:
+        chosen = np.arange(len(rows))
+        if len(rows) > cfg.baseline_rows:
+            chosen = np.sort(rng.choice(len(rows), size=cfg.baseline_rows, replace=False))
+        return chosen
+
+    def texts(rows: np.ndarray) -> list[str]:
+        keep = np.zeros(len(labels), dtype=bool)
+        keep[rows] = True
+        order = np.argsort(rows, kind="stable")  # the spool reads in row order
+        read = [
+            t[:BASELINE_TEXT_CHARS]
+            for b in _joined(spool.batches(SAMPLE_READ, keep=keep))
+            for t in b
+        ]
+        out = [""] * len(rows)
+        for text, i in zip(read, order.tolist(), strict=True):
+            out[i] = text
+        return out
+
+    train_pick, val_pick = pick(train_rows), pick(val_rows)
+    return {
+        "train_texts": texts(train_rows[train_pick]),
+        "train_labels": labels[train_rows[train_pick]].tolist(),
+        "val_texts": texts(val_rows[val_pick]),
+        "val_labels": labels[val_rows[val_pick]].tolist(),
+        "val_positions": val_pick.tolist(),
+        "train_total": int(len(train_rows)),
+        "val_total": int(len(val_rows)),
+    }
+
+
 def _tokenizer_sample(train_rows: np.ndarray, size: int, seed: int) -> np.ndarray:
     """At most `size` training rows, a seeded sample: the merges a tokenizer learns settle long
     before a million rows, while its memory grows with every distinct word it sees."""
@@ -672,6 +715,10 @@ def build_entry(
     lines = train.lines if val is None else np.concatenate([train.lines, val.lines])
     rows = train.rows if val is None else np.concatenate([train.rows, val.rows])
     train_rows, val_rows = _train_val_rows(cfg, labels, len(train.codes), logs)
+    if cfg.baseline_rows and cfg.label_separator is None:  # before the encoding drops the spool
+        with _timed(timings, "baseline_sample_s"):
+            sample = baseline_sample(spool, labels, train_rows, val_rows, cfg)
+        (directory / BASELINE).write_text(json.dumps(sample, ensure_ascii=False))
     if pretrained is not None:  # the model's own tokenizer: nothing to learn
         tokenizer = _tokenizer_from_json(pretrained.tokenizer_json, cfg.max_length)
         with _timed(timings, "encode_s"):
@@ -765,6 +812,7 @@ def _key_inputs(
         "min_token_count": cfg.min_token_count,
         "tokenizer_rows": cfg.tokenizer_rows,
         "max_length": cfg.max_length,
+        "baseline_rows": cfg.baseline_rows,
     }
     if pretrained is not None:  # the model's own tokenizer, by its hash
         inputs["pretrained_tokenizer"] = pretrained.tokenizer_sha256
@@ -868,8 +916,6 @@ def class_table(report: dict) -> list[str]:
 
 def vocabulary(tokenizer_json: str) -> tuple[str, ...]:
     """The tokenizer's tokens by id (its model's vocabulary and its added special tokens)."""
-    import json
-
     tokenizer = json.loads(tokenizer_json)
     by_id = {i: token for token, i in tokenizer["model"]["vocab"].items()}
     by_id.update({added["id"]: added["content"] for added in tokenizer.get("added_tokens", [])})
@@ -937,6 +983,7 @@ def build_csv_text(cfg: CsvTextConfig, *, pretrained=None) -> DataBundle:
             "train": split_sources(cfg, entry, "train"),
             "val": split_sources(cfg, entry, "val"),
         },
+        baseline=None if entry.baseline is None else TextSample.from_dict(entry.baseline),
     )
 
 

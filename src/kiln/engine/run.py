@@ -548,6 +548,63 @@ def report_test_split(
     return report.headline("test_")
 
 
+BASELINE_FILE = "baseline.json"
+
+
+def report_baseline(
+    trainer: Trainer, cfg: KilnConfig, run_dir: Path, device: torch.device
+) -> dict[str, Any]:
+    """Text data with a baseline sample (data.baseline_rows): TF-IDF + LinearSVC fitted on the
+    training split's sample and scored on the validation sample, beside best.pt's scores on
+    the same texts (<run>/baseline.json, its lines in the log); returns summary.json's
+    baseline_* keys. Like the test split's report, a failure here is logged, never raised."""
+    bundle = trainer.parts.data
+    if bundle is None or bundle.baseline is None or not trainer.dist.is_main:
+        return {}
+    from torch.utils.data import Subset
+
+    from kiln.atomic import write_json
+    from kiln.inference import baseline
+    from kiln.inference.evaluate import predict_split
+    from kiln.inference.predictor import Predictor
+
+    sample = bundle.baseline
+    try:
+        predictor = Predictor.from_checkpoint(
+            run_dir / "checkpoints" / "best.pt", "torch", device.type
+        )
+        probs, targets = predict_split(
+            predictor,
+            Subset(bundle.val, sample.val_positions),
+            collate_fn=bundle.collate_fn,
+            batch_size=trainer.contract.batch_size,
+        )
+        result = baseline.compare(
+            sample.train_texts,
+            sample.train_labels,
+            sample.val_texts,
+            targets,
+            probs,
+            bundle.spec.class_names,
+        )
+    except Exception as err:  # noqa: BLE001 -- reported, never raised: training succeeded
+        log.error(
+            "the linear baseline failed (training itself finished): %s: %s",
+            type(err).__name__,
+            err,
+            exc_info=True,
+        )
+        return {"baseline_error": f"{type(err).__name__}: {err}"}
+    override, why = baseline.try_instead(cfg.model.name, cfg.trainer.max_epochs)
+    result |= {"split": "val", "val_total": sample.val_total, "override": override, "why": why}
+    write_json(run_dir / BASELINE_FILE, result, indent=2)
+    for line in baseline.lines(result, "validation texts", override):
+        (log.warning if line.startswith("the model is below") else log.info)("%s", line)
+    return baseline.summary_keys(result) | (
+        {"baseline_override": override} if result["below"] else {}
+    )
+
+
 FAILING_BATCHES = "nan_batch.pt"  # beside nan_batch_stats.json
 
 
@@ -657,6 +714,7 @@ def train(
         if at_chance is not None:
             summary["at_chance"] = at_chance  # the console gets it with the run's end
         summary.update(report_test_split(trainer, cfg, run_dir, device))
+        summary.update(report_baseline(trainer, cfg, run_dir, device))
         if cfg.trainer.overfit_batches:
             summary.update(check_overfit(recorder.history))
         return summary

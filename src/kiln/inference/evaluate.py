@@ -105,6 +105,11 @@ class Report:
                 for reason, count in data["dropped"].items()
             )
             lines.append(f"skipped, not evaluated: {skipped}; listed in metrics.json")
+        if m.get("baseline"):
+            from kiln.inference.baseline import lines as baseline_lines
+
+            found = m["baseline"]
+            lines += baseline_lines(found, found["what"], found["override"])
         lines.append(f"wrote {self.directory}/: {', '.join(m['files'])}")
         return lines
 
@@ -573,22 +578,84 @@ def evaluate_checkpoint(
     )
     directory = Path(output) if output is not None else default_directory(Path(ckpt))
     if data is None:
-        dataset, collate_fn, sources, described = rebuild_split(predictor, split)
+        dataset, collate_fn, sources, described, sample = rebuild_split(predictor, split)
         outputs, targets = predict_split(
             predictor, dataset, collate_fn=collate_fn, batch_size=batch_size
         )
         sources = split_sources(sources, described["split"], len(targets))
         images = first_images(predictor, dataset)
+        beside = None
+        if sample is not None and described["split"] == "val":
+            beside = (sample, sample.val_texts, sample.val_positions, "validation texts")
     else:
         images = None
         labelled, described = read_labelled(predictor, Path(data), follow_symlinks)
         outputs, labelled = predict_labelled(predictor, labelled, batch_size, max_image_pixels)
         targets, sources = labelled.targets, labelled.sources
         described |= left_out_entry(labelled)
+        beside = labelled_beside(predictor, labelled)
+    about = _about(predictor, described)
+    if beside is not None:
+        about["baseline"] = baseline_result(predictor, *beside, outputs, targets)
     return write_report(
-        predictor, outputs, targets, sources, directory, _about(predictor, described), num_errors,
-        images=images,
+        predictor, outputs, targets, sources, directory, about, num_errors, images=images
+    )
+
+
+def _baseline_sample(predictor: Predictor):
+    """The training split's baseline sample (kiln.data.spec.TextSample) of a text classifier's
+    recorded data, rebuilt (from the token cache when it is there), or None."""
+    from kiln.config import option_from_dict
+    from kiln.data import build_data
+
+    if predictor.preprocess.input_kind != "tokens" or predictor.multi_label is not None:
+        return None
+    data_config = predictor.record.config.get("data", {})
+    try:
+        bundle = build_data(
+            option_from_dict("data", data_config), pretrained=_pretrained(predictor)
+        )
+    except (UserError, FileNotFoundError) as err:
+        log.warning("baseline: not fitted (the training data could not be read again: %s)", err)
+        return None
+    return bundle.baseline
+
+
+def labelled_beside(predictor: Predictor, labelled: LabelledInputs):
+    """What the baseline is scored on for data=<file>: the evaluated texts, cleaned as training
+    cleaned them (at most data.baseline_rows of them, a seeded sample)."""
+    from kiln.preprocessing.cleaning import clean_text
+
+    sample = _baseline_sample(predictor)
+    if sample is None:
+        return None
+    count, most = len(labelled.inputs), max(len(sample.train_texts), 1)
+    positions = np.arange(count)
+    if count > most:
+        positions = np.sort(np.random.default_rng(0).choice(count, size=most, replace=False))
+    cleaning = predictor.record.recipe.cleaning
+    texts = []
+    for i in positions.tolist():
+        text = labelled.inputs[i]
+        parts = text if isinstance(text, list | tuple) else [text]
+        texts.append(" ".join(clean_text(str(part), cleaning) for part in parts))
+    return sample, texts, positions.tolist(), "evaluated texts"
+
+
+def baseline_result(predictor: Predictor, sample, texts, positions, what, outputs, targets):
+    """TF-IDF + LinearSVC fitted on the training sample, scored on `texts` (the inputs at
+    `positions`) beside the model's outputs there (kiln.inference.baseline)."""
+    from kiln.inference import baseline
+
+    chosen = np.asarray(positions, dtype=np.int64)
+    result = baseline.compare(
+        sample.train_texts, sample.train_labels, texts, np.asarray(targets)[chosen],
+        np.asarray(outputs)[chosen], predictor.class_names,
     )  # fmt: skip
+    config = predictor.record.config
+    max_epochs = config.get("trainer", {}).get("max_epochs", 10)
+    override, why = baseline.try_instead(config.get("model", {}).get("name", ""), max_epochs)
+    return result | {"what": what, "override": override, "why": why}
 
 
 def default_directory(ckpt: Path) -> Path:
@@ -652,8 +719,9 @@ def left_out_entry(labelled: LabelledInputs) -> dict[str, Any]:
 
 def rebuild_split(predictor: Predictor, split: str | None):
     """The checkpoint's recorded data config, built again with kiln.data.build_data: (dataset,
-    collate_fn, sources, what it is). Refused when the rebuilt preprocessing differs from the
-    checkpoint's (the files changed since training): the model would be fed other inputs."""
+    collate_fn, sources, what it is, the training split's baseline sample or None). Refused
+    when the rebuilt preprocessing differs from the checkpoint's (the files changed since
+    training): the model would be fed other inputs."""
     from kiln.config import option_from_dict
     from kiln.data import build_data
 
@@ -689,6 +757,7 @@ def rebuild_split(predictor: Predictor, split: str | None):
         bundle.collate_fn,
         sources,
         {"split": chosen, "dataset": name, "config": data_config},
+        bundle.baseline if predictor.multi_label is None else None,
     )
 
 
