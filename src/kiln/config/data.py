@@ -107,9 +107,9 @@ class UnicodeForm(StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class CsvTextConfig(DataConfig):
-    """Text classification from a CSV with a text and a label column: read in chunks, cleaned,
-    tokenized (BPE) into a token cache on disk. A first run on tens of thousands of rows
-    is good with these defaults."""
+    """Text classification from a text and a label column of a CSV, Parquet, JSON Lines or a
+    datasets folder: read in chunks, cleaned, tokenized into a token cache on disk. A first run
+    on tens of thousands of rows is good with these defaults."""
 
     PATH_KEYS: ClassVar[tuple[str, ...]] = ("train_path", "val_path", "cache_dir")
 
@@ -120,8 +120,8 @@ class CsvTextConfig(DataConfig):
     val_path: str | None = None  # validation data, as train_path; null: val_fraction of it
     format: TextFormat = TextFormat.auto  # csv | parquet | jsonl | datasets; auto: by the path
     val_fraction: float = 0.2  # share held out for validation when val_path is null
-    text_column: str = "text"  # CSV column holding the texts
-    label_column: str = "label"  # CSV column holding the labels
+    text_column: str = "text"  # the column holding the texts (a CSV header's, a Parquet field...)
+    label_column: str = "label"  # the column holding the labels (a ClassLabel: read as names)
     # a second text column: each row is the pair (text, pair) -- NLI, question/answer,
     # duplicates -- fed to a pretrained tokenizer as tokenizer(a, b) (kiln's own: joined)
     text_pair_column: str | None = None
