@@ -70,7 +70,12 @@ from kiln.guards.probes import ProbeBudget, ProbePlan, ProbeSubject, probe_batch
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import stopped_summary, summarize, write_json, write_summary
 from kiln.models import build_model, without_weights
-from kiln.preprocessing.pretrained import PretrainedInput, pretrained_input
+from kiln.preprocessing.pretrained import (
+    PretrainedInput,
+    PretrainedText,
+    pretrained_input,
+    recorded_pretrained,
+)
 from kiln.registry import config_dirs, plugin_packages, plugin_sources
 from kiln.rng import forked, seed_everything
 from kiln.threads import BusyElsewhere
@@ -104,11 +109,20 @@ def build_trainer(
     the plan of the probes -- is passed on as new values; `cfg` is frozen."""
     cpu_watch = BusyElsewhere()  # what other processes keep busy while this run starts
     seed_everything(cfg.seed)  # the same initial weights on every rank and in single runs
-    pretrained = pretrained_input(cfg.model)  # checks a zoo model's arch and weights first
+    recorded = recorded_pretrained(cfg.model, cfg.init_from)  # init_from's tokenizer, config
+    if recorded is not None:
+        log.info(
+            "init_from: the tokenizer and config.json recorded in %s (of %s); model.arch is not "
+            "read again",
+            cfg.init_from,
+            recorded.source,
+        )
+    # else: checks a zoo model's arch and weights first
+    pretrained = recorded if recorded is not None else pretrained_input(cfg.model)
     bundle = load_data(cfg, pretrained)
     want_aux = bool(getattr(cfg.model, "aux_head", False) or cfg.loss.aux_head)
     want_aux = want_aux or cfg.loss.force_all_branches
-    model, freeze = build_run_model(cfg, bundle.spec, device, dist, run_dir, want_aux)
+    model, freeze = build_run_model(cfg, bundle.spec, device, dist, run_dir, want_aux, recorded)
     if cfg.trainer.log_activations:
         from kiln.guards.activations import ActivationMonitor
 
@@ -145,7 +159,7 @@ def build_trainer(
     evaluator = build_evaluator(
         bundle.spec.task, precision=precision, device=device, dist=dist, **settings
     )
-    subject = probe_subject(cfg, bundle, train_loader, model, precision, device, want_aux)
+    subject = probe_subject(cfg, bundle, train_loader, model, precision, device, want_aux, recorded)
     plan = probe_plan(cfg, subject.criterion, dist)
     scheduler = build_scheduler(optimizer, cfg.scheduler, planned_steps)
     parts = TrainingParts(
@@ -201,12 +215,20 @@ def build_trainer(
 
 
 def build_run_model(
-    cfg: KilnConfig, spec, device: torch.device, dist: DistInfo, run_dir: Path, want_aux: bool
+    cfg: KilnConfig,
+    spec,
+    device: torch.device,
+    dist: DistInfo,
+    run_dir: Path,
+    want_aux: bool,
+    recorded: PretrainedText | None = None,
 ) -> tuple[torch.nn.Module, FreezePlan]:
     """The run's model on its device, with its weights (init_from's unless the run resumes),
     model.freeze applied (before DDP registers the parameters it reduces) and its memory
-    format; returns it with the freeze plan."""
-    model = build_model(spec, cfg.model, aux_head=want_aux).to(device)  # with its weights
+    format; returns it with the freeze plan. `recorded`: init_from's own tokenizer and
+    config.json (recorded_pretrained): the model is built from them, its weights init_from's."""
+    model_cfg = without_weights(cfg.model) if recorded is not None else cfg.model
+    model = build_model(spec, model_cfg, aux_head=want_aux, pretrained=recorded).to(device)
     if cfg.init_from is not None and not will_resume(cfg, run_dir):
         from kiln.models.weights import init_from
 
@@ -228,7 +250,14 @@ def build_run_model(
 
 
 def probe_subject(
-    cfg: KilnConfig, bundle: DataBundle, train_loader, model, precision, device, want_aux: bool
+    cfg: KilnConfig,
+    bundle: DataBundle,
+    train_loader,
+    model,
+    precision,
+    device,
+    want_aux: bool,
+    recorded: PretrainedText | None = None,
 ) -> ProbeSubject:
     """What the probes before step 1 run on (kiln.guards.probes): the run's model and criterion,
     real batches of the data's extremes on the device, the other batch sizes rule 1 must survive,
@@ -243,11 +272,16 @@ def probe_subject(
     criterion = build_criterion(model, cfg.loss, bundle.spec.multi_label)
 
     def build_fresh(spec) -> torch.nn.Module:  # what rule 1's probes build: no weights to load
-        return build_model(spec, without_weights(cfg.model), aux_head=want_aux).to(device)
+        fresh = build_model(
+            spec, without_weights(cfg.model), aux_head=want_aux, pretrained=recorded
+        )
+        return fresh.to(device)
 
     def parameter_shapes(spec) -> dict[str, tuple]:  # a build on the meta device: no memory
         with torch.device("meta"), forked():
-            built = build_model(spec, without_weights(cfg.model), aux_head=want_aux)
+            built = build_model(
+                spec, without_weights(cfg.model), aux_head=want_aux, pretrained=recorded
+            )
         return {name: tuple(p.shape) for name, p in built.named_parameters()}
 
     def optimizer_for(copy: torch.nn.Module, lr_scale: float) -> torch.optim.Optimizer:
