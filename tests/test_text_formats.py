@@ -295,3 +295,24 @@ def test_train_py_on_parquet_writes_the_data_report_and_a_bad_row_error_is_one_l
         f"error: {path}: row 11 has an empty text in column 'text' (data.bad_rows=drop skips "
         "such rows, listing them in data_report.json)"
     ]
+
+
+def test_evaluate_reads_parquet_and_json_lines_as_training_does(tmp_path):
+    import pandas as pd
+
+    from kiln.data.text_corpus import demo_corpus
+    from kiln.inference.evaluate import evaluate_checkpoint
+
+    train_in_process(tmp_path / "run", "data=csv_text", "model=text_bow", *FAST)
+    best = tmp_path / "run" / "checkpoints" / "best.pt"
+    texts, labels = demo_corpus()
+    frame = pd.DataFrame({"text": texts[:30], "label": labels[:30]})
+    frame.loc[4, "label"] = None  # no label: left out, counted
+    frame.to_parquet(tmp_path / "eval.parquet")
+    frame.to_json(tmp_path / "eval.jsonl", orient="records", lines=True)
+    for name in ("eval.parquet", "eval.jsonl"):
+        report = evaluate_checkpoint(best, data=tmp_path / name, output=tmp_path / f"out-{name}")
+        metrics = report.metrics
+        assert metrics["count"] == 29 and metrics["data"]["layout"] == name.split(".")[1]
+        assert metrics["data"]["dropped"] == {"missing_label": 1}
+        assert metrics["baseline"]["eval_rows"] == 29

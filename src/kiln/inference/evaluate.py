@@ -36,6 +36,7 @@ from kiln.inference.labelled import (
     LabelledInputs,
     read_labelled_csv,
     read_labelled_folder,
+    read_labelled_records,
 )
 from kiln.inference.predictor import Predictor
 from kiln.inference.tables import write_predictions
@@ -691,12 +692,26 @@ def read_labelled(
         )
         described = {"path": str(path.resolve()), "layout": "class subfolders"}
     else:
+        from kiln.data.text_formats import resolve_format
+
+        columns = predictor.record.config.get("data", {})
+        fmt = resolve_format(path, "auto")
+        if fmt != "csv":
+            labelled = read_labelled_records(
+                path,
+                fmt,
+                names,
+                text_column=columns.get("text_column", "text"),
+                label_column=columns.get("label_column", "label"),
+                pair_column=columns.get("text_pair_column"),
+                label_separator=predictor.spec.label_separator,
+            )
+            return labelled, {"path": str(path.resolve()), "layout": fmt}
         if path.is_dir() or path.suffix.lower() != ".csv":
             raise EvaluateError(
-                f"data={path}: a text model is evaluated on a .csv file with a "
-                "text and a label column"
+                f"data={path}: a text model is evaluated on a .csv, Parquet or JSON Lines file "
+                "or a datasets folder, with a text and a label column"
             )
-        columns = predictor.record.config.get("data", {})
         labelled = read_labelled_csv(
             path,
             names,
