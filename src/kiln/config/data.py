@@ -156,7 +156,7 @@ class CsvTextConfig(DataConfig):
     # the linear baseline: TF-IDF + LinearSVC fitted on at most this many training texts (a
     # seeded sample; as many validation texts scored) at the end of training and by
     # `infer.py mode=evaluate`, reported beside the model's scores; 0: no baseline
-    baseline_rows: int = 10_000
+    baseline_rows: int = 5_000
     bucket_by_length: bool = True  # batch texts of similar length (shuffled buckets): less padding
     strip_html: bool = True  # cleaning: drop HTML tags (keeping their text), scripts and comments
     unescape_entities: bool = True  # cleaning: &amp; -> &, &lt; -> <
