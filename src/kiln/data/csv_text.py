@@ -850,8 +850,12 @@ def prepare(
         for path, fmt in formats.items():
             source_files(path, fmt)  # there, and the files it stands for: or one error line
             if fmt != "csv" and cfg.encoding != "utf-8":
-                log.warning("data.encoding=%s is not applied to %s (%s holds UTF-8 text)",
-                            cfg.encoding, path, fmt)  # fmt: skip
+                log.warning(
+                    "data.encoding=%s is not applied to %s (%s holds UTF-8 text)",
+                    cfg.encoding,
+                    path,
+                    fmt,
+                )
         root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
         stem = Path(source_name(cfg.train_path)).stem
         name = f"{stem}-{cache_key(_key_inputs(cfg, pretrained, spelling))}"
@@ -860,8 +864,8 @@ def prepare(
             logs["val_file"] = row_log(str(cfg.val_path))
 
         def build(directory: Path) -> None:
-            train = read_rows(cfg.train_path, settings, logs["train_file"],
-                              formats[cfg.train_path])  # fmt: skip
+            fmt = formats[cfg.train_path]
+            train = read_rows(cfg.train_path, settings, logs["train_file"], fmt)
             val = None
             if cfg.val_path is not None:
                 # Read on its own: its own labels re-synchronise it, and a label the training

@@ -649,10 +649,10 @@ def baseline_result(predictor: Predictor, sample, texts, positions, what, output
     from kiln.inference import baseline
 
     chosen = np.asarray(positions, dtype=np.int64)
+    scored = np.asarray(targets)[chosen], np.asarray(outputs)[chosen]
     result = baseline.compare(
-        sample.train_texts, sample.train_labels, texts, np.asarray(targets)[chosen],
-        np.asarray(outputs)[chosen], predictor.class_names,
-    )  # fmt: skip
+        sample.train_texts, sample.train_labels, texts, *scored, predictor.class_names
+    )
     config = predictor.record.config
     max_epochs = config.get("trainer", {}).get("max_epochs", 10)
     override, why = baseline.try_instead(config.get("model", {}).get("name", ""), max_epochs)
