@@ -630,7 +630,9 @@ def labelled_beside(predictor: Predictor, labelled: LabelledInputs):
     sample = _baseline_sample(predictor)
     if sample is None:
         return None
-    count, most = len(labelled.inputs), max(len(sample.train_texts), 1)
+    data_config = predictor.record.config.get("data", {})
+    count = len(labelled.inputs)
+    most = int(data_config.get("baseline_rows") or count)
     positions = np.arange(count)
     if count > most:
         positions = np.sort(np.random.default_rng(0).choice(count, size=most, replace=False))
