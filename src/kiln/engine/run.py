@@ -97,7 +97,7 @@ def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> Dat
     if cfg.trainer.overfit_batches:  # the same few batches, for training and validation alike
         count = min(cfg.trainer.overfit_batches * cfg.data.batch_size, len(bundle.train))
         few = Subset(bundle.train, range(count))
-        bundle = dataclasses.replace(bundle, train=few, val=few)
+        bundle = dataclasses.replace(bundle, train=few, val=few, baseline=None)
     return bundle
 
 
