@@ -723,15 +723,6 @@ def class_count(path: Path) -> int:
         return len({row["label"] for row in csv.DictReader(f)})
 
 
-def folder_name(folder: Path) -> str:
-    """A pretrained folder as its config.json names the model it came from, else its name."""
-    try:
-        named = json.loads((folder / "config.json").read_text()).get("_name_or_path")
-    except (OSError, ValueError):
-        named = None
-    return f"{Path(named).name} ({folder.name})" if named else folder.name
-
-
 def hf_trainer(cfg, workdir: Path, args) -> dict:
     """kiln's model=hf and Hugging Face's Trainer in interleaved rounds on the same split files
     of the CSV's first --hf-rows rows (which side goes first alternating), after an untimed
@@ -786,7 +777,7 @@ def hf_trainer(cfg, workdir: Path, args) -> dict:
     return {
         "train_rows": train_rows, "val_rows": val_rows, "classes": classes,
         "steps": steps, "epochs": args.hf_epochs or None, "batch_size": args.hf_batch_size,
-        "model": "tiny BERT" if args.hf_model is None else folder_name(Path(args.hf_model)),
+        "model": "tiny BERT" if args.hf_model is None else Path(args.hf_model).name,
         "max_length": args.hf_max_length, "lr": args.hf_lr, "weight_decay": HF_WEIGHT_DECAY,
         "warmup_ratio": HF_WARMUP_RATIO, "rounds": args.hf_rounds, "threads": 1,
         "transformers": trainer["transformers_runs"][0], "sides": rows,
