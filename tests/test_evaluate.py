@@ -636,7 +636,10 @@ def test_evaluate_argument_errors_are_one_line(digits, text, detector, tmp_path,
         ([digits_ckpt, f"data={unknown_class}"], "class folder(s) 'cat' are not among"),
         ([digits_ckpt, f"data={png_folder}"], "takes pixel arrays, not image files"),
         ([digits_ckpt, f"data={bad_labels}"], "not a file"),
-        ([text_ckpt, f"data={unknown_class}"], "a .csv file with a text and a label column"),
+        (
+            [text_ckpt, f"data={unknown_class}"],
+            "a .csv, Parquet or JSON Lines file or a datasets folder",
+        ),
         (
             [text_ckpt, f"data={bad_labels}"],
             "3 row(s) have label 'nope' (3 rows: 1, 3, 4), not among",

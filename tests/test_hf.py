@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import pandas as pd
 import pytest
 import torch
 
+from kiln.commands import RunCommand, cache_environment
 from kiln.config.base import ConfigError
 from kiln.inference import Predictor
 from kiln.models import build_model
@@ -25,7 +29,7 @@ from kiln.models.zoo.transformers import hf_preprocessing, position_limit
 from kiln.preprocessing.pretrained import PretrainedText, pretrained_from_dict
 from kiln.serving import create_app
 
-from .conftest import compose_config, read_summary, run_train, train_in_process
+from .conftest import SUBPROCESS_ENV, compose_config, read_summary, run_train, train_in_process
 from .damaged_csv import clean_rows, write_damaged_csv
 from .hf_helpers import POSITIONS, csv_texts, into_hub_cache, write_bert, write_roberta
 from .inference_helpers import live_server
@@ -60,6 +64,7 @@ def bert_run(corpus) -> tuple[Path, Path]:
         f"model.name={folder}",  # the issue's spelling (model_name_or_path): read as model.arch
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    (corpus / "bert_run_stdout.txt").write_text(done.stdout)  # what it printed, to type again
     shutil.move(folder, corpus / "moved_away")
     return run_dir, corpus / "train.csv"
 
@@ -228,6 +233,49 @@ def test_a_hub_id_not_in_the_cache_is_one_error_line_naming_the_folder_and_the_d
     assert "\n" not in message
     assert str(tmp_path / "hub" / "models--some-org--absent-model") in message
     assert "`hf download some-org/absent-model`" in message
+
+
+def test_a_hub_id_in_the_wrong_case_gets_the_cached_one_suggested(bert_run, corpus, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(corpus / "hub"))  # holds kiln-tests/tiny-bert
+    cfg = compose_config("data=csv_text", "model=hf", "model.arch=Kiln-Tests/Tiny-BERT")
+    with pytest.raises(ConfigError, match=r"did you mean model.arch=kiln-tests/tiny-bert\?"):
+        hf_preprocessing(cfg.model)
+
+
+def test_the_printed_train_longer_command_works_with_the_model_folder_gone(bert_run, corpus):
+    """bert_run's folder was moved away after training: the printed `init_from=` command reads
+    the checkpoint's own config.json and tokenizer, as printed (plus where to write, 2 steps)."""
+    run_dir, _ = bert_run
+    printed = (corpus / "bert_run_stdout.txt").read_text().splitlines()
+    (command,) = [line.split("  # ")[0] for line in printed if "init_from=" in line]
+    assert not (corpus / "bert").exists()
+    program, *args = shlex.split(command)
+    assert program == "python"  # this environment's
+    args += ["trainer.max_steps=2", f"hydra.run.dir={corpus / 'longer'}"]
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=corpus,
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = (corpus / "longer" / "train.log").read_text()
+    assert "init_from: the tokenizer and config.json recorded in" in log
+
+
+def test_printed_train_commands_carry_the_caches_a_pretrained_model_came_from(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- model=hf\n- model.arch=org/name\n")
+    (run_dir / ".hydra" / "config.yaml").write_text("model:\n  name: hf\n")
+    environment = {"HF_HUB_CACHE": "/data/hf hub", "HF_HUB_OFFLINE": "1", "PATH": "/bin"}
+    (run_dir / "environment.json").write_text(json.dumps(environment))
+    line = RunCommand.of_run(run_dir).train("trainer.max_epochs=6")
+    assert line.startswith("HF_HUB_CACHE='/data/hf hub' python ")
+    assert line.endswith("model=hf model.arch=org/name trainer.max_epochs=6")
+    assert cache_environment("text_bow", environment) == ()  # reads no pretrained weights
 
 
 def test_model_name_holding_a_folder_is_read_as_model_arch():

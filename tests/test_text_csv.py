@@ -238,7 +238,7 @@ def test_a_second_run_loads_the_cache_without_reading_the_csv(tmp_path, monkeypa
     def no_reading(*args, **kwargs):
         raise AssertionError("the CSV was read again")
 
-    monkeypatch.setattr(csv_text_module, "read_labelled_rows", no_reading)
+    monkeypatch.setattr(csv_text_module, "read_rows", no_reading)
     second = build_data(cfg)
     assert second.report["cache"] == {"dir": str(entry), "hit": True}
     assert second.recipe == first.recipe

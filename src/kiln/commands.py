@@ -20,6 +20,15 @@ from kiln.config import REPO_ROOT
 NOT_CARRIED = ("resume", "resume_override", "hydra.run.dir", "hydra.sweep.dir",
                "hydra.sweep.subdir", "hydra.output_subdir")  # fmt: skip
 HYDRA_CARRIED = ("hydra.searchpath",)  # Hydra's own overrides that shape the config
+# Where the libraries' caches are (the Hugging Face hub's, torch.hub's): a run whose model came
+# from one needs them again; its printed train commands set those the run had set.
+CACHE_VARIABLES = (
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "TORCH_HOME",
+    "XDG_CACHE_HOME",
+)
 INSTALLED = {"train.py": "kiln-train", "infer.py": "kiln-infer"}
 
 
@@ -66,28 +75,54 @@ class RunCommand:
     """The overrides that make a run what it is, as they must be typed again."""
 
     overrides: tuple[str, ...]
+    # NAME=value set before the command: the caches a pretrained model was read from
+    environment: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def of(cls, task: Iterable[str], hydra: Iterable[str] = ()) -> RunCommand:
+    def of(
+        cls, task: Iterable[str], hydra: Iterable[str] = (), environment: Iterable = ()
+    ) -> RunCommand:
         """From Hydra's task overrides and its own (hydra.overrides.task / .hydra)."""
         extras = env_extras()
         kept = [o for o in task if key_of(o) not in NOT_CARRIED and o not in extras]
         kept += [o for o in hydra if key_of(o) in HYDRA_CARRIED]
-        return cls(tuple(kept))
+        return cls(tuple(kept), tuple(environment))
 
     @classmethod
     def of_run(cls, run_dir: Path) -> RunCommand:
-        """From what Hydra recorded in the run's .hydra/ folder."""
+        """From what Hydra recorded in the run's .hydra/ folder (and the caches its model
+        was read from, as its environment.json recorded them)."""
+        from kiln.engine.environment import read_environment
+
         hydra_dir = Path(run_dir) / ".hydra"
         task = _read_yaml(hydra_dir / "overrides.yaml") or []
         hydra_cfg = (_read_yaml(hydra_dir / "hydra.yaml") or {}).get("hydra", {})
-        return cls.of(task, (hydra_cfg.get("overrides") or {}).get("hydra") or [])
+        model = (run_config(run_dir).get("model") or {}).get("name")
+        environment = cache_environment(model, read_environment(run_dir) or {})
+        return cls.of(task, (hydra_cfg.get("overrides") or {}).get("hydra") or [], environment)
 
     def train(self, *extra: str) -> str:
         """The train.py command line; `extra` overrides replace the run's own of the same key."""
         replaced = {key_of(o) for o in extra}
         kept = [o for o in self.overrides if key_of(o) not in replaced]
-        return line(script("train.py"), [*kept, *extra])
+        prefix = [f"{name}={shlex.quote(value)}" for name, value in self.environment]
+        return " ".join([*prefix, line(script("train.py"), [*kept, *extra])])
+
+
+def cache_environment(model: str | None, environ) -> tuple[tuple[str, str], ...]:
+    """The cache variables of `environ` a run of `model` needs again: those set, when the
+    model reads pretrained weights (its schema has `weights`: the zoo's models, model=hf),
+    else none."""
+    import dataclasses
+
+    from kiln.registry import MODELS
+
+    if model is None or model not in MODELS.names():
+        return ()
+    schema = MODELS.entry(model).config
+    if schema is None or "weights" not in {f.name for f in dataclasses.fields(schema)}:
+        return ()
+    return tuple((name, environ[name]) for name in CACHE_VARIABLES if environ.get(name))
 
 
 def infer(*args: str) -> str:

@@ -22,7 +22,10 @@ def did_you_mean(
     "data.image_size"), for the end of a message's what-to-do part; "" when none is close."""
     import difflib
 
-    close = difflib.get_close_matches(word, list(choices), n=most, cutoff=cutoff)
+    choices = list(choices)
+    same_letters = [c for c in choices if c.casefold() == word.casefold() and c != word]
+    # a name in the wrong case is that name, however long (a hub id: org/All-MiniLM-L6-v2)
+    close = same_letters[:most] or difflib.get_close_matches(word, choices, n=most, cutoff=cutoff)
     return f"; did you mean {' or '.join(spell(c) for c in close)}?" if close else ""
 
 

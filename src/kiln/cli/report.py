@@ -74,6 +74,7 @@ def finished(
         *data_lines(run_dir),
         f"run directory: {where(run_dir, link)}",
         *test_report(summary),
+        *baseline_report(summary, run_dir),
     ]
     if (run_dir / "curves.png").is_file():
         lines.append(f"curves: {shown(run_dir / 'curves.png')}")
@@ -82,6 +83,13 @@ def finished(
         if summary["status"] == "at_chance"
         else []
     )
+    if summary.get("baseline_below") and summary.get("baseline_override"):
+        triage.append(
+            commented(
+                command.train(summary["baseline_override"]),
+                "the model is below the linear baseline: try this",
+            )
+        )
     commands = [*triage, *next_commands(run_dir, link, command, config)]
     return "\n".join([*lines, "next:", *commands])
 
@@ -121,6 +129,25 @@ def test_report(summary: dict) -> list[str]:
         f"test split ({summary.get('test_count')} inputs): {numbers}; report: "
         f"{summary['test_eval_dir']}/"
     ]
+
+
+def baseline_report(summary: dict, run_dir: Path) -> list[str]:
+    """The linear baseline beside the model on the validation texts (text data), and the
+    verdict when the model is below it; baseline.json has the rest (per class too)."""
+    if summary.get("baseline_error"):
+        return [f"baseline failed (the training result stands): {summary['baseline_error']}"]
+    if "baseline_acc" not in summary:
+        return []
+    line = (
+        f"baseline (TF-IDF + LinearSVC, same training split, validation texts): accuracy "
+        f"{summary['baseline_acc']:.4f}, macro-F1 {summary['baseline_macro_f1']:.4f}; the model "
+        f"{summary['baseline_model_acc']:.4f} / {summary['baseline_model_macro_f1']:.4f}; per "
+        f"class: {run_dir / 'baseline.json'}"
+    )
+    if not summary.get("baseline_below"):
+        return [line]
+    verdict = "the model is below the linear baseline: train again with"
+    return [line, f"{verdict} {summary['baseline_override']} (the first command below)"]
 
 
 def next_commands(run_dir: Path, link: Path | None, command: RunCommand, config: dict) -> list:

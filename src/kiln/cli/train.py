@@ -30,7 +30,7 @@ from kiln.cli.paths import (
     with_env_profile,
 )
 from kiln.cli.resume import with_resume_run_dir
-from kiln.commands import RunCommand, line, script
+from kiln.commands import RunCommand, cache_environment, line, script
 from kiln.config import load_config, register_configs, to_plain, to_typed
 from kiln.config.overrides import check_grammar
 from kiln.errors import UserError
@@ -132,7 +132,10 @@ def hydra_main(raw_cfg: DictConfig) -> float | None:
 
     hydra = HydraConfig.get()
     run_dir = Path(hydra.runtime.output_dir)
-    command = RunCommand.of(hydra.overrides.task, hydra.overrides.hydra)  # to type it again
+    model = (raw_cfg.get("model") or {}).get("name")
+    # to type it again, with the caches a pretrained model was read from
+    environment = cache_environment(model, os.environ)
+    command = RunCommand.of(hydra.overrides.task, hydra.overrides.hydra, environment)
     tidy_console()
     SIGNALS.starting()  # each job of a multirun starts anew
     main_rank = not int(os.environ.get("RANK", 0))
@@ -240,9 +243,10 @@ def check_model_names(cfg) -> None:
     from kiln.registry import MODELS
 
     if MODELS.entry(cfg.model.name).meta.get("preprocessing"):
-        from kiln.preprocessing.pretrained import pretrained_input
+        from kiln.preprocessing.pretrained import pretrained_input, recorded_pretrained
 
-        pretrained_input(cfg.model)
+        if recorded_pretrained(cfg.model, cfg.init_from) is None:  # else the checkpoint's own
+            pretrained_input(cfg.model)
 
 
 def help_text(argv: list[str]) -> str:

@@ -97,6 +97,14 @@ class Tokenizer(StrEnum):
     bpe = "bpe"  # byte-pair encoding: rare words in pieces (for sequence models)
 
 
+class TextFormat(StrEnum):
+    auto = "auto"  # by the path: a datasets folder, .parquet, .jsonl/.ndjson/.json, else CSV
+    csv = "csv"  # a CSV with a header row
+    parquet = "parquet"  # a .parquet file, a folder of them, or a glob of one split's shards
+    jsonl = "jsonl"  # JSON Lines: one object per line
+    datasets = "datasets"  # a Hugging Face datasets save_to_disk folder (Arrow IPC files)
+
+
 class UnicodeForm(StrEnum):
     NFC = "NFC"
     NFKC = "NFKC"  # also folds compatibility forms: ligatures, full-width letters
@@ -105,18 +113,21 @@ class UnicodeForm(StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class CsvTextConfig(DataConfig):
-    """Text classification from a CSV with a text and a label column: read in chunks, cleaned,
-    tokenized (BPE) into a token cache on disk. A first run on tens of thousands of rows
-    is good with these defaults."""
+    """Text classification from a text and a label column of a CSV, Parquet, JSON Lines or a
+    datasets folder: read in chunks, cleaned, tokenized into a token cache on disk. A first run
+    on tens of thousands of rows is good with these defaults."""
 
     PATH_KEYS: ClassVar[tuple[str, ...]] = ("train_path", "val_path", "cache_dir")
 
     batch_size: int = 256
-    train_path: str | None = None  # the training CSV; null: the bundled demo corpus
-    val_path: str | None = None  # a validation CSV; null: split val_fraction off train_path
+    # the training data: a CSV, Parquet (a file, a folder or a glob of shards), JSON Lines or a
+    # datasets save_to_disk folder (data.format); null: the bundled demo corpus
+    train_path: str | None = None
+    val_path: str | None = None  # validation data, as train_path; null: val_fraction of it
+    format: TextFormat = TextFormat.auto  # csv | parquet | jsonl | datasets; auto: by the path
     val_fraction: float = 0.2  # share held out for validation when val_path is null
-    text_column: str = "text"  # CSV column holding the texts
-    label_column: str = "label"  # CSV column holding the labels
+    text_column: str = "text"  # the column holding the texts (a CSV header's, a Parquet field...)
+    label_column: str = "label"  # the column holding the labels (a ClassLabel: read as names)
     # a second text column: each row is the pair (text, pair) -- NLI, question/answer,
     # duplicates -- fed to a pretrained tokenizer as tokenizer(a, b) (kiln's own: joined)
     text_pair_column: str | None = None
@@ -135,6 +146,9 @@ class CsvTextConfig(DataConfig):
     max_suspect_labels: int = 0  # more suspect labels stop the run; up to this many are dropped
     max_field_lines: int = 1000  # a quoted field spanning more lines is an unbalanced quote
     max_field_bytes: int = 1_048_576  # a longer record is a bad row, passed over unread
+    # a Parquet row group or Arrow record batch whose text and label columns hold more
+    # (uncompressed, by the file's metadata) is not read: its rows are block_too_large
+    max_block_bytes: int = 256 * 2**20
     chunk_rows: int = 100_000  # records read at a time: bounds memory
     cache_dir: str | None = None  # token cache; null: $XDG_CACHE_HOME or ~/.cache, /kiln/text
     tokenizer: Tokenizer = Tokenizer.words  # words | bpe (both split on spaces and punctuation)
@@ -145,6 +159,10 @@ class CsvTextConfig(DataConfig):
     min_token_count: int = 2
     tokenizer_rows: int = 200_000  # training rows the tokenizer learns from (a seeded sample)
     max_length: int = 256  # tokens per text after truncation
+    # the linear baseline: TF-IDF + LinearSVC fitted on at most this many training texts (a
+    # seeded sample; as many validation texts scored) at the end of training and by
+    # `infer.py mode=evaluate`, reported beside the model's scores; 0: no baseline
+    baseline_rows: int = 5_000
     bucket_by_length: bool = True  # batch texts of similar length (shuffled buckets): less padding
     strip_html: bool = True  # cleaning: drop HTML tags (keeping their text), scripts and comments
     unescape_entities: bool = True  # cleaning: &amp; -> &, &lt; -> <
@@ -157,6 +175,7 @@ class CsvTextConfig(DataConfig):
         in_range(self.val_fraction, 0, 1, f"{key}.val_fraction", open_low=True, open_high=True)
         at_least(self.vocab_size, 16, f"{key}.vocab_size", "room for special tokens and letters")
         at_least(self.max_length, 1, f"{key}.max_length")
+        at_least(self.baseline_rows, 0, f"{key}.baseline_rows")
         at_least(self.min_token_count, 1, f"{key}.min_token_count")
         at_least(self.chunk_rows, 1, f"{key}.chunk_rows")
         at_least(self.tokenizer_rows, 1, f"{key}.tokenizer_rows")
@@ -164,6 +183,7 @@ class CsvTextConfig(DataConfig):
         at_least(self.max_suspect_labels, 0, f"{key}.max_suspect_labels")
         at_least(self.max_field_lines, 1, f"{key}.max_field_lines")
         at_least(self.max_field_bytes, 1024, f"{key}.max_field_bytes")
+        at_least(self.max_block_bytes, 2**20, f"{key}.max_block_bytes")
         if self.labels is not None:
             names = [str(label).strip() for label in self.labels]
             if len(set(names)) < 2 or len(set(names)) != len(names) or not all(names):

@@ -60,6 +60,10 @@ BAD_ROW_REASONS = (
     "empty_after_cleaning",
     "suspect_label",
     "unseen_label",
+    # the other formats (kiln.data.text_formats)
+    "not_json",
+    "wrong_type",
+    "block_too_large",
 )
 STRUCTURAL = frozenset({"wrong_field_count", "unbalanced_quote", "field_too_large"})
 DELIMITER, QUOTE = ",", '"'
@@ -88,6 +92,8 @@ class CsvSettings:
     labels: frozenset[str] | None = None  # data.labels: the classes, when the user names them
     max_field_bytes: int = 1 << 20  # a longer record is dropped, read in pieces, never whole
     pair_column: str | None = None  # data.text_pair_column: a row's text is then a pair
+    label_separator: str | None = None  # data.label_separator: a list of labels is joined by it
+    max_block_bytes: int = 1 << 28  # Parquet row groups, Arrow record batches: larger ones unread
 
 
 @dataclass
@@ -106,17 +112,25 @@ class RowChunk:
 class BadRow:
     reason: str
     row: int
-    line: int
+    line: int | None  # None: a format without lines (Parquet, Arrow)
     column: str | None
     what: str  # the sentence an error message uses: "has an empty text in column 'text'"
     last_line: int | None = None  # a record spanning lines: its last one
     preview: str = ""
+    file: str | None = None  # the file's name, for data read from several (Parquet shards)
 
     def to_dict(self) -> dict:
-        where = {"line": self.line, "row": self.row, "reason": self.reason}
+        where = {"line": self.line} if self.line is not None else {}
+        where |= {"row": self.row, "reason": self.reason}
         if self.last_line is not None and self.last_line != self.line:
             where["last_line"] = self.last_line
+        if self.file is not None:
+            where["file"] = self.file
         return {**where, "column": self.column, "preview": self.preview}
+
+    def place(self) -> str:
+        """`row N (line L)`, or `row N` where there are no lines."""
+        return f"row {self.row}" + (f" (line {self.line})" if self.line is not None else "")
 
 
 def row_log(path: str) -> BadInputLog:
@@ -149,7 +163,7 @@ def drop_kept(log: BadInputLog, settings: CsvSettings, path: Path | str, bad: Ba
 def _drop(log: BadInputLog, settings: CsvSettings, path: Path | str, bad: BadRow) -> None:
     if settings.bad_rows == "error":
         raise CsvTextError(
-            f"{path}: row {bad.row} (line {bad.line}) {bad.what} (data.bad_rows=drop skips "
+            f"{path}: {bad.place()} {bad.what} (data.bad_rows=drop skips "
             "such rows, listing them in data_report.json)"
         )
     log.add(bad.to_dict())

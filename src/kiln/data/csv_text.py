@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import re
 import time
@@ -42,14 +43,21 @@ from kiln.data.csv_reader import (
     RowChunk,
     drop_kept,
     preview,
-    read_labelled_rows,
     row_log,
 )
 from kiln.data.multilabel import multi_hot, split_labels
-from kiln.data.spec import MULTILABEL, DataBundle, DataSpec, SourceNames
+from kiln.data.spec import MULTILABEL, DataBundle, DataSpec, SourceNames, TextSample
 from kiln.data.split import stratified_split, val_count
 from kiln.data.text_corpus import demo_corpus
+from kiln.data.text_formats import (
+    read_rows,
+    resolve_format,
+    source_digest,
+    source_files,
+    source_name,
+)
 from kiln.data.token_store import (
+    BASELINE,
     ENCODE_BATCH,
     STORE_VERSION,
     IdsWriter,
@@ -61,7 +69,6 @@ from kiln.data.token_store import (
     cache_key,
     cached_entry,
     default_cache_dir,
-    file_digest,
     save_entry,
 )
 from kiln.preprocessing import TokenRecipe
@@ -142,6 +149,11 @@ def log_pretrained_cleaning(cfg: CsvTextConfig, pretrained: PretrainedText) -> N
     )
 
 
+def source_format(cfg: CsvTextConfig, path: str) -> str:
+    """The format `path` is read in: data.format, or (auto) what the path is."""
+    return resolve_format(path, str(cfg.format))
+
+
 def csv_settings(cfg: CsvTextConfig, pretrained: PretrainedText | None = None) -> CsvSettings:
     return CsvSettings(
         text_column=cfg.text_column,
@@ -158,6 +170,8 @@ def csv_settings(cfg: CsvTextConfig, pretrained: PretrainedText | None = None) -
         if cfg.labels is None or cfg.label_separator is not None
         else frozenset(str(x).strip() for x in cfg.labels),
         pair_column=cfg.text_pair_column,
+        label_separator=cfg.label_separator,
+        max_block_bytes=cfg.max_block_bytes,
     )
 
 
@@ -223,13 +237,16 @@ class _FileRows:
     rows: np.ndarray
     lines: np.ndarray
     flagged: np.ndarray
+    unit: str = "line"  # what `lines` counts: "row" for formats without lines (Parquet, Arrow)
 
     def label_counts(self, clean_only: bool = False) -> np.ndarray:
         codes = self.codes[~self.flagged] if clean_only else self.codes
         return np.bincount(codes, minlength=len(self.names))
 
 
-def _spool_file(path: str, chunks: Iterable[RowChunk], spool: TextSpool) -> _FileRows:
+def _spool_file(
+    path: str, chunks: Iterable[RowChunk], spool: TextSpool, unit: str = "line"
+) -> _FileRows:
     """Appends the chunks' cleaned texts to the spool and keeps the rest of each row."""
     names: dict[str, int] = {}
     codes, rows, lines, flagged = [], [], [], []
@@ -250,12 +267,13 @@ def _spool_file(path: str, chunks: Iterable[RowChunk], spool: TextSpool) -> _Fil
         joined(rows, np.int64),
         joined(lines, np.int64),
         joined(flagged, bool),
+        unit,
     )
 
 
-def _where(lines: Sequence[int], count: int) -> str:
+def _where(lines: Sequence[int], count: int, unit: str = "line") -> str:
     shown = ", ".join(map(str, lines[:5])) + (", ..." if count > 5 else "")
-    return f"line {shown}" if count == 1 else f"{count} rows: lines {shown}"
+    return f"{unit} {shown}" if count == 1 else f"{count} rows: {unit}s {shown}"
 
 
 def _hydra_list(labels: Iterable[str]) -> str:
@@ -280,7 +298,8 @@ def _suspects(cfg: CsvTextConfig, read: _FileRows) -> dict[str, dict]:
 
 def _suspect_error(cfg: CsvTextConfig, read: _FileRows, suspects: dict, classes) -> CsvTextError:
     shown = "; ".join(
-        f"{name!r} ({_where(info['lines'], info['rows'])})" for name, info in suspects.items()
+        f"{name!r} ({_where(info['lines'], info['rows'], read.unit)})"
+        for name, info in suspects.items()
     )
     return CsvTextError(
         f"{read.path}: {len(suspects)} suspect label(s), seen only in rows next to broken records "
@@ -323,7 +342,7 @@ def _leave_out(read, keep, reason, what, spool_texts, settings, log: BadInputLog
         bad = BadRow(
             reason,
             int(read.rows[i]),
-            int(read.lines[i]),
+            int(read.lines[i]) if read.unit == "line" else None,
             column,
             what(label),
             preview=preview(f"{spool_texts[i]},{label}"),
@@ -378,7 +397,9 @@ def _read_files(cfg, spool, train: _FileRows, val: _FileRows | None, logs, setti
             int((labels < 0).sum()),
             len(suspects),
             cfg.max_suspect_labels,
-            "; ".join(f"{n!r} ({_where(i['lines'], i['rows'])})" for n, i in suspects.items()),
+            "; ".join(
+                f"{n!r} ({_where(i['lines'], i['rows'], train.unit)})" for n, i in suspects.items()
+            ),
         )
     if val is None:
         return labels, classes, out
@@ -545,6 +566,47 @@ def _train_val_rows(cfg: CsvTextConfig, labels: np.ndarray, num_train: int, logs
     return train, val
 
 
+BASELINE_TEXT_CHARS = 2000  # of each text, for the baseline: bounds its character n-grams
+SAMPLE_READ = 64  # sampled texts per read of the spool (one read spans the rows between them)
+
+
+def baseline_sample(spool, labels, train_rows, val_rows, cfg: CsvTextConfig) -> dict:
+    """At most data.baseline_rows training and as many validation texts (seeded samples), each
+    cut to BASELINE_TEXT_CHARS, with their class indices: kiln.data.spec.TextSample's fields."""
+    rng = np.random.default_rng(cfg.split_seed)
+
+    def pick(rows: np.ndarray) -> np.ndarray:
+        chosen = np.arange(len(rows))
+        if len(rows) > cfg.baseline_rows:
+            chosen = np.sort(rng.choice(len(rows), size=cfg.baseline_rows, replace=False))
+        return chosen
+
+    def texts(rows: np.ndarray) -> list[str]:
+        keep = np.zeros(len(labels), dtype=bool)
+        keep[rows] = True
+        order = np.argsort(rows, kind="stable")  # the spool reads in row order
+        read = [
+            t[:BASELINE_TEXT_CHARS]
+            for b in _joined(spool.batches(SAMPLE_READ, keep=keep))
+            for t in b
+        ]
+        out = [""] * len(rows)
+        for text, i in zip(read, order.tolist(), strict=True):
+            out[i] = text
+        return out
+
+    train_pick, val_pick = pick(train_rows), pick(val_rows)
+    return {
+        "train_texts": texts(train_rows[train_pick]),
+        "train_labels": labels[train_rows[train_pick]].tolist(),
+        "val_texts": texts(val_rows[val_pick]),
+        "val_labels": labels[val_rows[val_pick]].tolist(),
+        "val_positions": val_pick.tolist(),
+        "train_total": int(len(train_rows)),
+        "val_total": int(len(val_rows)),
+    }
+
+
 def _tokenizer_sample(train_rows: np.ndarray, size: int, seed: int) -> np.ndarray:
     """At most `size` training rows, a seeded sample: the merges a tokenizer learns settle long
     before a million rows, while its memory grows with every distinct word it sees."""
@@ -642,13 +704,21 @@ def build_entry(
     timings: dict[str, float] = {}
     spool = TextSpool(directory / "texts.utf8")
     with _timed(timings, "read_clean_s"):
-        train = _spool_file(logs["train_file"].path, train_chunks, spool)
-        val = None if val_chunks is None else _spool_file(cfg.val_path, val_chunks, spool)
+        train = _spool_file(
+            logs["train_file"].path, train_chunks, spool, _unit(cfg, cfg.train_path)
+        )
+        val = None
+        if val_chunks is not None:
+            val = _spool_file(cfg.val_path, val_chunks, spool, _unit(cfg, cfg.val_path))
         spool.close()
         labels, class_names, left_out = _read_files(cfg, spool, train, val, logs, settings)
     lines = train.lines if val is None else np.concatenate([train.lines, val.lines])
     rows = train.rows if val is None else np.concatenate([train.rows, val.rows])
     train_rows, val_rows = _train_val_rows(cfg, labels, len(train.codes), logs)
+    if cfg.baseline_rows and cfg.label_separator is None:  # before the encoding drops the spool
+        with _timed(timings, "baseline_sample_s"):
+            sample = baseline_sample(spool, labels, train_rows, val_rows, cfg)
+        (directory / BASELINE).write_text(json.dumps(sample, ensure_ascii=False))
     if pretrained is not None:  # the model's own tokenizer: nothing to learn
         tokenizer = _tokenizer_from_json(pretrained.tokenizer_json, cfg.max_length)
         with _timed(timings, "encode_s"):
@@ -688,6 +758,13 @@ def build_entry(
     )
 
 
+def _unit(cfg: CsvTextConfig, path: str | None) -> str:
+    """What a file's records are placed by: lines (CSV, JSON Lines) or rows only."""
+    if path is None:
+        return "line"
+    return "row" if source_format(cfg, path) in ("parquet", "datasets") else "line"
+
+
 def _demo_chunks(
     cfg: CsvTextConfig, log_: BadInputLog, pretrained: PretrainedText | None = None
 ) -> list[RowChunk]:
@@ -710,8 +787,12 @@ def _key_inputs(
     inputs = {
         "store_version": STORE_VERSION,
         "tokenizers": version("tokenizers"),
-        "train_sha256": file_digest(Path(cfg.train_path)),
-        "val_sha256": file_digest(Path(cfg.val_path)) if cfg.val_path else None,
+        "train_sha256": source_digest(cfg.train_path, source_format(cfg, cfg.train_path)),
+        "val_sha256": source_digest(cfg.val_path, source_format(cfg, cfg.val_path))
+        if cfg.val_path
+        else None,
+        "formats": [source_format(cfg, p) for p in filter(None, (cfg.train_path, cfg.val_path))],
+        "max_block_bytes": cfg.max_block_bytes,
         "split": None if cfg.val_path else [cfg.val_fraction, cfg.split_seed],
         "columns": [settings.text_column, settings.label_column]
         + ([settings.pair_column] if settings.pair_column else []),
@@ -731,6 +812,7 @@ def _key_inputs(
         "min_token_count": cfg.min_token_count,
         "tokenizer_rows": cfg.tokenizer_rows,
         "max_length": cfg.max_length,
+        "baseline_rows": cfg.baseline_rows,
     }
     if pretrained is not None:  # the model's own tokenizer, by its hash
         inputs["pretrained_tokenizer"] = pretrained.tokenizer_sha256
@@ -764,23 +846,32 @@ def prepare(
         )
         cache = {"dir": None, "hit": False}
     else:
-        for path in filter(None, (cfg.train_path, cfg.val_path)):
-            if not Path(path).is_file():
-                raise CsvTextError(f"{path}: no such file (set data.train_path / data.val_path)")
+        formats = {p: source_format(cfg, p) for p in filter(None, (cfg.train_path, cfg.val_path))}
+        for path, fmt in formats.items():
+            source_files(path, fmt)  # there, and the files it stands for: or one error line
+            if fmt != "csv" and cfg.encoding != "utf-8":
+                log.warning(
+                    "data.encoding=%s is not applied to %s (%s holds UTF-8 text)",
+                    cfg.encoding,
+                    path,
+                    fmt,
+                )
         root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-        name = f"{Path(cfg.train_path).stem}-{cache_key(_key_inputs(cfg, pretrained, spelling))}"
+        stem = Path(source_name(cfg.train_path)).stem
+        name = f"{stem}-{cache_key(_key_inputs(cfg, pretrained, spelling))}"
         logs = {"train_file": row_log(str(cfg.train_path))}
         if cfg.val_path is not None:
             logs["val_file"] = row_log(str(cfg.val_path))
 
         def build(directory: Path) -> None:
-            train = read_labelled_rows(cfg.train_path, settings, logs["train_file"])
+            fmt = formats[cfg.train_path]
+            train = read_rows(cfg.train_path, settings, logs["train_file"], fmt)
             val = None
             if cfg.val_path is not None:
                 # Read on its own: its own labels re-synchronise it, and a label the training
                 # classes lack is judged after (unseen_label), data.labels or not.
                 own = dataclasses.replace(settings, labels=None)
-                val = read_labelled_rows(cfg.val_path, own, logs["val_file"])
+                val = read_rows(cfg.val_path, own, logs["val_file"], formats[cfg.val_path])
             build_entry(directory, cfg, train, val, logs, settings, pretrained, spelling)
 
         entry, hit = cached_entry(root, name, build)
@@ -829,8 +920,6 @@ def class_table(report: dict) -> list[str]:
 
 def vocabulary(tokenizer_json: str) -> tuple[str, ...]:
     """The tokenizer's tokens by id (its model's vocabulary and its added special tokens)."""
-    import json
-
     tokenizer = json.loads(tokenizer_json)
     by_id = {i: token for token, i in tokenizer["model"]["vocab"].items()}
     by_id.update({added["id"]: added["content"] for added in tokenizer.get("added_tokens", [])})
@@ -898,6 +987,7 @@ def build_csv_text(cfg: CsvTextConfig, *, pretrained=None) -> DataBundle:
             "train": split_sources(cfg, entry, "train"),
             "val": split_sources(cfg, entry, "val"),
         },
+        baseline=None if entry.baseline is None else TextSample.from_dict(entry.baseline),
     )
 
 
@@ -905,5 +995,5 @@ def split_sources(cfg: CsvTextConfig, entry: StoreEntry, split: str) -> SourceNa
     """ "<file> row N" per item of the split: its row of data.val_path, or of the training file
     the split came from (numbered from 1 after the header, as data_report.json numbers them)."""
     path = cfg.val_path if split == "val" and cfg.val_path else cfg.train_path
-    name = Path(path).name if path is not None else "demo corpus"
+    name = source_name(path) if path is not None else "demo corpus"
     return SourceNames(f"{name} row {{}}", entry.source_rows[getattr(entry, f"{split}_rows")])

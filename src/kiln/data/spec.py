@@ -4,7 +4,7 @@ preprocessing recipe that inference must repeat exactly (kiln.preprocessing)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, overload
 
 from torch.utils.data import Dataset
@@ -59,6 +59,25 @@ class DataSpec:
 
 
 @dataclass
+class TextSample:
+    """A bounded, seeded sample of a text dataset's cleaned training and validation texts with
+    their class indices: what the TF-IDF + linear baseline (kiln.inference.baseline) is fitted
+    and scored on. `val_positions`: each validation text's index in the val split."""
+
+    train_texts: list[str]
+    train_labels: list[int]
+    val_texts: list[str]
+    val_labels: list[int]
+    val_positions: list[int]
+    train_total: int  # rows in the training split (the sample is at most data.baseline_rows)
+    val_total: int
+
+    @classmethod
+    def from_dict(cls, stored: dict[str, Any]) -> TextSample:
+        return cls(**{f.name: stored[f.name] for f in fields(cls)})
+
+
+@dataclass
 class DataBundle:
     """A built dataset: spec, splits, how to batch them, and the preprocessing recipe."""
 
@@ -86,6 +105,8 @@ class DataBundle:
     # What the data checks said without stopping the run (kiln.findings.Finding: a split
     # overlap below data.max_split_overlap, ...): written to findings.json with the probes'.
     findings: list = field(default_factory=list)
+    # Text classification: the sample the end of training fits its linear baseline on (or None)
+    baseline: TextSample | None = None
 
 
 class SourceNames(Sequence[str]):

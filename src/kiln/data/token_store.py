@@ -39,6 +39,7 @@ from torch.utils.data import Dataset
 from kiln.caches import cache_dir
 from kiln.preprocessing.text import PAD_ID
 
+BASELINE = "baseline.json"  # the linear baseline's sample of texts, beside the store
 STORE_VERSION = 2  # bump when the layout or the meaning of a stored entry changes
 ID_DTYPE = np.int32
 ENCODE_BATCH = 4096  # texts per encode_batch call: bounds the tokenizer's per-call memory
@@ -307,6 +308,9 @@ class StoreEntry:
     meta: dict[str, Any]
     lines: np.ndarray  # each row's line in its file
     source_rows: np.ndarray  # each row's number in its file (from 1 after the header)
+    # a bounded sample of the training and validation texts for the linear baseline
+    # (baseline.json: kiln.data.spec.TextSample's fields), or None
+    baseline: dict[str, Any] | None = None
 
 
 def save_entry(
@@ -340,6 +344,9 @@ def load_entry(directory: Path, *, in_memory: bool = False) -> StoreEntry:
         meta=json.loads((directory / "meta.json").read_text()),
         lines=np.load(directory / "lines.npy"),
         source_rows=np.load(directory / "source_rows.npy"),
+        baseline=json.loads(sample.read_text())
+        if (sample := directory / BASELINE).is_file()
+        else None,
     )
 
 

@@ -78,7 +78,12 @@ from kiln.models import (
     spec_example,
     without_weights,
 )
-from kiln.preprocessing.pretrained import PretrainedInput, pretrained_input
+from kiln.preprocessing.pretrained import (
+    PretrainedInput,
+    PretrainedText,
+    pretrained_input,
+    recorded_pretrained,
+)
 from kiln.registry import config_dirs, plugin_packages, plugin_sources
 from kiln.rng import forked, seed_everything
 from kiln.startup import StartupClock, run_clock
@@ -103,7 +108,7 @@ def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> Dat
     if cfg.trainer.overfit_batches:  # the same few batches, for training and validation alike
         count = min(cfg.trainer.overfit_batches * cfg.data.batch_size, len(bundle.train))
         few = Subset(bundle.train, range(count))
-        bundle = dataclasses.replace(bundle, train=few, val=few)
+        bundle = dataclasses.replace(bundle, train=few, val=few, baseline=None)
     return bundle
 
 
@@ -121,7 +126,16 @@ def build_trainer(
     start-up clock (kiln.startup), lapped here and said by the Trainer after the first step."""
     cpu_watch = BusyElsewhere()  # what other processes keep busy while this run starts
     seed_everything(cfg.seed)  # the same initial weights on every rank and in single runs
-    pretrained = pretrained_input(cfg.model)  # checks a zoo model's arch and weights first
+    recorded = recorded_pretrained(cfg.model, cfg.init_from)  # init_from's tokenizer, config
+    if recorded is not None:
+        log.info(
+            "init_from: the tokenizer and config.json recorded in %s (of %s); model.arch is not "
+            "read again",
+            cfg.init_from,
+            recorded.source,
+        )
+    # else: checks a zoo model's arch and weights first
+    pretrained = recorded if recorded is not None else pretrained_input(cfg.model)
     if startup is not None:
         startup.lap("build")  # the run's set-up: device, process group, loggers
     bundle = load_data(cfg, pretrained)
@@ -129,7 +143,7 @@ def build_trainer(
         startup.lap("data")
     want_aux = bool(getattr(cfg.model, "aux_head", False) or cfg.loss.aux_head)
     want_aux = want_aux or cfg.loss.force_all_branches
-    model, freeze = build_run_model(cfg, bundle.spec, device, dist, run_dir, want_aux)
+    model, freeze = build_run_model(cfg, bundle.spec, device, dist, run_dir, want_aux, recorded)
     if cfg.trainer.log_activations:
         from kiln.guards.activations import ActivationMonitor
 
@@ -166,7 +180,7 @@ def build_trainer(
     evaluator = build_evaluator(
         bundle.spec.task, precision=precision, device=device, dist=dist, **settings
     )
-    subject = probe_subject(cfg, bundle, train_loader, model, precision, device, want_aux)
+    subject = probe_subject(cfg, bundle, train_loader, model, precision, device, want_aux, recorded)
     plan = probe_plan(cfg, subject.criterion, dist)
     scheduler = build_scheduler(optimizer, cfg.scheduler, planned_steps)
     parts = TrainingParts(
@@ -224,12 +238,20 @@ def build_trainer(
 
 
 def build_run_model(
-    cfg: KilnConfig, spec, device: torch.device, dist: DistInfo, run_dir: Path, want_aux: bool
+    cfg: KilnConfig,
+    spec,
+    device: torch.device,
+    dist: DistInfo,
+    run_dir: Path,
+    want_aux: bool,
+    recorded: PretrainedText | None = None,
 ) -> tuple[torch.nn.Module, FreezePlan]:
     """The run's model on its device, with its weights (init_from's unless the run resumes),
     model.freeze applied (before DDP registers the parameters it reduces) and its memory
-    format; returns it with the freeze plan."""
-    model = build_model(spec, cfg.model, aux_head=want_aux).to(device)  # with its weights
+    format; returns it with the freeze plan. `recorded`: init_from's own tokenizer and
+    config.json (recorded_pretrained): the model is built from them, its weights init_from's."""
+    model_cfg = without_weights(cfg.model) if recorded is not None else cfg.model
+    model = build_model(spec, model_cfg, aux_head=want_aux, pretrained=recorded).to(device)
     if has_lazy_parameters(model):  # nn.LazyLinear & co: sized before the optimizer sees them
         materialise(model, spec_example(spec, device))
     if cfg.init_from is not None and not will_resume(cfg, run_dir):
@@ -253,7 +275,14 @@ def build_run_model(
 
 
 def probe_subject(
-    cfg: KilnConfig, bundle: DataBundle, train_loader, model, precision, device, want_aux: bool
+    cfg: KilnConfig,
+    bundle: DataBundle,
+    train_loader,
+    model,
+    precision,
+    device,
+    want_aux: bool,
+    recorded: PretrainedText | None = None,
 ) -> ProbeSubject:
     """What the probes before step 1 run on (kiln.guards.probes): the run's model and criterion,
     real batches of the data's extremes on the device, the other batch sizes rule 1 must survive,
@@ -268,11 +297,16 @@ def probe_subject(
     criterion = build_criterion(model, cfg.loss, bundle.spec.multi_label)
 
     def build_fresh(spec) -> torch.nn.Module:  # what rule 1's probes build: no weights to load
-        return build_model(spec, without_weights(cfg.model), aux_head=want_aux).to(device)
+        fresh = build_model(
+            spec, without_weights(cfg.model), aux_head=want_aux, pretrained=recorded
+        )
+        return fresh.to(device)
 
     def parameter_shapes(spec) -> dict[str, tuple]:  # a build on the meta device: no memory
         with torch.device("meta"), forked():
-            built = build_model(spec, without_weights(cfg.model), aux_head=want_aux)
+            built = build_model(
+                spec, without_weights(cfg.model), aux_head=want_aux, pretrained=recorded
+            )
         return {name: tuple(p.shape) for name, p in built.named_parameters()}
 
     def optimizer_for(copy: torch.nn.Module, lr_scale: float) -> torch.optim.Optimizer:
@@ -595,6 +629,63 @@ def report_test_split(
     return report.headline("test_")
 
 
+BASELINE_FILE = "baseline.json"
+
+
+def report_baseline(
+    trainer: Trainer, cfg: KilnConfig, run_dir: Path, device: torch.device
+) -> dict[str, Any]:
+    """Text data with a baseline sample (data.baseline_rows): TF-IDF + LinearSVC fitted on the
+    training split's sample and scored on the validation sample, beside best.pt's scores on
+    the same texts (<run>/baseline.json, its lines in the log); returns summary.json's
+    baseline_* keys. Like the test split's report, a failure here is logged, never raised."""
+    bundle = trainer.parts.data
+    if bundle is None or bundle.baseline is None or not trainer.dist.is_main:
+        return {}
+    from torch.utils.data import Subset
+
+    from kiln.atomic import write_json
+    from kiln.inference import baseline
+    from kiln.inference.evaluate import predict_split
+    from kiln.inference.predictor import Predictor
+
+    sample = bundle.baseline
+    try:
+        predictor = Predictor.from_checkpoint(
+            run_dir / "checkpoints" / "best.pt", "torch", device.type
+        )
+        probs, targets = predict_split(
+            predictor,
+            Subset(bundle.val, sample.val_positions),
+            collate_fn=bundle.collate_fn,
+            batch_size=trainer.contract.batch_size,
+        )
+        result = baseline.compare(
+            sample.train_texts,
+            sample.train_labels,
+            sample.val_texts,
+            targets,
+            probs,
+            bundle.spec.class_names,
+        )
+    except Exception as err:  # noqa: BLE001 -- reported, never raised: training succeeded
+        log.error(
+            "the linear baseline failed (training itself finished): %s: %s",
+            type(err).__name__,
+            err,
+            exc_info=True,
+        )
+        return {"baseline_error": f"{type(err).__name__}: {err}"}
+    override, why = baseline.try_instead(cfg.model.name, cfg.trainer.max_epochs)
+    result |= {"split": "val", "val_total": sample.val_total, "override": override, "why": why}
+    write_json(run_dir / BASELINE_FILE, result, indent=2)
+    for line in baseline.lines(result, "validation texts", override):
+        (log.warning if line.startswith("the model is below") else log.info)("%s", line)
+    return baseline.summary_keys(result) | (
+        {"baseline_override": override} if result["below"] else {}
+    )
+
+
 FAILING_BATCHES = "nan_batch.pt"  # beside nan_batch_stats.json
 
 
@@ -720,6 +811,7 @@ def train(
         if at_chance is not None:
             summary["at_chance"] = at_chance  # the console gets it with the run's end
         summary.update(report_test_split(trainer, cfg, run_dir, device))
+        summary.update(report_baseline(trainer, cfg, run_dir, device))
         if cfg.trainer.overfit_batches:
             summary.update(check_overfit(recorder.history))
         if dist.is_main:

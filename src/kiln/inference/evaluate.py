@@ -37,6 +37,7 @@ from kiln.inference.labelled import (
     LabelledInputs,
     read_labelled_csv,
     read_labelled_folder,
+    read_labelled_records,
 )
 from kiln.inference.predictor import Predictor
 from kiln.inference.tables import write_predictions
@@ -106,6 +107,11 @@ class Report:
                 for reason, count in data["dropped"].items()
             )
             lines.append(f"skipped, not evaluated: {skipped}; listed in metrics.json")
+        if m.get("baseline"):
+            from kiln.inference.baseline import lines as baseline_lines
+
+            found = m["baseline"]
+            lines += baseline_lines(found, found["what"], found["override"])
         lines.append(f"wrote {self.directory}/: {', '.join(m['files'])}")
         return lines
 
@@ -577,12 +583,15 @@ def evaluate_checkpoint(
     )
     directory = Path(output) if output is not None else default_directory(Path(ckpt))
     if data is None:
-        dataset, collate_fn, sources, described = rebuild_split(predictor, split)
+        dataset, collate_fn, sources, described, sample = rebuild_split(predictor, split)
         outputs, targets = predict_split(
             predictor, dataset, collate_fn=collate_fn, batch_size=batch_size
         )
         sources = split_sources(sources, described["split"], len(targets))
         images = first_images(predictor, dataset)
+        beside = None
+        if sample is not None and described["split"] == "val":
+            beside = (sample, sample.val_texts, sample.val_positions, "validation texts")
     elif predictor.task == "detection":  # a COCO file or a YOLO folder, read as training reads
         from kiln.data.shapes_detection import collate_image_list
         from kiln.inference.labelled import read_labelled_boxes
@@ -595,16 +604,78 @@ def evaluate_checkpoint(
         sources, images = labelled.sources, first_images(predictor, labelled.dataset)
         described = {"path": str(Path(data).resolve()), "layout": labelled.layout,
                      **labelled.report}  # fmt: skip
+        beside = None
     else:
         images = None
         labelled, described = read_labelled(predictor, Path(data), follow_symlinks)
         outputs, labelled = predict_labelled(predictor, labelled, batch_size, max_image_pixels)
         targets, sources = labelled.targets, labelled.sources
         described |= left_out_entry(labelled)
+        beside = labelled_beside(predictor, labelled)
+    about = _about(predictor, described)
+    if beside is not None:
+        about["baseline"] = baseline_result(predictor, *beside, outputs, targets)
     return write_report(
-        predictor, outputs, targets, sources, directory, _about(predictor, described), num_errors,
-        images=images,
-    )  # fmt: skip
+        predictor, outputs, targets, sources, directory, about, num_errors, images=images
+    )
+
+
+def _baseline_sample(predictor: Predictor):
+    """The training split's baseline sample (kiln.data.spec.TextSample) of a text classifier's
+    recorded data, rebuilt (from the token cache when it is there), or None."""
+    from kiln.config import option_from_dict
+    from kiln.data import build_data
+
+    if predictor.preprocess.input_kind != "tokens" or predictor.multi_label is not None:
+        return None
+    data_config = predictor.record.config.get("data", {})
+    try:
+        bundle = build_data(
+            option_from_dict("data", data_config), pretrained=_pretrained(predictor)
+        )
+    except (UserError, FileNotFoundError) as err:
+        log.warning("baseline: not fitted (the training data could not be read again: %s)", err)
+        return None
+    return bundle.baseline
+
+
+def labelled_beside(predictor: Predictor, labelled: LabelledInputs):
+    """What the baseline is scored on for data=<file>: the evaluated texts, cleaned as training
+    cleaned them (at most data.baseline_rows of them, a seeded sample)."""
+    from kiln.preprocessing.cleaning import clean_text
+
+    sample = _baseline_sample(predictor)
+    if sample is None:
+        return None
+    data_config = predictor.record.config.get("data", {})
+    count = len(labelled.inputs)
+    most = int(data_config.get("baseline_rows") or count)
+    positions = np.arange(count)
+    if count > most:
+        positions = np.sort(np.random.default_rng(0).choice(count, size=most, replace=False))
+    cleaning = predictor.record.recipe.cleaning
+    texts = []
+    for i in positions.tolist():
+        text = labelled.inputs[i]
+        parts = text if isinstance(text, list | tuple) else [text]
+        texts.append(" ".join(clean_text(str(part), cleaning) for part in parts))
+    return sample, texts, positions.tolist(), "evaluated texts"
+
+
+def baseline_result(predictor: Predictor, sample, texts, positions, what, outputs, targets):
+    """TF-IDF + LinearSVC fitted on the training sample, scored on `texts` (the inputs at
+    `positions`) beside the model's outputs there (kiln.inference.baseline)."""
+    from kiln.inference import baseline
+
+    chosen = np.asarray(positions, dtype=np.int64)
+    scored = np.asarray(targets)[chosen], np.asarray(outputs)[chosen]
+    result = baseline.compare(
+        sample.train_texts, sample.train_labels, texts, *scored, predictor.class_names
+    )
+    config = predictor.record.config
+    max_epochs = config.get("trainer", {}).get("max_epochs", 10)
+    override, why = baseline.try_instead(config.get("model", {}).get("name", ""), max_epochs)
+    return result | {"what": what, "override": override, "why": why}
 
 
 def default_directory(ckpt: Path) -> Path:
@@ -635,12 +706,26 @@ def read_labelled(
         )
         described = {"path": str(path.resolve()), "layout": "class subfolders"}
     else:
+        from kiln.data.text_formats import resolve_format
+
+        columns = predictor.record.config.get("data", {})
+        fmt = resolve_format(path, "auto")
+        if fmt != "csv":
+            labelled = read_labelled_records(
+                path,
+                fmt,
+                names,
+                text_column=columns.get("text_column", "text"),
+                label_column=columns.get("label_column", "label"),
+                pair_column=columns.get("text_pair_column"),
+                label_separator=predictor.spec.label_separator,
+            )
+            return labelled, {"path": str(path.resolve()), "layout": fmt}
         if path.is_dir() or path.suffix.lower() != ".csv":
             raise EvaluateError(
-                f"data={path}: a text model is evaluated on a .csv file with a "
-                "text and a label column"
+                f"data={path}: a text model is evaluated on a .csv, Parquet or JSON Lines file "
+                "or a datasets folder, with a text and a label column"
             )
-        columns = predictor.record.config.get("data", {})
         labelled = read_labelled_csv(
             path,
             names,
@@ -663,8 +748,9 @@ def left_out_entry(labelled: LabelledInputs) -> dict[str, Any]:
 
 def rebuild_split(predictor: Predictor, split: str | None):
     """The checkpoint's recorded data config, built again with kiln.data.build_data: (dataset,
-    collate_fn, sources, what it is). Refused when the rebuilt preprocessing differs from the
-    checkpoint's (the files changed since training): the model would be fed other inputs."""
+    collate_fn, sources, what it is, the training split's baseline sample or None). Refused
+    when the rebuilt preprocessing differs from the checkpoint's (the files changed since
+    training): the model would be fed other inputs."""
     from kiln.config import option_from_dict
     from kiln.data import build_data
 
@@ -700,6 +786,7 @@ def rebuild_split(predictor: Predictor, split: str | None):
         bundle.collate_fn,
         sources,
         {"split": chosen, "dataset": name, "config": data_config},
+        bundle.baseline if predictor.multi_label is None else None,
     )
 
 

@@ -208,6 +208,68 @@ def read_labelled_csv(
     )
 
 
+def read_labelled_records(
+    path: Path,
+    fmt: str,
+    class_names: list[str],
+    *,
+    text_column: str,
+    label_column: str,
+    pair_column: str | None = None,
+    label_separator: str | None = None,
+) -> LabelledInputs:
+    """The texts and labels of Parquet, JSON Lines or a `datasets` folder (`fmt`), read by the
+    training's reader (kiln.data.text_formats: the same columns, ClassLabel names, bounds) with
+    no cleaning (the Predictor cleans as training did). A row without a text or a label, or
+    that the reader cannot use, is left out and counted with its reason and row."""
+    from kiln.data.csv_reader import CsvSettings, CsvTextError
+    from kiln.data.text_formats import read_rows, source_name
+    from kiln.preprocessing.cleaning import TextCleaning
+    from kiln.preprocessing.text import split_pair
+
+    raw = TextCleaning(False, False, "none", False, False)  # as written: the Predictor cleans
+    settings = CsvSettings(
+        text_column,
+        label_column,
+        cleaning=raw,
+        pair_column=pair_column,
+        label_separator=label_separator,
+    )
+    report = left_out(path, "rows")
+    texts, labels, rows = [], [], []
+    try:
+        for chunk in read_rows(path, settings, report, fmt):
+            texts += [list(p) if isinstance(p := split_pair(t), tuple) else p for t in chunk.texts]
+            labels += chunk.labels
+            rows += chunk.rows
+    except CsvTextError as err:
+        raise LabelledDataError(str(err)) from None
+    index = {name: i for i, name in enumerate(class_names)}
+    sets = [split_labels(label, label_separator) for label in labels] if label_separator else []
+    if label_separator is not None:
+        pairs = zip(rows, sets, strict=True)
+        unknown = [(r, x) for r, found in pairs for x in found if x not in index]
+    else:
+        unknown = [(r, label) for r, label in zip(rows, labels, strict=True) if label not in index]
+    if unknown:
+        raise LabelledDataError(
+            f"{path}: {_unknown_rows(unknown)} not among the checkpoint's classes "
+            f"({_some(class_names)}) in column {label_column!r}; remove those rows, or "
+            "evaluate a checkpoint trained with those classes"
+        )
+    if not rows:
+        raise LabelledDataError(f"{path}: no row has a text and a label ({report.summary()})")
+    name = source_name(path)
+    return LabelledInputs(
+        inputs=texts,
+        targets=multi_hot([[index[x] for x in found] for found in sets], len(index))
+        if label_separator is not None
+        else np.asarray([index[label] for label in labels], dtype=np.int64),
+        sources=[f"{name} row {row}" for row in rows],
+        report=report,
+    )
+
+
 def _check_classes(path: Path, folders: list[str], class_names: list[str]) -> None:
     unknown = [name for name in folders if name not in set(class_names)]
     if unknown:

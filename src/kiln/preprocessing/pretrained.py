@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from kiln.registry import MODELS
@@ -67,6 +68,31 @@ def pretrained_from_dict(data: dict[str, Any] | None) -> PretrainedInput | Pretr
         fields["model_input_names"] = tuple(fields["model_input_names"])
         return PretrainedText(**fields)
     return PretrainedInput.from_dict(data)
+
+
+def recorded_pretrained(model_cfg: Any, init_from: str | None) -> PretrainedText | None:
+    """init_from=<a kiln checkpoint of the same model: model.name and model.arch> whose model
+    reads its own tokenizer and config.json (model=hf): those, as the checkpoint holds them, so
+    the printed "train longer" command works with the model's folder (or hub cache) gone. The
+    checkpoint's embedded files are checked against their hashes first. None otherwise."""
+    if init_from is None or not Path(init_from).is_file():
+        return None
+    from kiln.checkpoint import CheckpointError, check_embedded, load_checkpoint
+
+    try:
+        ckpt = load_checkpoint(Path(init_from))
+    except CheckpointError:  # not a kiln checkpoint (a plain state dict): init_from reads it
+        return None
+    found = pretrained_from_dict(ckpt.get("pretrained"))
+    model = (ckpt.get("config") or {}).get("model") or {}
+    same = (model.get("name"), model.get("arch")) == (
+        model_cfg.name,
+        getattr(model_cfg, "arch", None),
+    )
+    if not isinstance(found, PretrainedText) or not same:
+        return None
+    check_embedded(ckpt, init_from)
+    return found
 
 
 def pretrained_input(model_cfg: Any) -> PretrainedInput | PretrainedText | None:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from kiln.config.base import ConfigError
 from kiln.config.model import HfConfig
-from kiln.errors import first_few
+from kiln.errors import did_you_mean, first_few
 from kiln.graph import graph_leaves
 from kiln.models.weights import WeightsError, check_values, read_state_dict
 from kiln.models.zoo.cache import hub_cache_dir, weight_file
@@ -127,11 +127,24 @@ def hub_snapshot(repo_id: str) -> Path:
     if isinstance(found, str):
         return Path(found).parent
     folder = cache / f"models--{repo_id.replace('/', '--')}"
+    hint = did_you_mean(repo_id, cached_repo_ids(cache), spell=lambda c: f"model.arch={c}")
     raise ConfigError(
         f"hf model {repo_id} is not on this machine (kiln downloads nothing; looked in {folder})",
         "model.arch",
         f"run `hf download {repo_id}` where there is internet (HF_HOME or HF_HUB_CACHE move the "
-        "cache), or pass model.arch=<a folder written by save_pretrained>",
+        f"cache), or pass model.arch=<a folder written by save_pretrained>{hint}",
+    )
+
+
+def cached_repo_ids(cache: Path) -> list[str]:
+    """The model repos the hub cache holds (models--org--name folders), as hub ids."""
+    if not cache.is_dir():
+        return []
+    prefix = "models--"
+    return sorted(
+        p.name[len(prefix) :].replace("--", "/", 1)
+        for p in cache.iterdir()
+        if p.name.startswith(prefix) and p.is_dir()
     )
 
 
