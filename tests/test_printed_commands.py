@@ -350,7 +350,7 @@ def test_resumed_runs_printed_commands_run_as_printed(tmp_path):
         resumed = shell(f"python train.py {small} {resume}", home, env)
         assert resumed.rc == 0, resumed.text[-3000:]
         (printed,) = re.findall(r"^run directory: (\S+)", resumed.text, flags=re.MULTILINE)
-        assert Path(printed).resolve() == where.resolve()  # carried on in the run it resumed
+        assert (home / printed).resolve() == where.resolve()  # carried on in the run it resumed
         assert_printed_paths_exist(resumed, home)
         run_every_printed_command(resumed, home, env)
     assert (home / "elsewhere" / "checkpoints" / "best.pt").is_file()

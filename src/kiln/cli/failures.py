@@ -16,6 +16,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from kiln.commands import shown
+
 log = logging.getLogger("kiln")
 
 
@@ -107,8 +109,8 @@ def record_failure(cfg, run_dir: Path, err: BaseException, distributed: bool) ->
     stats_path = None
     if hasattr(err, "batch_stats"):
         stats_path = write_batch_stats(cfg, run_dir, err, line)
-        detail += f"; batch statistics: {stats_path}"
-    print(f"{line}\n  {detail}\nrun directory: {run_dir}", file=sys.stderr, flush=True)
+        detail += f"; batch statistics: {shown(stats_path)}"
+    print(f"{line}\n  {detail}\nrun directory: {shown(run_dir)}", file=sys.stderr, flush=True)
     root = Path(cfg.output_root)
     with contextlib.suppress(OSError):  # best effort: the line above is what counts
         root.mkdir(parents=True, exist_ok=True)
