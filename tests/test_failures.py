@@ -85,7 +85,8 @@ def test_a_broken_model_dies_with_one_fail_line_its_detail_and_the_run_dir(
     assert len(fail) == 1, result.stderr
     i = fail[0]
     assert lines[i] == f"[FAIL] digits-{model} | single | amp=False | {what} @ step 0"
-    assert lines[i + 1].startswith(f"  {detail}") and lines[i + 2] == "run directory: run"  # as typed, from its cwd
+    assert lines[i + 1].startswith(f"  {detail}")
+    assert lines[i + 2] == "run directory: run"  # relative to the working directory
     logged = (broken_project / "outs" / "failures.log").read_text().splitlines()
     assert logged == lines[i : i + 2]
     train_log = (run_dir / "train.log").read_text()

@@ -145,7 +145,8 @@ def test_nonfinite_loss_fails_with_one_greppable_line(tmp_path):
     logged = (tmp_path / "outputs" / "failures.log").read_text().splitlines()
     assert logged[0] == lines[0] and logged[1].startswith("  non-finite terms: main")
     after = result.stderr.split(lines[0], 1)[1].splitlines()
-    assert after[1].startswith("  non-finite terms:") and after[2] == "run directory: run"  # relative to cwd
+    assert after[1].startswith("  non-finite terms:")
+    assert after[2] == "run directory: run"  # relative to the working directory
     assert "Traceback" in (run_dir / "train.log").read_text()  # the detail goes to the log
     summary = read_summary(run_dir)
     assert summary["status"] == "failed" and "@ step" in summary["error"]
