@@ -49,8 +49,8 @@ install: $(BYTECODE) ## build .venv from requirements.lock, byte-compiled (idemp
 train: install ## train the default experiment (extra overrides: make train ARGS="model=resnet18")
 	$(PY) train.py $(ARGS)
 
-# Measured (docs/benchmarks.md, "How long things take"): 606 tests, 26 CPU-minutes; 52 min wall at load 5-8.
-TEST_TIME := 10-15 min on 2 quiet CPU cores (measured 2026-12-03: 1,600 tests, 10.0-15.4 min from a fresh clone with the install), longer on a busy machine
+# Measured: docs/benchmarks.md, "How long things take".
+TEST_TIME := about 10 min on 2 quiet CPU cores (2026-12-04: 1,851 tests, 9.5 min of pytest; CI from a fresh clone 10.2 min with the install), longer on a busy machine
 
 test: lint ## ruff + the default test suite (everything but `slow`)
 	@echo "make test: the default suite, $(TEST_TIME); one dot per test, the share done at each line's end"
@@ -74,7 +74,7 @@ sweep: install ## a short multirun over num_workers x accumulation x precision; 
 bench: install ## engine vs a hand-written loop; kiln vs Lightning, quiet and beside a busy process; start-up vs Lightning and a plain loop, infer.py vs the server; text vs SVC and fastText, model=hf vs Hugging Face's Trainer; detection vs torchvision's reference loop
 	$(PY) scripts/bench_engine.py $(ARGS)
 	$(PY) scripts/bench_peers.py --contention 1 --rounds 3
-	$(PY) scripts/bench_startup.py
+	$(PY) scripts/bench_startup.py --out docs/figures/startup.json
 	$(PY) scripts/loadtest.py && $(PY) scripts/loadtest_bombs.py && $(PY) scripts/bench_infer.py
 	$(PY) scripts/bench_text.py --fasttext venv --contention 1
 	$(PY) scripts/bench_image_folder.py

@@ -573,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         "not_run": missing,
     }
     text = stamp(load_after) + "\n\n" + markdown(report, chosen, args)
+    report["markdown"] = text  # what docs/benchmarks.md's figures block shows (kiln.cli.docs)
     print(text, end="")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

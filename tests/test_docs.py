@@ -126,3 +126,16 @@ def test_every_make_target_is_documented():
 def test_the_two_commands_come_first():
     first_block = README.read_text().split("## train.py and infer.py")[0]
     assert "make train" in first_block and "make test" in first_block
+
+
+ABSOLUTE_RUN_PATH = re.compile(r"(?<![\w.~])/(?:work|root|Users|tmp/pytest-of-\w+)/\S+")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_id)
+def test_no_page_shows_a_path_of_the_machine_it_was_written_on(page):
+    """Runs shown in README and docs print paths relative to where they ran (outputs/...): a
+    developer's checkout (/work/..., /root/..., /Users/...) or a test's tmp dir is a leak."""
+    text = page.read_text()
+    leaks = [m.group(0) for m in ABSOLUTE_RUN_PATH.finditer(text)]
+    leaks += [str(REPO_ROOT)] if str(REPO_ROOT) in text else []
+    assert leaks == [], f"{_id(page)} shows machine paths: {leaks[:5]}"

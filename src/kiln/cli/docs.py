@@ -1,13 +1,16 @@
 """The generated pages of docs/ and README.md's index of them: the config reference (every
 option's keys, defaults and meanings, from the schemas' field comments: what `python train.py
 --help GROUP=OPTION` prints), the layout (every module under src/, from its docstring) and the
-README's list of docs/ pages. `python -m kiln.cli.docs --write` writes
-them; `--check` exits 1 naming each page that is stale (tests/test_docs.py runs it)."""
+README's list of docs/ pages, and every measured figure in a `<!-- figures: <json> -->` block
+(the Markdown a bench script stored in its JSON output: one source per figure).
+`python -m kiln.cli.docs --write` writes them; `--check` exits 1 naming each page that is
+stale (tests/test_docs.py runs it)."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import re
 import sys
 from dataclasses import MISSING, fields
@@ -228,16 +231,40 @@ PAGES = {"config-reference.md": config_reference, "layout.md": layout, "checks.m
 README = REPO_ROOT / "README.md"
 
 
+FIGURES = re.compile(r"<!-- figures: (\S+) -->\n(.*?)<!-- end figures -->", re.S)
+
+
+def with_figures(text: str) -> str:
+    """The page with each figures block filled from its JSON's "markdown" (the provenance line
+    and the tables a bench script printed when it wrote that JSON)."""
+
+    def fill(block: re.Match) -> str:
+        source = REPO_ROOT / block.group(1)
+        markdown = json.loads(source.read_text())["markdown"]
+        return f"<!-- figures: {block.group(1)} -->\n{markdown}<!-- end figures -->"
+
+    return FIGURES.sub(fill, text)
+
+
+def _hand_written() -> list[Path]:
+    return [README, *(p for p in sorted(DOCS.glob("*.md")) if p.name not in PAGES)]
+
+
 def stale() -> list[str]:
-    """The generated pages (and README.md's docs index) that differ from what the generator
-    writes now."""
+    """The generated pages (and README.md's docs index, and the figures blocks of every page)
+    that differ from what the generator writes now."""
     old = [
         f"docs/{name}"
         for name, make in PAGES.items()
         if not (DOCS / name).is_file() or (DOCS / name).read_text() != make()
     ]
     readme = README.read_text()
-    return old + (["README.md (its docs index)"] if readme_with_index(readme) != readme else [])
+    old += ["README.md (its docs index)"] if readme_with_index(readme) != readme else []
+    return old + [
+        f"{page.relative_to(REPO_ROOT).as_posix()} (its figures)"
+        for page in _hand_written()
+        if with_figures(text := page.read_text()) != text
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote docs/{name}")
         README.write_text(readme_with_index(README.read_text()))
         print("wrote README.md's docs index")
+        for page in _hand_written():
+            if with_figures(text := page.read_text()) != text:
+                page.write_text(with_figures(text))
+                print(f"wrote the figures of {page.relative_to(REPO_ROOT).as_posix()}")
         return 0
     for make in PAGES.values():
         print(make())
