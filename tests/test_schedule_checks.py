@@ -143,3 +143,33 @@ def test_early_stopping_waits_while_the_run_is_at_chance(tmp_path, caplog):
     assert summary["stopped_early"] is False
     said = [r.getMessage() for r in caplog.records if "early stopping waits" in r.getMessage()]
     assert len(said) == 1 and "nothing was learned to stop on" in said[0]
+
+
+def test_a_warm_up_does_not_excuse_an_lr_that_diverges_after_it(tmp_path):
+    """The learn probe tries the schedule's warm-up where the configured lr diverges from cold:
+    3 steps at its first lr (onecycle: a 25th), then the configured lr. The MLP at lr 3 still
+    diverges after them: refused before step 1, as without a warm-up; the probe tried both."""
+    from kiln.guards.learn_probe import CannotLearnError, check_can_learn
+
+    cfg = compose_config(*QUIET, "optimizer.lr=3", "trainer.max_steps=10",
+                         f"hydra.run.dir={tmp_path}/run")  # fmt: skip
+    with pytest.raises(CannotLearnError) as refused:
+        train(cfg, run_dir=tmp_path / "run")
+    assert refused.value.kind == "learning rate diverges" and "at lr 3:" in str(refused.value)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["failed_check"]["kind"] == "learning rate diverges"
+
+    import torch  # the same probe told the warm-up's first lr: it is what the run starts at
+
+    _, start = curve_of(*QUIET, "optimizer.lr=3", steps=10)
+    assert start.points[0][1] == pytest.approx(1 / 25)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1))
+    batch = (torch.randn(8, 4), torch.randn(8, 1))
+
+    def criterion(m, b):
+        return torch.nn.functional.mse_loss(m(b[0]), b[1]), {}
+
+    def sgd(m, scale):
+        return torch.optim.SGD(m.parameters(), lr=0.2 * scale)
+
+    assert check_can_learn(model, sgd, criterion, batch, warmup_start=1 / 25) == ""

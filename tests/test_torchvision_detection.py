@@ -246,16 +246,16 @@ def test_ssdlite_levels_that_match_no_object_are_said_not_judged_dead(folder, ca
 # probe is unstable too (fasterrcnn_resnet50_fpn: 6.8 -> 0.71 at step 2, then 35 and 58 when
 # the one-cycle schedule reaches 3e-3, 18 at step 20). Strict: a default that fits them, or a
 # probe that judges otherwise, makes these pass, and the mark must go.
-LEARN_PROBE_REFUSES = {
-    "fasterrcnn_resnet50_fpn", "fasterrcnn_resnet50_fpn_v2", "retinanet_resnet50_fpn",
-    "ssd300_vgg16",
-}  # fmt: skip
+# From random weights under AdamW at 3e-3 these diverge on one batch even after the warm-up's
+# first steps (the learn probe's fix: optimizer.lr=0.0003); fasterrcnn_resnet50_fpn_v2 and
+# ssd300_vgg16 rise from cold too but fall after the warm-up, and train (measured 2026-12-05).
+LEARN_PROBE_REFUSES = {"fasterrcnn_resnet50_fpn", "retinanet_resnet50_fpn"}
 
 
 def every_arch():
     from kiln.guards.learn_probe import CannotLearnError
 
-    why = "the learn probe: lr 3e-3 diverges from random weights"
+    why = "the learn probe: lr 3e-3 diverges from random weights, after a warm-up too"
     refused = pytest.mark.xfail(raises=CannotLearnError, strict=True, reason=why)
     return [pytest.param(a, marks=refused) if a in LEARN_PROBE_REFUSES else a
             for a in detection_archs()]  # fmt: skip
@@ -266,9 +266,10 @@ def every_arch():
 @pytest.mark.parametrize("arch", every_arch())
 def test_every_box_detector_trains_with_every_check_on(arch, folder, tmp_path):
     """torchvision's detectors at their defaults on the photo set, every check before step 1
-    run (no budget): none refuses torchvision's own model (but LEARN_PROBE_REFUSES)."""
+    run (no budget): none refuses torchvision's own model (but LEARN_PROBE_REFUSES). 10 steps:
+    onecycle's warm-up starts at a 25th of the lr (2 steps have none to speak of)."""
     summary = train_in_process(tmp_path / "run", *overrides(folder, f"model.arch={arch}"),
-                               "trainer.max_steps=2", "trainer.probe_budget.enforce=false",
+                               "trainer.max_steps=10", "trainer.probe_budget.enforce=false",
                                "logger=none", "device=cpu", "env.progress_bar=false")  # fmt: skip
     assert summary["status"] in ("ok", "at_chance"), summary
-    assert summary["steps"] == 2
+    assert summary["steps"] == 10

@@ -40,8 +40,9 @@ class AtomicFile:
         self.path, self.durable = Path(path), durable
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if unique:
-            fd, name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp",
-                                        dir=self.path.parent)  # fmt: skip
+            fd, name = tempfile.mkstemp(
+                prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+            )
             self.tmp = Path(name)
             os.chmod(fd, FILE_MODE)
             self.file: IO = os.fdopen(fd, mode, **kw)
@@ -84,9 +85,14 @@ def disk_full_error(err: Exception, path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_file(
-    path, mode: str = "wb", *, unique: bool = False, durable: bool = False,
-    failed: Failed = disk_full_error, **open_kwargs: Any,
-) -> Iterator[IO]:  # fmt: skip
+    path,
+    mode: str = "wb",
+    *,
+    unique: bool = False,
+    durable: bool = False,
+    failed: Failed = disk_full_error,
+    **open_kwargs: Any,
+) -> Iterator[IO]:
     """The file to write `path` through (open() keyword arguments pass on), in place when the
     block ends. On failure `failed(error, path)` runs while the temporary file is still on disk
     (a full disk is still full) and may raise its own error; then the temporary file goes."""
@@ -94,7 +100,7 @@ def atomic_file(
     try:
         yield out.file
         out.commit()
-    except BaseException as err:
+    except BaseException as err:  # Ctrl-C too: no half-written file, re-raised
         try:
             if isinstance(err, Exception):
                 failed(err, out.path)
@@ -115,7 +121,7 @@ def atomic_path(path, *, failed: Failed = disk_full_error) -> Iterator[Path]:
     try:
         yield tmp
         os.replace(tmp, path)
-    except BaseException as err:
+    except BaseException as err:  # Ctrl-C too: no half-written file, re-raised
         try:
             if isinstance(err, Exception):
                 failed(err, path)

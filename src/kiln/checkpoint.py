@@ -92,7 +92,7 @@ def atomic_link(source: Path, path: Path) -> bool:
         return False
     try:
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # Ctrl-C too: no half-written checkpoint, re-raised
         tmp.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
@@ -184,8 +184,9 @@ EMBEDDED_SHA256 = "embedded_sha256"  # the checkpoint's key: {file name: sha256 
 
 def canonical_json(value: Any) -> str:
     """`value` as one canonical JSON text (keys sorted, no spaces): what its hash is taken of."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      default=repr)  # fmt: skip
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=repr
+    )
 
 
 def embedded_files(preprocessing: dict[str, Any]) -> dict[str, str]:

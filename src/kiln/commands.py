@@ -17,8 +17,14 @@ import yaml
 from kiln.config import REPO_ROOT
 
 # Overrides a printed command sets itself, or that name this run's directory: never carried.
-NOT_CARRIED = ("resume", "resume_override", "hydra.run.dir", "hydra.sweep.dir",
-               "hydra.sweep.subdir", "hydra.output_subdir")  # fmt: skip
+NOT_CARRIED = (
+    "resume",
+    "resume_override",
+    "hydra.run.dir",
+    "hydra.sweep.dir",
+    "hydra.sweep.subdir",
+    "hydra.output_subdir",
+)
 HYDRA_CARRIED = ("hydra.searchpath",)  # Hydra's own overrides that shape the config
 # Where the libraries' caches are (the Hugging Face hub's, torch.hub's): a run whose model came
 # from one needs them again; its printed train commands set those the run had set.

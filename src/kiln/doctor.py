@@ -268,13 +268,13 @@ def collect_facts() -> dict[str, Any]:
 
         facts["onnxruntime"] = onnxruntime.__version__
         facts["ort_providers"] = ", ".join(onnxruntime.get_available_providers())
-    except Exception as error:
+    except Exception as error:  # a broken install is what doctor reports
         facts["onnxruntime"], facts["ort_providers"] = f"not importable: {error}", "-"
     try:
         import numpy
 
         facts["numpy"] = numpy.__version__
-    except Exception as error:
+    except Exception as error:  # a broken install is what doctor reports
         facts["numpy"] = f"not importable: {error}"
     return facts
 

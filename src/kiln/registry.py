@@ -275,9 +275,7 @@ def check_plugins(
     missing = [m for m in modules if m not in sys.modules]
     if missing:
         override = shlex.quote(f"plugins=[{','.join(modules)}]")
-        where = "; ".join(
-            f"{m} was imported from {sources[m]}" for m in missing if sources.get(m)
-        )  # fmt: skip
+        where = "; ".join(f"{m} was imported from {sources[m]}" for m in missing if sources.get(m))
         raise PluginImportError(
             f"checkpoint {checkpoint} was trained with {override}, and this command imported "
             f"no {first_few(missing)}: kiln imports no code a checkpoint names; add {override} "
@@ -333,9 +331,12 @@ def plain_dataclass_error(module: str, err: TypeError) -> PluginConfigError:
     is, what to write instead."""
     import traceback
 
-    frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if not f.filename.endswith(("dataclasses.py", "importlib/__init__.py"))
-              and "<frozen" not in f.filename]  # fmt: skip
+    frames = [
+        f
+        for f in traceback.extract_tb(err.__traceback__)
+        if not f.filename.endswith(("dataclasses.py", "importlib/__init__.py"))
+        and "<frozen" not in f.filename
+    ]
     where, name = "", "a config class"
     if frames:
         frame = frames[-1]

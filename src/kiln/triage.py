@@ -450,11 +450,26 @@ def replayed_probe(run: Run) -> Cause | None:
 # The kinds of finding named as a cause of their own (kiln.findings.KINDS says what each
 # means and what to do); the rest (shapes, loss branches) by the replayed probe's message.
 NAMED_BY_FINDING = {
-    "probabilities", "batch dependence", "determinism", "purity", "dead gradients",
-    "conditional parameters", "cannot learn", "learning rate diverges", "device",
-    "memory layout", "numerics", "fp16 overflow", "padding", "split leak", "class map",
-    "box convention", "box predictions", "schedule", "optimizer coverage",
-}  # fmt: skip
+    "probabilities",
+    "batch dependence",
+    "determinism",
+    "purity",
+    "dead gradients",
+    "conditional parameters",
+    "cannot learn",
+    "learning rate diverges",
+    "device",
+    "memory layout",
+    "numerics",
+    "fp16 overflow",
+    "padding",
+    "split leak",
+    "class map",
+    "box convention",
+    "box predictions",
+    "schedule",
+    "optimizer coverage",
+}
 # What a check said while the run went on (findings.json, fatal: false), ranked as causes of a
 # run that ended at chance or suspiciously well: above the bare symptom (at_chance, 3).
 SAID_SCORE = {
@@ -655,8 +670,10 @@ def replay_lines(run: Run) -> list[str]:
         shown = ", ".join(f"group {g['group']}: {g['ratio']:.3g}" for g in r.update)
         lines.append(f"  update lr·|g|/|w| at the failing step: {shown}")
     if r.first_module is not None:
-        lines.append(f"  first non-finite module output: {r.first_module[0] or '<model>'} "
-                     f"({r.first_module[1]})")  # fmt: skip
+        lines.append(
+            f"  first non-finite module output: {r.first_module[0] or '<model>'} "
+            f"({r.first_module[1]})"
+        )
     if r.first_bad_grad:
         lines.append(f"  first non-finite gradient: {r.first_bad_grad}")
     lines += [f"  note: {note}" for note in r.notes]

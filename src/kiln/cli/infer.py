@@ -55,13 +55,17 @@ def run_predict(cfg: InferConfig) -> None:
         found = sum(len(d["boxes"]) for d in outputs)
         print(f"wrote {found} boxes for {len(outputs)} images to {path} ({cfg.backend} backend)")
         return
-    path = write_predictions(outputs, predictor.class_names, output, sources, skipped,
-                             multi_label=predictor.multi_label)  # fmt: skip
+    path = write_predictions(
+        outputs, predictor.class_names, output, sources, skipped, multi_label=predictor.multi_label
+    )
     print(f"wrote {len(outputs)} predictions to {path} ({cfg.backend} backend)", flush=True)
     if skipped:
         total = len(outputs) + len(skipped)
-        print(f"{len(skipped)} of {total} inputs were empty after cleaning: no prediction, see "
-              f"the error column of {path}", flush=True)  # fmt: skip
+        print(
+            f"{len(skipped)} of {total} inputs were empty after cleaning: no prediction, see "
+            f"the error column of {path}",
+            flush=True,
+        )
 
 
 def predict_files(cfg: InferConfig, predictor, listing, output: str) -> None:
@@ -76,12 +80,15 @@ def predict_files(cfg: InferConfig, predictor, listing, output: str) -> None:
     if listing.skipped:
         print(f"{cfg.input}: skipped {listing.skipped_line()}", flush=True)
     load = partial(load_file_input, predictor.preprocess, max_image_pixels=cfg.max_image_pixels)
-    outcome = predict_files_to_csv(predictor, listing.files, output, load=load,
-                                   batch_size=cfg.batch_size, strict=cfg.strict)  # fmt: skip
+    outcome = predict_files_to_csv(
+        predictor, listing.files, output, load=load, batch_size=cfg.batch_size, strict=cfg.strict
+    )
     what = f"{outcome.boxes} boxes for " if outcome.boxes is not None else ""
     unit = "images" if outcome.boxes is not None else "predictions"
-    print(f"wrote {what}{outcome.predicted} {unit} to {outcome.path} ({cfg.backend} backend)",
-          flush=True)  # fmt: skip
+    print(
+        f"wrote {what}{outcome.predicted} {unit} to {outcome.path} ({cfg.backend} backend)",
+        flush=True,
+    )
     if cfg.draw:
         draw_boxes(cfg, predictor, listing, outcome.path)
     if outcome.failed:

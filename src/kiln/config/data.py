@@ -192,23 +192,31 @@ class CsvTextConfig(DataConfig):
                     f"needs two or more distinct, non-empty labels, got {list(self.labels)}",
                 )
         if self.train_path is None and self.text_pair_column is not None:
-            raise ConfigError("text_pair_column is set but train_path is null (the demo corpus "
-                              "has single texts)", f"{key}.text_pair_column",
-                              "set data.train_path to a CSV with both columns")  # fmt: skip
+            raise ConfigError(
+                "text_pair_column is set but train_path is null (the demo corpus has single texts)",
+                f"{key}.text_pair_column",
+                "set data.train_path to a CSV with both columns",
+            )
         if self.train_path is None and self.val_path is not None:
-            raise ConfigError("val_path is set but train_path is null", f"{key}.val_path",
-                              "set data.train_path too")  # fmt: skip
+            raise ConfigError(
+                "val_path is set but train_path is null",
+                f"{key}.val_path",
+                "set data.train_path too",
+            )
         if self.join_columns and self.text_pair_column is None:
-            raise ConfigError("join_columns=true joins text_column with text_pair_column, which "
-                              "is null", f"{key}.join_columns",
-                              "set data.text_pair_column=<the second column>")  # fmt: skip
+            raise ConfigError(
+                "join_columns=true joins text_column with text_pair_column, which is null",
+                f"{key}.join_columns",
+                "set data.text_pair_column=<the second column>",
+            )
         check_multi_label(self.label_separator, self.threshold, key)
         if self.label_separator is not None and self.train_path is None:
             raise ConfigError(
                 "label_separator is set but train_path is null (the demo corpus has one label "
-                "per text)", f"{key}.label_separator",
+                "per text)",
+                f"{key}.label_separator",
                 "set data.train_path to a CSV with several labels per row",
-            )  # fmt: skip
+            )
         try:
             codecs.lookup(self.encoding)
         except LookupError:
@@ -296,9 +304,14 @@ class CocoConfig(DetectionFilesConfig):
     them): bbox [x, y, w, h] in pixels, category ids mapped to labels 1..C in id order."""
 
     PATH_KEYS: ClassVar[tuple[str, ...]] = (
-        "train_json", "train_images", "val_json", "val_images", "test_json", "test_images",
+        "train_json",
+        "train_images",
+        "val_json",
+        "val_images",
+        "test_json",
+        "test_images",
         "cache_dir",
-    )  # fmt: skip
+    )
 
     train_json: str | None = None  # the training annotations (required)
     train_images: str | None = None  # the folder its file_names are relative to (required)
@@ -328,8 +341,12 @@ class YoloConfig(DetectionFilesConfig):
     class names in a data.yaml (names:) or a data.names file (one per line)."""
 
     PATH_KEYS: ClassVar[tuple[str, ...]] = (
-        "train_dir", "val_dir", "test_dir", "names_file", "cache_dir",
-    )  # fmt: skip
+        "train_dir",
+        "val_dir",
+        "test_dir",
+        "names_file",
+        "cache_dir",
+    )
 
     train_dir: str | None = None  # the training images folder (.../images/train; required)
     val_dir: str | None = None  # null: a val_fraction of the training images is held out
@@ -371,9 +388,15 @@ class ImageFolderConfig(DataConfig):
     decoded and augmented with torchvision (decode_image, transforms v2)."""
 
     PATH_KEYS: ClassVar[tuple[str, ...]] = (
-        "train_dir", "val_dir", "test_dir", "cache_dir", "labels_csv", "val_labels_csv",
-        "test_labels_csv", "root",
-    )  # fmt: skip
+        "train_dir",
+        "val_dir",
+        "test_dir",
+        "cache_dir",
+        "labels_csv",
+        "val_labels_csv",
+        "test_labels_csv",
+        "root",
+    )
 
     batch_size: int = 32
     train_dir: str | None = None  # folder of class subfolders (required unless labels_csv)
@@ -415,10 +438,11 @@ class ImageFolderConfig(DataConfig):
             name = "val_labels_csv" if self.val_labels_csv is not None else "test_labels_csv"
             folder = "val_dir" if name == "val_labels_csv" else "test_dir"
             raise ConfigError(
-                f"{name} is set but labels_csv is null", f"{key}.{name}",
+                f"{name} is set but labels_csv is null",
+                f"{key}.{name}",
                 f"set data.labels_csv=<the training CSV of path,labels> too (class folders take "
                 f"data.{folder})",
-            )  # fmt: skip
+            )
         elif self.train_dir is None:
             raise ConfigError(
                 "no training images given",
@@ -442,15 +466,17 @@ class ImageFolderConfig(DataConfig):
         for name in ("train_dir", "val_dir", "test_dir"):
             if getattr(self, name) is not None:
                 raise ConfigError(
-                    f"labels_csv and {name} are both set", f"{key}.{name}",
+                    f"labels_csv and {name} are both set",
+                    f"{key}.{name}",
                     f"with data.labels_csv the CSV lists the images (relative to data.root); "
                     f"set data.{name}=null",
-                )  # fmt: skip
+                )
         if self.mixup_alpha or self.cutmix_alpha:
             raise ConfigError(
                 "MixUp/CutMix mix one class per image; labels_csv is multi-label",
-                f"{key}.mixup_alpha", "set data.mixup_alpha=0 data.cutmix_alpha=0",
-            )  # fmt: skip
+                f"{key}.mixup_alpha",
+                "set data.mixup_alpha=0 data.cutmix_alpha=0",
+            )
         check_multi_label(self.label_separator, self.threshold, key)
 
     def with_all_branches(self) -> ImageFolderConfig:

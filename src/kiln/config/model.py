@@ -278,11 +278,25 @@ class HfConfig(PretrainedConfig, ClassifierConfig):
 
 # Zoo architectures the default test suite checks against every registry-wide rule, at a small
 # input size: cheap members of convolutional and transformer families.
-TORCHVISION_SAMPLES = ("resnet18", "mobilenet_v3_small", "squeezenet1_1", "efficientnet_b0",
-                       "shufflenet_v2_x0_5", "googlenet", "swin_t")  # fmt: skip
-TIMM_SAMPLES = ("resnet10t", "mobilenetv3_small_050", "convnext_atto", "efficientnet_b0",
-                "vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224", "levit_128s",
-                "mixer_s32_224")  # fmt: skip
+TORCHVISION_SAMPLES = (
+    "resnet18",
+    "mobilenet_v3_small",
+    "squeezenet1_1",
+    "efficientnet_b0",
+    "shufflenet_v2_x0_5",
+    "googlenet",
+    "swin_t",
+)
+TIMM_SAMPLES = (
+    "resnet10t",
+    "mobilenetv3_small_050",
+    "convnext_atto",
+    "efficientnet_b0",
+    "vit_tiny_patch16_224",
+    "deit_tiny_distilled_patch16_224",
+    "levit_128s",
+    "mixer_s32_224",
+)
 # model=hf: model types built small from scratch (no download), on kiln's own tokenizer.
 HF_SAMPLES = ("bert", "distilbert", "roberta", "deberta-v2", "albert", "electra")
 

@@ -265,8 +265,12 @@ class LossConfig:
     force_all_branches: bool = False  # switch every branch on (the tests do)
 
     branch_flags: ClassVar[tuple[str, ...]] = (
-        "label_smoothing", "z_loss", "confidence_penalty", "aux_head", "force_all_branches"
-    )  # fmt: skip
+        "label_smoothing",
+        "z_loss",
+        "confidence_penalty",
+        "aux_head",
+        "force_all_branches",
+    )
 
     def check(self, key: str) -> None:
         check_branch_defaults(type(self), self.branch_flags, key)

@@ -100,8 +100,11 @@ def read_coco_file(path: Path, key: str, max_bytes: int) -> CocoFile:
                     raise DetectionDataError(
                         f"{path}: '{member}' is not a list (data.{key}); expected {EXPECTED}"
                     )
-                read_element = {"images": _image, "annotations": _annotation,
-                                "categories": _category}[member]  # fmt: skip
+                read_element = {
+                    "images": _image,
+                    "annotations": _annotation,
+                    "categories": _category,
+                }[member]
                 for position, element in enumerate(stream.elements()):
                     read_element(coco, element, position)
         except JsonStreamError as err:
@@ -191,12 +194,17 @@ def read_coco_split(
             images_log.read += 1
             first = entries[image_id].path.name
             bad.image(
-                {"reason": DUPLICATE_IMAGE, "file": str(images_root / file_name),
-                 "image_id": image_id, "detail": f"id {image_id} is also {first}"}
-            )  # fmt: skip
+                {
+                    "reason": DUPLICATE_IMAGE,
+                    "file": str(images_root / file_name),
+                    "image_id": image_id,
+                    "detail": f"id {image_id} is also {first}",
+                }
+            )
             continue
-        entries[image_id] = ImageEntry(image_path(images_root, file_name),
-                                       where={"image_id": image_id})  # fmt: skip
+        entries[image_id] = ImageEntry(
+            image_path(images_root, file_name), where={"image_id": image_id}
+        )
     crowd = 0
     limit = BoxLimit(cfg.max_boxes_per_image, bad)
     annotations_log.read = len(coco.annotation_ids)
@@ -210,12 +218,14 @@ def read_coco_split(
                 continue  # counted among the annotations left out (too_many_boxes)
             annotations_log.read -= 1  # not a box to train on, nor a bad one
             if entry is not None:
-                entry.crowd.append(Annotation((x, y, x + w, y + h), label_of.get(category, 0),
-                                              {"annotation_id": ann_id}))  # fmt: skip
+                entry.crowd.append(
+                    Annotation(
+                        (x, y, x + w, y + h), label_of.get(category, 0), {"annotation_id": ann_id}
+                    )
+                )
             continue
         if entry is None:
-            bad.annotation({"reason": UNKNOWN_IMAGE, "annotation_id": ann_id,
-                            "image_id": image_id})  # fmt: skip
+            bad.annotation({"reason": UNKNOWN_IMAGE, "annotation_id": ann_id, "image_id": image_id})
             continue
         if not limit.room(entry):
             continue
@@ -224,8 +234,9 @@ def read_coco_split(
             where["category_id"] = category
         entry.annotations.append(Annotation((x, y, x + w, y + h), label_of.get(category, 0), where))
     limit.report()
-    split = check_entries(list(entries.values()), bad, num_classes=len(label_of),
-                          images_root=images_root, cfg=cfg)  # fmt: skip
+    split = check_entries(
+        list(entries.values()), bad, num_classes=len(label_of), images_root=images_root, cfg=cfg
+    )
     return split, crowd
 
 
@@ -236,9 +247,11 @@ def build_coco(cfg: CocoConfig) -> DataBundle:
     categories = train.categories
     label_of = {category: label for label, category in enumerate(categories, start=1)}
     splits, crowd = {}, {}
-    for split, json_key, images_key in (("train", "train_json", "train_images"),
-                                        ("val", "val_json", "val_images"),
-                                        ("test", "test_json", "test_images")):  # fmt: skip
+    for split, json_key, images_key in (
+        ("train", "train_json", "train_images"),
+        ("val", "val_json", "val_images"),
+        ("test", "test_json", "test_images"),
+    ):
         path = getattr(cfg, json_key)
         if path is None:
             continue
@@ -248,8 +261,9 @@ def build_coco(cfg: CocoConfig) -> DataBundle:
                 f"no such folder: {images_root} (data.{images_key}): give the folder the "
                 f"file_names of {path} are relative to"
             )
-        coco = train if split == "train" else read_coco_file(Path(path), json_key,
-                                                             cfg.max_json_bytes)  # fmt: skip
+        coco = (
+            train if split == "train" else read_coco_file(Path(path), json_key, cfg.max_json_bytes)
+        )
         if coco.categories != categories:
             raise DetectionDataError(
                 f"{path} has other categories than {train_json} (data.{json_key}): "
@@ -257,7 +271,16 @@ def build_coco(cfg: CocoConfig) -> DataBundle:
             )
         splits[split], crowd[split] = read_coco_split(coco, images_root, label_of, cfg)
         train = coco = None  # the split holds what it needs of the file
-    extra = {"format": "coco", "categories": {str(k): v for k, v in categories.items()},
-             "iscrowd": crowd}  # fmt: skip
-    return detection_bundle(cfg, list(categories.values()), splits, val_key="val_json",
-                            started=started, extra_report=extra)  # fmt: skip
+    extra = {
+        "format": "coco",
+        "categories": {str(k): v for k, v in categories.items()},
+        "iscrowd": crowd,
+    }
+    return detection_bundle(
+        cfg,
+        list(categories.values()),
+        splits,
+        val_key="val_json",
+        started=started,
+        extra_report=extra,
+    )

@@ -535,8 +535,10 @@ def wide_encoding(path: Path) -> str | None:
     if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         return "utf-16"
     sample = head[: len(head) // 2 * 2]
-    if len(sample) >= 8 and (sample[1::2].count(0) > 0.8 * len(sample) / 2
-                             or sample[0::2].count(0) > 0.8 * len(sample) / 2):  # fmt: skip
+    if len(sample) >= 8 and (
+        sample[1::2].count(0) > 0.8 * len(sample) / 2
+        or sample[0::2].count(0) > 0.8 * len(sample) / 2
+    ):
         return "utf-16"
     return None
 

@@ -503,8 +503,17 @@ def _multi_label_rows(cfg, spool, train: _FileRows, val: _FileRows | None, logs,
             codes = [code for code, why in reasons.items() if why == reason]
             out_rows = np.isin(read.codes, codes)
             texts = _texts_of(spool, first, np.flatnonzero(out_rows))
-            _leave_out(read, ~out_rows, reason, lambda label, reason=reason: _multi_label_why(
-                reason, label, column, separator, classes), texts, settings, log_)  # fmt: skip
+            _leave_out(
+                read,
+                ~out_rows,
+                reason,
+                lambda label, reason=reason: _multi_label_why(
+                    reason, label, column, separator, classes
+                ),
+                texts,
+                settings,
+                log_,
+            )
             if reason == "unseen_label":
                 unseen = Counter(
                     label for code in codes for label in parts[code] if label not in index
@@ -512,15 +521,18 @@ def _multi_label_rows(cfg, spool, train: _FileRows, val: _FileRows | None, logs,
                 out["unseen_labels"] = dict(sorted(unseen.items()))
             log.warning(
                 "data: %s: left out %d row(s) as %s (see data_report.json)",
-                read.path, int(out_rows.sum()), reason,
-            )  # fmt: skip
+                read.path,
+                int(out_rows.sum()),
+                reason,
+            )
         return row_sets
 
     unknown = "unlisted_label" if cfg.labels is not None else "suspect_label"
     labels = judge(train, train_parts, unknown, 0, logs["train_file"])
     if val is not None:
-        val_sets = judge(val, _label_parts(val, separator), "unseen_label", len(train.codes),
-                         logs["val_file"])  # fmt: skip
+        val_sets = judge(
+            val, _label_parts(val, separator), "unseen_label", len(train.codes), logs["val_file"]
+        )
         labels = np.concatenate([labels, val_sets])
     out["label_sets"] = [list(key) for key in sets]
     return labels, classes, out
@@ -656,9 +668,17 @@ def _encode_spool_pretrained(
 
 
 def _store_report(
-    cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets, pretrained=None,
+    cfg,
+    logs,
+    class_names,
+    labels,
+    train_rows,
+    val_rows,
+    tokenizer,
+    offsets,
+    pretrained=None,
     label_sets=None,
-):  # fmt: skip
+):
     lengths = np.diff(offsets)
     table = None if label_sets is None else multi_hot(label_sets, len(class_names))
 
@@ -745,9 +765,17 @@ def build_entry(
             offsets = _encode_spool(spool, tokenizer, cfg.max_length, directory, pieces, spelling)
     label_sets = left_out.pop("label_sets", None)  # multi-label: each set's classes
     report = _store_report(
-        cfg, logs, class_names, labels, train_rows, val_rows, tokenizer, offsets, pretrained,
+        cfg,
+        logs,
+        class_names,
+        labels,
+        train_rows,
+        val_rows,
+        tokenizer,
+        offsets,
+        pretrained,
         label_sets,
-    )  # fmt: skip
+    )
     report.update(left_out)
     report["build_timings_s"] = timings  # read + clean, tokenizer, encode: when it was built
     meta = {"class_names": class_names, "vocab_size": tokenizer.get_vocab_size(), "report": report}

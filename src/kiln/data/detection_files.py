@@ -49,10 +49,27 @@ TOO_MANY_BOXES = "too_many_boxes"  # an image's boxes past data.max_boxes_per_im
 OUTSIDE_ROOT = "outside_images_root"  # a file_name (or a link) leading out of the images folder
 LABEL_FILE = "label_file"  # YOLO: a label file too large, not regular or linked out: unread
 PIXEL_UNITS = "pixel_units"  # YOLO: cx cy w h above 1 that fit the image as pixels
-ANNOTATION_REASONS = (MISSING_IMAGE, UNKNOWN_IMAGE, BOX_OUTSIDE, ZERO_AREA, UNKNOWN_CATEGORY,
-                      BAD_LINE, PIXEL_UNITS, TOO_MANY_BOXES, LABEL_FILE)  # fmt: skip
-IMAGE_REASONS = (MISSING_IMAGE, DUPLICATE_IMAGE, OUTSIDE_ROOT, "empty_file", "truncated",
-                 "unreadable", "too_large", "cannot_open")  # fmt: skip
+ANNOTATION_REASONS = (
+    MISSING_IMAGE,
+    UNKNOWN_IMAGE,
+    BOX_OUTSIDE,
+    ZERO_AREA,
+    UNKNOWN_CATEGORY,
+    BAD_LINE,
+    PIXEL_UNITS,
+    TOO_MANY_BOXES,
+    LABEL_FILE,
+)
+IMAGE_REASONS = (
+    MISSING_IMAGE,
+    DUPLICATE_IMAGE,
+    OUTSIDE_ROOT,
+    "empty_file",
+    "truncated",
+    "unreadable",
+    "too_large",
+    "cannot_open",
+)
 
 
 class DetectionDataError(UserError, ValueError):
@@ -153,11 +170,16 @@ class BoxLimit:
     def report(self) -> None:
         for entry, count in self.excess.values():
             self.bad.annotation(
-                {"reason": TOO_MANY_BOXES, "file": str(entry.path), **entry.where,
-                 "left_out": count, "detail": f"{self.limit + count:,} boxes or more; "
-                 f"data.max_boxes_per_image={self.limit:,}: the first {self.limit:,} kept"},
+                {
+                    "reason": TOO_MANY_BOXES,
+                    "file": str(entry.path),
+                    **entry.where,
+                    "left_out": count,
+                    "detail": f"{self.limit + count:,} boxes or more; "
+                    f"data.max_boxes_per_image={self.limit:,}: the first {self.limit:,} kept",
+                },
                 count,
-            )  # fmt: skip
+            )
 
 
 def clip_box(box, height: int, width: int) -> tuple[str | None, tuple[float, ...]]:
@@ -166,8 +188,12 @@ def clip_box(box, height: int, width: int) -> tuple[str | None, tuple[float, ...
     x1, y1, x2, y2 = (float(v) for v in box)
     if not all(np.isfinite([x1, y1, x2, y2])) or x2 <= x1 or y2 <= y1:
         return ZERO_AREA, (x1, y1, x2, y2)
-    clipped = (min(max(x1, 0.0), width), min(max(y1, 0.0), height),
-               min(max(x2, 0.0), width), min(max(y2, 0.0), height))  # fmt: skip
+    clipped = (
+        min(max(x1, 0.0), width),
+        min(max(y1, 0.0), height),
+        min(max(x2, 0.0), width),
+        min(max(y2, 0.0), height),
+    )
     if clipped[2] <= clipped[0] or clipped[3] <= clipped[1]:
         return BOX_OUTSIDE, clipped
     return None, clipped
@@ -198,14 +224,16 @@ def check_entries(
         reason = MISSING_IMAGE if entry.path not in verdicts else error and error.reason
         if id(entry) in outside:
             reason = OUTSIDE_ROOT
-            error = FileAccessError(OUTSIDE_ROOT, entry.path, f"leads out of {images_root} "
-                                    f"(to {os.path.realpath(entry.path)}); not read")  # fmt: skip
+            error = FileAccessError(
+                OUTSIDE_ROOT,
+                entry.path,
+                f"leads out of {images_root} (to {os.path.realpath(entry.path)}); not read",
+            )
         if reason:
             detail = "no such file" if error is None else error.detail
             if error is None and "\\" in entry.path.name:
                 detail += " (the name holds '\\': a Windows path? write it with '/')"
-            bad.image({"reason": reason, "file": str(entry.path), **entry.where,
-                       "detail": detail})  # fmt: skip
+            bad.image({"reason": reason, "file": str(entry.path), **entry.where, "detail": detail})
             for ann in entry.annotations:
                 bad.annotation({"reason": MISSING_IMAGE, "file": str(entry.path), **ann.where})
             continue
@@ -219,19 +247,31 @@ def check_entries(
                 continue
             why, box = clip_box(ann.box, height, width)
             if why is not None:
-                bad.annotation({"reason": why, **place, "box": [round(v, 2) for v in ann.box],
-                                "image_size": [width, height]})  # fmt: skip
+                bad.annotation(
+                    {
+                        "reason": why,
+                        **place,
+                        "box": [round(v, 2) for v in ann.box],
+                        "image_size": [width, height],
+                    }
+                )
                 continue
             if box != tuple(float(v) for v in ann.box):
-                split.clipped.append({**place, "box": [round(v, 2) for v in ann.box],
-                                      "clipped_to": [round(v, 2) for v in box]})  # fmt: skip
+                split.clipped.append(
+                    {
+                        **place,
+                        "box": [round(v, 2) for v in ann.box],
+                        "clipped_to": [round(v, 2) for v in box],
+                    }
+                )
             boxes.append(box)
             labels.append(ann.label)
         # Crowd regions: clipped as boxes are; one that is not a region of the image (or of
         # an unknown category) is nothing to excuse a detection on, and goes.
         crowd = [(clip_box(c.box, height, width), c.label) for c in entry.crowd]
-        crowd = [(box, label) for (why, box), label in crowd
-                 if why is None and 1 <= label <= num_classes]  # fmt: skip
+        crowd = [
+            (box, label) for (why, box), label in crowd if why is None and 1 <= label <= num_classes
+        ]
         split.paths.append(str(entry.path))
         split.boxes.append(np.asarray(boxes, dtype=np.float32).reshape(-1, 4))
         split.labels.append(np.asarray(labels, dtype=np.int64))
@@ -330,14 +370,17 @@ class DetectionImages(Dataset):
         from kiln.rng import forked
 
         pixels, target = self._load(index, scale=False)
-        boxes = tv_tensors.BoundingBoxes(target["boxes"], format="XYXY",
-                                         canvas_size=tuple(pixels.shape[-2:]))  # fmt: skip
+        boxes = tv_tensors.BoundingBoxes(
+            target["boxes"], format="XYXY", canvas_size=tuple(pixels.shape[-2:])
+        )
         sample = {"image": tv_tensors.Image(pixels), "boxes": boxes, "labels": target["labels"]}
         with forked(item_seed(seed, epoch, index), cuda=False):
             out = self.transform(sample)
         image = out["image"].as_subclass(torch.Tensor).to(torch.float32).div_(255.0)
-        return image, {"boxes": out["boxes"].as_subclass(torch.Tensor).float(),
-                       "labels": out["labels"]}  # fmt: skip
+        return image, {
+            "boxes": out["boxes"].as_subclass(torch.Tensor).float(),
+            "labels": out["labels"],
+        }
 
     def _load(self, index: int, scale: bool = True):
         path = self.paths[index]
@@ -346,8 +389,10 @@ class DetectionImages(Dataset):
         except (OSError, ValueError) as err:  # changed or removed since it was checked
             raise changed_file(path, err) from None
         image = pixels.to(torch.float32).div_(255.0) if scale else pixels
-        target = {"boxes": torch.from_numpy(self.boxes[index]).clone(),
-                  "labels": torch.from_numpy(self.labels[index]).clone()}  # fmt: skip
+        target = {
+            "boxes": torch.from_numpy(self.boxes[index]).clone(),
+            "labels": torch.from_numpy(self.labels[index]).clone(),
+        }
         if self.crowd is not None:
             crowd_boxes, crowd_labels = self.crowd[index]
             target["crowd_boxes"] = torch.from_numpy(crowd_boxes).clone()
@@ -390,29 +435,34 @@ def detection_bundle(
         parts["val"] = _subset(splits["val"], np.arange(len(splits["val"].paths)))
         how: dict | str = f"data.{val_key}"
     else:
-        train_at, val_at = split_images(train.labels, cfg.val_fraction, cfg.split_seed,
-                                        f"data.{val_key}")  # fmt: skip
+        train_at, val_at = split_images(
+            train.labels, cfg.val_fraction, cfg.split_seed, f"data.{val_key}"
+        )
         parts = {"train": _subset(train, train_at), "val": _subset(train, val_at)}
         how = {"val_fraction": cfg.val_fraction, "split_seed": cfg.split_seed}
     if "test" in splits:
         parts["test"] = _subset(splits["test"], np.arange(len(splits["test"].paths)))
     sizes = [s for split in splits.values() for s in split.sizes]
-    sizes_by_path = {p: s for split in splits.values() for p, s in zip(split.paths, split.sizes,
-                                                                        strict=True)}  # fmt: skip
+    sizes_by_path = {
+        p: s for split in splits.values() for p, s in zip(split.paths, split.sizes, strict=True)
+    }
     largest = (max(h for h, _ in sizes), max(w for _, w in sizes))
     side = min(cfg.image_size, max(largest))
     names = tuple(class_names)
-    spec = DataSpec("detection", "image_list", len(names), names, channels=3,
-                    image_size=(side, side))  # fmt: skip
-    recipe = ImageListRecipe(class_names=names, channels=3, image_size=largest,
-                             min_image_size=min(min(s) for s in sizes))  # fmt: skip
+    spec = DataSpec(
+        "detection", "image_list", len(names), names, channels=3, image_size=(side, side)
+    )
+    recipe = ImageListRecipe(
+        class_names=names, channels=3, image_size=largest, min_image_size=min(min(s) for s in sizes)
+    )
 
     def dataset(name: str) -> DetectionImages:
         part = parts[name]
         training = name == "train"
         transform = box_transform(str(cfg.augment), side) if training else None
-        crowd = None if training else list(zip(part["crowd_boxes"], part["crowd_labels"],
-                                               strict=True))  # fmt: skip
+        crowd = (
+            None if training else list(zip(part["crowd_boxes"], part["crowd_labels"], strict=True))
+        )
         return DetectionImages(
             part["paths"],
             part["boxes"],
@@ -424,27 +474,44 @@ def detection_bundle(
         )
 
     counts = {
-        name: dict(zip(names, np.bincount(np.concatenate([np.zeros(0, np.int64), *p["labels"]]),
-                                          minlength=len(names) + 1)[1:].tolist(), strict=True))
+        name: dict(
+            zip(
+                names,
+                np.bincount(
+                    np.concatenate([np.zeros(0, np.int64), *p["labels"]]), minlength=len(names) + 1
+                )[1:].tolist(),
+                strict=True,
+            )
+        )
         for name, p in parts.items()
-    }  # fmt: skip
+    }
     report = {
         **extra_report,
         **{f"{name}_files": split.report() for name, split in splits.items()},
-        "summary": [line for split in splits.values()
-                    for line in (split.images_log.summary(), split.annotations_log.summary(),
-                                 *([split.clipped_summary()] if split.clipped else []))],
+        "summary": [
+            line
+            for split in splits.values()
+            for line in (
+                split.images_log.summary(),
+                split.annotations_log.summary(),
+                *([split.clipped_summary()] if split.clipped else []),
+            )
+        ],
         "classes": list(names),
         "images": {name: len(p["paths"]) for name, p in parts.items()},
-        "images_without_boxes": {name: sum(len(b) == 0 for b in p["boxes"])
-                                 for name, p in parts.items()},
+        "images_without_boxes": {
+            name: sum(len(b) == 0 for b in p["boxes"]) for name, p in parts.items()
+        },
         "boxes_per_class": counts,
         "split": how,
-        "input": {"image_size": side, "largest_image": list(largest),
-                  "augment": str(cfg.augment),
-                  "group_by_aspect_ratio": cfg.group_by_aspect_ratio},
+        "input": {
+            "image_size": side,
+            "largest_image": list(largest),
+            "augment": str(cfg.augment),
+            "group_by_aspect_ratio": cfg.group_by_aspect_ratio,
+        },
         "prepare_s": time.perf_counter() - started,
-    }  # fmt: skip
+    }
     for split in splits.values():
         for bad_log in (split.images_log, split.annotations_log):
             dropped = bad_log.num_dropped > 0
@@ -453,8 +520,12 @@ def detection_bundle(
             )
         if split.clipped:
             log.warning("data: %s", split.clipped_summary())
-    log.info("data: %d classes (%s), %s images", len(names), ", ".join(names),
-             " / ".join(f"{n} {split}" for split, n in report["images"].items()))  # fmt: skip
+    log.info(
+        "data: %d classes (%s), %s images",
+        len(names),
+        ", ".join(names),
+        " / ".join(f"{n} {split}" for split, n in report["images"].items()),
+    )
     train_sizes = [sizes_by_path[p] for p in parts["train"]["paths"]]
     return DataBundle(
         spec=spec,

@@ -50,8 +50,12 @@ def _collate(bundle: DataBundle, indices: list[int]) -> Any:
 def _scanned(bundle: DataBundle) -> range:
     count = len(bundle.train)
     if count > SCAN_LIMIT:
-        log.info("rule 1 probes: the extremes are those of the first %d of %d training items "
-                 "(the dataset does not list its item sizes)", SCAN_LIMIT, count)  # fmt: skip
+        log.info(
+            "rule 1 probes: the extremes are those of the first %d of %d training items "
+            "(the dataset does not list its item sizes)",
+            SCAN_LIMIT,
+            count,
+        )
     return range(min(count, SCAN_LIMIT))
 
 
@@ -158,8 +162,9 @@ def _image_list_batches(bundle: DataBundle, size: int) -> ProbeBatches:
                 _collate(bundle, [tallest, widest]),
             )
         )
-    cases.append((f"a batch of 1 (the image with the most boxes, {side(most)})",
-                  _collate(bundle, [most])))  # fmt: skip
+    cases.append(
+        (f"a batch of 1 (the image with the most boxes, {side(most)})", _collate(bundle, [most]))
+    )
     first = [fewest, most, smallest, largest]
     rest = [i for i in range(len(bundle.train)) if i not in first][: max(0, size - len(first))]
     base = _collate(bundle, list(dict.fromkeys(first + rest))[:size])

@@ -148,9 +148,16 @@ class ImageFiles(Dataset):
     index or, from the training sampler, (index, run seed, epoch)."""
 
     def __init__(
-        self, paths: Sequence[str], labels: Sequence[int], *, channels: int, transform, finish,
-        train: bool, max_pixels: int | None = DEFAULT_MAX_PIXELS,
-    ):  # fmt: skip
+        self,
+        paths: Sequence[str],
+        labels: Sequence[int],
+        *,
+        channels: int,
+        transform,
+        finish,
+        train: bool,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    ):
         self.paths = list(paths)
         # class indices, or (multi-label, labels_csv) multi-hot rows (N, C) float32
         multi_hot = np.ndim(labels) == 2
@@ -234,15 +241,22 @@ def _channel_stats(values: Sequence[float], channels: int) -> tuple[float, ...]:
 
 
 def dataset_stats(
-    paths: Sequence[str], channels: int, size: InputSize, cache_dir: Path,
+    paths: Sequence[str],
+    channels: int,
+    size: InputSize,
+    cache_dir: Path,
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
-) -> tuple[tuple[float, ...], tuple[float, ...], bool]:  # fmt: skip
+) -> tuple[tuple[float, ...], tuple[float, ...], bool]:
     """(mean, std, cache hit) of the pixels in [0, 1] of these files through the eval
     transform; cached by the files (path, size, mtime) and the settings. A std may be 0 (a
     channel of one value): `normalisation` decides what to divide by."""
     stamps = [(os.path.abspath(p), *_stamp(p)) for p in paths]
-    key_inputs = {"version": STATS_VERSION, "files": stamps, "channels": channels,
-                  "size": [size.image_size, size.resize_size, size.interpolation]}  # fmt: skip
+    key_inputs = {
+        "version": STATS_VERSION,
+        "files": stamps,
+        "channels": channels,
+        "size": [size.image_size, size.resize_size, size.interpolation],
+    }
     key = hashlib.sha256(json.dumps(key_inputs).encode()).hexdigest()[:24]
     cached = cache_dir / f"stats-{key}.json"
     try:
@@ -293,8 +307,7 @@ def normalisation(
     elif mode == Normalize.none:
         mean, std, source = (0.0,) * channels, (1.0,) * channels, "none (pixels in [0, 1])"
     else:
-        mean, std, hit = dataset_stats(train_paths, channels, size, cache_dir,
-                                       cfg.max_image_pixels)  # fmt: skip
+        mean, std, hit = dataset_stats(train_paths, channels, size, cache_dir, cfg.max_image_pixels)
         source = f"the training split's pixels ({'cached' if hit else 'computed'})"
     report = {"mode": str(cfg.normalize), "source": source, "mean": mean, "std": std}
     flat = [c for c, value in enumerate(std) if value < MIN_STD]
@@ -360,8 +373,9 @@ def log_report(report: dict) -> None:
         if folder is None:
             continue
         bad = folder["images_dropped"] or folder["skipped"]
-        (log.warning if bad else log.info)("data: %s%s", folder_line(folder),
-                                           " (see data_report.json)" if bad else "")  # fmt: skip
+        (log.warning if bad else log.info)(
+            "data: %s%s", folder_line(folder), " (see data_report.json)" if bad else ""
+        )
         for name, why in folder.get("classes_dropped", {}).items():
             holds = "no good image" if why["reason"] == "empty" else "a single good image"
             log.warning(
@@ -427,8 +441,9 @@ def build_image_folder(
         paths["test"], targets["test"] = test.paths, np.array([index[y] for y in test.labels])
     logs = {key: folder.log for key, folder in folders.items()}
     caches = {key: folder.cache for key, folder in folders.items()}
-    return _bundle(cfg, pretrained, cache_dir, size, start, class_names, paths, targets, logs,
-                   caches)  # fmt: skip
+    return _bundle(
+        cfg, pretrained, cache_dir, size, start, class_names, paths, targets, logs, caches
+    )
 
 
 LISTED_SPLITS = {"labels_csv": "train", "val_labels_csv": "val", "test_labels_csv": "test"}
@@ -446,10 +461,16 @@ def _build_listed(cfg: ImageFolderConfig, pretrained, cache_dir: Path, size, sta
 
     def read(key: str, classes=None):
         return read_labels_csv(
-            getattr(cfg, key), cfg.root, cfg.label_separator, channels=cfg.channels,
-            bad_rows=str(cfg.bad_rows), cache_dir=cache_dir, max_pixels=cfg.max_image_pixels,
-            key=f"data.{key}", classes=classes,
-        )  # fmt: skip
+            getattr(cfg, key),
+            cfg.root,
+            cfg.label_separator,
+            channels=cfg.channels,
+            bad_rows=str(cfg.bad_rows),
+            cache_dir=cache_dir,
+            max_pixels=cfg.max_image_pixels,
+            key=f"data.{key}",
+            classes=classes,
+        )
 
     listed, class_names = read("labels_csv")
     index = {name: i for i, name in enumerate(class_names)}
@@ -464,8 +485,10 @@ def _build_listed(cfg: ImageFolderConfig, pretrained, cache_dir: Path, size, sta
         set_codes = {key: i for i, key in enumerate(dict.fromkeys(sets))}
         codes = np.array([set_codes[key] for key in sets], dtype=np.int64)
         train_at, val_at = split_files(codes, cfg.val_fraction, cfg.split_seed)
-        paths = {"train": [listed.paths[i] for i in train_at],
-                 "val": [listed.paths[i] for i in val_at]}  # fmt: skip
+        paths = {
+            "train": [listed.paths[i] for i in train_at],
+            "val": [listed.paths[i] for i in val_at],
+        }
         targets = {"train": multi[train_at], "val": multi[val_at]}
     else:
         paths, targets = {"train": listed.paths}, {"train": multi}
@@ -477,8 +500,9 @@ def _build_listed(cfg: ImageFolderConfig, pretrained, cache_dir: Path, size, sta
         paths[split] = rows.paths
         targets[split] = multi_hot(label_sets(rows), len(class_names))
         logs[key], caches[key] = rows.log, rows.cache
-    return _bundle(cfg, pretrained, cache_dir, size, start, class_names, paths, targets, logs,
-                   caches)  # fmt: skip
+    return _bundle(
+        cfg, pretrained, cache_dir, size, start, class_names, paths, targets, logs, caches
+    )
 
 
 def split_source(cfg: ImageFolderConfig) -> str | dict:
@@ -498,18 +522,28 @@ def _bundle(cfg, pretrained, cache_dir, size, start, class_names, paths, targets
     evaluate = eval_transform(size.image_size, size.resize_size, size.interpolation)
 
     def dataset(split: str, transform, train_mode: bool) -> ImageFiles:
-        return ImageFiles(paths[split], targets[split], channels=cfg.channels,
-                          transform=transform, finish=finish, train=train_mode,
-                          max_pixels=cfg.max_image_pixels)  # fmt: skip
+        return ImageFiles(
+            paths[split],
+            targets[split],
+            channels=cfg.channels,
+            transform=transform,
+            finish=finish,
+            train=train_mode,
+            max_pixels=cfg.max_image_pixels,
+        )
 
     train_set = dataset("train", train_transform(cfg.augment, size), True)
     side = size.image_size
     spec = DataSpec(
-        MULTILABEL if multi_label else "classification", "image", len(class_names),
-        tuple(class_names), channels=cfg.channels, image_size=(side, side),
+        MULTILABEL if multi_label else "classification",
+        "image",
+        len(class_names),
+        tuple(class_names),
+        channels=cfg.channels,
+        image_size=(side, side),
         label_separator=cfg.label_separator if multi_label else None,
         threshold=cfg.threshold if multi_label else 0.5,
-    )  # fmt: skip
+    )
     recipe = ImageRecipe(
         mean=tuple(mean),
         std=tuple(std),

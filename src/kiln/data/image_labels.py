@@ -107,21 +107,29 @@ def read_labels_csv(
         for _, _, labels in good:
             for label in labels:
                 counts[label] = counts.get(label, 0) + 1
-        classes = sorted((n for n, c in counts.items() if c >= MIN_IMAGES_PER_CLASS),
-                         key=natural_key)  # fmt: skip
+        classes = sorted(
+            (n for n, c in counts.items() if c >= MIN_IMAGES_PER_CLASS), key=natural_key
+        )
     classes = list(classes)
     listed = ListedImages([], [], [], log_)
     for row, file, labels in good:
         rare = [label for label in labels if label not in classes]
         if rare and given:
-            drop(row, "unseen_label", str(file),
-                 f"has label(s) {', '.join(map(repr, rare))} that data.labels_csv's classes "
-                 "lack")  # fmt: skip
+            drop(
+                row,
+                "unseen_label",
+                str(file),
+                f"has label(s) {', '.join(map(repr, rare))} that data.labels_csv's classes lack",
+            )
             continue
         if rare:
-            drop(row, "unknown_label", str(file),
-                 f"has label(s) {', '.join(map(repr, rare))} with fewer than "
-                 f"{MIN_IMAGES_PER_CLASS} good images: not a class")  # fmt: skip
+            drop(
+                row,
+                "unknown_label",
+                str(file),
+                f"has label(s) {', '.join(map(repr, rare))} with fewer than "
+                f"{MIN_IMAGES_PER_CLASS} good images: not a class",
+            )
             continue
         listed.paths.append(str(file))
         listed.labels.append(labels)
@@ -141,7 +149,8 @@ def read_labels_csv(
 
 def missing_labels_csv(path: Path, key: str) -> ConfigError:
     return ConfigError(
-        f"no such file: {path}", key,
+        f"no such file: {path}",
+        key,
         "give a CSV with a header of path,labels and one row per image (paths relative to "
         "data.root, else the CSV's folder)",
-    )  # fmt: skip
+    )

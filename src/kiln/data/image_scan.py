@@ -56,8 +56,14 @@ log = logging.getLogger(__name__)
 FIRST_FILES_KEPT = 100  # the report lists this many files per reason, then a count
 VERDICTS_VERSION = 2  # bump when what a verdict means changes (2: too_large, GIFs by Pillow)
 SKIP_REASONS = (
-    HIDDEN, "not_image", "outside_class", SYMLINK, LINK_INTO_TREE, DUPLICATE, NOT_REGULAR,
-)  # fmt: skip
+    HIDDEN,
+    "not_image",
+    "outside_class",
+    SYMLINK,
+    LINK_INTO_TREE,
+    DUPLICATE,
+    NOT_REGULAR,
+)
 BAD_FILE_REASONS = (*BAD_IMAGE_REASONS, CANNOT_OPEN)
 # A bad file: an ImageDecodeError or a FileAccessError (both carry .reason and .detail).
 BadFile = ImageDecodeError | FileAccessError

@@ -241,17 +241,23 @@ def train_sampler_for(bundle: DataBundle, batch_size: int, rank: int, world_size
     ResumableSampler."""
     lengths = bundle.bucket_lengths
     if lengths is not None and len(lengths) != len(bundle.train):
-        log.warning("batches are not bucketed by length: the training set was replaced "
-                    "(trainer.overfit_batches)")  # fmt: skip
+        log.warning(
+            "batches are not bucketed by length: the training set was replaced "
+            "(trainer.overfit_batches)"
+        )
         lengths = None
     if lengths is None:
         seeded = getattr(bundle.train, "seeded_keys", False)  # a Subset (overfit_batches) is not
         sampler = SeededItemSampler if seeded else ResumableSampler
         return sampler(bundle.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     return BucketedSampler(
-        lengths, batch_size=batch_size, num_replicas=world_size, rank=rank, seed=seed,
+        lengths,
+        batch_size=batch_size,
+        num_replicas=world_size,
+        rank=rank,
+        seed=seed,
         seeded_keys=getattr(bundle.train, "seeded_keys", False),
-    )  # fmt: skip
+    )
 
 
 def val_sampler_for(bundle: DataBundle, rank: int, world_size: int, seed: int):

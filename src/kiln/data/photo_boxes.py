@@ -69,8 +69,12 @@ def _draw(rng: np.random.Generator, index: int, background, objects, *, negative
         category = int(rng.choice([c["id"] for c in CATEGORIES]))
         side = int(rng.integers(28, 49))
         for _try in range(20):
-            box = (int(rng.integers(0, width - side)), int(rng.integers(0, height - side)),
-                   side, side)  # fmt: skip
+            box = (
+                int(rng.integers(0, width - side)),
+                int(rng.integers(0, height - side)),
+                side,
+                side,
+            )
             if not _overlaps(box, sample.boxes):
                 break
         else:
@@ -102,12 +106,25 @@ class PhotoBoxes:
 def _coco(samples: list[Sample], first_id: int = 1) -> dict:
     images, annotations = [], []
     for image_id, sample in enumerate(samples, start=first_id):
-        images.append({"id": image_id, "file_name": sample.file_name, "width": sample.width,
-                       "height": sample.height})  # fmt: skip
+        images.append(
+            {
+                "id": image_id,
+                "file_name": sample.file_name,
+                "width": sample.width,
+                "height": sample.height,
+            }
+        )
         for box, category in zip(sample.boxes, sample.categories, strict=True):
-            annotations.append({"id": len(annotations) + 1, "image_id": image_id,
-                                "category_id": category, "bbox": list(box),
-                                "area": box[2] * box[3], "iscrowd": 0})  # fmt: skip
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": category,
+                    "bbox": list(box),
+                    "area": box[2] * box[3],
+                    "iscrowd": 0,
+                }
+            )
     return {"images": images, "annotations": annotations, "categories": list(CATEGORIES)}
 
 
@@ -116,15 +133,21 @@ def _yolo_lines(sample: Sample) -> str:
     lines = []
     for (x, y, w, h), category in zip(sample.boxes, sample.categories, strict=True):
         cx, cy = (x + w / 2) / sample.width, (y + h / 2) / sample.height
-        lines.append(f"{index[category]} {cx:.10g} {cy:.10g} {w / sample.width:.10g} "
-                     f"{h / sample.height:.10g}")  # fmt: skip
+        lines.append(
+            f"{index[category]} {cx:.10g} {cy:.10g} {w / sample.width:.10g} "
+            f"{h / sample.height:.10g}"
+        )
     return "".join(line + "\n" for line in lines)
 
 
 def make_photo_boxes(
-    folder: str | Path, *, num_train: int = 16, num_val: int = 6, seed: int = 0,
+    folder: str | Path,
+    *,
+    num_train: int = 16,
+    num_val: int = 6,
+    seed: int = 0,
     damaged: bool = False,
-) -> PhotoBoxes:  # fmt: skip
+) -> PhotoBoxes:
     """Write <folder>/coco/{train,val}.json + images/{train,val}/ and <folder>/yolo/ (the same
     images and boxes); the last training image has no box (a negative)."""
     root = Path(folder)
@@ -185,8 +208,14 @@ def _damage(data: dict) -> tuple[dict, dict[str, int], int]:
     w, h = first["width"], first["height"]
 
     def ann(offset, image_id, category, bbox):
-        return {"id": next_ann + offset, "image_id": image_id, "category_id": category,
-                "bbox": bbox, "area": bbox[2] * bbox[3], "iscrowd": 0}  # fmt: skip
+        return {
+            "id": next_ann + offset,
+            "image_id": image_id,
+            "category_id": category,
+            "bbox": bbox,
+            "area": bbox[2] * bbox[3],
+            "iscrowd": 0,
+        }
 
     data["annotations"] += [
         ann(0, missing_id, 3, [10, 10, 20, 20]),  # its image file is missing
@@ -195,8 +224,13 @@ def _damage(data: dict) -> tuple[dict, dict[str, int], int]:
         ann(3, first["id"], UNKNOWN_CATEGORY_ID, [4, 4, 12, 12]),  # no such category
         ann(4, first["id"], 7, [w - 10, h - 10, 30, 30]),  # partly outside: clipped, kept
     ]
-    dropped = {"missing_image": 1, "box_outside_image": 1, "zero_area_box": 1,
-               "unknown_category": 1, "duplicate_image_id": 1}  # fmt: skip
+    dropped = {
+        "missing_image": 1,
+        "box_outside_image": 1,
+        "zero_area_box": 1,
+        "unknown_category": 1,
+        "duplicate_image_id": 1,
+    }
     return data, dropped, 1
 
 

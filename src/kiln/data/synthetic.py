@@ -28,9 +28,13 @@ def build_synthetic_images(cfg: SyntheticImagesConfig) -> DataBundle:
     val = make_images(cfg.num_val, channels, size, num_classes, seed=cfg.split_seed + 1)
     class_names = tuple(f"class_{i}" for i in range(num_classes))
     spec = DataSpec(
-        "classification", "image", num_classes, class_names, channels=channels,
+        "classification",
+        "image",
+        num_classes,
+        class_names,
+        channels=channels,
         image_size=(size, size),
-    )  # fmt: skip
+    )
     recipe = ImageRecipe(
         mean=(0.0,) * channels,
         std=(1.0,) * channels,

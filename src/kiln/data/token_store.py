@@ -217,9 +217,12 @@ class TokenDataset(Dataset):
     in_memory = True  # a batch is one read per row: no DataLoader worker needed
 
     def __init__(
-        self, store: TokenStore, rows: np.ndarray, pad_id: int = PAD_ID,
+        self,
+        store: TokenStore,
+        rows: np.ndarray,
+        pad_id: int = PAD_ID,
         targets: np.ndarray | None = None,
-    ):  # fmt: skip
+    ):
         self.store = store
         self.rows = np.asarray(rows, dtype=np.int64)
         self.pad_id = pad_id  # kiln's tokenizers pad with 0; a pretrained one with its own
@@ -375,7 +378,7 @@ def cached_entry(root: Path, name: str, build) -> tuple[StoreEntry, bool]:
             if final.exists():  # an incomplete entry left by a killed run
                 shutil.rmtree(final)
             tmp.rename(final)
-        except BaseException:
+        except BaseException:  # Ctrl-C too: no half-built store, re-raised
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return load_entry(final), False

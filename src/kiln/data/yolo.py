@@ -172,8 +172,10 @@ def read_yolo_split(images: Path, num_classes: int, cfg: YoloConfig, key: str) -
     images_log = BadInputLog(str(images), unit="images", reasons=IMAGE_REASONS)
     annotations_log = BadInputLog(str(labels), unit="annotations", reasons=ANNOTATION_REASONS)
     bad = BadInput(str(cfg.bad_rows), images_log, annotations_log)
-    files = sorted((p for p in images.rglob("*") if p.is_file() and is_image_name(p.name)),
-                   key=lambda p: natural_key(str(p)))  # fmt: skip
+    files = sorted(
+        (p for p in images.rglob("*") if p.is_file() and is_image_name(p.name)),
+        key=lambda p: natural_key(str(p)),
+    )
     by_stem = {p.relative_to(images).with_suffix(""): p for p in files}
     labels_root, images_root = os.path.realpath(labels), os.path.realpath(images)
     limit = BoxLimit(cfg.max_boxes_per_image, bad)
@@ -200,8 +202,9 @@ def read_yolo_split(images: Path, num_classes: int, cfg: YoloConfig, key: str) -
                 count = sum(1 for line in (text or "").splitlines() if line.strip())
                 annotations_log.read += count
                 for number in range(count):
-                    bad.annotation({"reason": MISSING_IMAGE, "file": str(label_file),
-                                    "line": number + 1})  # fmt: skip
+                    bad.annotation(
+                        {"reason": MISSING_IMAGE, "file": str(label_file), "line": number + 1}
+                    )
     return check_entries(entries, bad, num_classes=num_classes, images_root=images, cfg=cfg)
 
 
@@ -222,15 +225,26 @@ def _label_text(
             if err.reason == TOO_LARGE:
                 detail += " (data.max_label_file_bytes)"
     bad.annotations_log.read += 1
-    bad.annotation({"reason": LABEL_FILE, "file": str(entry.path), "label_file": str(label_file),
-                    "detail": f"{detail}; not read"})  # fmt: skip
+    bad.annotation(
+        {
+            "reason": LABEL_FILE,
+            "file": str(entry.path),
+            "label_file": str(label_file),
+            "detail": f"{detail}; not read",
+        }
+    )
     return None
 
 
 def _read_labels(
-    label_file: Path, text: str, width: int, height: int, entry: ImageEntry, bad: BadInput,
+    label_file: Path,
+    text: str,
+    width: int,
+    height: int,
+    entry: ImageEntry,
+    bad: BadInput,
     limit: BoxLimit,
-):  # fmt: skip
+):
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -240,21 +254,36 @@ def _read_labels(
         where = {"line": number, "label_file": str(label_file)}
         parsed = parse_line(line)
         if parsed is None:
-            bad.annotation({"reason": BAD_LINE, "file": str(entry.path), **where,
-                            "text": line.strip()[:80],
-                            "detail": "expected `class cx cy w h`: an integer and four "
-                                      "numbers in 0..1"})  # fmt: skip
+            bad.annotation(
+                {
+                    "reason": BAD_LINE,
+                    "file": str(entry.path),
+                    **where,
+                    "text": line.strip()[:80],
+                    "detail": "expected `class cx cy w h`: an integer and four numbers in 0..1",
+                }
+            )
             continue
         klass, cx, cy, w, h = parsed
         if max(cx, cy, w, h) > 1 and cx <= width and cy <= height and w <= width and h <= height:
-            bad.annotation({"reason": PIXEL_UNITS, "file": str(entry.path), **where,
-                            "text": line.strip()[:80],
-                            "detail": "values > 1: these look like pixels, YOLO wants 0..1 "
-                                      "(cx and w divided by the image's width, cy and h by "
-                                      f"its height: {width}x{height})"})  # fmt: skip
+            bad.annotation(
+                {
+                    "reason": PIXEL_UNITS,
+                    "file": str(entry.path),
+                    **where,
+                    "text": line.strip()[:80],
+                    "detail": "values > 1: these look like pixels, YOLO wants 0..1 "
+                    "(cx and w divided by the image's width, cy and h by "
+                    f"its height: {width}x{height})",
+                }
+            )
             continue
-        box = ((cx - w / 2) * width, (cy - h / 2) * height,
-               (cx + w / 2) * width, (cy + h / 2) * height)  # fmt: skip
+        box = (
+            (cx - w / 2) * width,
+            (cy - h / 2) * height,
+            (cx + w / 2) * width,
+            (cy + h / 2) * height,
+        )
         entry.annotations.append(Annotation(box, klass + 1, where))
 
 
@@ -272,8 +301,11 @@ def build_yolo(cfg: YoloConfig) -> DataBundle:
         log.warning(
             "data: %s names %d class(es) no label uses: %s; each is a class the model learns "
             "nothing of (remove it from names, or label its objects)",
-            names_file, len(unused), ", ".join(unused),
-        )  # fmt: skip
+            names_file,
+            len(unused),
+            ", ".join(unused),
+        )
     extra = {"format": "yolo", "names_file": str(names_file), "names_without_boxes": unused}
-    return detection_bundle(cfg, names, splits, val_key="val_dir", started=started,
-                            extra_report=extra)  # fmt: skip
+    return detection_bundle(
+        cfg, names, splits, val_key="val_dir", started=started, extra_report=extra
+    )

@@ -58,7 +58,7 @@ def trial_step(model, optimizer, criterion, make_batch: Callable[[int], object],
             loss.backward()
             optimizer.step()
             return True
-        except Exception as err:
+        except Exception as err:  # any error: only an OOM is an answer, the rest re-raised
             if not is_out_of_memory(err):
                 raise
             return False

@@ -77,14 +77,18 @@ def multilabel_chance(positives: list[float], samples: float) -> dict[str, Chanc
     all_yes = 2 * positive / (samples * len(positives) + positive)
     return {
         "val_loss": Chance(
-            "val_loss", entropy, 0.02 * entropy,
+            "val_loss",
+            entropy,
+            0.02 * entropy,
             "the loss of always predicting each class's frequency",
         ),
         "val_f1_micro": Chance(
-            "val_f1_micro", all_yes, 2 * math.sqrt(all_yes * (1 - all_yes) / samples) + 1 / samples,
+            "val_f1_micro",
+            all_yes,
+            2 * math.sqrt(all_yes * (1 - all_yes) / samples) + 1 / samples,
             f"the micro-F1 of predicting every class for each of the {int(samples)} samples",
         ),
-    }  # fmt: skip
+    }
 
 
 def detection_chance(images: int) -> dict[str, Chance]:

@@ -97,9 +97,19 @@ class ResumeError(UserError, ValueError):
 
 
 # What inference needs from a checkpoint; a weights-only best.pt holds just these.
-INFERENCE_KEYS = ("model", "config", "preprocessing", "pretrained", "data_spec", "model_name",
-                  "kiln_version", "state", "contract", "plugins",
-                  files.EMBEDDED_SHA256)  # fmt: skip
+INFERENCE_KEYS = (
+    "model",
+    "config",
+    "preprocessing",
+    "pretrained",
+    "data_spec",
+    "model_name",
+    "kiln_version",
+    "state",
+    "contract",
+    "plugins",
+    files.EMBEDDED_SHA256,
+)
 
 
 # The metric that breaks ties on the monitored one (lower is better); its value at the best
@@ -331,8 +341,13 @@ class Checkpointer:
         if improved and value is not None and math.isfinite(value):
             state.best_metric, state.best_tiebreak = value, loss
             if tied and self.is_main:
-                log.info("best.pt: %s %.4g tied, %s %.4g is lower: this checkpoint replaces it",
-                         self.monitor, value, TIEBREAK, loss)  # fmt: skip
+                log.info(
+                    "best.pt: %s %.4g tied, %s %.4g is lower: this checkpoint replaces it",
+                    self.monitor,
+                    value,
+                    TIEBREAK,
+                    loss,
+                )
         if improved:
             state.best_step, state.best_epoch = state.global_step, state.epoch
         snapshot = state_dict()
@@ -368,10 +383,13 @@ class Checkpointer:
                 why = found[name].replace(f"checkpoint {path} ", "").replace(f"{path} ", "")
                 log.warning(
                     "%s cannot be read (%s): moved aside to %s, so nothing points at it; %s",
-                    path, why, aside.name,
-                    "the next evaluation writes a new best.pt" if name == "best.pt"
+                    path,
+                    why,
+                    aside.name,
+                    "the next evaluation writes a new best.pt"
+                    if name == "best.pt"
                     else "the next save writes a new last.pt",
-                )  # fmt: skip
+                )
             self.best_set_aside |= name == "best.pt"
 
     def adopt_best(self, source: Path, state) -> None:

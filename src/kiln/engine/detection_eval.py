@@ -22,13 +22,19 @@ def coco_targets(targets: list[dict]) -> list[dict[str, Tensor]]:
         labels = torch.as_tensor(target["labels"], dtype=torch.int64).detach().cpu()
         crowd_boxes = torch.as_tensor(target.get("crowd_boxes", boxes[:0]), dtype=torch.float32)
         crowd_labels = torch.as_tensor(target.get("crowd_labels", labels[:0]), dtype=torch.int64)
-        iscrowd = torch.cat([torch.zeros(len(labels), dtype=torch.int64),
-                             torch.ones(len(crowd_labels), dtype=torch.int64)])  # fmt: skip
-        out.append({
-            "boxes": torch.cat([boxes, crowd_boxes.cpu().reshape(-1, 4)]),
-            "labels": torch.cat([labels, crowd_labels.cpu()]),
-            "iscrowd": iscrowd,
-        })  # fmt: skip
+        iscrowd = torch.cat(
+            [
+                torch.zeros(len(labels), dtype=torch.int64),
+                torch.ones(len(crowd_labels), dtype=torch.int64),
+            ]
+        )
+        out.append(
+            {
+                "boxes": torch.cat([boxes, crowd_boxes.cpu().reshape(-1, 4)]),
+                "labels": torch.cat([labels, crowd_labels.cpu()]),
+                "iscrowd": iscrowd,
+            }
+        )
     return out
 
 

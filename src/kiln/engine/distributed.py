@@ -244,9 +244,13 @@ class GradientNorm:
 def _one_dense_kind(grads: list[torch.Tensor]) -> bool:
     first = grads[0] if grads else None
     return first is not None and all(
-        type(g) is torch.Tensor and g.layout == torch.strided and g.dtype == first.dtype
-        and g.device == first.device and not g.requires_grad for g in grads
-    )  # fmt: skip
+        type(g) is torch.Tensor
+        and g.layout == torch.strided
+        and g.dtype == first.dtype
+        and g.device == first.device
+        and not g.requires_grad
+        for g in grads
+    )
 
 
 def run_mode(trainer: TrainerConfig, multi_rank: bool) -> str:

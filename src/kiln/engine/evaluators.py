@@ -22,8 +22,9 @@ from kiln.models import logits_of
 from kiln.registry import EVALUATORS
 
 
-def build_evaluator(task: str, *, precision: Precision, device: torch.device, dist: DistInfo,
-                    **settings):  # fmt: skip
+def build_evaluator(
+    task: str, *, precision: Precision, device: torch.device, dist: DistInfo, **settings
+):
     """The task's evaluator; `settings`: what the data says about its metrics (multi-label:
     threshold)."""
     return EVALUATORS.get(task)(precision=precision, device=device, dist=dist, **settings)

@@ -91,9 +91,15 @@ class MetricWindow:
             self._add_on_host(result)
             return
         self._pending.append(
-            (result.step, result.bad, result.loss, result.terms, result.grad_norm,
-             result.scaler_found_inf)
-        )  # fmt: skip
+            (
+                result.step,
+                result.bad,
+                result.loss,
+                result.terms,
+                result.grad_norm,
+                result.scaler_found_inf,
+            )
+        )
         if len(self._pending) >= FOLD_EVERY:
             self._fold()
 
@@ -101,8 +107,10 @@ class MetricWindow:
         """The step's numbers into the sums as floats: what _fold computes, one step at a time."""
         loss = result.loss.item() if result.loss_value is None else result.loss_value
         # The main term is often the loss itself: one read for both.
-        terms = {name: loss if value is result.loss else value.item()
-                 for name, value in result.terms.items()}  # fmt: skip
+        terms = {
+            name: loss if value is result.loss else value.item()
+            for name, value in result.terms.items()
+        }
         bad = bool(result.bad)
         if result.scaler_found_inf is not None and not bad and bool(result.scaler_found_inf):
             self.scaler_skips += 1.0

@@ -174,11 +174,22 @@ class AdamW(EagerOptimizer, torch.optim.AdamW):
         step = state["step"] + (1 if found_inf is None else 1 - found_inf)
         touched = [t.index_select(0, rows) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
         torch._fused_adamw_(
-            [touched[0]], [values.contiguous()], [touched[1]], [touched[2]], [], [step.clone()],
-            lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-            eps=group["eps"], amsgrad=False, maximize=False, grad_scale=scale,
+            [touched[0]],
+            [values.contiguous()],
+            [touched[1]],
+            [touched[2]],
+            [],
+            [step.clone()],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            amsgrad=False,
+            maximize=False,
+            grad_scale=scale,
             found_inf=found_inf,
-        )  # fmt: skip
+        )
         state["step"] = step
         for table, new in zip((p, state["exp_avg"], state["exp_avg_sq"]), touched, strict=True):
             table.index_copy_(0, rows, new)

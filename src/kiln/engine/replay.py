@@ -487,9 +487,10 @@ def _bisect_probe(trainer, found: Replay, fp16: bool) -> None:
     for path, t in iter_tensors(batch):
         if t.is_floating_point() and not torch.isfinite(t).all():
             found.nonfinite_inputs[path] = {
-                "nan": int(torch.isnan(t).sum()), "inf": int(torch.isinf(t).sum()),
+                "nan": int(torch.isnan(t).sum()),
+                "inf": int(torch.isinf(t).sum()),
                 "shape": list(t.shape),
-            }  # fmt: skip
+            }
     if found.nonfinite_inputs:
         return
     model = copy.deepcopy(trainer.raw_model)

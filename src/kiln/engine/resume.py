@@ -266,7 +266,7 @@ def user_differences(judgement: Judgement) -> list[Difference]:
             *judgement.changes,
             *judgement.refused_changes,
             *judgement.harmless,
-        )  # fmt: skip
+        )
         if not d.key.startswith("<")
     ]
     saved, now = judgement.saved, judgement.now
@@ -321,8 +321,17 @@ def override_key(key: str) -> str:
     return group if leaf == "name" and group in GROUP_OPTIONS else key
 
 
-GROUP_OPTIONS = ("data", "model", "optimizer", "scheduler", "precision", "trainer", "logger",
-                 "env", "debug")  # fmt: skip
+GROUP_OPTIONS = (
+    "data",
+    "model",
+    "optimizer",
+    "scheduler",
+    "precision",
+    "trainer",
+    "logger",
+    "env",
+    "debug",
+)
 
 
 def _as_saved(found: list[Difference], judgement: Judgement) -> Fix | None:
@@ -370,7 +379,7 @@ def incompatible_fixes(judgement: Judgement, source: str) -> list[Fix]:
                 new_run,
                 None,
                 False,
-            )  # fmt: skip
+            )
         )
     return fixes
 

@@ -165,7 +165,7 @@ def build_trainer(
         batches, cfg.trainer.max_epochs, cfg.trainer.accumulate_grad_batches, cfg.trainer.max_steps
     )
     patience = early_stopping_patience(cfg.trainer.early_stopping, bundle.spec)
-    warmup_end = checked_schedule(cfg, planned_steps, batches, patience)
+    warmup_end, warmup_start = checked_schedule(cfg, planned_steps, batches, patience)
 
     def wrap() -> torch.nn.Module:  # again when frozen parameters thaw under DDP
         wrapped = wrap_model(model, cfg.trainer, dist, device, precision)  # FSDP shards in place
@@ -181,7 +181,7 @@ def build_trainer(
         bundle.spec.task, precision=precision, device=device, dist=dist, **settings
     )
     subject = probe_subject(cfg, bundle, train_loader, model, precision, device, want_aux, recorded)
-    plan = probe_plan(cfg, subject.criterion, dist)
+    plan = probe_plan(cfg, subject.criterion, dist, warmup_start)
     scheduler = build_scheduler(optimizer, cfg.scheduler, planned_steps)
     parts = TrainingParts(
         model=wrapped,
@@ -391,8 +391,9 @@ def run_contract(
     )
 
 
-def probe_plan(cfg: KilnConfig, criterion, dist: DistInfo) -> ProbePlan:
-    """Which checks run before step 1, from the config (kiln.guards.probes)."""
+def probe_plan(cfg: KilnConfig, criterion, dist: DistInfo, warmup_start: float = 1.0) -> ProbePlan:
+    """Which checks run before step 1, from the config (kiln.guards.probes); `warmup_start`:
+    the schedule's first lr as a share of optimizer.lr (the learn probe tries it)."""
     t = cfg.trainer
     return ProbePlan(
         sizes=t.probe_sizes,
@@ -400,17 +401,21 @@ def probe_plan(cfg: KilnConfig, criterion, dist: DistInfo) -> ProbePlan:
         logits=getattr(criterion, "expects_logits", False),
         skip=frozenset(name.replace("_", " ") for name in t.skip_checks),
         learn_steps=LEARN_PROBE_STEPS if t.learn_probe else 0,
+        warmup_start=warmup_start,
         fp16=t.fp16_check or cfg.precision.name == "amp",  # amp is fp16 on CUDA
         conditional_is_fatal=dist.enabled and not is_sharded(t) and not t.find_unused_parameters,
         budget=ProbeBudget(**dataclasses.asdict(t.probe_budget)),
     )
 
 
-def checked_schedule(cfg: KilnConfig, planned_steps: int, batches: int, patience) -> int:
+def checked_schedule(
+    cfg: KilnConfig, planned_steps: int, batches: int, patience
+) -> tuple[int, float]:
     """The run's lr schedule read at sampled steps (kiln.engine.schedule_check): a warm-up
     longer than the run, an lr off for most of it, or early stopping set to stop before the
     warm-up ends is one error line. Returns the step the warm-up ends at (1: none), which
-    trainer.early_stopping=auto waits for."""
+    trainer.early_stopping=auto waits for, and the first step's lr as a share of optimizer.lr
+    (below 1 under a warm-up: what the learn probe tries where the configured lr diverges)."""
     from kiln.engine.schedule_check import check_schedule, lr_curve
 
     curve = lr_curve(lambda opt, n: build_scheduler(opt, cfg.scheduler, n), planned_steps)
@@ -422,7 +427,9 @@ def checked_schedule(cfg: KilnConfig, planned_steps: int, batches: int, patience
         patience=patience,
         patience_set=cfg.trainer.early_stopping != "auto",
     )
-    return curve.warmup_end if curve is not None else 1
+    if curve is None:
+        return 1, 1.0
+    return curve.warmup_end, min(curve.points[0][1], 1.0)
 
 
 TEXT_PATIENCE = 2  # trainer.early_stopping=auto on text data: text models overfit within epochs
@@ -817,7 +824,7 @@ def train(
         if dist.is_main:
             keep_findings(run_dir, trainer)
         return summary
-    except BaseException as err:
+    except BaseException as err:  # every way a run ends early is reported, then re-raised
         reporting_failure()  # a SIGTERM now (torchrun's, after a rank died) waits for the report
         if trainer is not None and not hasattr(err, "step"):
             err.kiln_step = trainer.current_step  # where the failure line says it happened

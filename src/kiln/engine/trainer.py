@@ -346,7 +346,7 @@ class Trainer:
                         break
                 if not self.last_eval or self.state.batch_in_epoch:
                     self.evaluate_and_checkpoint(epoch_end=False)
-        except BaseException:
+        except BaseException:  # Ctrl-C and preemption too: cleanup, re-raised
             self.finish_writes_quietly()  # the last.pt of a preemption is what resume reads
             raise
         self.checkpointer.flush()  # every checkpoint on disk before the run reports done
@@ -551,16 +551,23 @@ class Trainer:
             log.info(
                 "probes: this model passed %s before (%s, %s): not run again%s "
                 "(trainer.probe_cache=false runs them all)",
-                ", ".join(sorted(cached.passed)), cached.date, cached.run_dir,
+                ", ".join(sorted(cached.passed)),
+                cached.date,
+                cached.run_dir,
                 f"; run now: {', '.join(left)}" if left else "",
-            )  # fmt: skip
+            )
         shown = ", ".join(f"{k} {v:.2f}" for k, v in report.seconds.items())
         subject = self.parts.probe_subject
         cut = report.batch_size < subject.mode_batch_size
         took = f" on {report.batch_size} samples" if report.batch_size else ""
         took += f" (of {subject.mode_batch_size}: the budget)" if cut else ""
-        log.info("pre-step probes took %.2f s (%s)%s; %s", self.probe_time_s, shown, took,
-                 report.budget_note)  # fmt: skip
+        log.info(
+            "pre-step probes took %.2f s (%s)%s; %s",
+            self.probe_time_s,
+            shown,
+            took,
+            report.budget_note,
+        )
         if report.skipped or report.learn_reading is not None or report.pending_zero:
             left_out = [f"{k} (est. {v:.2g} s)" for k, v in report.skipped.items()]
             moved = ["the learn probe"] if report.learn_reading is not None else []
@@ -631,8 +638,11 @@ class Trainer:
         nothing = self.at_chance(s.best_metric, s.lowest_val_loss)
         if nothing is not None:
             if not self.early_stop_held and self.dist.is_main:
-                log.info("early stopping waits: the best evaluation is at chance (%s); "
-                         "nothing was learned to stop on", nothing)  # fmt: skip
+                log.info(
+                    "early stopping waits: the best evaluation is at chance (%s); "
+                    "nothing was learned to stop on",
+                    nothing,
+                )
             self.early_stop_held = True
             return False
         if s.epoch < self.cfg.max_epochs and self.dist.is_main:
@@ -896,8 +906,12 @@ class Trainer:
         self.gradient_presence = self.new_gradient_presence()  # other parameters train now
         state = "frozen" if plan.frozen_at(self.state.epoch) else "trainable from now on"
         if self.dist.is_main:
-            log.info("epoch %d: %d parameter tensors of model.freeze %s",
-                     self.state.epoch, len(plan.names), state)  # fmt: skip
+            log.info(
+                "epoch %d: %d parameter tensors of model.freeze %s",
+                self.state.epoch,
+                len(plan.names),
+                state,
+            )
         if self.parts.rewrap is not None:
             self.model = self.parts.rewrap()
 

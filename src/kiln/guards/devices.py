@@ -89,10 +89,23 @@ def diagnose(err: BaseException, model: nn.Module, run: Callable[[], Any], batch
 
 # Factories that make a tensor on the default device (the CPU) unless given device=.
 FACTORIES = {
-    torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.linspace,
-    torch.logspace, torch.eye, torch.rand, torch.randn, torch.randint, torch.randperm,
-    torch.tensor, torch.as_tensor, torch.from_numpy, torch.empty_strided,
-}  # fmt: skip
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.linspace,
+    torch.logspace,
+    torch.eye,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.tensor,
+    torch.as_tensor,
+    torch.from_numpy,
+    torch.empty_strided,
+}
 MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as}  # to the named device
 TO_CPU = {torch.Tensor.cpu}
 INDEXING = {torch.Tensor.__getitem__}  # a CPU index into a GPU tensor is allowed
@@ -139,9 +152,10 @@ class StrayTensors(TorchFunctionMode):
         if func in TO_CPU:
             self._mark(out, f".cpu() in {where}")
             return out
-        if func in MOVES and (kwargs.get("device") is not None or any(
-            isinstance(a, torch.device | str | torch.Tensor) for a in args[1:]
-        )):  # fmt: skip
+        if func in MOVES and (
+            kwargs.get("device") is not None
+            or any(isinstance(a, torch.device | str | torch.Tensor) for a in args[1:])
+        ):
             # Moved to the run's device. On the CPU, .to("cpu") returns the tensor itself: the
             # caller gets an alias, which is not stray (on a GPU it would be a moved copy).
             return out.detach() if isinstance(out, torch.Tensor) and id(out) in self.stray else out

@@ -81,9 +81,13 @@ class LearnReading:
         try:
             with untouched(self.model):
                 check_can_learn(
-                    self.model, self.optimizer_for, self.criterion, self.batch,
-                    steps=self.steps, dead_layers=self.dead_layers,
-                )  # fmt: skip
+                    self.model,
+                    self.optimizer_for,
+                    self.criterion,
+                    self.batch,
+                    steps=self.steps,
+                    dead_layers=self.dead_layers,
+                )
         except CannotLearnError as err:
             raise CannotLearnError(
                 f"{err} (the run's first steps did not lower it either: {self.shown()})",

@@ -325,9 +325,12 @@ def run_size_probe(
 
         mode = "train" if model.training else "eval"
         check_finite(
-            model, outputs[0], probe=f"{probe.label} in {mode} mode{_grad_note(grad)}",
-            batch=probe.batch, rerun=lambda: forward(model, probe.batch, model.training),
-        )  # fmt: skip
+            model,
+            outputs[0],
+            probe=f"{probe.label} in {mode} mode{_grad_note(grad)}",
+            batch=probe.batch,
+            rerun=lambda: forward(model, probe.batch, model.training),
+        )
     problems = check_output(model, outputs[0], size, probe.spec) if model.training else []
     if problems:
         raise ShapeInferenceError(
@@ -346,7 +349,7 @@ def _passes_with_grad(model: nn.Module, probe: SizeProbe, forward) -> bool:
     try:
         with torch.enable_grad():
             forward(model, probe.batch, True)
-    except Exception:
+    except Exception:  # the user's model may raise anything: not this size
         return False
     return True
 

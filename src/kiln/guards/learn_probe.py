@@ -7,7 +7,13 @@ and the steps run in fp32 (no loss scaling to skip one). A loss that does not fa
 failure naming what the probe saw: no gradient reaching the weights, dead layers, an update too
 small to matter, or a learning rate that makes the loss rise or go non-finite at every step
 (then a tenth of it is tried, and named when it works). The loss after any step counts: an
-optimizer that overshoots on one batch and comes back has still shown it can lower it."""
+optimizer that overshoots on one batch and comes back has still shown it can lower it.
+
+A schedule that warms up starts below optimizer.lr: a model the configured lr throws off from
+cold (a detector's ResNet-50 under Adam at 3e-3) may train well after the warm-up, as
+torchvision's references train it. Where the loss rises at the configured lr, the probe tries
+the schedule's first lr: when the loss falls there, the run goes on with a finding (not fatal)
+that names both, and the probe fails only where the warm-up's first lr cannot lower it either."""
 
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ STEPS = 5  # optimizer steps on the fixed batch
 MIN_DROP = 1e-3  # the loss must fall by this share of itself
 MEASURE_SEED = 0  # the same dropout masks before and after
 HEALTHY_UPDATE = 1e-3  # lr·|g|/|w| of a first step that neither stalls nor diverges
+WARM_STEPS = 3  # steps at a warm-up's first lr before the configured lr is tried again
 
 
 class CannotLearnError(ProbeFailure):
@@ -55,6 +62,13 @@ class LearnResult:
         lowest = min((v for v in self.losses[1:] if math.isfinite(v)), default=math.inf)
         return lowest < first - MIN_DROP * abs(first)
 
+    def fell_after(self, steps: int) -> bool:
+        """Whether a loss measured after the first `steps` steps is below the first one (by
+        MIN_DROP): the steps after a warm-up lowered it, not the warm-up alone."""
+        first = self.losses[0]
+        later = [v for v in self.losses[steps + 1 :] if math.isfinite(v)]
+        return bool(later) and min(later) < first - MIN_DROP * abs(first)
+
     @property
     def shown(self) -> str:
         return " -> ".join(f"{v:.4g}" for v in self.losses)
@@ -77,12 +91,15 @@ def learn(
     steps: int = STEPS,
     kept: KeptWeights | None = None,
     measure_update: bool = True,
+    warm_steps: int = 0,
+    then_scale: float = 1.0,
 ) -> LearnResult:
     """`steps` optimizer steps of `model` (it is trained: the caller keeps its weights) on
     `batch`. Each step's own forward, seeded alike, measures the loss the previous step left
     (one more forward measures the last): steps + 1 forwards in all. `measure_update`: the
     first step's |Δw|/|w| too, from `kept` (the weights before it, kept aside) or else from a
-    copy of the weights the first step takes."""
+    copy of the weights the first step takes. `warm_steps`: after that many steps every lr is
+    multiplied by `then_scale` (a warm-up, then the lr it reaches)."""
     lr = max(float(g["lr"]) for g in optimizer.param_groups)
     losses, update = [], 0.0
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -102,6 +119,9 @@ def learn(
                 else [kept.saved[names[id(p)]] for p in params]
             )
         optimizer.step()
+        if step + 1 == warm_steps:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * then_scale
         if before is not None:
             update = _update_ratio(params, before)
     else:
@@ -131,26 +151,54 @@ def check_can_learn(
     *,
     steps: int = STEPS,
     dead_layers: dict[str, str] | None = None,
-) -> None:
+    warmup_start: float = 1.0,
+) -> str:
     """`model` is trained in place and put back as it was (weights and buffers, bitwise);
     `optimizer_for(model, lr_scale)` builds the run's optimizer for it (lr_scale 1: as
-    configured). Raises CannotLearnError."""
+    configured); `warmup_start`: the schedule's first lr as a share of the configured one.
+    Raises CannotLearnError; returns "" or, where only the warm-up's first lr lowered the
+    loss, what was seen (for a finding that does not stop the run)."""
     with weights_kept(model) as initial:
-        _check_can_learn(model, optimizer_for, criterion, batch, steps, dead_layers, initial)
+        return _check_can_learn(
+            model, optimizer_for, criterion, batch, steps, dead_layers, initial, warmup_start
+        )
 
 
-def _check_can_learn(model, optimizer_for, criterion, batch, steps, dead_layers, initial) -> None:
+def _check_can_learn(
+    model, optimizer_for, criterion, batch, steps, dead_layers, initial, warmup_start
+) -> str:
     # The size of the first update explains a failure only: measured then, by the same steps
     # again (seeded: the same losses), so a model that learns holds no copy of its weights.
     result = learn(model, optimizer_for(model, 1.0), criterion, batch, steps, measure_update=False)
     if result.fell:
-        return
+        return ""
     initial.restore()
     result = learn(model, optimizer_for(model, 1.0), criterion, batch, steps, initial)
     name, n = type(model).__name__, len(batch[0])
     saw = f"{steps} steps on one fixed batch of {n} at lr {result.lr:g}: its loss {result.shown}"
     first, last = result.losses[0], result.losses[-1]
-    if not math.isfinite(last) or last > first * (1 + MIN_DROP):
+    rose = not math.isfinite(last) or last > first * (1 + MIN_DROP)
+    if rose and warmup_start < 1.0:  # the run's own schedule: warm up, then the lr reached
+        initial.restore()
+        warm = learn(
+            model,
+            optimizer_for(model, warmup_start),
+            criterion,
+            batch,
+            steps + 2,
+            initial,
+            measure_update=False,
+            warm_steps=WARM_STEPS,
+            then_scale=1 / warmup_start,
+        )
+        if warm.fell_after(WARM_STEPS):
+            return (
+                f"{name}: {saw}: it rose from cold at the configured lr; after {WARM_STEPS} "
+                f"steps at the schedule's first lr ({warm.lr:g}, its warm-up) the configured "
+                f"lr lowers it ({warm.shown}): the warm-up carries the model there (a run "
+                "without one would diverge)"
+            )
+    if rose:
         initial.restore()
         tenth = learn(model, optimizer_for(model, 0.1), criterion, batch, steps, initial)
         went = "went non-finite" if not math.isfinite(last) else "rose"

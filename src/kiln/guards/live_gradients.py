@@ -96,8 +96,13 @@ def check_live_gradients(
     zero = judged(model, list(seen.zero), seen.batch)
     if zero and second_step is not None:
         zero = second_step(zero)
-    judge_zero(model, zero, list(seen.reached), "in the probe step before step 1, and again after "
-               "one optimizer step", _layers_note(off))  # fmt: skip
+    judge_zero(
+        model,
+        zero,
+        list(seen.reached),
+        "in the probe step before step 1, and again after one optimizer step",
+        _layers_note(off),
+    )
     if off:
         first = next(iter(off))
         raise DeadGradientError(
@@ -109,8 +114,10 @@ def check_live_gradients(
         log.warning(
             "%s: %s: %s on every sample of the probe batch: units that never fire get no "
             "gradient and stay off (an initialisation that pushes pre-activations below 0?)",
-            DEAD, path, detail,
-        )  # fmt: skip
+            DEAD,
+            path,
+            detail,
+        )
     return layers
 
 
@@ -127,8 +134,11 @@ def judged(model: nn.Module, zero: list[str], batch) -> list[str]:
     log.warning(
         "%s: not judged on the probe batch: %d parameter(s) got a gradient that is exactly zero "
         "because %s: %s",
-        DEAD, len(unreached), why, first_few(unreached),
-    )  # fmt: skip
+        DEAD,
+        len(unreached),
+        why,
+        first_few(unreached),
+    )
     return [n for n in zero if n not in set(unreached)]
 
 
@@ -146,9 +156,12 @@ def judge_zero(
         log.warning(
             "%s: %d parameter(s) holding %.2g%% of the trainable values got a gradient that is "
             "exactly zero %s (nothing the loss computes on these inputs reaches them): %s",
-            DEAD, len(zero), 100 * share, when,
+            DEAD,
+            len(zero),
+            100 * share,
+            when,
             ", ".join(zero[:8]) + (" ..." if len(zero) > 8 else ""),
-        )  # fmt: skip
+        )
         return
     modules = sorted({n.rpartition(".")[0] for n in zero})
     where = ", ".join(

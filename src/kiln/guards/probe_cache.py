@@ -69,7 +69,7 @@ def fingerprint(model: nn.Module, criterion: Any, plan: Any, data: dict) -> str 
         "classes": sorted(f"{c.__module__}.{c.__qualname__}" for c in classes),
         "parameters": [
             (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()
-        ],  # fmt: skip
+        ],
         "plan": plan,
         "data": data,
         "torch": torch.__version__,
@@ -150,8 +150,12 @@ def remember(
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     stored = known | {key.stored(name) for name in passed}
     flops = flops_per_sample or before.get("flops_per_sample")
-    record = {"passed": sorted(stored), "date": now, "run_dir": str(run_dir),
-              "flops_per_sample": flops}  # fmt: skip
+    record = {
+        "passed": sorted(stored),
+        "date": now,
+        "run_dir": str(run_dir),
+        "flops_per_sample": flops,
+    }
     try:
         write_json(path, record, unique=True)
     except OSError as err:

@@ -98,6 +98,7 @@ class ProbePlan:
     logits: bool = False  # the criterion takes logits: outputs must not be probabilities
     skip: frozenset[str] = frozenset()  # behaviour checks left out (trainer.skip_checks)
     learn_steps: int = 0  # the learn probe's steps (0: off; trainer.learn_probe)
+    warmup_start: float = 1.0  # the schedule's first lr as a share of optimizer.lr (learn probe)
     fp16: bool = False  # the fp16 probe (precision=amp, or trainer.fp16_check)
     conditional_is_fatal: bool = False  # DDP without trainer.find_unused_parameters
     budget: ProbeBudget = ProbeBudget(enforce=False)  # the model contract checks everything
@@ -260,7 +261,7 @@ def run_probe_plan(plan: ProbePlan, subject: ProbeSubject) -> ProbeReport:
     due = [c for c in CHECKS if c.name not in plan.passed and c.wanted(probe)]
     try:
         _run_due(probe, due)
-    except BaseException as err:
+    except BaseException as err:  # Ctrl-C too: the report rides on the error, re-raised
         err.probe_report = report  # what ran, and what each took, until the check that failed
         raise
     return report
@@ -527,9 +528,12 @@ def _run_numerics(probe: Probe) -> None:
     seen, criterion = _step_seen(probe), probe.subject.criterion
     if seen.loss is not None:
         check_finite(
-            seen.model, seen.loss, probe="the probe step's loss (train mode, with grad)",
-            batch=seen.batch, rerun=lambda: criterion(seen.model, seen.batch),
-        )  # fmt: skip
+            seen.model,
+            seen.loss,
+            probe="the probe step's loss (train mode, with grad)",
+            batch=seen.batch,
+            rerun=lambda: criterion(seen.model, seen.batch),
+        )
 
 
 def _conditional_cost(probe: Probe) -> float:
@@ -637,14 +641,18 @@ def _run_learn(probe: Probe) -> None:
     from kiln.guards.learn_probe import check_can_learn
 
     subject = probe.subject
-    check_can_learn(  # in place: it keeps the weights on the host and puts them back
+    warmed = check_can_learn(  # in place: it keeps the weights on the host and puts them back
         probe_model(subject.model, subject.build, subject.spec),
         subject.optimizer_for,
         subject.criterion,
         probe.batch,
         steps=probe.plan.learn_steps,
         dead_layers=probe.report.mostly_dead,
+        warmup_start=probe.plan.warmup_start,
     )
+    if warmed:  # only the warm-up's first lr lowered the loss: said, and the run goes on
+        log.warning("learn probe: %s", warmed)
+        probe.report.findings.append(Finding("learning rate diverges", warmed, fatal=False))
 
 
 def _run_device(probe: Probe) -> None:
@@ -831,21 +839,38 @@ class Elsewhere:
 
 
 ELSEWHERE: tuple[Elsewhere, ...] = (
-    Elsewhere("split leak", "data loaded, before the model (kiln.data.split_hygiene)",
-              "every split's items as digests (rows, token ids, file bytes cached by mtime); "
-              "class maps compared", ("split leak", "class map")),
-    Elsewhere("box convention", "data loaded, detection (kiln.data.box_conventions)",
-              "every target's boxes and labels, as listed (no image decoded)",
-              ("box convention",)),
-    Elsewhere("schedule", "planned steps known (kiln.engine.schedule_check)",
-              "the lr schedule read at 512 sampled steps on a stand-in optimizer",
-              ("schedule",)),
-    Elsewhere("optimizer coverage", "after step 1 (kiln.guards.optimizer_coverage)",
-              "the model's trainable parameters against the optimizer's", ("optimizer coverage",)),
-    Elsewhere("box predictions", "after the first evaluation, detection "
-              "(kiln.guards.box_predictions)", "one eval forward of a validation batch",
-              ("box predictions",)),
-)  # fmt: skip
+    Elsewhere(
+        "split leak",
+        "data loaded, before the model (kiln.data.split_hygiene)",
+        "every split's items as digests (rows, token ids, file bytes cached by mtime); "
+        "class maps compared",
+        ("split leak", "class map"),
+    ),
+    Elsewhere(
+        "box convention",
+        "data loaded, detection (kiln.data.box_conventions)",
+        "every target's boxes and labels, as listed (no image decoded)",
+        ("box convention",),
+    ),
+    Elsewhere(
+        "schedule",
+        "planned steps known (kiln.engine.schedule_check)",
+        "the lr schedule read at 512 sampled steps on a stand-in optimizer",
+        ("schedule",),
+    ),
+    Elsewhere(
+        "optimizer coverage",
+        "after step 1 (kiln.guards.optimizer_coverage)",
+        "the model's trainable parameters against the optimizer's",
+        ("optimizer coverage",),
+    ),
+    Elsewhere(
+        "box predictions",
+        "after the first evaluation, detection (kiln.guards.box_predictions)",
+        "one eval forward of a validation batch",
+        ("box predictions",),
+    ),
+)
 
 
 def check_names() -> list[str]:

@@ -184,9 +184,12 @@ def check_eval_is_finite(model: nn.Module, batch: Any, forward, outputs: dict) -
     with untouched(model):
         model.train()
         check_finite(
-            model, outputs["train"], probe="rule 3's train-mode forward (no grad)", batch=batch,
+            model,
+            outputs["train"],
+            probe="rule 3's train-mode forward (no grad)",
+            batch=batch,
             rerun=lambda: forward(model, batch, True),
-        )  # fmt: skip
+        )
     bad = nonfinite_count(outputs["eval"])
     if not bad:
         return

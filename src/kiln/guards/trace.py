@@ -159,7 +159,7 @@ def failing_call(model: nn.Module, run: Callable[[], Any]) -> tuple[BaseExceptio
     with traced(model) as trace:
         try:
             run()
-        except Exception as err:
+        except Exception as err:  # the user's model may raise anything: returned as the finding
             return err, trace
     trace.fused_only = True
     return first, trace

@@ -58,14 +58,21 @@ class BoxAgreement:
             other.example.replace("image 0", f"image {self.images}", 1) if other.example else ""
         )
         return BoxAgreement(
-            self.first, self.second, self.images + other.images,
-            self.images_with_boxes + other.images_with_boxes, self.boxes + other.boxes,
-            self.second_boxes + other.second_boxes, self.matched + other.matched,
-            self.tied + other.tied, self.mismatched + other.mismatched,
-            min(self.min_iou, other.min_iou), max(self.max_score_diff, other.max_score_diff),
-            max(self.max_corner_px, other.max_corner_px), example,
+            self.first,
+            self.second,
+            self.images + other.images,
+            self.images_with_boxes + other.images_with_boxes,
+            self.boxes + other.boxes,
+            self.second_boxes + other.second_boxes,
+            self.matched + other.matched,
+            self.tied + other.tied,
+            self.mismatched + other.mismatched,
+            min(self.min_iou, other.min_iou),
+            max(self.max_score_diff, other.max_score_diff),
+            max(self.max_corner_px, other.max_corner_px),
+            example,
             self.most_tied or other.most_tied.replace("image 0", f"image {self.images}", 1),
-        )  # fmt: skip
+        )
 
     def summary(self) -> str:
         """'12 of 12 boxes matched on 5 of 6 images (min IoU 0.9999, max |dscore| 2.1e-06)'."""

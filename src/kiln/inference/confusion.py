@@ -101,8 +101,12 @@ def write_per_class_bars(per_class: dict[str, dict], path: Path, title: str) -> 
     )
     for offset, key in ((-0.27, "precision"), (0.0, "recall"), (0.27, "f1")):
         axis.bar(x + offset, [per_class[n][key] for n in names], 0.27, label=key)
-    axis.set_xticks(x, [short_name(n) for n in names], rotation=45 if len(names) > 6 else 0,
-                    ha="right" if len(names) > 6 else "center")  # fmt: skip
+    axis.set_xticks(
+        x,
+        [short_name(n) for n in names],
+        rotation=45 if len(names) > 6 else 0,
+        ha="right" if len(names) > 6 else "center",
+    )
     axis.set_ylim(0, 1)
     axis.set_title(title, fontsize=10)
     axis.legend()

@@ -54,8 +54,9 @@ def write_boxes_grid(
     count = min(len(images), MAX_GRID_IMAGES)
     columns = min(4, count)
     rows = math.ceil(count / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(TILE_INCHES * columns, TILE_INCHES * rows),
-                                squeeze=False)  # fmt: skip
+    figure, axes = plt.subplots(
+        rows, columns, figsize=(TILE_INCHES * columns, TILE_INCHES * rows), squeeze=False
+    )
     for ax in axes.flat:
         ax.axis("off")
     for i in range(count):
@@ -63,8 +64,17 @@ def write_boxes_grid(
         ax.imshow(np.clip(np.transpose(np.asarray(images[i]), (1, 2, 0)), 0, 1))
         ax.set_title(Path(str(sources[i])).name, fontsize=8)
         for x1, y1, x2, y2 in np.asarray(targets[i]["boxes"]).reshape(-1, 4):
-            ax.add_patch(Rectangle((x1, y1), x2 - x1, y2 - y1, fill=False, edgecolor="lime",
-                                   linewidth=1.5, linestyle="--"))  # fmt: skip
+            ax.add_patch(
+                Rectangle(
+                    (x1, y1),
+                    x2 - x1,
+                    y2 - y1,
+                    fill=False,
+                    edgecolor="lime",
+                    linewidth=1.5,
+                    linestyle="--",
+                )
+            )
         found = detections[i]
         scores = np.asarray(found["scores"]).reshape(-1)
         boxes = np.asarray(found["boxes"]).reshape(-1, 4)
@@ -72,13 +82,21 @@ def write_boxes_grid(
         for (x1, y1, x2, y2), label, score in zip(boxes, labels, scores, strict=True):
             if score < score_threshold:
                 continue
-            ax.add_patch(Rectangle((x1, y1), x2 - x1, y2 - y1, fill=False, edgecolor="red",
-                                   linewidth=1.5))  # fmt: skip
-            ax.text(x1, y1, f"{class_names[int(label) - 1]} {score:.2f}", fontsize=7,
-                    color="white", va="bottom",
-                    bbox={"facecolor": "red", "alpha": 0.7, "pad": 1, "linewidth": 0})  # fmt: skip
-    figure.suptitle(f"true boxes (green, dashed) and detections at score >= {score_threshold} "
-                    "(red)", fontsize=9)  # fmt: skip
+            ax.add_patch(
+                Rectangle((x1, y1), x2 - x1, y2 - y1, fill=False, edgecolor="red", linewidth=1.5)
+            )
+            ax.text(
+                x1,
+                y1,
+                f"{class_names[int(label) - 1]} {score:.2f}",
+                fontsize=7,
+                color="white",
+                va="bottom",
+                bbox={"facecolor": "red", "alpha": 0.7, "pad": 1, "linewidth": 0},
+            )
+    figure.suptitle(
+        f"true boxes (green, dashed) and detections at score >= {score_threshold} (red)", fontsize=9
+    )
     figure.tight_layout()
     _save(figure, path)
 
@@ -92,8 +110,9 @@ def write_ap_bars(per_class: dict[str, dict], path: Path, title: str) -> None:
     figure, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(names) + 2), 4))
     ax.bar(x - 0.2, [np.nan if v is None else v for v in ap], 0.4, label="AP@[.5:.95]")
     ax.bar(x + 0.2, [np.nan if v is None else v for v in ap50], 0.4, label="AP@.5")
-    ax.set_xticks(x, names, rotation=45 if len(names) > 6 else 0, ha="right" if len(names) > 6
-                  else "center")  # fmt: skip
+    ax.set_xticks(
+        x, names, rotation=45 if len(names) > 6 else 0, ha="right" if len(names) > 6 else "center"
+    )
     ax.set_ylim(0, 1)
     ax.set_ylabel("average precision")
     ax.set_title(title, fontsize=10)

@@ -150,8 +150,22 @@ def match_image(found: dict, truth: dict) -> tuple[np.ndarray, np.ndarray, np.nd
     return labels[counted], matched[counted], found_true
 
 
-BOX_COLUMNS = ["image", "x1", "y1", "x2", "y2", "score", "label", "status", "truth",
-               "truth_x1", "truth_y1", "truth_x2", "truth_y2", "iou"]  # fmt: skip
+BOX_COLUMNS = [
+    "image",
+    "x1",
+    "y1",
+    "x2",
+    "y2",
+    "score",
+    "label",
+    "status",
+    "truth",
+    "truth_x1",
+    "truth_y1",
+    "truth_x2",
+    "truth_y2",
+    "iou",
+]
 
 
 def box_predictions(detections, targets, sources, class_names):
@@ -173,15 +187,32 @@ def box_predictions(detections, targets, sources, class_names):
         for k in range(len(keep)):
             status = "matched" if truth_of[k] >= 0 else "crowd" if crowd[k] else "false_positive"
             matched = true_boxes[truth_of[k]].tolist() if truth_of[k] >= 0 else [None] * 4
-            rows.append([sources[index], *boxes[k].tolist(), float(scores[k]),
-                         names[int(labels[k]) - 1], status,
-                         int(truth_of[k]) if truth_of[k] >= 0 else None, *matched,
-                         round(float(iou_of[k]), 4)])  # fmt: skip
+            rows.append(
+                [
+                    sources[index],
+                    *boxes[k].tolist(),
+                    float(scores[k]),
+                    names[int(labels[k]) - 1],
+                    status,
+                    int(truth_of[k]) if truth_of[k] >= 0 else None,
+                    *matched,
+                    round(float(iou_of[k]), 4),
+                ]
+            )
         true_labels = np.asarray(truth["labels"]).reshape(-1)
         for t in np.nonzero(~found_true)[0]:
-            rows.append([sources[index], *true_boxes[t].tolist(), None,
-                         names[int(true_labels[t]) - 1], "missed", int(t),
-                         *true_boxes[t].tolist(), None])  # fmt: skip
+            rows.append(
+                [
+                    sources[index],
+                    *true_boxes[t].tolist(),
+                    None,
+                    names[int(true_labels[t]) - 1],
+                    "missed",
+                    int(t),
+                    *true_boxes[t].tolist(),
+                    None,
+                ]
+            )
     return pd.DataFrame(rows, columns=BOX_COLUMNS)
 
 

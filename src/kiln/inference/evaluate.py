@@ -225,8 +225,9 @@ def write_classification_report(
     errors = most_confident_errors(probs, targets, sources, class_names, num_errors)
     _write_csv(errors, directory / ERRORS_FILE)
     names = list(class_names)
-    write_predictions(probs, names, directory / PREDICTIONS_FILE, list(sources),
-                      truth=[names[i] for i in targets])  # fmt: skip
+    write_predictions(
+        probs, names, directory / PREDICTIONS_FILE, list(sources), truth=[names[i] for i in targets]
+    )
     metrics["files"] = [METRICS_FILE, CONFUSION_FILE, ERRORS_FILE, PREDICTIONS_FILE]
     write_json(directory / METRICS_FILE, metrics, indent=2)
     return Report(directory, metrics)
@@ -339,13 +340,20 @@ def write_multilabel_report(
         f"{metrics['f1_macro']:.4f}, exact match {metrics['exact_match']:.4f}"
     )
     write_per_class_bars(metrics["per_class"], directory / PER_CLASS_FILE, title)
-    errors = multilabel_errors(probs, targets, sources, class_names, threshold, separator,
-                               num_errors)  # fmt: skip
+    errors = multilabel_errors(
+        probs, targets, sources, class_names, threshold, separator, num_errors
+    )
     _write_csv(errors, directory / ERRORS_FILE)
     names = np.asarray(list(class_names), dtype=object)
     truth = [join_labels(list(names[row > 0.5]), separator) for row in np.asarray(targets)]
-    write_predictions(probs, list(class_names), directory / PREDICTIONS_FILE, list(sources),
-                      truth=truth, multi_label=multi_label)  # fmt: skip
+    write_predictions(
+        probs,
+        list(class_names),
+        directory / PREDICTIONS_FILE,
+        list(sources),
+        truth=truth,
+        multi_label=multi_label,
+    )
     metrics["files"] = [METRICS_FILE, PER_CLASS_FILE, ERRORS_FILE, PREDICTIONS_FILE]
     write_json(directory / METRICS_FILE, metrics, indent=2)
     return Report(directory, metrics)
@@ -390,16 +398,24 @@ def write_detection_report(
     directory.mkdir(parents=True, exist_ok=True)
     errors = detection_errors(detections, targets, sources, class_names, num_errors)
     _write_csv(errors, directory / ERRORS_FILE)
-    _write_csv(box_predictions(detections, targets, sources, class_names),
-               directory / PREDICTIONS_FILE)  # fmt: skip
+    _write_csv(
+        box_predictions(detections, targets, sources, class_names), directory / PREDICTIONS_FILE
+    )
     metrics["files"] = [METRICS_FILE, ERRORS_FILE, PREDICTIONS_FILE, AP_FILE]
     title = f"{metrics['count']} images: mAP {_number(metrics['map'])}, mAP@.5 " + _number(
         metrics["map_50"]
     )
     write_ap_bars(metrics["per_class"], directory / AP_FILE, title)
     if images:
-        write_boxes_grid(images, detections, targets, sources, class_names,
-                         directory / BOXES_FILE, DETECTION_SCORE_THRESHOLD)  # fmt: skip
+        write_boxes_grid(
+            images,
+            detections,
+            targets,
+            sources,
+            class_names,
+            directory / BOXES_FILE,
+            DETECTION_SCORE_THRESHOLD,
+        )
         metrics["files"].append(BOXES_FILE)
     write_json(directory / METRICS_FILE, metrics, indent=2)
     return Report(directory, metrics)
@@ -465,8 +481,10 @@ def _predict_files(predictor, labelled: LabelledInputs, batch_size: int, max_ima
     from kiln.inference.files import NamedFile, load_file_input
     from kiln.inference.stream import predict_batches
 
-    files = [NamedFile(path, source) for path, source in zip(labelled.inputs, labelled.sources,
-                                                              strict=True)]  # fmt: skip
+    files = [
+        NamedFile(path, source)
+        for path, source in zip(labelled.inputs, labelled.sources, strict=True)
+    ]
     load = partial(load_file_input, predictor.preprocess, max_image_pixels=max_image_pixels)
     outputs, kept, failed = [], [], {}
     report = labelled.report  # the reader's, plus the files that could not be decoded
@@ -504,14 +522,26 @@ def write_report(
 ) -> Report:
     if predictor.task == "detection":
         return write_detection_report(
-            directory, outputs, targets, sources, predictor.class_names, about, num_errors,
+            directory,
+            outputs,
+            targets,
+            sources,
+            predictor.class_names,
+            about,
+            num_errors,
             images=images,
-        )  # fmt: skip
+        )
     if predictor.multi_label is not None:
         return write_multilabel_report(
-            directory, outputs, targets, sources, predictor.class_names, about,
-            predictor.multi_label, num_errors,
-        )  # fmt: skip
+            directory,
+            outputs,
+            targets,
+            sources,
+            predictor.class_names,
+            about,
+            predictor.multi_label,
+            num_errors,
+        )
     return write_classification_report(
         directory, outputs, targets, sources, predictor.class_names, about, num_errors
     )
@@ -596,14 +626,18 @@ def evaluate_checkpoint(
         from kiln.data.shapes_detection import collate_image_list
         from kiln.inference.labelled import read_labelled_boxes
 
-        labelled = read_labelled_boxes(Path(data), predictor.class_names,
-                                       max_image_pixels=max_image_pixels)  # fmt: skip
+        labelled = read_labelled_boxes(
+            Path(data), predictor.class_names, max_image_pixels=max_image_pixels
+        )
         outputs, targets = predict_split(
             predictor, labelled.dataset, collate_fn=collate_image_list, batch_size=batch_size
         )
         sources, images = labelled.sources, first_images(predictor, labelled.dataset)
-        described = {"path": str(Path(data).resolve()), "layout": labelled.layout,
-                     **labelled.report}  # fmt: skip
+        described = {
+            "path": str(Path(data).resolve()),
+            "layout": labelled.layout,
+            **labelled.report,
+        }
         beside = None
     else:
         images = None

@@ -422,14 +422,23 @@ def graph_input(record: ModelRecord, fixed_batch: int | None = None) -> dict[str
         holds = "token ids of the recipe's tokenizer, padded with pad_id"
         if spelled:
             holds += "; each [UNK] followed by its word's spelled character n-grams"
-        return {"name": ONNX_INPUT, "dtype": "int64", "shape": ["batch", "sequence"],
-                "holds": holds, "value_range": [0, highest]}  # fmt: skip
+        return {
+            "name": ONNX_INPUT,
+            "dtype": "int64",
+            "shape": ["batch", "sequence"],
+            "holds": holds,
+            "value_range": [0, highest],
+        }
     low, high = recipe.value_range or (None, None)
     if spec.input_kind == "image_list":
         batch = fixed_batch or "batch"
-        return {"name": ONNX_INPUT, "dtype": "float32", "shape": [batch, 3, "height", "width"],
-                "holds": "raw pixels (the graph resizes and normalises them itself)",
-                "value_range": [low, high]}  # fmt: skip
+        return {
+            "name": ONNX_INPUT,
+            "dtype": "float32",
+            "shape": [batch, 3, "height", "width"],
+            "holds": "raw pixels (the graph resizes and normalises them itself)",
+            "value_range": [low, high],
+        }
     channels = [
         [None if low is None else (low - m) / s, None if high is None else (high - m) / s]
         for m, s in zip(recipe.mean, recipe.std, strict=True)

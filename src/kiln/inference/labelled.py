@@ -80,8 +80,9 @@ def read_labelled_folder(
         entries = list(walk_tree(path, follow_symlinks=follow_symlinks))
     except OSError as err:
         raise LabelledDataError(f"{path}: cannot list this folder: {os_detail(err)}") from None
-    folders = [display_name(e.parts[0]) for e in entries
-               if e.status == FOLDER and len(e.parts) == 1]  # fmt: skip
+    folders = [
+        display_name(e.parts[0]) for e in entries if e.status == FOLDER and len(e.parts) == 1
+    ]
     if not folders:
         raise LabelledDataError(
             f"{path}: no class subfolders; evaluate reads <folder>/<class name>/<image files> "
@@ -318,8 +319,11 @@ def coco_images_folder(json_path: Path) -> Path:
     coco/images/val/), COCO 2017's (annotations/instances_val2017.json + val2017/), or the
     file's own folder (Roboflow's valid/_annotations.coco.json + valid/*.jpg)."""
     folder, stem = json_path.parent, json_path.stem
-    for candidate in (folder / "images" / stem, folder.parent / stem.removeprefix("instances_"),
-                      folder / "images"):  # fmt: skip
+    for candidate in (
+        folder / "images" / stem,
+        folder.parent / stem.removeprefix("instances_"),
+        folder / "images",
+    ):
         if candidate.is_dir():
             return candidate
     return folder
@@ -357,11 +361,13 @@ def read_labelled_boxes(
             f"under {root})"
         )
     dataset = DetectionImages(
-        split.paths, split.boxes, [to_ours[k] for k in split.labels],
-        max_pixels=max_image_pixels, sizes=split.sizes,
-        crowd=list(zip(split.crowd_boxes, [to_ours[k] for k in split.crowd_labels],
-                       strict=True)),
-    )  # fmt: skip
+        split.paths,
+        split.boxes,
+        [to_ours[k] for k in split.labels],
+        max_pixels=max_image_pixels,
+        sizes=split.sizes,
+        crowd=list(zip(split.crowd_boxes, [to_ours[k] for k in split.crowd_labels], strict=True)),
+    )
     sources = [display_name(os.path.relpath(p, root)) for p in split.paths]
     return LabelledBoxes(dataset, sources, split.report(), layout)
 

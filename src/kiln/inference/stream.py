@@ -79,8 +79,9 @@ class DetectionsCsv(CsvTable):
     box, or one that could not be read, still gets one row."""
 
     def __init__(self, path: Path, class_names: Sequence[str]):
-        super().__init__(path, ["index", "source", "x1", "y1", "x2", "y2", "label", "score",
-                                "error"])  # fmt: skip
+        super().__init__(
+            path, ["index", "source", "x1", "y1", "x2", "y2", "label", "score", "error"]
+        )
         self.class_names = list(class_names)
         self.boxes = 0
 
@@ -91,11 +92,13 @@ class DetectionsCsv(CsvTable):
             if detections is None:
                 self.writer.writerow([i, files[i].source, *[""] * 6, batch.errors[i]])
                 continue
-            for box, label, score in zip(detections["boxes"], detections["labels"],
-                                         detections["scores"], strict=True):  # fmt: skip
+            for box, label, score in zip(
+                detections["boxes"], detections["labels"], detections["scores"], strict=True
+            ):
                 name = self.class_names[int(label) - 1]
-                self.writer.writerow([i, files[i].source, *map(number, box), name,
-                                      number(score), ""])  # fmt: skip
+                self.writer.writerow(
+                    [i, files[i].source, *map(number, box), name, number(score), ""]
+                )
                 self.boxes += 1
             if len(detections["boxes"]) == 0:
                 self.writer.writerow([i, files[i].source, *[""] * 6, ""])
@@ -129,8 +132,9 @@ def predict_files_to_csv(
     if detection:
         table = DetectionsCsv(Path(output), predictor.class_names)
     else:
-        table = PredictionsCsv(Path(output), predictor.class_names,
-                               multi_label=predictor.multi_label)  # fmt: skip
+        table = PredictionsCsv(
+            Path(output), predictor.class_names, multi_label=predictor.multi_label
+        )
     predicted, errors = 0, {}
     try:
         for batch in predict_batches(predictor, files, load, batch_size):
@@ -147,7 +151,7 @@ def predict_files_to_csv(
             for error in batch.errors.values():
                 reason = error.split(":", 1)[0]
                 errors[reason] = errors.get(reason, 0) + 1
-    except BaseException:
+    except BaseException:  # Ctrl-C too: no half-written table, re-raised
         table.discard()
         raise
     path = table.commit()

@@ -24,8 +24,9 @@ class CsvTable(AtomicFile):
 
     def __init__(self, path: Path, header: list[str]):
         # A path that is not UTF-8 on disk (lone surrogates) is written escaped, never a crash
-        super().__init__(path, "w", unique=True, newline="", encoding="utf-8",
-                         errors="backslashreplace")  # fmt: skip
+        super().__init__(
+            path, "w", unique=True, newline="", encoding="utf-8", errors="backslashreplace"
+        )
         self.writer = csv.writer(self.file, lineterminator="\n")  # as pandas writes it
         self.writer.writerow(header)
 
@@ -37,16 +38,28 @@ def number(value) -> str:
 class PredictionsCsv(CsvTable):
     """index, [source], [true], label, prob_<class>..., [error]."""
 
-    def __init__(self, path, class_names: Sequence[str], *, sources: bool = True,
-                 truth: bool = False, errors: bool = True, multi_label=None):  # fmt: skip
+    def __init__(
+        self,
+        path,
+        class_names: Sequence[str],
+        *,
+        sources: bool = True,
+        truth: bool = False,
+        errors: bool = True,
+        multi_label=None,
+    ):
         """multi_label: (label separator, threshold) of a multi-label model, else None."""
         self.class_names = list(class_names)
         self.sources, self.truth, self.errors = sources, truth, errors
         self.multi_label = multi_label
-        header = ["index", *(["source"] if sources else []), *(["true"] if truth else []),
-                  "labels" if multi_label else "label",
-                  *[f"prob_{name}" for name in self.class_names],
-                  *(["error"] if errors else [])]  # fmt: skip
+        header = [
+            "index",
+            *(["source"] if sources else []),
+            *(["true"] if truth else []),
+            "labels" if multi_label else "label",
+            *[f"prob_{name}" for name in self.class_names],
+            *(["error"] if errors else []),
+        ]
         super().__init__(Path(path), header)
 
     def predicted(self, probs) -> str:
@@ -85,9 +98,14 @@ def write_predictions(
     """The table for predictions already made: `probs` (N, K) for the inputs not in `skipped`
     ({index: why not}: an `error` column, text models); `sources` and `truth` (class names) add
     their columns; `multi_label`: (separator, threshold) of a multi-label model."""
-    table = PredictionsCsv(path, class_names, sources=sources is not None,
-                           truth=truth is not None, errors=skipped is not None,
-                           multi_label=multi_label)  # fmt: skip
+    table = PredictionsCsv(
+        path,
+        class_names,
+        sources=sources is not None,
+        truth=truth is not None,
+        errors=skipped is not None,
+        multi_label=multi_label,
+    )
     skipped = skipped or {}
     total = len(probs) + len(skipped)
     predicted = iter(probs)

@@ -233,7 +233,7 @@ def export_triton(
             (staging / "tokenizer.json").write_text(record.recipe.tokenizer_json)
         (staging / "kiln.json").write_text(json.dumps(record.to_json(), indent=1) + "\n")
         staging.rename(model_dir)
-    except BaseException:
+    except BaseException:  # Ctrl-C too: no half-written model dir, re-raised
         shutil.rmtree(staging, ignore_errors=True)
         raise
     report = TritonReport(model_dir, exporter, parity, source)

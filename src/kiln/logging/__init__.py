@@ -60,21 +60,21 @@ class MultiLogger:
         for name, backend in backends.items():
             try:
                 backend.close()
-            except Exception:
+            except Exception:  # a third-party logger: its failure never ends a run
                 log.warning("logger backend %r failed to close", name, exc_info=True)
 
     def _each(self, call, what: str) -> None:
         for name, backend in list(self.backends.items()):
             try:
                 call(backend)
-            except Exception:
+            except Exception:  # a third-party logger: dropped, the run goes on
                 log.warning(
                     "logger backend %r failed in %s; dropping it", name, what, exc_info=True
                 )
                 del self.backends[name]
                 try:
                     backend.close()
-                except Exception:
+                except Exception:  # a third-party logger already failing
                     log.debug("and %r failed to close", name, exc_info=True)
 
     def __enter__(self) -> MultiLogger:
@@ -123,7 +123,7 @@ def build_loggers(
             backend = LOGGERS.get(name)
             wanted = inspect.signature(backend).parameters
             started.backends[name] = backend(**{k: v for k, v in options.items() if k in wanted})
-    except BaseException:
+    except BaseException:  # Ctrl-C too: close what started, re-raised
         started.close()
         raise
     return started

@@ -81,8 +81,14 @@ def draw(history: list[dict], path: Path, title: str) -> Path | None:
         metrics.plot(steps, values, "o-", label=name)
         if values:
             # Below-left of the last point: inside the axes whatever the scale.
-            metrics.annotate(f"{values[-1]:.4g}", (steps[-1], values[-1]), ha="right",
-                             va="top", textcoords="offset points", xytext=(-4, -6))  # fmt: skip
+            metrics.annotate(
+                f"{values[-1]:.4g}",
+                (steps[-1], values[-1]),
+                ha="right",
+                va="top",
+                textcoords="offset points",
+                xytext=(-4, -6),
+            )
     metrics.set_title("validation metrics" if val_metrics else "validation metrics (none yet)")
     if val_metrics:
         metrics.legend()

@@ -85,8 +85,14 @@ def _chance(trainer) -> dict:
     chance = trainer.chance() if trainer is not None else None
     if chance is None:
         return {}
-    return {"chance": {"metric": chance.metric, "value": chance.value, "margin": chance.margin,
-                       "what": chance.what}}  # fmt: skip
+    return {
+        "chance": {
+            "metric": chance.metric,
+            "value": chance.value,
+            "margin": chance.margin,
+            "what": chance.what,
+        }
+    }
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

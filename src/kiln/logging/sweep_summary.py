@@ -231,8 +231,14 @@ def plot_history(frame: pd.DataFrame, path: Path, direction: str = "maximize") -
     axis.plot(trials, best.ffill(), "-", color="tab:green", label="best so far")
     for trial, value in zip(trials, values, strict=True):
         if pd.notna(value):
-            axis.annotate(f"{value:.4g}", (trial, value), textcoords="offset points",
-                          xytext=(0, 6), ha="center", fontsize=8)  # fmt: skip
+            axis.annotate(
+                f"{value:.4g}",
+                (trial, value),
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+                fontsize=8,
+            )
     limits = _axis_range(values)
     if limits:
         axis.set_ylim(*limits)

@@ -240,8 +240,9 @@ class FastText(nn.Module):
         self.register_buffer("pieces", torch.from_numpy(pieces), persistent=False)  # (V, P)
         self.register_buffer("piece_weights", torch.from_numpy(weights), persistent=False)
         # each token's character n-grams: its squared norm in the character block (V,)
-        self.register_buffer("char_counts", (self.piece_weights[:, 1:] > 0).sum(dim=1).float(),
-                             persistent=False)  # fmt: skip
+        self.register_buffer(
+            "char_counts", (self.piece_weights[:, 1:] > 0).sum(dim=1).float(), persistent=False
+        )
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(embed_dim, num_classes)
         self.aux = nn.Linear(embed_dim, num_classes) if aux_head else None
@@ -336,11 +337,13 @@ class FastText(nn.Module):
         # Bags: 0..U-1 the tokens' own rows, U..2U-1 their character n-grams, then one per text
         # for its token n-grams and spelled n-grams (`grams`, the forward's `extra`).
         features = torch.cat([distinct, _at(pieces, at_piece), _at(grams, at_gram)])
-        bags = torch.cat([
-            torch.arange(u, device=device),
-            u + at_piece // pieces.shape[1],
-            2 * u + at_gram // max(grams.shape[1], 1),
-        ])  # fmt: skip
+        bags = torch.cat(
+            [
+                torch.arange(u, device=device),
+                u + at_piece // pieces.shape[1],
+                2 * u + at_gram // max(grams.shape[1], 1),
+            ]
+        )
         weights = torch.cat([torch.ones(u + len(at_piece), device=device), _at(w.extra, at_gram)])
         table = self.embed.weight
         if self.embed.sparse and torch.is_grad_enabled() and table.requires_grad:
@@ -361,8 +364,9 @@ class FastText(nn.Module):
         n = ids.shape[0]
         pieces = self.pieces[ids]  # (N, L, P)
         real = (self.piece_weights[ids] > 0).to(torch.float32)  # (N, L, P)
-        block = torch.cat([w.tokens[..., None], w.token_chars[..., None].expand_as(real[..., 1:])],
-                          dim=2)  # fmt: skip
+        block = torch.cat(
+            [w.tokens[..., None], w.token_chars[..., None].expand_as(real[..., 1:])], dim=2
+        )
         features = torch.cat([pieces.reshape(n, -1), grams], dim=1)
         weights = torch.cat([(real * block).reshape(n, -1), w.extra], dim=1)
         return self.embed(features, per_sample_weights=weights)

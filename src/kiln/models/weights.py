@@ -46,11 +46,15 @@ class WeightMatch:
             shapes = [f"{k} {tuple(f)} in the file vs {tuple(m)}" for k, f, m in self.mismatched]
             out.append(f"  shape-mismatched, re-initialised ({len(shapes)}): {names(shapes)}")
         if self.missing:
-            out.append(f"  missing from the file, initialised fresh ({len(self.missing)}): "
-                       f"{names(self.missing)}")  # fmt: skip
+            out.append(
+                f"  missing from the file, initialised fresh ({len(self.missing)}): "
+                f"{names(self.missing)}"
+            )
         if self.unexpected:
-            out.append(f"  unexpected in the file, ignored ({len(self.unexpected)}): "
-                       f"{names(self.unexpected)}")  # fmt: skip
+            out.append(
+                f"  unexpected in the file, ignored ({len(self.unexpected)}): "
+                f"{names(self.unexpected)}"
+            )
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,8 +151,10 @@ def load_matching(
     match.missing = [k for k in own if k not in seen]
     if not match.loaded:
         if match.mismatched:  # the names match: say the shapes
-            shapes = "; ".join(f"{k}: {list(f)} in the file, {list(m)} in the model"
-                               for k, f, m in match.mismatched[:4])  # fmt: skip
+            shapes = "; ".join(
+                f"{k}: {list(f)} in the file, {list(m)} in the model"
+                for k, f, m in match.mismatched[:4]
+            )
             more = f"; ... {len(match.mismatched)} in all" if len(match.mismatched) > 4 else ""
             raise WeightsError(
                 f"{source}: every tensor the model shares a name with has another shape "

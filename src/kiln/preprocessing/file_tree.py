@@ -106,7 +106,7 @@ def open_regular(path: str | os.PathLike, *, max_bytes: int | None = None) -> Bi
             )
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
-    except BaseException:
+    except BaseException:  # Ctrl-C too: the fd closed, re-raised
         os.close(fd)
         raise
 

@@ -591,9 +591,13 @@ class EncodedImageLoader:
     ImageTooLargeError (before decoding) above `max_pixels`."""
 
     def __init__(
-        self, channels: int, image_size: int, resize_size: int, interpolation: str,
+        self,
+        channels: int,
+        image_size: int,
+        resize_size: int,
+        interpolation: str,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
-    ):  # fmt: skip
+    ):
         self.channels, self.max_pixels = channels, max_pixels
         self.transform = eval_transform(image_size, resize_size, interpolation)
 
@@ -610,6 +614,9 @@ class EncodedImageLoader:
         cls, recipe: Any, max_pixels: int | None = DEFAULT_MAX_PIXELS
     ) -> EncodedImageLoader:
         return cls(
-            recipe.channels, recipe.image_size[0], recipe.resize_size, recipe.interpolation,
+            recipe.channels,
+            recipe.image_size[0],
+            recipe.resize_size,
+            recipe.interpolation,
             max_pixels,
-        )  # fmt: skip
+        )

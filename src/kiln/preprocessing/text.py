@@ -491,8 +491,10 @@ class TokenRecipe:
         """Raw inputs cleaned: texts, or (a, b) pairs each side cleaned -- fed to a pretrained
         tokenizer as a pair, to kiln's own joined by a space (as training spooled them). An
         input cleaned already (CleanText, CleanPair: TokenPreprocessor.convert's) stays."""
-        return [item if isinstance(item, CleanText | CleanPair) else self._cleaned(item)
-                for item in inputs]  # fmt: skip
+        return [
+            item if isinstance(item, CleanText | CleanPair) else self._cleaned(item)
+            for item in inputs
+        ]
 
     def _cleaned(self, item: Any) -> CleanText | CleanPair:
         if self.pair_column is None:

@@ -332,7 +332,7 @@ class DynamicBatcher:
             outputs = await self._call(slices)
             if len(outputs) != count:
                 raise AssertionError(f"the model returned {len(outputs)} outputs for {count}")
-        except Exception as err:
+        except Exception as err:  # a model error fails its batch's requests, not the server
             self.metrics.failed_batches.inc()
             if count == 1:
                 self._fail_alone(slices[0], err)

@@ -210,7 +210,7 @@ class DecodePool:
                 self._large_running += 1
         try:
             return self.decode_one(data, index), None, time.perf_counter() - started
-        except Exception as err:
+        except Exception as err:  # a user's bad item: its own error answer
             return None, err, time.perf_counter() - started
         finally:
             if large:

@@ -150,7 +150,7 @@ class CountStatuses:
 
         try:
             await self.app(scope, receive, send_counted)
-        except Exception:
+        except Exception:  # counted as a 500, re-raised
             status = status or 500  # the server-error middleware outside answers 500
             raise
         finally:

@@ -181,7 +181,7 @@ def _v2_files_input(predictor: Predictor, config: ServerConfig) -> dict:
                 "items": False,
                 "minItems": 1,
                 "maxItems": 1,
-            },  # fmt: skip
+            },
             "data": {"type": "array", "items": ENCODED_FILE, "description": DATA_MATCHES_SHAPE},
         },
     }

@@ -51,13 +51,17 @@ NOT_BOX_DETECTORS = (
 )
 # Loss names per family (what train mode returns) and where its class head is.
 FAMILIES = {
-    "FasterRCNN": (("loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"),
-                   "roi_heads.box_predictor"),
+    "FasterRCNN": (
+        ("loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"),
+        "roi_heads.box_predictor",
+    ),
     "RetinaNet": (("classification", "bbox_regression"), "head.classification_head.cls_logits"),
-    "FCOS": (("classification", "bbox_regression", "bbox_ctrness"),
-             "head.classification_head.cls_logits"),
+    "FCOS": (
+        ("classification", "bbox_regression", "bbox_ctrness"),
+        "head.classification_head.cls_logits",
+    ),
     "SSD": (("bbox_regression", "classification"), "head.classification_head"),
-}  # fmt: skip
+}
 FIXED_SIZE_FAMILIES = ("SSD",)  # SSD300 / SSDlite320 resize to their own fixed size
 # Architectures whose traced ONNX graph does not agree with torch (kiln.inference.export checks
 # every export against torch box by box; tests/test_torchvision_detection_export.py's slow sweep
@@ -224,8 +228,15 @@ def build_torchvision_detection(
             for key, value in net.state_dict().items():
                 if key.endswith("num_batches_tracked"):
                     state.setdefault(key, value)
-        load_weights(net, state, label=label, head=head, first_conv=None, channels=3,
-                     num_classes=spec.num_classes + 1)  # fmt: skip
+        load_weights(
+            net,
+            state,
+            label=label,
+            head=head,
+            first_conv=None,
+            channels=3,
+            num_classes=spec.num_classes + 1,
+        )
     if cfg.weights_backbone is not None:
         load_backbone(net, arch, cfg.weights_backbone)
     if cfg.trainable_layers is not None:
@@ -308,8 +319,9 @@ def freeze_backbone(net: nn.Module, arch: str, trainable: int) -> None:
     body = net.backbone.body
     if kind == "resnet50":
         if trainable > 5:
-            raise ConfigError(f"resnet50 has 5 stages, got {trainable}", "model.trainable_layers",
-                              "choose 0..5")  # fmt: skip
+            raise ConfigError(
+                f"resnet50 has 5 stages, got {trainable}", "model.trainable_layers", "choose 0..5"
+            )
         learn = ["layer4", "layer3", "layer2", "layer1", "conv1"][:trainable]
         for name, parameter in body.named_parameters():
             if not any(name.startswith(stage) for stage in learn):
@@ -319,8 +331,11 @@ def freeze_backbone(net: nn.Module, arch: str, trainable: int) -> None:
     stages = [0] + [i for i, b in enumerate(blocks) if getattr(b, "_is_cn", False)]
     stages.append(len(blocks) - 1)
     if trainable > len(stages):
-        raise ConfigError(f"mobilenet_v3_large has {len(stages)} stages, got {trainable}",
-                          "model.trainable_layers", f"choose 0..{len(stages)}")  # fmt: skip
+        raise ConfigError(
+            f"mobilenet_v3_large has {len(stages)} stages, got {trainable}",
+            "model.trainable_layers",
+            f"choose 0..{len(stages)}",
+        )
     freeze_before = len(blocks) if trainable == 0 else stages[len(stages) - trainable]
     for block in blocks[:freeze_before]:
         block.requires_grad_(False)

@@ -104,14 +104,17 @@ def check_links(folder: Path, root: Path, label: str) -> None:
         except OSError as err:
             raise ConfigError(
                 f"{label}: cannot list {current} ({err.strerror or type(err).__name__})",
-                "model.arch", "give a folder this user can read",
-            ) from None  # fmt: skip
+                "model.arch",
+                "give a folder this user can read",
+            ) from None
         seen += len(entries)
         if seen > MAX_ENTRIES:
             raise ConfigError(
                 f"{label}: more than {MAX_ENTRIES} entries under {folder}, which is not a model "
-                "folder", "model.arch", "give the folder save_pretrained wrote",
-            )  # fmt: skip
+                "folder",
+                "model.arch",
+                "give the folder save_pretrained wrote",
+            )
         for entry in sorted(entries, key=lambda e: e.name):
             path = Path(entry.path)
             if entry.is_symlink():
@@ -136,18 +139,20 @@ def confined(folder: Path, root: Path, name: Any, where: str, label: str) -> Pat
     relative name that resolves inside `root`, or a ConfigError naming the key."""
     if not isinstance(name, str) or not name:
         raise ConfigError(
-            f"{label}: {where} gives {name!r}, not a file name", "model.arch",
+            f"{label}: {where} gives {name!r}, not a file name",
+            "model.arch",
             "save the model again with save_pretrained",
-        )  # fmt: skip
+        )
     path = Path(name)
     real = Path(os.path.realpath(folder / path))
     inside = real.is_relative_to(os.path.realpath(root))
     if path.is_absolute() or ".." in path.parts or not inside:
         raise ConfigError(
-            f"{label}: {where} names {name!r}, outside the model folder {root}", "model.arch",
+            f"{label}: {where} names {name!r}, outside the model folder {root}",
+            "model.arch",
             "a model folder's files are named relative to it, inside it: save the model again "
             "with save_pretrained, or copy the file into the folder",
-        )  # fmt: skip
+        )
     return folder / path
 
 
@@ -160,14 +165,16 @@ def check_size(path: Path, max_bytes: int, label: str, limit_key: str) -> None:
         return
     except OSError as err:
         raise ConfigError(
-            f"{label}: {path.name} cannot be read ({err.strerror})", "model.arch",
+            f"{label}: {path.name} cannot be read ({err.strerror})",
+            "model.arch",
             "give a folder this user can read",
-        ) from None  # fmt: skip
+        ) from None
     if not stat.S_ISREG(info.st_mode):
         raise ConfigError(
             f"{label}: {path.name} is {file_kind(info.st_mode)}, not a regular file",
-            "model.arch", "replace it with the file save_pretrained wrote",
-        )  # fmt: skip
+            "model.arch",
+            "replace it with the file save_pretrained wrote",
+        )
     if info.st_size > max_bytes:
         raise too_large(path, info.st_size, max_bytes, label, limit_key)
 
@@ -192,9 +199,10 @@ def read_json(path: Path, max_bytes: int, label: str, limit_key: str) -> dict[st
             data = f.read(max_bytes + 1)
     except FileAccessError as err:
         raise ConfigError(
-            f"{label}: {path.name}: {err.detail}", "model.arch",
+            f"{label}: {path.name}: {err.detail}",
+            "model.arch",
             "give a folder written by save_pretrained (model and tokenizer)",
-        ) from None  # fmt: skip
+        ) from None
     if len(data) > max_bytes:  # it grew after its stat()
         raise too_large(path, len(data), max_bytes, label, limit_key)
     try:
@@ -202,14 +210,16 @@ def read_json(path: Path, max_bytes: int, label: str, limit_key: str) -> dict[st
     except (ValueError, RecursionError) as err:  # RecursionError: nested past Python's stack
         why = str(err).splitlines()[0][:120] if isinstance(err, ValueError) else "nested too deep"
         raise ConfigError(
-            f"{label}: {path.name} is not valid JSON ({why})", "model.arch",
+            f"{label}: {path.name} is not valid JSON ({why})",
+            "model.arch",
             "save the model again with save_pretrained",
-        ) from None  # fmt: skip
+        ) from None
     if not isinstance(parsed, dict):
         raise ConfigError(
             f"{label}: {path.name} holds a JSON {type(parsed).__name__}, not an object",
-            "model.arch", "save the model again with save_pretrained",
-        )  # fmt: skip
+            "model.arch",
+            "save the model again with save_pretrained",
+        )
     return parsed
 
 
@@ -249,8 +259,9 @@ def shard_files(index: Path, root: Path, label: str, max_bytes: int) -> list[Pat
         try:
             open_regular(path).close()
         except FileAccessError as err:
-            raise ConfigError(f"{label}: {where} names {name}: {err.detail}", "model.weights",
-                              fix) from None  # fmt: skip
+            raise ConfigError(
+                f"{label}: {where} names {name}: {err.detail}", "model.weights", fix
+            ) from None
         files[name] = path
     return sorted(files.values())
 

@@ -65,9 +65,10 @@ def check_model_size(
     what = f"{label}: {config_name}'s {asked} a model of {size.params:.3g} parameters"
     if too_many:
         raise ConfigError(
-            f"{what}, more than model.max_params={max_params}", "model.max_params",
+            f"{what}, more than model.max_params={max_params}",
+            "model.max_params",
             "give a smaller model, or raise model.max_params",
-        )  # fmt: skip
+        )
     activations = (
         f" and one sequence of {length} tokens {size.activation_bytes / 2**30:.1f} GB"
         if size.activation_bytes

@@ -233,8 +233,9 @@ def build_timm(spec, cfg: TimmConfig, *, aux_head: bool = False) -> TimmClassifi
         raise ConfigError(
             f"timm {arch} has no classifier head: asked for {spec.num_classes} classes it built "
             f"num_classes={net.num_classes} (an encoder: its output is features)",
-            "model.arch", "choose an architecture with a classifier (timm.list_models())",
-        )  # fmt: skip
+            "model.arch",
+            "choose an architecture with a classifier (timm.list_models())",
+        )
     if source is not None:
         log_timm_load(source, classes, spec.num_classes, timm_classifiers(source.model_name))
     if fixed:

@@ -12,8 +12,12 @@ import argparse
 import csv
 from pathlib import Path
 
-TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "intermediate_size": 64}  # fmt: skip
+TINY = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+}
 POSITIONS = 64  # the tests' max_position_embeddings: data.max_length may be at most this
 CLI_POSITIONS = 512  # BERT's own: the command line's model takes data.max_length's default
 
@@ -50,11 +54,20 @@ def write_bert(
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
     )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-        sep_token="[SEP]", mask_token="[MASK]", model_max_length=positions,
-    )  # fmt: skip
-    config = BertConfig(vocab_size=tok.get_vocab_size(), max_position_embeddings=positions,
-                        num_labels=num_labels, **TINY)  # fmt: skip
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=positions,
+    )
+    config = BertConfig(
+        vocab_size=tok.get_vocab_size(),
+        max_position_embeddings=positions,
+        num_labels=num_labels,
+        **TINY,
+    )
     _save(folder, BertForSequenceClassification(config), tokenizer)
     return folder
 
@@ -89,14 +102,26 @@ def write_roberta(
     tok.train_from_iterator(texts, trainer=trainer)
     tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        sep_token="</s>", cls_token="<s>", pad_token="<pad>", mask_token="<mask>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        sep_token="</s>",
+        cls_token="<s>",
+        pad_token="<pad>",
+        mask_token="<mask>",
         model_max_length=positions,
-    )  # fmt: skip
+    )
     config = RobertaConfig(
-        vocab_size=tok.get_vocab_size(), max_position_embeddings=positions + 2, pad_token_id=1,
-        bos_token_id=0, eos_token_id=2, type_vocab_size=1, num_labels=num_labels, **TINY,
-    )  # fmt: skip
+        vocab_size=tok.get_vocab_size(),
+        max_position_embeddings=positions + 2,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        type_vocab_size=1,
+        num_labels=num_labels,
+        **TINY,
+    )
     _save(folder, RobertaForSequenceClassification(config), tokenizer)
     return folder
 
@@ -120,9 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", choices=sorted(WRITERS), default="bert")
     parser.add_argument("--num-labels", type=int, default=2)
     parser.add_argument(
-        "--positions", type=int, default=CLI_POSITIONS,
+        "--positions",
+        type=int,
+        default=CLI_POSITIONS,
         help="max_position_embeddings: the longest data.max_length it takes",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     texts = csv_texts(args.texts, args.column)
     WRITERS[args.arch](args.folder, texts, num_labels=args.num_labels, positions=args.positions)

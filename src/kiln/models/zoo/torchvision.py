@@ -215,9 +215,13 @@ def build_torchvision(spec, cfg: TorchvisionConfig, *, aux_head: bool = False) -
             warn_on_hash_mismatch(source.path)
         state = library_state(net, read_state_dict(source.path, "model.weights"))
         load_weights(
-            net, state, label=source.label, head=head, first_conv=first_conv,
+            net,
+            state,
+            label=source.label,
+            head=head,
+            first_conv=first_conv,
             channels=spec.channels,
-        )  # fmt: skip
+        )
     backbone, head_module, width = split_at_head(net, head)
     return ZooClassifier(
         backbone, head_module, width, spec.num_classes, cfg.dropout, aux_head, fixed, head

@@ -103,18 +103,20 @@ def resolve_source(arch: str) -> HfSource:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ConfigError(
-                f"{path} has no config.json", "model.arch",
+                f"{path} has no config.json",
+                "model.arch",
                 "pass a folder written by save_pretrained (model and tokenizer)",
-            )  # fmt: skip
+            )
         return HfSource(arch, path.resolve(), f"hf folder {path.resolve()}")
     if arch in model_types():
         return HfSource(arch, None, f"hf model type {arch} (from scratch)")
     if arch.count("/") > 1 or arch.startswith((".", "/", "~")) or path.suffix:
         raise ConfigError(
-            f"no folder {path}", "model.arch",
+            f"no folder {path}",
+            "model.arch",
             f"pass a folder written by save_pretrained, a hub id (org/name) or a model type "
             f"(bert, roberta, ...); looked in {Path.cwd()}",
-        )  # fmt: skip
+        )
     return HfSource(arch, hub_snapshot(arch), f"hf hub {arch}")
 
 
@@ -253,24 +255,26 @@ def transformers_config(data: dict[str, Any], cfg: HfConfig, label: str) -> Any:
     model_type = data.pop("model_type", None)
     if model_type not in CONFIG_MAPPING:
         raise ConfigError(
-            f"{label}: config.json has model_type {model_type!r}, which transformers does not "
-            "know", "model.arch",
+            f"{label}: config.json has model_type {model_type!r}, which transformers does not know",
+            "model.arch",
             "use a model saved by save_pretrained of a transformers architecture",
-        )  # fmt: skip
+        )
     try:
         config = CONFIG_MAPPING[model_type].from_dict(data)
     except (ValueError, TypeError, KeyError) as err:  # the config class refuses the file's values
         raise ConfigError(
             f"{label}: transformers cannot read its config.json "
             f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__})",
-            "model.arch", "save the model again with save_pretrained",
-        ) from None  # fmt: skip
+            "model.arch",
+            "save the model again with save_pretrained",
+        ) from None
     for key, value in dict(cfg.config).items():
         if not hasattr(config, key):
             raise ConfigError(
-                f"{type(config).__name__} has no setting {key!r}", f"model.config.{key}",
+                f"{type(config).__name__} has no setting {key!r}",
+                f"model.config.{key}",
                 "use a key of the model's config.json",
-            )  # fmt: skip
+            )
         setattr(config, key, value)
     return config
 
@@ -297,8 +301,9 @@ def check_size(
         raise ConfigError(
             f"{label}: transformers cannot build the model its config.json describes "
             f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__})",
-            "model.arch", "save the model again with save_pretrained",
-        ) from None  # fmt: skip
+            "model.arch",
+            "save the model again with save_pretrained",
+        ) from None
 
 
 # (config.json as JSON, max_length, model.max_params) already judged to fit: the run's own
@@ -373,8 +378,9 @@ def build_hf(
         if not net.supports_gradient_checkpointing:
             raise ConfigError(
                 f"{type(net).__name__} does not support gradient checkpointing",
-                "model.gradient_checkpointing", "set model.gradient_checkpointing=false",
-            )  # fmt: skip
+                "model.gradient_checkpointing",
+                "set model.gradient_checkpointing=false",
+            )
         # non-reentrant: works with frozen embeddings and keeps autograd's usual semantics
         net.gradient_checkpointing_enable({"use_reentrant": False})
     sep_id = None
@@ -425,8 +431,10 @@ def freeze_unreached(model: HfClassifier, length: int = 8) -> list[str]:
     if unreached:
         log.info(
             "model=hf %s: %d parameter(s) its classification forward never reaches are frozen: %s",
-            type(model.net).__name__, len(unreached), first_few(unreached),
-        )  # fmt: skip
+            type(model.net).__name__,
+            len(unreached),
+            first_few(unreached),
+        )
     return unreached
 
 
@@ -447,9 +455,10 @@ def architecture(spec, cfg: HfConfig, source: HfSource | None, pretrained) -> An
         if spec.vocab_size is not None and spec.vocab_size > config.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {spec.vocab_size} tokens, the model's embeddings "
-                f"{config.vocab_size}", "model.arch",
+                f"{config.vocab_size}",
+                "model.arch",
                 "save the model after model.resize_token_embeddings(len(tokenizer))",
-            )  # fmt: skip
+            )
     else:
         size = dict(SMALL_SIZE)
         positions = int(spec.max_length or 512)
@@ -471,18 +480,22 @@ def architecture(spec, cfg: HfConfig, source: HfSource | None, pretrained) -> An
                 "model.arch",
                 "give a folder save_pretrained wrote at the size you want (model.arch=<folder>), "
                 "or a text-only model type (bert, roberta, llama, ...)",
-            )  # fmt: skip
+            )
         for key, value in dict(cfg.config).items():
             if not hasattr(config, key):
                 raise ConfigError(
-                    f"{type(config).__name__} has no setting {key!r}", f"model.config.{key}",
+                    f"{type(config).__name__} has no setting {key!r}",
+                    f"model.config.{key}",
                     "use a key of the model's config.json",
-                )  # fmt: skip
+                )
             setattr(config, key, value)
     if cfg.dropout > 0:
         if not hasattr(config, "classifier_dropout"):
-            log.warning("model.dropout=%s ignored: %s has no classifier_dropout",
-                        cfg.dropout, type(config).__name__)  # fmt: skip
+            log.warning(
+                "model.dropout=%s ignored: %s has no classifier_dropout",
+                cfg.dropout,
+                type(config).__name__,
+            )
         else:
             config.classifier_dropout = cfg.dropout
     config.id2label = dict(enumerate(spec.class_names))
@@ -513,9 +526,10 @@ def weights_of(source: HfSource, weights: str | None) -> Path | None:
         if (source.folder / name).is_file():
             return source.folder / name
     raise ConfigError(
-        f"{source.label} has no weights ({' or '.join(WEIGHT_FILES)})", "model.weights",
+        f"{source.label} has no weights ({' or '.join(WEIGHT_FILES)})",
+        "model.weights",
         "save them with model.save_pretrained(folder), or set model.weights=null for random ones",
-    )  # fmt: skip
+    )
 
 
 def weight_files(path: Path, source: HfSource, cfg: HfConfig) -> list[Path]:
@@ -561,20 +575,24 @@ def load_hf_weights(net: nn.Module, state: dict[str, Tensor], *, label: str) -> 
     bad = [k for k in misshapen if k not in head]
     missing = [k for k in own if k not in state and k not in head and k not in tied]
     if bad:
-        shown = "; ".join(f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} here"
-                          for k in bad[:4])  # fmt: skip
+        shown = "; ".join(
+            f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} here" for k in bad[:4]
+        )
         raise WeightsError(
             f"{label} does not fit this {type(net).__name__} (model.weights): {len(bad)} tensors "
             f"of another shape, e.g. {shown}: use the weights saved with this config.json"
         )
     if missing:
-        notes.append(f"{len(missing)} encoder tensors not in the file, left as initialised: "
-                     f"{', '.join(missing[:4])}")  # fmt: skip
+        notes.append(
+            f"{len(missing)} encoder tensors not in the file, left as initialised: "
+            f"{', '.join(missing[:4])}"
+        )
         log.warning("model.weights: %s: %s", label, notes[-1])
     ignored = sorted({k.split(".")[0] for k in state if k not in own})
     if ignored:
         notes.append(f"ignored (not in the model): {', '.join(ignored)}")
     loadable = {k: v for k, v in state.items() if k in own and k not in misshapen}
     net.load_state_dict(loadable, strict=False)
-    log.info("model.weights: %d tensors from %s; %s", len(loadable), label,
-             "; ".join(notes) or "all")  # fmt: skip
+    log.info(
+        "model.weights: %d tensors from %s; %s", len(loadable), label, "; ".join(notes) or "all"
+    )
