@@ -87,7 +87,8 @@ def start_up(cfg) -> int:
 
     batches = 23
     planned = total_optimizer_steps(batches, cfg.trainer.max_epochs, 1, cfg.trainer.max_steps)
-    return checked_schedule(cfg, planned, batches, cfg.trainer.early_stopping)
+    warmup_end, _ = checked_schedule(cfg, planned, batches, cfg.trainer.early_stopping)
+    return warmup_end
 
 
 def replaced(cfg, group: str, **values):
