@@ -25,6 +25,7 @@ import logging
 import math
 import re
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from kiln.config.base import composable, frozen, thaw
 from kiln.engine.batches import move_to
 from kiln.engine.distributed import DistInfo
 from kiln.engine.environment import run_environment
+from kiln.engine.run_end import FAILING_BATCHES
 from kiln.findings import Finding, finding_of
 from kiln.guards.no_trace import untouched
 from kiln.guards.numerics import (
@@ -52,7 +54,6 @@ from kiln.registry import GROUP_REGISTRIES, load_plugins
 
 log = logging.getLogger(__name__)
 
-FAILING_BATCHES = "nan_batch.pt"
 MAX_REPLAY_STEPS = (
     5000  # beyond this many steps to re-run, the failing step runs from the checkpoint
 )
@@ -261,16 +262,14 @@ def _restore(trainer, run_dir: Path, before: int, found: Replay, at_most: bool =
     found.start = f"{path} (step {step})"
 
 
-def _batches(trainer):
-    """The training batches from the trainer's position, as train_epoch draws them."""
+def _epochs(trainer) -> Iterator[Iterator]:
+    """Each epoch's batch iterator from the trainer's position, as fit draws them (an epoch
+    ended moves the position to the next one)."""
     s = trainer.state
     while True:
         if s.batch_in_epoch >= trainer.batches_per_epoch:
             s.epoch, s.batch_in_epoch = s.epoch + 1, 0
-        epoch = s.epoch
-        iterator = trainer.epoch_batches()
-        while s.epoch == epoch and s.batch_in_epoch < trainer.batches_per_epoch:
-            yield iterator
+        yield trainer.epoch_batches()
 
 
 def _replay_steps(trainer, run_dir: Path, step: int, found: Replay) -> Replay:
@@ -285,27 +284,30 @@ def _replay_steps(trainer, run_dir: Path, step: int, found: Replay) -> Replay:
             f"{step - 1 - s.global_step} steps lie between {found.start} and step {step}: the "
             "failing step runs from that checkpoint, not from the state it really had"
         )
-    batches = _batches(trainer)
     try:
-        while s.global_step < step - 1 and step - 1 - s.global_step <= MAX_REPLAY_STEPS:
-            iterator = next(batches)
-            window = _window(trainer)
-            trainer.current_step = s.global_step + 1
-            updates.clear()
-            result = trainer.train_step(iterator, window)
-            s.batch_in_epoch += window
-            s.global_step += 1
-            found.steps.append(
-                StepRecord(
-                    s.global_step,
-                    float(result.loss),
-                    float(result.grad_norm) if result.grad_norm is not None else math.nan,
-                    updates[-1] if updates else [],
+        for batches in _epochs(trainer):  # the steps before the failing one, as fit ran them
+            if s.global_step >= step - 1 or step - 1 - s.global_step > MAX_REPLAY_STEPS:
+                break
+            for result in trainer.epoch_steps(batches):
+                found.steps.append(
+                    StepRecord(
+                        s.global_step,
+                        float(result.loss),
+                        float(result.grad_norm) if result.grad_norm is not None else math.nan,
+                        updates[-1] if updates else [],
+                    )
                 )
-            )
-        iterator = next(batches)
-        window = _window(trainer)
-        loader_batches = [move_to(next(iterator), trainer.device) for _ in range(window)]
+                updates.clear()
+                if s.global_step >= step - 1:
+                    break
+            else:
+                continue  # the epoch ended before the failing step
+            break
+        if s.batch_in_epoch >= trainer.batches_per_epoch:  # the failing step opens an epoch
+            batches = next(_epochs(trainer))
+        loader_batches = [
+            move_to(next(batches), trainer.device) for _ in range(trainer.window_size())
+        ]
     finally:
         hook.remove()
     saved = _saved_batches(run_dir, trainer.device)
@@ -317,11 +319,6 @@ def _replay_steps(trainer, run_dir: Path, step: int, found: Replay) -> Replay:
         micro_batches = loader_batches
     _bisect(trainer, micro_batches, found)
     return found
-
-
-def _window(trainer) -> int:
-    s = trainer.state
-    return min(trainer.cfg.accumulate_grad_batches, trainer.batches_per_epoch - s.batch_in_epoch)
 
 
 def _saved_batches(run_dir: Path, device) -> list | None:

@@ -363,24 +363,35 @@ class Trainer:
             log.error("a checkpoint write failed too: %s: %s", type(err).__name__, err)
 
     def train_epoch(self) -> None:
-        s = self.state
         self.apply_freeze()
         batches = self.epoch_batches()
         self.model.train()  # once an epoch: the probes and evaluations before it switched modes
         with self._progress_bar() as bar:
-            while s.batch_in_epoch < self.batches_per_epoch:
-                window = min(
-                    self.cfg.accumulate_grad_batches, self.batches_per_epoch - s.batch_in_epoch
-                )
-                self.current_step = s.global_step + 1
-                result = self.train_step(batches, window)
+            for result in self.epoch_steps(batches):
                 if self.startup_s is None and self.startup is not None:
                     self.say_startup()
-                s.batch_in_epoch += window
-                s.global_step += 1
                 self.after_step(result, bar)
                 if self.reached_max_steps():
                     return
+
+    def window_size(self) -> int:
+        """Micro-batches in the next optimizer step: trainer.accumulate_grad_batches, or what
+        is left of the epoch."""
+        left = self.batches_per_epoch - self.state.batch_in_epoch
+        return min(self.cfg.accumulate_grad_batches, left)
+
+    def epoch_steps(self, batches: Iterator) -> Iterator[StepResult]:
+        """The steps driver, for training and for `kiln triage`'s replay alike: the optimizer
+        steps of the epoch from the trainer's position, each over its window of `batches`,
+        the position moved on after each (the caller stops where it wants)."""
+        s = self.state
+        while s.batch_in_epoch < self.batches_per_epoch:
+            window = self.window_size()
+            self.current_step = s.global_step + 1
+            result = self.train_step(batches, window)
+            s.batch_in_epoch += window
+            s.global_step += 1
+            yield result
 
     def train_step(self, batches: Iterator, window: int) -> StepResult:
         """One optimizer step over `window` micro-batches (gradient accumulation). Nothing here
