@@ -50,7 +50,7 @@ train: install ## train the default experiment (extra overrides: make train ARGS
 	$(PY) train.py $(ARGS)
 
 # Measured: docs/benchmarks.md, "How long things take".
-TEST_TIME := about 10 min on 2 quiet CPU cores (2026-12-04: 1,851 tests, 9.5 min of pytest; CI from a fresh clone 10.2 min with the install), longer on a busy machine
+TEST_TIME := about 10 min on 2 quiet CPU cores (2026-12-05: 1,871 tests, 602 s from a fresh clone with the install), longer on a busy machine
 
 test: lint ## ruff + the default test suite (everything but `slow`)
 	@echo "make test: the default suite, $(TEST_TIME); one dot per test, the share done at each line's end"
