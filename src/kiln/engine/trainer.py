@@ -524,6 +524,10 @@ class Trainer:
             return
         started = time.perf_counter()
         size = self.probe_report.batch_size or subject.mode_batch_size
+        if subject.spec.input_kind == "image_list":
+            # A detector resizes every image to one side and samples as many proposals for
+            # each: its cost per image does not depend on the others, and one image is enough.
+            size = 1
         counted = probe_model(self.raw_model, subject.build, subject.spec)
         # forked: a detector's forward samples proposals, not the run's numbers
         with untouched(counted), forked():
