@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         README.write_text(readme_with_index(README.read_text()))
         print("wrote README.md's docs index")
         for page in _hand_written():
-            if with_figures(text := page.read_text()) != text:
-                page.write_text(with_figures(text))
+            if (filled := with_figures(text := page.read_text())) != text:
+                page.write_text(filled)
                 print(f"wrote the figures of {page.relative_to(REPO_ROOT).as_posix()}")
         return 0
     for make in PAGES.values():

@@ -19,21 +19,17 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import first_few
+from kiln.guards.rules import ProbeFailure
 
 ITEM_LIMIT = 2_000  # items read one by one per split (a dataset without box_targets)
 SLACK = 1.0  # pixels a box may pass its image's edge (rounding)
 
 
-class BoxConventionError(RuntimeError):
+class BoxConventionError(ProbeFailure):
     """Detection targets in another box or label convention than kiln's detectors take."""
 
     what = "box convention"
     kind = "box convention"
-    module = ""
-
-    def __init__(self, message: str, fix: str = ""):
-        super().__init__(message)
-        self.fix = fix
 
 
 @dataclass

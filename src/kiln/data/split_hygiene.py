@@ -36,6 +36,7 @@ import torch
 from torch.utils.data import Subset, TensorDataset
 
 from kiln.errors import first_few
+from kiln.guards.rules import ProbeFailure
 
 log = logging.getLogger(__name__)
 
@@ -47,27 +48,20 @@ MIN_LEAKED = 2
 DIGEST_BYTES = 16
 
 
-class SplitLeakError(RuntimeError):
+class SplitLeakError(ProbeFailure):
     """The validation or test split shares more examples with training than the data's own
     repetition explains. A check's error: `what` names it in the [FAIL] line, `kind` is its
     finding's (kiln.findings.KINDS)."""
 
     what = "split leak"
     kind = "split leak"
-    module = ""
-
-    def __init__(self, message: str, fix: str = ""):
-        super().__init__(message)
-        self.fix = fix
 
 
-class ClassMapError(RuntimeError):
+class ClassMapError(ProbeFailure):
     """Two splits map class names to different indices."""
 
     what = "class map"
     kind = "class map"
-    module = ""
-    fix = ""
 
 
 # ------------------------------------------------------------------------------ the digests

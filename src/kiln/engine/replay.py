@@ -284,10 +284,11 @@ def _replay_steps(trainer, run_dir: Path, step: int, found: Replay) -> Replay:
             f"{step - 1 - s.global_step} steps lie between {found.start} and step {step}: the "
             "failing step runs from that checkpoint, not from the state it really had"
         )
-    try:
-        for batches in _epochs(trainer):  # the steps before the failing one, as fit ran them
-            if s.global_step >= step - 1 or step - 1 - s.global_step > MAX_REPLAY_STEPS:
-                break
+    try:  # the steps before the failing one, as fit ran them (none past MAX_REPLAY_STEPS)
+        epochs = _epochs(trainer)
+        batches = next(epochs)
+        replaying = step - 1 - s.global_step <= MAX_REPLAY_STEPS
+        while replaying and s.global_step < step - 1:
             for result in trainer.epoch_steps(batches):
                 found.steps.append(
                     StepRecord(
@@ -300,14 +301,10 @@ def _replay_steps(trainer, run_dir: Path, step: int, found: Replay) -> Replay:
                 updates.clear()
                 if s.global_step >= step - 1:
                     break
-            else:
-                continue  # the epoch ended before the failing step
-            break
-        if s.batch_in_epoch >= trainer.batches_per_epoch:  # the failing step opens an epoch
-            batches = next(_epochs(trainer))
-        loader_batches = [
-            move_to(next(batches), trainer.device) for _ in range(trainer.window_size())
-        ]
+            if s.batch_in_epoch >= trainer.batches_per_epoch:  # the next step opens an epoch
+                batches = next(epochs)
+        window = trainer.window_size()
+        loader_batches = [move_to(next(batches), trainer.device) for _ in range(window)]
     finally:
         hook.remove()
     saved = _saved_batches(run_dir, trainer.device)

@@ -11,9 +11,10 @@ optimizer that overshoots on one batch and comes back has still shown it can low
 
 A schedule that warms up starts below optimizer.lr: a model the configured lr throws off from
 cold (a detector's ResNet-50 under Adam at 3e-3) may train well after the warm-up, as
-torchvision's references train it. Where the loss rises at the configured lr, the probe tries
-the schedule's first lr: when the loss falls there, the run goes on with a finding (not fatal)
-that names both, and the probe fails only where the warm-up's first lr cannot lower it either."""
+torchvision's references train it. Where the loss rises at the configured lr, the probe takes
+WARM_STEPS steps at the schedule's first lr and then goes on at the configured one, as the run
+will: when those later steps lower the loss, the run goes on with a finding (not fatal) that
+names both readings; when they do not, the probe fails as it would without a warm-up."""
 
 from __future__ import annotations
 
@@ -156,8 +157,8 @@ def check_can_learn(
     """`model` is trained in place and put back as it was (weights and buffers, bitwise);
     `optimizer_for(model, lr_scale)` builds the run's optimizer for it (lr_scale 1: as
     configured); `warmup_start`: the schedule's first lr as a share of the configured one.
-    Raises CannotLearnError; returns "" or, where only the warm-up's first lr lowered the
-    loss, what was seen (for a finding that does not stop the run)."""
+    Raises CannotLearnError; returns "" or, where the configured lr lowered the loss only
+    after the warm-up's steps, what was seen (for a finding that does not stop the run)."""
     with weights_kept(model) as initial:
         return _check_can_learn(
             model, optimizer_for, criterion, batch, steps, dead_layers, initial, warmup_start

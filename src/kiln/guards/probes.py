@@ -650,7 +650,7 @@ def _run_learn(probe: Probe) -> None:
         dead_layers=probe.report.mostly_dead,
         warmup_start=probe.plan.warmup_start,
     )
-    if warmed:  # only the warm-up's first lr lowered the loss: said, and the run goes on
+    if warmed:  # the configured lr lowered the loss only after a warm-up: said, the run goes on
         log.warning("learn probe: %s", warmed)
         probe.report.findings.append(Finding("learning rate diverges", warmed, fatal=False))
 
