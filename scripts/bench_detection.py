@@ -45,7 +45,7 @@ from kiln.data import build_data
 from kiln.data.photo_boxes import make_photo_boxes
 from kiln.engine.distributed import DistInfo
 from kiln.engine.optim import build_optimizer, build_scheduler
-from kiln.engine.run import build_trainer
+from kiln.engine.run import build_run
 from kiln.models import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -152,8 +152,8 @@ def measure(args) -> dict:
         work = Path(args.workdir or tmp)
         folder = make_photo_boxes(work / "photos", num_train=args.images, num_val=args.val_images)
         cfg = kiln_config(folder, args, work / "cache")
-        trainer = build_trainer(cfg, work / "run", DistInfo(), torch.device("cpu"),
-                                lambda metrics, step: None)  # fmt: skip
+        trainer = build_run(cfg, work / "run", DistInfo(), torch.device("cpu"),
+                            lambda metrics, step: None).trainer  # fmt: skip
         bundle = build_data(cfg.data)
         spec = bundle.spec
         val = bundle.collate_fn([bundle.val[i] for i in range(len(bundle.val))])

@@ -48,7 +48,7 @@ from kiln.engine.distributed import DistInfo
 from kiln.engine.loss import ClassificationCriterion
 from kiln.engine.optim import build_optimizer, build_scheduler
 from kiln.engine.precision import Precision
-from kiln.engine.run import build_trainer
+from kiln.engine.run import build_run
 from kiln.engine.seeding import set_deterministic
 from kiln.engine.trainer import Trainer
 from kiln.models import build_model, logits_of
@@ -153,7 +153,7 @@ def check_comparable(cfg, trainer: Trainer) -> None:
 
 
 def build_baseline(cfg, trainer: Trainer, compiled: bool) -> Baseline:
-    """A fresh model built the way build_trainer builds it, with the engine's initial weights."""
+    """A fresh model built the way build_run builds it, with the engine's initial weights."""
     spec = build_data(cfg.data).spec
     aux_head = any(name.startswith("aux.") for name in trainer.raw_model.state_dict())
     model = build_model(spec, cfg.model, aux_head=aux_head)
@@ -219,7 +219,8 @@ def compare(args: argparse.Namespace, compiled: bool) -> dict:
     device = resolve_device(str(cfg.device))
     label = "compiled" if compiled else "eager"
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as run_dir:
-        trainer = build_trainer(cfg, Path(run_dir), DistInfo(), device, lambda metrics, step: None)
+        built = build_run(cfg, Path(run_dir), DistInfo(), device, lambda metrics, step: None)
+        trainer = built.trainer
         check_comparable(cfg, trainer)
         baseline = build_baseline(cfg, trainer, compiled)
         loader = trainer.train_loader

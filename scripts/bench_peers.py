@@ -284,7 +284,7 @@ def built(job: dict):
     cfg = {group: option_from_dict(group, job["config"][group]) for group in
            ("data", "model", "optimizer", "scheduler")}  # fmt: skip
     seed = job["config"]["seed"]
-    torch.manual_seed(seed)  # as kiln's build_trainer: seed, data, model
+    torch.manual_seed(seed)  # as kiln's build_run: seed, data, model
     # a pretrained model's preprocessing, for the data that follows it (None for the rest)
     bundle = build_data(cfg["data"], pretrained=pretrained_input(cfg["model"]))
     model = build_model(bundle.spec, cfg["model"])

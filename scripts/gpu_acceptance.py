@@ -59,18 +59,18 @@ def train_in_process(overrides: list[str], run_dir: Path, prepare: Callable | No
     cfg = load_config([*QUIET, *overrides])
     if prepare is None:
         return engine_run.train(cfg, run_dir)
-    build = engine_run.build_trainer
+    build = engine_run.build_run
 
     def build_and_prepare(*args, **kwargs):
-        trainer = build(*args, **kwargs)
-        prepare(trainer)
-        return trainer
+        built = build(*args, **kwargs)
+        prepare(built.trainer)
+        return built
 
-    engine_run.build_trainer = build_and_prepare
+    engine_run.build_run = build_and_prepare
     try:
         return engine_run.train(cfg, run_dir)
     finally:
-        engine_run.build_trainer = build
+        engine_run.build_run = build
 
 
 def script(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import torch
 from kiln import checkpoint as ckpt
 from kiln.engine.distributed import DistInfo
 from kiln.engine.optim import total_optimizer_steps
-from kiln.engine.run import build_trainer
+from kiln.engine.run import build_run
 from kiln.engine.trainer import NonFiniteLossError
 from kiln.guards import DeviceMismatchError, NonFiniteInputError, assert_finite_inputs
 
@@ -36,7 +36,7 @@ class Recorder(list):
 def make_trainer(tmp_path, *overrides, cfg=None):
     cfg = cfg or compose_config(*overrides)
     recorder = Recorder()
-    trainer = build_trainer(cfg, tmp_path, DistInfo(), torch.device("cpu"), recorder)
+    trainer = build_run(cfg, tmp_path, DistInfo(), torch.device("cpu"), recorder).trainer
     return trainer, recorder
 
 

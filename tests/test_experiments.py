@@ -14,7 +14,7 @@ from torch import nn
 
 from kiln.cli.paths import REPO_ROOT, with_env_profile
 from kiln.engine.distributed import DistInfo
-from kiln.engine.run import build_trainer, train
+from kiln.engine.run import build_run, train
 from kiln.guards.activations import ActivationMonitor
 from kiln.logging.sweep_summary import collect_runs
 from kiln.models.init import apply_init
@@ -214,19 +214,19 @@ def test_init_schemes_set_the_weight_scale(scheme, expected_std):
 def test_init_scheme_from_config_reaches_the_models_weights(tmp_path, scheme, gain):
     """model.init=<scheme> on the command line sets the weights the trainer starts from."""
     cfg = compose_config(f"model.init={scheme}", "model.hidden_dims=[512,256]")
-    trainer = build_trainer(cfg, tmp_path, DistInfo(), torch.device("cpu"), lambda m, s: None)
+    trainer = build_run(cfg, tmp_path, DistInfo(), torch.device("cpu"), lambda m, s: None).trainer
     layer = trainer.raw_model.body[3]  # Linear(512, 256)
     fan_in, fan_out = layer.in_features, layer.out_features
     expected = gain / math.sqrt(fan_in) if gain else math.sqrt(2 / (fan_in + fan_out))
     assert layer.weight.std().item() == pytest.approx(expected, rel=0.05)
     assert torch.count_nonzero(layer.bias) == 0
-    default = build_trainer(
+    default = build_run(
         compose_config("model.hidden_dims=[512,256]"),
         tmp_path,
         DistInfo(),
         torch.device("cpu"),
         lambda m, s: None,
-    ).raw_model.body[3]
+    ).trainer.raw_model.body[3]
     assert default.weight.std().item() != pytest.approx(expected, rel=0.2)  # the default differs
 
 

@@ -104,12 +104,12 @@ def test_freeze_until_an_epoch_then_train_everything(tmp_path):
 def test_freeze_backbone_and_head_lr(tmp_path):
     from kiln.config import load_config
     from kiln.engine.distributed import DistInfo
-    from kiln.engine.run import build_trainer
+    from kiln.engine.run import build_run
     from kiln.logging.recorder import RunRecorder
 
     cfg = load_config(["model.freeze=backbone", "optimizer.head_lr_mult=10", *QUICK])
     recorder = RunRecorder(cfg.logger, tmp_path, run_name="t", config={}, is_main=True)
-    trainer = build_trainer(cfg, tmp_path, DistInfo(), torch.device("cpu"), recorder)
+    trainer = build_run(cfg, tmp_path, DistInfo(), torch.device("cpu"), recorder).trainer
     groups = trainer.optimizer.param_groups
     # backbone then head, each split into decayed weights and undecayed biases
     assert [(g["group"], g["decay"]) for g in groups] == [

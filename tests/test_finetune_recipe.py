@@ -116,7 +116,7 @@ def test_a_run_with_the_whole_recipe_trains_frozen_embeddings_stay_and_resume_co
                  "precision=bf16", "scheduler=linear_warmup", "optimizer.lr=0.002",
                  "optimizer.layer_decay=0.8", "model.freeze=embeddings")  # fmt: skip
     cfg = compose_config(*overrides)
-    torch.manual_seed(cfg.seed)  # build_trainer's order: seed, data, model
+    torch.manual_seed(cfg.seed)  # build_run's order: seed, data, model
     initial = build_model(build_data(cfg.data).spec, cfg.model)
     run_dir = tmp_path / "run"
     summary = train_in_process(run_dir, *overrides)

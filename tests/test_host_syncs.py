@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kiln.engine.distributed import DistInfo, GradientNorm
-from kiln.engine.run import build_trainer
+from kiln.engine.run import build_run
 
 from .conftest import compose_config
 
@@ -87,7 +87,7 @@ def test_no_host_read_in_the_steps_between_log_lines(tmp_path, overrides):
         "logger=none",
         *overrides,
     )
-    trainer = build_trainer(cfg, tmp_path, DistInfo(), torch.device("cpu"), lambda m, s: None)
+    trainer = build_run(cfg, tmp_path, DistInfo(), torch.device("cpu"), lambda m, s: None).trainer
     trainer.read_on_host(False)  # as on a GPU
     reads = HostReads()
     trainer.log_window = reads.around(trainer.log_window)
@@ -126,10 +126,10 @@ def test_reading_on_the_host_gives_the_log_lines_of_the_device_way(tmp_path, pol
             f"trainer.nan_policy={policy}", "trainer.max_skipped_steps=-1",
         )  # fmt: skip
         lines: list[dict] = []
-        trainer = build_trainer(
+        trainer = build_run(
             cfg, tmp_path / str(on_host), DistInfo(), torch.device("cpu"),
             lambda metrics, step: lines.append({"step": step, **metrics}),
-        )  # fmt: skip
+        ).trainer  # fmt: skip
         trainer.read_on_host(on_host)
         criterion = trainer.criterion
 

@@ -161,7 +161,7 @@ import sys, torch
 from pathlib import Path
 from kiln.config import load_config
 from kiln.engine.distributed import DistInfo
-from kiln.engine.run import build_trainer
+from kiln.engine.run import build_run
 
 def status(key):  # kB, from the kernel's own accounting
     line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
@@ -169,7 +169,8 @@ def status(key):  # kB, from the kernel's own accounting
 
 torch.set_num_threads(1)
 cfg = load_config(sys.argv[3:])
-trainer = build_trainer(cfg, Path(sys.argv[1]), DistInfo(), torch.device("cpu"), lambda *a: None)
+built = build_run(cfg, Path(sys.argv[1]), DistInfo(), torch.device("cpu"), lambda *a: None)
+trainer = built.trainer
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak (VmHWM) starts again from what is resident now
 before = status("VmRSS")

@@ -19,7 +19,7 @@ from kiln.data.loaders import (
 )
 from kiln.engine.distributed import DistInfo
 from kiln.engine.preemption import Preempted
-from kiln.engine.run import build_trainer, load_data, resume_if_asked
+from kiln.engine.run import build_run, load_data
 
 from .conftest import FAST, compose_config, read_metrics, train_in_process
 
@@ -106,7 +106,7 @@ def test_evaluation_in_length_order_gives_the_metrics_of_file_order(tmp_path):
     """The validation metrics are sums over every item: reading the items shortest first
     (data.bucket_by_length) changes the batches, not the numbers."""
     cfg = compose_config("data=csv_text", "model=text_bow", "data.batch_size=32", *FAST)
-    trainer = build_trainer(cfg, tmp_path, DistInfo(), torch.device("cpu"), lambda *a: None)
+    trainer = build_run(cfg, tmp_path, DistInfo(), torch.device("cpu"), lambda *a: None).trainer
     assert type(trainer.val_loader.sampler) is LengthOrderedSampler
     ordered = trainer.evaluate()
     trainer.val_loader = torch.utils.data.DataLoader(
@@ -144,7 +144,7 @@ def fit_until_preempted(run_dir, step: int):
         if at_step == step and "loss" in metrics:
             trainer.preemption.requested = True
 
-    trainer = build_trainer(cfg, run_dir, DistInfo(), torch.device("cpu"), on_metrics)
+    trainer = build_run(cfg, run_dir, DistInfo(), torch.device("cpu"), on_metrics).trainer
     assert type(trainer.train_loader.sampler) is BucketedSampler
     with pytest.raises(Preempted):
         trainer.fit()
@@ -156,9 +156,8 @@ def test_resume_with_the_bucketed_sampler_equals_an_uninterrupted_run(tmp_path):
     train_in_process(reference, *RESUMABLE)
     interrupted = tmp_path / "interrupted"
     cfg = fit_until_preempted(interrupted, step=7)
-    trainer = build_trainer(cfg, interrupted, DistInfo(), torch.device("cpu"), lambda *a: None)
     cfg = dataclasses.replace(cfg, resume=str(interrupted / "checkpoints" / "last.pt"))
-    resume_if_asked(trainer, cfg)
+    trainer = build_run(cfg, interrupted, DistInfo(), torch.device("cpu"), lambda *a: None).trainer
     assert trainer.state.epoch == 0 and trainer.state.batch_in_epoch == 7  # mid-epoch
     trainer.fit()
     expected = torch.load(reference / "checkpoints" / "last.pt", weights_only=True)["model"]

@@ -18,7 +18,7 @@ from kiln.config.data import DigitsConfig
 from kiln.config.model import MlpConfig
 from kiln.data import build_data
 from kiln.engine.distributed import DistInfo
-from kiln.engine.run import build_trainer, train
+from kiln.engine.run import build_run, train
 from kiln.logging.recorder import RunRecorder
 from kiln.logging.summary import summarize, write_summary
 from kiln.registry import DATASETS, MODELS
@@ -87,7 +87,7 @@ def test_fp16_overflow_shows_as_growing_scaler_skips(tmp_path):
     # The probes run backward on the run's own model: the hook below would see theirs first.
     cfg = compose_config(*QUIET, "trainer.max_steps=20", "scheduler=none", *PROBES_OFF)
     recorder = RunRecorder(cfg.logger, run_dir, run_name=cfg.name, config={}, is_main=True)
-    trainer = build_trainer(cfg, run_dir, DistInfo(), torch.device("cpu"), recorder)
+    trainer = build_run(cfg, run_dir, DistInfo(), torch.device("cpu"), recorder).trainer
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=True)
     overflowing = iter(range(6))
 

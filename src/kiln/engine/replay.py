@@ -235,31 +235,52 @@ def replay(run_dir: Path, summary: dict, plain_config: dict) -> Replay:
             ddp = run_cfg.trainer.distributed and run_cfg.trainer.strategy == "ddp"
             fatal = ddp and not run_cfg.trainer.find_unused_parameters
             return _replay_probes(cfg, Path(scratch), found, conditional_is_fatal=fatal)
-        trainer = _build(cfg, Path(scratch))
-        if what.startswith("val_"):
-            return _replay_evaluation(trainer, run_dir, step, found)
+        evaluation = what.startswith("val_")
+        # An evaluation replays from the checkpoint written after its step, a step from before it
+        start = _start_state(run_dir, step, found, at_most=evaluation)
+        trainer = _build(cfg, Path(scratch), restore=start)
+        if evaluation:
+            return _replay_evaluation(trainer, found)
         return _replay_steps(trainer, run_dir, step, found)
 
 
-def _build(cfg: KilnConfig, scratch: Path):
-    from kiln.engine.run import build_trainer
+def _build(
+    cfg: KilnConfig,
+    scratch: Path,
+    conditional_is_fatal: bool = False,
+    restore: dict | None = None,
+):
+    """The run's Trainer, built in one process as train() builds it (kiln.engine.run.build_run),
+    at the state of `restore` when given."""
+    from kiln.engine.run import build_run
     from kiln.engine.seeding import set_deterministic
 
     set_deterministic(cfg.trainer.deterministic)
     device = torch.device(
         "cuda" if torch.cuda.is_available() and str(cfg.device) != "cpu" else "cpu"
     )
-    return build_trainer(cfg, scratch, DistInfo(), device, NoRecorder())
+    built = build_run(
+        cfg,
+        scratch,
+        DistInfo(),
+        device,
+        NoRecorder(),
+        conditional_is_fatal=conditional_is_fatal,
+        restore=restore,
+    )
+    return built.trainer
 
 
-def _restore(trainer, run_dir: Path, before: int, found: Replay, at_most: bool = False) -> None:
+def _start_state(run_dir: Path, before: int, found: Replay, at_most: bool = False) -> dict | None:
+    """The checkpoint the replay starts from (start_checkpoint), said in found.start; None: the
+    initial weights, which the run's seed builds again."""
     start = start_checkpoint(run_dir, before, at_most)
     if start is None:
         found.start = "the initial weights (step 0: the run's seed builds them again)"
-        return
+        return None
     path, ckpt, step = start
-    trainer.load_state_dict(ckpt)
     found.start = f"{path} (step {step})"
+    return ckpt
 
 
 def _epochs(trainer) -> Iterator[Iterator]:
@@ -273,7 +294,8 @@ def _epochs(trainer) -> Iterator[Iterator]:
 
 
 def _replay_steps(trainer, run_dir: Path, step: int, found: Replay) -> Replay:
-    _restore(trainer, run_dir, step, found)
+    """The steps up to the failing `step` from the trainer's state (found.start), then that
+    step bisected on the batch the run saved."""
     s = trainer.state
     updates: list[list[dict]] = []
     hook = trainer.optimizer.register_step_pre_hook(
@@ -402,9 +424,9 @@ def _describe_values(t: torch.Tensor) -> str:
     return f"min {stats.get('min', math.nan):.3g}, max {stats.get('max', math.nan):.3g}"
 
 
-def _replay_evaluation(trainer, run_dir: Path, step: int, found: Replay) -> Replay:
-    """The evaluation after `step`, from the checkpoint written after it."""
-    _restore(trainer, run_dir, step, found, at_most=True)
+def _replay_evaluation(trainer, found: Replay) -> Replay:
+    """The evaluation of the trainer's state: the failing step's (found.start: the checkpoint
+    written after it)."""
     model, forward = trainer.raw_model, trainer.criterion.forward
     model.eval()
     bad_batch = None
@@ -451,10 +473,10 @@ def _replay_probes(
         probe_cache=False,
         probe_budget=dataclasses.replace(cfg.trainer.probe_budget, enforce=False),
     )
-    trainer = _build(dataclasses.replace(cfg, trainer=trainer_cfg), scratch)
-    plan = trainer.parts.probe_plan
-    trainer.parts.probe_plan = dataclasses.replace(
-        plan, conditional_is_fatal=plan.conditional_is_fatal or conditional_is_fatal
+    trainer = _build(
+        dataclasses.replace(cfg, trainer=trainer_cfg),
+        scratch,
+        conditional_is_fatal=conditional_is_fatal,
     )
     try:
         trainer.run_probes()

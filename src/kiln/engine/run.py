@@ -119,17 +119,58 @@ def load_data(cfg: KilnConfig, pretrained: PretrainedInput | None = None) -> Dat
     return bundle
 
 
-def build_trainer(
+@dataclasses.dataclass(frozen=True)
+class BuiltRun:
+    """What build_run hands out: a Trainer ready to fit (at the checkpoint's position when the
+    run resumes), and the config it was built from."""
+
+    trainer: Trainer
+    cfg: KilnConfig  # as built: resume as resume_after_restart left it, data.batch_size as found
+    resumed_from: Path | None  # the checkpoint cfg.resume continues (its metrics.jsonl goes on)
+
+
+def build_run(
     cfg: KilnConfig,
     run_dir: Path,
     dist: DistInfo,
     device: torch.device,
     recorder,
     startup: StartupClock | None = None,
-) -> Trainer:
+    *,
+    conditional_is_fatal: bool = False,
+    restore: dict | None = None,
+) -> BuiltRun:
+    """The run as `cfg` asks for it: its Trainer built (fresh_trainer), then, when cfg.resume
+    names a checkpoint, the config differences judged and the saved state loaded, all before
+    anyone holds the Trainer. `conditional_is_fatal`: parameters used in only some steps stop
+    the run even in one process (kiln triage replays a DDP run's probes so). `restore`: a
+    checkpoint of this same run, loaded as it is, unjudged (kiln triage replays its steps)."""
+    # After torchrun restarted the group: this run's newest checkpoint, whatever cfg.resume says
+    resume = resume_after_restart(cfg.resume, run_dir / "checkpoints")
+    cfg = dataclasses.replace(cfg, resume=resume)  # a new value: the caller's stays
+    assert restore is None or cfg.resume is None, "a replay restores its own checkpoint"
+    trainer, cfg = fresh_trainer(
+        cfg, run_dir, dist, device, recorder, startup, conditional_is_fatal
+    )
+    if restore is not None:
+        trainer.load_state_dict(restore)
+    resumed_from = resume_if_asked(trainer, cfg)
+    return BuiltRun(trainer=trainer, cfg=cfg, resumed_from=resumed_from)
+
+
+def fresh_trainer(
+    cfg: KilnConfig,
+    run_dir: Path,
+    dist: DistInfo,
+    device: torch.device,
+    recorder,
+    startup: StartupClock | None = None,
+    conditional_is_fatal: bool = False,
+) -> tuple[Trainer, KilnConfig]:
     """The run's parts from `cfg`, in the order that draws the same random numbers every time
-    (initial weights, then the data's and the probes'). What it derives -- a found batch size,
-    the plan of the probes -- is passed on as new values; `cfg` is frozen. `startup`: the run's
+    (initial weights, then the data's and the probes'), as a Trainer at step 0. What it derives
+    -- a found batch size, the plan of the probes -- is passed on as new values (`cfg` is frozen):
+    returns the Trainer and the config with data.batch_size as found. `startup`: the run's
     start-up clock (kiln.startup), lapped here and said by the Trainer after the first step."""
     cpu_watch = BusyElsewhere()  # what other processes keep busy while this run starts
     seed_everything(cfg.seed)  # the same initial weights on every rank and in single runs
@@ -188,7 +229,7 @@ def build_trainer(
         bundle.spec.task, precision=precision, device=device, dist=dist, **settings
     )
     subject = probe_subject(cfg, bundle, train_loader, model, precision, device, want_aux, recorded)
-    plan = probe_plan(cfg, subject.criterion, dist, warmup_start)
+    plan = probe_plan(cfg, subject.criterion, dist, warmup_start, conditional_is_fatal)
     scheduler = build_scheduler(optimizer, cfg.scheduler, planned_steps)
     parts = TrainingParts(
         model=wrapped,
@@ -228,7 +269,7 @@ def build_trainer(
     )
     contract = run_contract(cfg, bundle, planned_steps, dist, has_schedule=scheduler is not None)
     seed_everything(cfg.seed + dist.rank)  # distinct dropout streams per rank
-    return Trainer(
+    trainer = Trainer(
         loop_settings(cfg.trainer),
         parts,
         checkpointer=checkpointer,
@@ -242,6 +283,7 @@ def build_trainer(
         contract=contract,
         startup=startup,
     )
+    return trainer, cfg
 
 
 def build_run_model(
@@ -398,10 +440,19 @@ def run_contract(
     )
 
 
-def probe_plan(cfg: KilnConfig, criterion, dist: DistInfo, warmup_start: float = 1.0) -> ProbePlan:
+def probe_plan(
+    cfg: KilnConfig,
+    criterion,
+    dist: DistInfo,
+    warmup_start: float = 1.0,
+    conditional_is_fatal: bool = False,
+) -> ProbePlan:
     """Which checks run before step 1, from the config (kiln.guards.probes); `warmup_start`:
-    the schedule's first lr as a share of optimizer.lr (the learn probe tries it)."""
+    the schedule's first lr as a share of optimizer.lr (the learn probe tries it);
+    `conditional_is_fatal`: as under DDP, whatever this process's ranks (build_run says why)."""
     t = cfg.trainer
+    # DDP without find_unused_parameters fails a step whose backward skips a parameter
+    ddp_fails = dist.enabled and not is_sharded(t) and not t.find_unused_parameters
     return ProbePlan(
         sizes=t.probe_sizes,
         modes=t.shape_check,
@@ -410,7 +461,7 @@ def probe_plan(cfg: KilnConfig, criterion, dist: DistInfo, warmup_start: float =
         learn_steps=LEARN_PROBE_STEPS if t.learn_probe else 0,
         warmup_start=warmup_start,
         fp16=t.fp16_check or cfg.precision.name == "amp",  # amp is fp16 on CUDA
-        conditional_is_fatal=dist.enabled and not is_sharded(t) and not t.find_unused_parameters,
+        conditional_is_fatal=conditional_is_fatal or ddp_fails,
         budget=ProbeBudget(**dataclasses.asdict(t.probe_budget)),
     )
 
@@ -552,7 +603,8 @@ def find_batch_size(cfg: KilnConfig, bundle, model, precision, dist, device) -> 
 
 def resume_if_asked(trainer: Trainer, cfg: KilnConfig) -> Path | None:
     """Continue from the checkpoint cfg.resume names, after judging every config difference
-    (kiln.engine.resume); approved changes are applied for real."""
+    (kiln.engine.resume); approved changes are applied for real. build_run calls it on the
+    Trainer it has just built, before handing it out. Returns the checkpoint, or None."""
     found = trainer.checkpointer.resume_source(cfg.resume)
     if found is None:
         return None
@@ -646,13 +698,11 @@ def train(
         recorder = RunRecorder(
             cfg.logger, run_dir, run_name=cfg.name, config=to_plain(cfg), is_main=dist.is_main
         )
-        resume = resume_after_restart(cfg.resume, run_dir / "checkpoints")
-        cfg = dataclasses.replace(cfg, resume=resume)  # a new value: the caller's stays
-        trainer = build_trainer(cfg, run_dir, dist, device, recorder, startup)
+        run = build_run(cfg, run_dir, dist, device, recorder, startup)
+        trainer, cfg = run.trainer, run.cfg
         built.append(trainer)
-        resumed = resume_if_asked(trainer, cfg)
-        if resumed is not None:
-            recorder.carry_on(run_of(resumed) / "metrics.jsonl", trainer.state.global_step)
+        if run.resumed_from is not None:
+            recorder.carry_on(run_of(run.resumed_from) / "metrics.jsonl", trainer.state.global_step)
         startup.lap("build")
         final = trainer.fit()
         trainer.checkpointer.check_pointed_files()  # no run ends ok pointing at a bad file
