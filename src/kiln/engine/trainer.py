@@ -122,9 +122,10 @@ class TrainState:
         return dict(self.__dict__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingParts:
-    """What the loop runs, built by kiln.engine.run from the config."""
+    """What the loop runs, built by kiln.engine.run from the config (and not changed after:
+    what a run changes as it goes is the Trainer's own, trainer.state and its attributes)."""
 
     model: nn.Module  # what the loop calls (DDP-wrapped under DDP, sharded in place under FSDP)
     raw_model: nn.Module  # unwrapped: checkpoints and guards see plain parameter names
