@@ -47,6 +47,8 @@ def test_incompatible_changes_are_refused_naming_key_and_values(tmp_path, change
         resume(run_dir, "trainer.max_epochs=1", *change)
     message = str(info.value)
     assert expected in message and "for a new run" in message
+    summary = read_summary(run_dir)  # the refused run as it was built, not a blank one
+    assert summary["status"] == "failed" and summary["monitor"] is not None
 
 
 def lrs(run_dir):

@@ -139,12 +139,15 @@ def build_run(
     *,
     conditional_is_fatal: bool = False,
     restore: dict | None = None,
+    on_built: Callable[[Trainer], Any] | None = None,
 ) -> BuiltRun:
     """The run as `cfg` asks for it: its Trainer built (fresh_trainer), then, when cfg.resume
     names a checkpoint, the config differences judged and the saved state loaded, all before
     anyone holds the Trainer. `conditional_is_fatal`: parameters used in only some steps stop
     the run even in one process (kiln triage replays a DDP run's probes so). `restore`: a
-    checkpoint of this same run, loaded as it is, unjudged (kiln triage replays its steps)."""
+    checkpoint of this same run, loaded as it is, unjudged (kiln triage replays its steps).
+    `on_built`: told of the Trainer before the resume is judged, for failure reports only (a
+    refused resume's summary and findings still describe the run as built)."""
     # After torchrun restarted the group: this run's newest checkpoint, whatever cfg.resume says
     resume = resume_after_restart(cfg.resume, run_dir / "checkpoints")
     cfg = dataclasses.replace(cfg, resume=resume)  # a new value: the caller's stays
@@ -152,6 +155,8 @@ def build_run(
     trainer, cfg = fresh_trainer(
         cfg, run_dir, dist, device, recorder, startup, conditional_is_fatal
     )
+    if on_built is not None:
+        on_built(trainer)
     if restore is not None:
         trainer.load_state_dict(restore)
     resumed_from = resume_if_asked(trainer, cfg)
@@ -698,9 +703,8 @@ def train(
         recorder = RunRecorder(
             cfg.logger, run_dir, run_name=cfg.name, config=to_plain(cfg), is_main=dist.is_main
         )
-        run = build_run(cfg, run_dir, dist, device, recorder, startup)
+        run = build_run(cfg, run_dir, dist, device, recorder, startup, on_built=built.append)
         trainer, cfg = run.trainer, run.cfg
-        built.append(trainer)
         if run.resumed_from is not None:
             recorder.carry_on(run_of(run.resumed_from) / "metrics.jsonl", trainer.state.global_step)
         startup.lap("build")
@@ -718,6 +722,7 @@ def train(
             keep_findings(run_dir, trainer)
         return summary
     except BaseException as err:  # every way a run ends early is reported, then re-raised
+        trainer = built[0] if built else None  # also when the build's resume was refused
         reporting_failure()  # a SIGTERM now (torchrun's, after a rank died) waits for the report
         if trainer is not None and not hasattr(err, "step"):
             err.kiln_step = trainer.current_step  # where the failure line says it happened
