@@ -66,9 +66,15 @@ class ReferenceBPE:
     @classmethod
     def from_tokenizer_json(cls, tokenizer_json: str, max_length: int) -> ReferenceBPE:
         model = json.loads(tokenizer_json)["model"]
-        expected = {"type": "BPE", "dropout": None, "continuing_subword_prefix": None,
-                    "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                    "ignore_merges": False}  # fmt: skip
+        expected = {
+            "type": "BPE",
+            "dropout": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+        }
         found = {key: model.get(key) for key in expected}
         if found != expected:
             raise ValueError(f"this reference covers plain BPE only, not {found}")

@@ -201,7 +201,7 @@ class StackingDetector(nn.Module):
                 "boxes": torch.zeros(0, 4),
                 "labels": torch.zeros(0, dtype=torch.long),
                 "scores": s.reshape(0),
-            }  # fmt: skip
+            }
             for s in score
         ]
 
@@ -359,10 +359,13 @@ class AssumesABox(nn.Module):
             first = torch.stack([t["boxes"][0] for t in targets])  # (N, 4): one box assumed
             return {"loss_box": ((scores[:, None] - first / 100) ** 2).mean()}
         return [
-            {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long),
-             "scores": torch.zeros(0)}
+            {
+                "boxes": torch.zeros(0, 4),
+                "labels": torch.zeros(0, dtype=torch.long),
+                "scores": torch.zeros(0),
+            }
             for _ in images
-        ]  # fmt: skip
+        ]
 
     def check_output(self, mode, output, batch_size=None):
         return []  # a loss dict in train mode, detections in eval mode, as detectors return
@@ -1033,7 +1036,7 @@ BROKEN = [
         "failed on",
         TextBowConfig,
         ("tokens",),
-    ),  # fmt: skip
+    ),
     Broken(
         "eval_extra_column",
         EvalExtraColumn,
@@ -1042,7 +1045,7 @@ BROKEN = [
         "rule3",
         "shape differs: train (4, 10) vs eval (4, 11) (what varied: the mode, train vs eval, no "
         "grad in both; the first module whose output differs: <model> (EvalExtraColumn)",
-    ),  # fmt: skip
+    ),
     Broken(
         "eval_structure",
         EvalReturnsAnotherStructure,
@@ -1050,7 +1053,7 @@ BROKEN = [
         RULE_3,
         "rule3",
         "structure differs",
-    ),  # fmt: skip
+    ),
     Broken("eval_only_crash", EvalOnlyCrash, "digits", RULE_3, "rule3", "eval-mode forward raised"),
     Broken("bn_forced_train", BatchNormForcedTrain, "digits", RULE_3, "rule3", "changed buffers"),
     Broken("eval_buffer", EvalUpdatesBuffer, "digits", RULE_3, "rule3", "changed buffers calls"),
@@ -1065,7 +1068,7 @@ BROKEN = [
         "stack expects each tensor to be equal size",
         DetectorConfig,
         ("image_list",),
-    ),  # fmt: skip
+    ),
     Broken("layer_on_meta", LayerLeftOnMeta, "digits", DEVICES, "rule3", "device mismatch in head"),
     Broken(
         "tensor_made_on_meta",
@@ -1074,7 +1077,7 @@ BROKEN = [
         DEVICES,
         "rule3",
         "device mismatch in mix (Mixer)",
-    ),  # fmt: skip
+    ),
     Broken(
         "eval_only_nan", EvalOnlyNaN, "digits", NUMERICS, "rule3", "eval-mode output is non-fin"
     ),
@@ -1087,7 +1090,7 @@ BROKEN = [
         "config",
         "schema AuxOnConfig turns the branch aux_head on by default",
         AuxOnConfig,
-    ),  # fmt: skip
+    ),
     Broken(
         "unused_side_head",
         UnusedSideHead,
@@ -1096,7 +1099,7 @@ BROKEN = [
         "rule2",
         "got no gradient at step 1: side.weight, side.bias, in side (Linear)",
         SideHeadConfig,
-    ),  # fmt: skip
+    ),
     Broken(
         "position_table_32",
         PositionTable32,
@@ -1106,7 +1109,7 @@ BROKEN = [
         "2 sequences of 256 tokens (spec.max_length",
         TextBowConfig,
         ("tokens",),
-    ),  # fmt: skip
+    ),
     Broken(
         "assumes_a_box",
         AssumesABox,
@@ -1116,7 +1119,7 @@ BROKEN = [
         "failed on an image with no box and the image with the most boxes",
         DetectorConfig,
         ("image_list",),
-    ),  # fmt: skip
+    ),
     Broken(
         "batchnorm_head",
         BatchNormHead,
@@ -1125,7 +1128,7 @@ BROKEN = [
         "rule1",
         "set data.drop_last=true (that sample is left out of each epoch), or data.batch_size=5",
         overrides=("data.batch_size=4",),  # 1437 training digits: the last batch holds 1
-    ),  # fmt: skip
+    ),
     Broken(
         "grad_mode_width",
         GradModeWidth,
@@ -1135,59 +1138,158 @@ BROKEN = [
         "What varied: grad mode: the same batch with grad, as training runs it, gives the right "
         "output; without grad, as evaluation and inference run, it does not; the first module "
         "whose output differs: head (GradModeHead): (1, 10) in the with-grad run vs (1, 11)",
-    ),  # fmt: skip
+    ),
 ]
 
 # Issue 31's kinds: what a model computes. Each is stopped before step 1 by its own check, which
 # names the module; conditional_refine only under DDP (one process trains on, warned).
 BROKEN += [
-    Broken("view_for_transpose", RowAttention, "digits", BATCH, "behaviour",
-           "<model> (RowAttention).forward, between embed (Linear)'s output and head (Linear)'s "
-           "input"),
-    Broken("rnn_batch_first", RowRNN, "digits", BATCH, "behaviour",
-           "rnn (GRU): row i of its output depends on other rows of its input"),
+    Broken(
+        "view_for_transpose",
+        RowAttention,
+        "digits",
+        BATCH,
+        "behaviour",
+        "<model> (RowAttention).forward, between embed (Linear)'s output and head (Linear)'s input",
+    ),
+    Broken(
+        "rnn_batch_first",
+        RowRNN,
+        "digits",
+        BATCH,
+        "behaviour",
+        "rnn (GRU): row i of its output depends on other rows of its input",
+    ),
     Broken("batch_statistics", BatchStatistics, "digits", BATCH, "behaviour", "norm (Standardise)"),
-    Broken("state_on_self", StateOnSelf, "digits", DETERMINISM, "behaviour",
-           "the model changes itself on every call: the first module call where they part: "
-           "centre (RunningCentre)"),
-    Broken("eval_dropout", FunctionalDropout, "digits", DETERMINISM, "behaviour",
-           "randomness is left on in eval mode; the first module call where they part: <model> "
-           "(FunctionalDropout).forward, before it calls head (Linear)"),
-    Broken("eval_noise", NoiseInEval, "digits", DETERMINISM, "behaviour",
-           "randomness is left on in eval mode; the first module call where they part: noise "
-           "(GaussianNoise)"),
-    Broken("inputs_in_place", ScalesInputsInPlace, "digits", PURITY, "behaviour",
-           "changed the batch it was given: batch[0]: "),
-    Broken("targets_in_place", rescales_targets_in_place, "shapes_detection", PURITY, "behaviour",
-           "changed the batch it was given: batch[1][1]['boxes']: 12 of 12 values changed",
-           DetectorConfig, ("image_list",)),
-    Broken("dead_units", DeadUnits, "digits", DEAD, "behaviour",
-           "Layers with every unit off on the probe batch: body.1: 32 of 32 units off (ReLU)"),
-    Broken("detached_output", DetachedOutput, "digits", DEAD, "behaviour",
-           "output is detached from the graph"),
-    Broken("zero_gradients", ZeroGradients, "digits", DEAD, "behaviour",
-           "got a gradient that is exactly zero in the probe step before step 1, and again after "
-           "one optimizer step: branch.fc.weight, branch.fc.bias, in branch.fc (Linear)"),
-    Broken("conditional_refine", ConditionalRefine, "digits", DEAD, "behaviour",
-           "parameters used only in some steps: refine.weight, refine.bias (in refine (Linear)) "
-           "got a gradient from samples 5, 6, 7 (each alone), the whole batch of 8 and none from "
-           "samples 0, 1, 2, 3, 4 (each alone)"),
-    Broken("tensor_without_device", TensorWithoutDevice, "digits", DEVICES, "behaviour",
-           "in position (PositionBias) combines a tensor of shape (16,) made by "
-           "torch.arange(...) without device= in position (PositionBias)"),
-    Broken("offsets_in_a_list", OffsetsInAList, "digits", DEVICES, "behaviour",
-           "in offsets (ListedOffsets) combines a tensor of shape (16,) made by the plain "
-           "attribute offsets._offsets[0] of ListedOffsets"),
-    Broken("mask_fill_minus_1e9", MaskFillMinus1e9, "digits", NUMERICS, "fp16",
-           "under fp16 autocast (precision=amp on CUDA) mask (MaskedScores) uses a value float16 "
-           "cannot hold", overrides=("precision=amp",)),
-    Broken("exp_of_half", ExpOfHalf, "digits", NUMERICS, "fp16",
-           "in attend (HandSoftmax) makes Inf/NaN out of finite", overrides=("precision=amp",)),
-    Broken("view_on_permuted", ViewOnPermuted, "synthetic_images", LAYOUT, "rule1",
-           "use .reshape(...)"),
-    Broken("tiny_logits", TinyLogits, "digits", LEARN, "behaviour",
-           "5 steps on one fixed batch of 8 at lr 0.003: its loss"),
-]  # fmt: skip
+    Broken(
+        "state_on_self",
+        StateOnSelf,
+        "digits",
+        DETERMINISM,
+        "behaviour",
+        "the model changes itself on every call: the first module call where they part: "
+        "centre (RunningCentre)",
+    ),
+    Broken(
+        "eval_dropout",
+        FunctionalDropout,
+        "digits",
+        DETERMINISM,
+        "behaviour",
+        "randomness is left on in eval mode; the first module call where they part: <model> "
+        "(FunctionalDropout).forward, before it calls head (Linear)",
+    ),
+    Broken(
+        "eval_noise",
+        NoiseInEval,
+        "digits",
+        DETERMINISM,
+        "behaviour",
+        "randomness is left on in eval mode; the first module call where they part: noise "
+        "(GaussianNoise)",
+    ),
+    Broken(
+        "inputs_in_place",
+        ScalesInputsInPlace,
+        "digits",
+        PURITY,
+        "behaviour",
+        "changed the batch it was given: batch[0]: ",
+    ),
+    Broken(
+        "targets_in_place",
+        rescales_targets_in_place,
+        "shapes_detection",
+        PURITY,
+        "behaviour",
+        "changed the batch it was given: batch[1][1]['boxes']: 12 of 12 values changed",
+        DetectorConfig,
+        ("image_list",),
+    ),
+    Broken(
+        "dead_units",
+        DeadUnits,
+        "digits",
+        DEAD,
+        "behaviour",
+        "Layers with every unit off on the probe batch: body.1: 32 of 32 units off (ReLU)",
+    ),
+    Broken(
+        "detached_output",
+        DetachedOutput,
+        "digits",
+        DEAD,
+        "behaviour",
+        "output is detached from the graph",
+    ),
+    Broken(
+        "zero_gradients",
+        ZeroGradients,
+        "digits",
+        DEAD,
+        "behaviour",
+        "got a gradient that is exactly zero in the probe step before step 1, and again after "
+        "one optimizer step: branch.fc.weight, branch.fc.bias, in branch.fc (Linear)",
+    ),
+    Broken(
+        "conditional_refine",
+        ConditionalRefine,
+        "digits",
+        DEAD,
+        "behaviour",
+        "parameters used only in some steps: refine.weight, refine.bias (in refine (Linear)) "
+        "got a gradient from samples 5, 6, 7 (each alone), the whole batch of 8 and none from "
+        "samples 0, 1, 2, 3, 4 (each alone)",
+    ),
+    Broken(
+        "tensor_without_device",
+        TensorWithoutDevice,
+        "digits",
+        DEVICES,
+        "behaviour",
+        "in position (PositionBias) combines a tensor of shape (16,) made by "
+        "torch.arange(...) without device= in position (PositionBias)",
+    ),
+    Broken(
+        "offsets_in_a_list",
+        OffsetsInAList,
+        "digits",
+        DEVICES,
+        "behaviour",
+        "in offsets (ListedOffsets) combines a tensor of shape (16,) made by the plain "
+        "attribute offsets._offsets[0] of ListedOffsets",
+    ),
+    Broken(
+        "mask_fill_minus_1e9",
+        MaskFillMinus1e9,
+        "digits",
+        NUMERICS,
+        "fp16",
+        "under fp16 autocast (precision=amp on CUDA) mask (MaskedScores) uses a value float16 "
+        "cannot hold",
+        overrides=("precision=amp",),
+    ),
+    Broken(
+        "exp_of_half",
+        ExpOfHalf,
+        "digits",
+        NUMERICS,
+        "fp16",
+        "in attend (HandSoftmax) makes Inf/NaN out of finite",
+        overrides=("precision=amp",),
+    ),
+    Broken(
+        "view_on_permuted", ViewOnPermuted, "synthetic_images", LAYOUT, "rule1", "use .reshape(...)"
+    ),
+    Broken(
+        "tiny_logits",
+        TinyLogits,
+        "digits",
+        LEARN,
+        "behaviour",
+        "5 steps on one fixed batch of 8 at lr 0.003: its loss",
+    ),
+]
 
 
 @dataclass(frozen=True)
@@ -1348,20 +1450,55 @@ class TiedInForward(nn.Module):
 
 
 BROKEN += [
-    Broken("mean_over_padding", MeanOverPadding, "csv_text", PADDING, "behaviour",
-           "the model reads its padding; first seen in <model> (MeanOverPadding).forward, "
-           "before it calls head (Linear)", TextBowConfig, ("tokens",)),
-    Broken("softmax_over_batch", SoftmaxOverBatch, "csv_text", BATCH, "behaviour",
-           "its output depends on its neighbour", TextBowConfig, ("tokens",)),
-    Broken("inverted_attention_mask", InvertedAttentionMask, "csv_text", PADDING, "behaviour",
-           "the model reads its padding; first seen in attend (MultiheadAttention)",
-           TextBowConfig, ("tokens",)),
-    Broken("built_in_forward", BuiltInForward, "digits", COVERAGE, "coverage",
-           "proj.weight, proj.bias (in proj (Linear)) are trainable parameters of the model "
-           "after step 1 that the optimizer does not hold"),
-    Broken("tied_in_forward", TiedInForward, "digits", COVERAGE, "coverage",
-           "decode.weight (in decode (Linear))"),
-]  # fmt: skip
+    Broken(
+        "mean_over_padding",
+        MeanOverPadding,
+        "csv_text",
+        PADDING,
+        "behaviour",
+        "the model reads its padding; first seen in <model> (MeanOverPadding).forward, "
+        "before it calls head (Linear)",
+        TextBowConfig,
+        ("tokens",),
+    ),
+    Broken(
+        "softmax_over_batch",
+        SoftmaxOverBatch,
+        "csv_text",
+        BATCH,
+        "behaviour",
+        "its output depends on its neighbour",
+        TextBowConfig,
+        ("tokens",),
+    ),
+    Broken(
+        "inverted_attention_mask",
+        InvertedAttentionMask,
+        "csv_text",
+        PADDING,
+        "behaviour",
+        "the model reads its padding; first seen in attend (MultiheadAttention)",
+        TextBowConfig,
+        ("tokens",),
+    ),
+    Broken(
+        "built_in_forward",
+        BuiltInForward,
+        "digits",
+        COVERAGE,
+        "coverage",
+        "proj.weight, proj.bias (in proj (Linear)) are trainable parameters of the model "
+        "after step 1 that the optimizer does not hold",
+    ),
+    Broken(
+        "tied_in_forward",
+        TiedInForward,
+        "digits",
+        COVERAGE,
+        "coverage",
+        "decode.weight (in decode (Linear))",
+    ),
+]
 TWINS += [
     Twin("mean_over_real_tokens", MeanOverRealTokens, "mean_over_padding"),
     Twin("softmax_over_sequence", SoftmaxOverSequence, "softmax_over_batch"),
@@ -1392,8 +1529,9 @@ def val_overlaps_train(bundle):
     from torch.utils.data import ConcatDataset, Subset
 
     half = len(bundle.val) // 2
-    return _with_val(bundle, ConcatDataset([Subset(bundle.train, range(half)),
-                                            Subset(bundle.val, range(half))]))  # fmt: skip
+    return _with_val(
+        bundle, ConcatDataset([Subset(bundle.train, range(half)), Subset(bundle.val, range(half))])
+    )
 
 
 class ClassMapped(torch.utils.data.Dataset):
@@ -1419,8 +1557,9 @@ def class_maps(bundle, swap: bool):
     val_map = dict(train_map)
     if swap:
         val_map[names[0]], val_map[names[1]] = 1, 0
-    return dc.replace(bundle, train=ClassMapped(bundle.train, train_map),
-                      val=ClassMapped(bundle.val, val_map))  # fmt: skip
+    return dc.replace(
+        bundle, train=ClassMapped(bundle.train, train_map), val=ClassMapped(bundle.val, val_map)
+    )
 
 
 class Retargeted(torch.utils.data.Dataset):
@@ -1440,8 +1579,9 @@ class Retargeted(torch.utils.data.Dataset):
 def _retargeted(bundle, change):
     import dataclasses as dc
 
-    return dc.replace(bundle, train=Retargeted(bundle.train, change),
-                      val=Retargeted(bundle.val, change))  # fmt: skip
+    return dc.replace(
+        bundle, train=Retargeted(bundle.train, change), val=Retargeted(bundle.val, change)
+    )
 
 
 def labels_from_zero(bundle):
@@ -1468,16 +1608,42 @@ class BrokenData:
 
 
 BROKEN_DATA = [
-    BrokenData("val_is_train", val_is_train, "digits", "split leak",
-               "1437 of 1437 val items (100.0%) are also in the train split"),
-    BrokenData("val_overlaps_train", val_overlaps_train, "digits", "split leak",
-               "180 of 360 val items (50.0%) are also in the train split"),
-    BrokenData("class_map_swapped", lambda b: class_maps(b, swap=True), "digits", "class map",
-               "2 class(es) at another index: '0' -> 1 in val, 0 in train, '1' -> 0 in val, 1 "
-               "in train", mended=lambda b: class_maps(b, swap=False)),
-    BrokenData("labels_from_zero", labels_from_zero, "shapes_detection", "box convention",
-               "boxes are labelled 0 (labels 0..1), and kiln's detectors reserve 0 for the "
-               "background", overrides=("model=detector",)),
-    BrokenData("boxes_as_xywh", boxes_as_xywh, "shapes_detection", "box convention",
-               "have x2 <= x1 or y2 <= y1", overrides=("model=detector",)),
-]  # fmt: skip
+    BrokenData(
+        "val_is_train",
+        val_is_train,
+        "digits",
+        "split leak",
+        "1437 of 1437 val items (100.0%) are also in the train split",
+    ),
+    BrokenData(
+        "val_overlaps_train",
+        val_overlaps_train,
+        "digits",
+        "split leak",
+        "180 of 360 val items (50.0%) are also in the train split",
+    ),
+    BrokenData(
+        "class_map_swapped",
+        lambda b: class_maps(b, swap=True),
+        "digits",
+        "class map",
+        "2 class(es) at another index: '0' -> 1 in val, 0 in train, '1' -> 0 in val, 1 in train",
+        mended=lambda b: class_maps(b, swap=False),
+    ),
+    BrokenData(
+        "labels_from_zero",
+        labels_from_zero,
+        "shapes_detection",
+        "box convention",
+        "boxes are labelled 0 (labels 0..1), and kiln's detectors reserve 0 for the background",
+        overrides=("model=detector",),
+    ),
+    BrokenData(
+        "boxes_as_xywh",
+        boxes_as_xywh,
+        "shapes_detection",
+        "box convention",
+        "have x2 <= x1 or y2 <= y1",
+        overrides=("model=detector",),
+    ),
+]

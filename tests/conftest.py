@@ -23,59 +23,107 @@ load_plugins([m for m in os.environ.get("KILN_PLUGINS", "").split(",") if m])
 # Tests moved from `make test` to `make test-all` by their measured time (pytest --durations
 # on the 2-core CI machine, 2026-12-03), so the default suite stays near ten minutes. Each is
 # 8 s or more, and `make test` keeps a quicker test of the same concern: the value names it.
-LONG_TESTS = {
-    "test_finetune.py::test_sigkill_mid_epoch_resume_is_exact_with_init_from_freeze_head_lr_and_ema":
-        "test_resume.py::test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run",
-    "test_failures.py::test_a_users_models_join_the_registry_wide_tests_without_any_test_edit":
-        "test_registry.py::test_a_users_model_and_dataset_train_through_train_py_and_predict",
-    "test_registry.py::test_a_checkpoint_records_its_plugin_package_and_names_it_when_it_is_gone":
-        "test_registry.py::test_an_installed_plugin_that_fails_to_import_is_named_and_skipped",
-    "test_printed_commands.py::test_a_plugin_run_carries_its_plugins_into_the_commands_it_prints":
-        "test_printed_commands.py::test_a_failed_runs_printed_commands_run_as_printed",
-    "test_printed_commands.py::test_an_entry_point_plugin_declares_its_config_folder":
-        "test_registry.py::test_plugins_can_also_come_from_an_entry_point",
-    "test_matrix.py::test_a_broken_cell_fails_the_matrix_with_its_fail_line":
-        "test_failures.py: each broken model's one [FAIL] line",
-    "test_image_folder.py::test_train_py_on_the_example_photos_with_resnet18":
-        "test_readme.py (the README's image-folder command) and test_image_folder.py's predictor",
-    "test_torchvision_detection_export.py::"
-    "test_fasterrcnn_exports_to_onnx_with_box_parity_and_serves_from_it":
-        "test_torchvision_detection_export.py::test_the_traced_resize_sizes_every_image_as_eager_torch_does",
-    "test_ddp.py::test_the_other_ranks_wait_for_the_main_ranks_fail_line_before_they_exit":
-        "test_ddp.py::test_nonfinite_loss_under_ddp_stops_every_rank_with_one_fail_line",
-    "test_ddp.py::test_parameters_used_in_some_steps_stop_a_ddp_run_before_step_1":
-        "test_ddp.py::test_two_cpu_processes_match_one_process_with_the_same_global_batch",
-    "test_ddp.py::test_ranks_share_one_run_directory_without_hydra_run_dir":
-        "test_ddp.py::test_two_cpu_processes_match_one_process_with_the_same_global_batch",
-    "test_fsdp.py::test_fsdp_on_two_ranks_trains_as_one_process_and_writes_sharded_checkpoints":
-        "test_fsdp.py::test_a_checkpoint_naming_incomplete_shards_is_skipped_and_stray_folders_removed",
-    "test_zoo_photos.py::test_torchvision_resnet18_fine_tuned_from_a_state_dict_end_to_end":
-        "test_zoo.py::test_resnet18_trains_then_exports_and_predicts_without_its_weights_file",
-    "test_antibodies.py::test_behaviour_checks_and_the_learn_probe_pass[resnet18-on-image_folder]":
-        "test_antibodies.py: resnet18-on-synthetic_images",
-    "test_antibodies.py::test_behaviour_checks_and_the_learn_probe_pass"
-    "[torchvision[swin_t]-on-synthetic_images]":
-        "test_antibodies.py: torchvision[efficientnet_b0]-on-synthetic_images",
-    "test_search_storage.py::test_the_same_search_again_continues_its_study":
-        "test_search_configs.py::test_optuna_search_runs_in_memory",
-    "test_triage.py::test_a_flat_loss": "test_triage.py::test_the_command_prints_the_ranked_causes",
-    "test_resume_as_typed.py::test_resume_auto_after_a_finished_run":
-        "test_resume_as_typed.py::test_resume_auto_after_a_preempted_run",
-    "test_train_smoke.py::test_two_step_run_of_each_model[resnet50]":
-        "test_train_smoke.py::test_resnet50_with_amp_runs_on_cpu_as_bf16",
-    "test_hostile_models.py::test_refusals_take_little_memory_in_a_fresh_process":
-        "test_hostile_models.py::test_a_config_past_the_machine_is_refused_naming_the_key_and_the_size",
-    "test_preemption.py::test_a_signal_during_an_evaluation_ends_it_and_checkpoints_that_step":
-        "test_resume.py::test_sigterm_checkpoints_at_a_step_boundary_and_exits_75",
-    "test_preemption.py::test_a_signal_during_a_checkpoint_write_leaves_whole_files":
-        "test_resume.py::test_sigterm_checkpoints_at_a_step_boundary_and_exits_75",
-    "test_preemption.py::test_a_signal_during_the_export_leaves_no_model_onnx":
-        "test_bad_checkpoints.py::test_bad_weights_are_one_error_line_and_exit_2 (no model.onnx)",
-    "test_preemption.py::test_a_signal_before_step_1_stops_the_run_at_once_saying_nothing_was_"
-    "trained[tokenizing]":
-        "test_preemption.py::test_a_signal_before_step_1_stops_the_run_at_once_saying_nothing_was_"
-        "trained[native] (a native call ended by the watch)",
-}  # fmt: skip
+LONG_TESTS = dict(  # test -> the quicker test of the same concern that `make test` keeps
+    [
+        (
+            "test_finetune.py::test_sigkill_mid_epoch_resume_is_exact_with_init_from_freeze_head_lr_and_ema",
+            "test_resume.py::test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run",
+        ),
+        (
+            "test_failures.py::test_a_users_models_join_the_registry_wide_tests_without_any_test_edit",
+            "test_registry.py::test_a_users_model_and_dataset_train_through_train_py_and_predict",
+        ),
+        (
+            "test_registry.py::test_a_checkpoint_records_its_plugin_package_and_names_it_when_it_is_gone",
+            "test_registry.py::test_an_installed_plugin_that_fails_to_import_is_named_and_skipped",
+        ),
+        (
+            "test_printed_commands.py::test_a_plugin_run_carries_its_plugins_into_the_commands_it_prints",
+            "test_printed_commands.py::test_a_failed_runs_printed_commands_run_as_printed",
+        ),
+        (
+            "test_printed_commands.py::test_an_entry_point_plugin_declares_its_config_folder",
+            "test_registry.py::test_plugins_can_also_come_from_an_entry_point",
+        ),
+        (
+            "test_matrix.py::test_a_broken_cell_fails_the_matrix_with_its_fail_line",
+            "test_failures.py: each broken model's one [FAIL] line",
+        ),
+        (
+            "test_image_folder.py::test_train_py_on_the_example_photos_with_resnet18",
+            "test_readme.py::test_every_command_in_the_readme_runs_as_typed",  # its image folder
+        ),
+        (
+            "test_torchvision_detection_export.py::test_fasterrcnn_exports_to_onnx_with_box_parity_and_serves_from_it",
+            "test_torchvision_detection_export.py::test_the_traced_resize_sizes_every_image_as_eager_torch_does",
+        ),
+        (
+            "test_ddp.py::test_the_other_ranks_wait_for_the_main_ranks_fail_line_before_they_exit",
+            "test_ddp.py::test_nonfinite_loss_under_ddp_stops_every_rank_with_one_fail_line",
+        ),
+        (
+            "test_ddp.py::test_parameters_used_in_some_steps_stop_a_ddp_run_before_step_1",
+            "test_ddp.py::test_two_cpu_processes_match_one_process_with_the_same_global_batch",
+        ),
+        (
+            "test_ddp.py::test_ranks_share_one_run_directory_without_hydra_run_dir",
+            "test_ddp.py::test_two_cpu_processes_match_one_process_with_the_same_global_batch",
+        ),
+        (
+            "test_fsdp.py::test_fsdp_on_two_ranks_trains_as_one_process_and_writes_sharded_checkpoints",
+            "test_fsdp.py::test_a_checkpoint_naming_incomplete_shards_is_skipped_and_stray_folders_removed",
+        ),
+        (
+            "test_zoo_photos.py::test_torchvision_resnet18_fine_tuned_from_a_state_dict_end_to_end",
+            "test_zoo.py::test_resnet18_trains_then_exports_and_predicts_without_its_weights_file",
+        ),
+        (
+            "test_antibodies.py::test_behaviour_checks_and_the_learn_probe_pass[resnet18-on-image_folder]",
+            "test_antibodies.py: resnet18-on-synthetic_images",
+        ),
+        (
+            "test_antibodies.py::test_behaviour_checks_and_the_learn_probe_pass[torchvision[swin_t]-on-synthetic_images]",
+            "test_antibodies.py: torchvision[efficientnet_b0]-on-synthetic_images",
+        ),
+        (
+            "test_search_storage.py::test_the_same_search_again_continues_its_study",
+            "test_search_configs.py::test_optuna_search_runs_in_memory",
+        ),
+        (
+            "test_triage.py::test_a_flat_loss",
+            "test_triage.py::test_the_command_prints_the_ranked_causes",
+        ),
+        (
+            "test_resume_as_typed.py::test_resume_auto_after_a_finished_run",
+            "test_resume_as_typed.py::test_resume_auto_after_a_preempted_run",
+        ),
+        (
+            "test_train_smoke.py::test_two_step_run_of_each_model[resnet50]",
+            "test_train_smoke.py::test_resnet50_with_amp_runs_on_cpu_as_bf16",
+        ),
+        (
+            "test_hostile_models.py::test_refusals_take_little_memory_in_a_fresh_process",
+            "test_hostile_models.py::test_a_config_past_the_machine_is_refused_naming_the_key_and_the_size",
+        ),
+        (
+            "test_preemption.py::test_a_signal_during_an_evaluation_ends_it_and_checkpoints_that_step",
+            "test_resume.py::test_sigterm_checkpoints_at_a_step_boundary_and_exits_75",
+        ),
+        (
+            "test_preemption.py::test_a_signal_during_a_checkpoint_write_leaves_whole_files",
+            "test_resume.py::test_sigterm_checkpoints_at_a_step_boundary_and_exits_75",
+        ),
+        (
+            "test_preemption.py::test_a_signal_during_the_export_leaves_no_model_onnx",
+            "test_bad_checkpoints.py::test_bad_weights_are_one_error_line_and_exit_2",  # no onnx
+        ),
+        (
+            "test_preemption.py::test_a_signal_before_step_1_stops_the_run_at_once_saying_nothing_was_trained[tokenizing]",
+            # a native call ended by the watch
+            "test_preemption.py::test_a_signal_before_step_1_stops_the_run_at_once_saying_nothing_was_trained[native]",
+        ),
+    ]
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m picks by marker

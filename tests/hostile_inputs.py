@@ -38,8 +38,10 @@ def png_bomb(side: int = BOMB_SIDE) -> bytes:
     row = bytes(1 + (side + 7) // 8)  # filter byte 0, then the packed bits
     packer = zlib.compressobj(9)
     rows_per_slice = 1000
-    parts = [packer.compress(row * min(rows_per_slice, side - start))
-             for start in range(0, side, rows_per_slice)]  # fmt: skip
+    parts = [
+        packer.compress(row * min(rows_per_slice, side - start))
+        for start in range(0, side, rows_per_slice)
+    ]
     parts.append(packer.flush())
     header = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)  # 1-bit greyscale
     return (
@@ -51,8 +53,12 @@ def png_bomb(side: int = BOMB_SIDE) -> bytes:
 
 
 def _png(header: bytes, image_data: bytes) -> bytes:
-    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", image_data)
-            + png_chunk(b"IEND", b""))  # fmt: skip
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + png_chunk(b"IHDR", header)
+        + png_chunk(b"IDAT", image_data)
+        + png_chunk(b"IEND", b"")
+    )
 
 
 def damaged_pngs(width: int = 16, height: int = 8) -> dict[str, tuple[bytes, str]]:
@@ -294,9 +300,13 @@ def yaml_bomb(levels: int = 9) -> str:
 
 
 def write_coco_like(
-    path, num_images: int, boxes_per_image: int, polygon_points: int = 20, seed: int = 0,
+    path,
+    num_images: int,
+    boxes_per_image: int,
+    polygon_points: int = 20,
+    seed: int = 0,
     file_names=None,
-):  # fmt: skip
+):
     """A COCO instances file shaped like COCO 2017's (each annotation with its polygon
     segmentation, area, iscrowd; images with their licence and sizes), written element by
     element: COCO 2017 train is ~118,000 images, ~7.3 boxes each, ~40-point polygons, 448 MiB.
@@ -310,8 +320,14 @@ def write_coco_like(
         f.write('{"info": {"description": "synthetic", "year": 2017}, "licenses": [], ')
         f.write('"images": [')
         for i in range(num_images):
-            image = {"license": 1, "file_name": names[i], "height": 480, "width": 640,
-                     "date_captured": "2013-11-14 17:02:52", "id": i + 1}  # fmt: skip
+            image = {
+                "license": 1,
+                "file_name": names[i],
+                "height": 480,
+                "width": 640,
+                "date_captured": "2013-11-14 17:02:52",
+                "id": i + 1,
+            }
             f.write(("," if i else "") + json.dumps(image))
         f.write('], "annotations": [')
         ann_id = 0
@@ -320,13 +336,23 @@ def write_coco_like(
                 x, y = rng.uniform(0, 500), rng.uniform(0, 380)
                 w, h = rng.uniform(5, 140), rng.uniform(5, 100)
                 polygon = [round(rng.uniform(0, 640), 2) for _ in range(2 * polygon_points)]
-                ann = {"segmentation": [polygon], "area": round(w * h, 2), "iscrowd": 0,
-                       "image_id": i + 1, "bbox": [round(v, 2) for v in (x, y, w, h)],
-                       "category_id": 1 + ann_id % 3, "id": ann_id + 1}  # fmt: skip
+                ann = {
+                    "segmentation": [polygon],
+                    "area": round(w * h, 2),
+                    "iscrowd": 0,
+                    "image_id": i + 1,
+                    "bbox": [round(v, 2) for v in (x, y, w, h)],
+                    "category_id": 1 + ann_id % 3,
+                    "id": ann_id + 1,
+                }
                 f.write(("," if ann_id else "") + json.dumps(ann))
                 ann_id += 1
         f.write('], "categories": [')
-        f.write(",".join(json.dumps({"supercategory": "thing", "id": k, "name": f"class{k}"})
-                         for k in (1, 2, 3)))  # fmt: skip
+        f.write(
+            ",".join(
+                json.dumps({"supercategory": "thing", "id": k, "name": f"class{k}"})
+                for k in (1, 2, 3)
+            )
+        )
         f.write("]}")
     return path

@@ -36,9 +36,21 @@ NOT_RUN = {
 }
 SERVERS = {"mode=serve": 8000, "make serve": 8000, "tensorboard ": 6006}
 SMOKE = "trainer.max_steps=5 trainer.limit_val_batches=2"
-LINKED = ("train.py", "infer.py", "Makefile", "conf", "src", "scripts", "examples",
-          "pyproject.toml", "requirements.in", "requirements.lock", "README.md", "docs",
-          ".venv")  # fmt: skip
+LINKED = (
+    "train.py",
+    "infer.py",
+    "Makefile",
+    "conf",
+    "src",
+    "scripts",
+    "examples",
+    "pyproject.toml",
+    "requirements.in",
+    "requirements.lock",
+    "README.md",
+    "docs",
+    ".venv",
+)
 
 
 @dataclass
@@ -136,8 +148,9 @@ def cache_detector_weights(command: Command, env: dict) -> None:
     file = Path(env["TORCH_HOME"]) / "hub" / "checkpoints"
     file /= url_file_name(torchvision.models.get_model_weights(arch).DEFAULT.url)
     if not file.is_file():
-        net = torchvision.models.get_model(arch, weights=None, weights_backbone=None,
-                                           num_classes=91)  # fmt: skip
+        net = torchvision.models.get_model(
+            arch, weights=None, weights_backbone=None, num_classes=91
+        )
         freeze_batchnorm(net)
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(net.state_dict(), file)
@@ -146,9 +159,14 @@ def cache_detector_weights(command: Command, env: dict) -> None:
 def run_server(command: Command, home: Path, env: dict) -> None:
     """Start it, wait until it answers on its port, stop it with SIGTERM."""
     process = subprocess.Popen(
-        ["bash", "-c", command.line], cwd=home, env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        ["bash", "-c", command.line],
+        cwd=home,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -169,9 +187,13 @@ def run(command: Command, home: Path, env: dict) -> None:
         run_server(command, home, env)
         return
     done = subprocess.run(
-        ["bash", "-c", command.line], cwd=home, env=env, capture_output=True, text=True,
+        ["bash", "-c", command.line],
+        cwd=home,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=1500,
-    )  # fmt: skip
+    )
     output = (done.stdout + done.stderr).strip().splitlines()
     if command.expected:  # an example of a mistake: exactly the output it shows
         assert output == command.expected, f"{command.line}\n{done.stdout}\n{done.stderr}"

@@ -56,8 +56,20 @@ _RAISE = re.compile(
 )
 # A numpydoc heading: a title line, then a line of dashes as long as it.
 _HEADING = re.compile(r"^[ \t]*([A-Z][A-Za-z ]+?)[ \t]*\n[ \t]*(-{3,})[ \t]*$", re.M)
-SECTIONS = ("Attributes", "Examples", "Notes", "Parameters", "Raises", "References",
-            "Returns", "See Also", "Warns", "Yields", "Other Parameters", "Methods")  # fmt: skip
+SECTIONS = (
+    "Attributes",
+    "Examples",
+    "Notes",
+    "Parameters",
+    "Raises",
+    "References",
+    "Returns",
+    "See Also",
+    "Warns",
+    "Yields",
+    "Other Parameters",
+    "Methods",
+)
 
 MIN_WORDS, MAX_CHARS = 3, 600  # shorter texts say nothing; longer ones are cut
 
@@ -197,5 +209,8 @@ def write_corpus(name: str, path: str | Path, **kwargs) -> dict:
         writer.writerow(["text", "label"])
         writer.writerows(rows)
     counts = Counter(label for _, label in rows)
-    return {"rows": len(rows), "classes": dict(sorted(counts.items())),
-            "versions": library_versions()}  # fmt: skip
+    return {
+        "rows": len(rows),
+        "classes": dict(sorted(counts.items())),
+        "versions": library_versions(),
+    }

@@ -85,11 +85,11 @@ SMALL = {
         "data.image_size=64",
         "data.min_image_size=40",
         "data.num_background=1",  # a detector must train on an image with no box
-    ),  # fmt: skip
+    ),
     "coco": (
         f"data.train_json={DETECTION / 'coco/train.json'}",
         f"data.train_images={DETECTION / 'coco/images/train'}",
-    ),  # fmt: skip
+    ),
     "yolo": (f"data.train_dir={DETECTION / 'yolo/images/train'}",),
 }
 _examples: dict[str, tuple[str, ...]] = {}
@@ -130,7 +130,7 @@ CASES = [(model, data, ()) for model, data in PAIRS] + [
     (model, ZOO_DATA[model_inputs(model)[0]], (f"model.arch={arch}",))
     for model in MODELS.names()
     for arch in MODELS.entry(model).meta.get("samples", ())
-]  # fmt: skip
+]
 IDS = [
     f"{model}{'[' + over[0].split('=')[1] + ']' if over else ''}-on-{data}"
     for model, data, over in CASES
@@ -148,12 +148,22 @@ CASES = [
     else case
     for case in CASES
 ]
-ERRORS = {RULE_1: ShapeInferenceError, RULE_2: LossBranchError, RULE_3: ShapeContractError,
-          DEVICES: DeviceMismatchError, LOGITS: ProbabilitiesNotLogitsError,
-          NUMERICS: NumericsError, BATCH: BatchDependenceError,
-          DETERMINISM: NondeterministicEvalError, PURITY: ImpureForwardError,
-          DEAD: ProbeFailure, LEARN: CannotLearnError, LAYOUT: MemoryLayoutError,
-          PADDING: PaddingError, COVERAGE: OutsideTheOptimizerError}  # fmt: skip
+ERRORS = {
+    RULE_1: ShapeInferenceError,
+    RULE_2: LossBranchError,
+    RULE_3: ShapeContractError,
+    DEVICES: DeviceMismatchError,
+    LOGITS: ProbabilitiesNotLogitsError,
+    NUMERICS: NumericsError,
+    BATCH: BatchDependenceError,
+    DETERMINISM: NondeterministicEvalError,
+    PURITY: ImpureForwardError,
+    DEAD: ProbeFailure,
+    LEARN: CannotLearnError,
+    LAYOUT: MemoryLayoutError,
+    PADDING: PaddingError,
+    COVERAGE: OutsideTheOptimizerError,
+}
 
 _bundles: dict[tuple[str, ...], object] = {}
 
@@ -381,8 +391,9 @@ def tokens_build_small(model: str, arch: str) -> None:
     from kiln.data.spec import DataSpec
 
     cfg = compose_config("data=csv_text", f"model={model}", f"model.arch={arch}").model
-    spec = DataSpec("classification", "tokens", 3, ("a", "b", "c"), vocab_size=64,
-                    max_length=16, pad_id=0)  # fmt: skip
+    spec = DataSpec(
+        "classification", "tokens", 3, ("a", "b", "c"), vocab_size=64, max_length=16, pad_id=0
+    )
     ids = torch.randint(1, 64, (2, 16))
     ids[1, 8:] = 0
     try:
@@ -428,8 +439,9 @@ def registered():
 def broken_parts(broken: Broken, *overrides: str):
     schema_option = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
     base = schema_option[broken.inputs[0]]
-    cfg = compose_config(f"data={broken.data}", f"model={base}", *small(broken.data),
-                         *broken.overrides, *overrides)  # fmt: skip
+    cfg = compose_config(
+        f"data={broken.data}", f"model={base}", *small(broken.data), *broken.overrides, *overrides
+    )
     if type(cfg.model) is broken.config:
         model = dataclasses.replace(cfg.model, name=broken.name)
     else:  # a schema of its own: its defaults
@@ -454,22 +466,44 @@ def coverage_check(build, criterion, bundle, cfg=None):
     return check_optimizer_sees_every_parameter(build, criterion, bundle, optimizer_for_config(cfg))
 
 
-CHECKS = {"rule1": check_rule1, "rule2": check_rule2, "rule3": check_rule3,
-          "logits": check_outputs_are_logits, "behaviour": behaviour_check,
-          "fp16": fp16_check, "coverage": coverage_check}  # fmt: skip
+CHECKS = {
+    "rule1": check_rule1,
+    "rule2": check_rule2,
+    "rule3": check_rule3,
+    "logits": check_outputs_are_logits,
+    "behaviour": behaviour_check,
+    "fp16": fp16_check,
+    "coverage": coverage_check,
+}
 WITH_CFG = ("behaviour", "fp16", "coverage")  # the checks that build the run's optimizer
-WHAT = {RULE_1: "shapes", RULE_3: "shapes", DEVICES: "device", NUMERICS: "numerics",
-        BATCH: "batch dependence", DETERMINISM: "determinism", PURITY: "purity",
-        DEAD: "dead gradients", LEARN: "cannot learn", LAYOUT: "shapes", PADDING: "padding",
-        COVERAGE: "optimizer coverage"}  # fmt: skip
+WHAT = {
+    RULE_1: "shapes",
+    RULE_3: "shapes",
+    DEVICES: "device",
+    NUMERICS: "numerics",
+    BATCH: "batch dependence",
+    DETERMINISM: "determinism",
+    PURITY: "purity",
+    DEAD: "dead gradients",
+    LEARN: "cannot learn",
+    LAYOUT: "shapes",
+    PADDING: "padding",
+    COVERAGE: "optimizer coverage",
+}
 
 
 @pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
 def test_the_suite_catches_each_broken_model_with_its_rule(broken, registered):
     registered(broken)
     aux = broken.check == "rule2"
-    cfg = broken_parts(broken, *(["loss.force_all_branches=true"] if aux or broken.check
-                                 in ("rule1", "rule3", "logits") else []))  # fmt: skip
+    cfg = broken_parts(
+        broken,
+        *(
+            ["loss.force_all_branches=true"]
+            if aux or broken.check in ("rule1", "rule3", "logits")
+            else []
+        ),
+    )
 
     def build(spec):
         return build_model(spec, cfg.model, aux_head=aux).to("cpu")
@@ -525,8 +559,11 @@ def test_train_stops_each_broken_model_before_it_trains(broken, registered, tmp_
     # branch taken when some sample of the batch asks for it makes each sample's output depend
     # on its neighbours: one process stops it there (under DDP, tests/test_ddp.py, the
     # parameters it leaves without a gradient stop it first).
-    rule = {"nan_aux": NUMERICS, "conditional_refine": BATCH,
-            "inverted_attention_mask": NUMERICS}.get(broken.name, broken.rule)  # fmt: skip
+    rule = {
+        "nan_aux": NUMERICS,
+        "conditional_refine": BATCH,
+        "inverted_attention_mask": NUMERICS,
+    }.get(broken.name, broken.rule)
     needle = SINGLE_PROCESS_NEEDLE.get(broken.name, broken.needle)
     with pytest.raises(ERRORS[rule]) as info:
         train(cfg, tmp_path / "run")
@@ -589,8 +626,12 @@ def test_each_correct_twin_trains_as_it_does_without_the_probes(twin, twin_regis
     steps = 4 if as_broken.data == "shapes_detection" else 30  # a detector's step: seconds
     # One thread on both sides: threads=auto counts what neighbours keep busy, and two thread
     # counts sum in two orders (not bitwise) on a loaded machine.
-    short = ("env.progress_bar=false", "logger=none", f"trainer.max_steps={steps}",
-             "trainer.threads=1")  # fmt: skip
+    short = (
+        "env.progress_bar=false",
+        "logger=none",
+        f"trainer.max_steps={steps}",
+        "trainer.threads=1",
+    )
     summaries, weights = [], []
     for extra in ((), PROBES_OFF):
         run_dir = tmp_path / ("on" if not extra else "off")
@@ -790,8 +831,7 @@ def test_rule2_a_branch_at_zero_that_still_pulls_passes_one_that_moves_nothing_s
 
     def dead_branch(model, batch):
         logits = model(batch[0])
-        terms = {"main": nn.functional.cross_entropy(logits, batch[1]),
-                 "dead": 0.0 * logits.sum()}  # fmt: skip
+        terms = {"main": nn.functional.cross_entropy(logits, batch[1]), "dead": 0.0 * logits.sum()}
         return sum(terms.values()), terms
 
     with pytest.raises(LossBranchError, match="'dead' term is exactly 0 and moves nothing"):
@@ -839,10 +879,12 @@ def build_rows_file(cfg):
 
     with np.load(cfg.path) as data:
         x, y, names = torch.from_numpy(data["x"]), torch.from_numpy(data["y"]), data["names"]
-    spec = DataSpec("classification", "image", len(names), tuple(names), channels=1,
-                    image_size=(8, 8))  # fmt: skip
-    recipe = ImageRecipe(mean=(0.0,), std=(1.0,), channels=1, image_size=(8, 8),
-                         class_names=tuple(names))  # fmt: skip
+    spec = DataSpec(
+        "classification", "image", len(names), tuple(names), channels=1, image_size=(8, 8)
+    )
+    recipe = ImageRecipe(
+        mean=(0.0,), std=(1.0,), channels=1, image_size=(8, 8), class_names=tuple(names)
+    )
     return DataBundle(spec, TensorDataset(x[:48], y[:48]), TensorDataset(x[48:], y[48:]), recipe)
 
 
@@ -863,8 +905,9 @@ def rows_file(tmp_path):
 
     (tmp_path / "conf" / "data").mkdir(parents=True)
     (tmp_path / "conf" / "data" / "rows_file.yaml").write_text("batch_size: 16\n")
-    DATASETS.register("rows_file", config=RowsFileConfig, provides="image",
-                      example=rows_file_example)(build_rows_file)  # fmt: skip
+    DATASETS.register(
+        "rows_file", config=RowsFileConfig, provides="image", example=rows_file_example
+    )(build_rows_file)
     registry.register_config_dir(tmp_path / "conf")
     yield "rows_file"
     del DATASETS._entries["rows_file"]
@@ -887,8 +930,13 @@ def test_a_plugin_dataset_that_reads_a_file_is_built_from_the_example_it_declare
     bundle = bundle_for(rows_file)
     assert len(bundle.train) == 48 and bundle.spec.class_names == ("left", "right")
     assert all(type(name) is str for name in bundle.spec.class_names)
-    cfg = compose_config(f"data={rows_file}", *small(rows_file), "trainer.max_steps=2",
-                         "logger=none", "env.progress_bar=false")  # fmt: skip
+    cfg = compose_config(
+        f"data={rows_file}",
+        *small(rows_file),
+        "trainer.max_steps=2",
+        "logger=none",
+        "env.progress_bar=false",
+    )
     train(cfg, tmp_path / "run")
     best = load_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")
     assert best["data_spec"]["class_names"] == ["left", "right"] or tuple(
@@ -947,8 +995,13 @@ def test_train_stops_each_broken_dataset_before_the_model_and_triage_names_it(
     from kiln.triage import triage
 
     name = broken_dataset(broken)
-    cfg = compose_config(f"data={broken.data}", *broken.overrides, *small(broken.data),
-                         "logger=none", "env.progress_bar=false")  # fmt: skip
+    cfg = compose_config(
+        f"data={broken.data}",
+        *broken.overrides,
+        *small(broken.data),
+        "logger=none",
+        "env.progress_bar=false",
+    )
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, name=name))
     run_dir = tmp_path / "run"
     with pytest.raises(RuntimeError) as info:
@@ -1001,8 +1054,9 @@ def test_inference_rebuilds_a_model_whose_layers_are_built_or_sized_at_the_first
     twin = next(t for t in TWINS if t.name == "lazy_projection")
     as_broken = register_twin(twin)
     try:
-        cfg = broken_parts(as_broken, "env.progress_bar=false", "logger=none",
-                           "trainer.max_steps=2")  # fmt: skip
+        cfg = broken_parts(
+            as_broken, "env.progress_bar=false", "logger=none", "trainer.max_steps=2"
+        )
         train(cfg, tmp_path / "run")
         record, state = read_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")
         lazy = rebuild_model(record, state)
@@ -1035,8 +1089,10 @@ def test_box_predictions_flipped_misread_or_degenerate_are_named_and_right_ones_
         targets.append({"boxes": torch.cat([corner, corner + size], dim=1)})
 
     def outputs(change):
-        return [{"boxes": change(t["boxes"]), "scores": torch.linspace(1, 0.5, len(t["boxes"]))}
-                for t in targets]  # fmt: skip
+        return [
+            {"boxes": change(t["boxes"]), "scores": torch.linspace(1, 0.5, len(t["boxes"]))}
+            for t in targets
+        ]
 
     def flipped(b):
         return torch.stack([80 - b[:, 2], b[:, 1], 80 - b[:, 0], b[:, 3]], dim=1)

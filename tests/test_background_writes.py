@@ -25,8 +25,9 @@ from kiln.logging.curves import CurvesFile, Painter
 
 def checkpointer(directory, background=True) -> Checkpointer:
     cfg = TrainerConfig(name="default")
-    return Checkpointer(directory, cfg, monitor="val_acc", monitor_mode="max", is_main=True,
-                        background=background)  # fmt: skip
+    return Checkpointer(
+        directory, cfg, monitor="val_acc", monitor_mode="max", is_main=True, background=background
+    )
 
 
 def state_of(weight: torch.Tensor) -> dict:
@@ -83,8 +84,9 @@ def test_a_failed_background_write_is_raised_and_nothing_after_it_is_written(tmp
         ckpt.save("last.pt", state_of(torch.zeros(2)))  # asked after the failure: not written
         ckpt.flush()
     ckpt.flush()  # raised once
-    assert torch.equal(files.load_checkpoint(tmp_path / "last.pt")["model"]["weight"],
-                       torch.ones(2))  # fmt: skip
+    assert torch.equal(
+        files.load_checkpoint(tmp_path / "last.pt")["model"]["weight"], torch.ones(2)
+    )
 
 
 HISTORY = [{"step": 1, "loss": 2.0, "lr": 0.1}, {"step": 2, "loss": 1.0, "val_loss": 1.5}]
@@ -179,8 +181,13 @@ FAULTS = textwrap.dedent(
 def test_freed_host_memory_is_reused_instead_of_faulted_in_again():
     def faults(mode: str, **env) -> tuple[str, int]:
         env = {**os.environ, **env}
-        out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True,
-                             text=True, check=True, env=env).stdout.split()  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", FAULTS, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+        ).stdout.split()
         return out[0], int(out[1])
 
     applied, kept = faults("on")

@@ -36,8 +36,11 @@ def test_bench_detection_matches_step1_losses_and_reports_the_ratio(tmp_path):
     result = json.loads(out.read_text())
     assert result["step1_losses_agree"]
     assert set(result["step1_losses"]) == {
-        "loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"
-    }  # fmt: skip
+        "loss_classifier",
+        "loss_box_reg",
+        "loss_objectness",
+        "loss_rpn_box_reg",
+    }
     (ratio,) = result["ratios"]
     (kiln,), (reference,) = result["kiln_images_per_s"], result["reference_images_per_s"]
     assert math.isclose(ratio, kiln / reference, rel_tol=1e-9)

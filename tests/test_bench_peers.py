@@ -21,10 +21,28 @@ import bench_peers  # noqa: E402
 def test_kiln_and_a_plain_loop_train_the_same_losses_and_the_table_says_so(tmp_path):
     out, table = tmp_path / "peers.json", tmp_path / "peers.md"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--works", "mlp", "--peers", "kiln,plain",
-         "--rounds", "1", "--mlp-steps", "26", "--out", str(out), "--markdown", str(table)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--tiny",
+            "--works",
+            "mlp",
+            "--peers",
+            "kiln,plain",
+            "--rounds",
+            "1",
+            "--mlp-steps",
+            "26",
+            "--out",
+            str(out),
+            "--markdown",
+            str(table),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["sides"] == ["kiln", "plain"] and report["not_run"] == ["lightning"]
@@ -46,9 +64,11 @@ def test_kiln_and_a_plain_loop_train_the_same_losses_and_the_table_says_so(tmp_p
     assert stamp.startswith("*Recorded ") and " commit " in stamp and blank == ""
     assert header == "| work | measure | kiln | plain | kiln / plain |"
     assert [row.split(" | ")[1] for row in rows] == [
-        "samples/s, training steps", "samples per CPU-s, training steps", "samples/s, whole run",
+        "samples/s, training steps",
+        "samples per CPU-s, training steps",
+        "samples/s, whole run",
         "wall s, whole process",
-    ]  # fmt: skip
+    ]
     assert "loss check, mlp, plain vs kiln: bitwise equal over 26 steps x 1 rounds" in text
     assert "not run: lightning (--peers)" in text and "load average" in text
     # The plain loop stepped torch's own AdamW, as its users write it: the same losses.
@@ -58,10 +78,18 @@ def test_kiln_and_a_plain_loop_train_the_same_losses_and_the_table_says_so(tmp_p
 
 
 def fake_round(kiln_sps: float, plain_sps: float, plain_losses: list[float]) -> dict:
-    side = lambda sps, losses: {"steps_sps": sps, "steps_cpu_sps": sps, "run_sps": sps / 2,  # noqa: E731
-                                "wall_s": 1000 / sps,
-                                "run_s": 10.0, "probes_s": 0.1, "flops_s": 0.1,
-                                "losses": losses}  # fmt: skip
+    def side(sps: float, losses: list[float]) -> dict:
+        return {
+            "steps_sps": sps,
+            "steps_cpu_sps": sps,
+            "run_sps": sps / 2,
+            "wall_s": 1000 / sps,
+            "run_s": 10.0,
+            "probes_s": 0.1,
+            "flops_s": 0.1,
+            "losses": losses,
+        }
+
     losses = [2.0, 1.5, 1.0]
     return {
         "mlp": {
@@ -81,8 +109,9 @@ def test_ratios_are_per_round_and_a_loss_difference_fails_the_check():
     checks = table["mlp"]["loss_check"]["plain"]
     assert [c["bitwise"] for c in checks] == [True, False]
     assert [c["within"] for c in checks] == [True, False]
-    text = bench_peers.markdown(table, {"mlp": bench_peers.works(True, 4, 30)["mlp"]},
-                                ["kiln", "plain"], "a note")  # fmt: skip
+    text = bench_peers.markdown(
+        table, {"mlp": bench_peers.works(True, 4, 30)["mlp"]}, ["kiln", "plain"], "a note"
+    )
     assert "max |diff| 0.01" in text and "OUTSIDE the tolerance" in text
     assert "FLOP count): 0.20 s, 2.0% of kiln's run" in text
     # Different step counts are a failed check, not an exception.
@@ -94,11 +123,23 @@ def test_contention_slowdowns_are_loaded_over_quiet_within_each_round():
         return {"wall_s": wall, "steps_sps": sps, "threads": threads}
 
     rounds = [
-        {"mlp": {"kiln": side(2.0, 100, 1), "kiln+busy": side(2.2, 90, 1),
-                 "plain": side(2.0, 100, 2), "plain+busy": side(5.0, 40, 2)}},
-        {"mlp": {"kiln": side(4.0, 50, 1), "kiln+busy": side(4.8, 45, 1),
-                 "plain": side(1.0, 200, 2), "plain+busy": side(1.1, 190, 2)}},
-    ]  # fmt: skip
+        {
+            "mlp": {
+                "kiln": side(2.0, 100, 1),
+                "kiln+busy": side(2.2, 90, 1),
+                "plain": side(2.0, 100, 2),
+                "plain+busy": side(5.0, 40, 2),
+            }
+        },
+        {
+            "mlp": {
+                "kiln": side(4.0, 50, 1),
+                "kiln+busy": side(4.8, 45, 1),
+                "plain": side(1.0, 200, 2),
+                "plain+busy": side(1.1, 190, 2),
+            }
+        },
+    ]
     table = bench_peers.contention_summary(rounds, ["kiln", "plain"], ["mlp"])
     kiln, plain = table["mlp"]["kiln"], table["mlp"]["plain"]
     assert kiln["slowdown_wall"]["values"] == [2.2 / 2.0, 4.8 / 4.0]  # never across rounds

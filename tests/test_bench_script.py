@@ -46,8 +46,15 @@ def test_bench_reports_paired_ratios_their_median_and_interval(tmp_path):
     assert "eager: 7/7 step pairs" in proc.stdout  # progress while it runs
     # --markdown: the table as docs/benchmarks.md holds it, its numbers the JSON's
     ((header, rows),) = markdown_tables(proc.stdout)
-    assert header == ["mode", "engine samples/s", "baseline samples/s", "ratio (median)",
-                      "95% CI low", "95% CI high", "verdict"]  # fmt: skip
+    assert header == [
+        "mode",
+        "engine samples/s",
+        "baseline samples/s",
+        "ratio (median)",
+        "95% CI low",
+        "95% CI high",
+        "verdict",
+    ]
     (row,) = rows
     assert row["mode"] == "eager" and row["verdict"] == "within budget"
     assert number(row["ratio (median)"]) == pytest.approx(r["ratio_median"], abs=5e-4)

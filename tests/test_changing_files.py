@@ -24,8 +24,14 @@ from kiln.data.degenerate import DegenerateDataError
 from .conftest import compose_config, train_in_process
 from .hostile_inputs import encoded, photo
 
-TINY = ("data.image_size=16", "model=mlp", "data.batch_size=4", "trainer.max_epochs=1",
-        "env.progress_bar=false", "logger=none")  # fmt: skip
+TINY = (
+    "data.image_size=16",
+    "model=mlp",
+    "data.batch_size=4",
+    "trainer.max_epochs=1",
+    "env.progress_bar=false",
+    "logger=none",
+)
 
 
 def class_folders(root, names: list[bytes], per_class: int = 8, same: bool = False):
@@ -41,26 +47,40 @@ def class_folders(root, names: list[bytes], per_class: int = 8, same: bool = Fal
 
 
 def image_folder_cfg(tmp_path, train_dir, *extra):
-    return compose_config("data=image_folder", f"data.train_dir={train_dir}",
-                          f"data.cache_dir={tmp_path / 'cache'}", *TINY, *extra)  # fmt: skip
+    return compose_config(
+        "data=image_folder",
+        f"data.train_dir={train_dir}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *TINY,
+        *extra,
+    )
 
 
 def coco_bundle(tmp_path):
     images = class_folders(tmp_path / "images", [b"a"], per_class=6) / "a"
     entries = [{"id": i + 1, "file_name": f"img_{i}.png"} for i in range(6)]
-    boxes = [{"id": i + 1, "image_id": i + 1, "category_id": 1, "bbox": [2, 2, 8, 8]}
-             for i in range(6)]  # fmt: skip
+    boxes = [
+        {"id": i + 1, "image_id": i + 1, "category_id": 1, "bbox": [2, 2, 8, 8]} for i in range(6)
+    ]
     path = tmp_path / "train.json"
-    path.write_text(json.dumps({"images": entries, "annotations": boxes,
-                                "categories": [{"id": 1, "name": "thing"}]}))  # fmt: skip
-    cfg = compose_config("data=coco", "model=detector", f"data.train_json={path}",
-                         f"data.train_images={images}",
-                         f"data.cache_dir={tmp_path / 'c'}")  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {"images": entries, "annotations": boxes, "categories": [{"id": 1, "name": "thing"}]}
+        )
+    )
+    cfg = compose_config(
+        "data=coco",
+        "model=detector",
+        f"data.train_json={path}",
+        f"data.train_images={images}",
+        f"data.cache_dir={tmp_path / 'c'}",
+    )
     return build_data(cfg.data)
 
 
-@pytest.mark.parametrize(("kind", "workers"), [("image_folder", 0), ("image_folder", 2),
-                                               ("coco", 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "workers"), [("image_folder", 0), ("image_folder", 2), ("coco", 0)]
+)
 def test_an_image_deleted_after_the_scan_is_one_error_line(tmp_path, kind, workers):
     if kind == "coco":
         bundle = coco_bundle(tmp_path)
@@ -69,8 +89,9 @@ def test_an_image_deleted_after_the_scan_is_one_error_line(tmp_path, kind, worke
         bundle = build_data(image_folder_cfg(tmp_path, train).data)
     for path in bundle.sources["train"]:
         os.unlink(path)
-    loader = DataLoader(bundle.train, batch_size=2, num_workers=workers,
-                        collate_fn=bundle.collate_fn)  # fmt: skip
+    loader = DataLoader(
+        bundle.train, batch_size=2, num_workers=workers, collate_fn=bundle.collate_fn
+    )
     with pytest.raises(FileChangedError) as raised:
         next(iter(loader))
     message = str(raised.value)
@@ -89,9 +110,15 @@ def test_a_run_whose_images_vanish_after_the_scan_stops_on_one_line(tmp_path, te
             path.unlink()
         return build_mlp(spec, cfg, **options)
 
-    cfg = temporary_model("vanishing_mlp", vanishing, "data=image_folder",
-                          f"data.train_dir={train}", f"data.cache_dir={tmp_path / 'cache'}",
-                          *TINY[:1], *TINY[2:])  # fmt: skip
+    cfg = temporary_model(
+        "vanishing_mlp",
+        vanishing,
+        "data=image_folder",
+        f"data.train_dir={train}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *TINY[:1],
+        *TINY[2:],
+    )
     from kiln.engine.run import train as run_training
 
     with pytest.raises(FileChangedError, match=r"^a file changed since the data was checked"):
@@ -115,16 +142,24 @@ def test_a_class_folder_whose_name_is_not_utf8_trains_predicts_and_evaluates(tmp
 
 
 def image_folder_cfg_overrides(tmp_path, train_dir) -> tuple[str, ...]:
-    return ("data=image_folder", f"data.train_dir={train_dir}",
-            f"data.cache_dir={tmp_path / 'cache'}", *TINY)  # fmt: skip
+    return (
+        "data=image_folder",
+        f"data.train_dir={train_dir}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *TINY,
+    )
 
 
 def test_a_folder_of_copies_of_one_image_is_a_data_error_before_any_model(tmp_path):
     train = class_folders(tmp_path / "train", [b"cat", b"dog"], per_class=10, same=True)
-    with pytest.raises(DegenerateDataError, match=r"^all 16 training inputs sampled \(of 16\) "
-                       r"are identical \(the training split of data=image_folder\)"):  # fmt: skip
-        train_in_process(tmp_path / "run", *image_folder_cfg_overrides(tmp_path, train),
-                         "data.augment=flip_crop")  # fmt: skip
+    with pytest.raises(
+        DegenerateDataError,
+        match=r"^all 16 training inputs sampled \(of 16\) "
+        r"are identical \(the training split of data=image_folder\)",
+    ):
+        train_in_process(
+            tmp_path / "run", *image_folder_cfg_overrides(tmp_path, train), "data.augment=flip_crop"
+        )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["probe_times_s"] == {} and summary["model_flops_per_sample"] is None
 
@@ -133,6 +168,11 @@ def test_a_csv_of_one_text_is_a_data_error(tmp_path):
     path = tmp_path / "same.csv"
     path.write_text("text,label\n" + "".join(f"the same words,{'ab'[i % 2]}\n" for i in range(40)))
     with pytest.raises(DegenerateDataError, match="identical .*data=csv_text"):
-        train_in_process(tmp_path / "run", "data=csv_text", f"data.train_path={path}",
-                         f"data.cache_dir={tmp_path / 'cache'}", "model=text_bow",
-                         *TINY[3:])  # fmt: skip
+        train_in_process(
+            tmp_path / "run",
+            "data=csv_text",
+            f"data.train_path={path}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "model=text_bow",
+            *TINY[3:],
+        )

@@ -48,12 +48,16 @@ SMALL_DATA = {
     "coco": (
         f"data.train_json={DETECTION / 'coco/train.json'}",
         f"data.train_images={DETECTION / 'coco/images/train'}",
-    ),  # fmt: skip
+    ),
     "yolo": (f"data.train_dir={DETECTION / 'yolo/images/train'}",),
 }
 DATA_FOR_MODEL = {"text_bow": "csv_text", "text_transformer": "csv_text", "hf": "csv_text"}
-MODEL_FOR_DATA = {"csv_text": "text_bow", "shapes_detection": "detector", "coco": "detector",
-                  "yolo": "detector"}  # fmt: skip
+MODEL_FOR_DATA = {
+    "csv_text": "text_bow",
+    "shapes_detection": "detector",
+    "coco": "detector",
+    "yolo": "detector",
+}
 
 
 def yaml_options(group: str) -> list[str]:
@@ -364,7 +368,12 @@ def test_a_composed_config_is_frozen_through_the_tree():
     import dataclasses
 
     cfg = compose_config("trainer.max_epochs=1")
-    for node, key in [(cfg, "seed"), (cfg.data, "batch_size"), (cfg.trainer, "max_epochs"),
-                      (cfg.model, "name"), (cfg.trainer.fsdp, "min_block_params")]:  # fmt: skip
+    for node, key in [
+        (cfg, "seed"),
+        (cfg.data, "batch_size"),
+        (cfg.trainer, "max_epochs"),
+        (cfg.model, "name"),
+        (cfg.trainer.fsdp, "min_block_params"),
+    ]:
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(node, key, getattr(node, key))

@@ -70,8 +70,11 @@ def test_the_limit_holds_for_a_quoted_field_over_many_lines_and_in_error_mode(tm
 def test_a_utf16_file_read_as_utf8_is_named_with_the_fix(tmp_path, encoding):
     path = tmp_path / "wide.csv"
     path.write_text("text,label\nhello,pos\nbye,neg\n", encoding=encoding)
-    with pytest.raises(CsvTextError, match=r"is UTF-16 .* read as utf-8 \(data.encoding\): "
-                                           r"set data.encoding=utf-16"):  # fmt: skip
+    with pytest.raises(
+        CsvTextError,
+        match=r"is UTF-16 .* read as utf-8 \(data.encoding\): "
+        r"set data.encoding=utf-16",
+    ):
         read_all(path)
     if encoding == "utf-16":  # with its byte-order mark: utf-16 reads it
         texts, _, _ = read_all(path, encoding="utf-16")

@@ -98,9 +98,16 @@ def test_the_other_ranks_wait_for_the_main_ranks_fail_line_before_they_exit(tmp_
     (tmp_path / "slow_report.py").write_text(SLOW_REPORT)
     run_dir = tmp_path / "run"
     result = run_train(
-        run_dir, "trainer=ddp", *DIVERGING, "plugins=[slow_report]", "env.progress_bar=false",
-        f"output_root={tmp_path}/outputs", launcher=TORCHRUN, cwd=tmp_path, timeout=240,
-    )  # fmt: skip
+        run_dir,
+        "trainer=ddp",
+        *DIVERGING,
+        "plugins=[slow_report]",
+        "env.progress_bar=false",
+        f"output_root={tmp_path}/outputs",
+        launcher=TORCHRUN,
+        cwd=tmp_path,
+        timeout=240,
+    )
     fails = [line for line in result.stderr.splitlines() if line.startswith("[FAIL]")]
     assert len(fails) == 1 and "| DDP | amp=False | loss" in fails[0], result.stderr[-2000:]
     assert read_summary(run_dir)["status"] == "failed"
@@ -180,10 +187,18 @@ def ddp_run(tmp_path, *overrides, timeout=300):
     (tmp_path / "ddp_models.py").write_text(PLUGIN)
     run_dir = tmp_path / "run"
     result = run_train(
-        run_dir, "trainer=ddp", "plugins=[ddp_models]", "data.batch_size=16",
-        "env.progress_bar=false", "logger=none", f"output_root={tmp_path}/outputs", *overrides,
-        launcher=TORCHRUN, cwd=tmp_path, timeout=timeout,
-    )  # fmt: skip
+        run_dir,
+        "trainer=ddp",
+        "plugins=[ddp_models]",
+        "data.batch_size=16",
+        "env.progress_bar=false",
+        "logger=none",
+        f"output_root={tmp_path}/outputs",
+        *overrides,
+        launcher=TORCHRUN,
+        cwd=tmp_path,
+        timeout=timeout,
+    )
     fails = [line for line in result.stderr.splitlines() if line.startswith("[FAIL]")]
     logged = (tmp_path / "outputs" / "failures.log").read_text().splitlines()
     return result, run_dir, fails, logged
@@ -201,11 +216,19 @@ def test_parameters_used_in_some_steps_stop_a_ddp_run_before_step_1(tmp_path):
     )
     run_dir = tmp_path / "run"
     result = run_train(
-        run_dir, "trainer=ddp", "plugins=[conditional]", "model=mlp",
-        "model.name=conditional_refine", "env.progress_bar=false", "logger=none",
-        f"output_root={tmp_path}/outputs", launcher=TORCHRUN, cwd=tmp_path, timeout=300,
+        run_dir,
+        "trainer=ddp",
+        "plugins=[conditional]",
+        "model=mlp",
+        "model.name=conditional_refine",
+        "env.progress_bar=false",
+        "logger=none",
+        f"output_root={tmp_path}/outputs",
+        launcher=TORCHRUN,
+        cwd=tmp_path,
+        timeout=300,
         env_overrides={"PYTHONPATH": str(REPO_ROOT)},
-    )  # fmt: skip
+    )
     fails = [line for line in result.stderr.splitlines() if line.startswith("[FAIL]")]
     assert fails == [
         "[FAIL] digits-conditional_refine | DDP | amp=False | dead gradients @ step 0"
@@ -215,7 +238,7 @@ def test_parameters_used_in_some_steps_stop_a_ddp_run_before_step_1(tmp_path):
     assert summary["status"] == "failed" and needle in summary["error"]
     check = summary["failed_check"]
     assert (check["what"], check["module"]) == ("dead gradients", "refine")
-    assert check["kind"] == "dead gradients"
+    assert check["kind"] == "conditional parameters"  # the dead-gradient check's DDP kind
     logged = (tmp_path / "outputs" / "failures.log").read_text().splitlines()
     assert logged[0] == fails[0] and "trainer.find_unused_parameters=true" in logged[1]
     from kiln.triage import triage
@@ -230,9 +253,12 @@ def test_a_rank_whose_step_leaves_a_parameter_without_gradient_ends_in_one_fail_
     names the parameters and stops before its next collective, telling the other ranks why;
     rank 0, stuck in the gradient reduction rank 1 never joins, has its watch report it."""
     result, run_dir, fails, logged = ddp_run(
-        tmp_path, "model=mlp", "model.name=rank_refine", "trainer.max_steps=8",
+        tmp_path,
+        "model=mlp",
+        "model.name=rank_refine",
+        "trainer.max_steps=8",
         "trainer.skip_checks=[dead_gradients]",
-    )  # fmt: skip
+    )
     assert len(fails) == 1 and "| DDP | amp=False | dead gradients @ step " in fails[0], (
         result.stderr[-3000:]
     )
@@ -251,11 +277,15 @@ def test_a_rank_that_dies_in_cpp_still_ends_in_one_fail_line_and_a_summary(tmp_p
     Rank 0's reduction fails, and torchrun's SIGTERM arrives while it reports: the report is
     written first (it used to be cut: no [FAIL] line, no summary.json, no failures.log)."""
     result, run_dir, fails, logged = ddp_run(
-        tmp_path, "model=mlp", "model.name=aborts_on_rank1", "trainer.max_steps=8",
-    )  # fmt: skip
+        tmp_path,
+        "model=mlp",
+        "model.name=aborts_on_rank1",
+        "trainer.max_steps=8",
+    )
     assert len(fails) == 1, result.stderr[-3000:]
-    assert re.fullmatch(r"\[FAIL\] digits-aborts_on_rank1 \| DDP \| amp=False \| \S.* @ step [1-9]",
-                        fails[0]), fails  # fmt: skip
+    assert re.fullmatch(
+        r"\[FAIL\] digits-aborts_on_rank1 \| DDP \| amp=False \| \S.* @ step [1-9]", fails[0]
+    ), fails
     assert read_summary(run_dir)["status"] == "failed"
     assert logged[0] == fails[0]
 
@@ -272,11 +302,19 @@ def test_a_layer_built_in_forward_is_named_on_every_rank_after_step_1(tmp_path):
     )
     run_dir = tmp_path / "run"
     result = run_train(
-        run_dir, "trainer=ddp", "plugins=[built_in_forward]", "model=mlp",
-        "model.name=built_in_forward", "env.progress_bar=false", "logger=none",
-        f"output_root={tmp_path}/outputs", launcher=TORCHRUN, cwd=tmp_path, timeout=300,
+        run_dir,
+        "trainer=ddp",
+        "plugins=[built_in_forward]",
+        "model=mlp",
+        "model.name=built_in_forward",
+        "env.progress_bar=false",
+        "logger=none",
+        f"output_root={tmp_path}/outputs",
+        launcher=TORCHRUN,
+        cwd=tmp_path,
+        timeout=300,
         env_overrides={"PYTHONPATH": str(REPO_ROOT)},
-    )  # fmt: skip
+    )
     fails = [line for line in result.stderr.splitlines() if line.startswith("[FAIL]")]
     assert fails == [
         "[FAIL] digits-built_in_forward | DDP | amp=False | optimizer coverage @ step 1"

@@ -30,15 +30,26 @@ def damaged(tmp_path_factory):
 
 def coco_overrides(folder, *extra, val=True):
     val_keys = (f"data.val_json={folder.val_json}", f"data.val_images={folder.val_images}")
-    return ("data=coco", "model=detector", f"data.train_json={folder.train_json}",
-            f"data.train_images={folder.train_images}", *(val_keys if val else ()),
-            f"data.cache_dir={folder.root / 'cache'}", *extra)  # fmt: skip
+    return (
+        "data=coco",
+        "model=detector",
+        f"data.train_json={folder.train_json}",
+        f"data.train_images={folder.train_images}",
+        *(val_keys if val else ()),
+        f"data.cache_dir={folder.root / 'cache'}",
+        *extra,
+    )
 
 
 def yolo_overrides(folder, *extra):
-    return ("data=yolo", "model=detector", f"data.train_dir={folder.yolo_train}",
-            f"data.val_dir={folder.yolo_val}", f"data.cache_dir={folder.root / 'cache'}",
-            *extra)  # fmt: skip
+    return (
+        "data=yolo",
+        "model=detector",
+        f"data.train_dir={folder.yolo_train}",
+        f"data.val_dir={folder.yolo_val}",
+        f"data.cache_dir={folder.root / 'cache'}",
+        *extra,
+    )
 
 
 def coco(folder, *extra, val=True):
@@ -119,8 +130,12 @@ def test_coco_reports_each_bad_annotation_with_its_file_and_id(damaged):
     files = bundle.report["train_files"]
     annotations, images = files["annotations"], files["images"]
     assert images["dropped"] == {"missing_image": 1, "duplicate_image_id": 1}
-    assert annotations["dropped"] == {"missing_image": 1, "box_outside_image": 1,
-                                      "zero_area_box": 1, "unknown_category": 1}  # fmt: skip
+    assert annotations["dropped"] == {
+        "missing_image": 1,
+        "box_outside_image": 1,
+        "zero_area_box": 1,
+        "unknown_category": 1,
+    }
     by_reason = {r["reason"]: r for r in annotations["dropped_records"]}
     assert by_reason["missing_image"]["file"].endswith("gone.jpg")
     assert by_reason["unknown_category"]["category_id"] == 99
@@ -156,8 +171,12 @@ def test_a_yolo_line_that_does_not_parse_is_reported(clean, tmp_path):
     label = root / "labels" / "train" / "img_001.txt"
     label.write_text(label.read_text() + "flower 0.5 0.5 0.1\n7 0.5 0.5 0.2 0.2\n")
     (root / "labels" / "train" / "orphan.txt").write_text("0 0.5 0.5 0.2 0.2\n")
-    cfg = compose_config("data=yolo", "model=detector", f"data.train_dir={root / 'images/train'}",
-                         f"data.cache_dir={tmp_path / 'cache'}").data  # fmt: skip
+    cfg = compose_config(
+        "data=yolo",
+        "model=detector",
+        f"data.train_dir={root / 'images/train'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ).data
     report = build_data(cfg).report["train_files"]["annotations"]
     assert report["dropped"] == {"missing_image": 1, "unknown_category": 1, "bad_label_line": 1}
     bad_line = next(r for r in report["dropped_records"] if r["reason"] == "bad_label_line")
@@ -175,8 +194,12 @@ def yolo_copy(clean, tmp_path, names_yaml: str):
 
 
 def yolo_bundle(root, tmp_path):
-    cfg = compose_config("data=yolo", "model=detector", f"data.train_dir={root / 'images/train'}",
-                         f"data.cache_dir={tmp_path / 'cache'}").data  # fmt: skip
+    cfg = compose_config(
+        "data=yolo",
+        "model=detector",
+        f"data.train_dir={root / 'images/train'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ).data
     return build_data(cfg)
 
 
@@ -184,8 +207,11 @@ def test_yolo_nc_and_names_are_checked_against_each_other_and_the_labels(clean, 
     """nc that is not the number of names is an error; a name no label uses (an empty class)
     is a warning naming it, and listed in data_report.json."""
     root = yolo_copy(clean, tmp_path, "nc: 3\nnames: [portrait, flower]\n")
-    with pytest.raises(DetectionDataError, match=r"nc: 3 but names lists 2 class\(es\) "
-                                                 r"\(portrait, flower\)"):  # fmt: skip
+    with pytest.raises(
+        DetectionDataError,
+        match=r"nc: 3 but names lists 2 class\(es\) "
+        r"\(portrait, flower\)",
+    ):
         yolo_bundle(root, tmp_path)
     (root / "data.yaml").write_text("nc: 4\nnames: [portrait, flower, dog, cat]\n")
     with caplog.at_level("WARNING"):
@@ -219,8 +245,12 @@ def test_missing_keys_and_files_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match="data.train_json"):
         compose_config("data=coco", "model=detector")
     (tmp_path / "bad.json").write_text('{"images": []}')
-    cfg = compose_config("data=coco", "model=detector", f"data.train_json={tmp_path / 'bad.json'}",
-                         f"data.train_images={tmp_path}").data  # fmt: skip
+    cfg = compose_config(
+        "data=coco",
+        "model=detector",
+        f"data.train_json={tmp_path / 'bad.json'}",
+        f"data.train_images={tmp_path}",
+    ).data
     with pytest.raises(DetectionDataError, match="not COCO instances JSON.*annotations"):
         build_data(cfg)
 
@@ -228,10 +258,16 @@ def test_missing_keys_and_files_are_one_line_errors(tmp_path):
 def test_kilns_detector_trains_on_coco_and_reports_the_bad_annotations(damaged, tmp_path, capsys):
     run_dir = tmp_path / "run"
     # with the SSD augmentation: its items are keyed (index, seed, epoch) by the training sampler
-    summary = train_in_process(run_dir, *coco_overrides(damaged), "model.width=8",
-                               "data.augment=ssd",
-                               "trainer.max_steps=2", "logger=none", "device=cpu",
-                               "env.progress_bar=false")  # fmt: skip
+    summary = train_in_process(
+        run_dir,
+        *coco_overrides(damaged),
+        "model.width=8",
+        "data.augment=ssd",
+        "trainer.max_steps=2",
+        "logger=none",
+        "device=cpu",
+        "env.progress_bar=false",
+    )
     assert summary["status"] in ("ok", "at_chance"), summary
     report = json.loads((run_dir / "data_report.json").read_text())
     assert report["train_files"]["annotations"]["annotations_dropped"] == 4
@@ -241,8 +277,14 @@ def test_kilns_detector_trains_on_coco_and_reports_the_bad_annotations(damaged, 
     from kiln.cli.infer import main as infer_main
 
     output = tmp_path / "preds.csv"
-    infer_main([f"ckpt={run_dir / 'checkpoints' / 'best.pt'}", f"input={damaged.val_images}",
-                f"output={output}", "draw=true"])  # fmt: skip
+    infer_main(
+        [
+            f"ckpt={run_dir / 'checkpoints' / 'best.pt'}",
+            f"input={damaged.val_images}",
+            f"output={output}",
+            "draw=true",
+        ]
+    )
     assert "drew the boxes on 6 images" in capsys.readouterr().out
     drawn = sorted(p.name for p in (tmp_path / "preds_boxes").iterdir())
     assert drawn == [f"{i}_img_{i:03d}.png" for i in range(6)]
@@ -271,16 +313,24 @@ class _GradDependentDetector(torch.nn.Module):
         if self.training:
             return {"loss": self.weight * 1.0}
         k = 2 if torch.is_grad_enabled() else 1
-        return [{"boxes": torch.zeros(k, 4), "labels": torch.ones(k, dtype=torch.long),
-                 "scores": torch.ones(k) * self.weight} for _ in images]  # fmt: skip
+        return [
+            {
+                "boxes": torch.zeros(k, 4),
+                "labels": torch.ones(k, dtype=torch.long),
+                "scores": torch.ones(k) * self.weight,
+            }
+            for _ in images
+        ]
 
 
 def test_rule3_compares_a_detectors_eval_outputs_with_and_without_grad():
     from kiln.engine.loss import OwnLossCriterion
     from kiln.guards.shape_check import ShapeContractError, check_train_eval_agreement
 
-    batch = ([torch.zeros(3, 16, 16)], [{"boxes": torch.zeros(0, 4),
-                                         "labels": torch.zeros(0, dtype=torch.long)}])  # fmt: skip
+    batch = (
+        [torch.zeros(3, 16, 16)],
+        [{"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long)}],
+    )
     model = _GradDependentDetector()
     with pytest.raises(ShapeContractError, match="eval mode with grad vs without") as info:
         check_train_eval_agreement(model, batch, OwnLossCriterion().forward)
@@ -349,8 +399,13 @@ def test_coco_metrics_leave_undefined_sizes_out_and_always_give_val_map():
     from kiln.engine.detection_eval import coco_metrics
 
     truth = [{"boxes": torch.tensor([[10.0, 10.0, 50.0, 50.0]]), "labels": torch.tensor([1])}]
-    found = [{"boxes": torch.tensor([[10.0, 10.0, 50.0, 50.0]]), "labels": torch.tensor([1]),
-              "scores": torch.tensor([0.9])}]  # fmt: skip
+    found = [
+        {
+            "boxes": torch.tensor([[10.0, 10.0, 50.0, 50.0]]),
+            "labels": torch.tensor([1]),
+            "scores": torch.tensor([0.9]),
+        }
+    ]
     metrics = coco_metrics(found, truth)
     assert metrics["val_map"] == pytest.approx(1.0) and metrics["val_map_75"] == pytest.approx(1.0)
     assert metrics["val_map_medium"] == pytest.approx(1.0)  # 40 x 40: COCO's medium
@@ -369,9 +424,14 @@ def test_the_detection_report_draws_the_boxes_and_the_ap_per_class(clean, tmp_pa
     targets = [{k: v.numpy() for k, v in t.items()} for _, t in items]
     found = [{**t, "scores": np.full(len(t["labels"]), 0.9, np.float32)} for t in targets]
     report = write_detection_report(
-        tmp_path, found, targets, bundle.sources["val"], bundle.spec.class_names, {},
+        tmp_path,
+        found,
+        targets,
+        bundle.sources["val"],
+        bundle.spec.class_names,
+        {},
         images=[image.numpy() for image, _ in items],
-    )  # fmt: skip
+    )
     assert report.metrics["map"] == pytest.approx(1.0)
     assert {"boxes.png", "ap_per_class.png"} <= set(report.metrics["files"])
     for name in ("boxes.png", "ap_per_class.png"):
@@ -384,9 +444,16 @@ def with_crowd(json_path, out_path, crowds: list[tuple[int, int, list[float]]]) 
     data = json.loads(json_path.read_text())
     next_id = max(a["id"] for a in data["annotations"]) + 1
     for offset, (image_id, category, bbox) in enumerate(crowds):
-        data["annotations"].append({"id": next_id + offset, "image_id": image_id,
-                                    "category_id": category, "bbox": bbox, "iscrowd": 1,
-                                    "area": bbox[2] * bbox[3]})  # fmt: skip
+        data["annotations"].append(
+            {
+                "id": next_id + offset,
+                "image_id": image_id,
+                "category_id": category,
+                "bbox": bbox,
+                "iscrowd": 1,
+                "area": bbox[2] * bbox[3],
+            }
+        )
     out_path.write_text(json.dumps(data))
 
 
@@ -403,10 +470,14 @@ def test_iscrowd_regions_are_not_trained_on_and_are_scored_as_coco_scores_them(c
     val_crowds = [(first_val["id"], category, region), (second_val["id"], category, region)]
     with_crowd(clean.val_json, tmp_path / "val.json", val_crowds)
     cfg = compose_config(
-        "data=coco", "model=detector", f"data.train_json={tmp_path / 'train.json'}",
-        f"data.train_images={clean.train_images}", f"data.val_json={tmp_path / 'val.json'}",
-        f"data.val_images={clean.val_images}", f"data.cache_dir={clean.root / 'cache'}",
-    )  # fmt: skip
+        "data=coco",
+        "model=detector",
+        f"data.train_json={tmp_path / 'train.json'}",
+        f"data.train_images={clean.train_images}",
+        f"data.val_json={tmp_path / 'val.json'}",
+        f"data.val_images={clean.val_images}",
+        f"data.cache_dir={clean.root / 'cache'}",
+    )
     bundle = build_data(cfg.data)
     plain = coco(clean)
     assert bundle.report["iscrowd"] == {"train": 1, "val": 2}
@@ -422,8 +493,10 @@ def test_iscrowd_regions_are_not_trained_on_and_are_scored_as_coco_scores_them(c
     assert val_target["crowd_labels"].tolist() == [1]
     targets = [bundle.val[i][1] for i in range(len(bundle.val))]
     sources = [f"val/{i}" for i in range(len(targets))]
-    perfect = [{"boxes": t["boxes"], "labels": t["labels"],
-                "scores": torch.full((len(t["labels"]),), 0.9)} for t in targets]  # fmt: skip
+    perfect = [
+        {"boxes": t["boxes"], "labels": t["labels"], "scores": torch.full((len(t["labels"]),), 0.9)}
+        for t in targets
+    ]
     # a confident detection on the first crowd region; none on the second (no miss either)
     on_crowd = [dict(p) for p in perfect]
     on_crowd[0] = {
@@ -465,16 +538,25 @@ def test_boxes_are_checked_against_the_picture_the_exif_orientation_stands_up(tm
     exif[0x0112] = 6
     stored.save(images / "phone.jpg", quality=95, exif=exif.tobytes())
     categories = [{"id": 1, "name": "thing"}]
-    data = {"images": [{"id": 1, "file_name": "phone.jpg", "width": 80, "height": 120}],
-            "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [10, 90, 50, 25]},
-                            {"id": 2, "image_id": 1, "category_id": 1, "bbox": [90, 10, 20, 20]}],
-            "categories": categories}  # fmt: skip
+    data = {
+        "images": [{"id": 1, "file_name": "phone.jpg", "width": 80, "height": 120}],
+        "annotations": [
+            {"id": 1, "image_id": 1, "category_id": 1, "bbox": [10, 90, 50, 25]},
+            {"id": 2, "image_id": 1, "category_id": 1, "bbox": [90, 10, 20, 20]},
+        ],
+        "categories": categories,
+    }
     (tmp_path / "train.json").write_text(json.dumps(data))
-    bundle = build_data(compose_config(
-        "data=coco", "model=detector", f"data.train_json={tmp_path / 'train.json'}",
-        f"data.train_images={images}", f"data.val_json={tmp_path / 'train.json'}",
-        f"data.cache_dir={tmp_path / 'cache'}",
-    ).data)  # fmt: skip
+    bundle = build_data(
+        compose_config(
+            "data=coco",
+            "model=detector",
+            f"data.train_json={tmp_path / 'train.json'}",
+            f"data.train_images={images}",
+            f"data.val_json={tmp_path / 'train.json'}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ).data
+    )
     image, target = bundle.train[0]
     assert tuple(image.shape) == (3, 120, 80)  # decoded standing up
     assert target["boxes"].tolist() == [[10.0, 90.0, 60.0, 115.0]]  # kept, not clipped
@@ -488,8 +570,13 @@ def test_boxes_are_checked_against_the_picture_the_exif_orientation_stands_up(tm
     labels.mkdir(parents=True)
     (labels / "phone.txt").write_text(f"0 {35 / 80} {102.5 / 120} {50 / 80} {25 / 120}\n")
     (tmp_path / "data.yaml").write_text("names: [thing]\n")
-    yolo = build_data(compose_config(
-        "data=yolo", "model=detector", f"data.train_dir={images}", f"data.val_dir={images}",
-        f"data.cache_dir={tmp_path / 'cache'}",
-    ).data)  # fmt: skip
+    yolo = build_data(
+        compose_config(
+            "data=yolo",
+            "model=detector",
+            f"data.train_dir={images}",
+            f"data.val_dir={images}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ).data
+    )
     np.testing.assert_allclose(yolo.train[0][1]["boxes"].numpy(), [[10, 90, 60, 115]], atol=1e-4)

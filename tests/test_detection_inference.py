@@ -83,8 +83,12 @@ def test_detector_onnx_export_has_box_parity(ckpt, predictor, tmp_path):
     assert any("x" in c.name for c in report.parity)  # several image sizes were checked
     onnx = Predictor.from_checkpoint(tmp_path / "model.onnx", backend="onnx")
     images = mixed_size_images(3, seed=4)
-    assert_boxes_agree(onnx.detect(images), predictor.detect(images), ("torch", "ONNX Runtime"),
-                       max_corner_px=BOX_TOLERANCE_PX)  # fmt: skip
+    assert_boxes_agree(
+        onnx.detect(images),
+        predictor.detect(images),
+        ("torch", "ONNX Runtime"),
+        max_corner_px=BOX_TOLERANCE_PX,
+    )
 
 
 def test_infer_py_writes_boxes_for_a_folder_and_an_npz_of_mixed_sizes(ckpt, predictor, tmp_path):
@@ -202,8 +206,9 @@ def test_the_server_takes_image_files_for_a_detector(predictor):
         tiny_file = base64.b64encode(tiny.getvalue()).decode()
         small = post(f"{server.url}/v1/predict", json={"inputs": [encoded[0], tiny_file]})
     assert v1.status_code == 200, v1.text
-    as_found = [{**p, "labels": [names.index(n) + 1 for n in p["labels"]]}
-                for p in v1.json()["predictions"]]  # fmt: skip
+    as_found = [
+        {**p, "labels": [names.index(n) + 1 for n in p["labels"]]} for p in v1.json()["predictions"]
+    ]
     assert_boxes_agree(as_found, expected, ("predict", "v1 files"), max_corner_px=1e-4)
     counts = [len(d["boxes"]) for d in expected]
     all_boxes = np.concatenate([d["boxes"] for d in expected])

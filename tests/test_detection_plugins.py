@@ -24,12 +24,21 @@ IMAGES = REPO_ROOT / "examples" / "detection" / "coco" / "images" / "train"
 def test_the_docs_dataset_and_detector_plugins_train_check_and_export(tmp_path):
     project = tmp_path / "project"
     shutil.copytree(EXAMPLE, project, ignore=shutil.ignore_patterns("outputs", "__pycache__"))
-    train = [sys.executable, str(REPO_ROOT / "train.py"), "plugins=[box_csv,tiny_detector]",
-             "data=box_csv", "model=tiny_detector", f"data.images={IMAGES}",
-             f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=3",
-             "env.progress_bar=false", "hydra.run.dir=run"]  # fmt: skip
-    done = subprocess.run(train, cwd=project, env=SUBPROCESS_ENV, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    train = [
+        sys.executable,
+        str(REPO_ROOT / "train.py"),
+        "plugins=[box_csv,tiny_detector]",
+        "data=box_csv",
+        "model=tiny_detector",
+        f"data.images={IMAGES}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "trainer.max_steps=3",
+        "env.progress_bar=false",
+        "hydra.run.dir=run",
+    ]
+    done = subprocess.run(
+        train, cwd=project, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "[FAIL]" not in done.stdout + done.stderr  # the checks before step 1 passed
     summary = json.loads((project / "run" / "summary.json").read_text())
@@ -37,11 +46,16 @@ def test_the_docs_dataset_and_detector_plugins_train_check_and_export(tmp_path):
     report = json.loads((project / "run" / "data_report.json").read_text())
     assert report["classes"] == ["flower", "portrait"]
     assert report["train_files"]["annotations"]["annotations_read"] == 22
-    export = [sys.executable, str(REPO_ROOT / "infer.py"), "mode=export",
-              f"ckpt={project / 'run' / 'checkpoints' / 'best.pt'}",
-              "plugins=[box_csv,tiny_detector]"]  # fmt: skip
-    done = subprocess.run(export, cwd=project, env=SUBPROCESS_ENV, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    export = [
+        sys.executable,
+        str(REPO_ROOT / "infer.py"),
+        "mode=export",
+        f"ckpt={project / 'run' / 'checkpoints' / 'best.pt'}",
+        "plugins=[box_csv,tiny_detector]",
+    ]
+    done = subprocess.run(
+        export, cwd=project, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "parity, all images: " in done.stdout + done.stderr
     assert "min IoU 1.0000" in done.stdout + done.stderr

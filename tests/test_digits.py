@@ -23,9 +23,13 @@ def sklearn_split(cfg) -> dict[str, np.ndarray]:
     raw = load_digits()
     images, labels = raw.images.astype(np.float32)[:, None], raw.target.astype(np.int64)
     x_train, x_val, y_train, y_val, _, i_val = train_test_split(
-        images, labels, np.arange(len(labels)), test_size=cfg.val_fraction,
-        random_state=cfg.split_seed, stratify=labels,
-    )  # fmt: skip
+        images,
+        labels,
+        np.arange(len(labels)),
+        test_size=cfg.val_fraction,
+        random_state=cfg.split_seed,
+        stratify=labels,
+    )
     return dict(zip(SPLIT_KEYS, (x_train, x_val, y_train, y_val, i_val), strict=True))
 
 

@@ -408,18 +408,40 @@ def shapes_as_coco_and_yolo(root, count: int = 5, seed: int = 7):
         lines = []
         for box, label in zip(target["boxes"].tolist(), target["labels"].tolist(), strict=True):
             x1, y1, x2, y2 = box
-            coco["annotations"].append({"id": len(coco["annotations"]), "image_id": 100 + i,
-                                        "category_id": {1: 5, 2: 9}[label], "iscrowd": 0,
-                                        "bbox": [x1, y1, x2 - x1, y2 - y1]})  # fmt: skip
-            lines.append(f"{label - 1} {(x1 + x2) / 2 / width} {(y1 + y2) / 2 / height} "
-                         f"{(x2 - x1) / width} {(y2 - y1) / height}")  # fmt: skip
+            coco["annotations"].append(
+                {
+                    "id": len(coco["annotations"]),
+                    "image_id": 100 + i,
+                    "category_id": {1: 5, 2: 9}[label],
+                    "iscrowd": 0,
+                    "bbox": [x1, y1, x2 - x1, y2 - y1],
+                }
+            )
+            lines.append(
+                f"{label - 1} {(x1 + x2) / 2 / width} {(y1 + y2) / 2 / height} "
+                f"{(x2 - x1) / width} {(y2 - y1) / height}"
+            )
         (root / "yolo" / "labels" / "val" / f"img_{i}.txt").write_text("\n".join(lines))
     (root / "coco" / "val.json").write_text(json.dumps(coco))
     return root / "coco" / "val.json", root / "yolo" / "images" / "val"
 
 
-BOX_COLUMNS = ["image", "x1", "y1", "x2", "y2", "score", "label", "status", "truth", "truth_x1",
-               "truth_y1", "truth_x2", "truth_y2", "iou"]  # fmt: skip
+BOX_COLUMNS = [
+    "image",
+    "x1",
+    "y1",
+    "x2",
+    "y2",
+    "score",
+    "label",
+    "status",
+    "truth",
+    "truth_x1",
+    "truth_y1",
+    "truth_x2",
+    "truth_y2",
+    "iou",
+]
 
 
 def test_evaluate_a_detector_on_a_coco_file_and_a_yolo_folder(detector, tmp_path, capsys):
@@ -431,8 +453,13 @@ def test_evaluate_a_detector_on_a_coco_file_and_a_yolo_folder(detector, tmp_path
     reports = {}
     for layout, data in (("coco", coco), ("yolo", yolo)):
         out_dir = tmp_path / layout
-        code, _, err = run_infer(capsys, "mode=evaluate", f"ckpt={run_dir}/checkpoints/best.pt",
-                                 f"data={data}", f"output={out_dir}")  # fmt: skip
+        code, _, err = run_infer(
+            capsys,
+            "mode=evaluate",
+            f"ckpt={run_dir}/checkpoints/best.pt",
+            f"data={data}",
+            f"output={out_dir}",
+        )
         assert code == 0, err
         reports[layout] = json.loads((out_dir / "metrics.json").read_text())
         assert reports[layout]["data"]["layout"] == layout
@@ -454,16 +481,23 @@ def test_evaluate_a_detector_on_a_coco_file_and_a_yolo_folder(detector, tmp_path
     labelled = json.loads(coco.read_text())
     labelled["categories"][0]["name"] = "triangle"  # a class the checkpoint does not know
     coco.write_text(json.dumps(labelled))
-    code, _, err = run_infer(capsys, "mode=evaluate", f"ckpt={run_dir}/checkpoints/best.pt",
-                             f"data={coco.parent}", f"output={tmp_path / 'x'}")  # fmt: skip
+    code, _, err = run_infer(
+        capsys,
+        "mode=evaluate",
+        f"ckpt={run_dir}/checkpoints/best.pt",
+        f"data={coco.parent}",
+        f"output={tmp_path / 'x'}",
+    )
     assert code == 2 and "boxes of class(es) 'triangle', which the checkpoint does not know" in err
 
 
 def test_box_predictions_match_every_box_to_a_true_one_or_say_why():
     from kiln.inference.detection_report import box_predictions
 
-    truth = {"boxes": np.array([[0, 0, 10, 10], [20, 20, 40, 40], [50, 50, 60, 60]], np.float32),
-             "labels": np.array([1, 2, 2])}  # fmt: skip
+    truth = {
+        "boxes": np.array([[0, 0, 10, 10], [20, 20, 40, 40], [50, 50, 60, 60]], np.float32),
+        "labels": np.array([1, 2, 2]),
+    }
     found = {
         "boxes": np.array([[21, 21, 40, 40], [0, 0, 10, 12], [0, 0, 10, 10]], np.float32),
         "labels": np.array([2, 1, 1]),

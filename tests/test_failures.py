@@ -34,8 +34,12 @@ BEHAVIOUR_KINDS = [
     ("dead_units", "dead gradients", "body.0"),  # its first Linear: zero gradients
     ("tiny_logits", "cannot learn", ""),
 ]
-RULES_BY_WHAT = {"batch dependence": BATCH, "determinism": DETERMINISM, "dead gradients": DEAD,
-                 "cannot learn": LEARN}  # fmt: skip
+RULES_BY_WHAT = {
+    "batch dependence": BATCH,
+    "determinism": DETERMINISM,
+    "dead gradients": DEAD,
+    "cannot learn": LEARN,
+}
 
 
 @pytest.fixture
@@ -102,9 +106,14 @@ def test_a_model_that_computes_the_wrong_thing_stops_before_step_1_through_plugi
     its message starting with the check, and summary.json naming the check and the module."""
     run_dir = broken_project / "run"
     result = train_py(
-        broken_project, "plugins=[broken_parts]", f"hydra.searchpath=[file://{broken_project}/conf]",
-        f"model={model}", "hydra.run.dir=run", "env.progress_bar=false", "output_root=outs",
-    )  # fmt: skip
+        broken_project,
+        "plugins=[broken_parts]",
+        f"hydra.searchpath=[file://{broken_project}/conf]",
+        f"model={model}",
+        "hydra.run.dir=run",
+        "env.progress_bar=false",
+        "output_root=outs",
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     fail = [i for i, line in enumerate(lines) if line.startswith("[FAIL]")]
@@ -172,7 +181,7 @@ def test_a_users_models_join_the_registry_wide_tests_without_any_test_edit(tmp_p
             "-k",
             "tiny_ok or tiny_view",  # not the zoo's *_tiny architectures
             "tests/test_antibodies.py",
-        ],  # fmt: skip
+        ],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

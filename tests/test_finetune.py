@@ -34,14 +34,26 @@ def test_init_from_a_kiln_checkpoint_reports_the_head_it_reinitialises(
 ):
     source = digits_run / "checkpoints" / "best.pt"
     # Same 8x8 one-channel images, 5 classes: the body fits, the head does not.
-    other = ("data=synthetic_images", "data.image_size=8", "data.channels=1",
-             "data.num_classes=5", "data.num_train=64", "data.num_val=32")  # fmt: skip
+    other = (
+        "data=synthetic_images",
+        "data.image_size=8",
+        "data.channels=1",
+        "data.num_classes=5",
+        "data.num_train=64",
+        "data.num_val=32",
+    )
     with caplog.at_level(logging.INFO):
         summary = train_in_process(
-            tmp_path / "run", *QUICK, *other, f"init_from={source}", "trainer.max_steps=1",
-            "optimizer=sgd", "optimizer.lr=1e-9", "scheduler=none",
+            tmp_path / "run",
+            *QUICK,
+            *other,
+            f"init_from={source}",
+            "trainer.max_steps=1",
+            "optimizer=sgd",
+            "optimizer.lr=1e-9",
+            "scheduler=none",
             "trainer.learn_probe=false",  # lr 1e-9 on purpose: the loaded weights barely move
-        )  # fmt: skip
+        )
     # It ran its step (one step at lr 1e-9 learns nothing: at_chance says so, not an error).
     assert summary["error"] is None and summary["steps"] == 1
     text = caplog.text
@@ -88,9 +100,14 @@ def test_init_from_that_matches_nothing_is_one_error_line(tmp_path):
 def test_freeze_until_an_epoch_then_train_everything(tmp_path):
     run_dir = tmp_path / "run"
     summary = train_in_process(
-        run_dir, "trainer.max_epochs=3", "env.progress_bar=false", "logger=none",
-        "model.freeze=[body]", "trainer.unfreeze_at_epoch=2", "trainer.keep_last_k=3",
-    )  # fmt: skip
+        run_dir,
+        "trainer.max_epochs=3",
+        "env.progress_bar=false",
+        "logger=none",
+        "model.freeze=[body]",
+        "trainer.unfreeze_at_epoch=2",
+        "trainer.keep_last_k=3",
+    )
     assert summary["status"] == "ok"
     epoch = {
         n: load_checkpoint(run_dir / "checkpoints" / f"epoch-{n}.pt")["model"] for n in (1, 2, 3)
@@ -113,8 +130,11 @@ def test_freeze_backbone_and_head_lr(tmp_path):
     groups = trainer.optimizer.param_groups
     # backbone then head, each split into decayed weights and undecayed biases
     assert [(g["group"], g["decay"]) for g in groups] == [
-        ("backbone", True), ("backbone", False), ("head", True), ("head", False)
-    ]  # fmt: skip
+        ("backbone", True),
+        ("backbone", False),
+        ("head", True),
+        ("head", False),
+    ]
     backbone, head = groups[0], groups[2]
     assert head["lr"] == pytest.approx(10 * backbone["lr"])
     assert [g["weight_decay"] for g in groups] == [cfg.optimizer.weight_decay, 0.0] * 2
@@ -135,9 +155,12 @@ def test_ema_is_evaluated_beside_the_weights_and_can_become_best(tmp_path, caplo
     run_dir = tmp_path / "run"
     with caplog.at_level(logging.INFO):
         summary = train_in_process(
-            run_dir, "trainer.max_epochs=2", "env.progress_bar=false", "logger=none",
+            run_dir,
+            "trainer.max_epochs=2",
+            "env.progress_bar=false",
+            "logger=none",
             "trainer.ema_decay=0.9",
-        )  # fmt: skip
+        )
     evals = [m for m in read_metrics(run_dir) if "val_acc" in m]
     assert evals and all("ema_val_acc" in m and "ema_val_loss" in m for m in evals)
     assert summary["status"] == "ok" and "ema_val_acc" in summary

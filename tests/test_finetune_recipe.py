@@ -19,8 +19,9 @@ from kiln.models import build_model
 
 from .conftest import compose_config, train_in_process
 
-SPEC = DataSpec("classification", "tokens", 3, ("a", "b", "c"), vocab_size=50, max_length=12,
-                pad_id=0)  # fmt: skip
+SPEC = DataSpec(
+    "classification", "tokens", 3, ("a", "b", "c"), vocab_size=50, max_length=12, pad_id=0
+)
 BERT = ("data=csv_text", "model=hf", "model.arch=bert")  # a small BERT built from its type
 
 
@@ -34,8 +35,9 @@ def test_biases_and_norm_scales_take_no_weight_decay_unless_asked():
     """With zero gradients AdamW's whole update is the decay: 2-D weights shrink, every 1-D
     parameter (biases, LayerNorm scales) stays exactly as it was."""
     for decay_all in (False, True):
-        model, cfg = small_bert(f"optimizer.decay_bias_and_norm={decay_all}",
-                                "optimizer.weight_decay=0.1")  # fmt: skip
+        model, cfg = small_bert(
+            f"optimizer.decay_bias_and_norm={decay_all}", "optimizer.weight_decay=0.1"
+        )
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         optimizer = build_optimizer(parameter_groups(model, cfg.optimizer), cfg.optimizer)
         for p in model.parameters():
@@ -112,9 +114,17 @@ def test_a_run_with_the_whole_recipe_trains_frozen_embeddings_stay_and_resume_co
     changes layer_decay is refused (the saved moments belong to other groups)."""
     from kiln.data import build_data
 
-    overrides = (*BERT, "data.max_length=24", "data.batch_size=16", "trainer.max_epochs=2",
-                 "precision=bf16", "scheduler=linear_warmup", "optimizer.lr=0.002",
-                 "optimizer.layer_decay=0.8", "model.freeze=embeddings")  # fmt: skip
+    overrides = (
+        *BERT,
+        "data.max_length=24",
+        "data.batch_size=16",
+        "trainer.max_epochs=2",
+        "precision=bf16",
+        "scheduler=linear_warmup",
+        "optimizer.lr=0.002",
+        "optimizer.layer_decay=0.8",
+        "model.freeze=embeddings",
+    )
     cfg = compose_config(*overrides)
     torch.manual_seed(cfg.seed)  # build_run's order: seed, data, model
     initial = build_model(build_data(cfg.data).spec, cfg.model)

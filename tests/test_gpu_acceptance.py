@@ -15,17 +15,31 @@ from kiln.cli.paths import REPO_ROOT
 from .conftest import SUBPROCESS_ENV
 
 CPU_ROWS = {"bf16", "channels_last"}
-CUDA_ONLY = {"fp16 + GradScaler (provoked skip)", "pin_memory + non_blocking", "provoked OOM",
-             "no host sync between log lines", "DDP over nccl (1 rank)"}  # fmt: skip
+CUDA_ONLY = {
+    "fp16 + GradScaler (provoked skip)",
+    "pin_memory + non_blocking",
+    "provoked OOM",
+    "no host sync between log lines",
+    "DDP over nccl (1 rank)",
+}
 
 
 def acceptance(tmp_path, *args):
     out = tmp_path / "rows.json"
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "gpu_acceptance.py"), "--quick",
-         "--out", str(out), *args],
-        capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=1200,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts" / "gpu_acceptance.py"),
+            "--quick",
+            "--out",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=1200,
+    )
     return result, {row["name"]: row for row in json.loads(out.read_text())}
 
 
@@ -37,8 +51,12 @@ def test_cpu_rows_run_and_cuda_rows_are_skipped(tmp_path):
     for name in CPU_ROWS:
         assert rows[name]["status"] == "ok" and "samples/s on cpu" in rows[name]["figure"]
     for name in CUDA_ONLY:
-        assert rows[name] == {"name": name, "status": "skipped", "figure": "",
-                              "detail": "no CUDA device"}  # fmt: skip
+        assert rows[name] == {
+            "name": name,
+            "status": "skipped",
+            "figure": "",
+            "detail": "no CUDA device",
+        }
     assert "| bf16" in result.stdout  # the table
 
 

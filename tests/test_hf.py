@@ -38,8 +38,14 @@ from .test_evaluate import run_infer
 CLASSES = ("arrays", "http")  # two topics whose words never overlap: learnable in a few epochs
 DAMAGE = {"stray_quote": 1, "missing_label": 1, "extra_columns": 1, "markup_only": 1}
 REPO_ID = "kiln-tests/tiny-bert"
-TRAIN = ("data=csv_text", "model=hf", f"data.max_length={POSITIONS}", "data.batch_size=16",
-         "optimizer.lr=0.001", "trainer.max_epochs=6")  # fmt: skip
+TRAIN = (
+    "data=csv_text",
+    "model=hf",
+    f"data.max_length={POSITIONS}",
+    "data.batch_size=16",
+    "optimizer.lr=0.001",
+    "trainer.max_epochs=6",
+)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +125,9 @@ def test_infer_and_onnx_give_the_evaluations_probabilities_without_the_folder(
         capsys, f"ckpt={onnx}", "backend=onnx", f"input={csv}", f"output={tmp_path}/onnx.csv"
     )
     assert code == 0, err
-    np.testing.assert_allclose(pd.read_csv(tmp_path / "onnx.csv")[probs], evaluated[probs],
-                               atol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(
+        pd.read_csv(tmp_path / "onnx.csv")[probs], evaluated[probs], atol=1e-4
+    )
     # The server, on raw text: the same probabilities, from the checkpoint alone.
     predictor = Predictor.from_checkpoint(run_dir / "checkpoints" / "best.pt")
     texts = [text for text, _ in rows]
@@ -191,8 +198,8 @@ def test_the_triton_repository_ships_the_models_tokenizer_a_client_can_run(bert_
     texts = [
         "the ndarray broadcast along an axis",
         "a session cookie in the request header",
-        " ".join(["dtype"] * 200),
-    ]  # fmt: skip  (longer than max_length: truncated)
+        " ".join(["dtype"] * 200),  # longer than max_length: truncated
+    ]
     encoded = [e.ids for e in tokenizer.encode_batch(texts)]
     assert encoded[0][0] == tokenizer.token_to_id("[CLS]")  # the model's special tokens
     ids = np.full((len(texts), max(map(len, encoded))), record.recipe.pad_id, dtype=np.int64)
@@ -326,8 +333,9 @@ def test_position_limits_count_robertas_offset():
 def test_model_types_build_small_from_scratch_with_the_datas_classes(arch):
     from kiln.data.spec import DataSpec
 
-    spec = DataSpec("classification", "tokens", 3, ("a", "b", "c"), vocab_size=50,
-                    max_length=12, pad_id=0)  # fmt: skip
+    spec = DataSpec(
+        "classification", "tokens", 3, ("a", "b", "c"), vocab_size=50, max_length=12, pad_id=0
+    )
     cfg = compose_config("data=csv_text", "model=hf", f"model.arch={arch}").model
     model = build_model(spec, cfg).eval()
     ids = torch.randint(1, 50, (2, 12))
@@ -373,9 +381,17 @@ def test_a_base_models_weights_load_with_the_head_named_and_a_misfit_refused(cap
     from kiln.models.weights import WeightsError
     from kiln.models.zoo.transformers import load_hf_weights
 
-    config = BertConfig(vocab_size=40, max_position_embeddings=16, num_labels=3,
-                        **{"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                           "intermediate_size": 64})  # fmt: skip
+    config = BertConfig(
+        vocab_size=40,
+        max_position_embeddings=16,
+        num_labels=3,
+        **{
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+        },
+    )
     torch.manual_seed(0)
     base = BertModel(config).state_dict()
     net = BertForSequenceClassification(config)
@@ -400,8 +416,10 @@ def write_pairs(path: Path, num_rows: int, seed: int) -> list[tuple[str, str, st
     import random
 
     rng = random.Random(seed)
-    topics = {"arrays": ["ndarray", "broadcast", "dtype", "axis"],
-              "http": ["request", "session", "header", "cookie"]}  # fmt: skip
+    topics = {
+        "arrays": ["ndarray", "broadcast", "dtype", "axis"],
+        "http": ["request", "session", "header", "cookie"],
+    }
     rows = []
     for i in range(num_rows):
         label = CLASSES[i % 2]
@@ -431,8 +449,9 @@ def test_a_pair_task_trains_evaluates_predicts_and_serves(corpus, tmp_path, caps
     sep = predictor.record.recipe.pretrained["sep_id"]
     assert int((ids == sep).sum()) == 2  # [CLS] a [SEP] b [SEP]: tokenizer(a, b)
     ckpt = f"ckpt={run_dir}/checkpoints/best.pt"
-    code, _, err = run_infer(capsys, "mode=evaluate", ckpt, f"data={held_out}",
-                             f"output={tmp_path}/ev")  # fmt: skip
+    code, _, err = run_infer(
+        capsys, "mode=evaluate", ckpt, f"data={held_out}", f"output={tmp_path}/ev"
+    )
     assert code == 0, err
     evaluated = pd.read_csv(tmp_path / "ev" / "predictions.csv")
     code, _, err = run_infer(capsys, ckpt, f"input={held_out}", f"output={tmp_path}/preds.csv")
@@ -453,8 +472,9 @@ def test_a_pair_task_trains_evaluates_predicts_and_serves(corpus, tmp_path, caps
     assert v2.status_code == 200, v2.text
     assert from_example.status_code == 200, from_example.text
     (probs_v2,) = [t for t in v2.json()["outputs"] if t["name"] == "probs"]
-    np.testing.assert_allclose(np.reshape(probs_v2["data"], probs_v2["shape"]),
-                               evaluated[probs].to_numpy(), atol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(
+        np.reshape(probs_v2["data"], probs_v2["shape"]), evaluated[probs].to_numpy(), atol=1e-4
+    )
     served = np.array([p["probs"] for p in answer.json()["predictions"]])
     np.testing.assert_allclose(served, evaluated[probs].to_numpy(), atol=1e-4)
     assert single.status_code == 422 and "expected a pair of texts" in single.text
@@ -542,13 +562,23 @@ def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(bert_run, co
     from .conftest import start_process
 
     snapshot = corpus / "hub" / "models--kiln-tests--tiny-bert" / "snapshots" / ("0" * 40)
-    settings = (*TRAIN, f"data.train_path={corpus / 'train.csv'}", f"model.arch={snapshot}",
-                f"data.cache_dir={corpus / 'cache'}", "trainer.max_epochs=2",
-                "trainer.deterministic=true", "trainer.checkpoint_every_n_steps=5",
-                "data.batch_size=8", "env.progress_bar=false", "optimizer.layer_decay=0.8",
-                "model.freeze=embeddings", "trainer.unfreeze_at_epoch=1",
-                "scheduler=linear_warmup", "model.gradient_checkpointing=true",
-                "precision=bf16")  # fmt: skip
+    settings = (
+        *TRAIN,
+        f"data.train_path={corpus / 'train.csv'}",
+        f"model.arch={snapshot}",
+        f"data.cache_dir={corpus / 'cache'}",
+        "trainer.max_epochs=2",
+        "trainer.deterministic=true",
+        "trainer.checkpoint_every_n_steps=5",
+        "data.batch_size=8",
+        "env.progress_bar=false",
+        "optimizer.layer_decay=0.8",
+        "model.freeze=embeddings",
+        "trainer.unfreeze_at_epoch=1",
+        "scheduler=linear_warmup",
+        "model.gradient_checkpointing=true",
+        "precision=bf16",
+    )
     reference = tmp_path / "reference"
     assert run_train(reference, *settings).returncode == 0
     interrupted = tmp_path / "interrupted"
@@ -576,11 +606,13 @@ def test_sigkill_mid_epoch_then_resume_matches_an_uninterrupted_run(bert_run, co
     # frozen copy) and the optimizer holds one group per depth, laid out alike in both runs.
     embeddings = "net.bert.embeddings.word_embeddings.weight"
     assert not torch.equal(saved_model[embeddings], actual[embeddings])
-    groups = [(g["depth"], g["decay"], g["lr_mult"])
-              for g in resumed_state["optimizer"]["param_groups"]]  # fmt: skip
+    groups = [
+        (g["depth"], g["decay"], g["lr_mult"]) for g in resumed_state["optimizer"]["param_groups"]
+    ]
     assert len({depth for depth, _, _ in groups}) > 2, groups
-    assert groups == [(g["depth"], g["decay"], g["lr_mult"])
-                      for g in reference_state["optimizer"]["param_groups"]]  # fmt: skip
+    assert groups == [
+        (g["depth"], g["decay"], g["lr_mult"]) for g in reference_state["optimizer"]["param_groups"]
+    ]
 
 
 def test_parameters_the_library_never_reaches_are_frozen_and_said(caplog):
@@ -590,8 +622,9 @@ def test_parameters_the_library_never_reaches_are_frozen_and_said(caplog):
     gradient from one backward."""
     from kiln.data.spec import DataSpec
 
-    spec = DataSpec("classification", "tokens", 3, ("a", "b", "c"), vocab_size=50,
-                    max_length=12, pad_id=0)  # fmt: skip
+    spec = DataSpec(
+        "classification", "tokens", 3, ("a", "b", "c"), vocab_size=50, max_length=12, pad_id=0
+    )
     hf = ("data=csv_text", "model=hf")
     with caplog.at_level(logging.INFO, logger="kiln.models.zoo.transformers"):
         big_bird = build_model(spec, compose_config(*hf, "model.arch=big_bird").model)
@@ -611,8 +644,14 @@ def test_a_big_bird_run_trains_where_rule_2_stopped_it(tmp_path):
     """`model=hf model.arch=big_bird` stopped at rule 2 before step 1 (its pooler got no
     gradient); now it trains, the pooler as it began."""
     run_dir = tmp_path / "run"
-    summary = train_in_process(run_dir, "data=csv_text", "model=hf", "model.arch=big_bird",
-                               "data.max_length=24", "trainer.max_epochs=2")  # fmt: skip
+    summary = train_in_process(
+        run_dir,
+        "data=csv_text",
+        "model=hf",
+        "model.arch=big_bird",
+        "data.max_length=24",
+        "trainer.max_epochs=2",
+    )
     # Two epochs of a tiny model may still be at chance: what matters is that no rule stopped it.
     assert summary["status"] in ("ok", "at_chance") and summary["error"] is None, summary
     first = torch.load(run_dir / "checkpoints" / "epoch-1.pt", weights_only=True)["model"]
@@ -629,8 +668,13 @@ def test_a_thawed_backbone_leaves_frozen_what_the_model_froze_itself(tmp_path):
     from kiln.engine.distributed import DistInfo
     from kiln.engine.run import build_run_model
 
-    cfg = compose_config("data=csv_text", "model=hf", "model.arch=big_bird",
-                         "model.freeze=backbone", "trainer.unfreeze_at_epoch=1")  # fmt: skip
+    cfg = compose_config(
+        "data=csv_text",
+        "model=hf",
+        "model.arch=big_bird",
+        "model.freeze=backbone",
+        "trainer.unfreeze_at_epoch=1",
+    )
     spec = build_data(cfg.data).spec
     model, plan = build_run_model(cfg, spec, torch.device("cpu"), DistInfo(), tmp_path, False)
     assert "net.bert.encoder.layer.0.output.dense.weight" in plan.names
@@ -645,8 +689,9 @@ def test_a_model_type_built_of_sub_models_is_refused_not_built_at_full_size():
     small size reaches neither, and the library's defaults are 2.7B parameters."""
     from kiln.data.spec import DataSpec
 
-    spec = DataSpec("classification", "tokens", 3, ("a", "b", "c"), vocab_size=50,
-                    max_length=12, pad_id=0)  # fmt: skip
+    spec = DataSpec(
+        "classification", "tokens", 3, ("a", "b", "c"), vocab_size=50, max_length=12, pad_id=0
+    )
     cfg = compose_config("data=csv_text", "model=hf", "model.arch=gemma3")
     with pytest.raises(ConfigError, match="text_config and vision_config") as caught:
         build_model(spec, cfg.model)

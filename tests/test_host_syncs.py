@@ -73,7 +73,7 @@ class HostReads:
             "trainer.gradient_clip_val=1.0",
             "optimizer=sgd",
             "data.batch_size=16",
-        ),  # fmt: skip
+        ),
         ("trainer.nan_policy=skip", "trainer.max_skipped_steps=-1", "loss.force_all_branches=true"),
         ("data=csv_text", "model=text_transformer", "scheduler=cosine", "data.batch_size=16"),
     ],
@@ -119,17 +119,24 @@ def test_reading_on_the_host_gives_the_log_lines_of_the_device_way(tmp_path, pol
 
     def run(on_host: bool) -> tuple[list[dict], str | None]:
         cfg = compose_config(
-            "trainer.log_every_n_steps=5", "trainer.max_steps=12", "env.progress_bar=false",
-            "logger=none", "loss.force_all_branches=true",
+            "trainer.log_every_n_steps=5",
+            "trainer.max_steps=12",
+            "env.progress_bar=false",
+            "logger=none",
+            "loss.force_all_branches=true",
             f"trainer.accumulate_grad_batches={window}",
             "data.batch_size=32",
-            f"trainer.nan_policy={policy}", "trainer.max_skipped_steps=-1",
-        )  # fmt: skip
+            f"trainer.nan_policy={policy}",
+            "trainer.max_skipped_steps=-1",
+        )
         lines: list[dict] = []
         trainer = build_run(
-            cfg, tmp_path / str(on_host), DistInfo(), torch.device("cpu"),
+            cfg,
+            tmp_path / str(on_host),
+            DistInfo(),
+            torch.device("cpu"),
             lambda metrics, step: lines.append({"step": step, **metrics}),
-        ).trainer  # fmt: skip
+        ).trainer
         trainer.read_on_host(on_host)
         criterion = trainer.criterion
 

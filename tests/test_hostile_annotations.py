@@ -39,8 +39,9 @@ def image_folder(root, count: int = 6):
 
 
 def coco_file(path, images, annotations, categories=CATEGORIES):
-    path.write_text(json.dumps({"images": images, "annotations": annotations,
-                                "categories": categories}))  # fmt: skip
+    path.write_text(
+        json.dumps({"images": images, "annotations": annotations, "categories": categories})
+    )
     return path
 
 
@@ -49,9 +50,14 @@ def box(ann_id: int, image_id: int, category: int = 1, bbox=(2, 2, 10, 8)) -> di
 
 
 def coco_data(tmp_path, json_path, images_root, *extra):
-    cfg = compose_config("data=coco", "model=detector", f"data.train_json={json_path}",
-                         f"data.train_images={images_root}", f"data.cache_dir={tmp_path / 'c'}",
-                         *extra)  # fmt: skip
+    cfg = compose_config(
+        "data=coco",
+        "model=detector",
+        f"data.train_json={json_path}",
+        f"data.train_images={images_root}",
+        f"data.cache_dir={tmp_path / 'c'}",
+        *extra,
+    )
     return build_data(cfg.data)
 
 
@@ -66,8 +72,9 @@ def test_a_coco_file_is_parsed_with_bounded_memory(tmp_path):
     """A 10 MB file shaped like COCO 2017 (polygons are most of it): json.load holds ~10x the
     file as Python objects; read element by element, the peak is the read buffer (1 Mi
     characters, a few copies of it) and the few columns kept, whatever the file's size."""
-    path = write_coco_like(tmp_path / "big.json", num_images=2000, boxes_per_image=7,
-                           polygon_points=40)  # fmt: skip
+    path = write_coco_like(
+        tmp_path / "big.json", num_images=2000, boxes_per_image=7, polygon_points=40
+    )
     size = path.stat().st_size
     assert size > 10 * 2**20
     tracemalloc.start()
@@ -85,8 +92,13 @@ def test_a_coco_file_is_parsed_with_bounded_memory(tmp_path):
 def test_a_coco_file_past_max_json_bytes_is_refused_before_parsing(tmp_path):
     images, entries, boxes = six_images(tmp_path)
     path = coco_file(tmp_path / "train.json", entries, boxes * 20)  # 2.4 KB
-    cfg = compose_config("data=coco", "model=detector", f"data.train_json={path}",
-                         f"data.train_images={images}", "data.max_json_bytes=1024")  # fmt: skip
+    cfg = compose_config(
+        "data=coco",
+        "model=detector",
+        f"data.train_json={path}",
+        f"data.train_images={images}",
+        "data.max_json_bytes=1024",
+    )
     started = time.perf_counter()
     with pytest.raises(
         DetectionDataError,
@@ -104,8 +116,13 @@ def test_json_nested_100000_deep_is_one_error_line(tmp_path, where, capsys):
     if where == "info":
         text = '{"info": ' + "[" * 100_000 + "]" * 100_000 + ', "images": []}'
     (tmp_path / "deep.json").write_text(text)
-    args = ["data=coco", "model=detector", f"data.train_json={tmp_path / 'deep.json'}",
-            f"data.train_images={images}", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    args = [
+        "data=coco",
+        "model=detector",
+        f"data.train_json={tmp_path / 'deep.json'}",
+        f"data.train_images={images}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     with pytest.raises(SystemExit) as stopped:
         train_main(args)
     assert stopped.value.code == 2
@@ -144,9 +161,11 @@ def test_one_image_with_200000_boxes_keeps_the_limit_and_reports_the_rest(tmp_pa
     (record,) = [r for r in files["dropped_records"] if r["reason"] == "too_many_boxes"]
     assert record["image_id"] == 1 and record["left_out"] == 199_001
     assert "data.max_boxes_per_image=1,000: the first 1,000 kept" in record["detail"]
-    boxes_of = {source: len(target["boxes"]) for split in ("train", "val")
-                for source, (_, target) in zip(bundle.sources[split], getattr(bundle, split),
-                                               strict=True)}  # fmt: skip
+    boxes_of = {
+        source: len(target["boxes"])
+        for split in ("train", "val")
+        for source, (_, target) in zip(bundle.sources[split], getattr(bundle, split), strict=True)
+    }
     assert boxes_of[str(images / "img_0.png")] == 1000
 
 
@@ -156,8 +175,12 @@ def test_file_names_leading_out_of_the_images_folder_are_refused_not_read(tmp_pa
     (images / "sub").mkdir()
     (images / "sub" / "link.png").symlink_to(outside / "img_2.png")
     (images / "sub" / "inner.png").symlink_to(images / "img_5.png")  # stays inside: kept
-    strays = ["../outside/img_0.png", str(outside / "img_1.png"), "sub/link.png",
-              "sub/../../outside/img_0.png"]  # fmt: skip
+    strays = [
+        "../outside/img_0.png",
+        str(outside / "img_1.png"),
+        "sub/link.png",
+        "sub/../../outside/img_0.png",
+    ]
     entries += [{"id": 10 + i, "file_name": name} for i, name in enumerate(strays)]
     entries.append({"id": 20, "file_name": "sub\\inner.png"})  # a Windows tool's separator
     boxes += [box(10 + i, 10 + i) for i in range(len(strays))] + [box(20, 20)]
@@ -184,8 +207,13 @@ def yolo_tree(tmp_path, names_text: str = "names: [cat, dog]\n"):
 
 
 def yolo_data(tmp_path, images, *extra):
-    cfg = compose_config("data=yolo", "model=detector", f"data.train_dir={images}",
-                         f"data.cache_dir={tmp_path / 'c'}", *extra)  # fmt: skip
+    cfg = compose_config(
+        "data=yolo",
+        "model=detector",
+        f"data.train_dir={images}",
+        f"data.cache_dir={tmp_path / 'c'}",
+        *extra,
+    )
     return build_data(cfg.data)
 
 
@@ -223,8 +251,11 @@ def test_a_yaml_alias_bomb_is_one_error_line(tmp_path):
     _, images = yolo_tree(tmp_path, yaml_bomb())
     tracemalloc.start()
     try:
-        with pytest.raises(DetectionDataError, match=r"not YAML kiln reads .*aliases \(\*name\) "
-                           r"are not read"):  # fmt: skip
+        with pytest.raises(
+            DetectionDataError,
+            match=r"not YAML kiln reads .*aliases \(\*name\) "
+            r"are not read",
+        ):
             yolo_data(tmp_path, images)
         _, peak = tracemalloc.get_traced_memory()
     finally:

@@ -145,13 +145,22 @@ def test_bad_rows_error_names_a_dangling_link_and_a_bomb(hostile, tmp_path):
     from kiln.data.image_scan import ImageFolderError
 
     with pytest.raises(ImageFolderError, match=r"cannot open file: .*gone\.jpg.*link or perm"):
-        finishes(read_folder, str(hostile["train_dir"]), "train_dir", channels=3,
-                 bad_rows="error", cache_dir=None)  # fmt: skip
+        finishes(
+            read_folder,
+            str(hostile["train_dir"]),
+            "train_dir",
+            channels=3,
+            bad_rows="error",
+            cache_dir=None,
+        )
     only_bomb = tmp_path / "t"
     (only_bomb / "a").mkdir(parents=True)
     (only_bomb / "a" / "bomb.png").symlink_to(hostile["train_dir"] / "cat" / "bomb.png")
-    with pytest.raises(ImageFolderError, match=r"too large image: PNG of 30000x30000 .*raise "
-                                               r"data\.max_image_pixels"):  # fmt: skip
+    with pytest.raises(
+        ImageFolderError,
+        match=r"too large image: PNG of 30000x30000 .*raise "
+        r"data\.max_image_pixels",
+    ):
         read_folder(str(only_bomb), "train_dir", channels=3, bad_rows="error", cache_dir=None)
 
 

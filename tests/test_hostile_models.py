@@ -49,8 +49,12 @@ from .hf_helpers import (
 from .inference_helpers import free_port
 from .test_evaluate import run_infer
 
-TEXTS = ["the ndarray broadcast along an axis", "a session cookie in the request header",
-         "dtype of the array", "the http header"] * 10  # fmt: skip
+TEXTS = [
+    "the ndarray broadcast along an axis",
+    "a session cookie in the request header",
+    "dtype of the array",
+    "the http header",
+] * 10
 HF = ("data=csv_text", "model=hf")
 
 
@@ -175,7 +179,7 @@ SIZES = {  # config.json changes -> the key the refusal names
             "num_attention_heads": 12,
         },
         "num_hidden_layers=10000",
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -225,8 +229,11 @@ def test_refusals_take_little_memory_in_a_fresh_process(tmp_path):
     out = tmp_path / "hostile.json"
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "scripts" / "hostile_models.py"), "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env=SUBPROCESS_ENV,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=SUBPROCESS_ENV,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert len(results) == 7, results
@@ -238,9 +245,11 @@ def test_refusals_take_little_memory_in_a_fresh_process(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "size", "key"),
-    [("tokenizer.json", 200 * 2**20, "model.max_tokenizer_bytes"),
-     ("config.json", 100 * 2**20, "model.max_config_bytes")],
-)  # fmt: skip
+    [
+        ("tokenizer.json", 200 * 2**20, "model.max_tokenizer_bytes"),
+        ("config.json", 100 * 2**20, "model.max_config_bytes"),
+    ],
+)
 def test_a_file_past_its_size_limit_is_refused_before_it_is_parsed(
     bert, tmp_path, capsys, name, size, key
 ):
@@ -249,8 +258,9 @@ def test_a_file_past_its_size_limit_is_refused_before_it_is_parsed(
     line = refused(capsys, folder)
     assert f"{name} is {size / 2**20:.1f} MiB, more than {key}=" in line
     assert "refused before it is parsed" in line
-    assert line.endswith(f"({key}): raise {key} if the file is genuine (see docs/transformers.md "
-                         "for real sizes)")  # fmt: skip
+    assert line.endswith(
+        f"({key}): raise {key} if the file is genuine (see docs/transformers.md for real sizes)"
+    )
 
 
 def test_weights_larger_than_the_memory_are_refused_before_a_byte_is_read(bert, tmp_path, capsys):
@@ -273,11 +283,20 @@ def test_a_folder_with_auto_map_is_refused_and_its_code_never_runs_even_answerin
     marker = tmp_path / "the_folders_code_ran"
     folder = with_remote_code(bert, tmp_path / "evil", marker)
     done = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "train.py"), *HF, f"model.arch={folder}",
-         f"hydra.run.dir={tmp_path / 'run'}"],
-        input="y\n" * 1000, capture_output=True, text=True, timeout=300, env=SUBPROCESS_ENV,
+        [
+            sys.executable,
+            str(REPO_ROOT / "train.py"),
+            *HF,
+            f"model.arch={folder}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        input="y\n" * 1000,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=SUBPROCESS_ENV,
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert not marker.exists()
     assert done.returncode == 2, done.stderr[-3000:]
     (line,) = done.stderr.strip().splitlines()
@@ -303,9 +322,14 @@ def hf_checkpoint(bert, tmp_path_factory) -> Path:
     rows = [(text, "arrays" if "array" in text else "http") for text in TEXTS]
     pd.DataFrame(rows, columns=["text", "label"]).to_csv(root / "train.csv", index=False)
     summary = train_in_process(
-        root / "run", *HF, f"model.arch={bert}", f"data.train_path={root / 'train.csv'}",
-        "data.max_length=32", "trainer.max_steps=1", f"data.cache_dir={root / 'cache'}",
-    )  # fmt: skip
+        root / "run",
+        *HF,
+        f"model.arch={bert}",
+        f"data.train_path={root / 'train.csv'}",
+        "data.max_length=32",
+        "trainer.max_steps=1",
+        f"data.cache_dir={root / 'cache'}",
+    )
     assert summary["error"] is None, summary
     return root / "run" / "checkpoints" / "best.pt"
 
@@ -372,9 +396,12 @@ def older_checkpoint_swapped(ckpt: dict) -> None:
 
 @pytest.mark.parametrize(
     ("edit", "name"),
-    [(edit_config, "config.json"), (edit_classes, "preprocessing"),
-     (older_checkpoint_swapped, "tokenizer.json")],
-)  # fmt: skip
+    [
+        (edit_config, "config.json"),
+        (edit_classes, "preprocessing"),
+        (older_checkpoint_swapped, "tokenizer.json"),
+    ],
+)
 def test_each_embedded_file_is_checked_and_named(hf_checkpoint, tmp_path, capsys, edit, name):
     ckpt = tampered(hf_checkpoint, tmp_path / "best.pt", edit)
     code, _, err = run_infer(capsys, f"ckpt={ckpt}", "mode=export")
@@ -385,8 +412,9 @@ def test_an_untouched_checkpoint_and_one_older_than_the_hashes_are_read(
     hf_checkpoint, tmp_path, capsys
 ):
     csv = hf_checkpoint.parent.parent.parent / "train.csv"
-    code, _, err = run_infer(capsys, f"ckpt={hf_checkpoint}", f"input={csv}",
-                             f"output={tmp_path}/a.csv")  # fmt: skip
+    code, _, err = run_infer(
+        capsys, f"ckpt={hf_checkpoint}", f"input={csv}", f"output={tmp_path}/a.csv"
+    )
     assert code == 0, err
 
     def older(ckpt: dict) -> None:
@@ -412,8 +440,9 @@ def test_an_edited_onnx_sidecar_is_refused(hf_checkpoint, tmp_path, capsys):
     )[0]
     sidecar.write_text(json.dumps(record))
     csv = hf_checkpoint.parent.parent.parent / "train.csv"
-    code, _, err = run_infer(capsys, f"ckpt={best}", "backend=onnx", f"input={csv}",
-                             f"output={tmp_path}/p.csv")  # fmt: skip
+    code, _, err = run_infer(
+        capsys, f"ckpt={best}", "backend=onnx", f"input={csv}", f"output={tmp_path}/p.csv"
+    )
     assert code == 2 and f"checkpoint {sidecar}: its embedded tokenizer.json" in err, err
 
 
@@ -435,15 +464,18 @@ def test_a_checkpoint_naming_plugins_makes_infer_import_nothing(hf_checkpoint, t
 
     def plant(ckpt: dict) -> None:
         ckpt["config"]["plugins"] = ["evil_parts"]
-        ckpt["plugins"] = {"sources": {"evil_parts": str(planted)}, "config_dirs": [],
-                           "packages": {"evil_pkg": {"distribution": "evil", "version": "1",
-                                                     "entry_point": None}}}  # fmt: skip
+        ckpt["plugins"] = {
+            "sources": {"evil_parts": str(planted)},
+            "config_dirs": [],
+            "packages": {"evil_pkg": {"distribution": "evil", "version": "1", "entry_point": None}},
+        }
 
     ckpt = tampered(hf_checkpoint, tmp_path / "best.pt", plant)
     csv = hf_checkpoint.parent.parent.parent / "train.csv"
     infer = [sys.executable, str(REPO_ROOT / "infer.py"), f"ckpt={ckpt}", f"input={csv}"]
-    done = subprocess.run(infer, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=SUBPROCESS_ENV)  # fmt: skip
+    done = subprocess.run(
+        infer, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=SUBPROCESS_ENV
+    )
     assert not marker.exists()
     assert done.returncode == 2, done.stderr[-3000:]
     (line,) = done.stderr.strip().splitlines()
@@ -452,7 +484,13 @@ def test_a_checkpoint_naming_plugins_makes_infer_import_nothing(hf_checkpoint, t
     )
     assert "add 'plugins=[evil_parts]' to the command" in line
     assert f"evil_parts was imported from {planted}" in line
-    named = subprocess.run([*infer, "plugins=[evil_pkg]"], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300, env=SUBPROCESS_ENV)  # fmt: skip
+    named = subprocess.run(
+        [*infer, "plugins=[evil_pkg]"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=SUBPROCESS_ENV,
+    )
     assert named.returncode == 2 and "imported no evil_parts" in named.stderr  # only what is named
     assert marker.exists()  # evil_pkg, which the user named, was imported: the user's choice

@@ -644,8 +644,11 @@ def test_server_takes_image_files_in_v1_base64_and_v2_bytes(photo_run):
         bad = httpx.post(f"{server.url}/v1/predict", json={"inputs": [encoded[0], "bm90IGFu"]})
         assert bad.status_code == 422 and "item 1: not a readable image" in bad.json()["detail"]
 
-        body = {"inputs": [{"name": "input", "datatype": "BYTES", "shape": [len(encoded)],
-                            "data": encoded}]}  # fmt: skip
+        body = {
+            "inputs": [
+                {"name": "input", "datatype": "BYTES", "shape": [len(encoded)], "data": encoded}
+            ]
+        }
         v2 = httpx.post(f"{server.url}/v2/models/kiln/infer", json=body, timeout=60)
         assert v2.status_code == 200, v2.text
         probs = next(o for o in v2.json()["outputs"] if o["name"] == "probs")
@@ -669,8 +672,18 @@ def test_server_takes_image_files_in_v1_base64_and_v2_bytes(photo_run):
         client.close()
 
         raw = b"".join(struct.pack("<I", len(f)) + f for f in files[:1])
-        header = json.dumps({"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1],
-                             "parameters": {"binary_data_size": len(raw)}}]}).encode()  # fmt: skip
+        header = json.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "input",
+                        "datatype": "BYTES",
+                        "shape": [1],
+                        "parameters": {"binary_data_size": len(raw)},
+                    }
+                ]
+            }
+        ).encode()
         v2b = httpx.post(
             f"{server.url}/v2/models/kiln/infer",
             content=header + raw,

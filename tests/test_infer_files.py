@@ -90,13 +90,20 @@ def predict(*args: str, fifos=()):
 def test_one_bad_file_costs_only_itself(image_ckpt, hostile_inputs, tmp_path, capsys):
     folder, good, bad = hostile_inputs
     out = tmp_path / "preds.csv"
-    predict(f"ckpt={image_ckpt}", f"input={folder}", f"output={out}", "batch_size=3",
-            fifos=[folder / "x.jpg"])  # fmt: skip
+    predict(
+        f"ckpt={image_ckpt}",
+        f"input={folder}",
+        f"output={out}",
+        "batch_size=3",
+        fifos=[folder / "x.jpg"],
+    )
     frame = pd.read_csv(out, keep_default_na=False)
     assert list(frame.columns) == ["index", "source", "label", "prob_cat", "prob_dog", "error"]
     assert frame["index"].tolist() == list(range(len(good) + len(bad)))  # one row each, once
-    by_name = {os.path.relpath(s, os.fsencode(folder).decode("utf-8", "backslashreplace")): row
-               for s, row in zip(frame["source"], frame.itertuples(), strict=True)}  # fmt: skip
+    by_name = {
+        os.path.relpath(s, os.fsencode(folder).decode("utf-8", "backslashreplace")): row
+        for s, row in zip(frame["source"], frame.itertuples(), strict=True)
+    }
     escaped = "caf\\xe9.png"
     assert escaped in by_name  # the Latin-1 byte written as an escape, not a crash
     for name, reason in bad.items():
@@ -123,8 +130,13 @@ def test_strict_stops_at_the_first_bad_file_and_writes_nothing(
     folder, _, _ = hostile_inputs
     out = tmp_path / "strict.csv"
     with pytest.raises(SystemExit) as stopped:
-        predict(f"ckpt={image_ckpt}", f"input={folder}", f"output={out}", "strict=true",
-                fifos=[folder / "x.jpg"])  # fmt: skip
+        predict(
+            f"ckpt={image_ckpt}",
+            f"input={folder}",
+            f"output={out}",
+            "strict=true",
+            fifos=[folder / "x.jpg"],
+        )
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ")
@@ -210,8 +222,13 @@ def test_evaluate_counts_a_fifo_and_leaves_out_bad_files_naming_them(image_ckpt,
     (data / "dog" / "loop").symlink_to("..", target_is_directory=True)
     os.mkfifo(data / "dog" / "x.jpg")
     out = tmp_path / "eval"
-    predict(f"ckpt={image_ckpt}", "mode=evaluate", f"data={data}", f"output={out}",
-            fifos=[data / "dog" / "x.jpg"])  # fmt: skip
+    predict(
+        f"ckpt={image_ckpt}",
+        "mode=evaluate",
+        f"data={data}",
+        f"output={out}",
+        fifos=[data / "dog" / "x.jpg"],
+    )
     metrics = json.loads((out / "metrics.json").read_text())
     # data_report.json's layout (kiln.data.bad_inputs): counts per reason, the records beside
     report = metrics["data"]

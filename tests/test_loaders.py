@@ -32,10 +32,17 @@ def test_gathered_batches_equal_the_per_sample_ones(workers, skip, drop_last):
     dataset = TensorDataset(x, y)
     gathered_set, collate = gathered(dataset, None)
     assert isinstance(gathered_set, GatheredTensors)
-    textbook = DataLoader(dataset, batch_size=16, sampler=sampler_of(dataset, skip),
-                          drop_last=drop_last)  # fmt: skip
-    kiln = DataLoader(gathered_set, batch_size=16, sampler=sampler_of(dataset, skip),
-                      collate_fn=collate, num_workers=workers, drop_last=drop_last)  # fmt: skip
+    textbook = DataLoader(
+        dataset, batch_size=16, sampler=sampler_of(dataset, skip), drop_last=drop_last
+    )
+    kiln = DataLoader(
+        gathered_set,
+        batch_size=16,
+        sampler=sampler_of(dataset, skip),
+        collate_fn=collate,
+        num_workers=workers,
+        drop_last=drop_last,
+    )
     expected, got = list(textbook), list(kiln)
     assert len(got) == len(expected) == len(kiln)
     for (ex, ey), (gx, gy) in zip(expected, got, strict=True):
@@ -81,9 +88,11 @@ def test_a_batch_is_a_copy_of_the_datasets_items(data):
 
     fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
     cfg = compose_config(
-        f"data={data}", f"model={fits[dataset_provides(data)]}", *SMALL.get(data, ()),
+        f"data={data}",
+        f"model={fits[dataset_provides(data)]}",
+        *SMALL.get(data, ()),
         "data.num_workers=0",  # in this process: where an item and its batch could share memory
-    )  # fmt: skip
+    )
     bundle = bundle_for(data)
     items = [copy.deepcopy(bundle.train[i]) for i in range(len(bundle.train))]
     train, _ = build_dataloaders(bundle, cfg.data, seed=0, rank=0, world_size=1, cuda=False)

@@ -235,5 +235,9 @@ def test_the_step_logs_rate_keeps_two_digits_below_ten_per_second():
     from kiln.engine.metrics import rate_text
 
     assert [rate_text(r) for r in (0.4213, 0.0042, 3.71, 12.6, 18432.4)] == [
-        "0.42", "0.0042", "3.7", "13", "18432",
-    ]  # fmt: skip
+        "0.42",
+        "0.0042",
+        "3.7",
+        "13",
+        "18432",
+    ]

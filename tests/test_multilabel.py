@@ -57,8 +57,14 @@ def write_multilabel_csv(path: Path, count: int, seed: int = 0, bad: bool = True
     return path
 
 
-ML = ("data=csv_text", "data.label_column=labels", f"data.label_separator={SEP}",
-      "data.batch_size=16", "trainer.max_epochs=8", "trainer.early_stopping=null")  # fmt: skip
+ML = (
+    "data=csv_text",
+    "data.label_column=labels",
+    f"data.label_separator={SEP}",
+    "data.batch_size=16",
+    "trainer.max_epochs=8",
+    "trainer.early_stopping=null",
+)
 
 
 def trivial_f1(run_dir: Path) -> float:
@@ -81,9 +87,13 @@ def corpus(tmp_path_factory) -> Path:
 def bow_run(corpus) -> Path:
     run_dir = corpus / "bow_run"
     summary = train_in_process(
-        run_dir, *ML, "model=text_bow", f"data.train_path={corpus / 'train.csv'}",
-        f"data.cache_dir={corpus / 'cache'}", "optimizer.lr=0.05",
-    )  # fmt: skip
+        run_dir,
+        *ML,
+        "model=text_bow",
+        f"data.train_path={corpus / 'train.csv'}",
+        f"data.cache_dir={corpus / 'cache'}",
+        "optimizer.lr=0.05",
+    )
     assert summary["status"] == "ok", summary
     return run_dir
 
@@ -117,8 +127,9 @@ def check_predictions_agree(run_dir: Path, corpus: Path, tmp_path: Path, capsys)
     evaluated = pd.read_csv(tmp_path / "ev" / "predictions.csv", keep_default_na=False)
     probs = [c for c in evaluated.columns if c.startswith("prob_")]
     assert probs == [f"prob_{name}" for name in NAMES]
-    code, _, err = run_infer(capsys, f"ckpt={best}", f"input={csv_path}",
-                             f"output={tmp_path}/preds.csv")  # fmt: skip
+    code, _, err = run_infer(
+        capsys, f"ckpt={best}", f"input={csv_path}", f"output={tmp_path}/preds.csv"
+    )
     assert code == 0, err
     predicted = pd.read_csv(tmp_path / "preds.csv", keep_default_na=False)
     np.testing.assert_allclose(predicted[probs], evaluated[probs], atol=1e-4)
@@ -130,21 +141,26 @@ def check_predictions_agree(run_dir: Path, corpus: Path, tmp_path: Path, capsys)
     code, _, err = run_infer(capsys, "mode=export", f"ckpt={best}")
     assert code == 0, err
     onnx = best.with_name("model.onnx")
-    code, _, err = run_infer(capsys, f"ckpt={onnx}", "backend=onnx", f"input={csv_path}",
-                             f"output={tmp_path}/onnx.csv")  # fmt: skip
+    code, _, err = run_infer(
+        capsys, f"ckpt={onnx}", "backend=onnx", f"input={csv_path}", f"output={tmp_path}/onnx.csv"
+    )
     assert code == 0, err
-    np.testing.assert_allclose(pd.read_csv(tmp_path / "onnx.csv")[probs], evaluated[probs],
-                               atol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(
+        pd.read_csv(tmp_path / "onnx.csv")[probs], evaluated[probs], atol=1e-4
+    )
     texts = pd.read_csv(csv_path, keep_default_na=False)["text"].tolist()
     predictor = Predictor.from_checkpoint(best)
     with live_server(create_app(predictor, max_batch_size=8, max_delay_ms=5)) as server:
         v1 = httpx.post(f"{server.url}/v1/predict", json={"inputs": texts}, timeout=60)
         v2 = httpx.post(
             f"{server.url}/v2/models/kiln/infer",
-            json={"inputs": [{"name": "input", "datatype": "BYTES", "shape": [len(texts)],
-                              "data": texts}]},
+            json={
+                "inputs": [
+                    {"name": "input", "datatype": "BYTES", "shape": [len(texts)], "data": texts}
+                ]
+            },
             timeout=60,
-        )  # fmt: skip
+        )
     assert v1.status_code == 200, v1.text
     answers = v1.json()["predictions"]
     served = np.array([p["probs"] for p in answers])
@@ -160,8 +176,9 @@ def check_predictions_agree(run_dir: Path, corpus: Path, tmp_path: Path, capsys)
     )
 
 
-def test_text_bow_multilabel_evaluate_infer_onnx_and_server_agree(bow_run, corpus, tmp_path,
-                                                                   capsys):  # fmt: skip
+def test_text_bow_multilabel_evaluate_infer_onnx_and_server_agree(
+    bow_run, corpus, tmp_path, capsys
+):
     check_predictions_agree(bow_run, corpus, tmp_path, capsys)
 
 
@@ -170,10 +187,17 @@ def bert_run(corpus) -> Path:
     folder = write_bert(corpus / "bert", csv_texts(corpus / "train.csv"), num_labels=2)
     run_dir = corpus / "bert_run"
     summary = train_in_process(
-        run_dir, *ML, "model=hf", f"model.arch={folder}", f"data.max_length={POSITIONS}",
-        f"data.train_path={corpus / 'train.csv'}", f"data.cache_dir={corpus / 'cache'}",
-        "optimizer.lr=0.003", "trainer.max_epochs=25", "data.batch_size=8",
-    )  # fmt: skip
+        run_dir,
+        *ML,
+        "model=hf",
+        f"model.arch={folder}",
+        f"data.max_length={POSITIONS}",
+        f"data.train_path={corpus / 'train.csv'}",
+        f"data.cache_dir={corpus / 'cache'}",
+        "optimizer.lr=0.003",
+        "trainer.max_epochs=25",
+        "data.batch_size=8",
+    )
     assert summary["status"] == "ok", summary
     return run_dir
 
@@ -271,18 +295,23 @@ def test_the_multilabel_triton_repository_gives_the_evaluations_sigmoid_probs(
     (sigmoids,) = session.run(["probs"], {session.get_inputs()[0].name: ids})
     np.testing.assert_allclose(sigmoids, evaluated[probs].to_numpy(), atol=1e-4)
     assert not np.allclose(sigmoids.sum(axis=1), 1.0)  # not a softmax
-    predicted = [SEP.join(n for n, p in zip(NAMES, row, strict=True) if p >= 0.5)
-                 for row in sigmoids]  # fmt: skip
+    predicted = [
+        SEP.join(n for n, p in zip(NAMES, row, strict=True) if p >= 0.5) for row in sigmoids
+    ]
     assert predicted == evaluated["labels"].tolist()
 
 
 def test_every_loss_branch_runs_on_multi_hot_targets(corpus):
     """Rule 2's forced run (every branch on) and the probes before step 1, multi-label."""
     summary = train_in_process(
-        corpus / "forced", *ML, "model=text_transformer", "loss.force_all_branches=true",
-        f"data.train_path={corpus / 'train.csv'}", f"data.cache_dir={corpus / 'cache'}",
+        corpus / "forced",
+        *ML,
+        "model=text_transformer",
+        "loss.force_all_branches=true",
+        f"data.train_path={corpus / 'train.csv'}",
+        f"data.cache_dir={corpus / 'cache'}",
         "trainer.max_steps=3",
-    )  # fmt: skip
+    )
     assert summary["status"] in ("ok", "at_chance"), summary
     assert "val_f1_micro" in summary and "val_exact_match" in summary
 
@@ -378,10 +407,17 @@ def test_image_folder_labels_csv_trains_multilabel_and_predicts_the_same(tmp_pat
     labels_csv = write_listed_images(tmp_path / "photos", 90)
     run_dir = tmp_path / "run"
     summary = train_in_process(
-        run_dir, "data=image_folder", f"data.labels_csv={labels_csv}", "data.image_size=12",
-        "data.augment=none", "data.batch_size=16", f"data.cache_dir={tmp_path / 'cache'}",
-        "model=mlp", "trainer.max_epochs=12", "optimizer.lr=0.01",
-    )  # fmt: skip
+        run_dir,
+        "data=image_folder",
+        f"data.labels_csv={labels_csv}",
+        "data.image_size=12",
+        "data.augment=none",
+        "data.batch_size=16",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "model=mlp",
+        "trainer.max_epochs=12",
+        "optimizer.lr=0.01",
+    )
     assert summary["status"] == "ok", summary
     assert summary["val_f1_micro"] > trivial_f1(run_dir) + 0.15, summary
     report = json.loads((run_dir / "data_report.json").read_text())
@@ -396,8 +432,12 @@ def test_image_folder_labels_csv_trains_multilabel_and_predicts_the_same(tmp_pat
     metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
     assert metrics["task"] == "multilabel" and metrics["data"]["split"] == "val"
     evaluated = pd.read_csv(tmp_path / "ev" / "predictions.csv", keep_default_na=False)
-    code, _, err = run_infer(capsys, f"ckpt={best}", f"input={tmp_path / 'photos' / 'images'}",
-                             f"output={tmp_path}/preds.csv")  # fmt: skip
+    code, _, err = run_infer(
+        capsys,
+        f"ckpt={best}",
+        f"input={tmp_path / 'photos' / 'images'}",
+        f"output={tmp_path}/preds.csv",
+    )
     assert code == 0, err
     predicted = pd.read_csv(tmp_path / "preds.csv", keep_default_na=False)
     predicted.index = [Path(s).name for s in predicted["source"]]
@@ -415,8 +455,13 @@ def test_label_sets_are_judged_as_single_labels_are(tmp_path):
     train = write_multilabel_csv(tmp_path / "train.csv", 40)
     rows = [("numpy tensor inbox", f"arrays{SEP}mail"), ("proxy json", f"http{SEP}weather")]
     pd.DataFrame(rows, columns=["text", "labels"]).to_csv(tmp_path / "val.csv", index=False)
-    common = ("data=csv_text", "model=text_bow", "data.label_column=labels",
-              f"data.label_separator={SEP}", f"data.cache_dir={tmp_path / 'cache'}")  # fmt: skip
+    common = (
+        "data=csv_text",
+        "model=text_bow",
+        "data.label_column=labels",
+        f"data.label_separator={SEP}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    )
     cfg = compose_config(
         *common, f"data.train_path={train}", f"data.val_path={tmp_path / 'val.csv'}"
     )
@@ -446,10 +491,15 @@ def test_image_folder_val_and_test_labels_csv_are_the_splits_exactly(tmp_path):
     val = write_listed_images(tmp_path / "val", 14, seed=1)
     test = write_listed_images(tmp_path / "test", 9, seed=2)
     cfg = compose_config(
-        "data=image_folder", f"data.labels_csv={train}", f"data.val_labels_csv={val}",
-        f"data.test_labels_csv={test}", "data.image_size=12", "data.augment=none",
-        f"data.cache_dir={tmp_path / 'cache'}", "model=mlp",
-    )  # fmt: skip
+        "data=image_folder",
+        f"data.labels_csv={train}",
+        f"data.val_labels_csv={val}",
+        f"data.test_labels_csv={test}",
+        "data.image_size=12",
+        "data.augment=none",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "model=mlp",
+    )
     bundle = build_data(cfg.data)
     assert bundle.spec.class_names == COLOURS
     for split, labels_csv, count in (("val", val, 14), ("test", test, 9)):
@@ -477,11 +527,19 @@ def test_a_run_with_val_and_test_labels_csv_validates_and_evaluates_on_them(tmp_
     test = write_listed_images(tmp_path / "test", 12, seed=2)
     run_dir = tmp_path / "run"
     summary = train_in_process(
-        run_dir, "data=image_folder", f"data.labels_csv={train}", f"data.val_labels_csv={val}",
-        f"data.test_labels_csv={test}", "data.image_size=12", "data.augment=none",
-        "data.batch_size=16", f"data.cache_dir={tmp_path / 'cache'}", "model=mlp",
-        "trainer.max_epochs=8", "optimizer.lr=0.01",
-    )  # fmt: skip
+        run_dir,
+        "data=image_folder",
+        f"data.labels_csv={train}",
+        f"data.val_labels_csv={val}",
+        f"data.test_labels_csv={test}",
+        "data.image_size=12",
+        "data.augment=none",
+        "data.batch_size=16",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "model=mlp",
+        "trainer.max_epochs=8",
+        "optimizer.lr=0.01",
+    )
     assert summary["status"] == "ok", summary
     assert summary["val_f1_micro"] > trivial_f1(run_dir) + 0.15, summary
     metrics = json.loads((run_dir / "eval" / "metrics.json").read_text())
@@ -503,8 +561,9 @@ def test_val_and_test_labels_csv_mistakes_name_the_key(tmp_path):
             compose_config("data=image_folder", f"data.{key}={train}")
         assert e.value.key == f"data.{key}"
     with pytest.raises(ConfigError, match=r"no such file: .*absent.csv \(data.labels_csv\)"):
-        build_data(compose_config("data=image_folder",
-                                  f"data.labels_csv={tmp_path / 'absent.csv'}").data)  # fmt: skip
+        build_data(
+            compose_config("data=image_folder", f"data.labels_csv={tmp_path / 'absent.csv'}").data
+        )
 
 
 def test_csv_text_multilabel_val_path_rows_are_the_val_split_exactly(tmp_path):
@@ -515,10 +574,14 @@ def test_csv_text_multilabel_val_path_rows_are_the_val_split_exactly(tmp_path):
     train = write_multilabel_csv(tmp_path / "train.csv", 50)
     val = write_multilabel_csv(tmp_path / "val.csv", 17, seed=3)  # + a row with no label
     cfg = compose_config(
-        "data=csv_text", "model=text_bow", "data.label_column=labels",
-        f"data.label_separator={SEP}", f"data.cache_dir={tmp_path / 'cache'}",
-        f"data.train_path={train}", f"data.val_path={val}",
-    )  # fmt: skip
+        "data=csv_text",
+        "model=text_bow",
+        "data.label_column=labels",
+        f"data.label_separator={SEP}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"data.train_path={train}",
+        f"data.val_path={val}",
+    )
     bundle = build_csv_text(cfg.data)
     assert bundle.report["rows"] == {"train": 50, "val": 17}
     assert len(bundle.train) == 50 and len(bundle.val) == 17

@@ -51,8 +51,12 @@ def test_an_override_hydra_cannot_parse_is_one_line_with_the_quoting_that_works(
 def test_the_grammar_error_of_a_real_train_py_process_is_one_line(tmp_path):
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "train.py"), "init_from=~/w.pt"],
-        cwd=tmp_path, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr
     assert """'init_from="~/w.pt"'""" in done.stderr
@@ -70,9 +74,13 @@ def test_a_column_named_in_other_letters_reads_with_the_quoting_the_error_shows(
     path = tmp_path / "käse.csv"
     rows = [("Käse", "label")] + [(f"text {i} {'ab'[i % 2]}", "ab"[i % 2]) for i in range(40)]
     path.write_text("".join(f"{a},{b}\n" for a, b in rows), encoding="utf-8")
-    cfg = compose_config("data=csv_text", *shlex.split(quoted), "model=text_bow",
-                         override("data.train_path", str(path)),
-                         f"data.cache_dir={tmp_path / 'cache'}")  # fmt: skip
+    cfg = compose_config(
+        "data=csv_text",
+        *shlex.split(quoted),
+        "model=text_bow",
+        override("data.train_path", str(path)),
+        f"data.cache_dir={tmp_path / 'cache'}",
+    )
     assert cfg.data.text_column == "Käse"
     from kiln.data import build_data
 
@@ -109,10 +117,15 @@ def test_tilde_is_expanded_in_every_path_key(tmp_path, monkeypatch):
     home = tmp_path / "home"
     monkeypatch.setenv("HOME", str(home))
     images = compose_config(
-        "data=image_folder", 'data.train_dir="~/photos/train"', 'data.val_dir="~/v"',
-        'data.test_dir="~/t"', 'data.cache_dir="~/c"', 'init_from="~/w.pt"',
-        'resume="~/run/checkpoints/last.pt"', 'output_root="~/outputs"',
-    )  # fmt: skip
+        "data=image_folder",
+        'data.train_dir="~/photos/train"',
+        'data.val_dir="~/v"',
+        'data.test_dir="~/t"',
+        'data.cache_dir="~/c"',
+        'init_from="~/w.pt"',
+        'resume="~/run/checkpoints/last.pt"',
+        'output_root="~/outputs"',
+    )
     assert images.data.train_dir == f"{home}/photos/train"
     assert (images.data.val_dir, images.data.test_dir) == (f"{home}/v", f"{home}/t")
     assert images.data.cache_dir == f"{home}/c" and images.init_from == f"{home}/w.pt"
@@ -133,10 +146,18 @@ def test_the_printed_train_longer_command_works_for_a_run_dir_with_spaces_commas
     run_dir = tmp_path / "my runs, v=2" / "first run"
     settings = ["trainer.max_steps=2", "trainer.limit_val_batches=1", "env.progress_bar=false"]
     first = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "train.py"), override("hydra.run.dir", str(run_dir)),
-         *settings],
-        cwd=tmp_path, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO_ROOT / "train.py"),
+            override("hydra.run.dir", str(run_dir)),
+            *settings,
+        ],
+        cwd=tmp_path,
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     (longer,) = [line for line in first.stdout.splitlines() if "init_from=" in line]
     command = shlex.split(longer.split("  # ")[0].strip())
@@ -144,12 +165,17 @@ def test_the_printed_train_longer_command_works_for_a_run_dir_with_spaces_commas
     assert command[0] == "python" and any("my runs, v=2" in a for a in command)
     second = subprocess.run(
         [sys.executable, *command[1:], f"hydra.run.dir={tmp_path / 'second'}"],
-        cwd=tmp_path, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert second.returncode == 0, second.stderr[-2000:]
     assert read_summary(tmp_path / "second")["status"] == "ok"
-    assert re.search(r"init_from=.*my runs, v=2", (tmp_path / "second" / ".hydra" /
-                                                    "overrides.yaml").read_text())  # fmt: skip
+    assert re.search(
+        r"init_from=.*my runs, v=2", (tmp_path / "second" / ".hydra" / "overrides.yaml").read_text()
+    )
 
 
 def damaged_run(tmp_path, kind: str) -> Path:

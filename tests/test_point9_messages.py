@@ -69,8 +69,9 @@ def test_a_png_libpng_rejects_is_a_bad_file_not_a_crash_or_a_hang(tmp_path):
         "    except ImageDecodeError as err:\n        print(err.reason)"
     )
     paths = [str(tmp_path / f"{i}.png") for i in range(len(damaged))]
-    done = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-500:]}"
     assert done.stdout.split() == [reason for _, reason in damaged.values()]
     assert "libpng" not in done.stderr
@@ -87,11 +88,18 @@ def test_no_libpng_warning_is_printed_at_any_epoch_and_a_rejected_png_is_dropped
     (tmp_path / "train" / "a" / "bad.png").write_bytes(damaged_pngs()["bad row filter"][0])
     run = tmp_path / "run"
     summary = train_in_process(
-        run, "data=image_folder", f"data.train_dir={tmp_path / 'train'}",
-        f"data.cache_dir={tmp_path / 'cache'}", "data.image_size=8", "model=mlp",
-        "trainer.max_epochs=2", "data.batch_size=2", "data.val_fraction=0.25",
-        "env.progress_bar=false", "logger=none",
-    )  # fmt: skip
+        run,
+        "data=image_folder",
+        f"data.train_dir={tmp_path / 'train'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.image_size=8",
+        "model=mlp",
+        "trainer.max_epochs=2",
+        "data.batch_size=2",
+        "data.val_fraction=0.25",
+        "env.progress_bar=false",
+        "logger=none",
+    )
     assert summary["status"] in ("ok", "at_chance")  # random pixels: nothing to learn
     printed = capfd.readouterr()
     assert "libpng" not in printed.err + printed.out  # neither at the scan nor at any epoch
@@ -123,8 +131,11 @@ def test_init_from_names_nan_weights_int8_weights_and_mismatched_shapes(tmp_path
         init_from(model, tmp_path / "nan.pt")
     quantised = {**weights, "0.weight": torch.ones(4, 3, dtype=torch.int8)}
     atomic_save({"model": quantised}, tmp_path / "int8.pt")
-    with pytest.raises(WeightsError, match=r"1 tensor\(s\) are integers where the model's are "
-                                           r"float32, e.g. 0.weight \(int8\)"):  # fmt: skip
+    with pytest.raises(
+        WeightsError,
+        match=r"1 tensor\(s\) are integers where the model's are "
+        r"float32, e.g. 0.weight \(int8\)",
+    ):
         init_from(model, tmp_path / "int8.pt")
     wider = {"0.weight": torch.ones(5, 3), "0.bias": torch.zeros(5)}
     atomic_save({"model": wider}, tmp_path / "wide.pt")
@@ -139,8 +150,7 @@ def test_the_export_sidecar_says_the_graph_takes_standardised_pixels(tmp_path):
     from kiln.inference import Predictor, export
 
     run = tmp_path / "run"
-    summary = train_in_process(run, "trainer.max_steps=3", "env.progress_bar=false",
-                               "logger=none")  # fmt: skip
+    summary = train_in_process(run, "trainer.max_steps=3", "env.progress_bar=false", "logger=none")
     assert summary["status"] == "ok"
     report = export(run / "checkpoints" / "best.pt")
     sidecar = json.loads(report.onnx_path.with_suffix(".onnx.json").read_text())
@@ -160,5 +170,7 @@ def test_the_export_sidecar_says_the_graph_takes_standardised_pixels(tmp_path):
     session = onnxruntime.InferenceSession(str(report.onnx_path))
     (probs,) = session.run(["probs"], {graph["name"]: standardised.astype(np.float32)})
     np.testing.assert_allclose(probs, predictor.predict_probs(raw), atol=1e-4)
-    assert all(lo - 1e-4 <= standardised[:, c].min() and standardised[:, c].max() <= hi + 1e-4
-               for c, (lo, hi) in enumerate(ranges))  # fmt: skip
+    assert all(
+        lo - 1e-4 <= standardised[:, c].min() and standardised[:, c].max() <= hi + 1e-4
+        for c, (lo, hi) in enumerate(ranges)
+    )

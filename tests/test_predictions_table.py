@@ -30,8 +30,9 @@ def test_arrays_give_index_label_and_every_probability_exactly(tmp_path):
 
 def test_skipped_rows_keep_their_place_and_say_why(tmp_path):
     sources = ["a.txt row 1", "a.txt row 2", "a.txt, row 3", "a.txt row 4"]
-    path = write_predictions(PROBS, ["cat", "dog"], tmp_path / "preds.csv", sources,
-                             skipped={1: "empty after cleaning"})  # fmt: skip
+    path = write_predictions(
+        PROBS, ["cat", "dog"], tmp_path / "preds.csv", sources, skipped={1: "empty after cleaning"}
+    )
     header, *rows = read(path)
     assert header == ["index", "source", "label", "prob_cat", "prob_dog", "error"]
     assert rows[1] == ["1", "a.txt row 2", "", "", "", "empty after cleaning"]
@@ -40,8 +41,9 @@ def test_skipped_rows_keep_their_place_and_say_why(tmp_path):
 
 
 def test_evaluations_table_adds_the_true_class(tmp_path):
-    path = write_predictions(PROBS, ["cat", "dog"], tmp_path / "p.csv", ["x", "y", "z"],
-                             truth=["dog", "dog", "cat"])  # fmt: skip
+    path = write_predictions(
+        PROBS, ["cat", "dog"], tmp_path / "p.csv", ["x", "y", "z"], truth=["dog", "dog", "cat"]
+    )
     assert read(path)[:2] == [
         ["index", "source", "true", "label", "prob_cat", "prob_dog"],
         ["0", "x", "dog", "dog", "0.1", "0.9"],

@@ -117,14 +117,16 @@ def environment(extra_pythonpath: Path | None = None) -> dict[str, str]:
     env = {**SUBPROCESS_ENV, "PATH": f"{venv}{os.pathsep}{os.environ['PATH']}"}
     env.pop("KILN_OVERRIDES", None)
     if extra_pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_pythonpath),
-                                                          env.get("PYTHONPATH")]))  # fmt: skip
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(extra_pythonpath), env.get("PYTHONPATH")])
+        )
     return env
 
 
 def shell(command: str, cwd: Path, env: dict, timeout: int = 600) -> Output:
-    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    done = subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     return Output(done.returncode, done.stdout + done.stderr)
 
 
@@ -132,9 +134,15 @@ def serve_as_printed(command: str, cwd: Path, env: dict) -> None:
     """The printed server command plus a free port; its GET /v1/example body, POSTed to both
     APIs, is answered 200."""
     port = free_port()
-    proc = subprocess.Popen(["bash", "-c", f"exec {command} server.port={port}"], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["bash", "-c", f"exec {command} server.port={port}"],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -218,8 +226,9 @@ def test_a_plugin_run_carries_its_plugins_into_the_commands_it_prints(tmp_path):
     assert "init_from=" in longer and "resume=" not in longer
     assert "plugins=[my_parts]" in longer and searchpath in longer
     run_as_printed(longer, project, env)
-    described = shell(f"python ../train.py --help 'plugins=[my_parts]' '{searchpath}' model=plain",
-                      project, env)  # fmt: skip
+    described = shell(
+        f"python ../train.py --help 'plugins=[my_parts]' '{searchpath}' model=plain", project, env
+    )
     assert described.rc == 0 and "width" in described.text and "24" in described.text, described
     predicts = [c for c in first.commands if "infer.py" in c]
     assert predicts and all("'plugins=[my_parts]'" in c for c in predicts), predicts
@@ -231,8 +240,10 @@ def test_a_plugin_run_carries_its_plugins_into_the_commands_it_prints(tmp_path):
     assert f"my_parts was imported from {project.resolve()}" in elsewhere.text
     named = shell(
         f"PYTHONPATH={project} python {REPO_ROOT}/infer.py ckpt={best} input={example} "
-        "'plugins=[my_parts]'", tmp_path, env,
-    )  # fmt: skip
+        "'plugins=[my_parts]'",
+        tmp_path,
+        env,
+    )
     assert named.rc == 0, named.text[-3000:]
 
 
@@ -291,8 +302,12 @@ def test_a_failed_runs_printed_commands_run_as_printed(tmp_path):
     runs (the run itself may fail again: the command is what must work)."""
     home = user_folder(tmp_path)
     env = environment()
-    failed = shell("python train.py optimizer.lr=1e4 trainer.log_every_n_steps=1 "
-                   "trainer.max_steps=30 env.progress_bar=false", home, env)  # fmt: skip
+    failed = shell(
+        "python train.py optimizer.lr=1e4 trainer.log_every_n_steps=1 "
+        "trainer.max_steps=30 env.progress_bar=false",
+        home,
+        env,
+    )
     assert failed.rc == 1 and "[FAIL]" in failed.text, failed.text[-3000:]
     assert_printed_paths_exist(failed, home)
     (triage,) = failed.commands
@@ -311,8 +326,9 @@ def test_resume_path_carries_on_in_its_run_and_latest_keeps_what_commands_need(t
     first = shell(f"python train.py {' '.join(SMALL)}", home, env)
     assert first.rc == 0, first.text[-3000:]
     (run_dir,) = run_dirs(home / "outputs")
-    resumed = shell(f"python train.py {' '.join(SMALL)} "
-                    "resume=outputs/latest/checkpoints/last.pt", home, env)  # fmt: skip
+    resumed = shell(
+        f"python train.py {' '.join(SMALL)} resume=outputs/latest/checkpoints/last.pt", home, env
+    )
     assert resumed.rc == 0, resumed.text[-3000:]
     assert run_dirs(home / "outputs") == [run_dir]  # no second folder holding only last.pt
     assert (home / "outputs" / "latest").resolve() == run_dir.resolve()
@@ -343,10 +359,11 @@ def test_resumed_runs_printed_commands_run_as_printed(tmp_path):
     small = " ".join(SMALL)
     assert shell(f"python train.py {small}", home, env).rc == 0
     (run_dir,) = run_dirs(home / "outputs")
-    for resume, where in (("resume=auto", run_dir),
-                          (f"resume={run_dir}/checkpoints/last.pt", run_dir),
-                          (f"resume={run_dir}/checkpoints/last.pt hydra.run.dir=elsewhere",
-                           home / "elsewhere")):  # fmt: skip
+    for resume, where in (
+        ("resume=auto", run_dir),
+        (f"resume={run_dir}/checkpoints/last.pt", run_dir),
+        (f"resume={run_dir}/checkpoints/last.pt hydra.run.dir=elsewhere", home / "elsewhere"),
+    ):
         resumed = shell(f"python train.py {small} {resume}", home, env)
         assert resumed.rc == 0, resumed.text[-3000:]
         (printed,) = re.findall(r"^run directory: (\S+)", resumed.text, flags=re.MULTILINE)
@@ -392,8 +409,11 @@ def test_printed_commands_are_read_back_as_printed():
         "kiln triage outputs/2026/09",
     ]
     assert set(printed_paths(text)) == {
-        "outputs/latest/checkpoints/best.pt", "x.npy", "o/last.pt", "outputs/2026/09"
-    }  # fmt: skip
+        "outputs/latest/checkpoints/best.pt",
+        "x.npy",
+        "o/last.pt",
+        "outputs/2026/09",
+    }
     assert shlex.split(printed_commands(text)[1])[2] == "plugins=[a]"
 
 
@@ -408,8 +428,9 @@ def test_a_new_folder_takes_the_best_pt_of_its_past_only(tmp_path, best_step, co
     files.atomic_save({"model": {}, "state": {"global_step": best_step}}, source / "best.pt")
     state = TrainState(global_step=3, best_metric=0.9)
     cfg = compose_config().trainer
-    target = Checkpointer(tmp_path / "again" / "checkpoints", cfg, monitor="val_acc",
-                          monitor_mode="max", is_main=True)  # fmt: skip
+    target = Checkpointer(
+        tmp_path / "again" / "checkpoints", cfg, monitor="val_acc", monitor_mode="max", is_main=True
+    )
     target.adopt_best(source / "last.pt", state)
     assert (target.directory / "best.pt").is_file() is copied
     assert state.best_metric == (0.9 if copied else None)

@@ -59,19 +59,25 @@ def test_the_budget_follows_the_epoch_between_its_floor_and_its_cap(tmp_path):
     assert roomy["probe_budget_s"] == 1.0 and not roomy["probe_skipped"]
     assert 0 < roomy["probe_epoch_estimate_s"] < 50  # digits: 1,437 samples, a small MLP
     capped = train(
-        compose_config(*QUIET, "trainer.max_steps=2", "trainer.probe_budget.share_of_epoch=1",
-                       "trainer.probe_cache=false",
-                       "trainer.probe_budget.max_s=0.001", "trainer.probe_budget.min_s=0"),
+        compose_config(
+            *QUIET,
+            "trainer.max_steps=2",
+            "trainer.probe_budget.share_of_epoch=1",
+            "trainer.probe_cache=false",
+            "trainer.probe_budget.max_s=0.001",
+            "trainer.probe_budget.min_s=0",
+        ),
         tmp_path / "capped",
-    )  # fmt: skip
+    )
     assert capped["probe_budget_s"] == 0.001 and capped["probe_skipped"]
 
 
 def test_the_learn_probe_read_from_the_first_steps_still_stops_a_model_that_cannot_learn(
     tmp_path, temporary_model
 ):
-    cfg = temporary_model("tiny_logits_budget", TinyLogits, *QUIET, "trainer.max_epochs=2",
-                          *NO_ROOM)  # fmt: skip
+    cfg = temporary_model(
+        "tiny_logits_budget", TinyLogits, *QUIET, "trainer.max_epochs=2", *NO_ROOM
+    )
     with pytest.raises(CannotLearnError) as info:
         train(cfg, tmp_path / "run")
     message = str(info.value)
@@ -86,9 +92,15 @@ def test_the_learn_probe_read_from_the_first_steps_still_stops_a_model_that_cann
 def test_a_zero_gradient_with_no_room_for_a_second_probe_step_is_confirmed_at_step_2(
     tmp_path, temporary_model
 ):
-    cfg = temporary_model("zero_gate_budget", ZeroGradients, *QUIET, "trainer.max_epochs=1",
-                          "trainer.probe_budget.min_s=0", "trainer.probe_budget.max_s=1e-9",
-                          "trainer.learn_probe=false")  # fmt: skip
+    cfg = temporary_model(
+        "zero_gate_budget",
+        ZeroGradients,
+        *QUIET,
+        "trainer.max_epochs=1",
+        "trainer.probe_budget.min_s=0",
+        "trainer.probe_budget.max_s=1e-9",
+        "trainer.learn_probe=false",
+    )
     with pytest.raises(DeadGradientError) as info:
         train(cfg, tmp_path / "run")
     assert "again at step 2 of the run" in str(info.value)
@@ -102,8 +114,14 @@ def test_an_in_place_forward_is_stopped_even_with_no_room_for_the_purity_check(
     """The observed step runs first and sees its batch change: the purity finding is in hand,
     whatever the budget (left out, x /= 16 in forward ended `ok`). The summary of a run a
     probe stopped keeps what the probes took, the failing check's time included."""
-    cfg = temporary_model("in_place_budget", ScalesInputsInPlace, *QUIET, "trainer.max_epochs=1",
-                          "trainer.probe_cache=false", *NO_ROOM)  # fmt: skip
+    cfg = temporary_model(
+        "in_place_budget",
+        ScalesInputsInPlace,
+        *QUIET,
+        "trainer.max_epochs=1",
+        "trainer.probe_cache=false",
+        *NO_ROOM,
+    )
     with pytest.raises(ImpureForwardError, match="changed the batch it was given: batch"):
         train(cfg, tmp_path / "run")
     summary = summary_of(tmp_path / "run")
@@ -130,12 +148,14 @@ def test_a_model_that_passed_is_not_probed_again_and_a_changed_one_is(tmp_path, 
     lr = train(compose_config(*QUIET, "trainer.max_steps=2", "optimizer.lr=0.01"), tmp_path / "lr")
     assert "learn probe" in lr["probe_times_s"] and "rule 1" in lr["probe_cached"]
     # Another model: everything again.
-    wider = train(compose_config(*QUIET, "trainer.max_steps=2", "model.hidden_dims=[64]"),
-                  tmp_path / "wider")  # fmt: skip
+    wider = train(
+        compose_config(*QUIET, "trainer.max_steps=2", "model.hidden_dims=[64]"), tmp_path / "wider"
+    )
     assert not wider["probe_cached"] and "rule 1" in wider["probe_times_s"]
     # Asked not to: everything again.
-    off = train(compose_config(*QUIET, "trainer.max_steps=2", "trainer.probe_cache=false"),
-                tmp_path / "off")  # fmt: skip
+    off = train(
+        compose_config(*QUIET, "trainer.max_steps=2", "trainer.probe_cache=false"), tmp_path / "off"
+    )
     assert not off["probe_cached"] and "determinism" in off["probe_times_s"]
 
 
@@ -186,14 +206,22 @@ def test_the_probes_peak_memory_is_at_most_one_training_steps(tmp_path):
     """A model whose weights dominate its memory (4,096 x 4,096 hidden, 67 MB of them), every
     check on: the probes never copy it where it lives (the learn probe steps it in place and
     keeps the weights in a file meanwhile), so their peak stays within 1.1x of one step's."""
-    model = ("model.hidden_dims=[4096,4096]", "data.batch_size=32", "trainer.probe_cache=false",
-             "trainer.probe_budget.enforce=false", "logger=none")  # fmt: skip
+    model = (
+        "model.hidden_dims=[4096,4096]",
+        "data.batch_size=32",
+        "trainer.probe_cache=false",
+        "trainer.probe_budget.enforce=false",
+        "logger=none",
+    )
     grown = {}
     for what in ("probes", "step"):
         result = subprocess.run(
             [sys.executable, "-c", MEMORY, str(tmp_path / what), what, *model],
-            capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=SUBPROCESS_ENV,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         grown[what] = float(result.stdout.split()[-1])
     assert grown["step"] > 150, grown  # gradients and AdamW's two moments: 3 x 67 MB

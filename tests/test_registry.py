@@ -342,9 +342,14 @@ def test_an_installed_plugin_that_fails_to_import_is_named_and_skipped(user_proj
     assert helped.returncode == 0, helped.stderr
     assert "usage: python train.py" in helped.stdout and f"{why}; skipped" in helped.stderr
     other = kiln_command(
-        "train.py", "trainer.max_steps=1", "logger=none", "env.progress_bar=false",
-        "hydra.run.dir=run", cwd=project, pythonpath=user_project,
-    )  # fmt: skip
+        "train.py",
+        "trainer.max_steps=1",
+        "logger=none",
+        "env.progress_bar=false",
+        "hydra.run.dir=run",
+        cwd=project,
+        pythonpath=user_project,
+    )
     assert other.returncode == 0, other.stderr[-2000:]
     needed = kiln_command("train.py", "model=tiny", cwd=project, pythonpath=user_project)
     assert needed.returncode == 2
@@ -364,9 +369,16 @@ def test_a_checkpoint_records_its_plugin_package_and_names_it_when_it_is_gone(us
     project = user_project / "project"
     project.mkdir()
     trained = kiln_command(
-        "train.py", "model=tiny", "data=blobs", "trainer.max_epochs=1", "logger=none",
-        "env.progress_bar=false", "hydra.run.dir=run", cwd=project, pythonpath=user_project,
-    )  # no plugins=[...]: the entry point brings it  # fmt: skip
+        "train.py",
+        "model=tiny",
+        "data=blobs",
+        "trainer.max_epochs=1",
+        "logger=none",
+        "env.progress_bar=false",
+        "hydra.run.dir=run",
+        cwd=project,
+        pythonpath=user_project,
+    )  # no plugins=[...]: the entry point brings it
     assert trained.returncode == 0, trained.stderr[-2000:]
     ckpt = project / "run" / "checkpoints" / "best.pt"
     import numpy as np

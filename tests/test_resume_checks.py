@@ -53,8 +53,9 @@ def test_a_resume_with_nothing_left_to_train_leaves_no_unreadable_best(tmp_path,
 
 def test_a_run_does_not_end_ok_pointing_at_an_unreadable_checkpoint(tmp_path):
     cfg = compose_config(*SETTINGS)
-    checkpointer = Checkpointer(tmp_path, cfg.trainer, monitor="val_acc", monitor_mode="max",
-                                is_main=True)  # fmt: skip
+    checkpointer = Checkpointer(
+        tmp_path, cfg.trainer, monitor="val_acc", monitor_mode="max", is_main=True
+    )
     files.atomic_save({"model": {"w": torch.ones(3)}}, tmp_path / "last.pt")
     checkpointer.check_pointed_files()
     files.atomic_save({"model": {"w": torch.ones(300)}}, tmp_path / "best.pt")

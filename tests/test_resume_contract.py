@@ -219,10 +219,20 @@ def test_a_longer_schedule_is_refused_naming_max_epochs_and_a_run_from_these_wei
 def contract(**changes):
     from kiln.engine.resume import Contract
 
-    config = {"trainer.name": "fsdp", "data.batch_size": 64, "scheduler.name": "onecycle",
-              "resume_override": []}  # fmt: skip
-    fields = dict(config=config, planned_steps=12, batch_size=64, world_size=2, accumulate=1,
-                  data_fingerprint="same")  # fmt: skip
+    config = {
+        "trainer.name": "fsdp",
+        "data.batch_size": 64,
+        "scheduler.name": "onecycle",
+        "resume_override": [],
+    }
+    fields = dict(
+        config=config,
+        planned_steps=12,
+        batch_size=64,
+        world_size=2,
+        accumulate=1,
+        data_fingerprint="same",
+    )
     return Contract(**{**fields, **changes})
 
 
@@ -264,9 +274,13 @@ def test_the_printed_command_is_one_line_through_train_py_and_works_as_printed(t
     assert "trainer.max_epochs=3" in new_run and f"init_from={run_dir}/checkpoints/" in new_run
     assert "resume=" not in new_run and "hydra.run.dir" not in new_run
     again = subprocess.run(
-        [sys.executable, *shlex.split(as_it_was)[1:]], cwd=REPO_ROOT, env=SUBPROCESS_ENV,
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, *shlex.split(as_it_was)[1:]],
+        cwd=REPO_ROOT,
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert read_summary(run_dir)["status"] == "ok"
 
@@ -287,9 +301,13 @@ def test_a_two_rank_fsdp_run_resumed_on_one_rank_names_the_ranks_and_the_batch(t
     keep = line.split("to keep the global batch of 128 on 1 rank(s): ", 1)[1].split(";", 1)[0]
     assert "data.batch_size=128" in keep
     again = subprocess.run(
-        [sys.executable, *shlex.split(keep)[1:]], cwd=REPO_ROOT, env=SUBPROCESS_ENV,
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [sys.executable, *shlex.split(keep)[1:]],
+        cwd=REPO_ROOT,
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert read_summary(run_dir)["steps"] == 6
 

@@ -51,9 +51,13 @@ def test_a_second_process_on_a_running_run_refuses_at_once_naming_the_first(tmp_
         wait_for(lambda: (run_dir / "checkpoints" / "last.pt").is_file(), proc=first)
         started = time.monotonic()
         second = subprocess.run(
-            train_py(run_dir, *QUIET, *LONG, "resume=auto"), cwd=tmp_path, env=SUBPROCESS_ENV,
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            train_py(run_dir, *QUIET, *LONG, "resume=auto"),
+            cwd=tmp_path,
+            env=SUBPROCESS_ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         took = time.monotonic() - started
     finally:
         first.send_signal(signal.SIGTERM)
@@ -108,9 +112,14 @@ def ctrl_c(proc) -> None:
 
 def start_in_own_group(cmd, cwd, env=None):
     return subprocess.Popen(
-        cmd, cwd=cwd, env={**SUBPROCESS_ENV, **(env or {})}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        cmd,
+        cwd=cwd,
+        env={**SUBPROCESS_ENV, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def test_ctrl_c_checkpoints_at_the_step_exits_130_and_prints_the_resume_command(tmp_path):
@@ -140,9 +149,13 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     (tmp_path / "conf" / "model" / "slow_mlp.yaml").write_text("dropout: 0.0\n")
     marker, run_dir = tmp_path / "slow-now", tmp_path / "run"
     cmd = train_py(
-        run_dir, *QUIET, *LONG, "plugins=[slow_parts]", "model=slow_mlp",
+        run_dir,
+        *QUIET,
+        *LONG,
+        "plugins=[slow_parts]",
+        "model=slow_mlp",
         f"hydra.searchpath=[file://{tmp_path}/conf]",
-    )  # fmt: skip
+    )
     env = {"SLOW_MARKER": str(marker)}  # plugins=[...] imports from the working directory
     proc = start_in_own_group(cmd, tmp_path, env)
     wait_for(lambda: (run_dir / "checkpoints" / "last.pt").is_file(), proc=proc)
@@ -230,8 +243,9 @@ def small_disk(tmp_path):
     def make(size_kib: int):
         done = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mount)],
-            capture_output=True, text=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
         return mount

@@ -38,22 +38,39 @@ SHIPPED = {
 }
 LENGTHS = (2, 23, 230, 50_000)
 # A warm-up of 100 steps fits the runs longer than 100 steps (shorter ones are refused, below).
-FITTING = [(name, steps) for name in SHIPPED for steps in LENGTHS
-           if name != "cosine-warmup-100" or steps > 100]  # fmt: skip
+FITTING = [
+    (name, steps)
+    for name in SHIPPED
+    for steps in LENGTHS
+    if name != "cosine-warmup-100" or steps > 100
+]
 
 
 @pytest.mark.parametrize(("name", "steps"), FITTING, ids=[f"{n}-{s}" for n, s in FITTING])
 def test_the_schedules_kiln_ships_pass_at_any_length(name, steps):
     cfg, curve = curve_of(*SHIPPED[name], steps=steps)
-    check_schedule(curve, scheduler=cfg.scheduler.name, lr=cfg.optimizer.lr,
-                   steps_per_epoch=max(1, steps // 10), patience=2, patience_set=False)  # fmt: skip
+    check_schedule(
+        curve,
+        scheduler=cfg.scheduler.name,
+        lr=cfg.optimizer.lr,
+        steps_per_epoch=max(1, steps // 10),
+        patience=2,
+        patience_set=False,
+    )
 
 
 def test_a_warm_up_longer_than_the_run_is_one_error_line_with_the_numbers(tmp_path, capsys):
     """digits, 3 epochs: 69 optimizer steps; a warm-up of 1000 never reaches optimizer.lr."""
     with pytest.raises(SystemExit) as stopped:
-        train_main([*QUIET, "trainer.max_epochs=3", "scheduler=cosine",
-                    "scheduler.warmup_steps=1000", f"hydra.run.dir={tmp_path}/run"])  # fmt: skip
+        train_main(
+            [
+                *QUIET,
+                "trainer.max_epochs=3",
+                "scheduler=cosine",
+                "scheduler.warmup_steps=1000",
+                f"hydra.run.dir={tmp_path}/run",
+            ]
+        )
     lines = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(
@@ -67,8 +84,13 @@ def test_a_warm_up_longer_than_the_run_is_one_error_line_with_the_numbers(tmp_pa
 
 
 def test_early_stopping_set_to_fire_before_the_warm_up_ends_is_refused():
-    cfg = compose_config(*QUIET, "trainer.max_epochs=10", "trainer.early_stopping=1",
-                         "scheduler=cosine", "scheduler.warmup_steps=100")  # fmt: skip
+    cfg = compose_config(
+        *QUIET,
+        "trainer.max_epochs=10",
+        "trainer.early_stopping=1",
+        "scheduler=cosine",
+        "scheduler.warmup_steps=100",
+    )
     with pytest.raises(ScheduleError) as info:
         start_up(cfg)
     assert str(info.value).startswith(
@@ -119,9 +141,13 @@ def test_an_lr_at_zero_for_most_of_the_run_is_refused_for_any_schedule(drops_to_
         schedule = DropsToZeroConfig(name="drops_to_zero", keep=keep)
         curve = lr_curve(lambda opt, n, s=schedule: build_scheduler(opt, s, n), 230)
         check = lambda c=curve: check_schedule(  # noqa: E731
-            c, scheduler="drops_to_zero", lr=0.003, steps_per_epoch=23, patience=None,
+            c,
+            scheduler="drops_to_zero",
+            lr=0.003,
+            steps_per_epoch=23,
+            patience=None,
             patience_set=False,
-        )  # fmt: skip
+        )
         if not refused:
             check()
             continue
@@ -135,9 +161,15 @@ def test_early_stopping_waits_while_the_run_is_at_chance(tmp_path, caplog):
     small to move any weight, the learn probe off: every epoch at chance, none better.)"""
     import logging
 
-    cfg = compose_config(*QUIET, "trainer.max_epochs=3", "trainer.early_stopping=1",
-                         "trainer.learn_probe=false", "scheduler=none", "optimizer.lr=1e-12",
-                         "trainer.probe_cache=false")  # fmt: skip
+    cfg = compose_config(
+        *QUIET,
+        "trainer.max_epochs=3",
+        "trainer.early_stopping=1",
+        "trainer.learn_probe=false",
+        "scheduler=none",
+        "optimizer.lr=1e-12",
+        "trainer.probe_cache=false",
+    )
     with caplog.at_level(logging.INFO):
         summary = train(cfg, tmp_path / "run")
     assert summary["status"] == "at_chance" and summary["epochs"] == 3, summary
@@ -152,8 +184,9 @@ def test_a_warm_up_does_not_excuse_an_lr_that_diverges_after_it(tmp_path):
     diverges after them: refused before step 1, as without a warm-up; the probe tried both."""
     from kiln.guards.learn_probe import CannotLearnError, check_can_learn
 
-    cfg = compose_config(*QUIET, "optimizer.lr=3", "trainer.max_steps=10",
-                         f"hydra.run.dir={tmp_path}/run")  # fmt: skip
+    cfg = compose_config(
+        *QUIET, "optimizer.lr=3", "trainer.max_steps=10", f"hydra.run.dir={tmp_path}/run"
+    )
     with pytest.raises(CannotLearnError) as refused:
         train(cfg, run_dir=tmp_path / "run")
     assert refused.value.kind == "learning rate diverges" and "at lr 3:" in str(refused.value)

@@ -37,11 +37,26 @@ def digits_ckpt(tmp_path_factory) -> Path:
 def test_loadtest_checks_every_answer_and_reports_the_floors(digits_ckpt, tmp_path):
     out = tmp_path / "load.json"
     done = run_script(
-        "loadtest.py", "--ckpt", f"mlp={digits_ckpt}", "--modes", "batched,echo",
-        "--concurrency", "1,4", "--requests", "16", "--rounds", "2", "--floor-concurrency", "4",
-        "--out", str(out), "--check", "--min-ceiling-ratio", "1e9",  # a floor nobody meets
+        "loadtest.py",
+        "--ckpt",
+        f"mlp={digits_ckpt}",
+        "--modes",
+        "batched,echo",
+        "--concurrency",
+        "1,4",
+        "--requests",
+        "16",
+        "--rounds",
+        "2",
+        "--floor-concurrency",
+        "4",
+        "--out",
+        str(out),
+        "--check",
+        "--min-ceiling-ratio",
+        "1e9",  # a floor nobody meets
         "--markdown",
-    )  # fmt: skip
+    )
     assert done.returncode == 1, done.stdout + done.stderr  # --check: the floor was not met
     result = json.loads(out.read_text())
     rows = result["rows"]
@@ -60,13 +75,27 @@ def test_loadtest_checks_every_answer_and_reports_the_floors(digits_ckpt, tmp_pa
     assert "NOT met" in done.stdout
     # --markdown: the tables as docs/benchmarks.md holds them, their numbers the JSON's
     (header, table), (floor_header, floor_table) = markdown_tables(done.stdout)
-    assert header == ["model", "mode", "format", "c", "req/s", "p50 ms", "p95 ms", "p99 ms",
-                      "model call ms", "inputs/call", "wrong"]  # fmt: skip
+    assert header == [
+        "model",
+        "mode",
+        "format",
+        "c",
+        "req/s",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "model call ms",
+        "inputs/call",
+        "wrong",
+    ]
     assert len(table) == len(rows)
     for line, row in zip(table, rows, strict=True):
         assert [line["model"], line["mode"], line["format"], int(line["c"])] == [
-            row["model"], row["mode"], row["format"], row["concurrency"]
-        ]  # fmt: skip
+            row["model"],
+            row["mode"],
+            row["format"],
+            row["concurrency"],
+        ]
         assert number(line["req/s"]) == pytest.approx(row["requests_per_s"], abs=0.05)
         assert number(line["p99 ms"]) == pytest.approx(row["p99_ms"], abs=0.05)
         assert number(line["inputs/call"]) >= 1 and number(line["wrong"]) == 0
@@ -86,9 +115,20 @@ def test_loadtest_fails_on_a_wrong_answer(digits_ckpt, tmp_path):
     other = tmp_path / "other.pt"
     torch.save(checkpoint, other)
     done = run_script(
-        "loadtest.py", "--ckpt", f"mlp={digits_ckpt}", "--reference", str(other),
-        "--modes", "batched", "--formats", "binary", "--concurrency", "2", "--requests", "8",
-    )  # fmt: skip
+        "loadtest.py",
+        "--ckpt",
+        f"mlp={digits_ckpt}",
+        "--reference",
+        str(other),
+        "--modes",
+        "batched",
+        "--formats",
+        "binary",
+        "--concurrency",
+        "2",
+        "--requests",
+        "8",
+    )
     assert done.returncode == 1
     assert "differed from the offline predictions" in done.stdout
 
@@ -109,10 +149,17 @@ def test_bench_infer_compares_eager_fp32_and_int8(digits_ckpt, tmp_path_factory,
     text_dir, _ = text_run(tmp_path_factory)
     out = tmp_path / "bench.json"
     done = run_script(
-        "bench_infer.py", "--ckpt", f"mlp={digits_ckpt}",
-        "--ckpt", f"text_bow={text_dir / 'checkpoints' / 'best.pt'}",
-        "--repeats", "3", "--out", str(out), "--markdown",
-    )  # fmt: skip
+        "bench_infer.py",
+        "--ckpt",
+        f"mlp={digits_ckpt}",
+        "--ckpt",
+        f"text_bow={text_dir / 'checkpoints' / 'best.pt'}",
+        "--repeats",
+        "3",
+        "--out",
+        str(out),
+        "--markdown",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     # --markdown: the table as docs/benchmarks.md holds it, with when, which commit, where
     assert "*Recorded " in done.stdout and "| mlp | eager | 1 |" in done.stdout
@@ -125,17 +172,25 @@ def test_bench_infer_compares_eager_fp32_and_int8(digits_ckpt, tmp_path_factory,
     }
     for r in rows:
         eager = next(
-            e for e in rows
-            if e["model"] == r["model"] and e["batch_size"] == r["batch_size"]
+            e
+            for e in rows
+            if e["model"] == r["model"]
+            and e["batch_size"] == r["batch_size"]
             and e["backend"] == "eager"
-        )  # fmt: skip
+        )
         assert math.isclose(r["ratio_to_eager"], eager["median_ms"] / r["median_ms"])
         if r["backend"] == "onnx_fp32":
             assert r["agreement"] <= 1e-4
     impossible = run_script(
-        "bench_infer.py", "--ckpt", f"mlp={digits_ckpt}", "--repeats", "2",
-        "--check", "--min-ratio", "1e9",
-    )  # fmt: skip
+        "bench_infer.py",
+        "--ckpt",
+        f"mlp={digits_ckpt}",
+        "--repeats",
+        "2",
+        "--check",
+        "--min-ratio",
+        "1e9",
+    )
     assert impossible.returncode == 1 and "below 1e+09x eager" in impossible.stdout
 
 

@@ -67,8 +67,9 @@ def test_the_example_bodies_work_and_match_the_v2_metadata(served):
     v2 = httpx.get(f"{server.url}/v1/example", params={"api": "v2"}).json()
     # the pixel form first; a model that takes image files (a detector) lists them second
     declared, *files = httpx.get(f"{server.url}/v2/models/kiln").json()["inputs"]
-    assert files == ([{"name": "input", "datatype": "BYTES", "shape": [-1]}] if kind ==
-                     "detection" else [])  # fmt: skip
+    assert files == (
+        [{"name": "input", "datatype": "BYTES", "shape": [-1]}] if kind == "detection" else []
+    )
     (sent,) = v2["inputs"]
     assert (sent["name"], sent["datatype"]) == (declared["name"], declared["datatype"])
     assert len(sent["shape"]) == len(declared["shape"])
@@ -90,8 +91,9 @@ def test_the_readme_curls_run_as_typed(served):
         if for_kind not in (None, kind):
             continue
         typed = command.replace("localhost:8000", f"127.0.0.1:{port}")
-        done = subprocess.run(["bash", "-c", typed], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            ["bash", "-c", typed], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
         assert done.returncode == 0, f"{command}\n{done.stderr[-2000:]}"
         answer = json.loads(done.stdout)
         assert "detail" not in answer and "error" not in answer, (command, answer)

@@ -552,16 +552,27 @@ def test_the_bomb_load_test_tables_read_back_as_measured():
     from provenance import stamp
 
     def phase(name, good_ms, health_ms, bombs=0):
-        return Phase(name, good=[t / 1000 for t in good_ms], health=[t / 1000 for t in health_ms],
-                     seconds=2.0, bombs=bombs, bombs_refused=bombs, server_cpu_s=1.0,
-                     clients_cpu_s=0.5)  # fmt: skip
+        return Phase(
+            name,
+            good=[t / 1000 for t in good_ms],
+            health=[t / 1000 for t in health_ms],
+            seconds=2.0,
+            bombs=bombs,
+            bombs_refused=bombs,
+            server_cpu_s=1.0,
+            clients_cpu_s=0.5,
+        )
 
     rounds = [
-        {"quiet": phase("quiet", [10, 20, 30], [1, 2]),
-         "bombs": phase("bombs", [20, 40, 60], [2, 90], bombs=7)},
-        {"quiet": phase("quiet", [10, 10, 10], [1, 1]),
-         "bombs": phase("bombs", [15, 15, 15], [3, 3], bombs=5)},
-    ]  # fmt: skip
+        {
+            "quiet": phase("quiet", [10, 20, 30], [1, 2]),
+            "bombs": phase("bombs", [20, 40, 60], [2, 90], bombs=7),
+        },
+        {
+            "quiet": phase("quiet", [10, 10, 10], [1, 1]),
+            "bombs": phase("bombs", [15, 15, 15], [3, 3], bombs=5),
+        },
+    ]
     args = parse_args(["--rounds", "2", "--seconds", "2"])
     rows = summarise(rounds, ["quiet", "bombs"])
     checked = floors(rows, args)

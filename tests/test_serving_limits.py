@@ -355,8 +355,12 @@ def test_a_client_that_hangs_up_mid_body_is_499_with_one_log_line(digits, path, 
     with live_server(create_app(digits)) as server, caplog.at_level(logging.INFO):
         _hang_up_mid_body(server.url, path)
         deadline = time.monotonic() + 10
-        while not metric(httpx.get(f"{server.url}/metrics").text, "kiln_requests_total",
-                         endpoint=endpoint, status="499"):  # fmt: skip
+        while not metric(
+            httpx.get(f"{server.url}/metrics").text,
+            "kiln_requests_total",
+            endpoint=endpoint,
+            status="499",
+        ):
             assert time.monotonic() < deadline, "the server never counted the client"
             time.sleep(0.02)
         text = httpx.get(f"{server.url}/metrics").text
@@ -403,8 +407,9 @@ def test_health_is_answered_between_inline_model_calls_while_a_queue_drains(digi
     per call (~0.1 ms a call): a health check sent once the calls run inline is answered with
     inputs still queued."""
     n = 16_384
-    app = create_app(digits, max_batch_size=2, max_delay_ms=0, max_queue_size=n,
-                     max_inputs_per_request=n)  # fmt: skip
+    app = create_app(
+        digits, max_batch_size=2, max_delay_ms=0, max_queue_size=n, max_inputs_per_request=n
+    )
     body, headers = binary_request(images(n).astype("<f4")[:, None])
     with live_server(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
         big: dict = {}

@@ -87,9 +87,15 @@ def test_the_document_states_that_data_must_match_the_shape(digits_server):
 
 def test_schemathesis_short_run_finds_nothing(digits_server, tmp_path):
     run = schemathesis_run(
-        digits_server.url, tmp_path, "--phases", "examples,fuzzing", "--max-examples", "8",
-        "--seed", "1",
-    )  # fmt: skip
+        digits_server.url,
+        tmp_path,
+        "--phases",
+        "examples,fuzzing",
+        "--max-examples",
+        "8",
+        "--seed",
+        "1",
+    )
     assert_nothing_found(run)
 
 

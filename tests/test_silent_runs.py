@@ -45,9 +45,14 @@ class NaNInEvalAfterTwoEpochs(nn.Module):
 def test_a_nan_validation_loss_fails_the_run_and_never_picks_best(tmp_path, temporary_model):
     run_dir = tmp_path / "run"
     cfg = temporary_model(
-        "eval_only_nan", EvalOnlyNaN, *QUIET, "trainer.max_epochs=2", "trainer.shape_check=false",
-        "trainer.monitor=val_loss", "trainer.monitor_mode=min",
-    )  # fmt: skip
+        "eval_only_nan",
+        EvalOnlyNaN,
+        *QUIET,
+        "trainer.max_epochs=2",
+        "trainer.shape_check=false",
+        "trainer.monitor=val_loss",
+        "trainer.monitor_mode=min",
+    )
     with pytest.raises(NonFiniteEvalError) as info:
         train(cfg, run_dir)
     assert str(info.value).startswith("val_loss NaN @ step 23")
@@ -64,10 +69,15 @@ def test_under_nan_policy_skip_each_nan_evaluation_is_said_and_the_best_kept(
 ):
     run_dir = tmp_path / "run"
     cfg = temporary_model(
-        "late_eval_nan", NaNInEvalAfterTwoEpochs, *QUIET, "trainer.max_epochs=4",
-        "trainer.shape_check=false", "trainer.nan_policy=skip", "trainer.monitor=val_loss",
+        "late_eval_nan",
+        NaNInEvalAfterTwoEpochs,
+        *QUIET,
+        "trainer.max_epochs=4",
+        "trainer.shape_check=false",
+        "trainer.nan_policy=skip",
+        "trainer.monitor=val_loss",
         "trainer.monitor_mode=min",
-    )  # fmt: skip
+    )
     with caplog.at_level(logging.WARNING):
         summary = train(cfg, run_dir)
     evals = [m for m in read_metrics(run_dir) if "val_loss" in m]
@@ -82,8 +92,9 @@ def test_under_nan_policy_skip_each_nan_evaluation_is_said_and_the_best_kept(
 def test_an_aux_head_on_in_an_options_yaml_is_refused_at_start_up(tmp_path):
     """The model's own option turns its head on; nothing trains it."""
     (tmp_path / "conf" / "model").mkdir(parents=True)
-    (tmp_path / "conf" / "model" / "mlp_aux.yaml").write_text("defaults:\n  - mlp\n  - _self_\n"
-                                                             "aux_head: true\n")  # fmt: skip
+    (tmp_path / "conf" / "model" / "mlp_aux.yaml").write_text(
+        "defaults:\n  - mlp\n  - _self_\naux_head: true\n"
+    )
     from kiln.config import ConfigError, load_config
     from kiln.registry import MODELS
 
@@ -156,10 +167,19 @@ def test_a_position_table_too_short_is_caught_before_step_1_whatever_the_seed(
 
     csv = long_and_short_texts(tmp_path / "reviews.csv")
     cfg = model_named(
-        "positions_32", PositionTable32, TextBowConfig, ("tokens",), "data=csv_text",
-        "model=text_bow", f"data.train_path={csv}", f"data.cache_dir={tmp_path / 'cache'}",
-        "data.vocab_size=300", "data.max_length=64", f"seed={seed}", "trainer.max_epochs=3",
-    )  # fmt: skip
+        "positions_32",
+        PositionTable32,
+        TextBowConfig,
+        ("tokens",),
+        "data=csv_text",
+        "model=text_bow",
+        f"data.train_path={csv}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.vocab_size=300",
+        "data.max_length=64",
+        f"seed={seed}",
+        "trainer.max_epochs=3",
+    )
     with pytest.raises(ShapeInferenceError) as info:
         train(cfg, tmp_path / "run")
     assert "failed on 2 sequences of 64 tokens (spec.max_length" in str(info.value)
@@ -173,10 +193,19 @@ def test_a_detector_that_assumes_a_box_is_caught_before_step_1_whatever_the_seed
     from .broken_models import AssumesABox
 
     cfg = model_named(
-        "assumes_a_box", AssumesABox, DetectorConfig, ("image_list",), "data=shapes_detection",
-        "model=detector", "data.num_train=64", "data.num_val=4", "data.image_size=48",
-        "data.min_image_size=32", "data.num_background=3", f"seed={seed}",
-    )  # fmt: skip
+        "assumes_a_box",
+        AssumesABox,
+        DetectorConfig,
+        ("image_list",),
+        "data=shapes_detection",
+        "model=detector",
+        "data.num_train=64",
+        "data.num_val=4",
+        "data.image_size=48",
+        "data.min_image_size=32",
+        "data.num_background=3",
+        f"seed={seed}",
+    )
     with pytest.raises(ShapeInferenceError) as info:
         train(cfg, tmp_path / "run")
     message = str(info.value)
@@ -188,9 +217,13 @@ def test_a_batchnorm_head_and_an_epoch_ending_in_one_sample_names_the_fix(tmp_pa
     from .broken_models import BatchNormHead
 
     cfg = model_named(
-        "bn_head", BatchNormHead, MlpConfig, ("image",), "data.batch_size=4",
+        "bn_head",
+        BatchNormHead,
+        MlpConfig,
+        ("image",),
+        "data.batch_size=4",
         "trainer.max_epochs=1",
-    )  # fmt: skip
+    )
     with pytest.raises(ShapeInferenceError) as info:
         train(cfg, tmp_path / "run")
     message = str(info.value)

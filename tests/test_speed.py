@@ -24,9 +24,12 @@ QUIET = ("env.progress_bar=false", "logger=none")
 
 def test_model_flops_per_sample_are_counted_and_mfu_follows_the_peak(tmp_path):
     summary = train_in_process(
-        tmp_path / "run", *QUIET, "trainer.max_steps=3", "trainer.peak_tflops=0.1",
+        tmp_path / "run",
+        *QUIET,
+        "trainer.max_steps=3",
+        "trainer.peak_tflops=0.1",
         "trainer.log_every_n_steps=1",
-    )  # fmt: skip
+    )
     # digits mlp 64-256-128-10: forward 2*(64*256+256*128+128*10) MACs-as-FLOPs, backward the
     # weight gradients (the same again) and the input gradients of the last two layers.
     forward = 2 * (64 * 256 + 256 * 128 + 128 * 10)
@@ -41,10 +44,16 @@ def test_model_flops_per_sample_are_counted_and_mfu_follows_the_peak(tmp_path):
 def test_channels_last_reaches_the_model_and_matmul_precision_is_set(tmp_path):
     seen = []
     cfg = compose_config(
-        *QUIET, "model=resnet18", "data=synthetic_images", "data.num_train=32",
-        "data.num_val=16", "data.image_size=16", "trainer.max_steps=2",
-        "trainer.channels_last=true", "trainer.matmul_precision=high",
-    )  # fmt: skip
+        *QUIET,
+        "model=resnet18",
+        "data=synthetic_images",
+        "data.num_train=32",
+        "data.num_val=16",
+        "data.image_size=16",
+        "trainer.max_steps=2",
+        "trainer.channels_last=true",
+        "trainer.matmul_precision=high",
+    )
 
     original = MODELS.entry("resnet18").load()
 
@@ -120,8 +129,12 @@ def test_an_oom_ends_the_run_with_its_line_the_batch_shapes_and_what_to_try(
     tmp_path, memory_limited
 ):
     run_dir = tmp_path / "run"
-    cfg = limited_config("data.batch_size=64", "trainer.probe_sizes=false",
-                         "trainer.shape_check=false", f"output_root={tmp_path}")  # fmt: skip
+    cfg = limited_config(
+        "data.batch_size=64",
+        "trainer.probe_sizes=false",
+        "trainer.shape_check=false",
+        f"output_root={tmp_path}",
+    )
     with pytest.raises(torch.OutOfMemoryError) as info:
         train(cfg, run_dir)
     line = record_failure(cfg, run_dir, info.value, distributed=False)  # as train.py does
@@ -136,8 +149,13 @@ def test_an_oom_ends_the_run_with_its_line_the_batch_shapes_and_what_to_try(
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_compiled_training_resumes_exactly_and_keeps_raw_keys(tmp_path):
-    settings = ("trainer.compile=true", "trainer.deterministic=true", "trainer.max_epochs=2",
-                "model.dropout=0.0", *QUIET)  # fmt: skip
+    settings = (
+        "trainer.compile=true",
+        "trainer.deterministic=true",
+        "trainer.max_epochs=2",
+        "model.dropout=0.0",
+        *QUIET,
+    )
     reference = tmp_path / "reference"
     train_in_process(reference, *settings)
     interrupted = tmp_path / "interrupted"
@@ -160,12 +178,24 @@ def test_compiled_training_under_ddp_matches_one_process(tmp_path):
     import sys
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    same = ("trainer.compile=true", "trainer.max_steps=6", "model.dropout=0.0", "scheduler=none",
-            "trainer.deterministic=true", *QUIET)  # fmt: skip
+    same = (
+        "trainer.compile=true",
+        "trainer.max_steps=6",
+        "model.dropout=0.0",
+        "scheduler=none",
+        "trainer.deterministic=true",
+        *QUIET,
+    )
     single = run_train(tmp_path / "single", *same, "data.batch_size=32", timeout=1200)
     assert single.returncode == 0, single.stderr[-3000:]
-    ddp = run_train(tmp_path / "ddp", *same, "trainer=ddp", "data.batch_size=16",
-                    launcher=torchrun, timeout=1200)  # fmt: skip
+    ddp = run_train(
+        tmp_path / "ddp",
+        *same,
+        "trainer=ddp",
+        "data.batch_size=16",
+        launcher=torchrun,
+        timeout=1200,
+    )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     a = torch.load(tmp_path / "single" / "checkpoints" / "last.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "ddp" / "checkpoints" / "last.pt", weights_only=True)["model"]

@@ -93,8 +93,11 @@ def test_the_scripts_exit_skips_the_final_collection_and_nothing_else(end, code,
     target = tmp_path / "out.txt"
     done = subprocess.run(
         [sys.executable, "-c", EXIT_PROBE.replace("{end}", end), str(target)],
-        capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=60,
+    )
     assert done.returncode == code, done.stderr
     assert "frozen=True" in done.stdout
     assert target.read_text() == "every byte"

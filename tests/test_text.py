@@ -388,13 +388,25 @@ def test_a_word_is_its_own_row_and_its_character_ngrams(demo_bundle):
     # repeated tokens (the last text) weighed by their count or sublinearly, an unknown word
     # spelled after its [UNK] (the second and fourth texts) included.
     jumped = spelled_ids("jumped", 1, 6, (3, 4))
-    ids = torch.tensor([[2, 3, 4, 0, 0, 0, 0, 0, 0], [5, *jumped[:7], 0],
-                        [4, 4, 2, 5, *jumped[:5]]])  # fmt: skip
+    ids = torch.tensor(
+        [[2, 3, 4, 0, 0, 0, 0, 0, 0], [5, *jumped[:7], 0], [4, 4, 2, 5, *jumped[:5]]]
+    )
     for sublinear in (False, True):
         torch.manual_seed(0)
-        model = FastText(6, 8, 3, ngrams=2, num_buckets=1000, dropout=0.0, pad_id=0,
-                         aux_head=False, tokens=tokens, char_ngrams=(3, 4), specials=specials,
-                         sublinear_tf=sublinear).eval()  # fmt: skip
+        model = FastText(
+            6,
+            8,
+            3,
+            ngrams=2,
+            num_buckets=1000,
+            dropout=0.0,
+            pad_id=0,
+            aux_head=False,
+            tokens=tokens,
+            char_ngrams=(3, 4),
+            specials=specials,
+            sublinear_tf=sublinear,
+        ).eval()
         words, spelled = model.split_spelled(ids)
         keep = words != 0
         grams = model.token_ngrams(words)
@@ -420,8 +432,17 @@ def test_text_bow_weighs_a_repeated_word_sublinearly(monkeypatch):
     ids = torch.tensor([[2, 2, 2, 3]])
     for sublinear, weight_a in ((True, 1 + math.log(3)), (False, 3.0)):
         torch.manual_seed(0)
-        model = FastText(4, 8, 3, ngrams=1, num_buckets=10, dropout=0.0, pad_id=0,
-                         aux_head=False, sublinear_tf=sublinear).eval()  # fmt: skip
+        model = FastText(
+            4,
+            8,
+            3,
+            ngrams=1,
+            num_buckets=10,
+            dropout=0.0,
+            pad_id=0,
+            aux_head=False,
+            sublinear_tf=sublinear,
+        ).eval()
         table = model.embed.weight.detach()
         norm = math.sqrt(weight_a**2 + 1) if sublinear else math.sqrt(4)
         expected = (weight_a * table[2] + table[3]) * model.scale / norm

@@ -56,9 +56,27 @@ def test_clean_text(raw, cleaned):
 # The expression clean_text used to strip invisible HTML with: the reference the linear scanner
 # (kiln.preprocessing.cleaning.drop_invisible) must agree with, and the quadratic cost it removed.
 REGEX_REFERENCE = re.compile(r"<(script|style)\b[^>]*>.*?</\1\s*>|<!--.*?-->", re.S | re.I)
-HTML_PIECES = ("<script>", "<script a='>'>", "</script >", "</SCRIPT>", "<style>", "</style\n>",
-               "<STYLE x=1>", "</script", "<scripts>", "<!--", "-->", "--", "<!-->", ">", "<",
-               "<b>", "x", " ", "é")  # fmt: skip
+HTML_PIECES = (
+    "<script>",
+    "<script a='>'>",
+    "</script >",
+    "</SCRIPT>",
+    "<style>",
+    "</style\n>",
+    "<STYLE x=1>",
+    "</script",
+    "<scripts>",
+    "<!--",
+    "-->",
+    "--",
+    "<!-->",
+    ">",
+    "<",
+    "<b>",
+    "x",
+    " ",
+    "é",
+)
 
 
 def test_the_html_scanner_strips_what_the_regular_expression_stripped():
@@ -190,8 +208,18 @@ def test_rust_and_python_bpe_give_identical_ids(vocab_size):
 
 def test_the_reference_splits_words_like_bert():
     assert pre_tokenize("Don't stop-me, now!\x1c ok") == [
-        "Don", "'", "t", "stop", "-", "me", ",", "now", "!", "\x1c", "ok",
-    ]  # fmt: skip
+        "Don",
+        "'",
+        "t",
+        "stop",
+        "-",
+        "me",
+        ",",
+        "now",
+        "!",
+        "\x1c",
+        "ok",
+    ]
 
 
 def test_the_tokenizer_is_the_same_every_time_it_is_trained():

@@ -217,7 +217,7 @@ def test_min_token_count_leaves_rare_words_out_and_keys_the_cache(tmp_path):
     built = {
         m: build_data(
             data_cfg(train_path=str(path), cache_dir=str(tmp_path / f"c{m}"), min_token_count=m)
-        )  # fmt: skip
+        )
         for m in (1, 2, 5)
     }
     sizes = [built[m].spec.vocab_size for m in (1, 2, 5)]
@@ -398,12 +398,22 @@ def test_reading_every_batch_of_a_token_store_does_not_grow_resident_memory(tmp_
     path = write_ticket_csv(tmp_path / "t.csv", 45_000, seed=1)
     assert path.stat().st_size > 10 * 2**20
     done = subprocess.run(
-        [sys.executable, "-c", READ_EVERY_BATCH, "data=csv_text", "model=text_bow",
-         "model.char_ngrams=[]",
-         f"data.train_path={path}",
-         f"data.cache_dir={tmp_path / 'cache'}"],
-        env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            READ_EVERY_BATCH,
+            "data=csv_text",
+            "model=text_bow",
+            "model.char_ngrams=[]",
+            f"data.train_path={path}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     assert measured["ids_mb"] > 8
     assert measured["growth_mb"] < measured["ids_mb"] / 4, measured

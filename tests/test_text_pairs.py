@@ -13,8 +13,13 @@ from .hf_helpers import POSITIONS, write_bert
 from .test_evaluate import run_infer
 from .test_hf import write_pairs
 
-PAIR = ("data=csv_text", "data.text_column=premise", "data.text_pair_column=hypothesis",
-        "data.batch_size=16", "trainer.max_epochs=2")  # fmt: skip
+PAIR = (
+    "data=csv_text",
+    "data.text_column=premise",
+    "data.text_pair_column=hypothesis",
+    "data.batch_size=16",
+    "trainer.max_epochs=2",
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +46,9 @@ def store_matches_inference(cfg, pretrained=None) -> None:
 
 def infer_matches_evaluate(run_dir, held_out, tmp_path, capsys) -> None:
     ckpt = f"ckpt={run_dir}/checkpoints/best.pt"
-    code, _, err = run_infer(capsys, "mode=evaluate", ckpt, f"data={held_out}",
-                             f"output={tmp_path}/ev")  # fmt: skip
+    code, _, err = run_infer(
+        capsys, "mode=evaluate", ckpt, f"data={held_out}", f"output={tmp_path}/ev"
+    )
     assert code == 0, err
     code, _, err = run_infer(capsys, ckpt, f"input={held_out}", f"output={tmp_path}/p.csv")
     assert code == 0, err
@@ -56,8 +62,13 @@ def infer_matches_evaluate(run_dir, held_out, tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize("model, join", [("text_transformer", False), ("text_bow", True)])
 def test_kiln_text_models_take_pairs_and_joined_columns(pairs, tmp_path, capsys, model, join):
-    overrides = (*PAIR, f"model={model}", f"data.train_path={pairs / 'train.csv'}",
-                 f"data.cache_dir={pairs / 'cache'}", f"data.join_columns={join}")  # fmt: skip
+    overrides = (
+        *PAIR,
+        f"model={model}",
+        f"data.train_path={pairs / 'train.csv'}",
+        f"data.cache_dir={pairs / 'cache'}",
+        f"data.join_columns={join}",
+    )
     store_matches_inference(compose_config(*overrides))
     summary = train_in_process(tmp_path / "run", *overrides)
     assert summary["status"] in ("ok", "at_chance"), summary
@@ -70,9 +81,15 @@ def test_join_columns_feeds_a_pretrained_tokenizer_one_text(pairs, tmp_path, cap
 
     frame = pd.read_csv(pairs / "train.csv")
     folder = write_bert(pairs / "bert", [*frame["premise"], *frame["hypothesis"]])
-    overrides = (*PAIR, "model=hf", f"model.arch={folder}", f"data.max_length={POSITIONS}",
-                 f"data.train_path={pairs / 'train.csv'}", f"data.cache_dir={pairs / 'cache'}",
-                 "data.join_columns=true")  # fmt: skip
+    overrides = (
+        *PAIR,
+        "model=hf",
+        f"model.arch={folder}",
+        f"data.max_length={POSITIONS}",
+        f"data.train_path={pairs / 'train.csv'}",
+        f"data.cache_dir={pairs / 'cache'}",
+        "data.join_columns=true",
+    )
     cfg = compose_config(*overrides)
     store_matches_inference(cfg, hf_preprocessing(cfg.model))
     summary = train_in_process(tmp_path / "run", *overrides)

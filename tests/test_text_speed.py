@@ -46,8 +46,16 @@ def pair(seed: int = 0) -> tuple[FastText, FastText]:
     """Two identical text_bow models (token bigrams and character n-grams), one taking sparse
     gradients."""
     torch.manual_seed(seed)
-    kwargs = dict(ngrams=2, num_buckets=50, dropout=0.0, pad_id=0, aux_head=False,
-                  tokens=TOKENS, char_ngrams=(2, 4), specials=frozenset(TOKENS[:2]))  # fmt: skip
+    kwargs = dict(
+        ngrams=2,
+        num_buckets=50,
+        dropout=0.0,
+        pad_id=0,
+        aux_head=False,
+        tokens=TOKENS,
+        char_ngrams=(2, 4),
+        specials=frozenset(TOKENS[:2]),
+    )
     sparse = FastText(120, 8, 3, **kwargs)
     dense = copy.deepcopy(sparse)
     sparse.embed.sparse = True

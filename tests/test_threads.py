@@ -255,9 +255,12 @@ def test_pinned_threads_and_workers_are_what_the_run_uses(tmp_path, caplog):
     run_dir = tmp_path / "run"
     with caplog.at_level(logging.INFO):
         summary = train_in_process(
-            run_dir, "trainer.max_epochs=1", "logger=none", "trainer.threads=2",
+            run_dir,
+            "trainer.max_epochs=1",
+            "logger=none",
+            "trainer.threads=2",
             "data.num_workers=1",
-        )  # fmt: skip
+        )
     log = caplog.text
     assert "threads: 2 intra-op (pinned (2)); DataLoader workers: 1 (data.num_workers=1)" in log
     assert summary["threads"] == 2 and summary["num_workers"] == 1

@@ -20,9 +20,11 @@ from kiln.models.zoo.detection import detection_archs, freeze_batchnorm
 from .conftest import compose_config, train_in_process
 
 ARCH = "fasterrcnn_mobilenet_v3_large_320_fpn"
-NO_PROBES = ("trainer.probe_sizes=false", "trainer.learn_probe=false",
-             "trainer.skip_checks=[batch dependence,determinism,purity,numerics,dead gradients,"
-             "device]")  # fmt: skip
+NO_PROBES = (
+    "trainer.probe_sizes=false",
+    "trainer.learn_probe=false",
+    "trainer.skip_checks=[batch dependence,determinism,purity,numerics,dead gradients,device]",
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +51,17 @@ def torch_home(tmp_path, monkeypatch):
 
 
 def overrides(folder, *extra):
-    return ("data=coco", "model=torchvision_detection", f"data.train_json={folder.train_json}",
-            f"data.train_images={folder.train_images}", f"data.val_json={folder.val_json}",
-            f"data.val_images={folder.val_images}", f"data.cache_dir={folder.root / 'cache'}",
-            "data.image_size=96", *extra)  # fmt: skip
+    return (
+        "data=coco",
+        "model=torchvision_detection",
+        f"data.train_json={folder.train_json}",
+        f"data.train_images={folder.train_images}",
+        f"data.val_json={folder.val_json}",
+        f"data.val_images={folder.val_images}",
+        f"data.cache_dir={folder.root / 'cache'}",
+        "data.image_size=96",
+        *extra,
+    )
 
 
 def test_coco_weights_load_with_the_class_head_sized_from_the_data(folder, torch_home, caplog):
@@ -78,8 +87,9 @@ def test_ssdlite_weights_reinitialise_only_the_class_layers(folder, tmp_path, ca
     net = torchvision.models.get_model(arch, weights=None, weights_backbone=None, num_classes=91)
     freeze_batchnorm(net)
     torch.save(net.state_dict(), tmp_path / "ssdlite_coco.pth")
-    cfg = compose_config(*overrides(folder, f"model.arch={arch}",
-                                    f"model.weights={tmp_path / 'ssdlite_coco.pth'}"))  # fmt: skip
+    cfg = compose_config(
+        *overrides(folder, f"model.arch={arch}", f"model.weights={tmp_path / 'ssdlite_coco.pth'}")
+    )
     with caplog.at_level("INFO"):
         model = build_model(build_data(cfg.data).spec, cfg.model)
     assert "re-initialised (91 classes in the file, 3 in the data)" in caplog.text, caplog.text
@@ -100,9 +110,15 @@ def test_fasterrcnn_trains_on_coco_from_a_weights_file_and_its_checkpoint_predic
     run_dir = tmp_path / "run"
     # The probes before step 1 are tests/test_antibodies.py's (torchvision_detection on
     # shapes_detection): minutes at this size on two CPU cores, so they are left out here.
-    summary = train_in_process(run_dir, *overrides(folder, "model.weights=DEFAULT"),
-                               "trainer.max_steps=2", "logger=none", "device=cpu",
-                               "env.progress_bar=false", *NO_PROBES)  # fmt: skip
+    summary = train_in_process(
+        run_dir,
+        *overrides(folder, "model.weights=DEFAULT"),
+        "trainer.max_steps=2",
+        "logger=none",
+        "device=cpu",
+        "env.progress_bar=false",
+        *NO_PROBES,
+    )
     assert summary["status"] in ("ok", "at_chance"), summary
     assert summary["steps"] == 2
     report = json.loads((run_dir / "data_report.json").read_text())
@@ -121,8 +137,9 @@ def test_fasterrcnn_trains_on_coco_from_a_weights_file_and_its_checkpoint_predic
 
     expected = predictor.detect([image.numpy()])
     with live_server(create_app(predictor, max_batch_size=4, max_delay_ms=5)) as server:
-        answer = httpx.post(f"{server.url}/v1/predict",
-                            json={"inputs": [image.numpy().tolist()]}, timeout=120)  # fmt: skip
+        answer = httpx.post(
+            f"{server.url}/v1/predict", json={"inputs": [image.numpy().tolist()]}, timeout=120
+        )
     assert answer.status_code == 200, answer.text
     (served,) = answer.json()["predictions"]
     served_boxes = np.asarray(served["boxes"]).reshape(-1, 4)
@@ -190,8 +207,9 @@ def test_imagenet_backbone_weights_and_trainable_layers(folder, tmp_path, monkey
     folder_ = tmp_path / "torch" / "hub" / "checkpoints"
     folder_.mkdir(parents=True)
     torch.save(classifier.state_dict(), folder_ / url_file_name(weights.url))
-    cfg = compose_config(*overrides(folder, "model.weights_backbone=DEFAULT",
-                                    "model.trainable_layers=2"))  # fmt: skip
+    cfg = compose_config(
+        *overrides(folder, "model.weights_backbone=DEFAULT", "model.trainable_layers=2")
+    )
     spec = build_data(cfg.data).spec
     with caplog.at_level("INFO"):
         model = build_model(spec, cfg.model)
@@ -257,8 +275,9 @@ def every_arch():
 
     why = "the learn probe: lr 3e-3 diverges from random weights, after a warm-up too"
     refused = pytest.mark.xfail(raises=CannotLearnError, strict=True, reason=why)
-    return [pytest.param(a, marks=refused) if a in LEARN_PROBE_REFUSES else a
-            for a in detection_archs()]  # fmt: skip
+    return [
+        pytest.param(a, marks=refused) if a in LEARN_PROBE_REFUSES else a for a in detection_archs()
+    ]
 
 
 @pytest.mark.slow  # every box detector, with every check before step 1: minutes on two CPU cores
@@ -268,8 +287,14 @@ def test_every_box_detector_trains_with_every_check_on(arch, folder, tmp_path):
     """torchvision's detectors at their defaults on the photo set, every check before step 1
     run (no budget): none refuses torchvision's own model (but LEARN_PROBE_REFUSES). 10 steps:
     onecycle's warm-up starts at a 25th of the lr (2 steps have none to speak of)."""
-    summary = train_in_process(tmp_path / "run", *overrides(folder, f"model.arch={arch}"),
-                               "trainer.max_steps=10", "trainer.probe_budget.enforce=false",
-                               "logger=none", "device=cpu", "env.progress_bar=false")  # fmt: skip
+    summary = train_in_process(
+        tmp_path / "run",
+        *overrides(folder, f"model.arch={arch}"),
+        "trainer.max_steps=10",
+        "trainer.probe_budget.enforce=false",
+        "logger=none",
+        "device=cpu",
+        "env.progress_bar=false",
+    )
     assert summary["status"] in ("ok", "at_chance"), summary
     assert summary["steps"] == 10

@@ -35,9 +35,16 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ckpt(folder, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tv_export_run")
-    summary = train_in_process(run_dir, *overrides(folder), "trainer.max_steps=1",
-                               "trainer.shape_check=false", "logger=none", "device=cpu",
-                               "env.progress_bar=false", *NO_PROBES)  # fmt: skip
+    summary = train_in_process(
+        run_dir,
+        *overrides(folder),
+        "trainer.max_steps=1",
+        "trainer.shape_check=false",
+        "logger=none",
+        "device=cpu",
+        "env.progress_bar=false",
+        *NO_PROBES,
+    )
     assert summary["steps"] == 1, summary
     return run_dir / "checkpoints" / "last.pt"
 
@@ -67,8 +74,11 @@ def test_fasterrcnn_exports_to_onnx_with_box_parity_and_serves_from_it(ckpt, fol
 
     names = onnx_predictor.class_names
     with live_server(create_app(onnx_predictor, max_batch_size=4, max_delay_ms=5)) as server:
-        v1 = httpx.post(f"{server.url}/v1/predict",
-                        json={"inputs": [x.tolist() for x in images[:2]]}, timeout=120)  # fmt: skip
+        v1 = httpx.post(
+            f"{server.url}/v1/predict",
+            json={"inputs": [x.tolist() for x in images[:2]]},
+            timeout=120,
+        )
         image = images[0]
         tensor = {"name": "input", "shape": [1, *image.shape], "datatype": "FP32"}
         body = {"inputs": [{**tensor, "data": image.ravel().tolist()}]}
@@ -137,14 +147,19 @@ def test_parity_counts_the_boxes_it_compares_and_refuses_to_compare_none(folder,
     graph = graph_for(record, model)
     ordered, source = boxes_first(graph, images, "validation")
     assert source.endswith(f"torch finds boxes on {len(images)} (checked first)")
-    _, checks = export_checked(graph, parity_batches(ordered, "image_list", 1),
-                               tmp_path / "model.onnx", "cpu")  # fmt: skip
+    _, checks = export_checked(
+        graph, parity_batches(ordered, "image_list", 1), tmp_path / "model.onnx", "cpu"
+    )
     assert all(c.boxes.problem() is None and c.boxes.matched == c.boxes.boxes > 0 for c in checks)
     assert " torch boxes matched on 1 of 1 images (min IoU 1.0000" in checks[0].line()
     model.net.roi_heads.score_thresh = 1.0  # nothing scores above it
     with pytest.raises(NothingComparedError, match="parity compared no box: neither torch nor"):
-        export_checked(graph_for(record, model), parity_batches(images, "image_list", 1),
-                       tmp_path / "none.onnx", "cpu")  # fmt: skip
+        export_checked(
+            graph_for(record, model),
+            parity_batches(images, "image_list", 1),
+            tmp_path / "none.onnx",
+            "cpu",
+        )
     assert not (tmp_path / "none.onnx").exists()
 
 
@@ -158,8 +173,13 @@ def test_the_traced_resize_sizes_every_image_as_eager_torch_does(tmp_path):
 
     from kiln.models.zoo.traced_resize import traced_resize_as_eager
 
-    net = torchvision.models.get_model("fasterrcnn_mobilenet_v3_large_320_fpn", weights=None,
-                                       weights_backbone=None, min_size=96, max_size=96)  # fmt: skip
+    net = torchvision.models.get_model(
+        "fasterrcnn_mobilenet_v3_large_320_fpn",
+        weights=None,
+        weights_backbone=None,
+        min_size=96,
+        max_size=96,
+    )
     traced_resize_as_eager(net.transform)
 
     class Resize(torch.nn.Module):
@@ -168,9 +188,15 @@ def test_the_traced_resize_sizes_every_image_as_eager_torch_does(tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(Resize(), (torch.rand(1, 3, 124, 110),), str(tmp_path / "resize.onnx"),
-                          input_names=["input"], dynamic_axes={"input": {2: "h", 3: "w"}},
-                          opset_version=17, dynamo=False)  # fmt: skip
+        torch.onnx.export(
+            Resize(),
+            (torch.rand(1, 3, 124, 110),),
+            str(tmp_path / "resize.onnx"),
+            input_names=["input"],
+            dynamic_axes={"input": {2: "h", 3: "w"}},
+            opset_version=17,
+            dynamo=False,
+        )
     session = ort.InferenceSession(str(tmp_path / "resize.onnx"))
     sizes = [(122, 121), (124, 110), (119, 127), (99, 96), (33, 250), (250, 33), (96, 96)]
     sizes += [(int(h), int(w)) for h, w in torch.randint(20, 300, (20, 2)).tolist()]

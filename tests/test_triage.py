@@ -160,9 +160,12 @@ def test_train_eval_disagreement(tmp_path):
 
 def test_a_flat_loss(tmp_path):
     run_dir = tmp_path / "run"
-    train(compose_config(*QUIET, "optimizer.lr=1e-9", "scheduler=none", "trainer.max_steps=12",
-                        NO_LEARN_PROBE),
-          run_dir)  # fmt: skip
+    train(
+        compose_config(
+            *QUIET, "optimizer.lr=1e-9", "scheduler=none", "trainer.max_steps=12", NO_LEARN_PROBE
+        ),
+        run_dir,
+    )
     assert read_summary(run_dir)["status"] == "at_chance"  # it learned nothing, and says so
     run, causes = triage(run_dir)
     cause = causes[0]
@@ -194,13 +197,19 @@ def test_validation_far_below_training(tmp_path, dataset):
 
 def test_the_command_prints_the_ranked_causes(tmp_path):
     run_dir = tmp_path / "run"
-    train(compose_config(*QUIET, "optimizer.lr=1e-9", "scheduler=none", "trainer.max_steps=12",
-                        NO_LEARN_PROBE),
-          run_dir)  # fmt: skip
+    train(
+        compose_config(
+            *QUIET, "optimizer.lr=1e-9", "scheduler=none", "trainer.max_steps=12", NO_LEARN_PROBE
+        ),
+        run_dir,
+    )
     result = subprocess.run(
         [sys.executable, "-m", "kiln.cli.main", "triage", str(run_dir)],
-        capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"triage of {run_dir}: status at_chance")
@@ -208,8 +217,11 @@ def test_the_command_prints_the_ranked_causes(tmp_path):
     assert lines[2].startswith("   evidence: loss ") and lines[3].startswith("   try: ")
     missing = subprocess.run(
         [sys.executable, "-m", "kiln.cli.main", "triage", str(tmp_path)],
-        capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=120,
+    )
     assert missing.returncode == 2 and "not a run directory" in missing.stderr
 
 
@@ -241,8 +253,9 @@ def fails(cfg, run_dir):
 
 def test_replay_a_learning_rate_too_high_at_the_first_update(tmp_path):
     run_dir = tmp_path / "run"
-    fails(compose_config(*QUIET, "optimizer.lr=1e30", "trainer.max_epochs=1", NO_LEARN_PROBE),
-          run_dir)  # fmt: skip
+    fails(
+        compose_config(*QUIET, "optimizer.lr=1e30", "trainer.max_epochs=1", NO_LEARN_PROBE), run_dir
+    )
     run, causes = triage(run_dir)
     cause = causes[0]
     assert cause.title == "learning rate too high at the first update", causes
@@ -373,12 +386,16 @@ def test_replay_a_softmax_head(tmp_path, model_named):
 
 def test_the_command_prints_the_replay_after_the_causes(tmp_path):
     run_dir = tmp_path / "run"
-    fails(compose_config(*QUIET, "optimizer.lr=1e30", "trainer.max_epochs=1", NO_LEARN_PROBE),
-          run_dir)  # fmt: skip
+    fails(
+        compose_config(*QUIET, "optimizer.lr=1e30", "trainer.max_epochs=1", NO_LEARN_PROBE), run_dir
+    )
     result = subprocess.run(
         [sys.executable, "-m", "kiln.cli.main", "triage", str(run_dir)],
-        capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[1] == "1. learning rate too high at the first update"
@@ -463,8 +480,10 @@ def test_the_replay_runs_with_the_runs_environment(tmp_path, model_named, monkey
     monkeypatch.setenv("TRIAGE_DEMO_API_TOKEN", "another")
     run, causes = triage(run_dir)
     assert run.replay.reproduced is True, run.replay
-    assert any("replayed with the run's environment: " in n and "TRIAGE_DEMO_POISON=1" in n
-               for n in run.replay.notes), run.replay.notes  # fmt: skip
+    assert any(
+        "replayed with the run's environment: " in n and "TRIAGE_DEMO_POISON=1" in n
+        for n in run.replay.notes
+    ), run.replay.notes
     assert any("differs from the run's in TRIAGE_DEMO_API_TOKEN" in n for n in run.replay.notes)
     assert causes[0].title == "NaN/Inf first appears in ReadsItsEnvironment.forward", causes
     assert "TRIAGE_DEMO_POISON" not in __import__("os").environ  # put back after the replay

@@ -49,8 +49,15 @@ def image_spec(channels: int = 3, side: int = 32, classes: int = 7) -> DataSpec:
 
 def token_spec(classes: int = 7, vocab_size: int = 60, max_length: int = 16) -> DataSpec:
     names = tuple(f"c{i}" for i in range(classes))
-    return DataSpec("classification", "tokens", classes, names, vocab_size=vocab_size,
-                    max_length=max_length, pad_id=0)  # fmt: skip
+    return DataSpec(
+        "classification",
+        "tokens",
+        classes,
+        names,
+        vocab_size=vocab_size,
+        max_length=max_length,
+        pad_id=0,
+    )
 
 
 def spec_for(model: str, classes: int) -> DataSpec:
