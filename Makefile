@@ -80,7 +80,6 @@ bench: install ## engine vs a hand-written loop; kiln vs Lightning, quiet and be
 	$(PY) scripts/bench_text.py --fasttext venv --contention 1
 	$(PY) scripts/bench_image_folder.py --out docs/figures/image_folder.json
 	$(PY) scripts/bench_detection.py --out docs/figures/detection.json
-	$(PY) -m kiln.cli.docs --write
 
 matrix: install ## every model x dataset x {single, DDP} x {amp off, on}, a few steps each
 	$(PY) scripts/matrix.py $(ARGS)

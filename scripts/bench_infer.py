@@ -85,7 +85,7 @@ def bench_model(name: str, ckpt: Path, workdir: Path, args) -> list[Row]:
     record, state = read_checkpoint(ckpt)
     net = ProbabilityHead(rebuild_model(record, state)).eval()
     onnx_path = export(ckpt, workdir / f"{name}.onnx").onnx_path  # parity-checked
-    int8_path = quantize_int8(onnx_path)
+    int8_path = quantize_int8(onnx_path, workdir / f"{name}.int8.onnx")
     sessions = {
         "onnx_fp32": ort_session(onnx_path, "cpu", args.threads),
         "onnx_int8": ort_session(int8_path, "cpu", args.threads),
