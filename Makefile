@@ -75,10 +75,11 @@ bench: install ## engine vs a hand-written loop; kiln vs Lightning, quiet and be
 	$(PY) scripts/bench_engine.py $(ARGS)
 	$(PY) scripts/bench_peers.py --contention 1 --rounds 3
 	$(PY) scripts/bench_startup.py --out docs/figures/startup.json
-	$(PY) scripts/loadtest.py && $(PY) scripts/loadtest_bombs.py && $(PY) scripts/bench_infer.py
+	$(PY) scripts/loadtest.py && $(PY) scripts/loadtest_bombs.py --out docs/figures/serving_bombs.json
+	$(PY) scripts/bench_infer.py --out docs/figures/infer_backends.json
 	$(PY) scripts/bench_text.py --fasttext venv --contention 1
-	$(PY) scripts/bench_image_folder.py
-	$(PY) scripts/bench_detection.py
+	$(PY) scripts/bench_image_folder.py --out docs/figures/image_folder.json
+	$(PY) scripts/bench_detection.py --out docs/figures/detection.json
 
 matrix: install ## every model x dataset x {single, DDP} x {amp off, on}, a few steps each
 	$(PY) scripts/matrix.py $(ARGS)

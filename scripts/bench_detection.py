@@ -29,7 +29,6 @@ reported, never asserted, unless --check.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -49,7 +48,7 @@ from kiln.engine.run import build_run
 from kiln.models import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import stamp  # noqa: E402
+from provenance import stamp, write_report  # noqa: E402
 
 FLOOR = 1.0  # kiln images/s over the reference loop's
 LOSS_TOLERANCE = 1e-5  # step 1, each loss term, relative
@@ -317,11 +316,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     load = os.getloadavg()
     result = measure(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    text = stamp(load) + "\n\n" + table(result)
+    # result["markdown"]: what docs/benchmarks.md's figures block shows (kiln.cli.docs)
+    write_report(result, text, Path(args.out) if args.out else None)
     print(table(result), flush=True)
     if args.markdown:
-        print("\n" + stamp(load) + "\n\n" + table(result), flush=True)
+        print("\n" + text, flush=True)
     if not result["step1_losses_agree"]:
         return 1  # not the same training: the ratio compares nothing
     return 1 if args.check and not result["meets_floor"] else 0

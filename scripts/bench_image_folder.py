@@ -18,7 +18,6 @@ is reported, never asserted, unless --check (exit 1 below the floor).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ from kiln.data import build_data
 from kiln.data.loaders import build_dataloaders
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import stamp  # noqa: E402
+from provenance import stamp, write_report  # noqa: E402
 
 FLOOR = 0.95
 
@@ -222,11 +221,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     load = os.getloadavg()
     result = measure(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    text = stamp(load) + "\n\n" + table(result)
+    # result["markdown"]: what docs/benchmarks.md's figures block shows (kiln.cli.docs)
+    write_report(result, text, Path(args.out) if args.out else None)
     print(table(result), flush=True)
     if args.markdown:
-        print("\n" + stamp(load) + "\n\n" + table(result), flush=True)
+        print("\n" + text, flush=True)
     return 1 if args.check and not result["meets_floor"] else 0
 
 

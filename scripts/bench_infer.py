@@ -13,7 +13,6 @@ Speed is reported, never asserted, unless --check asks (a ratio below --min-rati
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from provenance import stamp
+from provenance import stamp, write_report
 from tiny_checkpoints import REPO, checkpoints
 
 sys.path.insert(0, str(REPO / "src"))
@@ -86,7 +85,7 @@ def bench_model(name: str, ckpt: Path, workdir: Path, args) -> list[Row]:
     record, state = read_checkpoint(ckpt)
     net = ProbabilityHead(rebuild_model(record, state)).eval()
     onnx_path = export(ckpt, workdir / f"{name}.onnx").onnx_path  # parity-checked
-    int8_path = quantize_int8(onnx_path)
+    int8_path = quantize_int8(onnx_path, workdir / f"{name}.int8.onnx")
     sessions = {
         "onnx_fp32": ort_session(onnx_path, "cpu", args.threads),
         "onnx_int8": ort_session(int8_path, "cpu", args.threads),
@@ -196,10 +195,11 @@ def main(argv=None) -> int:
         rows = []
         for name, ckpt in ckpts.items():
             rows += bench_model(name, ckpt, Path(tmp), args)
-    if args.out:
-        args.out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    text = markdown(rows, args.threads, args.repeats)
+    # report["markdown"]: what docs/benchmarks.md's figures block shows (kiln.cli.docs)
+    write_report({"rows": [asdict(r) for r in rows]}, text, args.out)
     if args.markdown:
-        print("\n" + markdown(rows, args.threads, args.repeats))
+        print("\n" + text)
     disagree = [r for r in rows if r.backend == "onnx_fp32" and not r.agreement <= FP32_TOLERANCE]
     if disagree:
         print(f"ONNX Runtime fp32 disagrees with eager beyond {FP32_TOLERANCE:g}: {disagree}")

@@ -57,7 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_peers  # noqa: E402
 from bench_peers import Work  # noqa: E402
-from provenance import stamp  # noqa: E402
+from provenance import stamp, write_report  # noqa: E402
 
 CHECKS_SHARE_FLOOR = 0.02  # the pre-step phase, of the first epoch's estimated time
 CHECKS_SECONDS_FLOOR = 15.0
@@ -573,11 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         "not_run": missing,
     }
     text = stamp(load_after) + "\n\n" + markdown(report, chosen, args)
-    report["markdown"] = text  # what docs/benchmarks.md's figures block shows (kiln.cli.docs)
+    write_report(report, text, args.out)  # report["markdown"]: docs/benchmarks.md's figures
     print(text, end="")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
     if args.markdown is not None:
         args.markdown.write_text(text)
     missed = [f for f in floors if not f["met"]]

@@ -3,6 +3,7 @@ trainer=fsdp sharding), for a model of a few hundred MB, on CPU with gloo:
 
     python scripts/fsdp_memory.py                        # 2 ranks, 4 blocks of 4096x4096 (268 MB)
     python scripts/fsdp_memory.py --world-size 4 --width 2048 --blocks 8
+    python scripts/fsdp_memory.py --out docs/figures/fsdp_memory.json   # docs/benchmarks.md's table
 
 Counts the bytes of the tensors each rank holds after one optimizer step (DTensors by their local
 shard), and the process's resident memory beside it. Under FSDP the share should be about
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
+from pathlib import Path
 
 import psutil
 import torch
@@ -26,7 +29,11 @@ from kiln.config.run import FsdpConfig
 from kiln.engine.fsdp import shard_model
 from kiln.engine.precision import resolve_precision
 
+sys.path.insert(0, str(Path(__file__).parent))
+from provenance import stamp, write_report  # noqa: E402
+
 MB = 2**20
+NAMES = {"ddp": "DDP", "fsdp": "FSDP"}
 
 
 def local_bytes(tensors) -> int:
@@ -94,30 +101,63 @@ def run(strategy: str, args) -> list[dict[str, float]]:
         return [dict(results[rank]) for rank in range(args.world_size)]
 
 
-def main() -> None:
+def markdown(report: dict) -> str:
+    """The table of docs/benchmarks.md's "FSDP memory": one row per strategy and rank."""
+    lines = [
+        stamp(report["load_average"]),
+        "",
+        f"{report['model']}, after one step, per rank (MiB):",
+        "",
+        "| strategy | rank | parameters | gradients | AdamW state | parameters + optimizer "
+        "| process RSS |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for strategy, rows in report["ranks"].items():
+        for rank, row in enumerate(rows):
+            cells = (row[c] for c in ("params", "grads", "optimizer", "params+optimizer", "rss"))
+            lines.append(f"| {NAMES[strategy]} | {rank} | " + " | ".join(f"{c:.1f}" for c in cells)
+                         + " |")  # fmt: skip
+    lines += [
+        "",
+        f"FSDP's share of parameters + optimizer state per rank: {report['ratio']:.3f} of DDP's "
+        f"(1/world_size = {1 / report['world_size']:.3f}).",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--blocks", type=int, default=4)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="also write the result as JSON, with its table (docs/ reads it)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     numel = args.blocks * (args.width * args.width + args.width)
-    print(
-        f"model: {args.blocks} x Linear({args.width}, {args.width}) = {numel / 1e6:.1f}M "
-        f"parameters, {numel * 4 / MB:.0f} MB in fp32; AdamW; {args.world_size} ranks (gloo, CPU)"
+    model = (
+        f"{args.blocks} x Linear({args.width}, {args.width}) = {numel / 1e6:.1f}M parameters, "
+        f"{numel * 4 / MB:.0f} MiB in fp32; AdamW; {args.world_size} ranks (gloo, CPU)"
     )
+    print(f"model: {model}")
     columns = ["params", "grads", "optimizer", "params+optimizer", "rss"]
     print(f"{'strategy':<8} {'rank':>4} " + " ".join(f"{c + ' MB':>20}" for c in columns))
-    shares = {}
+    ranks = {}
     for strategy in ("ddp", "fsdp"):
-        for rank, row in enumerate(run(strategy, args)):
+        ranks[strategy] = run(strategy, args)
+        for rank, row in enumerate(ranks[strategy]):
             print(f"{strategy:<8} {rank:>4} " + " ".join(f"{row[c]:>20.1f}" for c in columns))
-            shares.setdefault(strategy, []).append(row["params+optimizer"])
-    ratio = max(shares["fsdp"]) / max(shares["ddp"])
+    shares = {s: max(row["params+optimizer"] for row in rows) for s, rows in ranks.items()}
+    ratio = shares["fsdp"] / shares["ddp"]
     print(
         f"FSDP / DDP per-rank params+optimizer: {ratio:.3f} "
         f"(1/world_size = {1 / args.world_size:.3f})"
     )
+    report = {"model": model, "world_size": args.world_size, "ranks": ranks, "ratio": ratio,
+              "load_average": os.getloadavg()}  # fmt: skip
+    write_report(report, markdown(report), args.out)
 
 
 if __name__ == "__main__":

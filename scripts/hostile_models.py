@@ -11,7 +11,7 @@ time, and how far its peak RSS (ru_maxrss) rose. With --train each case also run
 `python train.py` whole: its wall time, its peak RSS (wait4's ru_maxrss) and its exit status.
 
     python scripts/hostile_models.py                   # the table, as Markdown
-    python scripts/hostile_models.py --train --json hostile.json
+    python scripts/hostile_models.py --train --out docs/figures/hostile_models.json
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # tests.hf_helpers: the builders the tests use too
+sys.path.insert(0, str(REPO_ROOT / "scripts"))  # provenance: the stamp and the JSON report
+
+from provenance import stamp, write_report  # noqa: E402
 
 from tests.hf_helpers import sized_config, sparse_file, write_bert  # noqa: E402  (after the path)
 
@@ -133,9 +136,6 @@ def measure(work: Path, *, train: bool, only: list[str] | None = None) -> dict[s
 
 
 def markdown(results: dict[str, dict]) -> str:
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    from provenance import stamp
-
     header = "| folder | refused in | peak RSS above the floor | train.py: wall, peak RSS, exit |"
     lines = [stamp(), "", header, "|---|---:|---:|---|"]
     for name, r in results.items():
@@ -152,13 +152,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--train", action="store_true", help="also run train.py on each folder")
     parser.add_argument("--only", nargs="*", help="cases whose name holds one of these")
-    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--out", type=Path,
+        help="write the results as JSON here: each case's, and the table (docs/ reads it)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
         results = measure(Path(work), train=args.train, only=args.only)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
-    print(markdown(results))
+    report = {"train": args.train, "cases": results}
+    print(write_report(report, markdown(results), args.out), end="")
 
 
 if __name__ == "__main__":

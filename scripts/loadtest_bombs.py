@@ -3,6 +3,7 @@ clients hammer it, against good-only load measured in the same run.
 
     python scripts/loadtest_bombs.py                    # trains a tiny image-folder model first
     python scripts/loadtest_bombs.py --ckpt run/checkpoints/best.pt --seconds 20 --rounds 5
+    python scripts/loadtest_bombs.py --out docs/figures/serving_bombs.json   # (make bench): docs/
 
 One server, `python infer.py mode=serve` as a user starts it (its defaults: one model thread and
 `server.decode_threads` = max(2, cores) decode threads on this machine's cores). Each round runs
@@ -59,7 +60,7 @@ import httpx
 import numpy as np
 from image_bombs import gif_bomb, grey_png, png_bomb
 from loadtest import Server
-from provenance import commit, stamp
+from provenance import commit, stamp, write_report
 from tiny_checkpoints import REPO, checkpoints
 
 sys.path.insert(0, str(REPO / "src"))
@@ -457,8 +458,9 @@ def main(argv=None) -> int:
         )
     ]
     print("server:", "; ".join(decode_lines))
+    text = stamp(load) + "\n\n" + table(rows, checked, args)
     if args.markdown:
-        print("\n" + stamp(load) + "\n\n" + table(rows, checked, args), flush=True)
+        print("\n" + text, flush=True)
     bad = [(n, p) for r in rounds for n, p in r.items()]
     wrong = sum(
         p.wrong + p.health_failures + (p.bombs - p.bombs_refused) + (p.huge - p.huge_ok)
@@ -468,19 +470,15 @@ def main(argv=None) -> int:
         for line in p.other:
             print(f"  unexpected in {name}: {line}")
     if args.out:
-        args.out.write_text(
-            json.dumps(
-                {
-                    "date": str(datetime.date.today()),
-                    "commit": commit(),
-                    "settings": {k: v for k, v in vars(args).items() if k != "out"},
-                    "summary": [asdict(r) for r in rows],
-                    "floors": [{"floor": n, "met": m} for n, m in checked],
-                    "wrong_answers": wrong,
-                },
-                indent=1,
-            )
-        )
+        report = {
+            "date": str(datetime.date.today()),
+            "commit": commit(),
+            "settings": {k: v for k, v in vars(args).items() if k != "out"},
+            "summary": [asdict(r) for r in rows],
+            "floors": [{"floor": n, "met": m} for n, m in checked],
+            "wrong_answers": wrong,
+        }
+        write_report(report, text, args.out)  # report["markdown"]: docs/benchmarks.md's figures
     if wrong:
         print(f"\n{wrong} wrong answers (a good image failed or mispredicted, a bomb not refused)")
         return 1

@@ -1,12 +1,14 @@
 """Peak RSS of `python infer.py` predicting a folder of 1 large JPEG and of many (1,000 by
 default): infer.py streams files (read, decode, predict, write one batch at a time), so its peak
 must not grow with the number of files. Each count runs in a fresh process whose own peak RSS
-(ru_maxrss from wait4) is reported, with the date and the commit, as JSON. This process stays
-small (training and the JPEGs are made by children of their own): a child's ru_maxrss starts
-from its parent's resident size (vfork), reported as measurer_rss_mib, a floor.
+(ru_maxrss from wait4) is reported as a Markdown table under the provenance line (date, commit,
+machine), and with it as JSON (--out). This process stays small (training and the JPEGs are
+made by children of their own): a child's ru_maxrss starts from its parent's resident size
+(vfork), reported as measurer_rss_mib, a floor.
 
     python scripts/measure_infer_memory.py                      # 1 and 1,000 JPEGs of 4000x3000
     python scripts/measure_infer_memory.py --counts 1 40 1000 --out infer_memory.json
+    python scripts/measure_infer_memory.py --out docs/figures/infer_memory.json   # docs/' table
 
 The JPEGs are `--distinct` real files (noise over a gradient: ~12 MB each at quality 95, the size
 issue 32 measured) and hard links to them for the rest, so 1,000 inputs take ~10 x 12 MB of
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import resource
 import subprocess
@@ -31,6 +32,8 @@ import numpy as np
 from PIL import Image
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from provenance import stamp, write_report  # noqa: E402
 
 
 def progress(message: str) -> None:
@@ -113,6 +116,33 @@ def commit() -> str:
         return "unknown"
 
 
+def markdown(result: dict) -> str:
+    """The table of docs/benchmarks.md's "Inference memory on image files"."""
+    lines = [
+        stamp(result["load_average"]),
+        "",
+        f"`python infer.py` on folders of JPEGs ({result['image']}, {result['jpeg_mib']:.1f} MiB "
+        f"each: {result['distinct']} distinct files, the rest hard links to them), "
+        f"batch_size={result['batch_size']}, each count in a fresh process:",
+        "",
+        "| files | input | peak RSS | wall | exit |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["runs"]:
+        lines.append(
+            f"| {row['files']:,} | {row['input_mib']:,.1f} MiB | {row['peak_rss_mib']:,.0f} MiB "
+            f"| {row['wall_s']:.1f} s | {row['exit']} |"
+        )
+    first, last = result["runs"][0], result["runs"][-1]
+    lines += [
+        "",
+        f"Peak RSS growth from {first['files']:,} to {last['files']:,} files: "
+        f"{result['growth_mib']:,.1f} MiB (the measuring process's own, a floor of each "
+        f"child's: {result['measurer_rss_mib']:.0f} MiB).",
+    ]
+    return "\n".join(lines)
+
+
 def make_jpegs(argv: list[str]) -> None:
     folder, count, width, height = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     for i in range(count):
@@ -174,14 +204,14 @@ def main(argv=None) -> dict:
         "commit": commit(),
         "image": f"{args.side[0]}x{args.side[1]} JPEG, quality 95",
         "jpeg_mib": round(float(np.mean(sizes)) / 2**20, 2),
+        "distinct": args.distinct,
         "batch_size": args.batch_size,
         "cpus": os.cpu_count(),
         "runs": rows,
         "growth_mib": round(rows[-1]["peak_rss_mib"] - rows[0]["peak_rss_mib"], 1),
+        "load_average": os.getloadavg(),
     }
-    print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(write_report(result, markdown(result), args.out), end="")
     return result
 
 

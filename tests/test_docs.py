@@ -5,6 +5,7 @@ of the file it names; every config option and make target is documented."""
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from pathlib import Path
@@ -60,6 +61,21 @@ def test_the_generated_pages_and_the_docs_index_are_fresh():
     modules' docstrings) and the README's index of docs/ equal what the generator writes."""
     stale = docs.stale()
     assert stale == [], f"stale: {', '.join(stale)}; regenerate with `{docs.COMMAND}`"
+
+
+def test_a_smoke_run_writes_no_figure_of_the_docs(tmp_path, monkeypatch):
+    """Under KILN_SMOKE=1 (the docs' commands and `make bench`, run as typed by the tests in
+    their quick form) a bench script's --out into docs/figures/ is left alone: a smoke run's
+    numbers are no figure of the docs. Anywhere else the report is written."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
+    from provenance import write_report
+
+    monkeypatch.setenv("KILN_SMOKE", "1")
+    never = DOCS / "figures" / "a-smoke-run.json"
+    assert write_report({}, "| a |", never) == "| a |\n" and not never.exists()
+    elsewhere = tmp_path / "a-smoke-run.json"
+    write_report({}, "| a |", elsewhere)
+    assert json.loads(elsewhere.read_text())["markdown"] == "| a |\n"
 
 
 def test_the_readme_lists_every_docs_page():

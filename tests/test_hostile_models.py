@@ -228,14 +228,16 @@ def test_refusals_take_little_memory_in_a_fresh_process(tmp_path):
     than 64 MiB (a 200 MB tokenizer.json reached 5.4 GB before)."""
     out = tmp_path / "hostile.json"
     done = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "hostile_models.py"), "--json", str(out)],
+        [sys.executable, str(REPO_ROOT / "scripts" / "hostile_models.py"), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
         env=SUBPROCESS_ENV,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    assert report["markdown"].startswith("*Recorded "), report["markdown"]  # docs/ reads it
+    results = report["cases"]
     assert len(results) == 7, results
     for name, result in results.items():
         assert result["outcome"] != "accepted", name

@@ -163,7 +163,9 @@ def test_bench_infer_compares_eager_fp32_and_int8(digits_ckpt, tmp_path_factory,
     assert done.returncode == 0, done.stdout + done.stderr
     # --markdown: the table as docs/benchmarks.md holds it, with when, which commit, where
     assert "*Recorded " in done.stdout and "| mlp | eager | 1 |" in done.stdout
-    rows = json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    assert report["markdown"].startswith("*Recorded ")  # docs/benchmarks.md's figures block
+    rows = report["rows"]
     assert {(r["model"], r["backend"], r["batch_size"]) for r in rows} == {
         (m, b, n)
         for m in ("mlp", "text_bow")
