@@ -72,9 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workdir", help="where the photos go (default: a temp dir)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument(
-        "--markdown", action="store_true",
+        "--markdown",
+        action="store_true",
         help="print the table as docs/benchmarks.md holds it (date, commit, machine) at the end",
-    )  # fmt: skip
+    )
     parser.add_argument("--check", action="store_true", help=f"exit 1 below the {FLOOR} floor")
     args = parser.parse_args(argv)
     if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: a run that proves it works
@@ -151,8 +152,9 @@ def measure(args) -> dict:
         work = Path(args.workdir or tmp)
         folder = make_photo_boxes(work / "photos", num_train=args.images, num_val=args.val_images)
         cfg = kiln_config(folder, args, work / "cache")
-        trainer = build_run(cfg, work / "run", DistInfo(), torch.device("cpu"),
-                            lambda metrics, step: None).trainer  # fmt: skip
+        trainer = build_run(
+            cfg, work / "run", DistInfo(), torch.device("cpu"), lambda metrics, step: None
+        ).trainer
         bundle = build_data(cfg.data)
         spec = bundle.spec
         val = bundle.collate_fn([bundle.val[i] for i in range(len(bundle.val))])
@@ -285,10 +287,13 @@ def table(result: dict) -> str:
         "| after step | kiln mAP@.5 | reference mAP@.5 | kiln mAP | reference mAP |",
         "|---:|---:|---:|---:|---:|",
     ]
-    for step, ours, theirs in zip(result["steps_after_round"], result["kiln_map"],
-                                  result["reference_map"], strict=True):  # fmt: skip
-        rows.append(f"| {step} | {ours['map_50']:.3f} | {theirs['map_50']:.3f} | "
-                    f"{ours['map']:.3f} | {theirs['map']:.3f} |")  # fmt: skip
+    for step, ours, theirs in zip(
+        result["steps_after_round"], result["kiln_map"], result["reference_map"], strict=True
+    ):
+        rows.append(
+            f"| {step} | {ours['map_50']:.3f} | {theirs['map_50']:.3f} | "
+            f"{ours['map']:.3f} | {theirs['map']:.3f} |"
+        )
     rows += [
         "",
         "| step 1 loss | kiln | reference | relative difference |",

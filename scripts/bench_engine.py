@@ -104,9 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--check", action="store_true", help="exit 1 unless every comparison is within budget"
     )
     parser.add_argument(
-        "--markdown", action="store_true",
+        "--markdown",
+        action="store_true",
         help="print the table as docs/benchmarks.md holds it (date, commit, machine) at the end",
-    )  # fmt: skip
+    )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. optimizer=sgd")
     args = parser.parse_args(argv)
     if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: a run that proves it works

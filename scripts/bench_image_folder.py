@@ -62,9 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--check", action="store_true", help=f"exit 1 below the {FLOOR} floor")
     parser.add_argument(
-        "--markdown", action="store_true",
+        "--markdown",
+        action="store_true",
         help="print the table as docs/benchmarks.md holds it (date, commit, machine) at the end",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: a run that proves it works
         args.images, args.image_size, args.rounds = min(args.images, 64), 32, 1

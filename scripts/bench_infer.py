@@ -164,9 +164,12 @@ def markdown(rows: list[Row], threads: int, repeats: int) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--ckpt", action="append", default=[], metavar="NAME=PATH",
+        "--ckpt",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
         help="a checkpoint to compare (repeatable); default: train tiny ones of the three models",
-    )  # fmt: skip
+    )
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
@@ -175,9 +178,10 @@ def parse_args(argv=None):
     parser.add_argument("--min-ratio", type=float, default=1.0, help="fp32 at the largest batch")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument(
-        "--markdown", action="store_true",
+        "--markdown",
+        action="store_true",
         help="print the table as docs/benchmarks.md holds it (date, commit, machine) at the end",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: proves the path, quickly
         args.repeats, args.warmup, args.batch_sizes = 3, 1, "1,4"
@@ -188,8 +192,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"{'model':<17} {'backend':<10} {'batch':>5} {'median ms':>9} {'p99 ms':>9} "
-          f"{'samples/s':>10} {'x eager':>7}  agreement")  # fmt: skip
+    print(
+        f"{'model':<17} {'backend':<10} {'batch':>5} {'median ms':>9} {'p99 ms':>9} "
+        f"{'samples/s':>10} {'x eager':>7}  agreement"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         ckpts = checkpoints(args.ckpt, TINY_RUNS, Path(tmp))
         rows = []

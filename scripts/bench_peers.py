@@ -94,7 +94,7 @@ def works(tiny: bool, resnet_steps: int, mlp_steps: int) -> dict[str, Work]:
                     "data.batch_size=8",
                     "data.num_train=32",
                     "data.num_val=16",
-                ),  # fmt: skip
+                ),
                 4,
                 1,
             ),
@@ -116,7 +116,7 @@ def works(tiny: bool, resnet_steps: int, mlp_steps: int) -> dict[str, Work]:
                 "data.batch_size=64",
                 f"data.num_train={64 * resnet_steps}",
                 "data.num_val=256",
-            ),  # fmt: skip
+            ),
             resnet_steps,
             5,
         ),
@@ -149,9 +149,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--loss-rtol", type=float, default=LOSS_RTOL)
     parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON")
     parser.add_argument(
-        "--markdown", type=Path, default=None,
+        "--markdown",
+        type=Path,
+        default=None,
         help="also write the table as docs/benchmarks.md holds it (date, commit, machine)",
-    )  # fmt: skip
+    )
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -281,8 +283,10 @@ def built(job: dict):
     from kiln.models import build_model
     from kiln.preprocessing.pretrained import pretrained_input
 
-    cfg = {group: option_from_dict(group, job["config"][group]) for group in
-           ("data", "model", "optimizer", "scheduler")}  # fmt: skip
+    cfg = {
+        group: option_from_dict(group, job["config"][group])
+        for group in ("data", "model", "optimizer", "scheduler")
+    }
     seed = job["config"]["seed"]
     torch.manual_seed(seed)  # as kiln's build_run: seed, data, model
     # a pretrained model's preprocessing, for the data that follows it (None for the rest)
@@ -301,13 +305,18 @@ def built(job: dict):
     batch = cfg["data"].batch_size
     sampler = DistributedSampler(bundle.train, num_replicas=1, rank=0, shuffle=True, seed=seed)
     train = DataLoader(
-        bundle.train, batch_size=batch, sampler=sampler, collate_fn=bundle.collate_fn,
+        bundle.train,
+        batch_size=batch,
+        sampler=sampler,
+        collate_fn=bundle.collate_fn,
         generator=torch.Generator().manual_seed(seed),  # the global RNG stays the model's
-    )  # fmt: skip
+    )
     val = DataLoader(
-        bundle.val, batch_size=batch, collate_fn=bundle.collate_fn,
+        bundle.val,
+        batch_size=batch,
+        collate_fn=bundle.collate_fn,
         generator=torch.Generator().manual_seed(seed),  # its iterators' seeds: not the model's
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)  # kiln re-seeds before training (dropout's stream)
     return model, optimizer_and_schedule, sampler, train, val
 
@@ -378,8 +387,12 @@ def run_plain(job: dict, log: StepLog) -> None:
                 count += len(y)
         if count:
             print(f"step {step}: val_loss {loss_sum / count:.4f} val_acc {correct / count:.4f}")
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "step": step}  # fmt: skip
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": step,
+        }
         torch.save(state, out / "last.pt")
 
     step, epoch = 0, 0
@@ -441,8 +454,10 @@ def run_lightning(job: dict, log: StepLog) -> None:
 
         def configure_optimizers(self):
             optimizer, scheduler = optimizer_and_schedule(self.net)
-            return {"optimizer": optimizer,
-                    "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}  # fmt: skip
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+            }
 
     class SanityClock(pl.Callback):
         """Lightning's own check before training: its sanity validation (2 batches), timed."""
@@ -465,7 +480,7 @@ def run_lightning(job: dict, log: StepLog) -> None:
         callbacks=[
             ModelCheckpoint(out / "checkpoints", monitor=monitor, mode="max", save_last=True),
             SanityClock(),
-        ],  # fmt: skip
+        ],
         log_every_n_steps=10,
         enable_progress_bar=False,
         default_root_dir=out,
@@ -559,12 +574,20 @@ def rates(result: dict, warmup: int) -> dict:
 
 def loss_check(reference: list[float], other: list[float], rtol: float) -> dict:
     if len(reference) != len(other):
-        return {"steps": [len(reference), len(other)], "bitwise": False, "within": False,
-                "max_abs_diff": math.inf}  # fmt: skip
+        return {
+            "steps": [len(reference), len(other)],
+            "bitwise": False,
+            "within": False,
+            "max_abs_diff": math.inf,
+        }
     diffs = [abs(a - b) for a, b in zip(reference, other, strict=True)]
     within = all(d <= rtol * max(abs(a), 1e-12) for d, a in zip(diffs, reference, strict=True))
-    return {"steps": len(reference), "bitwise": reference == other, "within": within,
-            "max_abs_diff": max(diffs, default=0.0)}  # fmt: skip
+    return {
+        "steps": len(reference),
+        "bitwise": reference == other,
+        "within": within,
+        "max_abs_diff": max(diffs, default=0.0),
+    }
 
 
 METRICS = (  # (key, label, higher is better)
@@ -576,8 +599,12 @@ METRICS = (  # (key, label, higher is better)
 
 
 def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "values": values}  # fmt: skip
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "values": values,
+    }
 
 
 def summarize(rounds: list[dict], sides: list[str], work_names: list[str]) -> dict:
@@ -597,9 +624,12 @@ def summarize(rounds: list[dict], sides: list[str], work_names: list[str]) -> di
             (p["kiln"].get("probes_s", 0.0) + p["kiln"].get("flops_s", 0.0), p["kiln"]["run_s"])
             for p in per
         ]
-        table[name] = {"metrics": rows, "loss_check": checks,
-                       "kiln_checks_s": spread([s for s, _ in startup]),
-                       "kiln_checks_share": spread([s / run for s, run in startup])}  # fmt: skip
+        table[name] = {
+            "metrics": rows,
+            "loss_check": checks,
+            "kiln_checks_s": spread([s for s, _ in startup]),
+            "kiln_checks_share": spread([s / run for s, run in startup]),
+        }
     return table
 
 
@@ -658,10 +688,10 @@ def contention_summary(rounds: list[dict], sides: list[str], work_names: list[st
                 "loaded_wall_s": spread([p[f"{side}+busy"]["wall_s"] for p in per]),
                 "slowdown_wall": spread(
                     [p[f"{side}+busy"]["wall_s"] / p[side]["wall_s"] for p in per]
-                ),  # fmt: skip
+                ),
                 "slowdown_steps": spread(
                     [p[side]["steps_sps"] / p[f"{side}+busy"]["steps_sps"] for p in per]
-                ),  # fmt: skip
+                ),
                 "threads": [p[side]["threads"] for p in per],
                 "loaded_threads": [p[f"{side}+busy"]["threads"] for p in per],
             }

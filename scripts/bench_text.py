@@ -76,8 +76,12 @@ from kiln.models.zoo.tiny_hf import POSITIONS
 from kiln.preprocessing.cleaning import NO_CLEANING
 from kiln.preprocessing.text import WordCachedEncoder, encode_ids, train_tokenizer
 
-FLOORS = {"rust_over_python": 10.0, "bucketed_padding": 0.10, "text_bow_slowdown": 1.5,
-          "hf_over_trainer": 1.0}  # fmt: skip
+FLOORS = {
+    "rust_over_python": 10.0,
+    "bucketed_padding": 0.10,
+    "text_bow_slowdown": 1.5,
+    "hf_over_trainer": 1.0,
+}
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the corpora, the BPE
 from contention import busy_processes, load_average, their_defaults  # noqa: E402
@@ -128,9 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--check", action="store_true", help="exit 1 when a floor is missed")
     parser.add_argument(
-        "--markdown", action="store_true",
+        "--markdown",
+        action="store_true",
         help="print the tables as docs/benchmarks.md holds them (date, commit, machine) at the end",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--fasttext",
         choices=("auto", "venv", "off"),
@@ -372,8 +377,13 @@ print(json.dumps(scores(truth, predicted)))
 )
 FASTTEXT_SETTINGS = "5 epochs, lr 0.5, word bigrams, dim 50"
 # The columns of the split files: the bench writes them, so these settings are not passed on.
-FILE_KEYS = ("data.train_path", "data.val_path", "data.text_column", "data.label_column",
-             "data.encoding")  # fmt: skip
+FILE_KEYS = (
+    "data.train_path",
+    "data.val_path",
+    "data.text_column",
+    "data.label_column",
+    "data.encoding",
+)
 KILN, SVC, FASTTEXT = "kiln text_bow", "TF-IDF + LinearSVC", "fastText"
 
 
@@ -411,8 +421,7 @@ def child_env(threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     if not threads:
         return their_defaults(env)
-    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                "RAYON_NUM_THREADS"):  # fmt: skip
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"):
         env[key] = str(threads)
     return env
 
@@ -422,8 +431,12 @@ def best_evaluation(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     found = [r for r in rows if "val_acc" in r and r["step"] == summary["best_step"]]
-    return {**found[-1], "best_epoch": summary["best_epoch"], "epochs": summary["epochs"],
-            "threads": summary.get("threads")}  # fmt: skip
+    return {
+        **found[-1],
+        "best_epoch": summary["best_epoch"],
+        "epochs": summary["epochs"],
+        "threads": summary.get("threads"),
+    }
 
 
 class Tools:
@@ -460,11 +473,22 @@ class Tools:
         run_dir = self.workdir / "side-by-side" / f"kiln-{self.runs}"
         epochs = [] if self.epochs is None else [f"trainer.max_epochs={self.epochs}"]
         _, wall = self._run(
-            [sys.executable, "train.py", "data=csv_text", f"data.train_path={train}",
-             f"data.val_path={val}", f"model={model}", *epochs,
-             f"data.cache_dir={run_dir}-cache", f"hydra.run.dir={run_dir}", "logger=none",
-             "env.progress_bar=false", f"seed={seed}", *self.overrides]
-        )  # fmt: skip
+            [
+                sys.executable,
+                "train.py",
+                "data=csv_text",
+                f"data.train_path={train}",
+                f"data.val_path={val}",
+                f"model={model}",
+                *epochs,
+                f"data.cache_dir={run_dir}-cache",
+                f"hydra.run.dir={run_dir}",
+                "logger=none",
+                "env.progress_bar=false",
+                f"seed={seed}",
+                *self.overrides,
+            ]
+        )
         return best_evaluation(run_dir), wall
 
     def svc(self, train: Path, val: Path, seed: int = 0):
@@ -520,7 +544,7 @@ def side_by_side(train: Path, val: Path, val_rows: int, workdir: Path, args) -> 
                 "load_runs",
             )
             for suffix in ("", "_loaded")
-        }  # fmt: skip
+        }
         for name in runners
     }
     for repeat in range(args.repeats):
@@ -562,8 +586,14 @@ def side_by_side(train: Path, val: Path, val_rows: int, workdir: Path, args) -> 
             ]
             row["slowdown_rounds"] = slowdowns
             row["slowdown"] = float(np.median(slowdowns))
-    return {"val_rows": val_rows, "epochs": args.epochs, "repeats": args.repeats,
-            "threads": args.threads, "contention": args.contention, "tools": rows}  # fmt: skip
+    return {
+        "val_rows": val_rows,
+        "epochs": args.epochs,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "contention": args.contention,
+        "tools": rows,
+    }
 
 
 def corpus_files(name: str, workdir: Path, args) -> tuple[Path, Path, int, dict]:
@@ -572,8 +602,11 @@ def corpus_files(name: str, workdir: Path, args) -> tuple[Path, Path, int, dict]
     meta_path = path.with_suffix(".json")
     if not meta_path.exists():
         progress(f"building the {name} corpus from the installed packages' text")
-        small = {"max_bytes_per_library": 400_000, "max_rows_per_class": 60,
-                 "min_rows_per_class": 20} if args.smoke else {}  # fmt: skip
+        small = (
+            {"max_bytes_per_library": 400_000, "max_rows_per_class": 60, "min_rows_per_class": 20}
+            if args.smoke
+            else {}
+        )
         meta_path.parent.mkdir(parents=True, exist_ok=True)
         meta_path.write_text(json.dumps(write_corpus(name, path, **small)))
     cfg = load_config(["data=csv_text", "model=text_bow", f"data.train_path={path}"]).data
@@ -684,16 +717,31 @@ class HfSides:
         run_dir = self.workdir / f"kiln-{self.runs}"
         a = self.args
         _, wall = self.tools._run(
-            [sys.executable, "train.py", "data=csv_text", f"data.train_path={train}",
-             f"data.val_path={val}", "model=hf", f"model.arch={self.folder}",
-             f"data.batch_size={a.hf_batch_size}", f"data.max_length={a.hf_max_length}",
-             f"optimizer.lr={a.hf_lr}", f"optimizer.weight_decay={HF_WEIGHT_DECAY}",
-             "scheduler=linear_warmup", f"scheduler.warmup_ratio={HF_WARMUP_RATIO}",
-             f"trainer.max_steps={steps}", f"trainer.max_epochs={self.epochs}",
-             "trainer.early_stopping=null", "trainer.threads=1",
-             f"data.cache_dir={run_dir}-cache", f"hydra.run.dir={run_dir}", "logger=none",
-             "env.progress_bar=false", f"seed={seed}"]
-        )  # fmt: skip
+            [
+                sys.executable,
+                "train.py",
+                "data=csv_text",
+                f"data.train_path={train}",
+                f"data.val_path={val}",
+                "model=hf",
+                f"model.arch={self.folder}",
+                f"data.batch_size={a.hf_batch_size}",
+                f"data.max_length={a.hf_max_length}",
+                f"optimizer.lr={a.hf_lr}",
+                f"optimizer.weight_decay={HF_WEIGHT_DECAY}",
+                "scheduler=linear_warmup",
+                f"scheduler.warmup_ratio={HF_WARMUP_RATIO}",
+                f"trainer.max_steps={steps}",
+                f"trainer.max_epochs={self.epochs}",
+                "trainer.early_stopping=null",
+                "trainer.threads=1",
+                f"data.cache_dir={run_dir}-cache",
+                f"hydra.run.dir={run_dir}",
+                "logger=none",
+                "env.progress_bar=false",
+                f"seed={seed}",
+            ]
+        )
         summary = json.loads((run_dir / "summary.json").read_text())
         return {
             "samples_per_s": summary["samples_per_s"],
@@ -710,12 +758,23 @@ class HfSides:
         self.runs += 1
         a = self.args
         out, wall = self.tools._run(
-            [sys.executable, str(HF_SIDE), str(self.folder), str(train), str(val),
-             f"--batch-size={a.hf_batch_size}", f"--steps={steps}", f"--lr={a.hf_lr}",
-             f"--weight-decay={HF_WEIGHT_DECAY}", f"--warmup-ratio={HF_WARMUP_RATIO}",
-             f"--max-length={a.hf_max_length}", f"--seed={seed}", "--threads=1",
-             f"--output-dir={self.workdir / f'trainer-{self.runs}'}"]
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(HF_SIDE),
+                str(self.folder),
+                str(train),
+                str(val),
+                f"--batch-size={a.hf_batch_size}",
+                f"--steps={steps}",
+                f"--lr={a.hf_lr}",
+                f"--weight-decay={HF_WEIGHT_DECAY}",
+                f"--warmup-ratio={HF_WARMUP_RATIO}",
+                f"--max-length={a.hf_max_length}",
+                f"--seed={seed}",
+                "--threads=1",
+                f"--output-dir={self.workdir / f'trainer-{self.runs}'}",
+            ]
+        )
         record = json.loads(out.strip().splitlines()[-1])
         return {**record, "wall_s": wall, "cpu_s": self.tools.last_cpu_s}
 
@@ -743,10 +802,21 @@ def hf_trainer(cfg, workdir: Path, args) -> dict:
             f"writing a tiny BERT ({classes} classes; vocabulary from {train.name}) to {folder}"
         )
         subprocess.run(
-            [sys.executable, "-m", "kiln.models.zoo.tiny_hf", str(folder), "--texts", str(train),
-             "--num-labels", str(classes)],
-            cwd=REPO, env=child_env(1), check=True, capture_output=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kiln.models.zoo.tiny_hf",
+                str(folder),
+                "--texts",
+                str(train),
+                "--num-labels",
+                str(classes),
+            ],
+            cwd=REPO,
+            env=child_env(1),
+            check=True,
+            capture_output=True,
+        )
     sides = HfSides(where, folder, train_rows, args)
     steps = sides.steps
     runners = {HF_KILN: sides.kiln, HF_TRAINER: sides.trainer}
@@ -772,20 +842,32 @@ def hf_trainer(cfg, workdir: Path, args) -> dict:
         row["cpu_s"] = float(np.median(row["cpu_s_runs"]))
         row["train_time_s"] = float(np.median(row["train_time_s_runs"]))
     kiln, trainer = rows[HF_KILN], rows[HF_TRAINER]
-    ratios = [k / t for k, t in zip(kiln["samples_per_s_runs"], trainer["samples_per_s_runs"],
-                                     strict=True)]  # fmt: skip
+    ratios = [
+        k / t
+        for k, t in zip(kiln["samples_per_s_runs"], trainer["samples_per_s_runs"], strict=True)
+    ]
     # Noise: the 95% interval of the difference of two accuracies on the same val_rows rows.
     p = min(max((kiln["val_acc"] + trainer["val_acc"]) / 2, 0.05), 0.95)
     return {
-        "train_rows": train_rows, "val_rows": val_rows, "classes": classes,
-        "steps": steps, "epochs": args.hf_epochs or None, "batch_size": args.hf_batch_size,
+        "train_rows": train_rows,
+        "val_rows": val_rows,
+        "classes": classes,
+        "steps": steps,
+        "epochs": args.hf_epochs or None,
+        "batch_size": args.hf_batch_size,
         "model": "tiny BERT" if args.hf_model is None else Path(args.hf_model).name,
-        "max_length": args.hf_max_length, "lr": args.hf_lr, "weight_decay": HF_WEIGHT_DECAY,
-        "warmup_ratio": HF_WARMUP_RATIO, "rounds": args.hf_rounds, "threads": 1,
-        "transformers": trainer["transformers_runs"][0], "sides": rows,
-        "ratio_rounds": ratios, "ratio": float(np.median(ratios)),
+        "max_length": args.hf_max_length,
+        "lr": args.hf_lr,
+        "weight_decay": HF_WEIGHT_DECAY,
+        "warmup_ratio": HF_WARMUP_RATIO,
+        "rounds": args.hf_rounds,
+        "threads": 1,
+        "transformers": trainer["transformers_runs"][0],
+        "sides": rows,
+        "ratio_rounds": ratios,
+        "ratio": float(np.median(ratios)),
         "accuracy_noise": 1.96 * (2 * p * (1 - p) / val_rows) ** 0.5,
-    }  # fmt: skip
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -822,8 +904,9 @@ def table(result: dict) -> str:
     ]
     for title, side in comparisons(result):
         lines += side_table(title, side) + [""]
-    transformers = {title: side["transformer"] for title, side in comparisons(result)
-                    if "transformer" in side}  # fmt: skip
+    transformers = {
+        title: side["transformer"] for title, side in comparisons(result) if "transformer" in side
+    }
     if transformers:
         lines += [
             "| text_transformer, kiln's defaults (one quiet run) | val_acc | macro-F1 | "

@@ -34,8 +34,10 @@ def bench_python(name: str, packages: tuple[str, ...], *, deps: bool = False) ->
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     # kiln's environment as a site dir (its .pth files too, so kiln's editable install works),
     # after the venv's own packages.
     kiln_site = sysconfig.get_paths()["purelib"]

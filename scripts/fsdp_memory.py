@@ -115,8 +115,9 @@ def markdown(report: dict) -> str:
     for strategy, rows in report["ranks"].items():
         for rank, row in enumerate(rows):
             cells = (row[c] for c in ("params", "grads", "optimizer", "params+optimizer", "rss"))
-            lines.append(f"| {NAMES[strategy]} | {rank} | " + " | ".join(f"{c:.1f}" for c in cells)
-                         + " |")  # fmt: skip
+            lines.append(
+                f"| {NAMES[strategy]} | {rank} | " + " | ".join(f"{c:.1f}" for c in cells) + " |"
+            )
     lines += [
         "",
         f"FSDP's share of parameters + optimizer state per rank: {report['ratio']:.3f} of DDP's "
@@ -131,9 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument(
-        "--out", type=Path, default=None,
+        "--out",
+        type=Path,
+        default=None,
         help="also write the result as JSON, with its table (docs/ reads it)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     numel = args.blocks * (args.width * args.width + args.width)
@@ -155,8 +158,13 @@ def main(argv: list[str] | None = None) -> None:
         f"FSDP / DDP per-rank params+optimizer: {ratio:.3f} "
         f"(1/world_size = {1 / args.world_size:.3f})"
     )
-    report = {"model": model, "world_size": args.world_size, "ranks": ranks, "ratio": ratio,
-              "load_average": os.getloadavg()}  # fmt: skip
+    report = {
+        "model": model,
+        "world_size": args.world_size,
+        "ranks": ranks,
+        "ratio": ratio,
+        "load_average": os.getloadavg(),
+    }
     write_report(report, markdown(report), args.out)
 
 

@@ -136,10 +136,17 @@ def pin_memory(tmp: Path, steps: int) -> str:
 def channels_last(tmp: Path, steps: int) -> str:
     device = "cuda" if CUDA else "cpu"
     summary = train_in_process(
-        ["model=resnet18", "data=synthetic_images", "data.num_train=512", "data.num_val=64",
-         "trainer.channels_last=true", f"device={device}", f"trainer.max_steps={steps}"],
+        [
+            "model=resnet18",
+            "data=synthetic_images",
+            "data.num_train=512",
+            "data.num_val=64",
+            "trainer.channels_last=true",
+            f"device={device}",
+            f"trainer.max_steps={steps}",
+        ],
         tmp / "channels_last",
-    )  # fmt: skip
+    )
     return f"{summary['samples_per_s']:.0f} samples/s on {device}"
 
 
@@ -181,10 +188,18 @@ def no_host_sync(tmp: Path, steps: int) -> str:
 def ddp_nccl(tmp: Path, steps: int) -> str:
     needs_cuda()
     done = script(
-        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py",
-        "trainer=ddp", "trainer.backend=nccl", "device=cuda", f"trainer.max_steps={steps}",
-        f"hydra.run.dir={tmp / 'ddp'}", *QUIET,
-    )  # fmt: skip
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "train.py",
+        "trainer=ddp",
+        "trainer.backend=nccl",
+        "device=cuda",
+        f"trainer.max_steps={steps}",
+        f"hydra.run.dir={tmp / 'ddp'}",
+        *QUIET,
+    )
     if done.returncode:
         raise AssertionError(done.stderr[-800:])
     return "torchrun, 1 rank, nccl"
@@ -217,16 +232,30 @@ def infer_and_serve_cuda(tmp: Path, steps: int) -> str:
     ckpt = trained_checkpoint(tmp)
     images = np.random.default_rng(0).uniform(0, 16, size=(8, 8, 8)).astype(np.float32)
     np.save(tmp / "x.npy", images)
-    done = script("infer.py", f"ckpt={ckpt}", f"input={tmp / 'x.npy'}",
-                  f"output={tmp / 'preds.csv'}", "device=cuda")  # fmt: skip
+    done = script(
+        "infer.py",
+        f"ckpt={ckpt}",
+        f"input={tmp / 'x.npy'}",
+        f"output={tmp / 'preds.csv'}",
+        "device=cuda",
+    )
     if done.returncode:
         raise AssertionError(done.stderr[-800:])
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "infer.py", "mode=serve", f"ckpt={ckpt}", "device=cuda",
-         f"server.port={port}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "infer.py",
+            "mode=serve",
+            f"ckpt={ckpt}",
+            "device=cuda",
+            f"server.port={port}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         import httpx
 
@@ -252,11 +281,20 @@ def provoked_oom(tmp: Path, steps: int) -> str:
     # resnet50 keeps ~100 MB of activations per 224x224 image in fp32: 4096 of them cannot fit
     # (a 141 GB H200 included), while the batch itself is only 2.4 GB.
     done = script(
-        "train.py", "data=synthetic_images", "data.image_size=224", "data.num_train=4096",
-        "data.num_val=64", "data.batch_size=4096", "model=resnet50", "device=cuda",
-        "trainer.max_steps=2", "trainer.probe_sizes=false", f"hydra.run.dir={tmp / 'oom'}",
-        f"output_root={tmp}", *QUIET,
-    )  # fmt: skip
+        "train.py",
+        "data=synthetic_images",
+        "data.image_size=224",
+        "data.num_train=4096",
+        "data.num_val=64",
+        "data.batch_size=4096",
+        "model=resnet50",
+        "device=cuda",
+        "trainer.max_steps=2",
+        "trainer.probe_sizes=false",
+        f"hydra.run.dir={tmp / 'oom'}",
+        f"output_root={tmp}",
+        *QUIET,
+    )
     fail = [line for line in done.stderr.splitlines() if line.startswith("[FAIL]")]
     if done.returncode != 1 or not fail or "| OOM @ step" not in fail[0]:
         raise AssertionError(f"no OOM line: {done.stderr[-800:]}")
@@ -273,10 +311,23 @@ def engine_vs_loop(tmp: Path, steps: int) -> str:
     needs_cuda()
     out = tmp / "bench.json"
     done = script(
-        "scripts/bench_engine.py", "--model", "resnet50", "--precision", "bf16", "--batch-size",
-        "256", "--image-size", "64", "--steps", str(steps * 3), "--device", "cuda", "--out",
-        str(out), timeout=900,
-    )  # fmt: skip
+        "scripts/bench_engine.py",
+        "--model",
+        "resnet50",
+        "--precision",
+        "bf16",
+        "--batch-size",
+        "256",
+        "--image-size",
+        "64",
+        "--steps",
+        str(steps * 3),
+        "--device",
+        "cuda",
+        "--out",
+        str(out),
+        timeout=900,
+    )
     if done.returncode:
         raise AssertionError(done.stderr[-800:])
     (r,) = json.loads(out.read_text())["comparisons"]
@@ -287,14 +338,25 @@ def engine_vs_loop(tmp: Path, steps: int) -> str:
 def speedups(tmp: Path, steps: int) -> str:
     needs_cuda()
     rates = {}
-    for label, extra in (("fp32", ["precision=fp32"]), ("amp", ["precision=amp"]),
-                         ("compiled amp", ["precision=amp", "trainer.compile=true"])):  # fmt: skip
+    for label, extra in (
+        ("fp32", ["precision=fp32"]),
+        ("amp", ["precision=amp"]),
+        ("compiled amp", ["precision=amp", "trainer.compile=true"]),
+    ):
         summary = train_in_process(
-            ["model=resnet50", "data=synthetic_images", "data.image_size=64", "data.num_train=8192",
-             "data.batch_size=256", "device=cuda", f"trainer.max_steps={steps * 3}",
-             "trainer.peak_tflops=989", *extra],
+            [
+                "model=resnet50",
+                "data=synthetic_images",
+                "data.image_size=64",
+                "data.num_train=8192",
+                "data.batch_size=256",
+                "device=cuda",
+                f"trainer.max_steps={steps * 3}",
+                "trainer.peak_tflops=989",
+                *extra,
+            ],
             tmp / label.replace(" ", "_"),
-        )  # fmt: skip
+        )
         rates[label] = summary
     amp = rates["amp"]["samples_per_s"] / rates["fp32"]["samples_per_s"]
     comp = rates["compiled amp"]["samples_per_s"] / rates["amp"]["samples_per_s"]

@@ -71,13 +71,20 @@ def cases(work: Path) -> dict[str, Path]:
 
     good = write_bert(work / "good", TEXTS)
     folders = {"good": good}
-    for key, value in (("hidden_size", 10**6), ("vocab_size", 10**9),
-                       ("max_position_embeddings", 10**9)):  # fmt: skip
+    for key, value in (
+        ("hidden_size", 10**6),
+        ("vocab_size", 10**9),
+        ("max_position_embeddings", 10**9),
+    ):
         folders[f"{key}={value:.0e}"] = sized_config(good, work / key, **{key: value})
     folders["num_hidden_layers=1e+04 (BERT-base width)"] = sized_config(
-        good, work / "layers", num_hidden_layers=10**4, hidden_size=768, intermediate_size=3072,
+        good,
+        work / "layers",
+        num_hidden_layers=10**4,
+        hidden_size=768,
+        intermediate_size=3072,
         num_attention_heads=12,
-    )  # fmt: skip
+    )
     tokenizer = sized_config(good, work / "tokenizer")
     sparse_file(tokenizer / "tokenizer.json", 200 * 2**20)
     folders["tokenizer.json of 200 MB"] = tokenizer
@@ -96,8 +103,11 @@ def check_in_child(good: Path, folders: list[Path]) -> dict[str, dict]:
     above the floor is the growth of ru_maxrss during its own check."""
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(good), *map(str, folders)],
-        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
+    )
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -105,9 +115,16 @@ def check_in_child(good: Path, folders: list[Path]) -> dict[str, dict]:
 
 def train_whole(folder: Path, run_dir: Path) -> dict:
     """`python train.py` on the folder: wall time, peak RSS (wait4), exit status, last line."""
-    command = [sys.executable, str(REPO_ROOT / "train.py"), "data=csv_text", "model=hf",
-               f"model.arch={folder}", f"hydra.run.dir={run_dir}", "trainer.max_steps=1",
-               "env.progress_bar=false"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "train.py"),
+        "data=csv_text",
+        "model=hf",
+        f"model.arch={folder}",
+        f"hydra.run.dir={run_dir}",
+        "trainer.max_steps=1",
+        "env.progress_bar=false",
+    ]
     started = time.perf_counter()
     with open(os.devnull, "w") as sink, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(command, stdout=sink, stderr=err, cwd=REPO_ROOT, text=True)
@@ -125,8 +142,11 @@ def train_whole(folder: Path, run_dir: Path) -> dict:
 
 def measure(work: Path, *, train: bool, only: list[str] | None = None) -> dict[str, dict]:
     folders = cases(work)
-    chosen = {name: folder for name, folder in folders.items()
-              if name != "good" and (not only or any(o in name for o in only))}  # fmt: skip
+    chosen = {
+        name: folder
+        for name, folder in folders.items()
+        if name != "good" and (not only or any(o in name for o in only))
+    }
     checked = check_in_child(folders["good"], list(chosen.values()))
     results = {name: checked[str(folder)] for name, folder in chosen.items()}
     if train:
@@ -139,10 +159,14 @@ def markdown(results: dict[str, dict]) -> str:
     header = "| folder | refused in | peak RSS above the floor | train.py: wall, peak RSS, exit |"
     lines = [stamp(), "", header, "|---|---:|---:|---|"]
     for name, r in results.items():
-        whole = (f"{r['train_seconds']:.1f} s, {r['train_peak_mib']:.0f} MiB, {r['exit']}"
-                 if "exit" in r else "")  # fmt: skip
-        lines.append(f"| {name} | {r['seconds'] * 1000:.0f} ms | {r['above_floor_mib']:.1f} MiB | "
-                     f"{whole} |")  # fmt: skip
+        whole = (
+            f"{r['train_seconds']:.1f} s, {r['train_peak_mib']:.0f} MiB, {r['exit']}"
+            if "exit" in r
+            else ""
+        )
+        lines.append(
+            f"| {name} | {r['seconds'] * 1000:.0f} ms | {r['above_floor_mib']:.1f} MiB | {whole} |"
+        )
     floor = max(r["floor_mib"] for r in results.values())
     lines += ["", f"The floor (torch, transformers and one good folder's check): {floor:.0f} MiB."]
     return "\n".join(lines)
@@ -153,9 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train", action="store_true", help="also run train.py on each folder")
     parser.add_argument("--only", nargs="*", help="cases whose name holds one of these")
     parser.add_argument(
-        "--out", type=Path,
+        "--out",
+        type=Path,
         help="write the results as JSON here: each case's, and the table (docs/ reads it)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
         results = measure(Path(work), train=args.train, only=args.only)

@@ -173,8 +173,11 @@ class Server:
         values = {}
         for line in text.splitlines():
             name, _, value = line.partition(" ")
-            if name in ("kiln_inference_seconds_count", "kiln_inference_seconds_sum",
-                        "kiln_batch_size_sum"):  # fmt: skip
+            if name in (
+                "kiln_inference_seconds_count",
+                "kiln_inference_seconds_sum",
+                "kiln_batch_size_sum",
+            ):
                 values[name] = float(value)
         return (
             values.get("kiln_inference_seconds_count", 0.0),
@@ -287,8 +290,9 @@ def measure_model(name: str, ckpt: Path, args, modes, formats, concurrencies) ->
     reference = Predictor.from_checkpoint(args.reference or ckpt)
     pool = input_pool(reference, POOL_SIZE)
     offline = reference.predict_probs(pool)
-    expected = {m: np.full_like(offline, 1 / offline.shape[1]) if m == "echo" else offline
-                for m in modes}  # fmt: skip
+    expected = {
+        m: np.full_like(offline, 1 / offline.shape[1]) if m == "echo" else offline for m in modes
+    }
     servers = {}
     try:
         for mode in modes:
@@ -337,46 +341,63 @@ def floors(rows: list[Row], args) -> list[Floor]:
             unbatched = find(rows, model=model, mode="unbatched", format=fmt, concurrency=c)
             echo = find(rows, model=model, mode="echo", format=fmt, concurrency=c)
             if batched and unbatched:
-                out.append(Floor(
-                    f"{model} {fmt}: batched / unbatched at concurrency {c}",
-                    batched.requests_per_s / unbatched.requests_per_s, args.min_batching_gain,
-                    f"{batched.requests_per_s:.0f} vs {unbatched.requests_per_s:.0f} req/s",
-                ))  # fmt: skip
+                out.append(
+                    Floor(
+                        f"{model} {fmt}: batched / unbatched at concurrency {c}",
+                        batched.requests_per_s / unbatched.requests_per_s,
+                        args.min_batching_gain,
+                        f"{batched.requests_per_s:.0f} vs {unbatched.requests_per_s:.0f} req/s",
+                    )
+                )
             if batched and echo:
-                out.append(Floor(
-                    f"{model} {fmt}: batched / echo ceiling at concurrency {c}",
-                    batched.requests_per_s / echo.requests_per_s, args.min_ceiling_ratio,
-                    f"{batched.requests_per_s:.0f} vs {echo.requests_per_s:.0f} req/s",
-                ))  # fmt: skip
+                out.append(
+                    Floor(
+                        f"{model} {fmt}: batched / echo ceiling at concurrency {c}",
+                        batched.requests_per_s / echo.requests_per_s,
+                        args.min_ceiling_ratio,
+                        f"{batched.requests_per_s:.0f} vs {echo.requests_per_s:.0f} req/s",
+                    )
+                )
         for row in rows:
             if row.model == model and row.mode == "batched" and row.format == "binary":
                 bound = args.max_delay_ms + 3 * row.batch_ms
-                out.append(Floor(
-                    f"{model} binary c={row.concurrency}: (delay + 3 batches) / p99",
-                    bound / row.p99_ms, 1.0,
-                    f"p99 {row.p99_ms:.1f} ms, bound {bound:.1f} ms "
-                    f"({args.max_delay_ms:g} + 3 x {row.batch_ms:.1f})",
-                ))  # fmt: skip
+                out.append(
+                    Floor(
+                        f"{model} binary c={row.concurrency}: (delay + 3 batches) / p99",
+                        bound / row.p99_ms,
+                        1.0,
+                        f"p99 {row.p99_ms:.1f} ms, bound {bound:.1f} ms "
+                        f"({args.max_delay_ms:g} + 3 x {row.batch_ms:.1f})",
+                    )
+                )
                 # The same bound on what batching adds: p99 above the echo ceiling's own p99
                 # (HTTP, parsing and the client, which share these cores).
-                echo = find(rows, model=model, mode="echo", format="binary",
-                            concurrency=row.concurrency)  # fmt: skip
+                echo = find(
+                    rows, model=model, mode="echo", format="binary", concurrency=row.concurrency
+                )
                 if echo:
                     added = max(row.p99_ms - echo.p99_ms, 1e-3)
-                    out.append(Floor(
-                        f"{model} binary c={row.concurrency}: (delay + 3 batches) / "
-                        "(p99 - echo p99)",
-                        bound / added, 1.0,
-                        f"p99 {row.p99_ms:.1f} - echo {echo.p99_ms:.1f} ms, bound {bound:.1f} ms",
-                    ))  # fmt: skip
+                    out.append(
+                        Floor(
+                            f"{model} binary c={row.concurrency}: (delay + 3 batches) / "
+                            "(p99 - echo p99)",
+                            bound / added,
+                            1.0,
+                            f"p99 {row.p99_ms:.1f} - echo {echo.p99_ms:.1f} ms, "
+                            f"bound {bound:.1f} ms",
+                        )
+                    )
         json_row = find(rows, model=model, mode="batched", format="json", concurrency=c)
         binary_row = find(rows, model=model, mode="batched", format="binary", concurrency=c)
         if json_row and binary_row:
-            out.append(Floor(
-                f"{model}: binary / JSON throughput at concurrency {c}",
-                binary_row.requests_per_s / json_row.requests_per_s, args.min_binary_gain,
-                f"{binary_row.requests_per_s:.0f} vs {json_row.requests_per_s:.0f} req/s",
-            ))  # fmt: skip
+            out.append(
+                Floor(
+                    f"{model}: binary / JSON throughput at concurrency {c}",
+                    binary_row.requests_per_s / json_row.requests_per_s,
+                    args.min_binary_gain,
+                    f"{binary_row.requests_per_s:.0f} vs {json_row.requests_per_s:.0f} req/s",
+                )
+            )
     return out
 
 
@@ -413,9 +434,12 @@ def table(rows: list[Row], checked: list[Floor], args) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--ckpt", action="append", default=[], metavar="NAME=PATH",
+        "--ckpt",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
         help="a checkpoint to serve (repeatable); default: train tiny mlp and resnet18 ones",
-    )  # fmt: skip
+    )
     parser.add_argument("--reference", default=None, help="check answers against this .pt")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--requests", type=int, default=400, help="per setting, all rounds")
@@ -439,9 +463,10 @@ def parse_args(argv=None):
     parser.add_argument("--litserve-batch-timeout-s", type=float, default=0.0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument(
-        "--markdown", action="store_true",
+        "--markdown",
+        action="store_true",
         help="print the tables as docs/benchmarks.md holds them (date, commit, machine) at the end",
-    )  # fmt: skip
+    )
     return parser.parse_args(argv)
 
 
@@ -464,10 +489,17 @@ def compare_peers(args, load: tuple[float, ...]) -> int:
         print("\n" + stamp(load) + "\n\n" + peers.table(rows), flush=True)
     errors = sum(r.errors for r in rounds)
     if args.out:
-        args.out.write_text(json.dumps({
-            "peer_rounds": [asdict(r) for r in rounds], "peers": rows,
-            "wrong_answers": wrong, "errors": errors,
-        }, indent=1))  # fmt: skip
+        args.out.write_text(
+            json.dumps(
+                {
+                    "peer_rounds": [asdict(r) for r in rounds],
+                    "peers": rows,
+                    "wrong_answers": wrong,
+                    "errors": errors,
+                },
+                indent=1,
+            )
+        )
     if wrong or errors:
         print(f"\n{wrong} inputs answered differently, {errors} load errors")
         return 1
@@ -494,11 +526,16 @@ def main(argv=None) -> int:
         print("\n" + stamp(load) + "\n\n" + table(rows, checked, args), flush=True)
     wrong = sum(r.errors + r.mismatches for r in rows)
     if args.out:
-        args.out.write_text(json.dumps({
-            "rows": [asdict(r) for r in rows],
-            "floors": [{**asdict(f), "met": f.met} for f in checked],
-            "wrong_answers": wrong,
-        }, indent=1))  # fmt: skip
+        args.out.write_text(
+            json.dumps(
+                {
+                    "rows": [asdict(r) for r in rows],
+                    "floors": [{**asdict(f), "met": f.met} for f in checked],
+                    "wrong_answers": wrong,
+                },
+                indent=1,
+            )
+        )
     if wrong:
         print(f"\n{wrong} answers were errors or differed from the offline predictions")
         return 1

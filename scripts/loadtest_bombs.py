@@ -134,9 +134,14 @@ def b64_body(data: bytes) -> bytes:
 
 
 async def worker(
-    kind: str, url: str, clients: int, seconds: float, expected: Path | None, huge_side: int,
+    kind: str,
+    url: str,
+    clients: int,
+    seconds: float,
+    expected: Path | None,
+    huge_side: int,
     start_at: float,
-):  # fmt: skip
+):
     """`clients` clients of one kind sending back to back for `seconds` from `start_at` (a
     time.time()); returns what they saw."""
     import aiohttp
@@ -188,9 +193,15 @@ def good_photos() -> list[Path]:
 
 
 def start_worker(
-    kind: str, url: str, clients: int, seconds: float, expected: Path, huge_side: int, nice: int,
+    kind: str,
+    url: str,
+    clients: int,
+    seconds: float,
+    expected: Path,
+    huge_side: int,
+    nice: int,
     start_at: float,
-):  # fmt: skip
+):
     cmd = [sys.executable, __file__, "--worker", kind, "--url", url, "--clients", str(clients)]
     if kind != "good" and nice:  # the attackers: elsewhere in life, lower priority here
         cmd = ["nice", "-n", str(nice), *cmd]
@@ -331,8 +342,10 @@ def table(rows: list[Summary], checked: list[tuple[str, bool]], args) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        per_round = [" ".join(f"{x:.2f}" for x in ratios)
-                     for ratios in (r.p50_ratios_per_round, r.p99_ratios_per_round)]  # fmt: skip
+        per_round = [
+            " ".join(f"{x:.2f}" for x in ratios)
+            for ratios in (r.p50_ratios_per_round, r.p99_ratios_per_round)
+        ]
         lines.append(
             f"| {r.phase} | {r.good_requests} | {r.good_per_s:.1f} | {r.good_p50_ms:.1f} "
             f"| {r.good_p99_ms:.1f} | {r.p50_ratio:.2f} | {r.p99_ratio:.2f} | {per_round[0]} "
@@ -373,16 +386,21 @@ def parse_args(argv=None):
     parser.add_argument("--huge-clients", type=int, default=2)
     parser.add_argument("--huge-side", type=int, default=8000, help="the huge PNG's side")
     parser.add_argument(
-        "--attacker-nice", type=int, default=0,
+        "--attacker-nice",
+        type=int,
+        default=0,
         help="niceness of the bomb and huge clients (0: none); the good ones and the poller run "
         "at the server's priority",
-    )  # fmt: skip
+    )
     parser.add_argument("--health-interval-ms", type=float, default=10.0)
     parser.add_argument("--max-latency-ratio", type=float, default=1.5)
     parser.add_argument(
-        "--server", action="append", default=[], metavar="KEY=VALUE",
+        "--server",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="an infer.py setting (repeatable), e.g. server.decode_threads=4",
-    )  # fmt: skip
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 when a floor is not met")
     parser.add_argument("--worker", choices=["good", "bombs", "huge"], help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -391,9 +409,10 @@ def parse_args(argv=None):
     parser.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument(
-        "--markdown", action="store_true",
+        "--markdown",
+        action="store_true",
         help="print the tables as docs/benchmarks.md holds them (date, commit, machine) at the end",
-    )  # fmt: skip
+    )
     return parser.parse_args(argv)
 
 
@@ -409,7 +428,7 @@ def main(argv=None) -> int:
                 args.expected,
                 args.huge_side,
                 args.start_at,
-            )  # fmt: skip
+            )
         )
         print(json.dumps(seen))
         return 0

@@ -172,8 +172,9 @@ def check_answers(servers: list[Process], pool: np.ndarray, offline: np.ndarray)
     for server in servers:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             replies = [client.post(server.path, json={"inputs": [x.tolist()]}) for x in pool]
-        answers.append([r.json()["predictions"][0] if r.status_code == 200 else None
-                        for r in replies])  # fmt: skip
+        answers.append(
+            [r.json()["predictions"][0] if r.status_code == 200 else None for r in replies]
+        )
     return sum(
         not _identical([a[i] for a in answers], expected) for i, expected in enumerate(offline)
     )
@@ -267,21 +268,30 @@ def summary(rounds: list[PeerRound]) -> list[dict]:
         mine = [r for r in rounds if (r.model, r.concurrency, r.server) == (model, c, "kiln")]
         for peer in dict.fromkeys(r.server for r in rounds if r.server != "kiln"):
             theirs = [r for r in rounds if (r.model, r.concurrency, r.server) == (model, c, peer)]
-            pairs = list(zip(sorted(mine, key=lambda r: r.round),
-                             sorted(theirs, key=lambda r: r.round), strict=True))  # fmt: skip
-            out.append({
-                "model": model, "concurrency": c, "peer": peer,
-                "kiln_requests_per_s": statistics.median(r.requests_per_s for r in mine),
-                "peer_requests_per_s": statistics.median(r.requests_per_s for r in theirs),
-                "kiln_p50_ms": statistics.median(r.p50_ms for r in mine),
-                "peer_p50_ms": statistics.median(r.p50_ms for r in theirs),
-                "kiln_p99_ms": statistics.median(r.p99_ms for r in mine),
-                "peer_p99_ms": statistics.median(r.p99_ms for r in theirs),
-                "rps_ratios": [_ratio(k.requests_per_s, p.requests_per_s) for k, p in pairs],
-                "p99_ratios": [_ratio(p.p99_ms, k.p99_ms) for k, p in pairs],
-                "errors": sum(r.errors for r in mine + theirs),
-                "load_avg_1m": [round(r.load_avg_1m, 2) for r in mine + theirs],
-            })  # fmt: skip
+            pairs = list(
+                zip(
+                    sorted(mine, key=lambda r: r.round),
+                    sorted(theirs, key=lambda r: r.round),
+                    strict=True,
+                )
+            )
+            out.append(
+                {
+                    "model": model,
+                    "concurrency": c,
+                    "peer": peer,
+                    "kiln_requests_per_s": statistics.median(r.requests_per_s for r in mine),
+                    "peer_requests_per_s": statistics.median(r.requests_per_s for r in theirs),
+                    "kiln_p50_ms": statistics.median(r.p50_ms for r in mine),
+                    "peer_p50_ms": statistics.median(r.p50_ms for r in theirs),
+                    "kiln_p99_ms": statistics.median(r.p99_ms for r in mine),
+                    "peer_p99_ms": statistics.median(r.p99_ms for r in theirs),
+                    "rps_ratios": [_ratio(k.requests_per_s, p.requests_per_s) for k, p in pairs],
+                    "p99_ratios": [_ratio(p.p99_ms, k.p99_ms) for k, p in pairs],
+                    "errors": sum(r.errors for r in mine + theirs),
+                    "load_avg_1m": [round(r.load_avg_1m, 2) for r in mine + theirs],
+                }
+            )
     return out
 
 

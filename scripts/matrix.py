@@ -31,7 +31,7 @@ DATA_FILES = {
     "coco": (
         f"data.train_json={DETECTION / 'coco/train.json'}",
         f"data.train_images={DETECTION / 'coco/images/train'}",
-    ),  # fmt: skip
+    ),
     "yolo": (f"data.train_dir={DETECTION / 'yolo/images/train'}",),
 }
 

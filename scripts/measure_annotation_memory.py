@@ -67,8 +67,13 @@ print(json.dumps({"s": time.perf_counter() - started, "outcome": outcome}))
 
 
 def run(code: str, *args: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -90,12 +95,20 @@ def hostile_cases(out: Path, big: Path) -> dict:
         f"data.max_json_bytes={100 * 2**20}",
     ]
     crowded = out / "crowded.json"
-    boxes = [{"id": i, "image_id": 1, "category_id": 1, "bbox": [i % 30, i % 20, 5, 5]}
-             for i in range(1_000_000)]  # fmt: skip
+    boxes = [
+        {"id": i, "image_id": 1, "category_id": 1, "bbox": [i % 30, i % 20, 5, 5]}
+        for i in range(1_000_000)
+    ]
     others = [{"id": 2 + k, "file_name": f"{n}.png"} for k, n in enumerate("bcde")]
-    crowded.write_text(json.dumps({"images": [{"id": 1, "file_name": "a.png"}, *others],
-                                   "annotations": boxes,
-                                   "categories": [{"id": 1, "name": "x"}]}))  # fmt: skip
+    crowded.write_text(
+        json.dumps(
+            {
+                "images": [{"id": 1, "file_name": "a.png"}, *others],
+                "annotations": boxes,
+                "categories": [{"id": 1, "name": "x"}],
+            }
+        )
+    )
     crowded_mb = crowded.stat().st_size / 1e6
     cases[f"one image with 1,000,000 boxes ({crowded_mb:.0f} MB JSON)"] = [
         f"data.train_json={crowded}"
@@ -110,16 +123,23 @@ def hostile_cases(out: Path, big: Path) -> dict:
     with (yolo / "labels" / "train" / "a.txt").open("wb") as f:
         f.truncate(100 * 2**20)
     (yolo / "data.yaml").write_text("names: [x]\n")
-    yolo_run = ["data=yolo", "model=detector", f"data.train_dir={yolo / 'images' / 'train'}",
-                f"data.cache_dir={out / 'cache'}"]  # fmt: skip
+    yolo_run = [
+        "data=yolo",
+        "model=detector",
+        f"data.train_dir={yolo / 'images' / 'train'}",
+        f"data.cache_dir={out / 'cache'}",
+    ]
     cases["a YOLO label file of 100 MB (sparse)"] = yolo_run
     bomb = out / "bomb"
     (bomb / "images" / "train").mkdir(parents=True, exist_ok=True)
     Image.new("RGB", (40, 30)).save(bomb / "images" / "train" / "a.png")
     (bomb / "data.yaml").write_text(yaml_bomb())
     cases[f"a `data.yaml` of aliases (billion laughs, {len(yaml_bomb())} bytes)"] = [
-        "data=yolo", "model=detector", f"data.train_dir={bomb / 'images' / 'train'}",
-        f"data.cache_dir={out / 'cache'}"]  # fmt: skip
+        "data=yolo",
+        "model=detector",
+        f"data.train_dir={bomb / 'images' / 'train'}",
+        f"data.cache_dir={out / 'cache'}",
+    ]
     return cases
 
 
@@ -169,9 +189,11 @@ def markdown(results: dict, workdir: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--workdir", type=Path, default=None,
+        "--workdir",
+        type=Path,
+        default=None,
         help="where the files are written, and kept (default: a temporary folder)",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--images", type=int, default=118_287)
     parser.add_argument("--skip-pycocotools", action="store_true")
@@ -190,14 +212,18 @@ def measure(workdir: Path, args) -> dict:
     if not path.exists():
         print(f"writing {path.name} ({args.images:,} images)", file=sys.stderr, flush=True)
         write_coco_like(path, args.images, 7, polygon_points=26)
-    results = {"images": args.images, "file_mib": path.stat().st_size / 2**20,
-               "imports_only": run(IMPORTS)}  # fmt: skip
+    results = {
+        "images": args.images,
+        "file_mib": path.stat().st_size / 2**20,
+        "imports_only": run(IMPORTS),
+    }
     if not args.only_refusals:
         results["kiln"] = run(CHILD, "kiln", str(path))
     if not args.skip_pycocotools and not args.only_refusals:
         results["pycocotools"] = run(CHILD, "pycocotools", str(path))
-    results["refused"] = {name: run(REFUSE, *overrides)
-                          for name, overrides in hostile_cases(workdir, path).items()}  # fmt: skip
+    results["refused"] = {
+        name: run(REFUSE, *overrides) for name, overrides in hostile_cases(workdir, path).items()
+    }
     results["load_average"] = os.getloadavg()
     return results
 

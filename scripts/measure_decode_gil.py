@@ -119,10 +119,14 @@ def main(argv=None) -> int:
     print(f"{datetime.date.today()}, commit {commit or 'unknown'}: {args.side}x{args.side} images")
     alone = work_ms()
     quiet = lateness_ms(args.seconds)
-    print(f"alone: python work {alone:.2f} ms, wake-up lateness p50 {np.percentile(quiet, 50):.2f}"
-          f" / p99 {np.percentile(quiet, 99):.2f} ms")  # fmt: skip
-    print(f"{'threads run':<12} {'MB':>5} {'one ms':>6} {'threads':>7} {'x alone':>7} "
-          f"{'x sha256':>8} {'late p50':>8} {'late p99':>8}")  # fmt: skip
+    print(
+        f"alone: python work {alone:.2f} ms, wake-up lateness p50 {np.percentile(quiet, 50):.2f}"
+        f" / p99 {np.percentile(quiet, 99):.2f} ms"
+    )
+    print(
+        f"{'threads run':<12} {'MB':>5} {'one ms':>6} {'threads':>7} {'x alone':>7} "
+        f"{'x sha256':>8} {'late p50':>8} {'late p99':>8}"
+    )
     buffer = bytes(8 << 20)
     baselines = {
         "sha256": lambda: hashlib.sha256(buffer).digest(),  # releases the GIL

@@ -133,8 +133,7 @@ def baseline(args) -> dict:
                 result = child(FIT, str(path))
                 characters = sum(len(t) for t, _ in rows) / len(rows)
                 classes = len({y for _, y in rows})
-                out.append({"corpus": name, "characters": characters, "classes": classes,
-                            **result})  # fmt: skip
+                out.append({"corpus": name, "characters": characters, "classes": classes, **result})
     return out
 
 
@@ -177,9 +176,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("formats", "baseline"))
     parser.add_argument(
-        "--rows", type=int, nargs="+", default=[10_000],
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[10_000],
         help="formats: the file's rows; baseline: training texts, one run per value",
-    )  # fmt: skip
+    )
     parser.add_argument("--row-group", type=int, default=60_000)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)

@@ -32,8 +32,14 @@ RECORD = Path(__file__).with_suffix(".json")
 
 def one_run(checkout: Path, overrides: list[str], run_dir: Path) -> dict:
     env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(checkout / "src")}
-    cmd = [sys.executable, str(checkout / "train.py"), f"hydra.run.dir={run_dir}",
-           "env.progress_bar=false", "logger=none", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(checkout / "train.py"),
+        f"hydra.run.dir={run_dir}",
+        "env.progress_bar=false",
+        "logger=none",
+        *overrides,
+    ]
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -51,8 +57,9 @@ def one_run(checkout: Path, overrides: list[str], run_dir: Path) -> dict:
 
 
 def commit(checkout: Path) -> str:
-    found = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
-                           capture_output=True, text=True)  # fmt: skip
+    found = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
     return found.stdout.strip() or "unknown"
 
 

@@ -23,8 +23,10 @@ def commit() -> str:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO, capture_output=True, text=True,
-        ).stdout.strip()  # fmt: skip
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     except OSError:
         return "unknown"
     return (sha or "unknown") + (" +changes" if dirty else "")
