@@ -62,11 +62,13 @@ class Outcome:
     detail: str
 
 
-def cells(plugins: list[str], reduced: bool, models: list[str]) -> list[Cell]:
+def cells(plugins: list[str], reduced: bool, models: list[str], single: bool = False) -> list[Cell]:
     from kiln.registry import compatible_pairs, load_plugins
 
     load_plugins(plugins)
     pairs = [(m, d) for m, d in compatible_pairs() if not models or m in models]
+    if single:  # one process, fp32: what a model's own cell says, without DDP's or amp's cost
+        return [Cell(m, d, False, False) for m, d in pairs]
     if reduced:  # each model once, on data the repo generates rather than files it reads
         first = {}
         for model, data in sorted(pairs, key=lambda pair: pair[1] in DATA_FILES):
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reduced", action="store_true", help="each model once + 1 DDP + 1 amp")
     parser.add_argument("--plugins", nargs="*", default=[], help="your modules that register")
     parser.add_argument("--models", nargs="*", default=[], help="only these models")
+    parser.add_argument("--single", action="store_true", help="single-process fp32 cells only")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="cells at a time")
     parser.add_argument("--out", type=Path, default=None, help="default: outputs/matrix/<stamp>")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("outputs/matrix") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    todo = cells(args.plugins, args.reduced, args.models)
+    todo = cells(args.plugins, args.reduced, args.models, args.single)
     print(f"{len(todo)} cells, {args.jobs} at a time -> {out}", flush=True)
     started = time.perf_counter()
     outcomes = []

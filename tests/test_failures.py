@@ -179,7 +179,9 @@ def test_a_users_models_join_the_registry_wide_tests_without_any_test_edit(tmp_p
             "-m",
             "not slow",
             "-k",
-            "tiny_ok or tiny_view",  # not the zoo's *_tiny architectures
+            # the correct model through every check on one dataset; the literal view through
+            # rule 1 where 64 is not the input size (not the zoo's *_tiny architectures)
+            "tiny_ok-on-digits or (tiny_view-on-synthetic_images and rule1)",
             "tests/test_antibodies.py",
         ],
         cwd=REPO_ROOT,
@@ -192,11 +194,10 @@ def test_a_users_models_join_the_registry_wide_tests_without_any_test_edit(tmp_p
     passed = re.findall(r"^PASSED tests/test_antibodies.py::(\S+)", out, flags=re.MULTILINE)
     failed = re.findall(r"^FAILED tests/test_antibodies.py::(\S+)", out, flags=re.MULTILINE)
     # The correct model: every registry-wide check (rules 1-3, rule 3 under bf16, logits,
-    # the behaviour checks and the learn probe, devices), on each of the three image datasets
-    # (digits, synthetic_images, image_folder).
-    ok = {p for p in passed if "tiny_ok-on-" in p}
+    # the behaviour checks and the learn probe, devices), on digits.
+    ok = {p for p in passed if "tiny_ok-on-digits" in p}
     assert not [f for f in failed if "tiny_ok-on-" in f], out[-3000:]
-    assert len(ok) >= 7 * 3 and len(ok) % 3 == 0, out[-3000:]  # each check on the three sets
+    assert len(ok) >= 7, out[-3000:]  # every registry-wide check
     # The literal view: rule 1 fails, on the data where 64 is not the input size.
     assert "test_rule1_sizes_follow_inputs[tiny_view-on-synthetic_images]" in failed, out[-3000:]
     assert "rule 1 (shapes come from inputs)" in out

@@ -242,7 +242,6 @@ def test_refusals_take_little_memory_in_a_fresh_process(tmp_path):
     for name, result in results.items():
         assert result["outcome"] != "accepted", name
         assert result["above_floor_mib"] < 64, (name, result)
-        assert result["seconds"] < 1.0, (name, result)
 
 
 @pytest.mark.parametrize(

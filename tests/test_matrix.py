@@ -51,7 +51,7 @@ def test_a_broken_cell_fails_the_matrix_with_its_fail_line(tmp_path):
     (tmp_path / "conf" / "model" / "eval_structure.yaml").write_text("dropout: 0.0\n")
     env = {**SUBPROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(tmp_path)])}
     searchpath = f"hydra.searchpath=[file://{tmp_path}/conf]"
-    args = ("--plugins", "broken_parts", "--models", "eval_structure", "--reduced", searchpath)
+    args = ("--plugins", "broken_parts", "--models", "eval_structure", "--single", searchpath)
     result = matrix(tmp_path, *args, env=env)
     assert result.returncode == 1
     assert "[FAIL] digits-eval_structure | single | amp=False | shapes @ step 0" in (result.stdout)
