@@ -55,17 +55,29 @@ GROUP_SCHEMAS: dict[str, type] = {
 }
 
 
+# What the ConfigStore holds already: (group, option, schema class). Storing a schema converts
+# it to an OmegaConf node (about 0.2 s for all of them), so each is stored once per process; a
+# plugin's new option, or an option registered again with another schema, is stored then.
+_stored: set[tuple[str, str, type]] = set()
+
+
 def register_configs() -> None:
     """Store the top-level schema and every registered option's schema in the ConfigStore. The
     option itself is a YAML file, conf/<group>/<option>.yaml (or on hydra.searchpath)."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
-    store.store(name="kiln_schema", node=composable(KilnConfig))
+    if ("", "kiln_schema", KilnConfig) not in _stored:
+        store.store(name="kiln_schema", node=composable(KilnConfig))
+        _stored.add(("", "kiln_schema", KilnConfig))
     for group, registry in GROUP_REGISTRIES.items():
         for name in registry.names():
-            twin = composable(registry.entry(name).config)  # kiln.config.base: why a twin
+            schema = registry.entry(name).config
+            if (group, name, schema) in _stored:
+                continue
+            twin = composable(schema)  # kiln.config.base: why a twin
             store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=twin(name=name))
+            _stored.add((group, name, schema))
 
 
 def compose(overrides: list[str] = (), *, hydra_config: bool = False) -> DictConfig:
