@@ -5,7 +5,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BYTECODE := $(VENV)/.compiled
 ARGS   ?=
-# pytest-xdist workers for make test: three on the 2-core CI machine (see TEST_TIME).
+# pytest-xdist workers: three on the 2-core CI machine. Many tests wait (for a checkpoint to
+# appear before a signal, a server to be ready, torchrun's rendezvous): with two workers eight
+# such files used 101% of 200% CPU in 160 s, with three 147% in 124 s; the whole suite 190%.
+# --dist loadscope keeps a test file on one worker, so its module fixtures (a trained run, a
+# server) are built once rather than once per worker.
 JOBS   ?= 3
 
 .DEFAULT_GOAL := help
@@ -50,14 +54,14 @@ train: install ## train the default experiment (extra overrides: make train ARGS
 	$(PY) train.py $(ARGS)
 
 # Measured: docs/benchmarks.md, "How long things take".
-TEST_TIME := about 10 min on 2 quiet CPU cores (2026-12-05: 1,871 tests, 602 s from a fresh clone with the install), longer on a busy machine
+TEST_TIME := about 10 min on 2 quiet CPU cores (2026-12-05: 1,896 tests, 611 s of pytest, every test of the suite in it), longer on a busy machine
 
 test: lint ## ruff + the default test suite (everything but `slow`)
 	@echo "make test: the default suite, $(TEST_TIME); one dot per test, the share done at each line's end"
-	$(PY) -m pytest -m "not slow" -n $(JOBS) $(ARGS)
+	$(PY) -m pytest -m "not slow" -n $(JOBS) --dist loadscope $(ARGS)
 
 test-all: lint ## ruff + every test, slow ones included
-	$(PY) -m pytest -n $(JOBS) $(ARGS)
+	$(PY) -m pytest -n $(JOBS) --dist loadscope $(ARGS)
 
 lint: install ## ruff check + format check
 	$(VENV)/bin/ruff check .
