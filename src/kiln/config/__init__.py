@@ -58,7 +58,7 @@ GROUP_SCHEMAS: dict[str, type] = {
 # What the ConfigStore holds already: (group, option, schema class). Storing a schema converts
 # it to an OmegaConf node (about 0.2 s for all of them), so each is stored once per process; a
 # plugin's new option, or an option registered again with another schema, is stored then.
-_stored: set[tuple[str, str, type]] = set()
+_stored: set[tuple[str | None, str, type]] = set()
 
 
 def register_configs() -> None:
@@ -67,17 +67,18 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
-    if ("", "kiln_schema", KilnConfig) not in _stored:
-        store.store(name="kiln_schema", node=composable(KilnConfig))
-        _stored.add(("", "kiln_schema", KilnConfig))
+
+    def store_once(group: str | None, name: str, schema: type, node) -> None:
+        if (group, name, schema) not in _stored:
+            store.store(group=group, name=name, node=node)
+            _stored.add((group, name, schema))
+
+    store_once(None, "kiln_schema", KilnConfig, composable(KilnConfig))
     for group, registry in GROUP_REGISTRIES.items():
         for name in registry.names():
             schema = registry.entry(name).config
-            if (group, name, schema) in _stored:
-                continue
             twin = composable(schema)  # kiln.config.base: why a twin
-            store.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=twin(name=name))
-            _stored.add((group, name, schema))
+            store_once(f"{SCHEMA_GROUP}/{group}", name, schema, twin(name=name))
 
 
 def compose(overrides: list[str] = (), *, hydra_config: bool = False) -> DictConfig:
