@@ -39,6 +39,26 @@ PROBES_OFF = (
 )
 
 
+# --dist loadscope keeps each test file on one worker, for its module fixtures. These files have
+# none, and many independent cases (test-all's 1,578 zoo architectures in test_antibodies.py,
+# hours on one worker): each test is its own unit, spread over every worker.
+SPREAD_FILES = ("tests/test_antibodies.py",)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadscope":
+        return None  # xdist's own scheduler for the mode asked for
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SpreadSomeFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.split("::", 1)[0] in SPREAD_FILES:
+                return nodeid
+            return super()._split_scope(nodeid)
+
+    return SpreadSomeFiles(config, log)
+
+
 def compose_config(*overrides: str):
     """The typed config `python train.py <overrides>` would run (kiln.config.load_config)."""
     return load_config(list(overrides))

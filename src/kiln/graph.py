@@ -4,25 +4,27 @@ used only in some steps) and the model zoo (model=hf's parameters a forward neve
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 import torch
 
 
-def graph_leaves(outputs: Iterable[torch.Tensor]) -> set[int]:
+def graph_leaves(outputs: Iterable[torch.Tensor], first: int | None = None) -> set[int]:
     """The ids of the leaf tensors (parameters) the autograd graph of `outputs` reaches: those
-    a backward would give a gradient."""
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    a backward would give a gradient. `first`: stop after that many, met breadth-first (the
+    leaves nearest the outputs, whose gradients autograd reaches without the whole graph)."""
+    queue = deque(t.grad_fn for t in outputs if t.grad_fn is not None)
     seen, leaves = set(), set()
-    while stack:
-        node = stack.pop()
+    while queue and (first is None or len(leaves) < first):
+        node = queue.popleft()
         if node is None or node in seen:
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf's
         if variable is not None:
             leaves.add(id(variable))
-        stack.extend(child for child, _ in node.next_functions)
+        queue.extend(child for child, _ in node.next_functions)
     return leaves
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from kiln.errors import first_few
+from kiln.graph import graph_leaves
 from kiln.guards.rules import RULE_2, ProbeFailure
 
 
@@ -28,12 +29,7 @@ def check_loss_branches(model: nn.Module, criterion, batch: Any) -> dict[str, to
     for name, term in terms.items():
         if not torch.isfinite(term).all():
             raise LossBranchError(f"{RULE_2}: the {name!r} term is {term.item()} (not finite)")
-        grads = (
-            torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
-            if term.requires_grad
-            else []
-        )
-        moves_nothing = all(g is None or not g.any() for g in grads)
+        moves_nothing = not moves_a_parameter(term, params)
         # A term can be 0 at one point and still pull (label smoothing on a zero-initialised
         # head's uniform logits: its value is 0, its gradient is not): only 0 with no gradient
         # is a branch that does nothing.
@@ -55,6 +51,23 @@ def check_loss_branches(model: nn.Module, criterion, batch: Any) -> dict[str, to
     if bad:
         raise LossBranchError(f"{RULE_2}: non-finite gradients in {', '.join(bad[:5])}")
     return terms
+
+
+def moves_a_parameter(term: torch.Tensor, params: list[nn.Parameter]) -> bool:
+    """Whether `term` has a non-zero gradient for some parameter. Asked first for the few
+    parameters nearest the term in its graph (the head: autograd runs only the graph between),
+    then, if none moves, for all of them: one full backward per term made rule 2 with five
+    terms cost six backward passes (9 s of resnext101's 20 s in the zoo-wide suite)."""
+    if not term.requires_grad:
+        return False
+    nearest = graph_leaves([term], first=4)
+    for asked in ([p for p in params if id(p) in nearest], params):
+        if not asked:
+            continue
+        grads = torch.autograd.grad(term, asked, retain_graph=True, allow_unused=True)
+        if any(g is not None and g.any() for g in grads):
+            return True
+    return False
 
 
 def check_terms_reach_the_model(terms: dict[str, torch.Tensor]) -> None:

@@ -51,7 +51,8 @@ def check_rule1(
     probes = plan_probes(plan, data.base, bundle.spec, data.cases)
     for probe in probes + size_probes(data.base, bundle.spec, batch_sizes, fixed_input_size=fixed):
         run_size_probe(build(probe.spec), probe, criterion.forward, classifier_output_problems)
-        if not probe.backward:  # the suite runs backward on every probe too
+        # The suite runs backward on every probe too (a new size's probe already has).
+        if not (probe.backward or probe.new_size):
             probe = dataclasses.replace(probe, backward=True)
             run_size_probe(build(probe.spec), probe, criterion.forward, classifier_output_problems)
 
