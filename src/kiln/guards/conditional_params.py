@@ -141,6 +141,10 @@ class GradientPresence:
         present = [p.grad is not None for _, p in self.named]
         if self.expected is None:
             self.expected, self.first_step = present, step
+            missing = [n for (n, _), now in zip(self.named, present, strict=True) if not now]
+            if self.fatal and missing:  # DDP reduces every gradient in every step: another
+                # rank whose first step used these is already in a reduction this one skips
+                self.stop(f"{_named(self.model, missing)} got no gradient at step {step}", missing)
             return
         if self.zero_to_confirm:
             self.confirm_zero(step)
@@ -161,14 +165,18 @@ class GradientPresence:
             )
         varied = "; ".join(parts)
         if self.fatal:
-            error = conditional_error(self.model, varied, (missing or extra)[0].rpartition(".")[0])
-            if self.on_fatal is not None:
-                self.on_fatal(str(error))
-            raise error
+            self.stop(varied, missing or extra)
         key = tuple(missing + extra)
         if key not in self.said:
             self.said.add(key)
             log.warning("%s: parameters used only in some steps: %s. %s", DEAD, varied, DDP_ADVICE)
+
+    def stop(self, varied: str, names: list[str]) -> None:
+        """Raise (fatal mode) for the parameters `names`, the other ranks told first."""
+        error = conditional_error(self.model, varied, names[0].rpartition(".")[0])
+        if self.on_fatal is not None:
+            self.on_fatal(str(error))
+        raise error
 
     def confirm_zero(self, step: int) -> None:
         """The probe step's exactly-zero gradients, again at `step` (after one optimizer step):
