@@ -696,6 +696,14 @@ def test_the_step_names_a_parameter_that_gets_no_gradient_in_a_later_step(caplog
     with pytest.raises(ConditionalParametersError, match="got no gradient at step 2") as info:
         fatal.check(2)
     assert told == [str(info.value)] and info.value.what == "dead gradients"
+    # A first step already without one: under DDP another rank's first step may have used it
+    # (its reduction waits for this rank), so no later step is waited for.
+    first = GradientPresence(model, fatal=True)
+    step(False)
+    with pytest.raises(ConditionalParametersError, match=r"1.weight, 1.bias .* at step 1\b"):
+        first.check(1)
+    lenient = GradientPresence(model, fatal=False)  # one process: the expectation, no finding
+    lenient.check(1)
 
 
 def test_a_correct_model_passes_every_check_at_train_time(tmp_path):
