@@ -130,6 +130,19 @@ def atomic_path(path, *, failed: Failed = disk_full_error) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def on_failure(cleanup: Callable[[], object]) -> Iterator[None]:
+    """`cleanup()` when the block raises anything (Ctrl-C and a preemption too), and the error
+    goes on: no half-built folder, store or table where the block did not finish."""
+    finished = False
+    try:
+        yield
+        finished = True
+    finally:
+        if not finished:
+            cleanup()
+
+
 def write_bytes(path, data: bytes, **kw: Any) -> None:
     with atomic_file(path, "wb", **kw) as f:
         f.write(data)

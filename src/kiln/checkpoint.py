@@ -25,7 +25,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from kiln.atomic import atomic_file, fsync_directory
+from kiln.atomic import atomic_file, fsync_directory, on_failure
 from kiln.errors import DiskFullError, UserError, free_space, is_disk_full
 
 log = logging.getLogger(__name__)
@@ -90,11 +90,8 @@ def atomic_link(source: Path, path: Path) -> bool:
         os.link(source, tmp)
     except OSError:
         return False
-    try:
+    with on_failure(lambda: tmp.unlink(missing_ok=True)):  # no half-written checkpoint
         os.replace(tmp, path)
-    except BaseException:  # Ctrl-C too: no half-written checkpoint, re-raised
-        tmp.unlink(missing_ok=True)
-        raise
     fsync_directory(path.parent)
     return True
 

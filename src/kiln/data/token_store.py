@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from kiln.atomic import on_failure
 from kiln.caches import cache_dir
 from kiln.preprocessing.text import PAD_ID
 
@@ -373,14 +374,11 @@ def cached_entry(root: Path, name: str, build) -> tuple[StoreEntry, bool]:
         if (final / "meta.json").is_file():
             return load_entry(final), True
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
-        try:
+        with on_failure(lambda: shutil.rmtree(tmp, ignore_errors=True)):
             build(tmp)
             if final.exists():  # an incomplete entry left by a killed run
                 shutil.rmtree(final)
             tmp.rename(final)
-        except BaseException:  # Ctrl-C too: no half-built store, re-raised
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return load_entry(final), False
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.atomic import on_failure
 from kiln.config.run import NanPolicy, TrainerConfig
 from kiln.engine.batches import batch_size_of, move_to, to_channels_last
 from kiln.engine.checkpointer import Checkpointer
@@ -326,30 +327,25 @@ class Trainer:
         """Train until max_epochs or max_steps; returns the last evaluation's metrics. However
         it ends (done, preempted, failing), the checkpoints asked for are on disk when it returns
         or raises."""
-        try:
-            with self.preemption:  # the process's handlers (kiln.engine.preemption), or these
-                # Until this process's first step is done a signal stops the run at once (the
-                # probes, a first step that compiles); from then on at a step boundary.
-                self.preemption.starting_at(self.state.global_step)
-                self.run_probes()
-                self.settle_threads()
-                while self.state.epoch < self.cfg.max_epochs and not self.reached_max_steps():
-                    self.train_epoch()
-                    if (
-                        self.reached_max_steps()
-                        and self.state.batch_in_epoch < self.batches_per_epoch
-                    ):
-                        break  # stopped mid-epoch by max_steps: the final eval happens below
-                    self.state.epoch += 1
-                    self.state.batch_in_epoch = 0
-                    self.evaluate_and_checkpoint(epoch_end=True)
-                    if self.should_stop_early():
-                        break
-                if not self.last_eval or self.state.batch_in_epoch:
-                    self.evaluate_and_checkpoint(epoch_end=False)
-        except BaseException:  # Ctrl-C and preemption too: cleanup, re-raised
-            self.finish_writes_quietly()  # the last.pt of a preemption is what resume reads
-            raise
+        # However it stops (Ctrl-C and preemption too) the writes finish: a preemption's last.pt
+        # is what resume reads. The preemption: the process's handlers (kiln.engine.preemption).
+        with on_failure(self.finish_writes_quietly), self.preemption:
+            # Until this process's first step is done a signal stops the run at once (the
+            # probes, a first step that compiles); from then on at a step boundary.
+            self.preemption.starting_at(self.state.global_step)
+            self.run_probes()
+            self.settle_threads()
+            while self.state.epoch < self.cfg.max_epochs and not self.reached_max_steps():
+                self.train_epoch()
+                if self.reached_max_steps() and self.state.batch_in_epoch < self.batches_per_epoch:
+                    break  # stopped mid-epoch by max_steps: the final eval happens below
+                self.state.epoch += 1
+                self.state.batch_in_epoch = 0
+                self.evaluate_and_checkpoint(epoch_end=True)
+                if self.should_stop_early():
+                    break
+            if not self.last_eval or self.state.batch_in_epoch:
+                self.evaluate_and_checkpoint(epoch_end=False)
         self.checkpointer.flush()  # every checkpoint on disk before the run reports done
         self.preemption.trained(self.state.global_step)  # from here a signal stops it at once
         self.report_data_time()

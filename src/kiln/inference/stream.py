@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.atomic import on_failure
 from kiln.inference.files import NamedFile
 from kiln.inference.predictor import Predictor, join
 from kiln.inference.tables import CsvTable, PredictionsCsv, number
@@ -136,7 +137,7 @@ def predict_files_to_csv(
             Path(output), predictor.class_names, multi_label=predictor.multi_label
         )
     predicted, errors = 0, {}
-    try:
+    with on_failure(table.discard):  # no half-written table
         for batch in predict_batches(predictor, files, load, batch_size):
             if strict and batch.errors:
                 first = min(batch.errors)
@@ -151,9 +152,6 @@ def predict_files_to_csv(
             for error in batch.errors.values():
                 reason = error.split(":", 1)[0]
                 errors[reason] = errors.get(reason, 0) + 1
-    except BaseException:  # Ctrl-C too: no half-written table, re-raised
-        table.discard()
-        raise
     path = table.commit()
     boxes = table.boxes if detection else None
     return FilesOutcome(path, len(files), predicted, errors, boxes)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kiln.atomic import on_failure
 from kiln.inference.backends import ONNX_INPUT
 from kiln.inference.errors import InferenceError
 from kiln.inference.export import (
@@ -220,7 +221,7 @@ def export_triton(
     # (SIGTERM, Ctrl-C) leaves no half-written model folder for Triton to load.
     staging = repository / f".{model_name}.tmp"
     shutil.rmtree(staging, ignore_errors=True)  # what a stopped export left
-    try:
+    with on_failure(lambda: shutil.rmtree(staging, ignore_errors=True)):
         onnx_path = staging / VERSION / "model.onnx"
         exporter, parity = export_checked(graph, batches, onnx_path, device)
         task = record.spec.task
@@ -233,9 +234,6 @@ def export_triton(
             (staging / "tokenizer.json").write_text(record.recipe.tokenizer_json)
         (staging / "kiln.json").write_text(json.dumps(record.to_json(), indent=1) + "\n")
         staging.rename(model_dir)
-    except BaseException:  # Ctrl-C too: no half-written model dir, re-raised
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     report = TritonReport(model_dir, exporter, parity, source)
     for line in report.lines():
         log.info(line)

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from kiln.atomic import on_failure
 from kiln.logging.jsonl import JsonlWriter, read_jsonl
 from kiln.logging.redaction import redact
 from kiln.registry import LOGGERS
@@ -118,14 +119,11 @@ def build_loggers(
         "resume_id": resume_id,
     }
     started = MultiLogger({})
-    try:
+    with on_failure(started.close):  # a backend that fails closes those started
         for name in dict.fromkeys(backends):  # ordered, duplicates dropped
             backend = LOGGERS.get(name)
             wanted = inspect.signature(backend).parameters
             started.backends[name] = backend(**{k: v for k, v in options.items() if k in wanted})
-    except BaseException:  # Ctrl-C too: close what started, re-raised
-        started.close()
-        raise
     return started
 
 

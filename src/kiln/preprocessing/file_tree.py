@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from kiln.atomic import on_failure
 from kiln.sorting import natural_key
 
 NOT_REGULAR = "not_regular"  # a FIFO, socket or device: never opened
@@ -96,7 +97,7 @@ def open_regular(path: str | os.PathLike, *, max_bytes: int | None = None) -> Bi
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
         raise FileAccessError(CANNOT_OPEN, path, os_detail(err)) from None
-    try:
+    with on_failure(lambda: os.close(fd)):  # returned open, or closed
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise FileAccessError(NOT_REGULAR, path, f"{file_kind(st.st_mode)}, not a regular file")
@@ -106,9 +107,6 @@ def open_regular(path: str | os.PathLike, *, max_bytes: int | None = None) -> Bi
             )
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
-    except BaseException:  # Ctrl-C too: the fd closed, re-raised
-        os.close(fd)
-        raise
 
 
 def read_regular(path: str | os.PathLike) -> bytes:
