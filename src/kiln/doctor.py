@@ -241,6 +241,46 @@ def run_nvidia_smi() -> str | None:
     return done.stdout if done.returncode == 0 else (done.stdout + done.stderr or "failed")
 
 
+def torch_facts() -> dict[str, Any]:
+    import torch
+
+    facts = {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "cudnn": format_cudnn_version(torch.backends.cudnn.version()),
+    }
+    if facts["cuda_available"]:
+        facts["torch_gpus"] = [
+            torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
+        ]
+    return facts
+
+
+def onnxruntime_facts() -> dict[str, Any]:
+    import onnxruntime
+
+    providers = ", ".join(onnxruntime.get_available_providers())
+    return {"onnxruntime": onnxruntime.__version__, "ort_providers": providers}
+
+
+def numpy_facts() -> dict[str, Any]:
+    import numpy
+
+    return {"numpy": numpy.__version__}
+
+
+# Each library's facts, and what stands for them when it cannot be imported.
+LIBRARIES = (
+    (
+        torch_facts,
+        lambda e: {"torch": e, "torch_cuda": None, "cuda_available": False, "cudnn": "none"},
+    ),
+    (onnxruntime_facts, lambda e: {"onnxruntime": e, "ort_providers": "-"}),
+    (numpy_facts, lambda e: {"numpy": e}),
+)
+
+
 def collect_facts() -> dict[str, Any]:
     """What the report needs, gathered here; a library that fails to import is reported as such."""
     facts: dict[str, Any] = {
@@ -249,33 +289,11 @@ def collect_facts() -> dict[str, Any]:
         "nvidia_smi": run_nvidia_smi(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
-    try:
-        import torch
-
-        facts["torch"] = torch.__version__
-        facts["torch_cuda"] = torch.version.cuda
-        facts["cuda_available"] = torch.cuda.is_available()
-        facts["cudnn"] = format_cudnn_version(torch.backends.cudnn.version())
-        if facts["cuda_available"]:
-            facts["torch_gpus"] = [
-                torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
-            ]
-    except Exception as error:  # a broken install is exactly what the doctor is for
-        facts["torch"] = f"not importable: {error}"
-        facts["torch_cuda"], facts["cuda_available"], facts["cudnn"] = None, False, "none"
-    try:
-        import onnxruntime
-
-        facts["onnxruntime"] = onnxruntime.__version__
-        facts["ort_providers"] = ", ".join(onnxruntime.get_available_providers())
-    except Exception as error:  # a broken install is what doctor reports
-        facts["onnxruntime"], facts["ort_providers"] = f"not importable: {error}", "-"
-    try:
-        import numpy
-
-        facts["numpy"] = numpy.__version__
-    except Exception as error:  # a broken install is what doctor reports
-        facts["numpy"] = f"not importable: {error}"
+    for gather, broken in LIBRARIES:
+        try:
+            facts.update(gather())
+        except Exception as error:  # a broken install is exactly what the doctor is for
+            facts.update(broken(f"not importable: {error}"))
     return facts
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -63,3 +65,16 @@ class FlopCount(TorchDispatchMode):
         if formula is not None:
             self.total += formula(*args, **kwargs, out_val=out)
         return out
+
+
+def count_flops(step: Callable[..., Any], prepare: Callable[[], tuple] = tuple) -> int | None:
+    """The FLOPs of `step(*prepare())` (prepare's own ops not counted); None, said in the log,
+    when either raises: a count is a nicety, never the reason a run or a prediction fails."""
+    try:
+        args = prepare()
+        with FlopCount() as counter:
+            step(*args)
+    except Exception as err:  # noqa: BLE001 -- whatever the model raises: not counted
+        logging.getLogger(__name__).info("model FLOPs not counted: %s: %s", type(err).__name__, err)
+        return None
+    return counter.total or None

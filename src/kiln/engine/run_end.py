@@ -5,8 +5,9 @@ failing step's batches for `kiln triage`, and the last writes (curves, logs, sum
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,6 +19,7 @@ from kiln.findings import Finding, write_findings
 from kiln.logging.summary import write_summary
 
 log = logging.getLogger("kiln")
+T = TypeVar("T")
 
 
 def check_overfit(history: list[dict]) -> dict:
@@ -28,6 +30,17 @@ def check_overfit(history: list[dict]) -> dict:
             f"({losses[:1]} -> {losses[-1:]}); check the model, the loss and the learning rate"
         )
     return {"overfit_loss_first": losses[0], "overfit_loss_last": losses[-1]}
+
+
+def after_training(what: str, error_key: str, work: Callable[[], T]) -> tuple[T | None, dict]:
+    """(work(), {}), or (None, {error_key: its error}) when it fails: a report after training
+    is logged when it fails, never raised (the training result stands)."""
+    try:
+        return work(), {}
+    except Exception as err:  # noqa: BLE001 -- reported, never raised: training succeeded
+        error = f"{type(err).__name__}: {err}"
+        log.error("the %s failed (training itself finished): %s", what, error, exc_info=True)
+        return None, {error_key: error}
 
 
 def report_test_split(
@@ -42,8 +55,10 @@ def report_test_split(
         return {}
     from kiln.inference.evaluate import EVAL_DIR, evaluate_split
 
-    try:
-        report = evaluate_split(
+    report, failed = after_training(
+        "test-split report",
+        "test_eval_error",
+        lambda: evaluate_split(
             run_dir / "checkpoints" / "best.pt",
             bundle.test,
             split="test",
@@ -54,15 +69,10 @@ def report_test_split(
             device=device.type,
             batch_size=trainer.contract.batch_size,  # data.batch_size as found or set
             num_workers=trainer.train_loader.num_workers,  # data.num_workers resolved
-        )
-    except Exception as err:  # noqa: BLE001 -- reported, never raised: training succeeded
-        log.error(
-            "the test-split report failed (training itself finished): %s: %s",
-            type(err).__name__,
-            err,
-            exc_info=True,
-        )
-        return {"test_eval_error": f"{type(err).__name__}: {err}"}
+        ),
+    )
+    if failed:
+        return failed
     for line in report.lines():
         log.info("test split: %s", line)
     return report.headline("test_")
@@ -89,7 +99,8 @@ def report_baseline(
     from kiln.inference.predictor import Predictor
 
     sample = bundle.baseline
-    try:
+
+    def compare() -> dict[str, Any]:
         predictor = Predictor.from_checkpoint(
             run_dir / "checkpoints" / "best.pt", "torch", device.type
         )
@@ -99,7 +110,7 @@ def report_baseline(
             collate_fn=bundle.collate_fn,
             batch_size=trainer.contract.batch_size,
         )
-        result = baseline.compare(
+        return baseline.compare(
             sample.train_texts,
             sample.train_labels,
             sample.val_texts,
@@ -107,14 +118,10 @@ def report_baseline(
             probs,
             bundle.spec.class_names,
         )
-    except Exception as err:  # noqa: BLE001 -- reported, never raised: training succeeded
-        log.error(
-            "the linear baseline failed (training itself finished): %s: %s",
-            type(err).__name__,
-            err,
-            exc_info=True,
-        )
-        return {"baseline_error": f"{type(err).__name__}: {err}"}
+
+    result, failed = after_training("linear baseline", "baseline_error", compare)
+    if failed:
+        return failed
     override, why = baseline.try_instead(cfg.model.name, cfg.trainer.max_epochs)
     result |= {"split": "val", "val_total": sample.val_total, "override": override, "why": why}
     write_json(run_dir / BASELINE_FILE, result, indent=2)

@@ -3,13 +3,10 @@ with torch.utils.flop_counter on one real training step) and MFU against the dev
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 # Dense peak TFLOPS by dtype (no sparsity), from the vendors' data sheets. Matched by a substring
 # of torch.cuda.get_device_name(); trainer.peak_tflops overrides it (and is the only way on CPU).
@@ -51,19 +48,16 @@ def peak_flops(device: torch.device, precision, override_tflops: float | None) -
 def flops_per_sample(model: nn.Module, forward, batch: Any, samples: int) -> float | None:
     """Model FLOPs of one training step (forward and backward) per sample, on `batch`. The
     model's gradients, buffers, RNG and mode are left as they were."""
-    from kiln.engine.flop_count import FlopCount
+    from kiln.engine.flop_count import count_flops
     from kiln.guards.no_trace import untouched
     from kiln.guards.tree import iter_tensors
 
+    def step() -> None:
+        model.train()
+        output = forward(model, batch, True)
+        tensors = [t for _, t in iter_tensors(output, "output") if t.is_floating_point()]
+        sum(t.float().sum() for t in tensors).backward()
+
     with untouched(model):
-        try:
-            model.train()
-            with FlopCount() as counter:
-                output = forward(model, batch, True)
-                tensors = [t for _, t in iter_tensors(output, "output") if t.is_floating_point()]
-                sum(t.float().sum() for t in tensors).backward()
-            total = counter.total
-        except Exception as err:  # counting is a nicety: never the reason a run fails
-            log.info("model FLOPs not counted: %s", err)
-            total = 0
+        total = count_flops(step)
     return total / samples if total else None

@@ -85,24 +85,21 @@ def forward_flops(record: ModelRecord, model) -> float | None:
     input (the preprocessing's own example); None when they cannot be counted."""
     import torch
 
-    from kiln.engine.flop_count import FlopCount
+    from kiln.engine.flop_count import count_flops
 
-    try:
+    def example() -> tuple:  # the preprocessing's own example, as the model takes it
         preprocess = record.recipe.preprocessor()
         items = preprocess.convert([preprocess.example()])
         kind = preprocess.input_kind
         if kind == "image_list":
-            inputs = (preprocess.to_tensors(items),)
-        elif kind == "image":
-            inputs = (preprocess.normalise(items),)
-        else:
-            inputs = (preprocess.recipe.encode(items),)
-        with torch.no_grad(), FlopCount() as counter:
-            model(*inputs)
-    except Exception as err:  # noqa: BLE001 -- a nicety: the threads fall back to the cores
-        log.info("model FLOPs not counted: %s: %s", type(err).__name__, err)
-        return None
-    return float(counter.total) or None
+            return (preprocess.to_tensors(items),)
+        if kind == "image":
+            return (preprocess.normalise(items),)
+        return (preprocess.recipe.encode(items),)
+
+    with torch.no_grad():
+        total = count_flops(model, example)
+    return float(total) if total else None
 
 
 class Predictor:

@@ -39,6 +39,17 @@ class MetricLogger(Protocol):
         """Flush and release files; safe to call more than once."""
 
 
+def _quietly(call, failed: str, level: int = logging.WARNING) -> bool:
+    """Whether `call()` (a third-party logger's) went through; its failure is logged, never
+    raised: logging must not end a run that is training fine."""
+    try:
+        call()
+    except Exception:  # a third-party logger may raise anything
+        log.log(level, "%s", failed, exc_info=True)
+        return False
+    return True
+
+
 class MultiLogger:
     """Fans every call out to its backends; itself a MetricLogger.
 
@@ -59,24 +70,15 @@ class MultiLogger:
     def close(self) -> None:
         backends, self.backends = self.backends, {}
         for name, backend in backends.items():
-            try:
-                backend.close()
-            except Exception:  # a third-party logger: its failure never ends a run
-                log.warning("logger backend %r failed to close", name, exc_info=True)
+            _quietly(backend.close, f"logger backend {name!r} failed to close")
 
     def _each(self, call, what: str) -> None:
         for name, backend in list(self.backends.items()):
-            try:
-                call(backend)
-            except Exception:  # a third-party logger: dropped, the run goes on
-                log.warning(
-                    "logger backend %r failed in %s; dropping it", name, what, exc_info=True
-                )
-                del self.backends[name]
-                try:
-                    backend.close()
-                except Exception:  # a third-party logger already failing
-                    log.debug("and %r failed to close", name, exc_info=True)
+            if not _quietly(
+                lambda b=backend: call(b), f"logger backend {name!r} failed in {what}; dropping it"
+            ):
+                del self.backends[name]  # dropped, closed, and the run goes on
+                _quietly(backend.close, f"and {name!r} failed to close", logging.DEBUG)
 
     def __enter__(self) -> MultiLogger:
         return self
