@@ -40,9 +40,10 @@ PROBES_OFF = (
 
 
 # --dist loadscope keeps each test file on one worker, for its module fixtures. These files have
-# none, and many independent cases (test-all's 1,578 zoo architectures in test_antibodies.py,
-# hours on one worker): each test is its own unit, spread over every worker.
-SPREAD_FILES = ("tests/test_antibodies.py",)
+# none that cost much, and many independent cases (test-all's 1,578 zoo architectures in
+# test_antibodies.py, hours on one worker; nine detectors trained with every check on, 30 min):
+# each test is its own unit, spread over every worker.
+SPREAD_FILES = ("tests/test_antibodies.py", "tests/test_torchvision_detection.py")
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -68,7 +68,7 @@ def write_bert(
         num_labels=num_labels,
         **TINY,
     )
-    _save(folder, BertForSequenceClassification(config), tokenizer)
+    _save(folder, lambda: BertForSequenceClassification(config), tokenizer)
     return folder
 
 
@@ -122,11 +122,17 @@ def write_roberta(
         num_labels=num_labels,
         **TINY,
     )
-    _save(folder, RobertaForSequenceClassification(config), tokenizer)
+    _save(folder, lambda: RobertaForSequenceClassification(config), tokenizer)
     return folder
 
 
-def _save(folder: Path, model, tokenizer) -> None:
+def _save(folder: Path, build, tokenizer) -> None:
+    """The model `build()` makes, initialised from one seed: the same folder from the same texts
+    (unseeded, a test's result hung on whatever ran before it)."""
+    from kiln.rng import forked
+
+    with forked(seed=0):
+        model = build()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
