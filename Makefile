@@ -9,8 +9,8 @@ ARGS   ?=
 # appear before a signal, a server to be ready, torchrun's rendezvous): with two workers eight
 # such files used 101% of 200% CPU in 160 s, with three 147% in 124 s; the whole suite 190%.
 # --dist loadscope keeps a test file on one worker, so its module fixtures (a trained run, a
-# server) are built once rather than once per worker; files without such fixtures and with many
-# independent cases are spread test by test (tests/conftest.py, SPREAD_FILES).
+# server) are built once rather than once per worker; under test-all, files without such
+# fixtures and with many long cases are spread test by test (tests/conftest.py, SPREAD_FILES).
 JOBS   ?= 3
 
 .DEFAULT_GOAL := help
