@@ -118,7 +118,8 @@ class GradientPresence:
     """Which trainable parameters got a gradient, step by step: the first step's set is the
     expectation, and a step that differs names the parameters at once (`fatal`: raises, as under
     DDP without find_unused_parameters, before the step's next collective; else logs once per
-    set). `on_fatal(message)` is told first (the ranks' shared record of why a rank stopped)."""
+    set). Fatal, a first step that leaves any parameter out raises too: DDP reduces every one.
+    `on_fatal(message)` is told first (the ranks' shared record of why a rank stopped)."""
 
     def __init__(
         self,
