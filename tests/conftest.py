@@ -43,7 +43,7 @@ PROBES_OFF = (
 # none that cost much, and many independent cases (test-all's 1,578 zoo architectures in
 # test_antibodies.py, hours on one worker; nine detectors trained with every check on, 30 min):
 # each test is its own unit, spread over every worker, when slow tests run (make test-all). In
-# make test they stay by file: spread there, .ci/run took 833 s of pytest against 493 s.
+# make test they stay by file: spread there, .ci/run was no faster (833 s of pytest, 830 s not).
 SPREAD_FILES = ("tests/test_antibodies.py", "tests/test_torchvision_detection.py")
 
 
