@@ -1,5 +1,5 @@
 """model=hf: a folder written by save_pretrained (a small BERT whose WordPiece vocabulary is
-trained here on the training CSV, a small RoBERTa with a byte-level BPE one) trains through the
+built here from the training CSV, a small RoBERTa with a byte-level BPE one) trains through the
 real `train.py data=csv_text ... model=hf model.name=<folder>` on a damaged CSV, above the
 majority baseline; the same model is found in a hub cache layout under HF_HUB_OFFLINE=1; and
 infer.py and the ONNX model give the evaluation's probabilities without the folder."""
@@ -43,7 +43,7 @@ TRAIN = (
     "model=hf",
     f"data.max_length={POSITIONS}",
     "data.batch_size=16",
-    "optimizer.lr=0.001",
+    "optimizer.lr=0.003",  # a tiny BERT from scratch (tiny_hf), not a pretrained one
     "trainer.max_epochs=6",
 )
 
