@@ -86,29 +86,60 @@ def test_the_html_scanner_strips_what_the_regular_expression_stripped():
         assert drop_invisible(text) == REGEX_REFERENCE.sub(" ", text), text
 
 
+def fastest_seconds(work, tries: int = 3) -> float:
+    """The least of `tries` timings of work(): the work itself, less the machine's other load."""
+    spent = []
+    for _ in range(tries):
+        started = time.perf_counter()
+        work()
+        spent.append(time.perf_counter() - started)
+    return min(spent)
+
+
+# Hostile input against ordinary markup of the same length, timed side by side in this process
+# (not a bound in seconds, which a loaded machine breaks): linear, they measured 0.35-1.3x;
+# the quadratic regular expression was thousands of times slower.
+AS_SLOW_AS_ORDINARY_TEXT = 10
+
+
+def ordinary_markup(size: int) -> str:
+    return ("<b>word</b> " * (size // 12 + 1))[:size]
+
+
 @pytest.mark.parametrize("size", [64 * 1024, 400 * 1024])  # a request; a training CSV cell
 @pytest.mark.parametrize("opener", ["<!--", "<script>", "<style x", "<script", "<a "])
 def test_unclosed_html_cleans_in_linear_time(size, opener):
     """The regular expression took 8-12 s on 64 KB of unclosed `<!--` (quadratic: each opener
-    searched to the end), about 290 s on a 400 KB cell; the scanner takes milliseconds."""
+    searched to the end), about 290 s on a 400 KB cell; the scanner takes as long as it takes
+    on ordinary markup of the same length."""
     text = opener * (size // len(opener))
-    started = time.perf_counter()
+    hostile = fastest_seconds(lambda: clean_text(text, DEFAULT))
+    ordinary = fastest_seconds(lambda: clean_text(ordinary_markup(size), DEFAULT))
+    assert hostile < AS_SLOW_AS_ORDINARY_TEXT * ordinary, (hostile, ordinary)
     cleaned = clean_text(text, DEFAULT)
-    assert time.perf_counter() - started < 0.25
     # nothing closes: the text stays, less the complete `<script>` tags themselves
     assert cleaned == ("" if opener == "<script>" else " ".join(text.split()))
 
 
-def test_a_training_csv_cell_of_unclosed_comments_is_read_in_milliseconds(tmp_path):
+def test_a_training_csv_cell_of_unclosed_comments_reads_as_fast_as_ordinary_markup(tmp_path):
     path = tmp_path / "hostile.csv"
     with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerows([("text", "label"), ("<!--" * 100_000, "a"), ("plain <b>text</b>", "b")])
+    ordinary_path = tmp_path / "ordinary.csv"
+    with ordinary_path.open("w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([("text", "label"), (ordinary_markup(400_000), "a")])
     settings = CsvSettings("text", "label")
-    started = time.perf_counter()
-    chunks = list(read_labelled_rows(path, settings, row_log(str(path))))
-    assert time.perf_counter() - started < 1.0
-    assert [t for c in chunks for t in c.texts][1] == "plain text"
+
+    def read(csv_path):
+        return list(read_labelled_rows(csv_path, settings, row_log(str(csv_path))))
+
+    hostile, ordinary = (
+        fastest_seconds(lambda: read(path)),
+        fastest_seconds(lambda: read(ordinary_path)),
+    )
+    assert hostile < AS_SLOW_AS_ORDINARY_TEXT * ordinary, (hostile, ordinary)
+    assert [t for c in read(path) for t in c.texts][1] == "plain text"
 
 
 def test_each_cleaning_step_can_be_switched_off():
