@@ -366,8 +366,8 @@ def pytest_generate_tests(metafunc):
 
 
 def zoo_image_parts(model: str, arch: str):
-    """parts() for the architecture at the first of ZOO_SIDES it builds and runs at (that
-    build is the one the rules copy); skips the test otherwise."""
+    """(parts(), its data overrides) for the architecture at the first of ZOO_SIDES it builds
+    and runs at (that build is the one the rules copy); skips the test otherwise."""
     sized = {"model_overrides": (f"model.arch={arch}",)}
     cfg = model_config(model, ZOO_DATA["image"], sized["model_overrides"])
     reasons = []
@@ -388,7 +388,7 @@ def zoo_image_parts(model: str, arch: str):
             built = parts(model, ZOO_DATA["image"], **sized)
             with torch.no_grad():
                 built[0](spec).eval()(torch.zeros(2, 3, side, side))
-            return built
+            return built, sized["data_overrides"]
         except (RuntimeError, ValueError, AssertionError, TypeError) as err:
             reasons.append(f"{side}x{side}: {type(err).__name__}: {str(err)[:120]}")
     pytest.skip(f"{arch} builds at no small size ({'; '.join(reasons)})")
@@ -420,8 +420,7 @@ def test_every_zoo_architecture_that_builds_small_passes_every_rule(zoo_model, z
     # One set of parts for the rules that take the same config: each check builds its models
     # from parts' seeded build (a copy each time), so sharing it saves the network's builds.
     if kind == "image":
-        same = zoo_image_parts(zoo_model, zoo_arch)
-        sized["data_overrides"] = (f"data.image_size={same[2].spec.image_size[0]}",)
+        same, sized["data_overrides"] = zoo_image_parts(zoo_model, zoo_arch)
     else:
         tokens_build_small(zoo_model, zoo_arch)
         same = parts(zoo_model, ZOO_DATA[kind], **sized)
