@@ -21,6 +21,7 @@ from kiln.errors import first_few
 from kiln.graph import reached_parameters
 from kiln.guards.input_sizes import select
 from kiln.guards.rules import DEAD, ProbeFailure
+from kiln.guards.trace import raised
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +58,21 @@ def find_conditional_parameters(
     the whole batch's backward reached. Each sample's forward and loss, its graph read for the
     parameters it reaches. Returns (what varied, the parameters that varied), or None."""
     n = len(batch[0])
-    groups = [[i] for i in range(min(n, SAMPLES))]
     runs: list[tuple[str, frozenset[str]]] = []
-    try:
-        for group in groups:
-            used = _with_gradient(model, criterion, select(batch, group))
-            runs.append((f"sample {group[0]}", used))
-    except Exception:  # a batch of 1 cannot train (BatchNorm): pairs of samples
-        runs = []
-        pairs = [[i, i + 1] for i in range(0, min(n, SAMPLES) - 1, 2)]
-        try:
-            for pair in pairs:
-                label = f"samples {pair[0]} and {pair[1]}"
-                runs.append((label, _with_gradient(model, criterion, select(batch, pair))))
-        except Exception as err:  # noqa: BLE001 -- the check cannot run: said, not fatal
+
+    def each(groups: list[list[int]]):
+        def run():
+            for group in groups:
+                label = " and ".join(str(i) for i in group)
+                label = f"sample{'s' if len(group) > 1 else ''} {label}"
+                runs.append((label, _with_gradient(model, criterion, select(batch, group))))
+
+        return run
+
+    if raised(each([[i] for i in range(min(n, SAMPLES))])) is not None:
+        runs.clear()  # a batch of 1 cannot train (BatchNorm): pairs of samples
+        err = raised(each([[i, i + 1] for i in range(0, min(n, SAMPLES) - 1, 2)]))
+        if err is not None:  # the check cannot run: said, not fatal
             log.info("conditional parameters: not checked (%s: %s)", type(err).__name__, err)
             return None
     runs.append((f"the whole batch of {n}", whole))

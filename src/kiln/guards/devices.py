@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from kiln.guards.numerics import ModuleStack
 from kiln.guards.rules import DEVICES, ProbeFailure
-from kiln.guards.trace import Call, traced
+from kiln.guards.trace import Call, raised, traced
 from kiln.guards.tree import iter_tensors
 
 MISMATCH_MARKERS = (
@@ -215,14 +215,18 @@ def check_devices_follow(
         model.train()
         modules = ModuleStack(model)
         watch = StrayTensors(modules, plain_attribute_tensors(model))
-        try:
+
+        def watched():
             with watch:
                 forward(model, batch, True)
-        except Exception as err:  # noqa: BLE001 -- the other probes name a failing forward
-            log.debug("device probe: the forward raised %s: not concluded", err)
-            return
+
+        try:
+            err = raised(watched)
         finally:
             modules.close()
+    if err is not None:  # the other probes name a failing forward
+        log.debug("device probe: the forward raised %s: not concluded", err)
+        return
     if watch.found is None:
         return
     raise DeviceMismatchError(

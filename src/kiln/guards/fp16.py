@@ -22,12 +22,29 @@ from kiln.guards.numerics import (
     nonfinite_count,
 )
 from kiln.guards.rules import NUMERICS
-from kiln.guards.trace import failing_call
+from kiln.guards.trace import failing_call, raised
 from kiln.guards.tree import iter_tensors
 
 Forward = Callable[[nn.Module, Any, bool], Any]
 FP16_MAX = 65504.0
 FP16_FIX = "precision=bf16 (fp32's range, no loss scaling), or keep that module in fp32"
+
+
+def _overflow_error(model, batch, forward: Forward, device: str, err: Exception):
+    """The module whose fp16 forward raised `err` (an overflow), traced, named in the error."""
+    name = type(model).__name__
+    _, trace = failing_call(model, lambda: _fp16_forward(model, batch, forward, device))
+    call = trace.innermost_open
+    where = call.where if call is not None else f"{name}.forward itself"
+    return NumericsError(
+        f"{NUMERICS}: {name}: under fp16 autocast (precision=amp on CUDA) {where} uses a "
+        f"value float16 cannot hold ({err}): float16 spans +-65504; write the constant "
+        "from the tensor's dtype (torch.finfo(x.dtype).min for a mask), or keep that "
+        "module in fp32",
+        module=call.path if call is not None else "",
+        kind="fp16 overflow",
+        fix=FP16_FIX,
+    )
 
 
 def check_fp16(model: nn.Module, batch: Any, forward: Forward) -> None:
@@ -39,27 +56,21 @@ def check_fp16(model: nn.Module, batch: Any, forward: Forward) -> None:
         model.train()
         modules = ModuleStack(model)
         tracer = FirstNonFinite(modules)
-        try:
+        outputs = []
+
+        def autocast_forward():
             with tracer, torch.autocast(device, dtype=torch.float16):
-                output = forward(model, batch, True)
-        except Exception as err:  # noqa: BLE001 -- only an overflow is this probe's finding
-            if not is_overflow(err):
-                return  # an op without a float16 kernel here: not what this probe looks for
-            modules.close()
-            _, trace = failing_call(model, lambda: _fp16_forward(model, batch, forward, device))
-            call = trace.innermost_open
-            where = call.where if call is not None else f"{name}.forward itself"
-            raise NumericsError(
-                f"{NUMERICS}: {name}: under fp16 autocast (precision=amp on CUDA) {where} uses a "
-                f"value float16 cannot hold ({err}): float16 spans +-65504; write the constant "
-                "from the tensor's dtype (torch.finfo(x.dtype).min for a mask), or keep that "
-                "module in fp32",
-                module=call.path if call is not None else "",
-                kind="fp16 overflow",
-                fix=FP16_FIX,
-            ) from err
+                outputs.append(forward(model, batch, True))
+
+        try:
+            err = raised(autocast_forward)
         finally:
             modules.close()
+        if err is not None:
+            if is_overflow(err):  # only an overflow is this probe's finding
+                raise _overflow_error(model, batch, forward, device, err) from err
+            return  # an op without a float16 kernel here: not what this probe looks for
+        output = outputs[0]
         if not nonfinite_count(output) or tracer.found is None:
             return
         if nonfinite_count(forward(model, batch, True)):

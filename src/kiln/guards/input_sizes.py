@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.guards.rules import DEAD, LAYOUT, NUMERICS, RULE_1, ProbeFailure
-from kiln.guards.trace import failing_call
+from kiln.guards.trace import failing_call, raised
 from kiln.guards.tree import describe, iter_tensors, same_container
 
 log = logging.getLogger(__name__)
@@ -346,12 +346,11 @@ def _grad_note(grad: bool) -> str:
 
 
 def _passes_with_grad(model: nn.Module, probe: SizeProbe, forward) -> bool:
-    try:
+    def with_grad():
         with torch.enable_grad():
             forward(model, probe.batch, True)
-    except Exception:  # the user's model may raise anything: not this size
-        return False
-    return True
+
+    return raised(with_grad) is None  # what it raised: not this size
 
 
 def what_varied(model: nn.Module, probe: SizeProbe, forward, check_output, grad: bool) -> str:

@@ -46,6 +46,7 @@ from kiln.guards.numerics import NumericsError
 from kiln.guards.outputs import check_logits
 from kiln.guards.shape_check import check_train_eval_agreement
 from kiln.guards.step_probe import StepObservation, observe_step, restore_batch
+from kiln.guards.trace import raised
 from kiln.guards.tree import copy_batch
 from kiln.models import logits_of
 from kiln.rng import forked
@@ -317,15 +318,19 @@ def _fit_probe_batch(probe: Probe) -> float | None:
     if not plan.budget.enforce or subject.epoch_plan is None:
         return None
     one = take(probe.batch, 1)
-    try:
+    warm: list[float] = []
+
+    def timed_forwards():
         with untouched(probe.model), torch.no_grad(), subject.autocast():
             probe.model.eval()
             for _ in range(2):
                 started = time.perf_counter()
                 probe.forward(probe.model, one, False)
-    except Exception:  # noqa: BLE001 -- a timing, not a check: the checks name what fails
+                warm[:] = [time.perf_counter() - started]
+
+    if raised(timed_forwards) is not None:  # a timing, not a check: the checks name what fails
         return None
-    per_sample = (time.perf_counter() - started) / FORWARD
+    per_sample = warm[0] / FORWARD
     budget = plan.budget.seconds(per_sample * subject.epoch_plan.samples)
     size = probe.size
     while size > 2 and per_sample * size > budget / 3:
@@ -405,11 +410,12 @@ def _observe(probe: Probe, backward: bool) -> None:
     subject = probe.subject
     model = probe_model(subject.model, subject.build, subject.spec)
     batch = copy_batch(probe.batch)
+
+    def step():
+        probe.seen = observe_step(model, subject.criterion, batch, backward=backward)
+
     with untouched(model), forked(seed=MEASURE_SEED):
-        try:
-            probe.seen = observe_step(model, subject.criterion, batch, backward=backward)
-        except Exception as err:  # noqa: BLE001 -- raised at its check, after rules 1 and 3
-            probe.step_error = err
+        probe.step_error = raised(step)  # raised at its check, after rules 1 and 3
     if probe.seen is not None:  # a model that changed its batch must not change the rest
         from kiln.guards.purity import changed
 
@@ -489,10 +495,10 @@ def _model_for(probe: Probe, spec: Any) -> nn.Module:
         return subject.model
     if subject.parameter_shapes is not None:
         own = {name: tuple(p.shape) for name, p in subject.model.named_parameters()}
-        try:
-            same = subject.parameter_shapes(spec) == own
-        except Exception:  # noqa: BLE001 -- a builder the meta device cannot run: build it
-            same = False
+        shapes: list = []
+        # a builder the meta device cannot run: built below
+        failed = raised(lambda: shapes.append(subject.parameter_shapes(spec)))
+        same = failed is None and shapes[0] == own
         if same and not is_sharded(subject.model):
             return subject.model
     with forked():  # initialising weights draws random numbers: not ours

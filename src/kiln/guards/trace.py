@@ -2,7 +2,8 @@
 model and keeps the stack of calls in progress (`current`: the innermost), telling a check's
 own `enter`/`leave` of each call with its path, class and caller; `traced` records each call's
 inputs and devices with it, and `failing_call` runs a forward without hooks and only when it
-raises again under a trace, to find the module."""
+raises again under a trace, to find the module. `raised` is where a check runs code kiln did not
+write (the user's model, loss and builder) and keeps what it raised."""
 
 from __future__ import annotations
 
@@ -144,22 +145,29 @@ def traced(model: nn.Module) -> Iterator[Trace]:
         yield trace
 
 
+def raised(run: Callable[[], Any]) -> Exception | None:
+    """What `run()` raised, or None. The checks run the user's model, loss and builder, which
+    may raise anything; what it raised is a finding (or a reason a check cannot run), never
+    the checks' own crash. Ctrl-C and SystemExit pass through."""
+    try:
+        run()
+    except Exception as err:  # the user's code may raise anything: the caller classifies it
+        return err
+    return None
+
+
 def failing_call(model: nn.Module, run: Callable[[], Any]) -> tuple[BaseException | None, Trace]:
     """Run `run()` (which calls `model`) as training runs it, without hooks: hooks switch fused
     kernels off (the Transformer encoder's eval fast path among them), so a check under hooks
     would test another path. Only when it raises is it run again under a trace, to find the
     module. Returns (the exception or None, the trace: empty when nothing failed, and
     `fused_only` when the traced run went through)."""
-    try:
-        run()
-    except Exception as err:  # the caller classifies it
-        first = err
-    else:
+    first = raised(run)
+    if first is None:
         return None, Trace()
     with traced(model) as trace:
-        try:
-            run()
-        except Exception as err:  # the user's model may raise anything: returned as the finding
-            return err, trace
+        again = raised(run)
+    if again is not None:
+        return again, trace
     trace.fused_only = True
     return first, trace
