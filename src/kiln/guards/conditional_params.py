@@ -21,7 +21,7 @@ from kiln.errors import first_few
 from kiln.graph import reached_parameters
 from kiln.guards.input_sizes import select
 from kiln.guards.rules import DEAD, ProbeFailure
-from kiln.guards.trace import raised
+from kiln.guards.trace import attempt
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +58,11 @@ def find_conditional_parameters(
     the whole batch's backward reached. Each sample's forward and loss, its graph read for the
     parameters it reaches. Returns (what varied, the parameters that varied), or None."""
     n = len(batch[0])
-    runs: list[tuple[str, frozenset[str]]] = []
-
-    def each(groups: list[list[int]]):
-        def run():
-            for group in groups:
-                label = " and ".join(str(i) for i in group)
-                label = f"sample{'s' if len(group) > 1 else ''} {label}"
-                runs.append((label, _with_gradient(model, criterion, select(batch, group))))
-
-        return run
-
-    if raised(each([[i] for i in range(min(n, SAMPLES))])) is not None:
-        runs.clear()  # a batch of 1 cannot train (BatchNorm): pairs of samples
-        err = raised(each([[i, i + 1] for i in range(0, min(n, SAMPLES) - 1, 2)]))
+    alone = [[i] for i in range(min(n, SAMPLES))]
+    runs, err = attempt(_sample_runs, model, criterion, batch, alone)
+    if err is not None:  # a batch of 1 cannot train (BatchNorm): pairs of samples
+        pairs = [[i, i + 1] for i in range(0, min(n, SAMPLES) - 1, 2)]
+        runs, err = attempt(_sample_runs, model, criterion, batch, pairs)
         if err is not None:  # the check cannot run: said, not fatal
             log.info("conditional parameters: not checked (%s: %s)", type(err).__name__, err)
             return None
@@ -85,6 +76,17 @@ def find_conditional_parameters(
     not_by = _listed([label for label, used in runs if not set(varying) & used])
     varied = f"{_named(model, varying)} got a gradient from {used_by} and none from {not_by}"
     return varied, frozenset(varying)
+
+
+def _sample_runs(
+    model: nn.Module, criterion, batch: Any, groups: list[list[int]]
+) -> list[tuple[str, frozenset[str]]]:
+    """(label, the parameters its loss reaches) for each group of samples, trained alone."""
+    runs = []
+    for group in groups:
+        label = f"sample{'s' if len(group) > 1 else ''} {' and '.join(map(str, group))}"
+        runs.append((label, _with_gradient(model, criterion, select(batch, group))))
+    return runs
 
 
 def _listed(labels: list[str]) -> str:

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from kiln.guards.numerics import ModuleStack
 from kiln.guards.rules import DEVICES, ProbeFailure
-from kiln.guards.trace import Call, raised, traced
+from kiln.guards.trace import Call, attempt, traced
 from kiln.guards.tree import iter_tensors
 
 MISMATCH_MARKERS = (
@@ -221,7 +221,7 @@ def check_devices_follow(
                 forward(model, batch, True)
 
         try:
-            err = raised(watched)
+            _, err = attempt(watched)
         finally:
             modules.close()
     if err is not None:  # the other probes name a failing forward

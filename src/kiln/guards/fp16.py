@@ -22,7 +22,7 @@ from kiln.guards.numerics import (
     nonfinite_count,
 )
 from kiln.guards.rules import NUMERICS
-from kiln.guards.trace import failing_call, raised
+from kiln.guards.trace import attempt, failing_call
 from kiln.guards.tree import iter_tensors
 
 Forward = Callable[[nn.Module, Any, bool], Any]
@@ -56,21 +56,14 @@ def check_fp16(model: nn.Module, batch: Any, forward: Forward) -> None:
         model.train()
         modules = ModuleStack(model)
         tracer = FirstNonFinite(modules)
-        outputs = []
-
-        def autocast_forward():
-            with tracer, torch.autocast(device, dtype=torch.float16):
-                outputs.append(forward(model, batch, True))
-
         try:
-            err = raised(autocast_forward)
+            output, err = attempt(_traced_fp16_forward, model, batch, forward, device, tracer)
         finally:
             modules.close()
         if err is not None:
             if is_overflow(err):  # only an overflow is this probe's finding
                 raise _overflow_error(model, batch, forward, device, err) from err
             return  # an op without a float16 kernel here: not what this probe looks for
-        output = outputs[0]
         if not nonfinite_count(output) or tracer.found is None:
             return
         if nonfinite_count(forward(model, batch, True)):
@@ -87,6 +80,11 @@ def check_fp16(model: nn.Module, batch: Any, forward: Forward) -> None:
         kind="fp16 overflow",
         fix=FP16_FIX,
     )
+
+
+def _traced_fp16_forward(model: nn.Module, batch: Any, forward: Forward, device: str, tracer):
+    with tracer:
+        return _fp16_forward(model, batch, forward, device)
 
 
 def _fp16_forward(model: nn.Module, batch: Any, forward: Forward, device: str) -> Any:

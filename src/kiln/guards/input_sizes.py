@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.guards.rules import DEAD, LAYOUT, NUMERICS, RULE_1, ProbeFailure
-from kiln.guards.trace import failing_call, raised
+from kiln.guards.trace import attempt, failing_call
 from kiln.guards.tree import describe, iter_tensors, same_container
 
 log = logging.getLogger(__name__)
@@ -350,7 +350,8 @@ def _passes_with_grad(model: nn.Module, probe: SizeProbe, forward) -> bool:
         with torch.enable_grad():
             forward(model, probe.batch, True)
 
-    return raised(with_grad) is None  # what it raised: not this size
+    _, err = attempt(with_grad)
+    return err is None  # what it raised: not this size
 
 
 def what_varied(model: nn.Module, probe: SizeProbe, forward, check_output, grad: bool) -> str:

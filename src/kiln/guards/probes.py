@@ -46,7 +46,7 @@ from kiln.guards.numerics import NumericsError
 from kiln.guards.outputs import check_logits
 from kiln.guards.shape_check import check_train_eval_agreement
 from kiln.guards.step_probe import StepObservation, observe_step, restore_batch
-from kiln.guards.trace import raised
+from kiln.guards.trace import attempt
 from kiln.guards.tree import copy_batch
 from kiln.models import logits_of
 from kiln.rng import forked
@@ -317,20 +317,10 @@ def _fit_probe_batch(probe: Probe) -> float | None:
     report.batch_size = probe.size
     if not plan.budget.enforce or subject.epoch_plan is None:
         return None
-    one = take(probe.batch, 1)
-    warm: list[float] = []
-
-    def timed_forwards():
-        with untouched(probe.model), torch.no_grad(), subject.autocast():
-            probe.model.eval()
-            for _ in range(2):
-                started = time.perf_counter()
-                probe.forward(probe.model, one, False)
-                warm[:] = [time.perf_counter() - started]
-
-    if raised(timed_forwards) is not None:  # a timing, not a check: the checks name what fails
+    seconds, err = attempt(_warm_forward_seconds, probe, take(probe.batch, 1))
+    if err is not None:  # a timing, not a check: the checks name what fails
         return None
-    per_sample = warm[0] / FORWARD
+    per_sample = seconds / FORWARD
     budget = plan.budget.seconds(per_sample * subject.epoch_plan.samples)
     size = probe.size
     while size > 2 and per_sample * size > budget / 3:
@@ -339,6 +329,16 @@ def _fit_probe_batch(probe: Probe) -> float | None:
         probe.batch = take(probe.batch, size)
         report.batch_size = size
     return per_sample
+
+
+def _warm_forward_seconds(probe: Probe, one: Any) -> float:
+    """The second of two eval forwards (no grad) of one sample, the model's state put back."""
+    with untouched(probe.model), torch.no_grad(), probe.subject.autocast():
+        probe.model.eval()
+        for _ in range(2):
+            started = time.perf_counter()
+            probe.forward(probe.model, one, False)
+    return time.perf_counter() - started
 
 
 def _set_budget(probe: Probe) -> None:
@@ -411,11 +411,11 @@ def _observe(probe: Probe, backward: bool) -> None:
     model = probe_model(subject.model, subject.build, subject.spec)
     batch = copy_batch(probe.batch)
 
-    def step():
-        probe.seen = observe_step(model, subject.criterion, batch, backward=backward)
-
     with untouched(model), forked(seed=MEASURE_SEED):
-        probe.step_error = raised(step)  # raised at its check, after rules 1 and 3
+        # what it raised is raised at its check, after rules 1 and 3
+        probe.seen, probe.step_error = attempt(
+            observe_step, model, subject.criterion, batch, backward
+        )
     if probe.seen is not None:  # a model that changed its batch must not change the rest
         from kiln.guards.purity import changed
 
@@ -495,10 +495,8 @@ def _model_for(probe: Probe, spec: Any) -> nn.Module:
         return subject.model
     if subject.parameter_shapes is not None:
         own = {name: tuple(p.shape) for name, p in subject.model.named_parameters()}
-        shapes: list = []
-        # a builder the meta device cannot run: built below
-        failed = raised(lambda: shapes.append(subject.parameter_shapes(spec)))
-        same = failed is None and shapes[0] == own
+        shapes, failed = attempt(subject.parameter_shapes, spec)  # failed: built below
+        same = failed is None and shapes == own
         if same and not is_sharded(subject.model):
             return subject.model
     with forked():  # initialising weights draws random numbers: not ours

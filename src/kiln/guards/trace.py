@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
 from kiln.guards.tree import describe, iter_tensors
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -145,15 +147,14 @@ def traced(model: nn.Module) -> Iterator[Trace]:
         yield trace
 
 
-def raised(run: Callable[[], Any]) -> Exception | None:
-    """What `run()` raised, or None. The checks run the user's model, loss and builder, which
-    may raise anything; what it raised is a finding (or a reason a check cannot run), never
-    the checks' own crash. Ctrl-C and SystemExit pass through."""
+def attempt(run: Callable[..., T], *args: Any) -> tuple[T | None, Exception | None]:
+    """(run(*args), None), or (None, what it raised). The checks run the user's model, loss and
+    builder, which may raise anything; what it raised is a finding (or a reason a check cannot
+    run), never the checks' own crash. Ctrl-C and SystemExit pass through."""
     try:
-        run()
+        return run(*args), None
     except Exception as err:  # the user's code may raise anything: the caller classifies it
-        return err
-    return None
+        return None, err
 
 
 def failing_call(model: nn.Module, run: Callable[[], Any]) -> tuple[BaseException | None, Trace]:
@@ -162,11 +163,11 @@ def failing_call(model: nn.Module, run: Callable[[], Any]) -> tuple[BaseExceptio
     would test another path. Only when it raises is it run again under a trace, to find the
     module. Returns (the exception or None, the trace: empty when nothing failed, and
     `fused_only` when the traced run went through)."""
-    first = raised(run)
+    _, first = attempt(run)
     if first is None:
         return None, Trace()
     with traced(model) as trace:
-        again = raised(run)
+        _, again = attempt(run)
     if again is not None:
         return again, trace
     trace.fused_only = True
