@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import functools
 import importlib
+import itertools
 import random
 import re
 import tempfile
@@ -67,6 +68,7 @@ from kiln.guards.rules import (
     RULE_3,
     ProbeFailure,
 )
+from kiln.guards.trace import attempt
 from kiln.models import build_model
 from kiln.registry import DATASETS, MODELS, compatible_pairs, dataset_provides, model_inputs
 
@@ -183,6 +185,7 @@ def bundle_for(data: str, data_overrides=()):
     return _bundles[key]
 
 
+@functools.cache  # the configs are frozen: one composition per model, data and overrides
 def model_config(model: str, data: str, model_overrides=()):
     """The option's YAML values where kiln's conf/ has it, else its schema's defaults (a plugin's
     model, whose YAML lives in the user's own folder)."""
@@ -198,19 +201,50 @@ def parts(model: str, data: str, *overrides: str, model_overrides=(), data_overr
     base = fits[dataset_provides(data)]
     cfg = composed(f"data={data}", f"model={base}", *small(data), *overrides)
     cfg = dataclasses.replace(cfg, model=model_config(model, data, model_overrides))
-    aux = cfg.loss.force_all_branches or cfg.loss.aux_head
-    built: dict = {}
-
-    def build(spec) -> nn.Module:
-        # A seeded build, made once per spec and copied: the same weights as a fresh build,
-        # without paying a large model's initialisation at every probe.
-        if spec not in built:
-            torch.manual_seed(0)
-            built[spec] = build_model(spec, cfg.model, aux_head=aux).to("cpu")
-        return copy.deepcopy(built[spec])
-
+    build = SeededBuild(cfg.model, aux=cfg.loss.force_all_branches or cfg.loss.aux_head)
     bundle = bundle_for(data, data_overrides)
-    return build, build_criterion(build(bundle.spec), cfg.loss), bundle
+    return build, build_criterion(build.original(bundle.spec), cfg.loss), bundle
+
+
+def tensor_shapes(model: nn.Module) -> dict[str, tuple]:
+    named = itertools.chain(model.named_parameters(), model.named_buffers())
+    return {name: tuple(t.shape) for name, t in named}
+
+
+class SeededBuild:
+    """spec -> a fresh model: a seeded build, made once and copied each call (the same weights
+    as a fresh build, without paying a large model's initialisation at every probe). A spec
+    whose build has the tensors of a network already built (its build on the meta device says,
+    as a run's rule 1 decides whether to build again) is a copy of that network."""
+
+    def __init__(self, model_cfg, aux: bool):
+        self.model_cfg, self.aux = model_cfg, aux
+        self.built: dict = {}
+
+    def __call__(self, spec) -> nn.Module:
+        return copy.deepcopy(self.original(spec))
+
+    def original(self, spec) -> nn.Module:
+        """The network the copies are made from: read it, never change it."""
+        if spec not in self.built:
+            alike = self._built_alike(spec)
+            self.built[spec] = alike if alike is not None else self._seeded(spec)
+        return self.built[spec]
+
+    def _seeded(self, spec) -> nn.Module:
+        torch.manual_seed(0)
+        return build_model(spec, self.model_cfg, aux_head=self.aux).to("cpu")
+
+    def _built_alike(self, spec) -> nn.Module | None:
+        if not self.built:
+            return None
+        shapes, failed = attempt(self._meta_shapes, spec)  # failed: a real build
+        alike = (m for m in self.built.values() if failed is None and tensor_shapes(m) == shapes)
+        return next(alike, None)
+
+    def _meta_shapes(self, spec) -> dict[str, tuple]:
+        with torch.device("meta"):
+            return tensor_shapes(build_model(spec, self.model_cfg, aux_head=self.aux))
 
 
 def optimizer_for_config(cfg):
@@ -365,9 +399,9 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize(("zoo_model", "zoo_arch"), cases, ids=[f"{m}[{a}]" for m, a in cases])
 
 
-def zoo_image_parts(model: str, arch: str):
-    """(parts(), its data overrides) for the architecture at the first of ZOO_SIDES it builds
-    and runs at (that build is the one the rules copy); skips the test otherwise."""
+def zoo_image_parts(model: str, arch: str, *overrides: str):
+    """parts(*overrides) for the architecture at the first of ZOO_SIDES it builds and runs at
+    (that build is the one the rules copy); skips the test otherwise."""
     sized = {"model_overrides": (f"model.arch={arch}",)}
     cfg = model_config(model, ZOO_DATA["image"], sized["model_overrides"])
     reasons = []
@@ -385,10 +419,12 @@ def zoo_image_parts(model: str, arch: str):
         if size is not None and size > ZOO_MAX_PARAMS:
             pytest.skip(f"{arch}: {size / 1e6:.0f}M parameters (> {ZOO_MAX_PARAMS / 1e6:.0f}M)")
         try:
-            built = parts(model, ZOO_DATA["image"], **sized)
+            built = parts(model, ZOO_DATA["image"], *overrides, **sized)
+            network = built[0].original(spec)
             with torch.no_grad():
-                built[0](spec).eval()(torch.zeros(2, 3, side, side))
-            return built, sized["data_overrides"]
+                network.eval()(torch.zeros(2, 3, side, side))
+            network.train()
+            return built
         except (RuntimeError, ValueError, AssertionError, TypeError) as err:
             reasons.append(f"{side}x{side}: {type(err).__name__}: {str(err)[:120]}")
     pytest.skip(f"{arch} builds at no small size ({'; '.join(reasons)})")
@@ -414,20 +450,20 @@ def tokens_build_small(model: str, arch: str) -> None:
 
 @pytest.mark.slow
 def test_every_zoo_architecture_that_builds_small_passes_every_rule(zoo_model, zoo_arch):
+    """Each rule on one seeded build with every loss branch on (rule 2 needs them; rules 1 and 3
+    and the device diagnosis run on that network too, as they catch the broken models above):
+    every check copies it, so the network is built once per input size."""
     kind = model_inputs(zoo_model)[0]
-    sized = {"model_overrides": (f"model.arch={zoo_arch}",)}
     branches = "loss.force_all_branches=true"
-    # One set of parts for the rules that take the same config: each check builds its models
-    # from parts' seeded build (a copy each time), so sharing it saves the network's builds.
     if kind == "image":
-        same, sized["data_overrides"] = zoo_image_parts(zoo_model, zoo_arch)
+        every_branch = zoo_image_parts(zoo_model, zoo_arch, branches)
     else:
         tokens_build_small(zoo_model, zoo_arch)
-        same = parts(zoo_model, ZOO_DATA[kind], **sized)
-    check_rule1(*same)
-    check_rule2(*parts(zoo_model, ZOO_DATA[kind], branches, **sized))
-    check_rule3(*same)
-    check_device_diagnosis(*same)
+        every_branch = parts(
+            zoo_model, ZOO_DATA[kind], branches, model_overrides=(f"model.arch={zoo_arch}",)
+        )
+    for check in (check_rule1, check_rule2, check_rule3, check_device_diagnosis):
+        check(*every_branch)
 
 
 # ---------------------------------------------------------------------------------------------

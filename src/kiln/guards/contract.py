@@ -42,19 +42,24 @@ def check_rule1(
     build: Build, criterion, bundle: DataBundle, batch_sizes=(1, 3), plan: EpochPlan | None = None
 ) -> None:
     """Forward and backward at each batch size, at a second input size and at the data's
-    extremes (and, when `plan` ends its epoch with one, a batch of 1 in train mode), each on a
-    new model built for its spec; outputs must fit the batch and the spec."""
-    fixed = getattr(build(bundle.spec), "fixed_input_size", False)
+    extremes (and, when `plan` ends its epoch with one, a batch of 1 in train mode), on a new
+    model built for each spec: the probes of one spec take it in turn, as a run's steps do;
+    outputs must fit the batch and the spec."""
+    models = {bundle.spec: build(bundle.spec)}
+    fixed = getattr(models[bundle.spec], "fixed_input_size", False)
     data = probe_batches(bundle, 4, plan.batch_size if plan is not None else 4)
     if plan is not None and plan.last_batch == 1:
         batch_sizes = [n for n in batch_sizes if n != 1]
     probes = plan_probes(plan, data.base, bundle.spec, data.cases)
     for probe in probes + size_probes(data.base, bundle.spec, batch_sizes, fixed_input_size=fixed):
-        run_size_probe(build(probe.spec), probe, criterion.forward, classifier_output_problems)
+        if probe.spec not in models:
+            models[probe.spec] = build(probe.spec)
+        model = models[probe.spec]
+        run_size_probe(model, probe, criterion.forward, classifier_output_problems)
         # The suite runs backward on every probe too (a new size's probe already has).
         if not (probe.backward or probe.new_size):
             probe = dataclasses.replace(probe, backward=True)
-            run_size_probe(build(probe.spec), probe, criterion.forward, classifier_output_problems)
+            run_size_probe(model, probe, criterion.forward, classifier_output_problems)
 
 
 def check_rule2(build: Build, criterion, bundle: DataBundle) -> dict[str, torch.Tensor]:

@@ -78,6 +78,12 @@ class TimmClassifier(nn.Module):
         return {"logits": logits, "aux_logits": self.aux(pooled)}
 
 
+def last_hidden_width(config) -> int:
+    """The width of a transformers model's last hidden state: its hidden_size, but where the
+    encoder's output is something else (Perceiver's latents, d_latents wide)."""
+    return getattr(config, "d_latents", None) or config.hidden_size
+
+
 class HfClassifier(nn.Module):
     """A transformers AutoModelForSequenceClassification over kiln's token batches: ids (N, L)
     padded with pad_id in, logits (N, C) out. The attention mask is derived from the padding
@@ -99,8 +105,7 @@ class HfClassifier(nn.Module):
         # Models with token types (BERT's segment A/B): a pair's second text is what follows
         # the first separator; None: the model takes no token types.
         self.sep_id = sep_id
-        width = net.config.hidden_size
-        self.aux = nn.Linear(width, num_classes) if aux_head else None
+        self.aux = nn.Linear(last_hidden_width(net.config), num_classes) if aux_head else None
         # The classifier head: every child of the library's model with weights, but its base
         # (the encoder).
         head = [
