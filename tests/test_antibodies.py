@@ -25,6 +25,7 @@ from kiln.config import ConfigError
 from kiln.config.data import DataConfig
 from kiln.data import build_data
 from kiln.engine.loss import build_criterion
+from kiln.errors import attempt
 from kiln.guards import (
     DeviceMismatchError,
     LossBranchError,
@@ -68,7 +69,6 @@ from kiln.guards.rules import (
     RULE_3,
     ProbeFailure,
 )
-from kiln.guards.trace import attempt
 from kiln.models import build_model
 from kiln.registry import DATASETS, MODELS, compatible_pairs, dataset_provides, model_inputs
 

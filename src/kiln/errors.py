@@ -3,6 +3,20 @@ the command line prints them as one line, `error: <what> (<where>): <what to do>
 2 and no traceback. Anything else is a bug in kiln or in a model, and keeps its traceback."""
 
 from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def attempt(run: Callable[..., T], *args: Any) -> tuple[T | None, Exception | None]:
+    """(run(*args), None), or (None, what it raised): the one place kiln runs code it did not
+    write (a model, a loss, a builder, a library) that may raise anything, keeping the error for
+    the caller to classify -- a check's finding, a reason it cannot run, a count left out --
+    never kiln's own crash. Ctrl-C and SystemExit pass through."""
+    try:
+        return run(*args), None
+    except Exception as err:  # the user's code may raise anything: the caller classifies it
+        return None, err
 
 
 class UserError(Exception):

@@ -28,7 +28,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import UserError, did_you_mean, first_few
+from kiln.errors import UserError, attempt, did_you_mean, first_few
 
 BUILTIN_MODULES = (  # where kiln's own entries are declared (torch-free)
     "kiln.config.data",
@@ -191,9 +191,8 @@ def load_plugins(modules: Iterable[str] = ()) -> list[str]:
     for point in entry_points(group=ENTRY_POINT_GROUP):
         if point.name in _BROKEN_PLUGINS:
             continue
-        try:
-            point.load()
-        except Exception as err:  # an installed package we do not control: skip it, say so
+        _, err = attempt(point.load)
+        if err is not None:  # an installed package we do not control: skip it, say so
             _skip_broken(point, err)
             continue
         _PLUGIN_PACKAGES.setdefault(point.module, _package_of(point))

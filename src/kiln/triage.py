@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from kiln.errors import UserError
+from kiln.errors import UserError, attempt
 from kiln.findings import Finding, read_findings
 from kiln.logging.jsonl import read_jsonl
 from kiln.logging.summary import read_summary
@@ -607,13 +607,13 @@ def _checked(run: Run, cause: Cause, suggested: list[str]) -> bool:
     while candidates and len(tried) < 3:
         overrides = candidates.pop(0)
         tried.add(" ".join(overrides))
-        try:
-            lowered, what, healthy = check_override(run.path, run.config, overrides)
-        except Exception as err:  # noqa: BLE001 -- said, and the suggestion stands unchecked
+        checked, err = attempt(check_override, run.path, run.config, overrides)
+        if err is not None:  # said, and the suggestion stands unchecked
             cause.evidence += (
                 f"; could not check {' '.join(overrides)} ({type(err).__name__}: {err})"
             )
             return True
+        lowered, what, healthy = checked
         saw.append(what)
         if lowered:
             cause.evidence += f"; checked: {what}" + (

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kiln.errors import attempt
+
 
 def _formulas() -> dict:
     """torch.utils.flop_counter's formulas. That module imports triton at its top (0.1 s of a
@@ -70,11 +72,15 @@ class FlopCount(TorchDispatchMode):
 def count_flops(step: Callable[..., Any], prepare: Callable[[], tuple] = tuple) -> int | None:
     """The FLOPs of `step(*prepare())` (prepare's own ops not counted); None, said in the log,
     when either raises: a count is a nicety, never the reason a run or a prediction fails."""
-    try:
-        args = prepare()
-        with FlopCount() as counter:
-            step(*args)
-    except Exception as err:  # noqa: BLE001 -- whatever the model raises: not counted
+    total, err = attempt(_counted, step, prepare)
+    if err is not None:  # whatever the model raises: not counted
         logging.getLogger(__name__).info("model FLOPs not counted: %s: %s", type(err).__name__, err)
         return None
-    return counter.total or None
+    return total or None
+
+
+def _counted(step: Callable[..., Any], prepare: Callable[[], tuple]) -> int:
+    args = prepare()
+    with FlopCount() as counter:
+        step(*args)
+    return counter.total

@@ -40,6 +40,7 @@ from kiln.engine.batches import move_to
 from kiln.engine.distributed import DistInfo
 from kiln.engine.environment import run_environment
 from kiln.engine.run_end import FAILING_BATCHES
+from kiln.errors import attempt
 from kiln.findings import Finding, finding_of
 from kiln.guards.no_trace import untouched
 from kiln.guards.numerics import (
@@ -478,9 +479,8 @@ def _replay_probes(
         scratch,
         conditional_is_fatal=conditional_is_fatal,
     )
-    try:
-        trainer.run_probes()
-    except Exception as err:  # the probe's own message is the evidence
+    _, err = attempt(trainer.run_probes)
+    if err is not None:  # the probe's own message is the evidence
         found.probe_error, found.reproduced = f"{type(err).__name__}: {err}", True
         found.probe_check = (getattr(err, "what", "") or "", getattr(err, "module", "") or "")
         found.probe_finding = finding_of(err)
@@ -521,18 +521,21 @@ def _bisect_probe(trainer, found: Replay, fp16: bool) -> None:
         modules = ModuleStack(model)
         tracer = FirstNonFinite(modules)
         try:
-            with torch.no_grad(), tracer, autocast():
-                _, terms = criterion(model, candidate)
-        except Exception:  # noqa: BLE001 -- what was traced up to it stands
-            terms = {}
+            terms, err = attempt(_loss_terms, criterion, model, candidate, tracer, autocast)
         finally:
             modules.close()
+        terms = terms if err is None else {}  # err: what was traced up to it stands
         if tracer.found is not None:
             found.first_op, found.first_module = tracer.found, modules.first_bad
             found.bad_terms = [n for n, t in terms.items() if not torch.isfinite(t).all()]
             with torch.no_grad():
                 found.fp32_finite = bool(torch.isfinite(criterion(model, candidate)[0]))
             return
+
+
+def _loss_terms(criterion, model, batch, tracer, autocast) -> dict:
+    with torch.no_grad(), tracer, autocast():
+        return criterion(model, batch)[1]
 
 
 # ------------------------------------------------------------------ checking a suggested fix

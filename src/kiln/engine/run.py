@@ -71,6 +71,7 @@ from kiln.engine.trainer import (
     batches_per_epoch,
     loop_settings,
 )
+from kiln.errors import attempt
 from kiln.findings import finding_of
 from kiln.guards.input_sizes import EpochPlan
 from kiln.guards.learn_probe import STEPS as LEARN_PROBE_STEPS
@@ -541,15 +542,15 @@ def option_behind(names: list[str], spec, cfg: KilnConfig, want_aux: bool) -> st
             off = dataclasses.replace(cfg.model, **{f.name: False})
             candidates.append((f"model.{f.name}=false", off, want_aux))
     for override, model_cfg, aux in candidates:
-        try:
-            with torch.device("meta"), forked():
-                model = build_model(spec, model_cfg, aux_head=aux)
-            built = {name for name, _ in model.named_parameters()}
-        except Exception:  # an option this builder cannot switch: not the one
-            continue
-        if not built & set(names):
+        built, err = attempt(_meta_parameter_names, spec, model_cfg, aux)
+        if err is None and not built & set(names):  # err: an option this builder cannot switch
             return override
     return None
+
+
+def _meta_parameter_names(spec, model_cfg, aux: bool) -> set[str]:
+    with torch.device("meta"), forked():
+        return {name for name, _ in build_model(spec, model_cfg, aux_head=aux).named_parameters()}
 
 
 def sharded_writer(cfg: KilnConfig, run_dir: Path, dist: DistInfo) -> ShardedWriter | None:

@@ -17,11 +17,10 @@ from typing import Any
 
 from torch import nn
 
-from kiln.errors import first_few
+from kiln.errors import attempt, first_few
 from kiln.graph import reached_parameters
 from kiln.guards.input_sizes import select
 from kiln.guards.rules import DEAD, ProbeFailure
-from kiln.guards.trace import attempt
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from kiln.errors import attempt
 from kiln.guards.numerics import ModuleStack
 from kiln.guards.rules import DEVICES, ProbeFailure
-from kiln.guards.trace import Call, attempt, traced
+from kiln.guards.trace import Call, traced
 from kiln.guards.tree import iter_tensors
 
 MISMATCH_MARKERS = (

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.errors import attempt
 from kiln.guards.no_trace import untouched
 from kiln.guards.numerics import (
     FirstNonFinite,
@@ -22,7 +23,7 @@ from kiln.guards.numerics import (
     nonfinite_count,
 )
 from kiln.guards.rules import NUMERICS
-from kiln.guards.trace import attempt, failing_call
+from kiln.guards.trace import failing_call
 from kiln.guards.tree import iter_tensors
 
 Forward = Callable[[nn.Module, Any, bool], Any]

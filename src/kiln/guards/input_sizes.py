@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.errors import attempt
 from kiln.guards.rules import DEAD, LAYOUT, NUMERICS, RULE_1, ProbeFailure
-from kiln.guards.trace import attempt, failing_call
+from kiln.guards.trace import failing_call
 from kiln.guards.tree import describe, iter_tensors, same_container
 
 log = logging.getLogger(__name__)

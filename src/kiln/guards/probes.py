@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.errors import attempt
 from kiln.findings import Finding
 from kiln.guards.input_sizes import EpochPlan, plan_probes, run_size_probe, size_probes, take
 from kiln.guards.no_trace import untouched, weights_kept
@@ -46,7 +47,6 @@ from kiln.guards.numerics import NumericsError
 from kiln.guards.outputs import check_logits
 from kiln.guards.shape_check import check_train_eval_agreement
 from kiln.guards.step_probe import StepObservation, observe_step, restore_batch
-from kiln.guards.trace import attempt
 from kiln.guards.tree import copy_batch
 from kiln.models import logits_of
 from kiln.rng import forked

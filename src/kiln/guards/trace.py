@@ -10,13 +10,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from torch import nn
 
+from kiln.errors import attempt
 from kiln.guards.tree import describe, iter_tensors
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -145,16 +144,6 @@ def traced(model: nn.Module) -> Iterator[Trace]:
 
     with ModuleCalls(model, enter, leave):
         yield trace
-
-
-def attempt(run: Callable[..., T], *args: Any) -> tuple[T | None, Exception | None]:
-    """(run(*args), None), or (None, what it raised). The checks run the user's model, loss and
-    builder, which may raise anything; what it raised is a finding (or a reason a check cannot
-    run), never the checks' own crash. Ctrl-C and SystemExit pass through."""
-    try:
-        return run(*args), None
-    except Exception as err:  # the user's code may raise anything: the caller classifies it
-        return None, err
 
 
 def failing_call(model: nn.Module, run: Callable[[], Any]) -> tuple[BaseException | None, Trace]:

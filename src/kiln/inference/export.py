@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from kiln.atomic import atomic_path, disk_full_error, write_json
+from kiln.errors import attempt
 from kiln.inference.backends import (
     DETECTION_OUTPUTS,
     ONNX_INPUT,
@@ -361,29 +362,36 @@ def export_checked(
     graph: Graph, batches: dict[str, Tensor], onnx_path: Path, device: str
 ) -> tuple[str, list[ParityCheck]]:
     """The first exporter whose graph runs and agrees with torch: (its name, parity checks)."""
-    import onnx
-
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     # Two rows of the largest batch: a batch of one would let torch.export specialise the batch
     # axis to 1 (its 0/1 rule), and a graph traced on it would take nothing else.
     example = max(batches.values(), key=len)[: graph.fixed_batch or 2]
     failures = []
     for name in graph.exporters:
-        try:
-            export_graph(name, graph, example, onnx_path)
-            declare_output_dims(onnx_path, graph.output_dims)
-            onnx.checker.check_model(str(onnx_path))
-            return name, check_parity(graph, onnx_path, batches, device)
-        except NothingComparedError:
+        checks, err = attempt(_export_and_compare, name, graph, example, onnx_path, batches, device)
+        if err is None:
+            return name, checks
+        if isinstance(err, NothingComparedError):
             onnx_path.unlink(missing_ok=True)
-            raise
-        except Exception as err:  # any failure of one exporter: try the next, report all
-            log.info("the %s ONNX exporter did not work: %s", name, err)
-            failures.append(f"{name} exporter: {type(err).__name__}: {str(err)[:300]}")
+            raise err
+        # any failure of one exporter: try the next, report all
+        log.info("the %s ONNX exporter did not work: %s", name, err)
+        failures.append(f"{name} exporter: {type(err).__name__}: {str(err)[:300]}")
     onnx_path.unlink(missing_ok=True)  # (Triton's folder; mode=export writes a temporary file)
     raise ExportParityError(
         f"no ONNX export of {onnx_path} agreed with torch: " + "; ".join(failures)
     )
+
+
+def _export_and_compare(
+    name: str, graph: Graph, example, onnx_path: Path, batches: dict[str, Tensor], device: str
+) -> list[ParityCheck]:
+    import onnx
+
+    export_graph(name, graph, example, onnx_path)
+    declare_output_dims(onnx_path, graph.output_dims)
+    onnx.checker.check_model(str(onnx_path))
+    return check_parity(graph, onnx_path, batches, device)
 
 
 def declare_output_dims(onnx_path: Path, output_dims: dict[str, tuple[int, ...]]) -> None:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from kiln.config.base import ConfigError
 from kiln.config.model import HfConfig
-from kiln.errors import did_you_mean, first_few
+from kiln.errors import attempt, did_you_mean, first_few
 from kiln.graph import graph_leaves
 from kiln.models.weights import WeightsError, check_values, read_state_dict
 from kiln.models.zoo.cache import hub_cache_dir, weight_file
@@ -410,21 +410,14 @@ def freeze_unreached(model: HfClassifier, length: int = 8) -> list[str]:
         return []
     training = model.training
     try:
-        vocab = int(model.net.config.get_text_config().vocab_size)
-        ids = torch.arange(2 * length).reshape(2, length) % max(vocab - 1, 1)
-        ids = torch.where(ids >= model.pad_id, ids + 1, ids).clamp(max=vocab - 1)  # not padding
-        ids[1, length // 2 :] = model.pad_id  # a padded text: the mask's path too
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            model.train()
-            out = model(ids.to(next(iter(params.values())).device))
-            reached = graph_leaves(out.values() if isinstance(out, dict) else [out])
-    except Exception as err:  # noqa: BLE001 -- whatever the library raises on these ids
+        reached, err = attempt(_reached_by_two_texts, model, length)
+    finally:
+        model.train(training)
+    if err is not None:  # whatever the library raises on these ids
         # Some models need what two made-up texts lack (BART reads each text's </s>); a model
         # whose forward fails on the data too is reported by the run's checks before step 1.
         log.debug("model=hf: the unreached-parameter check did not run: %s", err)
         return []
-    finally:
-        model.train(training)
     unreached = [name for name, p in params.items() if id(p) not in reached]
     for name in unreached:
         params[name].requires_grad_(False)
@@ -436,6 +429,18 @@ def freeze_unreached(model: HfClassifier, length: int = 8) -> list[str]:
             first_few(unreached),
         )
     return unreached
+
+
+def _reached_by_two_texts(model: HfClassifier, length: int) -> set[int]:
+    """The ids of the leaves the train-mode forward of two made-up texts reaches."""
+    vocab = int(model.net.config.get_text_config().vocab_size)
+    ids = torch.arange(2 * length).reshape(2, length) % max(vocab - 1, 1)
+    ids = torch.where(ids >= model.pad_id, ids + 1, ids).clamp(max=vocab - 1)  # not padding
+    ids[1, length // 2 :] = model.pad_id  # a padded text: the mask's path too
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        model.train()
+        out = model(ids.to(next(model.parameters()).device))
+        return graph_leaves(out.values() if isinstance(out, dict) else [out])
 
 
 def _is_folder_or_hub(arch: str) -> bool:
