@@ -65,6 +65,9 @@ SMALL_SIZE = {
     "num_attention_heads": 2,
     "intermediate_size": 128,
 }
+# Size settings of model types that name theirs otherwise (Perceiver: its latents), set to
+# the small size where the type has them: otherwise "small" would be the library's full size.
+SMALL_SIZE_ELSEWHERE = {"d_latents": 64, "num_latents": 32, "num_self_attends_per_block": 2}
 # Models whose position ids start after the padding id (RoBERTa's create_position_ids): their
 # last usable position is max_position_embeddings - pad_token_id - 1.
 OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "xmod", "longformer")
@@ -476,6 +479,9 @@ def architecture(spec, cfg: HfConfig, source: HfSource | None, pretrained) -> An
             max_position_embeddings=positions,
             **size,
         )
+        for key, small in SMALL_SIZE_ELSEWHERE.items():
+            if hasattr(config, key):
+                setattr(config, key, small)
         parts = sized_parts(config)
         if parts:
             raise ConfigError(
