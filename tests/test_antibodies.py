@@ -238,9 +238,10 @@ class SeededBuild:
     def _built_alike(self, spec) -> nn.Module | None:
         if not self.built:
             return None
-        shapes, failed = attempt(self._meta_shapes, spec)  # failed: a real build
-        alike = (m for m in self.built.values() if failed is None and tensor_shapes(m) == shapes)
-        return next(alike, None)
+        shapes, failed = attempt(self._meta_shapes, spec)
+        if failed is not None:  # a builder the meta device cannot run: a real build
+            return None
+        return next((m for m in self.built.values() if tensor_shapes(m) == shapes), None)
 
     def _meta_shapes(self, spec) -> dict[str, tuple]:
         with torch.device("meta"):
