@@ -40,15 +40,41 @@ PROBES_OFF = (
 
 
 # --dist loadscope keeps each test file on one worker, for its module fixtures. These files have
-# none that cost much, and many independent cases (test-all's 1,578 zoo architectures in
-# test_antibodies.py, hours on one worker; nine detectors trained with every check on, 30 min):
-# each test is its own unit, spread over every worker, when slow tests run (make test-all). In
-# make test they stay by file: spread there, .ci/run was no faster (833 s of pytest, 830 s not).
-SPREAD_FILES = ("tests/test_antibodies.py", "tests/test_torchvision_detection.py")
+# none that cost much, and many independent cases (test-all's 1,626 zoo architectures in
+# test_antibodies.py, hours on one worker; nine detectors trained with every check on, 30 min;
+# each docs page's commands, the benchmarks page alone most of an hour; the whole failure
+# matrix): each test is its own unit, spread over every worker, when slow tests run (make
+# test-all). In make test they stay by file: spread there, .ci/run was no faster (833 s of
+# pytest, 830 s not).
+SPREAD_FILES = (
+    "tests/test_antibodies.py",
+    "tests/test_torchvision_detection.py",
+    "tests/test_docs_commands.py",
+    "tests/test_matrix.py",
+)
+
+
+def slow_tests_run(config) -> bool:
+    return "not slow" not in (config.option.markexpr or "")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under test-all, the longest tests first: a test's timeout mark is what it may take, and
+    a 40-minute test handed out last would run alone at the end while the other workers idle
+    (the scheduler below keeps this order). Each xdist worker collects, and sorts alike."""
+    if slow_tests_run(config):
+        items.sort(key=lambda item: -timeout_of(item))
+
+
+def timeout_of(item) -> float:
+    mark = item.get_closest_marker("timeout")
+    if mark is None:
+        return 0.0
+    return float(mark.args[0] if mark.args else mark.kwargs.get("timeout", 0))
 
 
 def pytest_xdist_make_scheduler(config, log):
-    if config.getoption("dist") != "loadscope" or "not slow" in (config.option.markexpr or ""):
+    if config.getoption("dist") != "loadscope" or not slow_tests_run(config):
         return None  # xdist's own scheduler: make test's (its cases are short) or the one asked for
     from xdist.scheduler import LoadScopeScheduling
 
@@ -58,6 +84,7 @@ def pytest_xdist_make_scheduler(config, log):
                 return nodeid
             return super()._split_scope(nodeid)
 
+    config.option.loadscopereorder = False  # the order of collection: longest first
     return SpreadSomeFiles(config, log)
 
 
