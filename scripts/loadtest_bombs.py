@@ -432,6 +432,8 @@ def main(argv=None) -> int:
         )
         print(json.dumps(seen))
         return 0
+    if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: proves the path, quickly
+        args.rounds, args.seconds = 1, 3.0
     phases = args.phases.split(",")
     load = os.getloadavg()
     from kiln.inference import Predictor
