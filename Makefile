@@ -10,7 +10,7 @@ ARGS   ?=
 # such files used 101% of 200% CPU in 160 s, with three 147% in 124 s; the whole suite 190%.
 # --dist loadscope keeps a test file on one worker, so its module fixtures (a trained run, a
 # server) are built once rather than once per worker; under test-all, files without such
-# fixtures and with many long cases are spread test by test (tests/conftest.py, SPREAD_FILES).
+# fixtures and with many long cases are spread test by test, the longest first (tests/conftest.py).
 JOBS   ?= 3
 
 .DEFAULT_GOAL := help
