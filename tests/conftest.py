@@ -55,6 +55,7 @@ SPREAD_FILES = (
 
 
 def slow_tests_run(config) -> bool:
+    """Whether `slow` tests are selected (make test-all), from the -m expression."""
     return "not slow" not in (config.option.markexpr or "")
 
 

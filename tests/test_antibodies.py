@@ -74,7 +74,7 @@ from kiln.models import build_model
 from kiln.registry import DATASETS, MODELS, compatible_pairs, dataset_provides, model_inputs
 
 from .broken_models import BROKEN, BROKEN_DATA, TWINS, Broken, Twin
-from .conftest import PROBES_OFF, compose_config, train_in_process
+from .conftest import PROBES_OFF, compose_config, slow_tests_run, train_in_process
 from .image_folder_helpers import EXAMPLES
 from .test_engine import make_trainer
 
@@ -408,9 +408,8 @@ def pytest_generate_tests(metafunc):
     """Listing every zoo architecture imports its library: done only when slow tests run."""
     if "zoo_arch" not in metafunc.fixturenames:
         return
-    wanted = "not slow" not in (metafunc.config.getoption("markexpr") or "")
     cases = []
-    for model in MODELS.names() if wanted else ():
+    for model in MODELS.names() if slow_tests_run(metafunc.config) else ():
         listing = MODELS.entry(model).meta.get("archs")
         if listing:
             cases += [(model, arch) for arch in load_target(listing)()]
