@@ -186,7 +186,9 @@ def test_the_start_up_clock_gives_each_lap_to_its_phase():
     assert 1.0 <= seconds["imports"] < 1.05
     assert (seconds["probes"], seconds["build"]) == (0.03, 0.01)
     assert 0.01 <= seconds["first step"] < 0.1 and seconds["config"] == seconds["data"] == 0
-    assert seconds["total"] == pytest.approx(seconds["imports"] + 0.04 + seconds["first step"])
+    # each phase is rounded to the millisecond on its own: the sum may differ by one or two
+    laps = seconds["imports"] + 0.04 + seconds["first step"]
+    assert seconds["total"] == pytest.approx(laps, abs=0.0021)
     assert clock.line().startswith("start-up 1.1 s: imports 1.0, config 0.00, data 0.00, build")
 
 
