@@ -319,9 +319,10 @@ def test_rule3_train_and_eval_agree(model, data, model_overrides):
 @pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
 def test_rule3_holds_under_bf16_autocast_as_amp_runs_on_cpu(model, data, model_overrides):
     """precision=amp on CPU evaluates under bf16 autocast; the check runs the model's real
-    (hook-free) path there too. text_transformer's fused eval path failed only in this case."""
+    (hook-free) path there too. text_transformer's fused eval path failed only in this case.
+    Two items: a bf16 convolution on a CPU without bf16 instructions costs 65 fp32 ones."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        check_rule3(*parts(model, data, model_overrides=model_overrides))
+        check_rule3(*parts(model, data, model_overrides=model_overrides), size=2)
 
 
 @pytest.mark.parametrize(CASE_ARGS, CASES, ids=IDS)
@@ -701,7 +702,7 @@ def test_each_correct_twin_trains_as_it_does_without_the_probes(twin, twin_regis
     from kiln.engine.run import train
 
     as_broken = twin_registered(twin)
-    steps = 4 if as_broken.data == "shapes_detection" else 30  # a detector's step: seconds
+    steps = 4 if as_broken.data == "shapes_detection" else 10  # a detector's step: seconds
     # One thread on both sides: threads=auto counts what neighbours keep busy, and two thread
     # counts sum in two orders (not bitwise) on a loaded machine.
     short = (

@@ -67,9 +67,10 @@ def check_rule2(build: Build, criterion, bundle: DataBundle) -> dict[str, torch.
     return check_loss_branches(build(bundle.spec), criterion, _batch(bundle, 4))
 
 
-def check_rule3(build: Build, criterion, bundle: DataBundle) -> None:
+def check_rule3(build: Build, criterion, bundle: DataBundle, size: int = 4) -> None:
+    """Train and eval forwards of `size` items agree in structure and shapes, and are finite."""
     check_train_eval_agreement(
-        build(bundle.spec), _batch(bundle, 4), criterion.forward, finite=True
+        build(bundle.spec), _batch(bundle, size), criterion.forward, finite=True
     )
 
 

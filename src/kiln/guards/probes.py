@@ -666,9 +666,17 @@ def _run_device(probe: Probe) -> None:
 
 
 def _run_fp16(probe: Probe) -> None:
-    from kiln.guards.fp16 import check_fp16
+    from kiln.guards.fp16 import check_fp16, fp16_items
 
-    check_fp16(probe.model, probe.batch, probe.forward)
+    check_fp16(probe.model, take(probe.batch, fp16_items(probe.batch, probe.size)), probe.forward)
+
+
+def _fp16_cost(probe: Probe) -> float:
+    """A traced forward (3 forwards) of the items it takes, each an emulated one on a CPU."""
+    from kiln.guards.fp16 import CPU_FP16_SLOWDOWN, emulated_fp16, fp16_items
+
+    items = fp16_items(probe.batch, probe.size) / max(probe.size, 1)
+    return 3 * FORWARD * items * (CPU_FP16_SLOWDOWN if emulated_fp16(probe.batch) else 1)
 
 
 def _run_loss_terms(probe: Probe) -> None:
@@ -811,11 +819,11 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "fp16",
         lambda p: p.plan.fp16,
-        cost=lambda p: 3 * FORWARD,
+        cost=_fp16_cost,
         run=_run_fp16,
         under_autocast=False,  # under fp16's own autocast
-        needs="a forward under fp16 autocast, traced op by op",
-        cost_class="a traced forward (about 3 forwards)",
+        needs="a forward under fp16 autocast, traced op by op (on a CPU: of two items)",
+        cost_class="a traced forward (3 forwards; on a CPU without fp16 kernels, 2 items at 65)",
         finds=("fp16 overflow",),
     ),
     Check(
