@@ -34,6 +34,15 @@ NOT_RUN = {
     "hydra/launcher=slurm": "needs a SLURM cluster",
     "postgresql://": "needs a database server",
 }
+# Commands run as typed in full in one place: a page that lists them again (docs/development.md's
+# make targets) skips them, naming where they run. make bench under KILN_SMOKE: 8 minutes.
+RUN_ELSEWHERE = {
+    "make bench": ("benchmarks.md", "docs/benchmarks.md runs it as typed"),
+    "make matrix": (
+        None,
+        "tests/test_matrix.py runs the reduced matrix KILN_SMOKE makes of it and checks its cells",
+    ),
+}
 SERVERS = {"mode=serve": 8000, "make serve": 8000, "tensorboard ": 6006}
 SMOKE = "trainer.max_steps=5 trainer.limit_val_batches=2"
 # The default experiment (digits on an MLP, milliseconds a step) trains 40: its int8 export
@@ -214,11 +223,21 @@ def run(command: Command, home: Path, env: dict) -> None:
     assert done.returncode == 0, f"{command.line}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
-def run_all(found: list[Command], home: Path, env: dict) -> list[tuple[str, int]]:
-    """Every command that can run here, in order, in one checkout: (command, seconds)."""
+def run_elsewhere(command: Command, page: str | None) -> str | None:
+    """Why `page` does not run `command` (run in full elsewhere), or None."""
+    home, why = RUN_ELSEWHERE.get(command.line.strip(), (page, None))
+    return None if home == page else why
+
+
+def run_all(
+    found: list[Command], home: Path, env: dict, page: str | None = None
+) -> list[tuple[str, int]]:
+    """Every command that can run here, in order, in one checkout: (command, seconds).
+    `page`: the docs page they come from (RUN_ELSEWHERE)."""
     ran = []
     for command in found:
-        if command.skip_reason is None and not command.expected:
+        elsewhere = run_elsewhere(command, page)
+        if command.skip_reason is None and not command.expected and elsewhere is None:
             cache_detector_weights(command, env)
             started = time.monotonic()
             run(command, home, env)

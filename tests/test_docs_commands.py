@@ -10,7 +10,16 @@ import pytest
 
 from kiln.cli.paths import REPO_ROOT
 
-from .markdown_commands import commands, environment, placeholders, run, run_all, user_checkout
+from .markdown_commands import (
+    Command,
+    commands,
+    environment,
+    placeholders,
+    run,
+    run_all,
+    run_elsewhere,
+    user_checkout,
+)
 
 PAGES = sorted((REPO_ROOT / "docs").glob("*.md"))
 
@@ -37,4 +46,16 @@ def test_the_mistakes_the_docs_show_print_what_they_show(tmp_path, page, command
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_command_of_a_docs_page_runs_as_typed(tmp_path, page):
     home = user_checkout(tmp_path)
-    run_all(commands(page.read_text()), home, environment(home))
+    run_all(commands(page.read_text()), home, environment(home), page.name)
+
+
+def test_a_command_run_elsewhere_runs_once_on_the_page_that_documents_it():
+    """make bench and make matrix run in full once (docs/benchmarks.md, tests/test_matrix.py);
+    docs/development.md's list of make targets skips them, saying where they run."""
+    bench, matrix = Command("make bench"), Command("make matrix")
+    assert run_elsewhere(bench, "benchmarks.md") is None
+    assert run_elsewhere(bench, "development.md") == "docs/benchmarks.md runs it as typed"
+    assert run_elsewhere(matrix, "development.md").startswith("tests/test_matrix.py runs")
+    assert run_elsewhere(Command("make doctor"), "development.md") is None
+    listed = {c.line for c in commands((REPO_ROOT / "docs" / "benchmarks.md").read_text())}
+    assert "make bench" in listed  # where it runs, it is still typed
