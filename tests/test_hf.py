@@ -322,11 +322,22 @@ def test_a_roberta_folder_with_byte_level_bpe_trains(corpus):
     assert ckpt["data_spec"]["pad_id"] == 1  # <pad>, not kiln's 0 (RoBERTa's <s>)
 
 
-def test_position_limits_count_robertas_offset():
-    assert position_limit({"model_type": "bert", "max_position_embeddings": 512}) == 512
-    roberta = {"model_type": "roberta", "max_position_embeddings": 514, "pad_token_id": 1}
+def test_position_limits_count_the_offset_the_model_itself_has():
+    """Read from the model's own position embedding (its padding row), built on the meta
+    device: RoBERTa's ids start after its padding id, MPNet's after 1 whatever the config says,
+    I-BERT's quantised embedding has the same row; BERT's start at 0."""
+    from transformers import AutoConfig
+
+    def config(model_type, **values):
+        return AutoConfig.for_model(model_type, max_position_embeddings=514, **values)
+
+    assert position_limit(config("bert", pad_token_id=0)) == 514
+    roberta = config("roberta", pad_token_id=1)
     assert position_limit(roberta) == 512
     assert position_limit(roberta, model_max_length=128) == 128
+    assert position_limit(config("roberta", pad_token_id=5)) == 508
+    assert position_limit(config("mpnet", pad_token_id=0)) == 512
+    assert position_limit(config("ibert", pad_token_id=1)) == 512
 
 
 @pytest.mark.parametrize("arch", ["bert", "distilbert", "roberta", "deberta-v2", "albert"])

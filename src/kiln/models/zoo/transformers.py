@@ -68,32 +68,39 @@ SMALL_SIZE = {
 # Size settings of model types that name theirs otherwise (Perceiver: its latents), set to
 # the small size where the type has them: otherwise "small" would be the library's full size.
 SMALL_SIZE_ELSEWHERE = {"d_latents": 64, "num_latents": 32, "num_self_attends_per_block": 2}
-# Models whose position ids start after the padding id (RoBERTa's create_position_ids): their
-# last usable position is max_position_embeddings - pad_token_id - 1. The zoo-wide antibody
-# test finds a type missing here (rule 1 at the data's longest texts).
-OFFSET_POSITIONS = (
-    "roberta",
-    "xlm-roberta",
-    "camembert",
-    "data2vec-text",
-    "xmod",
-    "longformer",
-    "esm",
-    "ibert",
-    "luke",
-    "markuplm",
-    "mpnet",
-    "roberta-prelayernorm",
-    "xlm-roberta-xl",
-)
-FIXED_POSITION_PADDING = {"mpnet": 1}  # MPNet's embeddings take 1 as padding, whatever the config
 
 
-def position_offset(model_type: str | None, pad_token_id: int | None) -> int:
-    """How many position ids come before the first token's (0 where positions start at 0)."""
-    if model_type not in OFFSET_POSITIONS:
+def position_offset(config: Any) -> int:
+    """How many position ids come before the first token's, as the model itself says: a
+    position embedding with a padding row numbers positions after it (RoBERTa's
+    create_position_ids_from_input_ids and its kin; MPNet pads at 1 whatever the config), so
+    its last usable position is max_position_embeddings - padding_idx - 1. Read from the
+    model's own modules, built on the meta device (no memory, a tenth of a second), not from a
+    list of model types that falls behind transformers. 0 where the build fails there (the real
+    build names why)."""
+    return _position_offset(type(config), config.to_json_string(use_diff=False))
+
+
+@functools.lru_cache(maxsize=64)
+def _position_offset(config_class: type, config_json: str) -> int:
+    from transformers import AutoModel
+
+    data = json.loads(config_json)
+    # the embeddings are what is read: one layer builds faster (not every type lets it be set)
+    config, failed = attempt(config_class.from_dict, {**data, "num_hidden_layers": 1})
+    if failed is not None:
+        config, failed = attempt(config_class.from_dict, data)
+    if failed is not None:
         return 0
-    return FIXED_POSITION_PADDING.get(model_type, int(pad_token_id or 0)) + 1
+    with torch.device("meta"):
+        model, failed = attempt(AutoModel.from_config, config)
+    if failed is not None:
+        return 0
+    for name, module in model.named_modules():
+        padding = getattr(module, "padding_idx", None)
+        if name.rsplit(".", 1)[-1] == "position_embeddings" and padding is not None:
+            return int(padding) + 1
+    return 0
 
 
 UNBOUNDED = 1_000_000  # a tokenizer's model_max_length past this is "no limit" (transformers' 1e30)
@@ -198,7 +205,8 @@ def hf_preprocessing(cfg: HfConfig) -> PretrainedText | None:
         max_config_bytes=cfg.max_config_bytes,
         max_tokenizer_bytes=cfg.max_tokenizer_bytes,
     )
-    check_size(transformers_config(config, cfg, source.label), cfg, source.label)
+    typed = transformers_config(config, cfg, source.label)
+    check_size(typed, cfg, source.label)
     path = weights_of(source, cfg.weights)  # a missing weights file fails now, not after the data
     if path is not None:
         check_weights_fit_memory(weight_files(path, source, cfg), available_memory(), source.label)
@@ -215,7 +223,7 @@ def hf_preprocessing(cfg: HfConfig) -> PretrainedText | None:
         special_tokens={k: str(v) for k, v in tokenizer.special_tokens_map.items()},
         pad_id=int(pad_id),
         unk_id=tokenizer.unk_token_id,
-        position_limit=position_limit(config, tokenizer.model_max_length),
+        position_limit=position_limit(typed, tokenizer.model_max_length),
         lowercase=normalizer_lowercases(json.loads(tokenizer_json).get("normalizer")),
         model_input_names=tuple(tokenizer.model_input_names),
         model_config=config,
@@ -349,12 +357,12 @@ def check_size_once(config: Any, cfg: HfConfig, source: HfSource, length: int | 
         _FITS.add(key)
 
 
-def position_limit(config: dict[str, Any], model_max_length: int | None = None) -> int:
-    """The longest sequence the model's position embeddings take (and its tokenizer's
-    model_max_length, when that is set to a real number)."""
-    limit = int(config.get("max_position_embeddings") or UNBOUNDED)
+def position_limit(config: Any, model_max_length: int | None = None) -> int:
+    """The longest sequence the model's position embeddings take (`config`: its transformers
+    config), and its tokenizer's model_max_length when that is set to a real number."""
+    limit = int(getattr(config, "max_position_embeddings", None) or UNBOUNDED)
     if limit < UNBOUNDED:
-        limit -= position_offset(config.get("model_type"), config.get("pad_token_id"))
+        limit -= position_offset(config)
     if model_max_length is not None and 0 < model_max_length < UNBOUNDED:
         limit = min(limit, int(model_max_length))
     return limit
@@ -493,15 +501,16 @@ def architecture(spec, cfg: HfConfig, source: HfSource | None, pretrained) -> An
                 "save the model after model.resize_token_embeddings(len(tokenizer))",
             )
     else:
-        size = dict(SMALL_SIZE)
-        positions = int(spec.max_length or 512) + position_offset(cfg.arch, spec.pad_id)
+        positions = int(spec.max_length or 512)
         config = AutoConfig.for_model(
             cfg.arch,
             vocab_size=spec.vocab_size,
             pad_token_id=spec.pad_id,
             max_position_embeddings=positions,
-            **size,
+            **SMALL_SIZE,
         )
+        # the data's longest text in positions after the padding row, where the model has one
+        config.max_position_embeddings = positions + position_offset(config)
         for key, small in SMALL_SIZE_ELSEWHERE.items():
             if hasattr(config, key):
                 setattr(config, key, small)
