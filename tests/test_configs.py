@@ -129,12 +129,12 @@ def test_option_composes_validates_and_builds(group, option):
 def test_bf16_on_a_cpu_without_bf16_instructions_says_fp32_is_faster(name, caplog):
     """oneDNN emulates bf16 where the CPU has no bf16 instructions (this CI machine's AVX2):
     a convolution 65 times an fp32 one. The run says so once, at the build."""
-    from kiln.engine.precision import cpu_has_bf16
+    from kiln.device import cpu_runs_natively
 
     with caplog.at_level("WARNING", logger="kiln.engine.precision"):
         precision = resolve_precision(name, torch.device("cpu"))
     said = [r.getMessage() for r in caplog.records]
-    emulated = precision.autocast_dtype == torch.bfloat16 and not cpu_has_bf16()
+    emulated = precision.autocast_dtype == torch.bfloat16 and not cpu_runs_natively(torch.bfloat16)
     assert said == ([said[0]] if emulated else [])
     if emulated:
         assert said[0].startswith(f"precision={name} runs in bf16 on a CPU without bf16 ")

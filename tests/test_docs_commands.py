@@ -57,5 +57,6 @@ def test_a_command_run_elsewhere_runs_once_on_the_page_that_documents_it():
     assert run_elsewhere(bench, "development.md") == "docs/benchmarks.md runs it as typed"
     assert run_elsewhere(matrix, "development.md").startswith("tests/test_matrix.py runs")
     assert run_elsewhere(Command("make doctor"), "development.md") is None
+    assert run_elsewhere(matrix, None) is not None  # the README's commands: no page
     listed = {c.line for c in commands((REPO_ROOT / "docs" / "benchmarks.md").read_text())}
     assert "make bench" in listed  # where it runs, it is still typed

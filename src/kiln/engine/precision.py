@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.errors import attempt
+from kiln.device import cpu_runs_natively
 from kiln.registry import PRECISIONS
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,8 @@ class Precision:
 
 def resolve_precision(name: str, device: torch.device) -> Precision:
     precision = PRECISIONS.get(name)(device)
-    if precision.autocast_dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_bf16():
+    bf16 = precision.autocast_dtype == torch.bfloat16
+    if bf16 and device.type == "cpu" and not cpu_runs_natively(torch.bfloat16):
         log.warning(
             "precision=%s runs in bf16 on a CPU without bf16 instructions: oneDNN emulates "
             "it, convolutions tens of times slower than in fp32 (x65 measured on an AVX2 CPU, "
@@ -37,12 +38,6 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
             name,
         )
     return precision
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU runs bf16 natively (AVX512-BF16, AMX, or Arm's BF16), as oneDNN sees it."""
-    native, err = attempt(torch.ops.mkldnn._is_mkldnn_bf16_supported)
-    return err is None and bool(native)
 
 
 def fp32(device: torch.device) -> Precision:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.device import cpu_runs_natively
 from kiln.errors import attempt
 from kiln.guards.no_trace import untouched
 from kiln.guards.numerics import (
@@ -39,10 +40,7 @@ CPU_FP16_SLOWDOWN = 65
 
 def emulated_fp16(batch: Any) -> bool:
     """Whether an fp16 forward of `batch` runs on a CPU that has no float16 kernels."""
-    if _device_of(batch) != "cpu":
-        return False
-    native, err = attempt(torch.ops.mkldnn._is_mkldnn_fp16_supported)
-    return err is not None or not native
+    return _device_of(batch) == "cpu" and not cpu_runs_natively(torch.float16)
 
 
 def fp16_items(batch: Any, size: int) -> int:
