@@ -258,7 +258,7 @@ def _load_weights_only(path: Path, map_location) -> Any:
     (pre-1.6, `_use_new_zipfile_serialization=False`) format, which torch still reads."""
     import torch
 
-    if not zipfile.is_zipfile(path) and not _legacy_magic(path):
+    if not _zip_archive(path) and not _legacy_magic(path):
         # decided before unpickling: random bytes can fail inside torch.load in any way at all
         # (an IndexError from the unpickler's stack, say)
         raise CheckpointError(_not_a_checkpoint(path))
@@ -273,15 +273,27 @@ def _load_weights_only(path: Path, map_location) -> Any:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {err}") from None
 
 
+def _zip_archive(path: Path) -> bool:
+    """A zip archive from its first bytes (a local file header, where torch.save's archive
+    starts and torch.load looks) and its end record. zipfile.is_zipfile alone looks only for
+    the end record's 4-byte signature anywhere in the last 64 KiB, which random bytes hold
+    about once in a million 4 KiB files: those went on to torch's legacy unpickler."""
+    return _starts_with(path, b"PK\x03\x04") and zipfile.is_zipfile(path)
+
+
 # A legacy torch.save file starts with a pickled magic number (protocol 2: 0x80 0x02, then
 # the long 0x1950a86a20f9469cfc6c).
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
 
 
 def _legacy_magic(path: Path) -> bool:
+    return _starts_with(path, _LEGACY_MAGIC)
+
+
+def _starts_with(path: Path, magic: bytes) -> bool:
     try:
         with open(path, "rb") as f:
-            return f.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC
+            return f.read(len(magic)) == magic
     except OSError:
         return False
 
@@ -299,7 +311,7 @@ def unreadable(path: Path) -> str | None:
     file is loaded."""
     path = Path(path)
     try:
-        if zipfile.is_zipfile(path):
+        if _zip_archive(path):
             with zipfile.ZipFile(path) as archive:
                 bad = archive.testzip()
             return None if bad is None else f"entry {bad} fails its CRC check"
