@@ -4,16 +4,18 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
-from kiln.cli.paths import REPO_ROOT
+from kiln.cli.paths import REPO_ROOT, has_override
 from kiln.config import load_config
 from kiln.registry import load_plugins
 
@@ -90,8 +92,63 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def compose_config(*overrides: str):
-    """The typed config `python train.py <overrides>` would run (kiln.config.load_config)."""
-    return load_config(list(overrides))
+    """The typed config `python train.py <overrides>` would run (kiln.config.load_config).
+    A Hydra composition costs 0.3 s and the default suite asks for a thousand, four in ten of
+    them again: each test process composes the same overrides once while what the composition
+    read stays the same (the YAML files, and the registry entries of the options it chose:
+    tests register models of their own), and each caller gets its own copy (lists and dicts in
+    a config are not frozen) and the warnings the composition gave."""
+    if any(has_override([o], key) for o in overrides for key in UNCACHED_KEYS):
+        return load_config(list(overrides))  # these import plugins or read folders of their own
+    key = (overrides, config_files())
+    found = [
+        (cfg, said) for chosen, cfg, said in _composed.get(key, ()) if chosen == chosen_entries(cfg)
+    ]
+    if found:
+        cfg, said = found[0]
+    else:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            cfg = load_config(list(overrides))
+        _composed.setdefault(key, []).append((chosen_entries(cfg), cfg, said))
+    for warning in said:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return copy.deepcopy(cfg)
+
+
+UNCACHED_KEYS = ("plugins", "hydra.searchpath")
+_composed: dict[tuple, list[tuple]] = {}
+
+
+def config_files() -> tuple:
+    """Every option YAML a composition may read now (kiln's conf/ and the folders plugins
+    added), with its mtime and size, and HOME (`~` in paths)."""
+    import kiln.config
+    from kiln.registry import config_dirs
+
+    folders = [Path(kiln.config.CONF_DIR)]
+    folders += [Path(d.removeprefix("file://")) for d in config_dirs() if d.startswith("file://")]
+    files = []
+    for folder in folders:
+        for path in sorted(folder.rglob("*.yaml")):
+            stat = path.stat()
+            files.append((str(path), stat.st_mtime_ns, stat.st_size))
+    return tuple(files), os.environ.get("HOME")
+
+
+def chosen_entries(cfg) -> tuple | None:
+    """The registry entry (and schema) each group's chosen option has now; None where one is no
+    longer registered."""
+    from kiln.registry import GROUP_REGISTRIES
+
+    chosen = []
+    for group, registry in GROUP_REGISTRIES.items():
+        name = getattr(getattr(cfg, group), "name", None)
+        if name not in registry.names():
+            return None
+        entry = registry.entry(name)
+        chosen.append((group, name, id(entry), id(entry.config), entry.config.__qualname__))
+    return tuple(chosen)
 
 
 def train_in_process(run_dir: Path, *overrides: str) -> dict:

@@ -393,3 +393,42 @@ def test_a_composed_config_is_frozen_through_the_tree():
     ]:
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(node, key, getattr(node, key))
+
+
+def test_hydras_repository_copy_shares_the_one_config_store():
+    """Hydra deep-copies its config repository at every composition; the structured source in
+    it shares the ConfigStore (kiln.config.share_the_config_store): no schema is copied, and an
+    option stored after the copy was made is found through it."""
+    import copy
+
+    from hydra._internal.core_plugins.structured_config_source import StructuredConfigSource
+    from hydra.core.config_store import ConfigStore
+
+    register_configs()
+    clone = copy.deepcopy(StructuredConfigSource(provider="kiln-test", path="structured://"))
+    assert clone.store is ConfigStore.instance()
+    ConfigStore.instance().store(group="kiln_test_late", name="late", node={"x": 1})
+    try:
+        assert clone.load_config("kiln_test_late/late").config.x == 1
+    finally:
+        ConfigStore.instance().repo.pop("kiln_test_late")
+
+
+def test_the_tests_compose_a_config_again_when_an_option_it_chose_is_registered_anew():
+    """tests/conftest.compose_config composes the same overrides once per process: each caller
+    gets its own copy, and the key holds the registry entry of each option the composition
+    chose (a test registers a model of its own, under a name another test used)."""
+    import dataclasses
+
+    from .conftest import chosen_entries
+
+    cfg = compose_config("model=mlp")
+    assert cfg == compose_config("model=mlp") and cfg is not compose_config("model=mlp")
+    chosen = chosen_entries(cfg)
+    original = MODELS._entries["mlp"]
+    MODELS._entries["mlp"] = dataclasses.replace(original)  # registered anew
+    try:
+        assert chosen_entries(cfg) != chosen
+    finally:
+        MODELS._entries["mlp"] = original
+    assert chosen_entries(cfg) == chosen

@@ -9,6 +9,7 @@ Composition and validation errors are ConfigError: one line naming the key and w
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -66,6 +67,7 @@ def register_configs() -> None:
     option itself is a YAML file, conf/<group>/<option>.yaml (or on hydra.searchpath)."""
     from hydra.core.config_store import ConfigStore
 
+    share_the_config_store()
     store = ConfigStore.instance()
 
     def store_once(group: str | None, name: str, schema: type, node) -> None:
@@ -79,6 +81,18 @@ def register_configs() -> None:
             schema = registry.entry(name).config
             twin = composable(schema)  # kiln.config.base: why a twin
             store_once(f"{SCHEMA_GROUP}/{group}", name, schema, twin(name=name))
+
+
+def share_the_config_store() -> None:
+    """Hydra 1.3 deep-copies its config repository at every composition (three per train.py),
+    and the repository's structured-config source holds the ConfigStore singleton: every schema
+    stored there was copied each time (a tenth of a composition's time), into a second
+    "singleton". Hydra's main branch no longer holds the store there (facebookresearch/hydra
+    pull request 2928); until a release has it, a copy of that source shares the one store."""
+    from hydra._internal.core_plugins.structured_config_source import StructuredConfigSource
+
+    if "__deepcopy__" not in vars(StructuredConfigSource):
+        StructuredConfigSource.__deepcopy__ = lambda self, memo: copy.copy(self)
 
 
 def compose(overrides: list[str] = (), *, hydra_config: bool = False) -> DictConfig:
