@@ -37,32 +37,15 @@ def fit_baseline(texts: Sequence[str], labels: Sequence[int]):
 
 def scores(predicted: np.ndarray, targets: np.ndarray, class_names: Sequence[str]) -> dict:
     """Accuracy, macro-F1 and per-class precision / recall / F1 / support of predicted class
-    indices, as the evaluation report defines them (kiln.inference.evaluate's
-    classification_metrics: macro over the classes in the labels or the predictions; tested
-    equal) without importing torchmetrics at the end of every text run."""
-    k = len(class_names)
-    counts = np.bincount(targets * k + predicted, minlength=k * k).reshape(k, k)  # rows: true
-    hits, support, chosen = np.diag(counts), counts.sum(axis=1), counts.sum(axis=0)
+    indices, as the evaluation report defines them (kiln.inference.scores)."""
+    from kiln.inference.scores import ClassScores
 
-    def ratio(a, b):
-        return np.divide(a, b, out=np.zeros(k), where=b > 0)
-
-    precision, recall = ratio(hits, chosen), ratio(hits, support)
-    f1 = ratio(2 * hits, support + chosen)
-    present = (support + chosen) > 0
+    found = ClassScores.of(predicted, targets, len(class_names))
     return {
-        "accuracy": float(hits.sum() / max(len(targets), 1)),
-        "macro_f1": float(f1[present].mean()) if present.any() else 0.0,
+        "accuracy": found.accuracy,
+        "macro_f1": found.macro(found.f1),
         "count": int(len(targets)),
-        "per_class": {
-            name: {
-                "precision": float(precision[i]),
-                "recall": float(recall[i]),
-                "f1": float(f1[i]),
-                "support": int(support[i]),
-            }
-            for i, name in enumerate(class_names)
-        },
+        "per_class": found.per_class(class_names),
     }
 
 

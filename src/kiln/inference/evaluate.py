@@ -8,9 +8,10 @@ test split), so both say the same thing about a model.
     eval/predictions.csv       every input: source, true, label (predicted), prob_<class> ...
                                (detection: every box, with the true box it matched and the IoU)
 
-Classification metrics are torchmetrics' (accuracy, top-5 accuracy when there are more than 5
-classes, macro-F1 over the classes present in the labels or the predictions, per-class
-precision / recall / F1 / support, the confusion matrix). Detection is torchmetrics'
+Classification metrics come from the confusion matrix (kiln.inference.scores, equal to
+scikit-learn's: accuracy, top-5 accuracy when there are more than 5 classes, macro-F1 over the
+classes present in the labels or the predictions, per-class precision / recall / F1 / support,
+the confusion matrix). Detection is torchmetrics'
 MeanAveragePrecision (COCO's evaluation through pycocotools), the same computation as the
 training log's val_map50, so the report and the log agree: mAP@[.5:.95], mAP@.5 and per class.
 
@@ -131,49 +132,23 @@ def classification_metrics(
     probs: np.ndarray, targets: np.ndarray, class_names: Sequence[str]
 ) -> dict[str, Any]:
     """The numbers of metrics.json from probabilities (N, K) and true class indices (N,)."""
-    import torch
-    from torchmetrics.classification import (
-        MulticlassAccuracy,
-        MulticlassConfusionMatrix,
-        MulticlassF1Score,
-        MulticlassPrecision,
-        MulticlassRecall,
-    )
+    from kiln.inference.scores import ClassScores, top_k_accuracy
 
-    k = len(class_names)
-    preds, target = torch.from_numpy(np.asarray(probs, np.float32)), torch.from_numpy(targets)
-
-    def value(metric) -> Any:
-        return metric(preds, target).tolist()
-
-    counts = np.asarray(value(MulticlassConfusionMatrix(k)), dtype=np.int64)  # rows: true
-    precision = value(MulticlassPrecision(k, average=None))
-    recall = value(MulticlassRecall(k, average=None))
-    f1 = value(MulticlassF1Score(k, average=None))
-    out = {"accuracy": value(MulticlassAccuracy(k, average="micro"))}
-    if k > TOP_K:
-        out["top5_accuracy"] = value(MulticlassAccuracy(k, top_k=TOP_K, average="micro"))
-    out |= {
-        # Macro averages over the classes present in the labels or predictions (a class absent
-        # from both would only add a meaningless 0): torchmetrics' and scikit-learn's default.
-        "macro_f1": value(MulticlassF1Score(k, average="macro")),
-        "macro_precision": value(MulticlassPrecision(k, average="macro")),
-        "macro_recall": value(MulticlassRecall(k, average="macro")),
+    probs, targets = np.asarray(probs, np.float32), np.asarray(targets, np.int64)
+    scores = ClassScores.of(probs.argmax(axis=1), targets, len(class_names))
+    out: dict[str, Any] = {"accuracy": scores.accuracy}
+    if len(class_names) > TOP_K:
+        out["top5_accuracy"] = top_k_accuracy(probs, targets, TOP_K)
+    return out | {
+        "macro_f1": scores.macro(scores.f1),
+        "macro_precision": scores.macro(scores.precision),
+        "macro_recall": scores.macro(scores.recall),
         "count": int(len(targets)),
-        "errors": int(len(targets) - np.trace(counts)),
-        "num_classes": k,
-        "per_class": {
-            name: {
-                "precision": precision[i],
-                "recall": recall[i],
-                "f1": f1[i],
-                "support": int(counts[i].sum()),
-            }
-            for i, name in enumerate(class_names)
-        },
-        "confusion_matrix": counts.tolist(),  # rows: true class, columns: predicted
+        "errors": int(len(targets) - np.trace(scores.counts)),
+        "num_classes": len(class_names),
+        "per_class": scores.per_class(class_names),
+        "confusion_matrix": scores.counts.tolist(),  # rows: true class, columns: predicted
     }
-    return out
 
 
 def most_confident_errors(probs, targets, sources, class_names, limit: int):
