@@ -78,10 +78,6 @@ from .conftest import PROBES_OFF, compose_config, slow_tests_run, train_in_proce
 from .image_folder_helpers import EXAMPLES
 from .test_engine import make_trainer
 
-# Configs are frozen: the cases that compose the same overrides share one (a compose is 0.1 s,
-# five per zoo architecture).
-composed = functools.lru_cache(maxsize=256)(compose_config)
-
 DETECTION = EXAMPLES.parent / "detection"  # kiln.data.photo_boxes' folder (COCO and YOLO)
 # Smaller than the options' defaults, for speed only: a dataset missing here runs as configured.
 SMALL = {
@@ -182,7 +178,7 @@ def bundle_for(data: str, data_overrides=()):
         fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
         model = fits[dataset_provides(data)]
         overrides = (f"data={data}", f"model={model}", *small(data), *data_overrides)
-        _bundles[key] = build_data(composed(*overrides).data)
+        _bundles[key] = build_data(compose_config(*overrides).data)
     return _bundles[key]
 
 
@@ -192,7 +188,7 @@ def model_config(model: str, data: str, model_overrides=()):
     model, whose YAML lives in the user's own folder)."""
     if (CONF_DIR / "model" / f"{model}.yaml").is_file():
         overrides = (f"data={data}", f"model={model}", *small(data), *model_overrides)
-        return composed(*overrides).model
+        return compose_config(*overrides).model
     return MODELS.entry(model).config(name=model)
 
 
@@ -210,7 +206,7 @@ def parts(
     composed with `model_overrides`, or `model_cfg`)."""
     fits = {"image": "mlp", "tokens": "text_bow", "image_list": "detector"}
     base = fits[dataset_provides(data)]
-    cfg = composed(f"data={data}", f"model={base}", *small(data), *overrides)
+    cfg = compose_config(f"data={data}", f"model={base}", *small(data), *overrides)
     model_cfg = model_cfg or model_config(model, data, model_overrides)
     cfg = dataclasses.replace(cfg, model=model_cfg)
     build = SeededBuild(cfg.model, aux=cfg.loss.force_all_branches or cfg.loss.aux_head)
