@@ -28,10 +28,25 @@ SAME_RUN = (
 
 
 def test_two_cpu_processes_match_one_process_with_the_same_global_batch(tmp_path):
-    single_dir, ddp_dir = tmp_path / "single", tmp_path / "ddp"
+    """Two ranks, half the batch each, end where one process with the whole batch ends; they
+    share one run directory, named by Hydra (no hydra.run.dir). One torchrun run checked for
+    both: each costs three fresh processes on the 2-core CI machine."""
+    single_dir = tmp_path / "single"
     train_in_process(single_dir, *SAME_RUN, "data.batch_size=32")  # the process is torchrun's
-    ddp = run_train(ddp_dir, *SAME_RUN, "trainer=ddp", "data.batch_size=16", launcher=TORCHRUN)
+    ddp = run_train(
+        tmp_path / "unused",
+        *SAME_RUN,
+        "trainer=ddp",
+        "data.batch_size=16",
+        launcher=TORCHRUN,
+        cwd=tmp_path,
+        explicit_run_dir=False,
+    )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
+    run_dirs = [p.parent for p in (tmp_path / "outputs").glob("**/summary.json")]
+    assert len(run_dirs) == 1 and "-ddp-" in run_dirs[0].name, run_dirs
+    assert len(list((tmp_path / "outputs").glob("**/.hydra"))) == 1
+    (ddp_dir,) = run_dirs
 
     expected = load_checkpoint(single_dir / "checkpoints" / "last.pt")["model"]
     actual = load_checkpoint(ddp_dir / "checkpoints" / "last.pt")["model"]
@@ -47,39 +62,6 @@ def test_two_cpu_processes_match_one_process_with_the_same_global_batch(tmp_path
     assert log.count("step 5 loss") == 1  # only rank 0 logs
 
 
-def test_ranks_share_one_run_directory_without_hydra_run_dir(tmp_path):
-    result = run_train(
-        tmp_path / "unused",
-        "trainer=ddp",
-        "trainer.max_steps=2",
-        "env.progress_bar=false",
-        launcher=TORCHRUN,
-        cwd=tmp_path,
-        explicit_run_dir=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    run_dirs = [p.parent for p in (tmp_path / "outputs").glob("**/summary.json")]
-    assert len(run_dirs) == 1 and "-ddp-" in run_dirs[0].name
-    assert len(list((tmp_path / "outputs").glob("**/.hydra"))) == 1
-
-
-def test_nonfinite_loss_under_ddp_stops_every_rank_with_one_fail_line(tmp_path):
-    run_dir = tmp_path / "run"
-    result = run_train(
-        run_dir,
-        "trainer=ddp",
-        *DIVERGING,
-        "env.progress_bar=false",
-        f"output_root={tmp_path}/outputs",
-        launcher=TORCHRUN,
-        timeout=240,
-    )
-    assert result.returncode != 0
-    fails = [line for line in result.stderr.splitlines() if line.startswith("[FAIL]")]
-    assert len(fails) == 1 and "| DDP | amp=False | loss" in fails[0], result.stderr[-2000:]
-    assert read_summary(run_dir)["status"] == "failed"
-
-
 SLOW_REPORT = """
 import time
 import kiln.cli.train as train
@@ -91,9 +73,10 @@ train.record_failure = record_slowly
 """
 
 
-def test_the_other_ranks_wait_for_the_main_ranks_fail_line_before_they_exit(tmp_path):
-    """torchrun stops every worker once one exits non-zero: rank 1 used to exit at once and cut
-    rank 0's [FAIL] line and summary whenever rank 0 was slower to report (here, 4 s slower)."""
+def test_nonfinite_loss_stops_every_rank_and_they_wait_for_the_main_ranks_fail_line(tmp_path):
+    """A non-finite loss under DDP stops every rank with one [FAIL] line. torchrun stops every
+    worker once one exits non-zero: rank 1 used to exit at once and cut rank 0's [FAIL] line and
+    summary whenever rank 0 was slower to report (here, 4 s slower)."""
     (tmp_path / "slow_report.py").write_text(SLOW_REPORT)
     run_dir = tmp_path / "run"
     result = run_train(
@@ -107,6 +90,7 @@ def test_the_other_ranks_wait_for_the_main_ranks_fail_line_before_they_exit(tmp_
         cwd=tmp_path,
         timeout=240,
     )
+    assert result.returncode != 0
     fails = [line for line in result.stderr.splitlines() if line.startswith("[FAIL]")]
     assert len(fails) == 1 and "| DDP | amp=False | loss" in fails[0], result.stderr[-2000:]
     assert read_summary(run_dir)["status"] == "failed"
