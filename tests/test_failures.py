@@ -1,4 +1,4 @@
-"""How a run dies: through the real train.py, a broken model is stopped by its rule with one
+"""How a run dies: through train.py's main, a broken model is stopped by its rule with one
 [FAIL] line of the contract's grammar, its detail, the run directory, failures.log and the
 traceback in train.log; and a model a user registers joins the registry-wide tests unedited."""
 
@@ -12,9 +12,12 @@ import textwrap
 
 import pytest
 
+from kiln import registry
 from kiln.cli.paths import REPO_ROOT
+from kiln.cli.train import main as train_main
 from kiln.findings import KINDS
 from kiln.guards.rules import BATCH, DEAD, DETERMINISM, LEARN
+from kiln.registry import MODELS
 
 from .conftest import SUBPROCESS_ENV, read_summary
 
@@ -43,24 +46,32 @@ RULES_BY_WHAT = {
 
 
 @pytest.fixture
-def broken_project(tmp_path):
+def broken_project(tmp_path, monkeypatch):
+    """A user's folder with a plugin module registering the broken models and their option
+    YAMLs; the test's working directory and on its path, as the plugin's folder is for
+    `python train.py` started there. What the plugin adds (its module, registry entries, search
+    path) leaves with the test."""
     (tmp_path / "broken_parts.py").write_text(REGISTER_BROKEN)
     (tmp_path / "conf" / "model").mkdir(parents=True)
     for name in ("eval_only_crash", "layer_on_meta", *(kind[0] for kind in BEHAVIOUR_KINDS)):
         (tmp_path / "conf" / "model" / f"{name}.yaml").write_text("dropout: 0.0\n")
-    return tmp_path
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_CONFIG_DIRS", [])
+    before = set(MODELS.names())
+    yield tmp_path
+    sys.modules.pop("broken_parts", None)
+    for name in set(MODELS.names()) - before:
+        del MODELS._entries[name]
 
 
-def train_py(cwd, *args):
-    env = {**SUBPROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(cwd)])}
-    return subprocess.run(
-        [sys.executable, str(REPO_ROOT / "train.py"), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def train_py(capfd, *args) -> tuple[int, str]:
+    """train.py's main in this process: its exit status and its stderr. A failed run's [FAIL]
+    line from a real process, and its exit status: tests/test_resume.py (non-finite loss) and
+    tests/test_printed_commands.py (a failed run's commands); each is a process start here."""
+    with pytest.raises(SystemExit) as stopped:
+        train_main(list(args))
+    return stopped.value.code, capfd.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -71,11 +82,11 @@ def train_py(cwd, *args):
     ],
 )
 def test_a_broken_model_dies_with_one_fail_line_its_detail_and_the_run_dir(
-    broken_project, model, what, detail
+    broken_project, capfd, model, what, detail
 ):
     run_dir = broken_project / "run"
-    result = train_py(
-        broken_project,
+    code, stderr = train_py(
+        capfd,
         "plugins=[broken_parts]",
         f"hydra.searchpath=[file://{broken_project}/conf]",
         f"model={model}",
@@ -83,10 +94,10 @@ def test_a_broken_model_dies_with_one_fail_line_its_detail_and_the_run_dir(
         "env.progress_bar=false",
         "output_root=outs",
     )
-    assert result.returncode == 1, result.stderr[-3000:]
-    lines = result.stderr.strip().splitlines()
+    assert code == 1, stderr[-3000:]
+    lines = stderr.strip().splitlines()
     fail = [i for i, line in enumerate(lines) if line.startswith("[FAIL]")]
-    assert len(fail) == 1, result.stderr
+    assert len(fail) == 1, stderr
     i = fail[0]
     assert lines[i] == f"[FAIL] digits-{model} | single | amp=False | {what} @ step 0"
     assert lines[i + 1].startswith(f"  {detail}")
@@ -100,13 +111,13 @@ def test_a_broken_model_dies_with_one_fail_line_its_detail_and_the_run_dir(
 
 @pytest.mark.parametrize(("model", "what", "module"), BEHAVIOUR_KINDS)
 def test_a_model_that_computes_the_wrong_thing_stops_before_step_1_through_plugins(
-    broken_project, model, what, module
+    broken_project, capfd, model, what, module
 ):
     """`python train.py plugins=[...] model=<broken>`: the check's own [FAIL] line at step 0,
     its message starting with the check, and summary.json naming the check and the module."""
     run_dir = broken_project / "run"
-    result = train_py(
-        broken_project,
+    code, stderr = train_py(
+        capfd,
         "plugins=[broken_parts]",
         f"hydra.searchpath=[file://{broken_project}/conf]",
         f"model={model}",
@@ -114,10 +125,10 @@ def test_a_model_that_computes_the_wrong_thing_stops_before_step_1_through_plugi
         "env.progress_bar=false",
         "output_root=outs",
     )
-    assert result.returncode == 1, result.stderr[-3000:]
-    lines = result.stderr.strip().splitlines()
+    assert code == 1, stderr[-3000:]
+    lines = stderr.strip().splitlines()
     fail = [i for i, line in enumerate(lines) if line.startswith("[FAIL]")]
-    assert len(fail) == 1, result.stderr[-3000:]
+    assert len(fail) == 1, stderr[-3000:]
     assert lines[fail[0]] == f"[FAIL] digits-{model} | single | amp=False | {what} @ step 0"
     assert lines[fail[0] + 1].startswith(f"  {RULES_BY_WHAT[what]}: "), lines[fail[0] + 1]
     summary = read_summary(run_dir)
