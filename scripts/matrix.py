@@ -5,6 +5,7 @@ branch forced on, through the real train.py, as many cells at a time as the core
     python scripts/matrix.py                       # the whole matrix -> outputs/matrix/<stamp>/
     python scripts/matrix.py --reduced             # each model once, plus one DDP and one amp cell
     python scripts/matrix.py --plugins my_parts hydra.searchpath=[file://$PWD/conf]  # yours too
+    python scripts/matrix.py --models resnet18 --data digits --single   # one cell
 
 One line per cell, [OK] or the run's own [FAIL] line (same grammar), then matrix.md (a table)
 and failures.log in the output folder; the exit code is 1 when any cell failed."""
@@ -75,11 +76,21 @@ class Outcome:
     detail: str
 
 
-def cells(plugins: list[str], reduced: bool, models: list[str], single: bool = False) -> list[Cell]:
+def cells(
+    plugins: list[str],
+    reduced: bool,
+    models: list[str],
+    single: bool = False,
+    datasets: list[str] = (),
+) -> list[Cell]:
     from kiln.registry import compatible_pairs, load_plugins
 
     load_plugins(plugins)
-    pairs = [(m, d) for m, d in compatible_pairs() if not models or m in models]
+    pairs = [
+        (m, d)
+        for m, d in compatible_pairs()
+        if (not models or m in models) and (not datasets or d in datasets)
+    ]
     if single:  # one process, fp32: what a model's own cell says, without DDP's or amp's cost
         return [Cell(m, d, False, False) for m, d in pairs]
     if reduced:  # each model once, on data the repo generates rather than files it reads
@@ -168,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reduced", action="store_true", help="each model once + 1 DDP + 1 amp")
     parser.add_argument("--plugins", nargs="*", default=[], help="your modules that register")
     parser.add_argument("--models", nargs="*", default=[], help="only these models")
+    parser.add_argument("--data", nargs="*", default=[], help="only these datasets")
     parser.add_argument("--single", action="store_true", help="single-process fp32 cells only")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="cells at a time")
     parser.add_argument("--out", type=Path, default=None, help="default: outputs/matrix/<stamp>")
@@ -179,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("outputs/matrix") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    todo = cells(args.plugins, args.reduced, args.models, args.single)
+    todo = cells(args.plugins, args.reduced, args.models, args.single, args.data)
     print(f"{len(todo)} cells, {args.jobs} at a time -> {out}", flush=True)
     started = time.perf_counter()
     outcomes = []

@@ -51,9 +51,11 @@ def test_a_broken_cell_fails_the_matrix_with_its_fail_line(tmp_path):
     (tmp_path / "conf" / "model" / "eval_structure.yaml").write_text("dropout: 0.0\n")
     env = {**SUBPROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(tmp_path)])}
     searchpath = f"hydra.searchpath=[file://{tmp_path}/conf]"
-    args = ("--plugins", "broken_parts", "--models", "eval_structure", "--single", searchpath)
+    args = ("--plugins", "broken_parts", "--models", "eval_structure", "--data", "digits")
+    args = (*args, "--single", searchpath)
     result = matrix(tmp_path, *args, env=env)
-    assert result.returncode == 1
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.startswith("1 cells, "), result.stdout  # digits only: --data
     assert "[FAIL] digits-eval_structure | single | amp=False | shapes @ step 0" in (result.stdout)
     failures = (tmp_path / "m" / "failures.log").read_text()
     assert "rule 3 (train and eval must agree)" in failures
