@@ -158,6 +158,24 @@ def train_in_process(run_dir: Path, *overrides: str) -> dict:
     return train(compose_config(*overrides), run_dir)
 
 
+def train_main_here(capfd, *args: str) -> tuple[int, str]:
+    """`python train.py <args>` as its main() runs it, in this process: the exit status (0 when
+    it returned) and what it wrote to stderr. For what a run says and leaves; what only a process
+    shows (signals, the interpreter's exit, output order across processes) needs run_train."""
+    from kiln.cli.train import main
+
+    argv = sys.argv[:]
+    capfd.readouterr()  # only this run's stderr
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        sys.argv = argv  # main hands its arguments to Hydra through sys.argv
+    return code, capfd.readouterr().err
+
+
 @pytest.fixture(autouse=True)
 def _own_probe_cache(tmp_path_factory, monkeypatch):
     """Each test its own probe cache (kiln.guards.probe_cache), in this process and in the

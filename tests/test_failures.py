@@ -1,6 +1,8 @@
 """How a run dies: through train.py's main, a broken model is stopped by its rule with one
 [FAIL] line of the contract's grammar, its detail, the run directory, failures.log and the
-traceback in train.log; and a model a user registers joins the registry-wide tests unedited."""
+traceback in train.log; and a model a user registers joins the registry-wide tests unedited.
+The runs are main() in the test's process: a failed run's [FAIL] line and exit status from a
+real process are tested in test_resume.py (a non-finite loss) and test_printed_commands.py."""
 
 from __future__ import annotations
 
@@ -14,12 +16,11 @@ import pytest
 
 from kiln import registry
 from kiln.cli.paths import REPO_ROOT
-from kiln.cli.train import main as train_main
 from kiln.findings import KINDS
 from kiln.guards.rules import BATCH, DEAD, DETERMINISM, LEARN
 from kiln.registry import MODELS
 
-from .conftest import SUBPROCESS_ENV, read_summary
+from .conftest import SUBPROCESS_ENV, read_summary, train_main_here
 
 REGISTER_BROKEN = """
 from tests.broken_models import BROKEN
@@ -65,15 +66,6 @@ def broken_project(tmp_path, monkeypatch):
         del MODELS._entries[name]
 
 
-def train_py(capfd, *args) -> tuple[int, str]:
-    """train.py's main in this process: its exit status and its stderr. A failed run's [FAIL]
-    line from a real process, and its exit status: tests/test_resume.py (non-finite loss) and
-    tests/test_printed_commands.py (a failed run's commands); each is a process start here."""
-    with pytest.raises(SystemExit) as stopped:
-        train_main(list(args))
-    return stopped.value.code, capfd.readouterr().err
-
-
 @pytest.mark.parametrize(
     ("model", "what", "detail"),
     [
@@ -85,7 +77,7 @@ def test_a_broken_model_dies_with_one_fail_line_its_detail_and_the_run_dir(
     broken_project, capfd, model, what, detail
 ):
     run_dir = broken_project / "run"
-    code, stderr = train_py(
+    code, stderr = train_main_here(
         capfd,
         "plugins=[broken_parts]",
         f"hydra.searchpath=[file://{broken_project}/conf]",
@@ -116,7 +108,7 @@ def test_a_model_that_computes_the_wrong_thing_stops_before_step_1_through_plugi
     """`python train.py plugins=[...] model=<broken>`: the check's own [FAIL] line at step 0,
     its message starting with the check, and summary.json naming the check and the module."""
     run_dir = broken_project / "run"
-    code, stderr = train_py(
+    code, stderr = train_main_here(
         capfd,
         "plugins=[broken_parts]",
         f"hydra.searchpath=[file://{broken_project}/conf]",

@@ -15,7 +15,14 @@ from kiln.checkpoint import load_checkpoint
 from kiln.data import build_data
 from kiln.models.weights import WeightsError, init_from, read_state_dict
 
-from .conftest import compose_config, read_metrics, read_summary, run_train, train_in_process
+from .conftest import (
+    compose_config,
+    read_metrics,
+    read_summary,
+    run_train,
+    train_in_process,
+    train_main_here,
+)
 from .test_resume import final_weights, start_train, wait_for
 
 QUICK = ("trainer.max_epochs=1", "env.progress_bar=false", "logger=none")
@@ -85,15 +92,20 @@ def test_init_from_plain_state_dicts_and_safetensors(tmp_path):
         assert torch.equal(fresh.body[0].weight, model.body[0].weight)
 
 
-def test_init_from_that_matches_nothing_is_one_error_line(tmp_path):
+def test_init_from_that_matches_nothing_is_one_error_line(tmp_path, capfd):
     save_file({"encoder.weight": torch.zeros(3, 3)}, tmp_path / "other.safetensors")
     with pytest.raises(WeightsError, match="no tensor matches the model"):
         init_from(torch.nn.Linear(3, 3), tmp_path / "other.safetensors")
     with pytest.raises(WeightsError, match="does not exist"):
         read_state_dict(tmp_path / "missing.pt")
-    result = run_train(tmp_path / "run", *QUICK, f"init_from={tmp_path / 'other.safetensors'}")
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    code, stderr = train_main_here(
+        capfd,
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *QUICK,
+        f"init_from={tmp_path / 'other.safetensors'}",
+    )
+    assert code == 2, stderr[-2000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "no tensor matches the model by name and shape" in lines[0]
 
 

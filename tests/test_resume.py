@@ -23,6 +23,7 @@ from .conftest import (
     run_train,
     start_process,
     train_in_process,
+    train_main_here,
 )
 
 # Small batches make long epochs, so a kill right after the first step checkpoint lands
@@ -174,10 +175,11 @@ def test_nan_policy_skip_finishes_and_counts_without_logging_a_zero_loss(tmp_pat
     assert 0.0 not in losses  # a skipped step has no loss: logged as NaN, never as 0.0
 
 
-def test_nan_policy_skip_fails_past_max_skipped_steps_with_its_own_line(tmp_path):
+def test_nan_policy_skip_fails_past_max_skipped_steps_with_its_own_line(tmp_path, capfd):
     run_dir = tmp_path / "run"
-    result = run_train(
-        run_dir,
+    code, stderr = train_main_here(
+        capfd,
+        f"hydra.run.dir={run_dir}",
         *DIVERGING,
         "trainer.nan_policy=skip",
         "trainer.max_skipped_steps=5",
@@ -185,8 +187,8 @@ def test_nan_policy_skip_fails_past_max_skipped_steps_with_its_own_line(tmp_path
         "env.progress_bar=false",
         f"output_root={tmp_path}/outputs",
     )
-    assert result.returncode == 1
-    (line,) = [x for x in result.stderr.splitlines() if x.startswith("[FAIL]")]
+    assert code == 1, stderr[-2000:]
+    (line,) = [x for x in stderr.splitlines() if x.startswith("[FAIL]")]
     assert re.match(
         r"^\[FAIL\] digits-mlp \| single \| amp=False \| \d+ non-finite steps skipped "
         r"\(limit 5\) @ step \d+$",

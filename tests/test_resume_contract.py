@@ -18,7 +18,14 @@ from kiln import checkpoint as files
 from kiln.cli.paths import REPO_ROOT
 from kiln.engine.checkpointer import ResumeError
 
-from .conftest import SUBPROCESS_ENV, read_metrics, read_summary, run_train, train_in_process
+from .conftest import (
+    SUBPROCESS_ENV,
+    read_metrics,
+    read_summary,
+    run_train,
+    train_in_process,
+    train_main_here,
+)
 
 BASE = ("env.progress_bar=false", "logger=none", "trainer.log_every_n_steps=1")
 
@@ -150,13 +157,21 @@ def test_an_unknown_override_key_is_a_config_error():
         compose_config("resume_override=[optimiser.lr]")
 
 
-def test_a_refused_resume_is_one_line_with_exit_2_through_train_py(tmp_path):
+def test_a_refused_resume_is_one_line_with_exit_2_through_train_py(tmp_path, capfd):
+    """train.py's main, in this process (its one-line refusals from a real process:
+    test_train_smoke.py)."""
     run_dir = tmp_path / "run"
-    first = run_train(run_dir, *BASE, "trainer.max_epochs=1")
-    assert first.returncode == 0, first.stderr[-2000:]
-    result = run_train(run_dir, *BASE, "trainer.max_epochs=1", "optimizer=sgd", "resume=auto")
-    assert result.returncode == 2
-    (line,) = result.stderr.strip().splitlines()
+    train_in_process(run_dir, *BASE, "trainer.max_epochs=1")
+    code, stderr = train_main_here(
+        capfd,
+        f"hydra.run.dir={run_dir}",
+        *BASE,
+        "trainer.max_epochs=1",
+        "optimizer=sgd",
+        "resume=auto",
+    )
+    assert code == 2, stderr[-2000:]
+    (line,) = stderr.strip().splitlines()
     assert line.startswith("error: cannot resume") and "optimizer.name" in line
     assert read_summary(run_dir)["status"] == "failed"
 

@@ -25,7 +25,7 @@ from kiln.models.zoo import WeightsError
 from kiln.preprocessing.pretrained import pretrained_input
 from kiln.registry import MODELS, model_inputs
 
-from .conftest import compose_config, run_train, train_in_process
+from .conftest import compose_config, train_in_process, train_main_here
 
 RESNET18_FILE = "resnet18-f37072fd.pth"  # torchvision's ResNet18_Weights.IMAGENET1K_V1
 TINY_RUN = (
@@ -174,12 +174,18 @@ def test_a_timm_encoder_without_a_classifier_is_refused_naming_it():
     assert "asked for 7 classes it built num_classes=0" in str(info.value)
 
 
-def test_train_py_refuses_a_misspelt_arch_before_hydra_starts_a_run(tmp_path):
+def test_train_py_refuses_a_misspelt_arch_before_hydra_starts_a_run(tmp_path, capfd):
     run_dir = tmp_path / "run"
-    result = run_train(run_dir, "model=timm", "model.arch=resnet81", "data=synthetic_images")
-    assert result.returncode == 2, result.stderr[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "did you mean resnet18" in errors[0], result.stderr[-2000:]
+    code, stderr = train_main_here(
+        capfd,
+        f"hydra.run.dir={run_dir}",
+        "model=timm",
+        "model.arch=resnet81",
+        "data=synthetic_images",
+    )
+    assert code == 2, stderr[-2000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "did you mean resnet18" in errors[0], stderr[-2000:]
     assert not run_dir.exists()  # no run directory, no data loaded
 
 
