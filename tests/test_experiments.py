@@ -25,7 +25,7 @@ from .conftest import (
     read_metrics,
     read_summary,
     read_wandb_records,
-    run_train,
+    train_main_here,
 )
 
 QUICK = ("trainer.max_steps=4", "trainer.log_every_n_steps=1", "env.progress_bar=false")
@@ -141,7 +141,7 @@ def test_kiln_env_picks_the_profile_unless_env_is_given(monkeypatch):
     assert with_env_profile(["model=mlp"]) == ["model=mlp"]
 
 
-def test_production_profile_through_kiln_env(tmp_path):
+def test_production_profile_through_kiln_env(tmp_path, capfd, monkeypatch):
     run_dir = tmp_path / "run"
     env = {**SUBPROCESS_ENV, "KILN_ENV": "production"}
     cmd = [sys.executable, str(REPO_ROOT / "train.py"), f"hydra.run.dir={run_dir}", *QUICK]
@@ -151,10 +151,9 @@ def test_production_profile_through_kiln_env(tmp_path):
     assert "name: production" in config and "deterministic: true" in config
     assert "step 4 loss" not in result.stdout  # quiet console: no per-step log lines
     assert "step 4 loss" in (run_dir / "train.log").read_text()  # the file keeps them
-    refused = run_train(
-        tmp_path / "r2", "debug=activations", env_overrides={"KILN_ENV": "production"}
-    )
-    assert refused.returncode != 0 and "not allowed in env=production" in refused.stderr
+    monkeypatch.setenv("KILN_ENV", "production")  # the refusal: train.py's main, here
+    code, stderr = train_main_here(capfd, f"hydra.run.dir={tmp_path / 'r2'}", "debug=activations")
+    assert code != 0 and "not allowed in env=production" in stderr
 
 
 def test_fast_dev_run_is_one_train_and_one_val_batch(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 from kiln import checkpoint as files
 from kiln.cli.paths import REPO_ROOT
 
-from .conftest import SUBPROCESS_ENV, read_summary, run_train, start_process
+from .conftest import SUBPROCESS_ENV, read_summary, run_train, start_process, train_main_here
 
 QUIET = ("env.progress_bar=false", "logger=none", "trainer.log_every_n_steps=1")
 LONG = ("scheduler=none", "trainer.max_epochs=1000")  # runs until the test stops it
@@ -44,26 +44,23 @@ def steps_logged(run_dir) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line]
 
 
-def test_a_second_process_on_a_running_run_refuses_at_once_naming_the_first(tmp_path):
+def test_a_second_process_on_a_running_run_refuses_at_once_naming_the_first(tmp_path, capfd):
+    """The second and third commands are train.py's main in the test's own process: another
+    process than the first run's, which is what the lock tells apart."""
     run_dir = tmp_path / "run"
     first = start_process(train_py(run_dir, *QUIET, *LONG, "resume=auto"), cwd=tmp_path)
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "last.pt").is_file(), proc=first)
         started = time.monotonic()
-        second = subprocess.run(
-            train_py(run_dir, *QUIET, *LONG, "resume=auto"),
-            cwd=tmp_path,
-            env=SUBPROCESS_ENV,
-            capture_output=True,
-            text=True,
-            timeout=120,
+        code, stderr = train_main_here(
+            capfd, f"hydra.run.dir={run_dir}", *QUIET, *LONG, "resume=auto"
         )
         took = time.monotonic() - started
     finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=120)
-    assert second.returncode == 2, second.stderr[-2000:]
-    (line,) = second.stderr.strip().splitlines()
+    assert code == 2, stderr[-2000:]
+    (line,) = stderr.strip().splitlines()
     assert line.startswith(f"error: run directory {run_dir} is in use by process {first.pid} (")
     assert "one run directory has one writer" in line and f"kill {first.pid}" in line
     assert took < 30  # at once: before any data or model is built
@@ -72,8 +69,10 @@ def test_a_second_process_on_a_running_run_refuses_at_once_naming_the_first(tmp_
     assert read_summary(run_dir)["status"] == "preempted"  # the first run's own record
 
     # The lock went with the process: the same command now resumes.
-    third = run_train(run_dir, *QUIET, "scheduler=none", "trainer.max_epochs=1", "resume=auto")
-    assert third.returncode == 0, third.stderr[-2000:]
+    overrides = (*QUIET, "scheduler=none", "trainer.max_epochs=1", "resume=auto")
+    code, stderr = train_main_here(capfd, f"hydra.run.dir={run_dir}", *overrides)
+    assert code == 0, stderr[-2000:]
+    assert read_summary(run_dir)["status"] == "ok"
 
 
 # ---------------------------------------------------------------------------------------------
