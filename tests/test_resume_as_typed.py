@@ -40,19 +40,9 @@ def run_dirs(cwd: Path) -> list[Path]:
     return sorted(p.parent.parent for p in (cwd / "outputs").glob("*/*/.hydra/config.yaml"))
 
 
-def test_resume_auto_after_a_finished_run(tmp_path):
-    cwd = user_checkout(tmp_path)
-    first = as_typed(cwd, *SMALL)
-    assert first.returncode == 0, first.stderr[-3000:]
-    (run_dir,) = run_dirs(cwd)
-
-    resumed = as_typed(cwd, *SMALL, "resume=auto")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert run_dirs(cwd) == [run_dir]  # continued in its own directory, no new one
-    assert "resumed from" in (run_dir / "train.log").read_text()
-
-
-def test_resume_auto_after_a_preempted_run(tmp_path):
+def test_resume_auto_after_a_preempted_run_and_after_a_finished_one(tmp_path):
+    """One run, stopped by SIGTERM, resumed as typed to its end, then the same command again
+    (a finished run resumed trains no further step): each in the run's own directory."""
     cwd = user_checkout(tmp_path)
     settings = (
         "trainer.max_epochs=3",
@@ -85,6 +75,12 @@ def test_resume_auto_after_a_preempted_run(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert run_dirs(cwd) == [run_dir]
     log = (run_dir / "train.log").read_text()
-    assert f"step {stopped_at}" in log and "resumed from" in log
+    assert f"step {stopped_at}" in log and log.count("resumed from") == 1
     final = load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"]
     assert final["epoch"] == 3 and final["global_step"] > stopped_at
+
+    again = as_typed(cwd, *settings, "resume=auto")  # after a finished run
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert run_dirs(cwd) == [run_dir]  # continued in its own directory, no new one
+    assert (run_dir / "train.log").read_text().count("resumed from") == 2
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["state"] == final
