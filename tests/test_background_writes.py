@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,6 +150,28 @@ def test_the_painter_process_draws_the_curves_and_answers_a_full_disk(
     (tmp_path / ".curves.png.tmp").symlink_to("/dev/full")
     with pytest.raises(DiskFullError):
         curves.finish(history)
+
+
+def matplotlib_loaded(process: subprocess.Popen) -> bool:
+    """Whether the painter process has imported matplotlib (its font library is mapped)."""
+    return "ft2font" in (Path("/proc") / str(process.pid) / "maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads /proc/<pid>/maps")
+def test_the_painter_imports_matplotlib_only_once_there_is_a_loss_to_draw(tmp_path, painter):
+    """A run refused at start-up or stopped before its first step has no curves: its painter
+    never imports matplotlib (a second of CPU that the run waited for at its exit)."""
+    curves = CurvesFile(tmp_path / "curves.png", title="t", painter=painter)
+    before_step_1 = [{"step": 0, "probe_time_s": 0.1}]
+    curves.update(before_step_1)
+    curves.finish(before_step_1)  # its answer: every line sent before it was read
+    assert not painter.warmed and not matplotlib_loaded(painter.process)
+    assert not (tmp_path / "curves.png").exists()
+    curves.update(HISTORY)  # the first loss: the import starts, nothing is drawn yet
+    assert painter.warmed and not painter.busy
+    curves.finish(HISTORY)
+    assert matplotlib_loaded(painter.process)
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_run_whose_painter_died_draws_its_curves_itself(tmp_path, painter):

@@ -3,10 +3,12 @@ learning rate, the grad norm (each step's largest in the interval too), and the 
 metrics. Redrawn as the run goes (at an evaluation, off the training thread) and at its end.
 
 A run started from the command line draws in a painter process started with it
-(`start_painter`): matplotlib's import (0.3 s) and every draw (0.15 s and up) run beside the
-run, on another core, and never hold its interpreter lock. Elsewhere (a run inside a Python
-session, or when the painter is gone) a thread of the run draws, rarely enough that the lock it
-holds costs the steps about 2%."""
+(`start_painter`): matplotlib's import (0.3-0.7 s) and every draw (0.15 s and up) run beside the
+run, on another core, and never hold its interpreter lock. The painter imports matplotlib when
+the run logs its first training loss (`Painter.warm`): a run refused at start-up or stopped
+before its first step neither pays for the import nor waits for it at its exit. Elsewhere (a
+run inside a Python session, or when the painter is gone) a thread of the run draws, rarely
+enough that the lock it holds costs the steps about 2%."""
 
 from __future__ import annotations
 
@@ -43,9 +45,14 @@ def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def drawable(history: list[dict]) -> bool:
+    """Whether there is anything to draw yet: a row with a training loss."""
+    return any("loss" in m for m in history)
+
+
 def draw(history: list[dict], path: Path, title: str) -> Path | None:
     """Write the figure; None when there is nothing to draw yet."""
-    if not any("loss" in m for m in history):
+    if not drawable(history):
         return None
     # The Figure API, not pyplot: no GUI backend to pick (files only, any thread), no global
     # figure registry to close, and a second less to import.
@@ -126,6 +133,14 @@ class Painter:
         # path: (its first row, rows sent); one path, as the painter keeps one run's rows
         self.sent: dict[str, tuple[object, int]] = {}
         self.busy = False
+        self.warmed = False
+
+    def warm(self) -> None:
+        """Have it import matplotlib now, ahead of the first job (no answer comes)."""
+        if not self.warmed:
+            self.process.stdin.write(json.dumps({"warm": True}) + "\n")
+            self.process.stdin.flush()
+            self.warmed = True
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -238,6 +253,8 @@ class CurvesFile:
         `wait`, then wait for it). False when the painter is gone (the thread takes over)."""
         painter = self._painter
         try:
+            if not painter.warmed and drawable(history):
+                painter.warm()  # matplotlib's import, while the run goes on
             if painter.busy:
                 self._collect(wait)
             if painter.busy:  # still drawing
@@ -287,11 +304,13 @@ class CurvesFile:
 def paint_jobs() -> None:
     """The painter process: jobs from stdin, answers to stdout, until stdin ends."""
     os.nice(5)  # behind the run it draws for, on a busy machine
-    from matplotlib.figure import Figure  # noqa: F401 -- the import paid before the first job
-
     histories: dict[str, list[dict]] = {}
     for line in sys.stdin:
         job = json.loads(line)
+        if job.get("warm"):  # the run has a first row: the import, paid before the first job
+            from matplotlib.figure import Figure  # noqa: F401
+
+            continue
         if job["path"] not in histories:  # another run's file: the last run's rows go
             histories.clear()
         history = histories.setdefault(job["path"], [])
