@@ -414,6 +414,30 @@ def test_hydras_repository_copy_shares_the_one_config_store():
         ConfigStore.instance().repo.pop("kiln_test_late")
 
 
+@pytest.mark.parametrize(
+    ("overrides", "mode"), [((), None), (("hparams_search=digits_optuna",), "MULTIRUN")]
+)
+def test_train_py_reads_hydras_mode_from_its_own_composition(overrides, mode):
+    """train.py composes the config once to check it, and Hydra's get_mode composed it once
+    more only to read hydra.mode: kiln reads it from its own composition (an hparams_search
+    option sets MULTIRUN, without -m) and Hydra's get_mode answers it while the run starts."""
+    from hydra._internal.hydra import Hydra
+
+    from kiln.cli.train import mode_is_read
+    from kiln.config import hydra_mode_known, load_config, load_config_and_mode
+
+    cfg, read = load_config_and_mode(list(overrides))
+    assert (None if read is None else read.name) == mode
+    assert cfg == load_config(list(overrides))  # the same typed config, hydra's node dropped
+    real = Hydra.get_mode
+    with hydra_mode_known(read):
+        assert Hydra.get_mode(None, "config", []) is read
+    assert Hydra.get_mode is real
+    assert mode_is_read(["model=mlp", "hydra.run.dir=x"])
+    for unread in (["-m", "model=mlp"], ["hydra.mode=MULTIRUN"], ["hydra/launcher=joblib_local"]):
+        assert not mode_is_read(unread), unread
+
+
 def test_the_tests_compose_a_config_again_when_an_option_it_chose_is_registered_anew():
     """tests/conftest.compose_config composes the same overrides once per process: each caller
     gets its own copy, and the key holds the registry entry of each option the composition

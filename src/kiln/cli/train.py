@@ -31,7 +31,13 @@ from kiln.cli.paths import (
 )
 from kiln.cli.resume import with_resume_run_dir
 from kiln.commands import RunCommand, cache_environment, line, script
-from kiln.config import load_config, register_configs, to_plain, to_typed
+from kiln.config import (
+    hydra_mode_known,
+    load_config_and_mode,
+    register_configs,
+    to_plain,
+    to_typed,
+)
 from kiln.config.overrides import check_grammar
 from kiln.errors import UserError
 from kiln.registry import load_plugins, register_config_dir
@@ -331,8 +337,10 @@ def prepare_and_train(argv: list[str]) -> None:
 
             start_painter()  # matplotlib's import, beside this process's own start-up
         register_configs()
+        mode = None  # Hydra's get_mode composes the config to read it, unless kiln has
         if not is_multirun(argv):  # a sweep's jobs are checked one by one as they start
-            cfg = load_config(config_overrides(argv))  # a mistake fails here, before any work
+            # a mistake fails here, before any work
+            cfg, mode = load_config_and_mode(config_overrides(argv))
             check_model_names(cfg)
             argv = with_resume_run_dir(argv, cfg.name)
         argv = with_ddp_run_dir(argv)
@@ -341,7 +349,17 @@ def prepare_and_train(argv: list[str]) -> None:
     except UserError as err:  # a bug (kiln's or a plugin's) is a traceback and exit 1
         raise user_error(err) from None
     sys.argv = [sys.argv[0], *argv]
-    hydra_main()
+    with hydra_mode_known(mode) if mode_is_read(argv) else contextlib.nullcontext():
+        hydra_main()
+
+
+def mode_is_read(argv: list[str]) -> bool:
+    """Whether kiln's composition read the launch's hydra.mode: a single run's, whose command
+    line neither sets hydra.mode nor picks a Hydra config group (kiln composes neither)."""
+    hydra_groups = ("hydra/", "+hydra", "++hydra", "~hydra")
+    return not is_multirun(argv) and not any(
+        has_override([arg], "hydra.mode") or arg.startswith(hydra_groups) for arg in argv
+    )
 
 
 def lock_run_dir(argv: list[str]) -> None:

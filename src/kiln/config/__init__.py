@@ -9,10 +9,12 @@ Composition and validation errors are ConfigError: one line naming the key and w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,37 @@ def compose(overrides: list[str] = (), *, hydra_config: bool = False) -> DictCon
 
 def load_config(overrides: list[str] = ()) -> KilnConfig:
     return to_typed(compose(overrides))
+
+
+def load_config_and_mode(overrides: list[str] = ()) -> tuple[KilnConfig, Any]:
+    """load_config, and the hydra.mode the composition sets (None where the command line's
+    -m decides; an hparams_search option sets MULTIRUN): what Hydra.get_mode composes anew."""
+    from omegaconf import open_dict
+
+    composed = compose(overrides, hydra_config=True)
+    mode = composed.hydra.mode
+    with open_dict(composed):
+        del composed["hydra"]
+    return to_typed(composed), mode
+
+
+@contextlib.contextmanager
+def hydra_mode_known(mode: Any) -> Iterator[None]:
+    """Within: Hydra's get_mode answers `mode` instead of composing the whole config once more
+    (Hydra 1.3 composes three times per run: kiln's check, get_mode and the run; 0.2 s each).
+    For a launch whose mode kiln's own composition read (load_config_and_mode)."""
+    from hydra._internal.hydra import Hydra
+
+    original = Hydra.get_mode
+
+    def get_mode(self, config_name, overrides):
+        return mode
+
+    Hydra.get_mode = get_mode
+    try:
+        yield
+    finally:
+        Hydra.get_mode = original
 
 
 def to_typed(cfg: DictConfig) -> KilnConfig:
