@@ -335,9 +335,9 @@ def prepare_and_train(argv: list[str]) -> None:
         if not int(os.environ.get("RANK", 0)):  # the main rank draws curves.png
             from kiln.logging.curves import start_painter
 
-            start_painter()  # matplotlib's import, beside this process's own start-up
+            start_painter()  # it imports matplotlib once the run has a loss to draw
         register_configs()
-        mode = None  # Hydra's get_mode composes the config to read it, unless kiln has
+        mode = None  # hydra.mode as kiln's composition reads it: Hydra need not compose again
         if not is_multirun(argv):  # a sweep's jobs are checked one by one as they start
             # a mistake fails here, before any work
             cfg, mode = load_config_and_mode(config_overrides(argv))
