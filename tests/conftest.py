@@ -158,14 +158,15 @@ def train_in_process(run_dir: Path, *overrides: str) -> dict:
     return train(compose_config(*overrides), run_dir)
 
 
-def train_main_here(capfd, *args: str) -> tuple[int, str]:
+def train_main_here(capture, *args: str) -> tuple[int, str]:
     """`python train.py <args>` as its main() runs it, in this process: the exit status (0 when
-    it returned) and what it wrote to stderr. For what a run says and leaves; what only a process
-    shows (signals, the interpreter's exit, output order across processes) needs run_train."""
+    it returned) and what it wrote to stderr (`capture`: the test's capfd or capsys). For what a
+    run says and leaves; what only a process shows (signals, the interpreter's exit, output
+    order across processes) needs run_train."""
     from kiln.cli.train import main
 
     argv = sys.argv[:]
-    capfd.readouterr()  # only this run's stderr
+    capture.readouterr()  # only this run's stderr
     try:
         main(list(args))
         code = 0
@@ -173,7 +174,7 @@ def train_main_here(capfd, *args: str) -> tuple[int, str]:
         code = stop.code
     finally:
         sys.argv = argv  # main hands its arguments to Hydra through sys.argv
-    return code, capfd.readouterr().err
+    return code, capture.readouterr().err
 
 
 @pytest.fixture(autouse=True)

@@ -20,12 +20,11 @@ import tracemalloc
 
 import pytest
 
-from kiln.cli.train import main as train_main
 from kiln.data import build_data
 from kiln.data.coco import read_coco_file
 from kiln.data.detection_files import DetectionDataError
 
-from .conftest import compose_config
+from .conftest import compose_config, train_main_here
 from .hostile_inputs import deep_json, encoded, photo, write_coco_like, yaml_bomb
 
 CATEGORIES = [{"id": 1, "name": "cat"}, {"id": 2, "name": "dog"}]
@@ -110,7 +109,7 @@ def test_a_coco_file_past_max_json_bytes_is_refused_before_parsing(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["images", "info"])
-def test_json_nested_100000_deep_is_one_error_line(tmp_path, where, capsys):
+def test_json_nested_100000_deep_is_one_error_line(tmp_path, where, capfd):
     images = image_folder(tmp_path / "images", 1)
     text = deep_json()
     if where == "info":
@@ -123,10 +122,9 @@ def test_json_nested_100000_deep_is_one_error_line(tmp_path, where, capsys):
         f"data.train_images={images}",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
-    with pytest.raises(SystemExit) as stopped:
-        train_main(args)
-    assert stopped.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    code, stderr = train_main_here(capfd, *args)
+    assert code == 2
+    err = stderr.strip().splitlines()
     assert len(err) == 1, err
     assert err[0].startswith(f"error: {tmp_path / 'deep.json'} is not valid JSON (data.train_json)")
     assert "nested deeper than the JSON reader goes" in err[0] and "(line 1, column" in err[0]

@@ -26,12 +26,11 @@ import pytest
 import torch
 
 from kiln.cli.paths import REPO_ROOT
-from kiln.cli.train import main as train_main
 from kiln.config.base import ConfigError
 from kiln.models.zoo.transformers import hf_preprocessing
 from kiln.threads import available_memory
 
-from .conftest import SUBPROCESS_ENV, compose_config, train_in_process
+from .conftest import SUBPROCESS_ENV, compose_config, train_in_process, train_main_here
 from .hf_helpers import (
     bad_index,
     copy_folder,
@@ -66,10 +65,9 @@ def refused(capsys, folder: Path, *extra: str) -> str:
     """`python train.py data=csv_text model=hf model.arch=<folder>` in this process: exit status
     2 and exactly one `error:` line on stderr, returned. It stops at the start-up check, before
     Hydra makes a run directory."""
-    with pytest.raises(SystemExit) as stopped:
-        train_main([*HF, f"model.arch={folder}", *extra])
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 2, lines
+    code, stderr = train_main_here(capsys, *HF, f"model.arch={folder}", *extra)
+    lines = stderr.strip().splitlines()
+    assert code == 2, lines
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     return lines[0]
 

@@ -21,7 +21,7 @@ from kiln.cli.train import main as train_main
 from kiln.commands import RunCommand
 from kiln.config.overrides import override, override_value
 
-from .conftest import SUBPROCESS_ENV, compose_config, read_summary
+from .conftest import SUBPROCESS_ENV, compose_config, read_summary, train_main_here
 
 GRAMMAR_ERRORS = {
     "init_from=~/w.pt": ("'~'", "'init_from=\"~/w.pt\"'"),
@@ -32,12 +32,11 @@ GRAMMAR_ERRORS = {
 
 
 @pytest.mark.parametrize("arg", GRAMMAR_ERRORS)
-def test_an_override_hydra_cannot_parse_is_one_line_with_the_quoting_that_works(arg, capsys):
+def test_an_override_hydra_cannot_parse_is_one_line_with_the_quoting_that_works(arg, capfd):
     culprit, quoted = GRAMMAR_ERRORS[arg]
-    with pytest.raises(SystemExit) as stopped:
-        train_main([arg])
-    assert stopped.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    code, stderr = train_main_here(capfd, arg)
+    assert code == 2
+    err = stderr.strip().splitlines()
     assert len(err) == 1, err
     assert err[0].startswith(f"error: Hydra's override grammar cannot read {arg} ({culprit} ")
     assert err[0].endswith(f"quote the value for Hydra, inside quotes for the shell: {quoted}")
@@ -62,13 +61,12 @@ def test_the_grammar_error_of_a_real_train_py_process_is_one_line(tmp_path):
     assert """'init_from="~/w.pt"'""" in done.stderr
 
 
-def test_a_column_named_in_other_letters_reads_with_the_quoting_the_error_shows(tmp_path, capsys):
+def test_a_column_named_in_other_letters_reads_with_the_quoting_the_error_shows(tmp_path, capfd):
     """`data.text_column=Käse` is refused by Hydra's grammar (a letter outside ASCII); the
     one-line error's quoted override composes, and the data reads that column."""
-    with pytest.raises(SystemExit) as stopped:
-        train_main(["data=csv_text", "data.text_column=Käse"])
-    assert stopped.value.code == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    code, stderr = train_main_here(capfd, "data=csv_text", "data.text_column=Käse")
+    assert code == 2
+    (line,) = stderr.strip().splitlines()
     quoted = line.rsplit("inside quotes for the shell: ", 1)[1]
     assert quoted == "'data.text_column=\"Käse\"'"
     path = tmp_path / "käse.csv"
@@ -234,7 +232,7 @@ def test_a_resumed_run_reads_past_a_cut_last_metrics_line(tmp_path, caplog):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_is_the_same_user_error_in_train_and_infer(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capfd
 ):
     from kiln.cli.infer import main as infer_main
 
@@ -243,11 +241,12 @@ def test_device_cuda_without_cuda_is_the_same_user_error_in_train_and_infer(
     (tmp_path / "x.npy").write_bytes(b"")
     with pytest.raises(SystemExit) as infer_exit:
         infer_main(["ckpt=x.pt", "input=x.npy", "backend=echo", "device=cuda"])
-    said_by_infer = capsys.readouterr().err.strip().splitlines()
-    with pytest.raises(SystemExit) as train_exit:
-        train_main(["device=cuda", f"hydra.run.dir={tmp_path / 'run'}", "logger=none"])
-    said_by_train = capsys.readouterr().err.strip().splitlines()
-    assert infer_exit.value.code == train_exit.value.code == 2
+    said_by_infer = capfd.readouterr().err.strip().splitlines()
+    code, stderr = train_main_here(
+        capfd, "device=cuda", f"hydra.run.dir={tmp_path / 'run'}", "logger=none"
+    )
+    said_by_train = stderr.strip().splitlines()
+    assert infer_exit.value.code == code == 2
     expected = "error: device=cuda but torch.cuda.is_available() is False; run kiln-doctor"
     assert said_by_infer[-1] == said_by_train[-1] == expected
 
@@ -257,7 +256,9 @@ def test_device_cuda_without_cuda_is_the_same_user_error_in_train_and_infer(
     [("from kiln import no_such_name\n", ImportError), ("{}['key']\n", KeyError)],
     ids=["ImportError", "KeyError"],
 )
-def test_a_bug_in_a_plugin_is_a_traceback_not_the_users_mistake(tmp_path, monkeypatch, body, error):
+def test_a_bug_in_a_plugin_is_a_traceback_not_the_users_mistake(
+    tmp_path, monkeypatch, capfd, body, error
+):
     """Only kiln's UserError is exit 2: a plugin's own ImportError or KeyError propagates (a
     traceback and exit 1), where a plugin that is not there at all is one line."""
     monkeypatch.chdir(tmp_path)
@@ -266,6 +267,4 @@ def test_a_bug_in_a_plugin_is_a_traceback_not_the_users_mistake(tmp_path, monkey
     (tmp_path / f"{name}.py").write_text(body)
     with pytest.raises(error):
         train_main([f"plugins=[{name}]", "--help"])
-    with pytest.raises(SystemExit) as missing:
-        train_main(["plugins=[no_such_plugin_module]", "--help"])
-    assert missing.value.code == 2
+    assert train_main_here(capfd, "plugins=[no_such_plugin_module]", "--help")[0] == 2
