@@ -11,11 +11,13 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from sklearn.datasets import load_digits
 from sklearn.metrics import classification_report, confusion_matrix, top_k_accuracy_score
 from torch.utils.data import TensorDataset
 
 from kiln.cli.infer import main as infer_main
+from kiln.engine.evaluators import macro_f1
 from kiln.inference.confusion import DPI, confusion_figure, font_sizes
 from kiln.inference.detection_report import detection_metrics, match_image
 from kiln.inference.evaluate import classification_metrics, write_classification_report
@@ -66,6 +68,9 @@ def test_metrics_equal_scikit_learns_on_the_same_predictions(k, absent):
     assert ours["macro_f1"] == pytest.approx(theirs["macro avg"]["f1-score"], abs=1e-6)
     assert ours["macro_precision"] == pytest.approx(theirs["macro avg"]["precision"], abs=1e-6)
     assert ours["macro_recall"] == pytest.approx(theirs["macro avg"]["recall"], abs=1e-6)
+    # Validation's val_macro_f1, from the flat counts the evaluator sums over ranks: the same.
+    flat = torch.bincount(torch.from_numpy(targets * k + predicted), minlength=k * k)
+    assert macro_f1(flat.double()) == pytest.approx(theirs["macro avg"]["f1-score"], abs=1e-6)
     for i, name in enumerate(names):
         row = ours["per_class"][name]
         if i in absent:

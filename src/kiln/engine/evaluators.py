@@ -72,14 +72,13 @@ class ClassificationEvaluator:
 
 def macro_f1(confusion: torch.Tensor) -> float:
     """Macro-F1 from flat (C * C,) counts of label * C + prediction: 2TP / (2TP + FP + FN) per
-    class, averaged over the classes that occur as a label or a prediction."""
+    class, averaged over the classes that occur as a label or a prediction (the evaluation
+    report's, kiln.inference.scores)."""
+    from kiln.inference.scores import ClassScores
+
     classes = int(round(confusion.numel() ** 0.5))
-    matrix = confusion.reshape(classes, classes)
-    hits = matrix.diagonal()
-    labelled, predicted = matrix.sum(dim=1), matrix.sum(dim=0)
-    seen = (labelled + predicted) > 0
-    f1 = 2 * hits / (labelled + predicted).clamp(min=1)
-    return float(f1[seen].mean()) if bool(seen.any()) else 0.0
+    scores = ClassScores.from_counts(confusion.reshape(classes, classes).cpu().numpy())
+    return scores.macro(scores.f1)
 
 
 class MultiLabelEvaluator:

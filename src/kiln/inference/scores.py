@@ -23,7 +23,12 @@ class ClassScores:
     @classmethod
     def of(cls, predicted: np.ndarray, targets: np.ndarray, k: int) -> ClassScores:
         predicted, targets = np.asarray(predicted, np.int64), np.asarray(targets, np.int64)
-        counts = np.bincount(targets * k + predicted, minlength=k * k).reshape(k, k)
+        return cls.from_counts(np.bincount(targets * k + predicted, minlength=k * k).reshape(k, k))
+
+    @classmethod
+    def from_counts(cls, counts: np.ndarray) -> ClassScores:
+        """From a (K, K) confusion matrix (rows: true class), as validation sums it over ranks."""
+        k = len(counts)
         hits, support, chosen = np.diag(counts), counts.sum(axis=1), counts.sum(axis=0)
 
         def ratio(a, b):
