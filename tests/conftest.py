@@ -22,6 +22,14 @@ from kiln.registry import load_plugins
 # Your own modules join the registry-wide tests: KILN_PLUGINS=my_parts make test
 load_plugins([m for m in os.environ.get("KILN_PLUGINS", "").split(",") if m])
 
+# No curves.png where a test does not look at it: its painter process (matplotlib's import and
+# a draw, 0.9 CPU-s) cost a fifth of every short run the suite makes. KILN_OVERRIDES is appended
+# to every train.py command line and never printed (kiln.commands); a test of the picture, or of
+# a command exactly as a user types it, takes it out of its environment (CURVES_ON).
+CURVES_OFF = "logger.curves=false"
+os.environ["KILN_OVERRIDES"] = CURVES_OFF
+CURVES_ON = {"KILN_OVERRIDES": ""}
+
 # Keep CPU work predictable on the 2-core machines tests run on.
 SUBPROCESS_ENV = {
     **os.environ,
@@ -152,10 +160,11 @@ def chosen_entries(cfg) -> tuple | None:
 
 
 def train_in_process(run_dir: Path, *overrides: str) -> dict:
-    """Train as train.py does, in this process; returns the summary."""
+    """Train as train.py does, in this process; returns the summary (no curves.png unless
+    `logger.curves=true` is among the overrides)."""
     from kiln.engine.run import train
 
-    return train(compose_config(*overrides), run_dir)
+    return train(compose_config(CURVES_OFF, *overrides), run_dir)
 
 
 def train_main_here(capture, *args: str) -> tuple[int, str]:

@@ -23,6 +23,8 @@ from kiln.errors import DiskFullError
 from kiln.logging import curves as curves_module
 from kiln.logging.curves import CurvesFile, Painter
 
+from .conftest import train_main_here
+
 
 def checkpointer(directory, background=True) -> Checkpointer:
     cfg = TrainerConfig(name="default")
@@ -184,6 +186,23 @@ def test_a_run_whose_painter_died_draws_its_curves_itself(tmp_path, painter):
     curves.finish(HISTORY)
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert CurvesFile(tmp_path / "other.png", title="t", painter=painter)._painter is None
+
+
+def test_logger_curves_false_draws_nothing_and_starts_no_painter(tmp_path, capsys, monkeypatch):
+    """train.py with logger.curves=false: no painter process, no curves.png; the same run with
+    it true has both (KILN_OVERRIDES, which the suite sets to false, is emptied so that the
+    command line decides)."""
+    monkeypatch.setenv("KILN_OVERRIDES", "")
+    short = ("trainer.max_steps=2", "trainer.learn_probe=false", "env.progress_bar=false")
+    for curves in (False, True):
+        monkeypatch.setattr(curves_module, "_painter", None)  # this process's, as at its start
+        run_dir = tmp_path / str(curves)
+        code, _ = train_main_here(
+            capsys, f"hydra.run.dir={run_dir}", f"logger.curves={str(curves).lower()}", *short
+        )
+        assert code == 0
+        assert (curves_module._painter is not None) is curves
+        assert (run_dir / "curves.png").is_file() is curves
 
 
 FAULTS = textwrap.dedent(

@@ -342,7 +342,8 @@ def test_a_run_resumed_into_a_new_folder_has_everything_a_run_has(tmp_path):
     first = tmp_path / "first"
     train_in_process(first, *SMALL, "logger=none")
     again = tmp_path / "again"
-    train_in_process(again, *SMALL, "logger=none", f"resume={first}/checkpoints/last.pt")
+    resume = f"resume={first}/checkpoints/last.pt"
+    train_in_process(again, *SMALL, "logger=none", "logger.curves=true", resume)
     copied = load_checkpoint(again / "checkpoints" / "best.pt")
     assert copied["state"] == load_checkpoint(first / "checkpoints" / "best.pt")["state"]
     assert (again / "checkpoints" / "last.pt").is_file()

@@ -332,17 +332,19 @@ def prepare_and_train(argv: list[str]) -> None:
         if any(arg in HELP_FLAGS for arg in argv):
             print(help_text(argv))
             return
-        if not int(os.environ.get("RANK", 0)):  # the main rank draws curves.png
-            from kiln.logging.curves import start_painter
-
-            start_painter()  # it imports matplotlib once the run has a loss to draw
         register_configs()
         mode = None  # hydra.mode as kiln's composition reads it: Hydra need not compose again
+        curves = True  # whether a run of this launch draws curves.png (a sweep's jobs: may)
         if not is_multirun(argv):  # a sweep's jobs are checked one by one as they start
             # a mistake fails here, before any work
             cfg, mode = load_config_and_mode(config_overrides(argv))
             check_model_names(cfg)
             argv = with_resume_run_dir(argv, cfg.name)
+            curves = cfg.logger.curves
+        if curves and not int(os.environ.get("RANK", 0)):  # the main rank draws curves.png
+            from kiln.logging.curves import start_painter
+
+            start_painter()  # it imports matplotlib once the run has a loss to draw
         argv = with_ddp_run_dir(argv)
         enough_room(argv)
         lock_run_dir(argv)

@@ -239,6 +239,9 @@ class LoggerConfig:
     wandb_project: str = "kiln"  # W&B project
     wandb_mode: WandbMode = WandbMode.offline  # offline | online (online needs WANDB_API_KEY)
     wandb_entity: str | None = None  # W&B team or user (null: your default)
+    # <run>/curves.png, drawn by a process beside the run (false: no matplotlib process, no
+    # picture; metrics.jsonl holds every value it would show)
+    curves: bool = True
 
     def check(self, key: str) -> None:
         for backend in self.backends:

@@ -26,7 +26,11 @@ class RunRecorder:
             return
         from kiln.logging.curves import CurvesFile
 
-        self.curves = CurvesFile(run_dir / "curves.png", title=f"{run_name}: {run_dir.name}")
+        self.curves = (
+            CurvesFile(run_dir / "curves.png", title=f"{run_name}: {run_dir.name}")
+            if cfg.curves
+            else None
+        )
         self.jsonl = JsonlWriter(run_dir / "metrics.jsonl")
         wandb_id_file = run_dir / WANDB_ID_FILE
         self.loggers = build_loggers(
@@ -64,8 +68,9 @@ class RunRecorder:
         if self.enabled:
             self.jsonl.write({"step": step, **metrics})
             self.loggers.log_metrics(metrics, step)
-            if any(key.startswith("val_") for key in metrics):  # an evaluation: redraw, on
-                self.curves.update(self.history)  # a thread of its own
+            evaluated = any(key.startswith("val_") for key in metrics)
+            if evaluated and self.curves is not None:  # redraw, on a thread of its own
+                self.curves.update(self.history)
 
     def close(self, draw: bool = True) -> None:
         """`draw=False`: no last redraw of curves.png (a second Ctrl-C stops at once)."""
@@ -74,7 +79,8 @@ class RunRecorder:
         if self.enabled:
             full = None
             try:
-                self.curves.finish(self.history, draw_now=draw)
+                if self.curves is not None:
+                    self.curves.finish(self.history, draw_now=draw)
             except DiskFullError as err:  # a full disk ends the run, whatever write found it
                 full = err
             except Exception:  # a picture must never be why a run fails
