@@ -9,7 +9,9 @@ call 6 s."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import py_compile
+import shutil
 import subprocess
 import sys
 import time
@@ -140,6 +142,28 @@ def test_the_installed_torch_is_byte_compiled():
         f"{len(missing)} of {len(sample)} sampled torch modules have no bytecode "
         f"(e.g. {missing[:3]}): run `make install` (it byte-compiles .venv)"
     )
+
+
+def links_libpython(executable: str) -> bool | None:
+    """Whether `executable` calls its interpreter through libpython (ldd); None: not an ELF
+    program ldd can read (a pyenv shim is a shell script)."""
+    found = subprocess.run(["ldd", executable], capture_output=True, text=True)
+    if found.returncode or "libc.so" not in found.stdout:
+        return None
+    return "libpython" in found.stdout
+
+
+@pytest.mark.skipif(shutil.which("ldd") is None, reason="reads what programs link with ldd")
+def test_the_venv_runs_on_a_python_that_holds_its_interpreter_where_path_has_one():
+    """make install makes .venv from the first python3.11 on PATH whose executable is the
+    interpreter itself (a distribution's build: PGO, LTO, no call through libpython3.11.so),
+    else from the first python3.11: a build linked to libpython ran kiln 12-19% slower."""
+    on_path = [p for p in os.get_exec_path() if os.access(Path(p) / "python3.11", os.X_OK)]
+    kinds = [links_libpython(str(Path(p) / "python3.11")) for p in on_path]
+    ours = links_libpython(str(Path(sys.executable).resolve()))
+    assert ours is not None, sys.executable
+    if False in kinds:  # PATH has one that holds its interpreter: .venv is made from one
+        assert ours is False, f"{sys.executable} links libpython: make clean install"
 
 
 def test_the_bytecode_check_sees_a_missing_or_stale_pyc(tmp_path):
