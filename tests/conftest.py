@@ -105,7 +105,9 @@ def compose_config(*overrides: str):
     them again: each test process composes the same overrides once while what the composition
     read stays the same (the YAML files, and the registry entries of the options it chose:
     tests register models of their own), and each caller gets its own copy (lists and dicts in
-    a config are not frozen) and the warnings the composition gave."""
+    a config are not frozen) and the warnings the composition gave. Under the suite's
+    KILN_OVERRIDES: no curves.png unless `logger.curves=true` is among the overrides."""
+    overrides = (CURVES_OFF, *overrides)
     if any(has_override([o], key) for o in overrides for key in UNCACHED_KEYS):
         return load_config(list(overrides))  # these import plugins or read folders of their own
     key = (overrides, config_files())
@@ -160,11 +162,10 @@ def chosen_entries(cfg) -> tuple | None:
 
 
 def train_in_process(run_dir: Path, *overrides: str) -> dict:
-    """Train as train.py does, in this process; returns the summary (no curves.png unless
-    `logger.curves=true` is among the overrides)."""
+    """Train as train.py does, in this process; returns the summary."""
     from kiln.engine.run import train
 
-    return train(compose_config(CURVES_OFF, *overrides), run_dir)
+    return train(compose_config(*overrides), run_dir)
 
 
 def train_main_here(capture, *args: str) -> tuple[int, str]:

@@ -192,7 +192,7 @@ def on_a_full_disk(path):
     ("file", "overrides"),
     [
         ("metrics.jsonl", ()),
-        (".curves.png.tmp", ("trainer.max_epochs=1",)),  # the curves' temp file
+        (".curves.png.tmp", ("trainer.max_epochs=1", "logger.curves=true")),  # their temp file
         (".summary.json.tmp", ("trainer.max_steps=2",)),  # the very last write
     ],
     ids=["metrics", "curves", "summary"],
