@@ -44,10 +44,12 @@ RUN_ELSEWHERE = {
     ),
 }
 SERVERS = {"mode=serve": 8000, "make serve": 8000, "tensorboard ": 6006}
-SMOKE = "trainer.max_steps=5 trainer.limit_val_batches=2"
+# No curves.png either (logger.curves=false): its painter process is a second a run, and no
+# command's output reads the picture (tests/test_background_writes.py tests it).
+SMOKE = "trainer.max_steps=5 trainer.limit_val_batches=2 logger.curves=false"
 # The default experiment (digits on an MLP, milliseconds a step) trains 40: its int8 export
 # rightly refuses a 5-step model (logits still close together: argmax agreement 91.9% < 95%).
-DEFAULT_RUN_SMOKE = "trainer.max_steps=40 trainer.limit_val_batches=2"
+DEFAULT_RUN_SMOKE = "trainer.max_steps=40 trainer.limit_val_batches=2 logger.curves=false"
 LINKED = (
     "train.py",
     "infer.py",
