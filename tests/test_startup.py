@@ -106,7 +106,7 @@ def test_the_scripts_exit_skips_the_final_collection_and_nothing_else(end, code,
     if code == 1:
         assert "ValueError: boom" in done.stderr
     for script in ("train.py", "infer.py"):
-        assert "run_script(main)" in (REPO_ROOT / script).read_text()
+        assert "run_script(main" in (REPO_ROOT / script).read_text()
 
 
 def compiled(source: Path) -> bool:
@@ -228,3 +228,31 @@ def test_the_process_age_counts_from_the_process_start():
     )
     assert done.returncode == 0, done.stderr
     assert 0.5 <= float(done.stdout) < 30
+
+
+def test_train_py_collects_no_garbage_until_torch_and_the_engine_are_imported():
+    """train.py pauses the garbage collector until its task has imported torch and the engine
+    (run_script's collect_during_imports=False, then imports_done): what the imports made is
+    frozen, so no full collection walks it again. Anywhere else imports_done changes nothing."""
+    import gc
+
+    from kiln.cli import script
+
+    assert "collect_during_imports=False" in (REPO_ROOT / "train.py").read_text()
+    seen = []
+
+    def main():
+        seen.append(gc.isenabled())
+        script.imports_done()
+        seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
+        script.imports_done()  # once per process: a sweep's next job changes nothing
+
+    try:
+        script.run_script(main, collect_during_imports=False)
+        assert seen == [False, (True, True)]
+        gc.unfreeze()
+        script.imports_done()  # not paused (a test's process): nothing frozen
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+        gc.enable()

@@ -30,6 +30,7 @@ from kiln.cli.paths import (
     with_env_profile,
 )
 from kiln.cli.resume import with_resume_run_dir
+from kiln.cli.script import imports_done
 from kiln.commands import RunCommand, cache_environment, line, script
 from kiln.config import (
     hydra_mode_known,
@@ -173,6 +174,7 @@ def run_job(raw_cfg: DictConfig, run_dir: Path, command: RunCommand) -> float | 
     from kiln.engine.run import train
 
     startup.lap("imports")  # torch and the engine
+    imports_done()  # what they made is frozen: no collection walks it again
     hydra = HydraConfig.get()
     multirun = hydra.mode == RunMode.MULTIRUN
     dist = env_dist_info()
