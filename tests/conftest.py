@@ -25,10 +25,9 @@ load_plugins([m for m in os.environ.get("KILN_PLUGINS", "").split(",") if m])
 # No curves.png where a test does not look at it: its painter process (matplotlib's import and
 # a draw, 0.9 CPU-s) cost a fifth of every short run the suite makes. KILN_OVERRIDES is appended
 # to every train.py command line and never printed (kiln.commands); a test of the picture, or of
-# a command exactly as a user types it, takes it out of its environment (CURVES_ON).
+# a command exactly as a user types it, empties KILN_OVERRIDES or takes it out of its environment.
 CURVES_OFF = "logger.curves=false"
 os.environ["KILN_OVERRIDES"] = CURVES_OFF
-CURVES_ON = {"KILN_OVERRIDES": ""}
 
 # Keep CPU work predictable on the 2-core machines tests run on.
 SUBPROCESS_ENV = {
