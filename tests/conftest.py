@@ -68,6 +68,30 @@ def slow_tests_run(config) -> bool:
     return "not slow" not in (config.option.markexpr or "")
 
 
+def stale_install(venv: Path, repo: Path) -> list[str]:
+    """The files `make install` reads that are newer than the venv's install stamp."""
+    stamp = venv / ".installed"
+    if not stamp.exists():
+        return []
+    inputs = ("requirements.lock", "pyproject.toml")
+    return [n for n in inputs if (repo / n).stat().st_mtime > stamp.stat().st_mtime]
+
+
+def pytest_sessionstart(session):
+    """The README's and docs' commands run `make install` in a folder that links this .venv: on
+    an install older than what it reads, that would re-install into it from the test's
+    temporary folder, and its entry points (`kiln`) would name a folder that goes with the test."""
+    venv = REPO_ROOT / ".venv"
+    if Path(sys.prefix).resolve() != venv.resolve() or hasattr(session.config, "workerinput"):
+        return
+    stale = stale_install(venv, REPO_ROOT)
+    if stale:
+        pytest.exit(
+            f"{venv} is older than {' and '.join(stale)}: run `make install` (or `make test`)",
+            returncode=2,
+        )
+
+
 def pytest_collection_modifyitems(config, items):
     """Under test-all, the longest tests first: a test's timeout mark is what it may take, and
     a 40-minute test handed out last would run alone at the end while the other workers idle

@@ -22,7 +22,7 @@ import pytest
 from kiln.cli.paths import REPO_ROOT
 from kiln.startup import StartupClock
 
-from .conftest import SUBPROCESS_ENV
+from .conftest import SUBPROCESS_ENV, stale_install
 
 HEAVY = ("torch", "optuna", "pandas", "sklearn", "onnxruntime", "wandb", "tensorboard", "fastapi")
 
@@ -167,6 +167,19 @@ def test_the_venv_runs_on_a_python_that_holds_its_interpreter_where_path_has_one
     assert ours is not None, sys.executable
     if False in kinds:  # PATH has one that holds its interpreter: .venv is made from one
         assert ours is False, f"{sys.executable} links libpython: make clean install"
+
+
+def test_a_suite_on_an_install_older_than_its_inputs_stops_before_a_test(tmp_path):
+    """tests/conftest.py stops the session (`make install` first): the README's `make install`
+    would otherwise re-install into the linked .venv from a test's temporary folder."""
+    for name in ("requirements.lock", "pyproject.toml"):
+        (tmp_path / name).write_text("")
+    venv = tmp_path / ".venv"
+    venv.mkdir()
+    assert stale_install(venv, tmp_path) == []  # no stamp: not made by make install
+    (venv / ".installed").touch()
+    os.utime(tmp_path / "pyproject.toml", (time.time() + 5,) * 2)
+    assert stale_install(venv, tmp_path) == ["pyproject.toml"]
 
 
 def test_the_bytecode_check_sees_a_missing_or_stale_pyc(tmp_path):
