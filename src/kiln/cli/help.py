@@ -89,18 +89,22 @@ class OptionKeys:
     text: str = ""  # ... and its text
 
 
+# Groups whose options are plain YAML files with no schema of their own: their text is their keys.
+CONFIG_ONLY = ("env", "debug", "experiment", "hparams_search")
+
+
 def option_keys(group: str, option: str = "") -> OptionKeys:
     """`group` or `group=option` -> its keys with defaults and meanings (a plugin's options
     too: their YAML folders are on the search path, kiln.registry.register_config_dir)."""
     if group not in GROUP_ORDER:
         raise ConfigError(f"unknown group {group!r}", "--help", f"groups: {', '.join(GROUP_ORDER)}")
     option = option or defaults().get(group, "")
+    path = CONF_DIR / group / f"{option}.yaml"
+    if group in CONFIG_ONLY and path.is_file():  # its text as it stands: no composition needed
+        return OptionKeys(group, option, yaml=path, text=path.read_text())
     cfg = compose([f"{group}={option}"] if option else [])
     node = cfg.get(group)
-    if group in ("env", "debug", "experiment", "hparams_search") or not isinstance(
-        node, DictConfig
-    ):
-        path = CONF_DIR / group / f"{option}.yaml"
+    if group in CONFIG_ONLY or not isinstance(node, DictConfig):
         if path.is_file():
             return OptionKeys(group, option, yaml=path, text=path.read_text())
         return OptionKeys(group, option, text=OmegaConf.to_yaml(node))
