@@ -7,6 +7,7 @@ commands that cannot run here are listed with the reason."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -231,17 +232,44 @@ def run_elsewhere(command: Command, page: str | None) -> str | None:
     return None if home == page else why
 
 
+def recipe(target: str) -> list[str]:
+    """The commands `make <target>` runs, as a user types them: the Makefile's recipe lines,
+    `$(PY)` as `python`, no `$(ARGS)`, one command per `&&`."""
+    lines = (REPO_ROOT / "Makefile").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{target}:"))
+    found = []
+    for line in itertools.takewhile(lambda line: line.startswith("\t"), lines[start + 1 :]):
+        typed = line.strip().replace("$(PY)", "python").replace("$(ARGS)", "")
+        found += [" ".join(part.split()) for part in typed.split("&&")]
+    return found
+
+
+def to_run(found: list[Command], page: str | None = None) -> list[Command]:
+    """The commands that run here, in order: not the ones that cannot (skip_reason), nor `$`
+    examples (run by test_the_mistakes_the_docs_show_print_what_they_show), nor those run in
+    full elsewhere (RUN_ELSEWHERE), nor a line a `make` target run before it on the page ran
+    already, the same line in the same checkout (`make bench`'s bench_text.py and
+    bench_startup.py lines, shown again on docs/benchmarks.md with what they measure)."""
+    chosen, done = [], set()
+    for command in found:
+        if command.skip_reason or command.expected or run_elsewhere(command, page):
+            continue
+        if command.line not in done:
+            chosen.append(command)
+        if command.line.startswith("make "):
+            done.update(recipe(command.line.split()[1]))
+    return chosen
+
+
 def run_all(
     found: list[Command], home: Path, env: dict, page: str | None = None
 ) -> list[tuple[str, int]]:
-    """Every command that can run here, in order, in one checkout: (command, seconds).
+    """Every command that can run here (to_run), in order, in one checkout: (command, seconds).
     `page`: the docs page they come from (RUN_ELSEWHERE)."""
     ran = []
-    for command in found:
-        elsewhere = run_elsewhere(command, page)
-        if command.skip_reason is None and not command.expected and elsewhere is None:
-            cache_detector_weights(command, env)
-            started = time.monotonic()
-            run(command, home, env)
-            ran.append((command.line, round(time.monotonic() - started)))
+    for command in to_run(found, page):
+        cache_detector_weights(command, env)
+        started = time.monotonic()
+        run(command, home, env)
+        ran.append((command.line, round(time.monotonic() - started)))
     return ran

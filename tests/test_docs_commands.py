@@ -15,9 +15,11 @@ from .markdown_commands import (
     commands,
     environment,
     placeholders,
+    recipe,
     run,
     run_all,
     run_elsewhere,
+    to_run,
     user_checkout,
 )
 
@@ -60,3 +62,22 @@ def test_a_command_run_elsewhere_runs_once_on_the_page_that_documents_it():
     assert run_elsewhere(matrix, None) is not None  # the README's commands: no page
     listed = {c.line for c in commands((REPO_ROOT / "docs" / "benchmarks.md").read_text())}
     assert "make bench" in listed  # where it runs, it is still typed
+
+
+def test_a_line_a_make_target_ran_on_the_page_is_not_run_again():
+    """`make bench` runs bench_text.py's and bench_startup.py's lines as docs/benchmarks.md
+    shows them again: run once, by make bench; a line before it, or another line, still runs."""
+    text_line = "python scripts/bench_text.py --fasttext venv --contention 1"
+    startup_line = "python scripts/bench_startup.py --out docs/figures/startup.json"
+    assert {text_line, startup_line} <= set(recipe("bench"))
+    assert recipe("train") == ["python train.py"]
+    page = [startup_line, "make bench", text_line, "python scripts/bench_text.py --rows 10"]
+    chosen = [c.line for c in to_run([Command(line) for line in page], "benchmarks.md")]
+    assert chosen == [startup_line, "make bench", "python scripts/bench_text.py --rows 10"]
+    on_the_page = [
+        c.line
+        for c in to_run(
+            commands((REPO_ROOT / "docs" / "benchmarks.md").read_text()), "benchmarks.md"
+        )
+    ]
+    assert "make bench" in on_the_page and text_line not in on_the_page

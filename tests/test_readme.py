@@ -33,4 +33,4 @@ def test_every_command_in_the_readme_runs_as_typed(tmp_path):
     ran = run_all(ALL, home, environment(home))
     skipped = [c.line for c in ALL if c.skip_reason]
     assert skipped == ["make test"], "the README's commands must all run in the default suite"
-    assert len(ran) >= 12, ran
+    assert len(ran) >= 11, ran  # `python train.py` is `make train`'s line: run once (to_run)
