@@ -17,8 +17,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import uvicorn
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from kiln.cli.paths import REPO_ROOT
 from kiln.engine.run import train
@@ -67,6 +65,11 @@ def detector_run(tmp_path_factory) -> tuple[Path, dict]:
 def raw_digits_val(val_fraction: float = 0.2, split_seed: int = 0):
     """The digits validation split as raw pixels (N, 8, 8) in 0..16, as a user would send them:
     the same split kiln.data.digits makes, before normalisation."""
+    # Imported here, not at the top: scikit-learn's import (2 CPU-s) was paid by every xdist
+    # worker collecting the suite, most of which never call this.
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     raw = load_digits()
     _, x_val, _, y_val = train_test_split(
         raw.images.astype(np.float32),

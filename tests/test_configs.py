@@ -125,6 +125,31 @@ def test_option_composes_validates_and_builds(group, option):
     assert resolve_precision(cfg.precision.name, torch.device("cpu")).name == cfg.precision.name
 
 
+def typed_leaves(value, path=""):
+    """(path, type, value) of every leaf: 1 and 1.0, or a tuple and a list, differ here."""
+    if isinstance(value, dict):
+        return [leaf for key, item in value.items() for leaf in typed_leaves(item, f"{path}.{key}")]
+    if isinstance(value, list):
+        return [("len", path, len(value))] + [
+            leaf for i, item in enumerate(value) for leaf in typed_leaves(item, f"{path}[{i}]")
+        ]
+    return [(path, type(value), value)]
+
+
+@pytest.mark.parametrize(("group", "option"), ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
+def test_to_plain_gives_what_omegaconf_gives_for_every_option(group, option):
+    """kiln.config.to_plain walks the dataclasses; checkpoints, JSON and resume's contract read
+    what OmegaConf's structured nodes gave before it, the same values of the same types."""
+    from omegaconf import OmegaConf
+
+    from kiln.config import to_plain
+
+    cfg = compose_config(*overrides_for(group, option))
+    omegaconf = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+    assert typed_leaves(to_plain(cfg)) == typed_leaves(omegaconf)
+    assert typed_leaves(to_plain(cfg.model)) == typed_leaves(omegaconf["model"])
+
+
 @pytest.mark.parametrize("name", ["amp", "bf16", "fp32"])
 def test_bf16_on_a_cpu_without_bf16_instructions_says_fp32_is_faster(name, caplog):
     """oneDNN emulates bf16 where the CPU has no bf16 instructions (this CI machine's AVX2):

@@ -12,8 +12,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from sklearn.datasets import load_digits
-from sklearn.metrics import classification_report, confusion_matrix, top_k_accuracy_score
 from torch.utils.data import TensorDataset
 
 from kiln.cli.infer import main as infer_main
@@ -58,6 +56,10 @@ def run_infer(capsys, *argv: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("k, absent", [(12, (3, 7)), (3, ())])
 def test_metrics_equal_scikit_learns_on_the_same_predictions(k, absent):
+    # scikit-learn is imported where it is the reference, not at the top: every xdist worker
+    # collecting the suite paid its import (2 CPU-s).
+    from sklearn.metrics import classification_report, confusion_matrix, top_k_accuracy_score
+
     probs, targets = random_predictions(500, k, absent=absent)
     names = [f"c{i}" for i in range(k)]
     ours = classification_metrics(probs, targets, names)
@@ -184,6 +186,8 @@ def digits(tmp_path_factory):
 
 
 def test_evaluate_digits_without_data_reports_the_val_split(digits, capsys):
+    from sklearn.datasets import load_digits
+
     run_dir, summary = digits
     code, out, err = run_infer(capsys, "mode=evaluate", f"ckpt={run_dir}/checkpoints/best.pt")
     assert code == 0, err
@@ -253,6 +257,8 @@ def text(tmp_path_factory):
 
 
 def test_evaluate_text_on_a_csv_equals_predict_and_names_rows(text, tmp_path, capsys):
+    from sklearn.metrics import classification_report
+
     from kiln.data.csv_text import demo_corpus
 
     run_dir, _ = text

@@ -26,7 +26,6 @@ from kiln.checkpoint import DCP_METADATA, SHARDS_DIR, load_checkpoint, named_sha
 from kiln.cli.paths import REPO_ROOT
 from kiln.config import ConfigError
 from kiln.engine.distributed import teardown
-from kiln.engine.fsdp import blocks_by_size, fsdp_blocks, mixed_precision_policy
 from kiln.engine.precision import resolve_precision
 
 from .conftest import (
@@ -122,6 +121,10 @@ def test_fsdp_on_two_ranks_trains_as_one_process_and_writes_sharded_checkpoints(
 
 
 def test_size_policy_takes_blocks_bottom_up_and_never_the_root():
+    # kiln.engine.fsdp is imported in the tests that use it: torch.distributed.fsdp's import
+    # (1 CPU-s) was paid by every xdist worker's collection.
+    from kiln.engine.fsdp import blocks_by_size
+
     model = nn.Sequential(
         nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10)),  # 110 + 110
         nn.Linear(10, 100),  # 1100
@@ -136,6 +139,8 @@ def test_size_policy_takes_blocks_bottom_up_and_never_the_root():
 
 
 def test_a_model_can_name_its_own_blocks():
+    from kiln.engine.fsdp import fsdp_blocks
+
     class TwoTowers(nn.Module):
         def __init__(self):
             super().__init__()
@@ -153,6 +158,8 @@ def test_a_model_can_name_its_own_blocks():
     [("fp32", None), ("bf16", torch.bfloat16), ("amp", torch.bfloat16)],  # amp is bf16 on CPU
 )
 def test_mixed_precision_policy_follows_precision(precision, param_dtype):
+    from kiln.engine.fsdp import mixed_precision_policy
+
     policy = mixed_precision_policy(resolve_precision(precision, torch.device("cpu")))
     assert policy.param_dtype == param_dtype
     assert policy.reduce_dtype == (torch.float32 if param_dtype else None)

@@ -13,8 +13,6 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.types import RunMode
-from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
-from optuna.distributions import CategoricalDistribution, LogUniformDistribution
 
 from kiln.config import register_configs
 
@@ -29,6 +27,10 @@ def _compose(overrides: list[str]):
 
 
 def test_optuna_search_composes_with_its_search_space():
+    # Imported here: optuna's import (1-3 CPU-s) was paid by every xdist worker's collection.
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+    from optuna.distributions import CategoricalDistribution, LogUniformDistribution
+
     cfg = _compose(["hparams_search=digits_optuna"])
     sweeper = cfg.hydra.sweeper
     assert sweeper._target_.endswith("OptunaSweeper")

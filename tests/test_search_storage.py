@@ -12,11 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
-import optuna
 import pytest
 import yaml
-from optuna.trial import TrialState
-from sqlalchemy.exc import IntegrityError, OperationalError
 
 from .conftest import SUBPROCESS_ENV
 
@@ -70,7 +67,11 @@ def finish(proc: subprocess.Popen, timeout: int = 300) -> None:
     assert proc.returncode == 0, stderr[-3000:]
 
 
-def load_study(tmp_path: Path) -> optuna.Study:
+def load_study(tmp_path: Path):
+    # optuna and sqlalchemy are imported where used: every xdist worker collecting the suite
+    # paid their import (2-3 CPU-s) at the top of this file.
+    import optuna
+
     return optuna.load_study(
         study_name=STUDY, storage=f"sqlite:///{tmp_path / 'studies' / 'search.db'}"
     )
@@ -88,6 +89,8 @@ def best_value(sweep_dir: Path) -> float:
 def test_the_same_search_again_continues_its_study(tmp_path):
     """The study lives in sqlite (SQLAlchemy 1.4 under Optuna 2.10): a second run of the search
     joins it, and n_trials counts the whole study."""
+    from optuna.trial import TrialState
+
     finish(start(tmp_path, tmp_path / "first", "hydra.sweeper.n_trials=2"))
     finish(start(tmp_path, tmp_path / "second", "hydra.sweeper.n_trials=3"))
     study = load_study(tmp_path)
@@ -98,6 +101,9 @@ def test_the_same_search_again_continues_its_study(tmp_path):
 
 def wait_for_a_trial(proc: subprocess.Popen, tmp_path: Path, complete: int) -> None:
     """Until the study holds `complete` finished trials and a running one."""
+    from optuna.trial import TrialState
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
     deadline = time.monotonic() + 240
     while True:
         assert proc.poll() is None, proc.stderr.read()[-3000:]
@@ -115,6 +121,8 @@ def wait_for_a_trial(proc: subprocess.Popen, tmp_path: Path, complete: int) -> N
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_workers_fill_one_sqlite_study(tmp_path):
+    from optuna.trial import TrialState
+
     workers = [tmp_path / "worker0", tmp_path / "worker1"]
     # Each worker its own sampler seed: with the same seed both would propose the same trials.
     settings = ("hydra.sweeper.n_trials=6", "+extra.trial_seconds=2")
@@ -137,6 +145,8 @@ def test_two_workers_fill_one_sqlite_study(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_search_resumes_and_reruns_its_interrupted_trial(tmp_path):
+    from optuna.trial import TrialState
+
     settings = (
         "hydra.sweeper.n_trials=4",
         "hydra.sweeper.heartbeat_interval=1",
@@ -165,6 +175,8 @@ def test_a_killed_search_resumes_and_reruns_its_interrupted_trial(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_joblib_runs_trials_of_a_shared_study_in_parallel(tmp_path):
+    from optuna.trial import TrialState
+
     sweep_dir = tmp_path / "sweep"
     proc = start(
         tmp_path,

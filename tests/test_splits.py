@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sklearn.model_selection import train_test_split
 
 from kiln.data.split import stratified_split, val_count
 
@@ -20,6 +19,8 @@ LABEL_SETS = {
 
 
 def sklearn_split(labels: np.ndarray, num_val: int, seed: int):
+    from sklearn.model_selection import train_test_split  # 2 CPU-s: not at every collection
+
     n = len(labels)
     counts = np.unique(labels, return_counts=True)[1]
     stratify = counts.min() >= 2 and len(counts) <= num_val <= n - len(counts)
