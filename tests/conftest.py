@@ -95,9 +95,38 @@ def pytest_sessionstart(session):
 def pytest_collection_modifyitems(config, items):
     """Under test-all, the longest tests first: a test's timeout mark is what it may take, and
     a 40-minute test handed out last would run alone at the end while the other workers idle
-    (the scheduler below keeps this order). Each xdist worker collects, and sorts alike."""
+    (the scheduler below keeps this order). Each xdist worker collects, and sorts alike.
+    Otherwise the registry-wide tests of one model/data case run one after another."""
     if slow_tests_run(config):
         items.sort(key=lambda item: -timeout_of(item))
+    else:
+        case_by_case(items)
+
+
+CASE_PARAMS = ("model", "data", "model_overrides")
+
+
+def case_of(item) -> tuple | None:
+    """A registry-wide test's (model, data, overrides) case, as reprs; None for other tests."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if not item.nodeid.startswith("tests/test_antibodies.py::") or not set(CASE_PARAMS) <= set(
+        params
+    ):
+        return None
+    return tuple(repr(params[name]) for name in CASE_PARAMS)
+
+
+def case_by_case(items) -> None:
+    """test_antibodies.py's tests of a (model, data, overrides) case, one after another in the
+    slots those tests held (every rule for the first case, then the next): its seeded network is
+    built once for them, not once per rule (test_antibodies.SeededBuild)."""
+    slots = [i for i, item in enumerate(items) if case_of(item) is not None]
+    order: dict[tuple, int] = {}
+    for i in slots:
+        order.setdefault(case_of(items[i]), len(order))
+    cases = sorted((items[i] for i in slots), key=lambda item: order[case_of(item)])
+    for i, item in zip(slots, cases, strict=True):
+        items[i] = item
 
 
 def timeout_of(item) -> float:

@@ -234,7 +234,9 @@ class SeededBuild:
 
     def __call__(self, spec) -> nn.Module:
         if self.last_use:
-            return self.original(spec)
+            network = self.original(spec)
+            _BUILT.pop(self._key(spec), None)  # changed by its last user: never handed out again
+            return network
         return copy.deepcopy(self.original(spec))
 
     def original(self, spec) -> nn.Module:
@@ -244,9 +246,25 @@ class SeededBuild:
             self.built[spec] = alike if alike is not None else self._seeded(spec)
         return self.built[spec]
 
+    def _key(self, spec) -> tuple:
+        return repr(self.model_cfg), self.aux, spec
+
     def _seeded(self, spec) -> nn.Module:
+        """The seeded build; the same one another test of this case made just before, with the
+        random state its build left (tests/conftest.py runs a case's tests one after another:
+        each of the eight built its network again, a seventh of this file's time)."""
+        key = self._key(spec)
+        if key in _BUILT:
+            network, flags, rng = _BUILT[key]
+            if module_flags(network) == flags:  # read, never changed: as built
+                torch.set_rng_state(rng)
+                return network
         torch.manual_seed(0)
-        return build_model(spec, self.model_cfg, aux_head=self.aux).to("cpu")
+        network = build_model(spec, self.model_cfg, aux_head=self.aux).to("cpu")
+        _BUILT[key] = network, module_flags(network), torch.get_rng_state()
+        while len(_BUILT) > 2:  # a case's network, with and without its loss branches
+            del _BUILT[next(iter(_BUILT))]
+        return network
 
     def _built_alike(self, spec) -> nn.Module | None:
         if not self.built:
@@ -259,6 +277,15 @@ class SeededBuild:
     def _meta_shapes(self, spec) -> dict[str, tuple]:
         with torch.device("meta"):
             return tensor_shapes(build_model(spec, self.model_cfg, aux_head=self.aux))
+
+
+_BUILT: dict[tuple, tuple] = {}  # SeededBuild's last networks: (network, its flags, RNG state)
+
+
+def module_flags(network: nn.Module) -> tuple:
+    """Each module's mode and each parameter's requires_grad: what a check would change."""
+    modes = tuple(m.training for m in network.modules())
+    return modes, tuple(p.requires_grad for p in network.parameters())
 
 
 def optimizer_for_config(cfg):
