@@ -66,7 +66,7 @@ train: install ## train the default experiment (extra overrides: make train ARGS
 	$(PY) train.py $(ARGS)
 
 # Measured: docs/benchmarks.md, "How long things take".
-TEST_TIME := about 10-14 min on 2 CPU cores (fresh clones 2026-12-06: 548-772 s of pytest, 9 min 51 s - 13 min 54 s with the install, by the hour's CPU speed)
+TEST_TIME := about 10-14 min on 2 CPU cores (fresh clones 2026-12-06/07: 548-772 s of pytest, 9 min 51 s - 13 min 54 s with the install, by the hour's CPU speed)
 
 test: lint ## ruff + the default test suite (everything but `slow`)
 	@echo "make test: the default suite, $(TEST_TIME); one dot per test, the share done at each line's end"
