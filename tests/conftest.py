@@ -68,12 +68,20 @@ def slow_tests_run(config) -> bool:
     return "not slow" not in (config.option.markexpr or "")
 
 
+def install_inputs(makefile: Path) -> list[str]:
+    """What `make install` re-installs on: the prerequisites of the Makefile's `$(STAMP):`."""
+    for line in makefile.read_text().splitlines():
+        if line.startswith("$(STAMP):"):
+            return line.split(":", 1)[1].split()
+    raise ValueError(f"{makefile} has no `$(STAMP):` rule (the install stamp's inputs)")
+
+
 def stale_install(venv: Path, repo: Path) -> list[str]:
     """The files `make install` reads that are newer than the venv's install stamp."""
     stamp = venv / ".installed"
     if not stamp.exists():
         return []
-    inputs = ("requirements.lock", "pyproject.toml")
+    inputs = install_inputs(repo / "Makefile")
     return [n for n in inputs if (repo / n).stat().st_mtime > stamp.stat().st_mtime]
 
 

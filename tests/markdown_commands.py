@@ -236,7 +236,10 @@ def recipe(target: str) -> list[str]:
     """The commands `make <target>` runs, as a user types them: the Makefile's recipe lines,
     `$(PY)` as `python`, no `$(ARGS)`, one command per `&&`."""
     lines = (REPO_ROOT / "Makefile").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"{target}:"))
+    starts = [i for i, line in enumerate(lines) if line.startswith(f"{target}:")]
+    if not starts:
+        raise ValueError(f"the Makefile has no target {target!r} (make {target} on a page)")
+    start = starts[0]
     found = []
     for line in itertools.takewhile(lambda line: line.startswith("\t"), lines[start + 1 :]):
         typed = line.strip().replace("$(PY)", "python").replace("$(ARGS)", "")

@@ -71,6 +71,8 @@ def test_a_line_a_make_target_ran_on_the_page_is_not_run_again():
     startup_line = "python scripts/bench_startup.py --out docs/figures/startup.json"
     assert {text_line, startup_line} <= set(recipe("bench"))
     assert recipe("train") == ["python train.py"]
+    with pytest.raises(ValueError, match="the Makefile has no target 'trian'"):
+        recipe("trian")  # a page's typo is named, not a bare StopIteration
     page = [startup_line, "make bench", text_line, "python scripts/bench_text.py --rows 10"]
     chosen = [c.line for c in to_run([Command(line) for line in page], "benchmarks.md")]
     assert chosen == [startup_line, "make bench", "python scripts/bench_text.py --rows 10"]

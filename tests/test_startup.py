@@ -22,7 +22,7 @@ import pytest
 from kiln.cli.paths import REPO_ROOT
 from kiln.startup import StartupClock
 
-from .conftest import SUBPROCESS_ENV, stale_install
+from .conftest import SUBPROCESS_ENV, install_inputs, stale_install
 
 HEAVY = ("torch", "optuna", "pandas", "sklearn", "onnxruntime", "wandb", "tensorboard", "fastapi")
 
@@ -171,7 +171,10 @@ def test_the_venv_runs_on_a_python_that_holds_its_interpreter_where_path_has_one
 
 def test_a_suite_on_an_install_older_than_its_inputs_stops_before_a_test(tmp_path):
     """tests/conftest.py stops the session (`make install` first): the README's `make install`
-    would otherwise re-install into the linked .venv from a test's temporary folder."""
+    would otherwise re-install into the linked .venv from a test's temporary folder. The
+    inputs are the Makefile's own (its `$(STAMP):` rule), not a second list."""
+    assert install_inputs(REPO_ROOT / "Makefile") == ["requirements.lock", "pyproject.toml"]
+    shutil.copy(REPO_ROOT / "Makefile", tmp_path / "Makefile")
     for name in ("requirements.lock", "pyproject.toml"):
         (tmp_path / name).write_text("")
     venv = tmp_path / ".venv"
