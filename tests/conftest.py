@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -68,12 +69,20 @@ def slow_tests_run(config) -> bool:
     return "not slow" not in (config.option.markexpr or "")
 
 
+def makefile_rule(makefile: Path, target: str) -> tuple[list[str], list[str]]:
+    """A Makefile rule as written: its prerequisites and its recipe lines (stripped)."""
+    lines = makefile.read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(f"{target}:")]
+    if not starts:
+        raise ValueError(f"the {makefile.name} has no target {target!r} ({makefile})")
+    head = lines[starts[0]].split(":", 1)[1].split("##")[0].split()
+    body = itertools.takewhile(lambda line: line.startswith("\t"), lines[starts[0] + 1 :])
+    return head, [line.strip() for line in body]
+
+
 def install_inputs(makefile: Path) -> list[str]:
     """What `make install` re-installs on: the prerequisites of the Makefile's `$(STAMP):`."""
-    for line in makefile.read_text().splitlines():
-        if line.startswith("$(STAMP):"):
-            return line.split(":", 1)[1].split()
-    raise ValueError(f"{makefile} has no `$(STAMP):` rule (the install stamp's inputs)")
+    return makefile_rule(makefile, "$(STAMP)")[0]
 
 
 def stale_install(venv: Path, repo: Path) -> list[str]:
@@ -117,9 +126,8 @@ CASE_PARAMS = ("model", "data", "model_overrides")
 def case_of(item) -> tuple | None:
     """A registry-wide test's (model, data, overrides) case, as reprs; None for other tests."""
     params = getattr(getattr(item, "callspec", None), "params", {})
-    if not item.nodeid.startswith("tests/test_antibodies.py::") or not set(CASE_PARAMS) <= set(
-        params
-    ):
+    in_file = item.nodeid.startswith("tests/test_antibodies.py::")
+    if not in_file or not all(name in params for name in CASE_PARAMS):
         return None
     return tuple(repr(params[name]) for name in CASE_PARAMS)
 

@@ -7,7 +7,6 @@ commands that cannot run here are listed with the reason."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import signal
@@ -20,7 +19,7 @@ import httpx
 
 from kiln.cli.paths import REPO_ROOT
 
-from .conftest import SUBPROCESS_ENV
+from .conftest import SUBPROCESS_ENV, makefile_rule
 
 STARTS = ("python ", "make ", "torchrun ", "kiln ", "tensorboard ", "KILN_", "cd ")
 # Not run, with the reason. Everything else in a code block is run.
@@ -235,14 +234,9 @@ def run_elsewhere(command: Command, page: str | None) -> str | None:
 def recipe(target: str) -> list[str]:
     """The commands `make <target>` runs, as a user types them: the Makefile's recipe lines,
     `$(PY)` as `python`, no `$(ARGS)`, one command per `&&`."""
-    lines = (REPO_ROOT / "Makefile").read_text().splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith(f"{target}:")]
-    if not starts:
-        raise ValueError(f"the Makefile has no target {target!r} (make {target} on a page)")
-    start = starts[0]
     found = []
-    for line in itertools.takewhile(lambda line: line.startswith("\t"), lines[start + 1 :]):
-        typed = line.strip().replace("$(PY)", "python").replace("$(ARGS)", "")
+    for line in makefile_rule(REPO_ROOT / "Makefile", target)[1]:
+        typed = line.replace("$(PY)", "python").replace("$(ARGS)", "")
         found += [" ".join(part.split()) for part in typed.split("&&")]
     return found
 
