@@ -241,10 +241,16 @@ def train_main_here(capture, *args: str) -> tuple[int, str]:
     it returned) and what it wrote to stderr (`capture`: the test's capfd or capsys). For what a
     run says and leaves; what only a process shows (signals, the interpreter's exit, output
     order across processes) needs run_train."""
+    code, _, stderr = train_main_output(capture, *args)
+    return code, stderr
+
+
+def train_main_output(capture, *args: str) -> tuple[int, str, str]:
+    """train_main_here with what the run printed too: (exit status, stdout, stderr)."""
     from kiln.cli.train import main
 
     argv = sys.argv[:]
-    capture.readouterr()  # only this run's stderr
+    capture.readouterr()  # only this run's output
     try:
         main(list(args))
         code = 0
@@ -252,7 +258,8 @@ def train_main_here(capture, *args: str) -> tuple[int, str]:
         code = stop.code
     finally:
         sys.argv = argv  # main hands its arguments to Hydra through sys.argv
-    return code, capture.readouterr().err
+    said = capture.readouterr()
+    return code, said.out, said.err
 
 
 @pytest.fixture(autouse=True)

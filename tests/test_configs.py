@@ -440,6 +440,52 @@ def test_hydras_repository_copy_shares_the_one_config_store():
 
 
 @pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("model=resnet18", "data=synthetic_images", "optimizer=sgd", "scheduler=cosine"),
+        ("data=csv_text", "model=text_transformer", "precision=bf16", "env=production"),
+        ("hparams_search=digits_optuna", "hydra/launcher=joblib"),
+    ],
+)
+def test_hydra_composes_the_same_with_its_choice_maps_built_only_where_read(overrides, monkeypatch):
+    """kiln.config.build_choice_maps_only_where_read: every node of the composed config,
+    Hydra's own included, as Hydra builds it with a choice map at every config."""
+    from hydra._internal import defaults_list
+    from omegaconf import OmegaConf
+
+    from kiln.config import compose as kiln_compose
+
+    register_configs()
+    assert defaults_list._create_interpolation_map.only_where_read
+    as_read = OmegaConf.to_container(kiln_compose(list(overrides), hydra_config=True))
+    monkeypatch.setattr(
+        defaults_list, "_create_interpolation_map", defaults_list._create_interpolation_map.built_by
+    )
+    as_built = OmegaConf.to_container(kiln_compose(list(overrides), hydra_config=True))
+    for runtime in (as_read, as_built):
+        runtime["hydra"]["runtime"].pop("cwd")
+    assert as_read == as_built
+
+
+def test_a_defaults_entry_written_as_an_interpolation_still_resolves(tmp_path):
+    """Where a defaults list names an option by interpolation, its choice map is built."""
+    for group, option in [
+        ("db", "mysql"),
+        ("db", "postgres"),
+        ("server", "mysql"),
+        ("server", "postgres"),
+    ]:
+        (tmp_path / group).mkdir(exist_ok=True)
+        (tmp_path / group / f"{option}.yaml").write_text(f"{group}_is: {option}\n")
+    (tmp_path / "app.yaml").write_text("defaults:\n  - db: mysql\n  - server: ${db}\n  - _self_\n")
+    register_configs()
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        composed = compose("app", ["db=postgres"])
+    assert composed.db.db_is == "postgres" and composed.server.server_is == "postgres"
+
+
+@pytest.mark.parametrize(
     ("overrides", "mode"), [((), None), (("hparams_search=digits_optuna",), "MULTIRUN")]
 )
 def test_train_py_reads_hydras_mode_from_its_own_composition(overrides, mode):

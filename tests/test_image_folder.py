@@ -46,6 +46,8 @@ from .conftest import (
     read_summary,
     run_train,
     train_in_process,
+    train_main_here,
+    train_main_output,
 )
 from .image_folder_helpers import EXAMPLES, add_class, make_damaged_folder
 from .test_resume import final_weights, start_train, wait_for
@@ -123,10 +125,10 @@ def test_bad_rows_error_stops_at_the_first_bad_file_naming_it(damaged, cache):
     )
 
 
-def test_no_train_dir_is_one_error_line_naming_the_key(tmp_path):
-    result = run_train(tmp_path / "run", "data=image_folder", timeout=120)
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
+def test_no_train_dir_is_one_error_line_naming_the_key(tmp_path, capfd):
+    code, stderr = train_main_here(capfd, f"hydra.run.dir={tmp_path / 'run'}", "data=image_folder")
+    assert code == 2, stderr[-2000:]
+    lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "data.train_dir" in lines[0]
 
 
@@ -569,10 +571,11 @@ def test_a_single_png_file_is_predicted(photo_run, tmp_path):
 # train.py, end to end
 
 
-def test_train_py_on_the_example_photos_with_resnet18(tmp_path):
+def test_train_py_on_the_example_photos_with_resnet18(tmp_path, capfd):
     run_dir = tmp_path / "run"
-    result = run_train(
-        run_dir,
+    code, stdout, stderr = train_main_output(
+        capfd,
+        f"hydra.run.dir={run_dir}",
         "data=image_folder",
         f"data.train_dir={EXAMPLES / 'train'}",
         f"data.test_dir={EXAMPLES / 'test'}",
@@ -584,7 +587,7 @@ def test_train_py_on_the_example_photos_with_resnet18(tmp_path):
         "trainer.limit_val_batches=1",
         "env.progress_bar=false",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert code == 0, stderr[-3000:]
     assert read_summary(run_dir)["steps"] == 2
     report = json.loads((run_dir / "data_report.json").read_text())
     assert report["images"] == {"train": 64, "val": 16, "test": 24}
@@ -592,7 +595,7 @@ def test_train_py_on_the_example_photos_with_resnet18(tmp_path):
     recipe = recipe_from_dict(checkpoint["preprocessing"])
     assert (recipe.image_size, recipe.resize_size) == ((32, 32), 37)
     assert list(checkpoint["data_spec"]["class_names"]) == ["dahlia", "flag", "pagoda", "portrait"]
-    assert "data: 4 classes, 64 train / 16 val / 24 test images at 32x32" in result.stdout
+    assert "data: 4 classes, 64 train / 16 val / 24 test images at 32x32" in stdout
 
 
 def test_make_example_photos_reproduces_the_shipped_folder(tmp_path):

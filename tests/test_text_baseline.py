@@ -16,7 +16,7 @@ from kiln.cli.paths import REPO_ROOT
 from kiln.inference.baseline import scores
 from kiln.inference.evaluate import classification_metrics, evaluate_checkpoint
 
-from .conftest import FAST, SUBPROCESS_ENV, train_in_process
+from .conftest import FAST, SUBPROCESS_ENV, train_in_process, train_main_output
 
 
 @pytest.fixture(autouse=True)
@@ -38,20 +38,15 @@ def test_the_baseline_scores_are_the_evaluation_reports_definitions():
             assert mine["per_class"][name][key] == pytest.approx(theirs["per_class"][name][key])
 
 
-def test_a_run_below_the_baseline_says_so_with_the_override_to_try(tmp_path):
+def test_a_run_below_the_baseline_says_so_with_the_override_to_try(tmp_path, capfd, monkeypatch):
     """One epoch of two steps on the demo corpus: text_bow is below TF-IDF + LinearSVC."""
     run_dir = tmp_path / "run"
-    command = [sys.executable, "train.py", "data=csv_text", "model=text_bow", *FAST]
-    env = {**SUBPROCESS_ENV, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
-    done = subprocess.run(
-        [*command, f"hydra.run.dir={run_dir}"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.chdir(REPO_ROOT)  # the printed commands name ./train.py
+    code, stdout, stderr = train_main_output(
+        capfd, "data=csv_text", "model=text_bow", *FAST, f"hydra.run.dir={run_dir}"
     )
-    assert done.returncode == 0, done.stderr
+    assert code == 0, stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["baseline_below"] is True
     assert summary["baseline_acc"] > summary["baseline_model_acc"] == summary["val_acc"]
@@ -59,11 +54,9 @@ def test_a_run_below_the_baseline_says_so_with_the_override_to_try(tmp_path):
     result = json.loads((run_dir / "baseline.json").read_text())
     assert (result["train_rows"], result["eval_rows"]) == (461, 115)  # the split's own rows
     assert set(result["baseline"]["per_class"]) == set(result["model"]["per_class"])
-    out = done.stdout.splitlines()
+    out = stdout.splitlines()
     assert any(line.startswith("baseline (TF-IDF + LinearSVC") for line in out)
-    assert "the model is below the linear baseline: train again with trainer.max_epochs=2" in (
-        done.stdout
-    )
+    assert "the model is below the linear baseline: train again with trainer.max_epochs=2" in stdout
     first = out[out.index("next:") + 1]
     kept = [key for key in FAST if not key.startswith("trainer.max_epochs")]
     expected = ["python", "train.py", "data=csv_text", "model=text_bow", *kept]

@@ -22,7 +22,7 @@ from kiln.data.csv_reader import CsvSettings, CsvTextError, read_labelled_rows, 
 from kiln.data.text_corpus import write_ticket_csv
 from kiln.data.token_store import IdsFile
 
-from .conftest import FAST, SUBPROCESS_ENV, compose_config, train_in_process
+from .conftest import FAST, SUBPROCESS_ENV, compose_config, train_in_process, train_main_here
 
 
 @pytest.fixture(autouse=True)
@@ -316,27 +316,20 @@ def test_training_on_a_csv_with_bad_rows_writes_a_correct_data_report(tmp_path, 
     assert "300 kept, 3 dropped (missing_text 1, missing_label 1" in caplog.text
 
 
-def test_bad_rows_error_is_one_line_from_the_command_line(tmp_path):
+def test_bad_rows_error_is_one_line_from_the_command_line(tmp_path, capfd):
     path = stray_quote_file(tmp_path / "stray.csv")
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "train.py"),
-            f"hydra.run.dir={tmp_path / 'run'}",
-            "data=csv_text",
-            f"data.train_path={path}",
-            f"data.cache_dir={tmp_path / 'cache'}",
-            "data.bad_rows=error",
-            "model=text_bow",
-        ],
-        env=SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    code, stderr = train_main_here(
+        capfd,
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "data=csv_text",
+        f"data.train_path={path}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.bad_rows=error",
+        "model=text_bow",
     )
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in done.stderr
+    assert code == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr
     assert lines[0].startswith(f"error: {path}: row 4 (line 5) opens a quote in column 'text'")
 
 

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kiln.cli.paths import REPO_ROOT
 from kiln.data import build_data
 from kiln.data.csv_reader import CsvSettings, CsvTextError, row_log
 from kiln.data.text_formats import read_rows, resolve_format, source_files
 
-from .conftest import FAST, SUBPROCESS_ENV, compose_config, train_in_process
+from .conftest import FAST, compose_config, train_in_process, train_main_here
 
 NAMES = ["money", "pets"]  # a ClassLabel's names: label 0 is "money"
 FEATURES = {
@@ -267,7 +264,9 @@ def test_the_token_store_of_parquet_is_the_store_of_the_same_rows_as_csv(tmp_pat
     assert built["t.parquet"] == built["t.csv"] == built["t.jsonl"] == built["t_ds"]
 
 
-def test_train_py_on_parquet_writes_the_data_report_and_a_bad_row_error_is_one_line(tmp_path):
+def test_train_py_on_parquet_writes_the_data_report_and_a_bad_row_error_is_one_line(
+    tmp_path, capfd
+):
     texts, labels = texts_and_labels(80)
     texts[10] = None
     path = tmp_path / "train.parquet"
@@ -279,18 +278,13 @@ def test_train_py_on_parquet_writes_the_data_report_and_a_bad_row_error_is_one_l
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())
     assert report["classes"] == NAMES
     assert report["train_file"]["dropped_records"][0]["row"] == 11
-    command = [sys.executable, "train.py", "data=csv_text", f"data.train_path={path}"]
-    command += ["model=text_bow", "data.bad_rows=error", f"hydra.run.dir={tmp_path / 'run2'}"]
-    done = subprocess.run(
-        [*command, *FAST],
-        cwd=REPO_ROOT,
-        env=SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    code, stderr = train_main_here(
+        capfd,
+        *("data=csv_text", f"data.train_path={path}", "model=text_bow", "data.bad_rows=error"),
+        *(f"hydra.run.dir={tmp_path / 'run2'}", *FAST),
     )
-    assert done.returncode == 2
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert code == 2
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert errors == [
         f"error: {path}: row 11 has an empty text in column 'text' (data.bad_rows=drop skips "
         "such rows, listing them in data_report.json)"

@@ -13,7 +13,14 @@ from kiln.data.csv_text import CsvTextError
 from kiln.logging.summary import SUMMARY_KEYS
 from kiln.startup import PHASES
 
-from .conftest import FAST, read_metrics, read_summary, run_train, train_in_process
+from .conftest import (
+    FAST,
+    read_metrics,
+    read_summary,
+    run_train,
+    train_in_process,
+    train_main_here,
+)
 
 CASES = {
     "mlp": ("data=digits",),
@@ -124,12 +131,14 @@ def test_failed_run_still_writes_summary(tmp_path):
     assert summary["status"] == "failed" and "missing.csv" in summary["error"]
 
 
-def test_a_user_error_is_one_line_exit_2_and_a_failed_summary(tmp_path):
+def test_a_user_error_is_one_line_exit_2_and_a_failed_summary(tmp_path, capfd):
     run_dir = tmp_path / "run"
     missing = f"data.train_path={tmp_path}/missing.csv"
-    result = run_train(run_dir, "data=csv_text", "model=text_bow", missing, *FAST)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    code, stderr = train_main_here(
+        capfd, f"hydra.run.dir={run_dir}", "data=csv_text", "model=text_bow", missing, *FAST
+    )
+    assert code == 2
+    assert stderr.strip().splitlines() == [
         f"error: {tmp_path}/missing.csv: no such file (set data.train_path / data.val_path)"
     ]
     assert read_summary(run_dir)["status"] == "failed"
