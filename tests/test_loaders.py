@@ -102,3 +102,19 @@ def test_a_batch_is_a_copy_of_the_datasets_items(data):
         now = list(iter_tensors(bundle.train[i]))
         for (path, was), (_, is_) in zip(iter_tensors(item), now, strict=True):
             assert torch.equal(was, is_), f"{data}: item {i}'s {path} changed with its batch"
+
+
+def test_a_finished_run_leaves_no_loader_workers_to_the_garbage_collector(tmp_path):
+    """Persistent workers stop when train() returns (kiln.data.loaders.stop_workers); left to a
+    later garbage collection, each loader's workers sat out torch's 5 s join first."""
+    import gc
+    import multiprocessing
+
+    from .conftest import FAST, PROBES_OFF, train_in_process
+
+    gc.collect()  # what earlier tests left
+    before = set(multiprocessing.active_children())
+    overrides = ("data.num_workers=1", "data.persistent_workers=true", "logger=none")
+    summary = train_in_process(tmp_path / "run", *FAST, *PROBES_OFF, *overrides)
+    assert summary["status"] in ("ok", "at_chance")
+    assert set(multiprocessing.active_children()) <= before

@@ -24,6 +24,7 @@ from kiln.config import KilnConfig, to_plain
 from kiln.data import DataBundle, build_data, build_dataloaders, example_batch
 from kiln.data.degenerate import check_inputs_vary
 from kiln.data.extremes import probe_batches
+from kiln.data.loaders import stop_workers
 from kiln.data.split_hygiene import checked_splits
 from kiln.device import resolve_device
 from kiln.engine.batches import move_to, to_channels_last
@@ -750,6 +751,8 @@ def train(
             save_failing_batches(run_dir, err)  # kiln triage replays the step with them
         raise
     finally:
+        if built:  # not at the next garbage collection, seconds each (kiln.data.loaders)
+            stop_workers(built[0].train_loader, built[0].val_loader)
         stack.close()
         watch.__exit__(None, None, None)
         full = close_run(run_dir, recorder, summary if dist.is_main else None, draw=not at_once)
