@@ -102,9 +102,10 @@ def share_the_config_store() -> None:
 def build_choice_maps_only_where_read() -> None:
     """Hydra 1.3 builds an OmegaConf node of every group choice made so far at each config of
     the defaults tree (26 a kiln composition, a fifth of its time), and reads it only to
-    resolve a defaults entry written as an interpolation (`- db: ${oc.env:DB}`), which kiln's
-    own configs do not use: here it is built where a config's defaults list has one, exactly
-    as before (tests/test_configs.py composes with and without this)."""
+    resolve a defaults entry written as an interpolation (conf/config.yaml picks each schema
+    so: `schema/model@model: ${model}`): here it is built for a config whose defaults list has
+    such an entry, exactly as before, and for no other (tests/test_configs.py composes with
+    and without this)."""
     from hydra._internal import defaults_list
 
     build = defaults_list._create_interpolation_map
