@@ -193,15 +193,21 @@ def test_text_bow_with_character_ngrams_exports_with_parity(tmp_path_factory, tm
     assert [p["label"] for p in onnx.predict(texts[:50])] == torch_labels
 
 
-def test_text_transformer_export_keeps_batch_and_length_dynamic(tmp_path_factory, tmp_path):
+def test_text_transformer_export_keeps_batch_and_length_dynamic(tmp_path_factory):
     """nn.MultiheadAttention: the legacy exporter bakes the batch size in (parity fails), and
-    the dynamo exporter must be traced on a batch of two, or it specialises the batch to 1."""
+    the dynamo exporter must be traced on a batch of two, or it specialises the batch to 1.
+    The exported graph (the nested-tensor fast path in eval) predicts raw texts as torch does."""
     run_dir, _ = trained_run(
         tmp_path_factory, "infer_transformer", "data=csv_text", "model=text_transformer"
     )
-    report = export(run_dir / "checkpoints" / "best.pt", tmp_path / "model.onnx")
+    ckpt = run_dir / "checkpoints" / "best.pt"
+    report = export(ckpt)  # model.onnx beside it, where backend="onnx" reads it
     assert report.exporter == "dynamo"
     assert len(report.parity) == 3 and all(c.max_abs_diff <= PROBS_TOLERANCE for c in report.parity)
+    texts = ["the striker scored in extra time", "<b>bake the bread</b> until golden"]
+    onnx = Predictor.from_checkpoint(ckpt, backend="onnx").predict_probs(texts)
+    torch_probs = Predictor.from_checkpoint(ckpt).predict_probs(texts)
+    assert abs(onnx - torch_probs).max() <= PROBS_TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------------

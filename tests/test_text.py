@@ -534,21 +534,3 @@ def test_transformer_eval_takes_the_nested_tensor_fast_path(demo_bundle):
         assert torch.count_nonzero(encoder_output()[padding]) == 0
         model.train()
         assert torch.count_nonzero(encoder_output()[padding]) > 0
-
-
-def test_text_transformer_exports_to_onnx_with_parity(tmp_path):
-    """test_inference exports text_bow; the transformer (nested-tensor fast path in eval) too."""
-    from kiln.inference import Predictor
-    from kiln.inference.export import PROBS_TOLERANCE, export
-
-    from .conftest import FAST, train_in_process
-
-    run = tmp_path / "run"
-    train_in_process(run, "data=csv_text", "model=text_transformer", *FAST)
-    ckpt = run / "checkpoints" / "best.pt"
-    report = export(ckpt)
-    assert len(report.parity) == 3 and all(c.max_abs_diff <= PROBS_TOLERANCE for c in report.parity)
-    texts = ["the striker scored in extra time", "<b>bake the bread</b> until golden"]
-    onnx = Predictor.from_checkpoint(ckpt, backend="onnx").predict_probs(texts)
-    torch_probs = Predictor.from_checkpoint(ckpt).predict_probs(texts)
-    assert abs(onnx - torch_probs).max() <= PROBS_TOLERANCE
