@@ -233,3 +233,26 @@ def test_the_probes_peak_memory_is_at_most_one_training_steps(tmp_path):
         grown[what] = float(result.stdout.split()[-1])
     assert grown["step"] > 150, grown  # gradients and AdamW's two moments: 3 x 67 MB
     assert grown["probes"] <= 1.1 * grown["step"], grown
+
+
+def test_the_fp16_probe_traces_only_a_forward_that_overflows(monkeypatch):
+    """The fp16 probe's forward runs plain; op by op (2-5 times its cost) only when it left
+    Inf/NaN, with the same dropout masks, and the op is still named."""
+    import torch
+    from torch import nn
+
+    from kiln.guards import fp16
+    from kiln.guards.numerics import NumericsError
+
+    traced = []
+    real = fp16._traced_fp16_forward
+    monkeypatch.setattr(fp16, "_traced_fp16_forward", lambda *a: traced.append(1) or real(*a))
+    forward = lambda model, batch, train: model(batch)  # noqa: E731
+    fp16.check_fp16(nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 2)), torch.ones(3, 4), forward)
+    assert traced == []
+    big = nn.Linear(4, 2)
+    nn.init.constant_(big.weight, 1e4)  # 4 inputs of 10 x 1e4: beyond float16's 65504
+    overflows = nn.Sequential(nn.Dropout(0.5), big)
+    with pytest.raises(NumericsError, match=r"under fp16 autocast .* in 1 \(Linear\) makes Inf"):
+        fp16.check_fp16(overflows, torch.full((3, 4), 10.0), forward)
+    assert traced == [1]

@@ -1,9 +1,9 @@
 """Values a GPU's fp16 would overflow, found wherever the run is (precision=amp, which is fp16 on
-CUDA, or trainer.fp16_check=true): one probe forward under fp16 autocast, traced op by op. The
-first operation that makes Inf/NaN out of finite inputs (float16's largest value is 65504: an
-activation squared, an exp of a logit) is named with its module, and so is a constant a float16
-tensor cannot hold (masked_fill(mask, -1e9)). On a CPU run this is the only place the fault
-shows before the run reaches a GPU."""
+CUDA, or trainer.fp16_check=true): one probe forward under fp16 autocast, traced op by op where
+it leaves Inf/NaN or raises. The first operation that makes Inf/NaN out of finite inputs
+(float16's largest value is 65504: an activation squared, an exp of a logit) is named with its
+module, and so is a constant a float16 tensor cannot hold (masked_fill(mask, -1e9)). On a CPU
+run this is the only place the fault shows before the run reaches a GPU."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from kiln.guards.numerics import (
 from kiln.guards.rules import NUMERICS
 from kiln.guards.trace import failing_call
 from kiln.guards.tree import iter_tensors
+from kiln.rng import forked
 
 Forward = Callable[[nn.Module, Any, bool], Any]
 FP16_MAX = 65504.0
@@ -71,11 +72,18 @@ def _overflow_error(model, batch, forward: Forward, device: str, err: Exception)
 
 def check_fp16(model: nn.Module, batch: Any, forward: Forward) -> None:
     """A train-mode forward (no grad) under fp16 autocast on the batch's device. Raises
-    NumericsError; a forward that is non-finite in fp32 too is the numerics probe's, not this."""
+    NumericsError; a forward that is non-finite in fp32 too is the numerics probe's, not this.
+    The forward runs plain first; only one that raises or leaves Inf/NaN runs again traced op
+    by op, with the same random numbers (tracing cost 2-5 times the forward: resnet18 at 32 px
+    230 -> 100 ms where nothing overflows)."""
     device = _device_of(batch)
     name = type(model).__name__
     with untouched(model), torch.no_grad():
         model.train()
+        with forked():  # the traced forward below draws the same dropout masks
+            output, err = attempt(_fp16_forward, model, batch, forward, device)
+        if err is None and not nonfinite_count(output):
+            return
         modules = ModuleStack(model)
         tracer = FirstNonFinite(modules)
         try:
