@@ -73,16 +73,20 @@ def _overflow_error(model, batch, forward: Forward, device: str, err: Exception)
 def check_fp16(model: nn.Module, batch: Any, forward: Forward) -> None:
     """A train-mode forward (no grad) under fp16 autocast on the batch's device. Raises
     NumericsError; a forward that is non-finite in fp32 too is the numerics probe's, not this.
-    The forward runs plain first; only one that raises or leaves Inf/NaN runs again traced op
-    by op, with the same random numbers (tracing cost 2-5 times the forward: resnet18 at 32 px
-    230 -> 100 ms where nothing overflows)."""
+    The forward runs plain first; only one that leaves Inf/NaN runs again traced op by op,
+    with the same random numbers (tracing cost 2-5 times the forward: resnet18 at 32 px
+    230 -> 100 ms where nothing overflows); one that raised is traced by _overflow_error."""
     device = _device_of(batch)
     name = type(model).__name__
     with untouched(model), torch.no_grad():
         model.train()
         with forked():  # the traced forward below draws the same dropout masks
             output, err = attempt(_fp16_forward, model, batch, forward, device)
-        if err is None and not nonfinite_count(output):
+        if err is not None:
+            if is_overflow(err):  # only an overflow is this probe's finding
+                raise _overflow_error(model, batch, forward, device, err) from err
+            return  # an op without a float16 kernel here: not what this probe looks for
+        if not nonfinite_count(output):
             return
         modules = ModuleStack(model)
         tracer = FirstNonFinite(modules)
@@ -90,11 +94,7 @@ def check_fp16(model: nn.Module, batch: Any, forward: Forward) -> None:
             output, err = attempt(_traced_fp16_forward, model, batch, forward, device, tracer)
         finally:
             modules.close()
-        if err is not None:
-            if is_overflow(err):  # only an overflow is this probe's finding
-                raise _overflow_error(model, batch, forward, device, err) from err
-            return  # an op without a float16 kernel here: not what this probe looks for
-        if not nonfinite_count(output) or tracer.found is None:
+        if err is not None or not nonfinite_count(output) or tracer.found is None:
             return
         if nonfinite_count(forward(model, batch, True)):
             return  # non-finite in fp32 too: the numerics probe names it
