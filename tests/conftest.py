@@ -1,6 +1,7 @@
 """Shared helpers: the real config, composed and shrunk; training in-process through the same
 `train(cfg, run_dir)` the CLI calls; the real train.py in a subprocess where the process itself
-(exit codes, signals, stderr, torchrun) is what a test checks."""
+(exit codes, signals, stderr, torchrun) is what a test checks: forked from a Python that has
+imported torch (`python_process`, tests/preloaded_python.py) unless its start is checked too."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import pytest
 from kiln.cli.paths import REPO_ROOT, has_override
 from kiln.config import load_config
 from kiln.registry import load_plugins
+
+from .preloaded_python import server as preloaded_python
 
 # Your own modules join the registry-wide tests: KILN_PLUGINS=my_parts make test
 load_plugins([m for m in os.environ.get("KILN_PLUGINS", "").split(",") if m])
@@ -316,14 +319,59 @@ def run_train(
     cmd = [*(launcher or [sys.executable]), str(REPO_ROOT / "train.py")]
     cmd += [f"hydra.run.dir={run_dir}"] if explicit_run_dir else []
     cmd += overrides
-    return subprocess.run(
-        cmd,
-        cwd=cwd or run_dir.parent,
-        env={**SUBPROCESS_ENV, **(env_overrides or {})},
-        capture_output=True,
+    env = {**SUBPROCESS_ENV, **(env_overrides or {})}
+    return run_python(cmd, cwd=cwd or run_dir.parent, env=env, timeout=timeout)
+
+
+# KILN_TESTS_FRESH_PYTHON=1 make test: every command in a fresh interpreter, none preloaded.
+FRESH_PYTHON = os.environ.get("KILN_TESTS_FRESH_PYTHON") == "1"
+
+
+def python_process(
+    cmd: list,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    stdin=None,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    start_new_session: bool = False,
+) -> subprocess.Popen:
+    """`[sys.executable, script.py | -m module, args...]` as a process, its output as text: a
+    child of this worker's preloaded Python (tests/preloaded_python.py: torch imported once,
+    not again by each command) where its environment allows, else a fresh interpreter. For
+    commands whose own start (imports, start-up time, memory) is not what the test checks."""
+    env = SUBPROCESS_ENV if env is None else env
+    script = len(cmd) > 1 and (cmd[1] == "-m" or str(cmd[1]).endswith(".py"))
+    if not FRESH_PYTHON and cmd[0] == sys.executable and script:
+        preloaded = preloaded_python(SUBPROCESS_ENV)
+        if preloaded.imported_with(env):
+            streams = {"stdin": stdin, "stdout": stdout, "stderr": stderr}
+            return preloaded.popen(cmd[1:], cwd, env, **streams, new_session=start_new_session)
+    return subprocess.Popen(
+        [str(part) for part in cmd],
+        cwd=cwd,
+        env=env,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
         text=True,
-        timeout=timeout,
+        start_new_session=start_new_session,
     )
+
+
+def run_python(
+    cmd: list, cwd: Path | None = None, env: dict | None = None, timeout: float = 300, input=None
+) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) through `python_process`."""
+    stdin = subprocess.PIPE if input is not None else None
+    with python_process(cmd, cwd, env, stdin=stdin) as process:
+        try:
+            out, err = process.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 def read_summary(run_dir: Path) -> dict:
@@ -382,12 +430,5 @@ def temporary_model():
 
 
 def start_process(cmd: list[str], cwd: Path) -> subprocess.Popen:
-    """A real process the test will signal or kill, its output captured."""
-    return subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=SUBPROCESS_ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    """A process the test will signal or kill, its output captured (`python_process`)."""
+    return python_process(cmd, cwd)

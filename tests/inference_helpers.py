@@ -22,7 +22,7 @@ from kiln.cli.paths import REPO_ROOT
 from kiln.engine.run import train
 from kiln.serving.server import uvicorn_config
 
-from .conftest import SUBPROCESS_ENV, compose_config
+from .conftest import compose_config, python_process
 
 TINY = ("trainer.max_epochs=1", "env.progress_bar=false", "logger=none", "device=cpu")
 # A detector trained for a few steps on small images: enough to exercise every inference path.
@@ -172,9 +172,7 @@ def serve_process(ckpt: Path, *overrides: str):
     port = free_port()
     cmd = [sys.executable, str(REPO_ROOT / "infer.py"), "mode=serve", f"ckpt={ckpt}"]
     cmd += [f"server.port={port}", *overrides]
-    proc = subprocess.Popen(
-        cmd, env=SUBPROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = python_process(cmd, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S * 2

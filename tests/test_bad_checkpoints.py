@@ -5,7 +5,6 @@ traceback, never a server that says it is ready and then answers garbage."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 from kiln.cli.infer import main as infer_main
 from kiln.cli.paths import REPO_ROOT
 
-from .conftest import SUBPROCESS_ENV
+from .conftest import run_python
 from .inference_helpers import digits_run, free_port
 
 
@@ -90,7 +89,7 @@ def test_serve_process_refuses_nan_weights(good_ckpt, tmp_path):
     ckpt = altered(good_ckpt, tmp_path / "best.pt", poison)
     cmd = [sys.executable, str(REPO_ROOT / "infer.py"), "mode=serve", f"ckpt={ckpt}"]
     cmd.append(f"server.port={free_port()}")
-    done = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120)
+    done = run_python(cmd, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {ckpt}: "), lines

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
 import sys
 
 import httpx
@@ -22,7 +21,7 @@ from kiln.inference import Predictor
 from kiln.inference.export import BOX_TOLERANCE_PX, export
 from kiln.serving import create_app
 
-from .conftest import SUBPROCESS_ENV, read_summary, run_train
+from .conftest import read_summary, run_python, run_train
 from .inference_helpers import assert_boxes_agree, detector_run, live_server, mixed_size_images
 
 
@@ -108,7 +107,7 @@ def test_infer_py_writes_boxes_for_a_folder_and_an_npz_of_mixed_sizes(ckpt, pred
         out = tmp_path / f"{source.stem}.csv"
         cmd = [sys.executable, str(REPO_ROOT / "infer.py"), f"ckpt={ckpt}"]
         cmd += [f"input={source}", f"output={out}"]
-        done = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
+        done = run_python(cmd)
         assert done.returncode == 0, done.stderr
         frame = pd.read_csv(out)
         columns = ["index", "source", "x1", "y1", "x2", "y2", "label", "score"]

@@ -25,6 +25,7 @@ from .conftest import (
     read_metrics,
     read_summary,
     read_wandb_records,
+    run_python,
     train_main_here,
 )
 
@@ -40,14 +41,7 @@ def run_sweep(sweep_dir, *overrides):
     """The real train.py as a Hydra multirun writing into sweep_dir."""
     # Flags such as -m must come before the overrides, so the sweep dir goes last.
     cmd = [sys.executable, str(REPO_ROOT / "train.py"), *overrides, f"hydra.sweep.dir={sweep_dir}"]
-    return subprocess.run(
-        cmd,
-        cwd=sweep_dir.parent,
-        env=SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_python(cmd, sweep_dir.parent, timeout=600)
 
 
 def test_tensorboard_and_wandb_receive_every_step_metric_and_eval(tmp_path, monkeypatch):
@@ -145,7 +139,7 @@ def test_production_profile_through_kiln_env(tmp_path, capfd, monkeypatch):
     run_dir = tmp_path / "run"
     env = {**SUBPROCESS_ENV, "KILN_ENV": "production"}
     cmd = [sys.executable, str(REPO_ROOT / "train.py"), f"hydra.run.dir={run_dir}", *QUICK]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = run_python(cmd, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     config = (run_dir / ".hydra" / "config.yaml").read_text()
     assert "name: production" in config and "deterministic: true" in config

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import textwrap
 
@@ -20,7 +19,7 @@ from kiln.findings import KINDS
 from kiln.guards.rules import BATCH, DEAD, DETERMINISM, LEARN
 from kiln.registry import MODELS
 
-from .conftest import SUBPROCESS_ENV, read_summary, train_main_here
+from .conftest import SUBPROCESS_ENV, read_summary, run_python, train_main_here
 
 REGISTER_BROKEN = """
 from tests.broken_models import BROKEN
@@ -170,7 +169,7 @@ def test_a_users_models_join_the_registry_wide_tests_without_any_test_edit(tmp_p
         "KILN_PLUGINS": "user_models",
         "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)]),
     }
-    result = subprocess.run(
+    result = run_python(
         [
             sys.executable,
             "-m",
@@ -187,10 +186,8 @@ def test_a_users_models_join_the_registry_wide_tests_without_any_test_edit(tmp_p
             "tiny_ok-on-digits or (tiny_view-on-synthetic_images and rule1)",
             "tests/test_antibodies.py",
         ],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+        REPO_ROOT,
+        env,
         timeout=600,
     )
     out = result.stdout

@@ -32,8 +32,10 @@ from .conftest import (
     DIVERGING,
     SUBPROCESS_ENV,
     compose_config,
+    python_process,
     read_metrics,
     read_summary,
+    run_python,
     run_train,
     train_in_process,
 )
@@ -216,14 +218,7 @@ def test_a_checkpoint_naming_incomplete_shards_is_skipped_and_stray_folders_remo
 
 def start(run_dir: Path, *overrides: str, launcher=None) -> subprocess.Popen:
     cmd = [*(launcher or [sys.executable]), str(REPO_ROOT / "train.py"), f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(
-        [*cmd, *overrides],
-        cwd=run_dir.parent,
-        env=SUBPROCESS_ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return python_process([*cmd, *overrides], run_dir.parent)
 
 
 @pytest.mark.slow
@@ -244,15 +239,8 @@ def test_fsdp_follows_the_ddp_loss_curve_and_exports(tmp_path, precision, loss_r
     expected = load_checkpoint(ddp_dir / "checkpoints" / "last.pt")["model"]
     assert_same_weights(load_checkpoint(fsdp_dir / "checkpoints" / "last.pt")["model"], expected)
     # The ONNX export reads the sharded checkpoint through infer.py, unchanged.
-    export = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "infer.py"), "mode=export"]
-        + [f"ckpt={fsdp_dir / 'checkpoints' / 'best.pt'}"],
-        cwd=tmp_path,
-        env=SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    infer = [sys.executable, str(REPO_ROOT / "infer.py"), "mode=export"]
+    export = run_python([*infer, f"ckpt={fsdp_dir / 'checkpoints' / 'best.pt'}"], tmp_path)
     assert export.returncode == 0, export.stderr[-3000:]
     assert (fsdp_dir / "checkpoints" / "model.onnx").is_file()
     assert "parity batch=64" in export.stdout + export.stderr

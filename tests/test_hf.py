@@ -10,7 +10,6 @@ import json
 import logging
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,13 @@ from kiln.models.zoo.transformers import hf_preprocessing, position_limit
 from kiln.preprocessing.pretrained import PretrainedText, pretrained_from_dict
 from kiln.serving import create_app
 
-from .conftest import SUBPROCESS_ENV, compose_config, read_summary, run_train, train_in_process
+from .conftest import (
+    compose_config,
+    read_summary,
+    run_python,
+    run_train,
+    train_in_process,
+)
 from .damaged_csv import clean_rows, write_damaged_csv
 from .hf_helpers import POSITIONS, csv_texts, into_hub_cache, write_bert, write_roberta
 from .inference_helpers import live_server
@@ -259,14 +264,7 @@ def test_the_printed_train_longer_command_works_with_the_model_folder_gone(bert_
     program, *args = shlex.split(command)
     assert program == "python"  # this environment's
     args += ["trainer.max_steps=2", f"hydra.run.dir={corpus / 'longer'}"]
-    done = subprocess.run(
-        [sys.executable, *args],
-        cwd=corpus,
-        env=SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_python([sys.executable, *args], corpus)
     assert done.returncode == 0, done.stderr[-3000:]
     log = (corpus / "longer" / "train.log").read_text()
     assert "init_from: the tokenizer and config.json recorded in" in log

@@ -30,7 +30,7 @@ from kiln.config.base import ConfigError
 from kiln.models.zoo.transformers import hf_preprocessing
 from kiln.threads import available_memory
 
-from .conftest import SUBPROCESS_ENV, compose_config, train_in_process, train_main_here
+from .conftest import SUBPROCESS_ENV, compose_config, run_python, train_in_process, train_main_here
 from .hf_helpers import (
     bad_index,
     copy_folder,
@@ -277,21 +277,8 @@ def test_a_folder_with_auto_map_is_refused_and_its_code_never_runs_even_answerin
     naming auto_map, exit 2, and no marker."""
     marker = tmp_path / "the_folders_code_ran"
     folder = with_remote_code(bert, tmp_path / "evil", marker)
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "train.py"),
-            *HF,
-            f"model.arch={folder}",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        input="y\n" * 1000,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=SUBPROCESS_ENV,
-        cwd=tmp_path,
-    )
+    train = [sys.executable, str(REPO_ROOT / "train.py"), *HF, f"model.arch={folder}"]
+    done = run_python([*train, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, input="y\n" * 1000)
     assert not marker.exists()
     assert done.returncode == 2, done.stderr[-3000:]
     (line,) = done.stderr.strip().splitlines()
@@ -468,9 +455,7 @@ def test_a_checkpoint_naming_plugins_makes_infer_import_nothing(hf_checkpoint, t
     ckpt = tampered(hf_checkpoint, tmp_path / "best.pt", plant)
     csv = hf_checkpoint.parent.parent.parent / "train.csv"
     infer = [sys.executable, str(REPO_ROOT / "infer.py"), f"ckpt={ckpt}", f"input={csv}"]
-    done = subprocess.run(
-        infer, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=SUBPROCESS_ENV
-    )
+    done = run_python(infer, tmp_path)
     assert not marker.exists()
     assert done.returncode == 2, done.stderr[-3000:]
     (line,) = done.stderr.strip().splitlines()

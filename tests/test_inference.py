@@ -4,7 +4,6 @@ ONNX export agrees with torch, and the CLI turns user mistakes into one clear li
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -26,7 +25,7 @@ from kiln.inference import (
 from kiln.inference.export import INT8_MIN_AGREEMENT, PROBS_TOLERANCE
 from kiln.inference.record import read_checkpoint, rebuild_model
 
-from .conftest import SUBPROCESS_ENV, compose_config
+from .conftest import compose_config, run_python
 from .inference_helpers import digits_run, raw_digits_val, trained_run
 
 
@@ -280,7 +279,7 @@ def test_cli_predict_subprocess_writes_csv(digits_ckpt, digits_export, tmp_path)
     out = tmp_path / "preds.csv"
     cmd = [sys.executable, str(REPO_ROOT / "infer.py"), f"ckpt={ckpt}"]
     cmd += [f"input={tmp_path / 'x.npy'}", f"output={out}", "backend=onnx"]
-    done = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120)
+    done = run_python(cmd, timeout=120)
     assert done.returncode == 0, done.stderr
     frame = pd.read_csv(out, dtype={"label": str})
     assert list(frame.columns) == ["index", "label", *[f"prob_{i}" for i in range(10)]]
@@ -292,7 +291,7 @@ def test_cli_export_subprocess_prints_parity(digits_ckpt, tmp_path):
     ckpt = tmp_path / "best.pt"
     shutil.copy(digits_ckpt[0], ckpt)
     cmd = [sys.executable, str(REPO_ROOT / "infer.py"), "mode=export", f"ckpt={ckpt}"]
-    done = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120)
+    done = run_python(cmd, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "parity batch=64: max |dprob| = " in done.stdout
     assert (tmp_path / "model.onnx").is_file() and (tmp_path / "model.onnx.json").is_file()

@@ -7,7 +7,6 @@ model's training steps stay in the default suite (tests/test_train_smoke.py), an
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,21 +14,15 @@ import pytest
 from kiln.cli.paths import REPO_ROOT
 from kiln.registry import MODELS, compatible_pairs
 
-from .conftest import SUBPROCESS_ENV
+from .conftest import SUBPROCESS_ENV, run_python
 from .test_failures import REGISTER_BROKEN
 
 SCRIPT = REPO_ROOT / "scripts" / "matrix.py"
 
 
 def matrix(tmp_path, *args, env=None, timeout=1500):
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "m"), *args],
-        cwd=tmp_path,
-        env=env or SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "m"), *args]
+    return run_python(cmd, tmp_path, env or SUBPROCESS_ENV, timeout)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from kiln.cli.train import main as train_main
 from kiln.commands import RunCommand
 from kiln.config.overrides import override, override_value
 
-from .conftest import SUBPROCESS_ENV, compose_config, read_summary, train_main_here
+from .conftest import SUBPROCESS_ENV, compose_config, read_summary, run_python, train_main_here
 
 GRAMMAR_ERRORS = {
     "init_from=~/w.pt": ("'~'", "'init_from=\"~/w.pt\"'"),
@@ -143,31 +143,15 @@ def test_the_printed_train_longer_command_works_for_a_run_dir_with_spaces_commas
 ):
     run_dir = tmp_path / "my runs, v=2" / "first run"
     settings = ["trainer.max_steps=2", "trainer.limit_val_batches=1", "env.progress_bar=false"]
-    first = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "train.py"),
-            override("hydra.run.dir", str(run_dir)),
-            *settings,
-        ],
-        cwd=tmp_path,
-        env=SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    train = [sys.executable, str(REPO_ROOT / "train.py")]
+    first = run_python([*train, override("hydra.run.dir", str(run_dir)), *settings], tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     (longer,) = [line for line in first.stdout.splitlines() if "init_from=" in line]
     command = shlex.split(longer.split("  # ")[0].strip())
     assert """'init_from="my runs, v=2/first run/checkpoints/last.pt"'""" in longer
     assert command[0] == "python" and any("my runs, v=2" in a for a in command)
-    second = subprocess.run(
-        [sys.executable, *command[1:], f"hydra.run.dir={tmp_path / 'second'}"],
-        cwd=tmp_path,
-        env=SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    second = run_python(
+        [sys.executable, *command[1:], f"hydra.run.dir={tmp_path / 'second'}"], tmp_path
     )
     assert second.returncode == 0, second.stderr[-2000:]
     assert read_summary(tmp_path / "second")["status"] == "ok"

@@ -28,7 +28,7 @@ from kiln.engine.preemption import (
     PreemptionFlag,
 )
 
-from .conftest import SUBPROCESS_ENV, read_summary, train_in_process
+from .conftest import SUBPROCESS_ENV, python_process, read_summary, train_in_process
 
 # The assertion's bound on signal -> exit: the goal is 2 s (measured: see the report in
 # docs/engine.md), with room for a machine that other processes keep busy.
@@ -157,7 +157,10 @@ class Run:
         }
         command = [sys.executable, str(REPO_ROOT / script), *args]
         with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err)
+            if phase == "imports":  # the signal comes during the imports: a fresh interpreter
+                self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err)
+            else:
+                self.proc = python_process(command, cwd, env, stdout=out, stderr=err)
 
     def wait_for(self, ready, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout

@@ -23,7 +23,7 @@ from kiln.registry import (
     load_plugins,
 )
 
-from .conftest import SUBPROCESS_ENV
+from .conftest import SUBPROCESS_ENV, run_python
 
 
 def test_duplicate_name_raises():
@@ -178,14 +178,7 @@ def test_a_users_model_and_dataset_train_through_train_py_and_predict(user_proje
         "env.progress_bar=false",
         "hydra.run.dir=run",
     ]
-    train = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "train.py"), *args],
-        cwd=user_project,
-        capture_output=True,
-        text=True,
-        env=SUBPROCESS_ENV,
-        timeout=300,
-    )
+    train = run_python([sys.executable, str(REPO_ROOT / "train.py"), *args], user_project)
     assert train.returncode == 0, train.stderr[-3000:]
     summary = json.loads((user_project / "run" / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["val_acc"] > 0.85  # chance: 0.5
@@ -209,14 +202,8 @@ def test_a_users_model_and_dataset_train_through_train_py_and_predict(user_proje
     ckpt = user_project / "run" / "checkpoints" / "best.pt"
 
     def predict(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, str(REPO_ROOT / "infer.py"), f"ckpt={ckpt}", "input=x.npy", *extra],
-            cwd=user_project,
-            capture_output=True,
-            text=True,
-            env=SUBPROCESS_ENV,
-            timeout=120,
-        )
+        infer = [sys.executable, str(REPO_ROOT / "infer.py"), f"ckpt={ckpt}", "input=x.npy"]
+        return run_python([*infer, *extra], user_project, timeout=120)
 
     refused = predict()
     assert refused.returncode == 2, refused.stderr
@@ -317,14 +304,8 @@ def installed_plugin(folder, module: str = "my_parts") -> None:
 
 
 def kiln_command(script: str, *args: str, cwd, pythonpath) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO_ROOT / script), *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env={**SUBPROCESS_ENV, "PYTHONPATH": str(pythonpath)},
-        timeout=300,
-    )
+    env = {**SUBPROCESS_ENV, "PYTHONPATH": str(pythonpath)}
+    return run_python([sys.executable, str(REPO_ROOT / script), *args], cwd, env)
 
 
 def test_an_installed_plugin_that_fails_to_import_is_named_and_skipped(user_project):

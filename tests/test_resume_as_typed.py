@@ -12,21 +12,14 @@ from pathlib import Path
 from kiln.checkpoint import load_checkpoint
 from kiln.cli.paths import REPO_ROOT
 
-from .conftest import SUBPROCESS_ENV
+from .conftest import python_process, run_python
 
 SMALL = ("trainer.max_epochs=1", "env.progress_bar=false")
 
 
 def as_typed(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """`python train.py <args>` run in `cwd`, where train.py is the repository's own file."""
-    return subprocess.run(
-        [sys.executable, "train.py", *args],
-        cwd=cwd,
-        env=SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_python([sys.executable, "train.py", *args], cwd, timeout=timeout)
 
 
 def user_checkout(tmp_path: Path) -> Path:
@@ -51,14 +44,7 @@ def test_resume_auto_after_a_preempted_run_and_after_a_finished_one(tmp_path):
         "trainer.checkpoint_every_n_steps=5",
         "env.progress_bar=false",
     )
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *settings],
-        cwd=cwd,
-        env=SUBPROCESS_ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = python_process([sys.executable, "train.py", *settings], cwd)
     deadline = time.monotonic() + 180
     while not list((cwd / "outputs").glob("*/*/checkpoints/last.pt")):
         assert proc.poll() is None, proc.stderr.read()[-3000:]

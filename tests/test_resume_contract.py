@@ -22,6 +22,7 @@ from .conftest import (
     SUBPROCESS_ENV,
     read_metrics,
     read_summary,
+    run_python,
     run_train,
     train_in_process,
     train_main_here,
@@ -295,14 +296,7 @@ def test_the_printed_command_is_one_line_through_train_py_and_works_as_printed(t
     new_run = line.split("for a new run from these weights: ", 1)[1]
     assert "trainer.max_epochs=3" in new_run and f"init_from={run_dir}/checkpoints/" in new_run
     assert "resume=" not in new_run and "hydra.run.dir" not in new_run
-    again = subprocess.run(
-        [sys.executable, *shlex.split(as_it_was)[1:]],
-        cwd=REPO_ROOT,
-        env=SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = run_python([sys.executable, *shlex.split(as_it_was)[1:]], REPO_ROOT)
     assert again.returncode == 0, again.stderr[-2000:]
     assert read_summary(run_dir)["status"] == "ok"
 

@@ -22,7 +22,14 @@ from kiln.data.csv_reader import CsvSettings, CsvTextError, read_labelled_rows, 
 from kiln.data.text_corpus import write_ticket_csv
 from kiln.data.token_store import IdsFile
 
-from .conftest import FAST, SUBPROCESS_ENV, compose_config, train_in_process, train_main_here
+from .conftest import (
+    FAST,
+    SUBPROCESS_ENV,
+    compose_config,
+    run_python,
+    train_in_process,
+    train_main_here,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -337,13 +344,11 @@ def test_the_readme_command_trains_on_the_shipped_sample(tmp_path):
     """`python train.py data=csv_text data.train_path=examples/reviews.csv model=text_bow`, as
     typed in the repo root (one epoch, to keep it short); its two bad rows are reported."""
     run_dir = tmp_path / "run"
-    done = subprocess.run(
+    done = run_python(
         [sys.executable, "train.py", "data=csv_text", "data.train_path=examples/reviews.csv"]
         + ["model=text_bow", "trainer.max_epochs=1", f"hydra.run.dir={run_dir}"],
-        cwd=REPO_ROOT,
-        env={**SUBPROCESS_ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")},
-        capture_output=True,
-        text=True,
+        REPO_ROOT,
+        {**SUBPROCESS_ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")},
         timeout=180,
     )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -9,7 +9,6 @@ import csv
 import dataclasses
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from kiln.data import build_data
 from kiln.data.csv_reader import PREVIEW_CHARS, CsvSettings, read_labelled_rows, row_log
 from kiln.preprocessing.cleaning import TextCleaning, clean_text
 
-from .conftest import FAST, SUBPROCESS_ENV, compose_config, train_in_process
+from .conftest import FAST, SUBPROCESS_ENV, compose_config, run_python, train_in_process
 from .damaged_csv import CLASSES, clean_rows, write_clean_csv, write_damaged_csv
 
 # The damage of the corpus, in proportion: unbalanced quotes of three kinds, missing
@@ -207,15 +206,12 @@ def test_unseen_val_labels_are_said_to_be_left_out(tmp_path, caplog):
 def test_the_report_names_every_dropped_record_and_the_run_prints_the_counts(tmp_path):
     written = write_damaged_csv(tmp_path / "train.csv", 300, DAMAGE, seed=4, crlf=True)
     run_dir = tmp_path / "run"
-    done = subprocess.run(
+    done = run_python(
         [sys.executable, "train.py", "data=csv_text", f"data.train_path={written.path}"]
         + ["model=text_bow", "data.max_suspect_labels=20", "trainer.max_epochs=1"]
         + [f"hydra.run.dir={run_dir}"],
-        cwd=REPO_ROOT,
-        env={**SUBPROCESS_ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")},
-        capture_output=True,
-        text=True,
-        timeout=300,
+        REPO_ROOT,
+        {**SUBPROCESS_ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((run_dir / "data_report.json").read_text())["train_file"]
@@ -268,14 +264,8 @@ def test_infer_uses_the_training_columns_encoding_and_cleaning(tmp_path):
     out = tmp_path / "preds.csv"
 
     def infer(*args):
-        return subprocess.run(
-            [sys.executable, "infer.py", f"ckpt={ckpt}", f"input={inputs}", f"output={out}", *args],
-            cwd=REPO_ROOT,
-            env=SUBPROCESS_ENV,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+        infer = [sys.executable, "infer.py", f"ckpt={ckpt}", f"input={inputs}", f"output={out}"]
+        return run_python([*infer, *args], REPO_ROOT, timeout=180)
 
     done = infer()
     assert done.returncode == 0, done.stderr[-2000:]

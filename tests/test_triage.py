@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
 import sys
 import time
 
@@ -25,7 +24,7 @@ from kiln.registry import DATASETS, MODELS
 from kiln.triage import triage
 
 from .broken_models import BROKEN
-from .conftest import PROBES_OFF, SUBPROCESS_ENV, compose_config, read_summary
+from .conftest import PROBES_OFF, compose_config, read_summary, run_python
 
 QUIET = ("env.progress_bar=false", "logger=none", "trainer.log_every_n_steps=1")
 # Runs made to reach the loop's own failures: the learn probe would stop them before step 1.
@@ -203,25 +202,13 @@ def test_the_command_prints_the_ranked_causes(tmp_path):
         ),
         run_dir,
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "kiln.cli.main", "triage", str(run_dir)],
-        capture_output=True,
-        text=True,
-        env=SUBPROCESS_ENV,
-        timeout=120,
-    )
+    result = run_python([sys.executable, "-m", "kiln.cli.main", "triage", str(run_dir)])
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"triage of {run_dir}: status at_chance")
     assert lines[1] == "1. the loss is flat from the first step"
     assert lines[2].startswith("   evidence: loss ") and lines[3].startswith("   try: ")
-    missing = subprocess.run(
-        [sys.executable, "-m", "kiln.cli.main", "triage", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=SUBPROCESS_ENV,
-        timeout=120,
-    )
+    missing = run_python([sys.executable, "-m", "kiln.cli.main", "triage", str(tmp_path)])
     assert missing.returncode == 2 and "not a run directory" in missing.stderr
 
 
@@ -389,13 +376,7 @@ def test_the_command_prints_the_replay_after_the_causes(tmp_path):
     fails(
         compose_config(*QUIET, "optimizer.lr=1e30", "trainer.max_epochs=1", NO_LEARN_PROBE), run_dir
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "kiln.cli.main", "triage", str(run_dir)],
-        capture_output=True,
-        text=True,
-        env=SUBPROCESS_ENV,
-        timeout=300,
-    )
+    result = run_python([sys.executable, "-m", "kiln.cli.main", "triage", str(run_dir)])
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[1] == "1. learning rate too high at the first update"

@@ -7,7 +7,6 @@ the predictions infer.py gives."""
 from __future__ import annotations
 
 import itertools
-import subprocess
 import sys
 import zlib
 
@@ -23,7 +22,7 @@ from kiln.inference import Predictor
 from kiln.inference.backends import ort_session
 from kiln.inference.triton import export_triton
 
-from .conftest import SUBPROCESS_ENV
+from .conftest import run_python
 from .inference_helpers import (
     detector_run,
     digits_run,
@@ -66,7 +65,7 @@ def test_image_classifier_repository_via_infer_py(tmp_path_factory, tmp_path):
     cmd = [sys.executable, str(REPO_ROOT / "infer.py"), "mode=export", "format=triton"]
     cmd += [f"ckpt={ckpt}", f"export_dir={repo}", "server.max_batch_size=16"]
     cmd += ["server.max_delay_ms=3", "server.model_name=digits"]
-    done = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
+    done = run_python(cmd)
     assert done.returncode == 0, done.stderr
     assert "wrote Triton model" in done.stdout and "parity" in done.stdout
 
@@ -88,7 +87,7 @@ def test_image_classifier_repository_via_infer_py(tmp_path_factory, tmp_path):
     out = tmp_path / "preds.csv"
     cmd = [sys.executable, str(REPO_ROOT / "infer.py"), f"ckpt={ckpt}"]
     cmd += [f"input={tmp_path / 'x.npy'}", f"output={out}"]
-    assert subprocess.run(cmd, env=SUBPROCESS_ENV, timeout=300).returncode == 0
+    assert run_python(cmd).returncode == 0
     frame = pd.read_csv(out, dtype={"label": str})
     session = ort_session(model_dir / "1" / "model.onnx")
     (probs,) = session.run(["probs"], {"input": raw[:, None].astype(np.float32)})

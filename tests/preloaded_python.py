@@ -1,0 +1,296 @@
+"""`python train.py ...` as the tests start it, from an interpreter that has imported torch.
+
+Every fresh Python a test starts pays `import torch` first: 2.3-3.3 CPU-s on the 2-core test
+machines, most of a short train.py or infer.py run, and about a third of the default suite's
+CPU over its ~150 processes. A preloaded Python (one per pytest worker) imports torch once and
+forks a child for each command; the child is a process like any other (its own pid, signals
+and exit status, the test's pipes as its stdin/stdout/stderr, its own cwd and environment) and
+runs the script as `python script.py` would, as `__main__`, with Python's own handling of its
+exit (SystemExit, a traceback and exit 1, atexit handlers, files flushed).
+
+What it cannot give is a fresh interpreter, so it is only for commands whose start is not what a
+test checks: anything about imports, start-up time or memory, `python -c` code, a signal during
+the imports, starts a real interpreter (`subprocess`). An environment that differs from the
+preloaded one in a variable read while torch is imported (threads, allocators, CUDA, Python's
+own) starts a real one too (`imported_with`)."""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+
+# Read while `import torch` runs (OpenMP and BLAS thread pools, allocators, torch's and CUDA's
+# own switches, the interpreter's flags): a child whose environment differs in one of them
+# would not be the process `python` gives; such a command starts a real interpreter.
+READ_AT_IMPORT = (
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "GOMP_",
+    "OPENBLAS_",
+    "TORCH",
+    "PYTORCH_",
+    "CUDA_",
+    "NVIDIA_",
+    "LD_",
+    "MALLOC_",
+    "PYTHON",
+)
+
+SERVER = r"""
+import gc, json, os, selectors, signal, socket, struct, sys
+
+import torch  # noqa: F401 -- the import every child would pay again
+
+gc.freeze()  # its objects stay in the parent's pages: a child's collections never walk them
+
+
+def receive(conn):  # a request: its length (4 bytes), its JSON, the child's 3 streams
+    data, fds = b"", []
+    while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
+        chunk, more, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        if not chunk:
+            raise EOFError("the test closed its request")
+        data, fds = data + chunk, fds + more
+    return data[4:].decode(), fds
+
+
+def serve(path):
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    waiting = {}
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_read, selectors.EVENT_READ)
+    selector.register(0, selectors.EVENT_READ)  # the test process's pipe: closed when it ends
+    print("ready", flush=True)
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                try:
+                    request, fds = receive(conn)
+                except (OSError, EOFError, struct.error):  # a test that went away mid-request
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:  # the child: leave the server's loop and become the command
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    selector.close()
+                    for own in (listener, conn, *waiting.values()):
+                        own.close()
+                    os.close(wake_read)
+                    os.close(wake_write)
+                    return request, fds
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(b"%d\n" % pid)
+                waiting[pid] = conn
+            elif key.fileobj == 0:
+                os._exit(0)  # the test process has gone: so does its server
+            else:
+                os.read(wake_read, 4096)
+                while waiting:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                    if pid == 0:
+                        break
+                    conn = waiting.pop(pid, None)
+                    if conn is None:
+                        continue
+                    try:
+                        conn.sendall(b"%d\n" % status)
+                    except OSError:  # the test stopped listening: nothing to tell
+                        pass
+                    conn.close()
+
+
+def become(request, fds):  # the child: the command's streams, folder, environment, arguments
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    request = json.loads(request)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if request["new_session"]:
+        os.setsid()
+    sys.argv = request["argv"]
+    first = os.getcwd() if request["module"] else os.path.dirname(os.path.abspath(sys.argv[0]))
+    sys.path[0:1] = [first, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return request["module"]
+
+
+_module = become(*serve(sys.argv[1]))
+del become, serve, receive
+import runpy
+
+if _module:
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+class PreloadedPopen(subprocess.Popen):
+    """A child of the preloaded Python as subprocess.Popen: poll, wait, communicate,
+    send_signal, kill, terminate, its pipes. Its exit status comes from the server (its
+    parent), over the connection the command was sent on."""
+
+    def __init__(self, args, pid: int, conn: socket.socket, stdin, stdout, stderr, text: bool):
+        # Popen.__init__ would fork and exec: the attributes its other methods read, set here
+        self.args, self.pid, self.returncode = args, pid, None
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.encoding = self.errors = None
+        self.text_mode = self.universal_newlines = text
+        self.pipesize = -1
+        self._waitpid_lock = threading.Lock()
+        self._input = None
+        self._communication_started = False
+        self._sigint_wait_secs = 0.25
+        self._closed_child_pipe_fds = True
+        self._child_created = False  # nothing for Popen.__del__ to reap: the server does
+        self._conn, self._said = conn, b""
+
+    def _try_wait(self, wait_flags):
+        self._conn.setblocking(not (wait_flags & os.WNOHANG))
+        while not self._said.endswith(b"\n"):
+            try:
+                chunk = self._conn.recv(64)
+            except BlockingIOError:
+                return 0, 0
+            if not chunk:
+                raise ChildProcessError(f"the preloaded Python died before child {self.pid}")
+            self._said += chunk
+        self._conn.close()
+        return self.pid, int(self._said)
+
+    def _internal_poll(self, _deadstate=None, **_):
+        if self.returncode is None and self._waitpid_lock.acquire(False):
+            try:
+                if self.returncode is None:
+                    pid, status = self._try_wait(os.WNOHANG)
+                    if pid:
+                        self._handle_exitstatus(status)
+            finally:
+                self._waitpid_lock.release()
+        return self.returncode
+
+
+class PreloadedPython:
+    """One server per pytest worker, started at its first command, stopped at exit."""
+
+    def __init__(self, env: dict):
+        self.env = dict(env)
+        self.folder = tempfile.mkdtemp(prefix="kiln-preloaded-")
+        self.path = os.path.join(self.folder, "server.sock")
+        self.log = open(os.path.join(self.folder, "server.log"), "w+")  # noqa: SIM115
+        self.server = subprocess.Popen(
+            [sys.executable, "-c", SERVER, self.path],
+            env=self.env,
+            stdin=subprocess.PIPE,  # its end of life: when this process closes it, or ends
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+        if self.server.stdout.readline().strip() != "ready":
+            self.log.seek(0)
+            raise RuntimeError(f"the preloaded Python did not start:\n{self.log.read()}")
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        self.server.stdin.close()
+        try:
+            self.server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+            self.server.wait()
+        self.server.stdout.close()
+        self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def imported_with(self, env: dict) -> bool:
+        """Whether `env` agrees with the server's in every variable torch's import reads."""
+        names = {n for n in (*env, *self.env) if n.startswith(READ_AT_IMPORT)}
+        return all(env.get(n) == self.env.get(n) for n in names - {"PYTHONPATH"})
+
+    def popen(
+        self, argv, cwd, env, *, stdin, stdout, stderr, new_session=False, text=True
+    ) -> PreloadedPopen:
+        """`python *argv` (a script or `-m module`, its arguments) as this server's child; the
+        streams as subprocess.Popen takes them (PIPE, DEVNULL, STDOUT, None, a file or fd)."""
+        args = [sys.executable, *map(str, argv)]
+        module = args[1] == "-m"
+        argv = args[2:] if module else args[1:]
+        own, parent = [], []  # (the child's end, the test's end) of each of its three streams
+        for number, stream in enumerate((stdin, stdout, stderr)):
+            if stream == subprocess.PIPE:
+                read, write = os.pipe()
+                own.append(read if number == 0 else write)
+                parent.append(write if number == 0 else read)
+            elif stream == subprocess.DEVNULL or (stream is None and number == 0):
+                own.append(os.open(os.devnull, os.O_RDWR))
+                parent.append(None)
+            elif stream == subprocess.STDOUT and number == 2:
+                own.append(os.dup(own[1]))
+                parent.append(None)
+            else:  # None (this process's own stream), a file or a descriptor
+                fd = stream if isinstance(stream, int) else number
+                fd = stream.fileno() if hasattr(stream, "fileno") else fd
+                own.append(os.dup(fd))
+                parent.append(None)
+        cwd = str(cwd or os.getcwd())
+        request = {"argv": argv, "module": module, "cwd": cwd, "env": env}
+        request = json.dumps({**request, "new_session": new_session}).encode()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.path)
+            socket.send_fds(conn, [struct.pack("!I", len(request)) + request], own)
+            said = b""
+            while b"\n" not in said:  # its pid (its exit status may follow)
+                chunk = conn.recv(64)
+                if not chunk:
+                    raise ChildProcessError("the preloaded Python died before forking")
+                said += chunk
+        finally:
+            for fd in own:
+                os.close(fd)
+        pid, _, rest = said.partition(b"\n")
+        ends = [None if fd is None else stream_end(fd, n == 0, text) for n, fd in enumerate(parent)]
+        child = PreloadedPopen(args, int(pid), conn, *ends, text)
+        child._said = rest
+        return child
+
+
+def stream_end(fd: int, writes: bool, text: bool):
+    """The test's end of a pipe, as subprocess.Popen opens it."""
+    end = open(fd, "wb" if writes else "rb", -1)  # noqa: SIM115 -- the caller's to close
+    if not text:
+        return end
+    return io.TextIOWrapper(end, write_through=True) if writes else io.TextIOWrapper(end)
+
+
+_SERVERS: dict[int, PreloadedPython] = {}
+
+
+def server(env: dict) -> PreloadedPython:
+    """This process's preloaded Python (started with `env` at its first use)."""
+    if os.getpid() not in _SERVERS:
+        _SERVERS[os.getpid()] = PreloadedPython(env)
+    return _SERVERS[os.getpid()]

@@ -1,0 +1,97 @@
+"""The preloaded Python (tests/preloaded_python.py) runs a script as a fresh `python` does: the
+same arguments, folder, import path, environment, `__main__`, output, exit status and signals."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import FRESH_PYTHON, SUBPROCESS_ENV, python_process, run_python
+from .preloaded_python import PreloadedPopen
+
+pytestmark = pytest.mark.skipif(FRESH_PYTHON, reason="KILN_TESTS_FRESH_PYTHON=1: none preloaded")
+
+SCRIPT = """
+import json, os, sys
+print(json.dumps({
+    "name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "first": sys.path[0],
+    "plugin": sys.path[1] if os.environ.get("PYTHONPATH") else None,
+    "env": os.environ.get("KILN_SEEN"), "stdin": sys.stdin.read(),
+}))
+print("to stderr", file=sys.stderr)
+if sys.argv[1:] == ["raise"]:
+    raise ValueError("the last line")
+if sys.argv[1:] == ["wait"]:
+    import time
+    print("waiting", flush=True)
+    time.sleep(60)
+sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
+"""
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "scripts" / "probe.py"
+    path.parent.mkdir()
+    path.write_text(SCRIPT)
+    return path
+
+
+def fresh(cmd, cwd, env=SUBPROCESS_ENV, input=""):
+    return subprocess.run(cmd, cwd=cwd, env=env, input=input, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args", [[], ["3"], ["raise"]], ids=["exits 0", "exits 3", "raises"])
+def test_a_script_sees_and_ends_as_in_a_fresh_interpreter(script, tmp_path, args):
+    cmd = [sys.executable, str(script), *args]
+    env = {**SUBPROCESS_ENV, "KILN_SEEN": "yes", "PYTHONPATH": str(tmp_path)}
+    preloaded = run_python(cmd, tmp_path, env, input="typed")
+    assert preloaded.args == cmd
+    expected = fresh(cmd, tmp_path, env, input="typed")
+    assert (preloaded.returncode, preloaded.stdout) == (expected.returncode, expected.stdout)
+    said = json.loads(preloaded.stdout)
+    assert said["name"] == "__main__" and said["argv"] == [str(script), *args]
+    assert said["first"] == str(script.parent) and said["plugin"] == str(tmp_path)
+    assert said["env"] == "yes" and said["stdin"] == "typed"
+    assert preloaded.stderr.splitlines()[-1] == expected.stderr.splitlines()[-1]
+
+
+def test_a_module_runs_as_python_dash_m_does(tmp_path):
+    (tmp_path / "probe_module.py").write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "probe_module", "5"]
+    preloaded, expected = run_python(cmd, tmp_path), fresh(cmd, tmp_path)
+    assert (preloaded.returncode, preloaded.stdout) == (expected.returncode, expected.stdout) != 0
+    assert json.loads(preloaded.stdout)["argv"][0] == str(tmp_path / "probe_module.py")
+
+
+def test_a_signal_reaches_the_child_and_its_status_comes_back(script, tmp_path):
+    process = python_process([sys.executable, str(script), "wait"], tmp_path)
+    assert isinstance(process, PreloadedPopen)
+    assert process.stdout.readline().startswith("{")
+    assert process.stdout.readline() == "waiting\n"
+    assert process.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        process.wait(timeout=0.2)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == -signal.SIGTERM
+    assert "to stderr" in err
+
+
+def test_an_environment_torch_imports_differently_starts_a_fresh_interpreter(script, tmp_path):
+    threads = {**SUBPROCESS_ENV, "OMP_NUM_THREADS": "2"}
+    process = python_process([sys.executable, str(script)], tmp_path, threads)
+    assert not isinstance(process, PreloadedPopen)
+    process.communicate(timeout=60)
+    assert process.returncode == 0
+
+
+def test_children_running_side_by_side_each_get_their_own_status(script, tmp_path):
+    children = [python_process([sys.executable, str(script), str(n)], tmp_path) for n in range(4)]
+    for child in reversed(children):
+        child.communicate(timeout=60)
+    assert [child.returncode for child in children] == [0, 1, 2, 3]
