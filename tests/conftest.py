@@ -22,6 +22,7 @@ from kiln.config import load_config
 from kiln.registry import load_plugins
 
 from .preloaded_python import server as preloaded_python
+from .preloaded_python import takes
 
 # Your own modules join the registry-wide tests: KILN_PLUGINS=my_parts make test
 load_plugins([m for m in os.environ.get("KILN_PLUGINS", "").split(",") if m])
@@ -341,8 +342,7 @@ def python_process(
     not again by each command) where its environment allows, else a fresh interpreter. For
     commands whose own start (imports, start-up time, memory) is not what the test checks."""
     env = SUBPROCESS_ENV if env is None else env
-    script = len(cmd) > 1 and (cmd[1] == "-m" or str(cmd[1]).endswith(".py"))
-    if not FRESH_PYTHON and cmd[0] == sys.executable and script:
+    if not FRESH_PYTHON and cmd[0] == sys.executable and takes([str(part) for part in cmd]):
         preloaded = preloaded_python(SUBPROCESS_ENV)
         if preloaded.imported_with(env):
             streams = {"stdin": stdin, "stdout": stdout, "stderr": stderr}
@@ -357,6 +357,15 @@ def python_process(
         text=True,
         start_new_session=start_new_session,
     )
+
+
+def shell_env(env: dict) -> dict:
+    """`env` for a shell running commands as typed: its `python` (a script or `-m module`) is
+    a child of the preloaded Python, as `python_process` gives, through a `python` first on
+    PATH (tests/preloaded_python.shim); KILN_TESTS_FRESH_PYTHON=1 leaves PATH as it is."""
+    if FRESH_PYTHON:
+        return env
+    return {**env, "PATH": preloaded_python(SUBPROCESS_ENV).shell_path(env)}
 
 
 def run_python(

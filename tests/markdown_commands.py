@@ -19,7 +19,7 @@ import httpx
 
 from kiln.cli.paths import REPO_ROOT
 
-from .conftest import SUBPROCESS_ENV, makefile_rule
+from .conftest import SUBPROCESS_ENV, makefile_rule, shell_env
 
 STARTS = ("python ", "make ", "torchrun ", "kiln ", "tensorboard ", "KILN_", "cd ")
 # Not run, with the reason. Everything else in a code block is run.
@@ -135,7 +135,7 @@ def user_checkout(tmp_path: Path) -> Path:
 
 def environment(home: Path) -> dict[str, str]:
     venv = REPO_ROOT / ".venv" / "bin"
-    return {
+    env = {
         **SUBPROCESS_ENV,
         "PATH": f"{venv}{os.pathsep}{os.environ['PATH']}",  # what `source .venv/bin/activate` does
         "VIRTUAL_ENV": str(REPO_ROOT / ".venv"),
@@ -143,6 +143,7 @@ def environment(home: Path) -> dict[str, str]:
         "KILN_SMOKE": "1",
         "TORCH_HOME": str(home / "torch-cache"),
     }
+    return shell_env(env)
 
 
 def cache_detector_weights(command: Command, env: dict) -> None:

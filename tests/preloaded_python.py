@@ -21,6 +21,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -45,6 +46,16 @@ READ_AT_IMPORT = (
     "MALLOC_",
     "PYTHON",
 )
+# ... except these, read later, when a command uses them (the import path, torch.hub's cache)
+READ_LATER = {"PYTHONPATH", "TORCH_HOME"}
+
+
+def imported_alike(env: dict, imported: dict) -> bool:
+    """Whether `env` agrees with `imported` (the server's) in every variable torch's import
+    reads."""
+    names = {n for n in (*env, *imported) if n.startswith(READ_AT_IMPORT)} - READ_LATER
+    return all(env.get(n) == imported.get(n) for n in names)
+
 
 SERVER = r"""
 import gc, json, os, selectors, signal, socket, struct, sys
@@ -148,6 +159,16 @@ else:
 """
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The shim's interpreter starts isolated and without site-packages (-IS): 15 ms, no imports.
+SHIM = """#!{python} -IS
+import sys
+sys.path.insert(0, {here!r})
+from preloaded_python import shim
+shim({config!r})
+"""
+
+
 class PreloadedPopen(subprocess.Popen):
     """A child of the preloaded Python as subprocess.Popen: poll, wait, communicate,
     send_signal, kill, terminate, its pipes. Its exit status comes from the server (its
@@ -213,6 +234,15 @@ class PreloadedPython:
             self.log.seek(0)
             raise RuntimeError(f"the preloaded Python did not start:\n{self.log.read()}")
         atexit.register(self.stop)
+        imported = {n: v for n, v in self.env.items() if n.startswith(READ_AT_IMPORT)}
+        config = os.path.join(self.folder, "shim.json")
+        with open(config, "w") as out:
+            json.dump({"python": sys.executable, "socket": self.path, "env": imported}, out)
+        os.mkdir(os.path.join(self.folder, "bin"))
+        for name in ("python", "python3"):
+            with open(os.path.join(self.folder, "bin", name), "w") as out:
+                out.write(SHIM.format(python=sys.executable, here=HERE, config=config))
+            os.chmod(out.name, 0o755)
 
     def stop(self) -> None:
         self.server.stdin.close()
@@ -227,8 +257,7 @@ class PreloadedPython:
 
     def imported_with(self, env: dict) -> bool:
         """Whether `env` agrees with the server's in every variable torch's import reads."""
-        names = {n for n in (*env, *self.env) if n.startswith(READ_AT_IMPORT)}
-        return all(env.get(n) == self.env.get(n) for n in names - {"PYTHONPATH"})
+        return imported_alike(env, self.env)
 
     def popen(
         self, argv, cwd, env, *, stdin, stdout, stderr, new_session=False, text=True
@@ -236,8 +265,6 @@ class PreloadedPython:
         """`python *argv` (a script or `-m module`, its arguments) as this server's child; the
         streams as subprocess.Popen takes them (PIPE, DEVNULL, STDOUT, None, a file or fd)."""
         args = [sys.executable, *map(str, argv)]
-        module = args[1] == "-m"
-        argv = args[2:] if module else args[1:]
         own, parent = [], []  # (the child's end, the test's end) of each of its three streams
         for number, stream in enumerate((stdin, stdout, stderr)):
             if stream == subprocess.PIPE:
@@ -255,27 +282,67 @@ class PreloadedPython:
                 fd = stream.fileno() if hasattr(stream, "fileno") else fd
                 own.append(os.dup(fd))
                 parent.append(None)
-        cwd = str(cwd or os.getcwd())
-        request = {"argv": argv, "module": module, "cwd": cwd, "env": env}
-        request = json.dumps({**request, "new_session": new_session}).encode()
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.connect(self.path)
-            socket.send_fds(conn, [struct.pack("!I", len(request)) + request], own)
-            said = b""
-            while b"\n" not in said:  # its pid (its exit status may follow)
-                chunk = conn.recv(64)
-                if not chunk:
-                    raise ChildProcessError("the preloaded Python died before forking")
-                said += chunk
+            conn, pid, rest = send(self.path, args, cwd, env, own, new_session)
         finally:
             for fd in own:
                 os.close(fd)
-        pid, _, rest = said.partition(b"\n")
         ends = [None if fd is None else stream_end(fd, n == 0, text) for n, fd in enumerate(parent)]
-        child = PreloadedPopen(args, int(pid), conn, *ends, text)
+        child = PreloadedPopen(args, pid, conn, *ends, text)
         child._said = rest
         return child
+
+    def shell_path(self, env: dict) -> str:
+        """`env`'s PATH with this server's `python` first (`shim`): a shell's `python
+        train.py ...` (a command run as typed) goes through it as `python_process` does."""
+        return os.pathsep.join([os.path.join(self.folder, "bin"), env["PATH"]])
+
+
+def takes(args: list[str]) -> bool:
+    """Whether `python *args[1:]` runs a script or a module (what a child can become)."""
+    script = len(args) > 1 and args[1].endswith(".py") and not args[1].startswith("-")
+    return script or (len(args) > 2 and args[1] == "-m")
+
+
+def send(path: str, args: list[str], cwd, env: dict, fds: list[int], new_session: bool):
+    """Asks the server at `path` for a child running `args` with `fds` as its stdin, stdout and
+    stderr; returns the connection its exit status will come on, its pid, and what followed."""
+    module = args[1] == "-m"
+    request = {"argv": args[2:] if module else args[1:], "module": module}
+    request |= {"cwd": str(cwd or os.getcwd()), "env": env, "new_session": new_session}
+    request = json.dumps(request).encode()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    socket.send_fds(conn, [struct.pack("!I", len(request)) + request], fds)
+    said = b""
+    while b"\n" not in said:  # its pid (its exit status may follow)
+        chunk = conn.recv(64)
+        if not chunk:
+            raise ChildProcessError("the preloaded Python died before forking")
+        said += chunk
+    pid, _, rest = said.partition(b"\n")
+    return conn, int(pid), rest
+
+
+def shim(config_file: str) -> None:
+    """`python` on a shell's PATH (`PreloadedPython.shell_path`): a script or module through
+    the server, with this process's own streams, folder and environment, its signals passed on
+    and its exit status as the child's; anything else (or another environment for torch's
+    import) is the real interpreter, exec'd in its place."""
+    config = json.loads(open(config_file).read())  # noqa: SIM115 -- read once, at start
+    args = [config["python"], *sys.argv[1:]]
+    if not (takes(args) and imported_alike(dict(os.environ), config["env"])):
+        os.execv(args[0], args)
+    conn, pid, said = send(config["socket"], args, None, dict(os.environ), [0, 1, 2], False)
+    for passed in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(passed, lambda number, _: os.kill(pid, number))
+    while not said.endswith(b"\n"):
+        said += conn.recv(64) or b"-1\n"  # -1: the server died, the child with it
+    status = int(said)
+    if status >= 0 and os.WIFSIGNALED(status):  # as the child ended: by the same signal
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    sys.exit(os.waitstatus_to_exitcode(status) if status >= 0 else 1)
 
 
 def stream_end(fd: int, writes: bool, text: bool):

@@ -4,13 +4,14 @@ same arguments, folder, import path, environment, `__main__`, output, exit statu
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from .conftest import FRESH_PYTHON, SUBPROCESS_ENV, python_process, run_python
+from .conftest import FRESH_PYTHON, SUBPROCESS_ENV, python_process, run_python, shell_env
 from .preloaded_python import PreloadedPopen
 
 pytestmark = pytest.mark.skipif(FRESH_PYTHON, reason="KILN_TESTS_FRESH_PYTHON=1: none preloaded")
@@ -95,3 +96,41 @@ def test_children_running_side_by_side_each_get_their_own_status(script, tmp_pat
     for child in reversed(children):
         child.communicate(timeout=60)
     assert [child.returncode for child in children] == [0, 1, 2, 3]
+
+
+def test_a_shell_s_python_runs_a_script_through_it_and_ends_as_the_child_did(script, tmp_path):
+    env = shell_env({**SUBPROCESS_ENV, "KILN_SEEN": "typed"})
+    assert env["PATH"].split(os.pathsep)[0].endswith("bin")
+
+    def shell(line: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", "-c", line],
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            capture_output=True,
+            input="from the shell",
+            timeout=60,
+        )
+
+    for args in ("", " 4", " raise"):
+        through, expected = (
+            shell(f"python {script}{args}"),
+            fresh([sys.executable, str(script), *args.split()], tmp_path, env, "from the shell"),
+        )
+        assert (through.returncode, through.stdout) == (expected.returncode, expected.stdout)
+        assert through.stderr.splitlines()[-1] == expected.stderr.splitlines()[-1]
+    # what it cannot become (code on the command line) is the real interpreter
+    assert shell("python -c 'import sys; print(sys.executable)'").stdout.strip() == sys.executable
+
+    waiting = subprocess.Popen(
+        ["bash", "-c", f"exec python {script} wait"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert waiting.stdout.readline().startswith("{") and waiting.stdout.readline() == "waiting\n"
+    waiting.send_signal(signal.SIGTERM)  # to the shell's `python`, passed on to the child
+    assert waiting.wait(timeout=30) == -signal.SIGTERM
+    waiting.stdout.close()

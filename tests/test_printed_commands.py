@@ -25,7 +25,7 @@ import pytest
 from kiln.checkpoint import load_checkpoint
 from kiln.cli.paths import REPO_ROOT
 
-from .conftest import SUBPROCESS_ENV, compose_config, train_in_process
+from .conftest import SUBPROCESS_ENV, compose_config, shell_env, train_in_process
 from .inference_helpers import free_port
 
 SMALL = ("trainer.max_steps=3", "trainer.limit_val_batches=2", "env.progress_bar=false")
@@ -120,7 +120,7 @@ def environment(extra_pythonpath: Path | None = None) -> dict[str, str]:
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(extra_pythonpath), env.get("PYTHONPATH")])
         )
-    return env
+    return shell_env(env)
 
 
 def shell(command: str, cwd: Path, env: dict, timeout: int = 600) -> Output:
