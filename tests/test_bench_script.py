@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from .bench_tables import markdown_tables, number
+from .conftest import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_engine.py"
@@ -19,13 +20,10 @@ TINY = ["--model", "mlp", "--image-size", "8", "--batch-size", "16", "--steps", 
 
 def run_bench(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
+    proc = run_python(
         [sys.executable, str(SCRIPT), *TINY, "--warmup", "1", "--threads", "1"]
         + ["--out", str(out), *extra],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        REPO,
     )
     return proc, json.loads(out.read_text()) if out.is_file() else {}
 
