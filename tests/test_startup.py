@@ -147,6 +147,19 @@ def test_the_installed_torch_is_byte_compiled():
     )
 
 
+def test_what_every_hf_run_imports_from_transformers_is_byte_compiled():
+    """The install leaves out transformers' model families' own code (a run compiles the one
+    family it imports, ~15 ms), never the package, its auto mappings or the configurations."""
+    import transformers
+
+    root = Path(transformers.__file__).parent
+    needed = [root / "__init__.py", root / "modeling_utils.py", root / "configuration_utils.py"]
+    needed += [*(root / "models" / "auto").glob("*.py"), root / "models" / "__init__.py"]
+    needed += [*root.glob("models/*/configuration_*.py"), *root.glob("models/*/__init__.py")]
+    missing = [str(s.relative_to(root)) for s in needed if not compiled(s)]
+    assert len(needed) > 1000 and not missing, f"no bytecode: {missing[:5]} ({len(missing)})"
+
+
 def links_libpython(executable: str) -> bool | None:
     """Whether `executable` calls its interpreter through libpython (ldd); None: not an ELF
     program ldd can read (a pyenv shim is a shell script)."""
