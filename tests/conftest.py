@@ -315,13 +315,15 @@ def run_train(
     launcher=None,
     explicit_run_dir: bool = True,
     env_overrides: dict | None = None,
+    fresh: bool = False,
 ):
-    """Run the real `python train.py` with hydra.run.dir=run_dir; returns CompletedProcess."""
+    """Run the real `python train.py` with hydra.run.dir=run_dir; returns CompletedProcess.
+    `fresh`: in a fresh interpreter, where its start is checked too (`python_process`)."""
     cmd = [*(launcher or [sys.executable]), str(REPO_ROOT / "train.py")]
     cmd += [f"hydra.run.dir={run_dir}"] if explicit_run_dir else []
     cmd += overrides
     env = {**SUBPROCESS_ENV, **(env_overrides or {})}
-    return run_python(cmd, cwd=cwd or run_dir.parent, env=env, timeout=timeout)
+    return run_python(cmd, cwd=cwd or run_dir.parent, env=env, timeout=timeout, fresh=fresh)
 
 
 # KILN_TESTS_FRESH_PYTHON=1 make test: every command in a fresh interpreter, none preloaded.
@@ -336,13 +338,16 @@ def python_process(
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     start_new_session: bool = False,
+    fresh: bool = False,
 ) -> subprocess.Popen:
     """`[sys.executable, script.py | -m module, args...]` as a process, its output as text: a
     child of this worker's preloaded Python (tests/preloaded_python.py: torch imported once,
     not again by each command) where its environment allows, else a fresh interpreter. For
-    commands whose own start (imports, start-up time, memory) is not what the test checks."""
+    commands whose own start (imports, start-up time, memory) is not what the test checks;
+    `fresh=True` for one whose start is."""
     env = SUBPROCESS_ENV if env is None else env
-    if not FRESH_PYTHON and cmd[0] == sys.executable and takes([str(part) for part in cmd]):
+    preloadable = cmd[0] == sys.executable and takes([str(part) for part in cmd])
+    if preloadable and not (FRESH_PYTHON or fresh):
         preloaded = preloaded_python(SUBPROCESS_ENV)
         if preloaded.imported_with(env):
             streams = {"stdin": stdin, "stdout": stdout, "stderr": stderr}
@@ -369,11 +374,16 @@ def shell_env(env: dict) -> dict:
 
 
 def run_python(
-    cmd: list, cwd: Path | None = None, env: dict | None = None, timeout: float = 300, input=None
+    cmd: list,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    timeout: float = 300,
+    input=None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True) through `python_process`."""
     stdin = subprocess.PIPE if input is not None else None
-    with python_process(cmd, cwd, env, stdin=stdin) as process:
+    with python_process(cmd, cwd, env, stdin=stdin, fresh=fresh) as process:
         try:
             out, err = process.communicate(input, timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -2,8 +2,9 @@
 
 Every fresh Python a test starts pays `import torch` first: 2.3-3.3 CPU-s on the 2-core test
 machines, most of a short train.py or infer.py run, and about a third of the default suite's
-CPU over its ~150 processes. A preloaded Python (one per pytest worker) imports torch once and
-forks a child for each command; the child is a process like any other (its own pid, signals
+CPU over its ~150 processes (torchvision's import, for any image model, as much again). A
+preloaded Python (one per pytest worker) imports torch, torchvision and Hydra once and forks
+a child for each command; the child is a process like any other (its own pid, signals
 and exit status, the test's pipes as its stdin/stdout/stderr, its own cwd and environment) and
 runs the script as `python script.py` would, as `__main__`, with Python's own handling of its
 exit (SystemExit, a traceback and exit 1, atexit handlers, files flushed).
@@ -60,9 +61,11 @@ def imported_alike(env: dict, imported: dict) -> bool:
 SERVER = r"""
 import gc, json, os, selectors, signal, socket, struct, sys
 
-import torch  # noqa: F401 -- the import every child would pay again
+# The imports every child would pay again: torch (2.3-3.3 CPU-s), torchvision (every image
+# model; its ops import torch._dynamo: 1.5-2 CPU-s more), Hydra (every train.py: 0.3)
+import torch, torchvision, hydra  # noqa: E401, F401
 
-gc.freeze()  # its objects stay in the parent's pages: a child's collections never walk them
+gc.freeze()  # their objects stay in the parent's pages: a child's collections never walk them
 
 
 def receive(conn):  # a request: its length (4 bytes), its JSON, the child's 3 streams
