@@ -237,6 +237,10 @@ class PreloadedPython:
             self.log.seek(0)
             raise RuntimeError(f"the preloaded Python did not start:\n{self.log.read()}")
         atexit.register(self.stop)
+        # Imports that print something (a warning) would print it in each fresh interpreter:
+        # then none of its commands comes from here, each says it as a user would see it.
+        self.log.seek(0)
+        self.said = self.log.read()
         imported = {n: v for n, v in self.env.items() if n.startswith(READ_AT_IMPORT)}
         config = os.path.join(self.folder, "shim.json")
         with open(config, "w") as out:
@@ -259,8 +263,9 @@ class PreloadedPython:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def imported_with(self, env: dict) -> bool:
-        """Whether `env` agrees with the server's in every variable torch's import reads."""
-        return imported_alike(env, self.env)
+        """Whether `env` agrees with the server's in every variable torch's import reads (and
+        the server's imports printed nothing)."""
+        return not self.said and imported_alike(env, self.env)
 
     def popen(
         self, argv, cwd, env, *, stdin, stdout, stderr, new_session=False, text=True
@@ -298,6 +303,8 @@ class PreloadedPython:
     def shell_path(self, env: dict) -> str:
         """`env`'s PATH with this server's `python` first (`shim`): a shell's `python
         train.py ...` (a command run as typed) goes through it as `python_process` does."""
+        if self.said:
+            return env["PATH"]
         return os.pathsep.join([os.path.join(self.folder, "bin"), env["PATH"]])
 
 

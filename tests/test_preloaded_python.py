@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from .conftest import FRESH_PYTHON, SUBPROCESS_ENV, python_process, run_python, shell_env
-from .preloaded_python import PreloadedPopen
+from .preloaded_python import PreloadedPopen, PreloadedPython
 
 pytestmark = pytest.mark.skipif(FRESH_PYTHON, reason="KILN_TESTS_FRESH_PYTHON=1: none preloaded")
 
@@ -134,3 +134,16 @@ def test_a_shell_s_python_runs_a_script_through_it_and_ends_as_the_child_did(scr
     waiting.send_signal(signal.SIGTERM)  # to the shell's `python`, passed on to the child
     assert waiting.wait(timeout=30) == -signal.SIGTERM
     waiting.stdout.close()
+
+
+def test_a_server_whose_imports_printed_something_hands_every_command_to_a_fresh_one():
+    """A warning at `import torch` would be in every fresh interpreter's stderr, where a test
+    reads it: such a server takes no command (here its imports print PYTHONVERBOSE's lines)."""
+    talkative = PreloadedPython({**SUBPROCESS_ENV, "PYTHONVERBOSE": "1"})
+    try:
+        assert "import " in talkative.said
+        assert not talkative.imported_with({**SUBPROCESS_ENV, "PYTHONVERBOSE": "1"})
+        env = {**SUBPROCESS_ENV, "PATH": "/usr/bin"}
+        assert talkative.shell_path(env) == "/usr/bin"
+    finally:
+        talkative.stop()
