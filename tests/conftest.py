@@ -341,8 +341,8 @@ def python_process(
     fresh: bool = False,
 ) -> subprocess.Popen:
     """`[sys.executable, script.py | -m module, args...]` as a process, its output as text: a
-    child of this worker's preloaded Python (tests/preloaded_python.py: torch imported once,
-    not again by each command) where its environment allows, else a fresh interpreter. For
+    child of this worker's preloaded Python (tests/preloaded_python.py: torch, torchvision and
+    Hydra imported once, not by each command) where its environment allows, else a fresh one. For
     commands whose own start (imports, start-up time, memory) is not what the test checks;
     `fresh=True` for one whose start is."""
     env = SUBPROCESS_ENV if env is None else env

@@ -339,7 +339,8 @@ def shim(config_file: str) -> None:
     the server, with this process's own streams, folder and environment, its signals passed on
     and its exit status as the child's; anything else (or another environment for torch's
     import) is the real interpreter, exec'd in its place."""
-    config = json.loads(open(config_file).read())  # noqa: SIM115 -- read once, at start
+    with open(config_file) as file:
+        config = json.load(file)
     args = [config["python"], *sys.argv[1:]]
     if not (takes(args) and imported_alike(dict(os.environ), config["env"])):
         os.execv(args[0], args)
