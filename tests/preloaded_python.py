@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 
 # Read while `import torch` runs (OpenMP and BLAS thread pools, allocators, torch's and CUDA's
 # own switches, the interpreter's flags): a child whose environment differs in one of them
@@ -224,6 +225,10 @@ class PreloadedPython:
         self.env = dict(env)
         self.folder = tempfile.mkdtemp(prefix="kiln-preloaded-")
         self.path = os.path.join(self.folder, "server.sock")
+        if len(self.path) > 100:  # a socket's path holds 107 bytes: a long TMPDIR's is too long
+            os.rmdir(self.folder)
+            self.folder = tempfile.mkdtemp(prefix="kiln-preloaded-", dir="/tmp")
+            self.path = os.path.join(self.folder, "server.sock")
         self.log = open(os.path.join(self.folder, "server.log"), "w+")  # noqa: SIM115
         self.server = subprocess.Popen(
             [sys.executable, "-c", SERVER, self.path],
@@ -233,14 +238,16 @@ class PreloadedPython:
             stderr=self.log,
             text=True,
         )
-        if self.server.stdout.readline().strip() != "ready":
-            self.log.seek(0)
-            raise RuntimeError(f"the preloaded Python did not start:\n{self.log.read()}")
         atexit.register(self.stop)
+        started = self.server.stdout.readline().strip() == "ready"
         # Imports that print something (a warning) would print it in each fresh interpreter:
-        # then none of its commands comes from here, each says it as a user would see it.
+        # then none of its commands comes from here, each says it as a user would see it. A
+        # server that did not start is said once, and every command is a fresh interpreter.
         self.log.seek(0)
-        self.said = self.log.read()
+        self.said = self.log.read() if started else f"did not start: {self.log.read()}"
+        if not started:
+            warnings.warn(f"the preloaded Python {self.said}", stacklevel=2)
+            return
         imported = {n: v for n, v in self.env.items() if n.startswith(READ_AT_IMPORT)}
         config = os.path.join(self.folder, "shim.json")
         with open(config, "w") as out:

@@ -147,3 +147,14 @@ def test_a_server_whose_imports_printed_something_hands_every_command_to_a_fresh
         assert talkative.shell_path(env) == "/usr/bin"
     finally:
         talkative.stop()
+
+
+def test_a_server_that_cannot_start_says_so_once_and_takes_no_command(tmp_path):
+    (tmp_path / "torch.py").write_text("raise ImportError('no torch here')\n")
+    with pytest.warns(UserWarning, match="preloaded Python did not start"):
+        broken = PreloadedPython({**SUBPROCESS_ENV, "PYTHONPATH": str(tmp_path)})
+    try:
+        assert "no torch here" in broken.said
+        assert not broken.imported_with({**SUBPROCESS_ENV, "PYTHONPATH": str(tmp_path)})
+    finally:
+        broken.stop()
