@@ -74,7 +74,7 @@ train: install ## train the default experiment (extra overrides: make train ARGS
 # Measured: docs/benchmarks.md, "How long things take". The commands tests start whose start is
 # not what they check are forked from a Python that has imported torch, torchvision and Hydra
 # (tests/preloaded_python.py): KILN_TESTS_FRESH_PYTHON=1 make test starts each one fresh.
-TEST_TIME := about 7-9 min on 2 CPU cores (fresh clones 2026-12-07: 6 min 53 s - 8 min 52 s with the install, 376-490 s of pytest, by the hour's CPU speed)
+TEST_TIME := about 7-11 min on 2 CPU cores (fresh clones 2026-12-07: 6 min 53 s - 10 min 38 s with the install, 376-549 s of pytest, by the hour's CPU speed)
 
 test: lint ## ruff + the default test suite (everything but `slow`)
 	@echo "make test: the default suite, $(TEST_TIME); one dot per test, the share done at each line's end"
