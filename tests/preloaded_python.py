@@ -178,7 +178,7 @@ class PreloadedPopen(subprocess.Popen):
     send_signal, kill, terminate, its pipes. Its exit status comes from the server (its
     parent), over the connection the command was sent on."""
 
-    def __init__(self, args, pid: int, conn: socket.socket, stdin, stdout, stderr, text: bool):
+    def __init__(self, args, pid: int, conn, said: bytes, stdin, stdout, stderr, text: bool):
         # Popen.__init__ would fork and exec: the attributes its other methods read, set here
         self.args, self.pid, self.returncode = args, pid, None
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
@@ -191,7 +191,7 @@ class PreloadedPopen(subprocess.Popen):
         self._sigint_wait_secs = 0.25
         self._closed_child_pipe_fds = True
         self._child_created = False  # nothing for Popen.__del__ to reap: the server does
-        self._conn, self._said = conn, b""
+        self._conn, self._said = conn, said  # `said`: what came after the pid, if anything
 
     def _try_wait(self, wait_flags):
         self._conn.setblocking(not (wait_flags & os.WNOHANG))
@@ -299,13 +299,16 @@ class PreloadedPython:
                 parent.append(None)
         try:
             conn, pid, rest = send(self.path, args, cwd, env, own, new_session)
+        except BaseException:
+            for fd in parent:
+                if fd is not None:
+                    os.close(fd)
+            raise
         finally:
             for fd in own:
                 os.close(fd)
         ends = [None if fd is None else stream_end(fd, n == 0, text) for n, fd in enumerate(parent)]
-        child = PreloadedPopen(args, pid, conn, *ends, text)
-        child._said = rest
-        return child
+        return PreloadedPopen(args, pid, conn, rest, *ends, text)
 
     def shell_path(self, env: dict) -> str:
         """`env`'s PATH with this server's `python` first (`shim`): a shell's `python
