@@ -34,6 +34,20 @@ load_plugins([m for m in os.environ.get("KILN_PLUGINS", "").split(",") if m])
 CURVES_OFF = "logger.curves=false"
 os.environ["KILN_OVERRIDES"] = CURVES_OFF
 
+# What make hands its recipes: under `make test-all ARGS=-x`, MAKEFLAGS carries ARGS=-x, and each
+# `make sweep` or `make bench` a docs page runs as typed read pytest's options as its own. The
+# suite's processes, and what they start, have the environment of a user's shell instead.
+MAKE_VARIABLES = (
+    "MAKEFLAGS",
+    "MFLAGS",
+    "MAKELEVEL",
+    "MAKEOVERRIDES",
+    "MAKE_TERMOUT",
+    "MAKE_TERMERR",
+)
+for _name in MAKE_VARIABLES:
+    os.environ.pop(_name, None)
+
 # Keep CPU work predictable on the 2-core machines tests run on.
 SUBPROCESS_ENV = {
     **os.environ,

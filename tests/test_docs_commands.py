@@ -6,10 +6,14 @@ parametrization with no edit here."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 
 from kiln.cli.paths import REPO_ROOT
 
+from .conftest import MAKE_VARIABLES
 from .markdown_commands import (
     Command,
     commands,
@@ -83,3 +87,20 @@ def test_a_line_a_make_target_ran_on_the_page_is_not_run_again():
         )
     ]
     assert "make bench" in on_the_page and text_line not in on_the_page
+
+
+def test_a_make_command_on_a_page_gets_none_of_the_suites_own_make_arguments(tmp_path):
+    """`make test-all ARGS=...` once failed every page with a `make` command: make passes its
+    command line's variables down in MAKEFLAGS, so a page's `make sweep` took pytest's options
+    as overrides. tests/conftest.py drops make's variables from the suite's environment (under
+    `make test` MAKELEVEL is always there)."""
+    assert not set(MAKE_VARIABLES) & set(os.environ)
+    home = user_checkout(tmp_path)
+    env = environment(home)
+    as_under_make = {**env, "MAKEFLAGS": " -- ARGS=--basetemp=/tmp/x", "MAKELEVEL": "1"}
+    for given, leaks in ((as_under_make, True), (env, False)):
+        shown = subprocess.run(
+            ["make", "-n", "sweep"], cwd=home, env=given, capture_output=True, text=True
+        )
+        assert shown.returncode == 0, shown.stderr
+        assert ("--basetemp=/tmp/x" in shown.stdout) is leaks, shown.stdout
