@@ -158,8 +158,18 @@ import runpy
 
 if _module:
     runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-else:
-    runpy.run_path(sys.argv[0], run_name="__main__")
+else:  # as the interpreter runs a script: __file__ absolute (a script that starts itself again
+    # from another folder names it so), sys.argv[0] as typed (runpy.run_path sets both alike)
+    import importlib.machinery, types
+
+    _path = os.path.abspath(sys.argv[0])
+    with open(_path, "rb") as _file:
+        _code = compile(_file.read(), _path, "exec")
+    _main = types.ModuleType("__main__")
+    _main.__file__, _main.__cached__ = _path, None
+    _main.__loader__ = importlib.machinery.SourceFileLoader("__main__", _path)
+    sys.modules["__main__"] = _main
+    exec(_code, _main.__dict__)
 """
 
 

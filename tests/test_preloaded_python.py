@@ -20,6 +20,7 @@ SCRIPT = """
 import json, os, sys
 print(json.dumps({
     "name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "first": sys.path[0],
+    "file": __file__, "doc": __doc__, "loader": type(__loader__).__name__,
     "plugin": sys.path[1] if os.environ.get("PYTHONPATH") else None,
     "env": os.environ.get("KILN_SEEN"), "stdin": sys.stdin.read(),
 }))
@@ -59,6 +60,16 @@ def test_a_script_sees_and_ends_as_in_a_fresh_interpreter(script, tmp_path, args
     assert said["first"] == str(script.parent) and said["plugin"] == str(tmp_path)
     assert said["env"] == "yes" and said["stdin"] == "typed"
     assert preloaded.stderr.splitlines()[-1] == expected.stderr.splitlines()[-1]
+
+
+def test_a_script_named_from_its_folder_knows_its_absolute_path(script, tmp_path):
+    """`python scripts/bench_peers.py` started itself again from another folder through its
+    __file__: the interpreter makes it absolute, runpy.run_path kept it as typed."""
+    cmd = [sys.executable, "scripts/probe.py"]
+    preloaded, expected = run_python(cmd, tmp_path), fresh(cmd, tmp_path)
+    assert (preloaded.returncode, preloaded.stdout) == (expected.returncode, expected.stdout)
+    said = json.loads(preloaded.stdout)
+    assert said["file"] == str(script) and said["argv"] == ["scripts/probe.py"]
 
 
 def test_a_module_runs_as_python_dash_m_does(tmp_path):
