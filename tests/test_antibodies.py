@@ -430,20 +430,15 @@ def load_target(target: str):
     return getattr(importlib.import_module(module), name)
 
 
-@functools.cache
-def zoo_listing(model: str) -> list[str]:
-    """Every architecture of a zoo entry, as its library lists them; [] for other models."""
-    listing = MODELS.entry(model).meta.get("archs")
-    return list(load_target(listing)()) if listing else []
-
-
 def pytest_generate_tests(metafunc):
     """Listing every zoo architecture imports its library: done only when slow tests run."""
     if "zoo_arch" not in metafunc.fixturenames:
         return
     cases = []
     for model in MODELS.names() if slow_tests_run(metafunc.config) else ():
-        cases += [(model, arch) for arch in zoo_listing(model)]
+        listing = MODELS.entry(model).meta.get("archs")
+        if listing:
+            cases += [(model, arch) for arch in load_target(listing)()]
     metafunc.parametrize(("zoo_model", "zoo_arch"), cases, ids=[f"{m}[{a}]" for m, a in cases])
 
 
@@ -478,60 +473,6 @@ def zoo_image_parts(model: str, arch: str, *overrides: str):
     pytest.skip(f"{arch} builds at no small size ({'; '.join(reasons)})")
 
 
-# A resolution in a name (vit_base_patch16_384, cait_s24_224): kiln builds each architecture at
-# the zoo's small sides, where such variants are often one network under two names.
-RESOLUTION = re.compile(r"_\d{3}(?=_|$)")
-# What timm keeps on a model about its published weights (their input size, URL, mean): read
-# where kiln makes its preprocessing, never by a forward.
-WEIGHTS_METADATA = {"pretrained_cfg", "default_cfg", "pretrained_cfg_overlay"}
-HELD_ELSEWHERE = {"_parameters", "_buffers", "_modules"}  # compared as names and shapes
-
-
-def network_fingerprint(network: nn.Module) -> tuple:
-    """What a forward and backward of `network` follow: each module's name, class and settings
-    (every attribute: sizes, flags, layers and functions it calls, hooks) and each parameter's
-    and buffer's name, shape and dtype. Two networks alike in all of it run the same code on
-    the same shapes (a buffer's values follow from the settings that made it)."""
-    modules = tuple(
-        (name, type(module).__module__, type(module).__qualname__, _settings(module))
-        for name, module in network.named_modules()
-    )
-    named = itertools.chain(network.named_parameters(), network.named_buffers())
-    return modules, tuple((name, tuple(t.shape), t.dtype) for name, t in named)
-
-
-def _settings(module: nn.Module) -> str:
-    kept = {
-        key: value
-        for key, value in vars(module).items()
-        if key not in HELD_ELSEWHERE and key not in WEIGHTS_METADATA
-    }
-    return repr(sorted(kept.items()))
-
-
-def same_network_listed_before(model: str, arch: str, listing: list[str]) -> str | None:
-    """The architecture listed before `arch`, its name the same but for a resolution, whose
-    network at every one of ZOO_SIDES is `arch`'s (network_fingerprint, built on the meta
-    device); None where there is none, or where either cannot be built there."""
-    stem = RESOLUTION.sub("", arch)
-    first = next(a for a in listing if RESOLUTION.sub("", a) == stem)
-    if first == arch:
-        return None
-    for side in ZOO_SIDES:
-        spec = bundle_for(ZOO_DATA["image"], (f"data.image_size={side}",)).spec
-        prints = []
-        for name in (first, arch):
-            cfg = zoo_config(model, ZOO_DATA["image"], name)
-            with torch.device("meta"):
-                built, failed = attempt(build_model, spec, cfg)
-            if failed is not None:
-                return None
-            prints.append(network_fingerprint(built))
-        if prints[0] != prints[1]:
-            return None
-    return first
-
-
 def tokens_build_small(model: str, arch: str) -> None:
     """Skips the test unless the architecture builds small from scratch (kiln's 2 layers, width
     64) and runs on the batch the rules start from (the data's longest and shortest texts,
@@ -553,24 +494,6 @@ def test_a_zoo_config_is_the_composed_one(model, arch):
     composed_with_arch = model_config(model, data, (f"model.arch={arch}",))
     assert zoo_config(model, data, arch) == composed_with_arch
     assert composed_with_arch != model_config(model, data)  # the arch is what tells them apart
-
-
-def test_a_network_fingerprint_tells_apart_what_a_forward_follows_and_nothing_else():
-    """A zoo architecture is checked under its first name only where the networks are alike in
-    everything a forward and backward follow: a setting, a layer's class, a shape each differ."""
-
-    def net(p=0.1, act=nn.ReLU, width=4, cfg=None):
-        network = nn.Sequential(nn.Linear(4, width), act(), nn.Dropout(p), nn.Linear(width, 2))
-        network.pretrained_cfg = cfg or {"input_size": (3, 224, 224)}
-        return network
-
-    alike = network_fingerprint(net())
-    assert network_fingerprint(net(cfg={"input_size": (3, 384, 384), "url": "x"})) == alike
-    for other in (net(p=0.2), net(act=nn.GELU), net(width=8)):
-        assert network_fingerprint(other) != alike
-    hooked = net()
-    hooked[0].register_forward_hook(lambda module, args, output: output * 2)
-    assert network_fingerprint(hooked) != alike
 
 
 @pytest.fixture
@@ -595,10 +518,6 @@ def test_every_zoo_architecture_that_builds_small_passes_every_rule(zoo_model, z
     kind = model_inputs(zoo_model)[0]
     branches = "loss.force_all_branches=true"
     if kind == "image":
-        twin = same_network_listed_before(zoo_model, zoo_arch, zoo_listing(zoo_model))
-        if twin is not None:
-            sides = " and ".join(f"{side}x{side}" for side in ZOO_SIDES)
-            pytest.skip(f"{zoo_arch} is {twin}'s network at {sides}: checked as {twin}")
         every_branch = zoo_image_parts(zoo_model, zoo_arch, branches)
     else:
         tokens_build_small(zoo_model, zoo_arch)
