@@ -173,16 +173,10 @@ def timeout_of(item) -> float:
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadscope" or not slow_tests_run(config):
         return None  # xdist's own scheduler: make test's (its cases are short) or the one asked for
-    from xdist.scheduler import LoadScopeScheduling
-
-    class SpreadSomeFiles(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            if nodeid.split("::", 1)[0] in SPREAD_FILES:
-                return nodeid
-            return super()._split_scope(nodeid)
+    from .xdist_scheduling import SpreadSomeFiles
 
     config.option.loadscopereorder = False  # the order of collection: longest first
-    return SpreadSomeFiles(config, log)
+    return SpreadSomeFiles(config, log, SPREAD_FILES)
 
 
 def compose_config(*overrides: str):
