@@ -28,10 +28,10 @@ class SpreadSomeFiles(LoadScopeScheduling):
         unfinished = {scope: unit for scope, unit in workload.items() if not all(unit.values())}
         if not unfinished:
             return None
-        crashed = next(n for unit in unfinished.values() for n, done in unit.items() if not done)
-        for unit in unfinished.values():
-            if crashed in unit:
-                unit[crashed] = True
+        scope, crashed = next(
+            (s, n) for s, unit in unfinished.items() for n, done in unit.items() if not done
+        )
+        unfinished[scope][crashed] = True
         self.workqueue.update({s: u for s, u in unfinished.items() if not all(u.values())})
         for other in self.assigned_work:
             self._reschedule(other)
