@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from kiln.cli.paths import REPO_ROOT
 from kiln.registry import MODELS, compatible_pairs
@@ -54,10 +55,48 @@ def test_a_broken_cell_fails_the_matrix_with_its_fail_line(tmp_path):
     assert "rule 3 (train and eval must agree)" in failures
 
 
+# model=torchvision (resnet18's ImageNet stem) on digits' 8x8 images gives layer4's first
+# convolution (3x3, stride 2, padding 1) a 1x1 input; under precision=amp on a CPU whose oneDNN
+# has the bug below, its weight gradient holds whatever memory the allocator handed back, and
+# the cell ends NaN about one time in three (measured 2026-12-07: 2 of 6 runs of the single cell).
+ONE_PIXEL_CELLS = ("digits-torchvision | single | amp=True", "digits-torchvision | DDP | amp=True")
+
+
+def onednn_leaves_bf16_taps_unwritten() -> bool:
+    """Whether this machine's oneDNN (as torch 2.14.1 ships it) has the bug: a bf16 convolution
+    with stride 2 and padding 1 over a 1x1 input leaves the weight-gradient taps that saw only
+    padding unwritten (they must be 0; here NaN, from memory filled with NaN and freed). fp32,
+    torch.backends.mkldnn.enabled=False and an AVX2 CPU (bf16 emulated) write zeros."""
+    conv = torch.nn.Conv2d(16, 16, 3, stride=2, padding=1, bias=False)
+    x = torch.randn(2, 16, 1, 1)
+    for _ in range(20):
+        torch.full((1 << 16,), float("nan"))  # freed at once: the next allocations reuse it
+        conv.weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            conv(x).float().sum().backward()
+        padding_only = conv.weight.grad.clone()
+        padding_only[..., 1, 1] = 0  # the one tap that saw the pixel
+        if padding_only.count_nonzero():
+            return True
+    return False
+
+
+def test_the_one_pixel_check_sees_the_bug_only_where_onednn_runs_bf16():
+    """With oneDNN off, the check finds every tap written: it can say no."""
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert not onednn_leaves_bf16_taps_unwritten()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_the_whole_matrix(tmp_path):
+    """Every cell ok, but the ONE_PIXEL_CELLS, which may end NaN where oneDNN has the bug."""
     result = matrix(tmp_path, timeout=3500)  # within the test's own 3600 s
-    assert result.returncode == 0, result.stdout[-5000:]
     cells = 4 * len(compatible_pairs())
-    assert f"{cells}/{cells} cells ok" in result.stdout
+    failed = [line for line in result.stdout.splitlines() if line.startswith("[FAIL]")]
+    known = ONE_PIXEL_CELLS if onednn_leaves_bf16_taps_unwritten() else ()
+    unexplained = [
+        line for line in failed if not any(line.startswith(f"[FAIL] {c} | ") for c in known)
+    ]
+    assert unexplained == [] and all("NaN @ step" in line for line in failed), result.stdout
+    assert f"{cells - len(failed)}/{cells} cells ok" in result.stdout, result.stdout[-5000:]
