@@ -518,9 +518,9 @@ def memory_given_back():
     then, once the worker holds more than TRIM_ABOVE, the heap's free pages (malloc_trim): a
     trim after every case made the next fault its memory in again (274 resnet, efficientnet and
     mobilenet cases on 3 workers: 384 -> 370 s, 83 -> 42 CPU-s in the kernel; a worker's
-    largest RSS 3.6 GB, inside a case). A collection of every object
-    torch, timm and transformers made took 0.38 s, ten minutes of the zoo's worker time: what
-    was alive before the first case is frozen, out of the collector's walk."""
+    largest RSS 3.6 GB, inside a case). A collection of every object torch, timm and
+    transformers made took 0.38 s, ten minutes of the zoo's worker time: what was alive before
+    the first case is frozen, out of the collector's walk."""
     if not _frozen:
         gc.collect()
         gc.freeze()

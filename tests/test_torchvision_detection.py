@@ -289,7 +289,7 @@ def test_every_box_detector_trains_with_every_check_on(arch, folder, tmp_path):
     run (no budget): none refuses torchvision's own model (but LEARN_PROBE_REFUSES). 10 steps:
     onecycle's warm-up starts at a 25th of the lr (2 steps have none to speak of). Batches of 2:
     the probes take the batch size too, and fasterrcnn_resnet50_fpn_v2's box head (4 convs
-    over 512 sampled regions an image) made its test 20 minutes of make test-all at 4 (11 at 2)."""
+    over 512 sampled regions an image) made its test 20 minutes of make test-all at 4, 15 at 2."""
     summary = train_in_process(
         tmp_path / "run",
         *overrides(folder, f"model.arch={arch}"),
