@@ -401,6 +401,13 @@ def run_python(
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
+def resident_mb() -> float:
+    """This process's resident memory (Linux's /proc), in MiB."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
 def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 

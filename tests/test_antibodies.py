@@ -12,7 +12,6 @@ import functools
 import gc
 import importlib
 import itertools
-import os
 import random
 import re
 import tempfile
@@ -77,7 +76,7 @@ from kiln.models import build_model
 from kiln.registry import DATASETS, MODELS, compatible_pairs, dataset_provides, model_inputs
 
 from .broken_models import BROKEN, BROKEN_DATA, TWINS, Broken, Twin
-from .conftest import PROBES_OFF, compose_config, slow_tests_run, train_in_process
+from .conftest import PROBES_OFF, compose_config, resident_mb, slow_tests_run, train_in_process
 from .image_folder_helpers import EXAMPLES
 from .test_engine import make_trainer
 
@@ -498,16 +497,7 @@ def test_a_zoo_config_is_the_composed_one(model, arch):
 
 
 _frozen: list[bool] = []
-TRIM_ABOVE = 2 << 30  # resident bytes: a worker starts the zoo near 0.9 GB
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (Linux's /proc); 0 where there is none to read."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except OSError:
-        return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")
+TRIM_ABOVE_MB = 2048  # a worker starts the zoo near 0.9 GB
 
 
 @pytest.fixture
@@ -515,7 +505,7 @@ def memory_given_back():
     """A zoo case's networks (vgg19: 4.7 GB at its peak) go back to the system after it: glibc
     kept what they freed, and a worker of make test-all grew to 9 GB by timm's v* and was
     killed for memory (its pending tests never ran, and xdist waited for them). Cycles first,
-    then, once the worker holds more than TRIM_ABOVE, the heap's free pages (malloc_trim): a
+    then, once the worker holds more than TRIM_ABOVE_MB, the heap's free pages (malloc_trim): a
     trim after every case made the next fault its memory in again (274 resnet, efficientnet and
     mobilenet cases on 3 workers: 384 -> 370 s, 83 -> 42 CPU-s in the kernel; a worker's
     largest RSS 3.6 GB, inside a case). A collection of every object torch, timm and
@@ -528,7 +518,7 @@ def memory_given_back():
     yield
     gc.collect()
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; elsewhere nothing to do
-    if trim is not None and resident_bytes() > TRIM_ABOVE:
+    if trim is not None and resident_mb() > TRIM_ABOVE_MB:
         trim(0)
 
 

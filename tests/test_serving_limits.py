@@ -27,6 +27,7 @@ import pytest
 from kiln.inference import Predictor
 from kiln.serving import create_app
 
+from .conftest import resident_mb
 from .inference_helpers import (
     binary_request,
     digits_run,
@@ -121,12 +122,6 @@ def test_a_lone_surrogate_fails_only_its_own_request(tmp_path_factory):
     got = [r.json()["predictions"][0]["label"] for i, r in enumerate(responses) if i != 7]
     assert got == expected[:7] + expected[8:]
     assert v2.status_code == 400 and "lone surrogate" in v2.json()["error"]
-
-
-def resident_mb() -> float:
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
 
 
 def test_huge_and_unclosed_html_texts_neither_block_the_loop_nor_grow_memory(tmp_path_factory):
