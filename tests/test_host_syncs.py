@@ -15,10 +15,12 @@ import torch
 
 from kiln.engine.distributed import DistInfo, GradientNorm
 from kiln.engine.run import build_run
+from kiln.guards.first_steps import READ_AFTER
 
 from .conftest import compose_config
 
-HOST_DATA = ("torch.utils.data",)  # reads of CPU-made index tensors, never of device tensors
+# Reads of host-made tensors, never of device tensors: the sampler's index lists, the RNG states.
+HOST_DATA = ("torch.utils.data", "kiln.rng")
 SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
@@ -29,6 +31,8 @@ class HostReads:
         self.in_steps: list[str] = []
         self.in_log_lines: list[str] = []
         self.logging = False
+        self.steps_with_reads: set[int] = set()
+        self.step = 0  # the optimizer step the counted reads belong to
 
     @contextlib.contextmanager
     def counting(self):
@@ -39,8 +43,10 @@ class HostReads:
 
             def wrapper(tensor, *args, **kwargs):
                 caller = sys._getframe(1).f_globals.get("__name__", "")
-                if not caller.startswith(HOST_DATA):  # the sampler's index lists are host data
+                if not caller.startswith(HOST_DATA):
                     (self.in_log_lines if self.logging else self.in_steps).append(name)
+                    if not self.logging:
+                        self.steps_with_reads.add(self.step)
                 return original(tensor, *args, **kwargs)
 
             return wrapper
@@ -80,11 +86,35 @@ class HostReads:
     ids=["default", "accumulate-clip-sgd", "skip-branches", "text-cosine"],
 )
 def test_no_host_read_in_the_steps_between_log_lines(tmp_path, overrides):
+    # Every check before step 1, however busy the machine: with no room for the learn probe its
+    # readings move into the first steps (the test below), and these steps would read them.
+    reads = twelve_steps_counted(tmp_path, overrides, "trainer.probe_budget.enforce=false")
+    assert reads.in_steps == [], f"host reads inside training steps: {reads.in_steps}"
+    assert reads.in_log_lines, "the log lines read the window: the count must see them"
+
+
+def test_the_learn_probe_moved_into_the_first_steps_reads_only_at_its_readings(tmp_path):
+    """No room for the learn probe before step 1: the probe batch's loss is read after step 5,
+    and after 10 where it had not fallen yet (kiln.guards.first_steps.READ_AFTER), one host
+    read each; no other step reads anything."""
+    reads = twelve_steps_counted(
+        tmp_path, (), "trainer.probe_budget.min_s=0", "trainer.probe_budget.max_s=0"
+    )
+    read_at = sorted(reads.steps_with_reads)
+    assert read_at and read_at == [step for step in READ_AFTER if step <= 12][: len(read_at)]
+    assert reads.in_steps == ["__float__"] * len(read_at)
+
+
+def twelve_steps_counted(tmp_path, overrides, *budget) -> HostReads:
+    """Twelve training steps of the config, logging every 5, the trainer keeping its numbers
+    on the device (as on a GPU); the host reads they make, counted inside and outside the
+    log lines."""
     cfg = compose_config(
         "trainer.log_every_n_steps=5",
         "trainer.max_steps=16",
         "env.progress_bar=false",
         "logger=none",
+        *budget,
         *overrides,
     )
     trainer = build_run(cfg, tmp_path, DistInfo(), torch.device("cpu"), lambda m, s: None).trainer
@@ -98,13 +128,13 @@ def test_no_host_read_in_the_steps_between_log_lines(tmp_path, overrides):
     window = cfg.trainer.accumulate_grad_batches
     with reads.counting():
         for _ in range(12):
+            reads.step = trainer.state.global_step + 1
             result = trainer.train_step(batches, window)
             trainer.state.global_step += 1
             trainer.state.batch_in_epoch += window
             trainer.after_step(result, None)
-    assert reads.in_steps == [], f"host reads inside training steps: {reads.in_steps}"
-    assert reads.in_log_lines, "the log lines read the window: the count must see them"
     assert trainer.state.global_step == 12
+    return reads
 
 
 NAN_STEPS = (3, 4, 9)  # a run of two, and one alone
