@@ -26,7 +26,11 @@ def bench_python(name: str, packages: tuple[str, ...], *, deps: bool = False) ->
     venv = BENCH_DIR / name
     python = venv / "bin" / "python"
     stamp = venv / ".installed"
-    wanted = " ".join(packages) + (" +deps" if deps else "")
+    # kiln's environment by its real path, in the stamp too: a venv made from a checkout that
+    # links this .venv (the docs tests' temporary ones) named a folder gone with the test, and
+    # every later bench found neither numpy nor Lightning's dependencies.
+    kiln_site = str(Path(sysconfig.get_paths()["purelib"]).resolve())
+    wanted = " ".join(packages) + (" +deps" if deps else "") + f" on {kiln_site}"
     if stamp.is_file() and stamp.read_text() == wanted and python.exists():
         return python
     print(f"making the bench venv {venv} ({wanted})", flush=True)
@@ -40,7 +44,6 @@ def bench_python(name: str, packages: tuple[str, ...], *, deps: bool = False) ->
     ).stdout.strip()
     # kiln's environment as a site dir (its .pth files too, so kiln's editable install works),
     # after the venv's own packages.
-    kiln_site = sysconfig.get_paths()["purelib"]
     Path(site, "kiln_env.pth").write_text(f"import site; site.addsitedir({kiln_site!r})\n")
     pip = [str(python), "-m", "pip", "install", "--quiet", *([] if deps else ["--no-deps"])]
     subprocess.run([*pip, *packages], check=True)

@@ -39,12 +39,19 @@ def _batch(bundle: DataBundle, size: int) -> Any:
 
 
 def check_rule1(
-    build: Build, criterion, bundle: DataBundle, batch_sizes=(1, 3), plan: EpochPlan | None = None
+    build: Build,
+    criterion,
+    bundle: DataBundle,
+    batch_sizes=(1, 3),
+    plan: EpochPlan | None = None,
+    backward_every_probe: bool = True,
 ) -> None:
     """Forward and backward at each batch size, at a second input size and at the data's
     extremes (and, when `plan` ends its epoch with one, a batch of 1 in train mode), on a new
     model built for each spec: the probes of one spec take it in turn, as a run's steps do;
-    outputs must fit the batch and the spec."""
+    outputs must fit the batch and the spec. `backward_every_probe=False`: the probes as a run
+    takes them (backward only where a run's probe has it: a new input size, the plan's last
+    batch), not also a backward at each batch size."""
     models = {bundle.spec: build(bundle.spec)}
     fixed = getattr(models[bundle.spec], "fixed_input_size", False)
     data = probe_batches(bundle, 4, plan.batch_size if plan is not None else 4)
@@ -57,7 +64,7 @@ def check_rule1(
         model = models[probe.spec]
         run_size_probe(model, probe, criterion.forward, classifier_output_problems)
         # The suite runs backward on every probe too (a new size's probe already has).
-        if not (probe.backward or probe.new_size):
+        if backward_every_probe and not (probe.backward or probe.new_size):
             probe = dataclasses.replace(probe, backward=True)
             run_size_probe(model, probe, criterion.forward, classifier_output_problems)
 
