@@ -105,8 +105,10 @@ def cells(
     ]
 
 
-def command(cell: Cell, out: Path, plugins: list[str], extra: list[str]) -> list[str]:
-    launcher = [sys.executable]
+def command(
+    cell: Cell, out: Path, plugins: list[str], extra: list[str], python: str = sys.executable
+) -> list[str]:
+    launcher = [python]
     if cell.ddp:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     args = [
@@ -129,12 +131,14 @@ def command(cell: Cell, out: Path, plugins: list[str], extra: list[str]) -> list
     return [*launcher, str(REPO / "train.py"), *args, *extra]
 
 
-def run(cell: Cell, out: Path, plugins: list[str], extra: list[str], timeout: int) -> Outcome:
+def run(
+    cell: Cell, out: Path, plugins: list[str], extra: list[str], timeout: int, python: str
+) -> Outcome:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     started = time.perf_counter()
     try:
         done = subprocess.run(
-            command(cell, out, plugins, extra),
+            command(cell, out, plugins, extra, python),
             env=env,
             capture_output=True,
             text=True,
@@ -184,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="cells at a time")
     parser.add_argument("--out", type=Path, default=None, help="default: outputs/matrix/<stamp>")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the interpreter each cell starts train.py (or torchrun) with; default: this one",
+    )
     parser.add_argument("overrides", nargs="*", help="extra overrides for every cell")
     args = parser.parse_args(argv)
     if os.environ.get("KILN_SMOKE") == "1":  # the README's own test: the reduced matrix
@@ -200,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         batch = [c for c in todo if c.ddp == ddp]
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             for outcome in pool.map(
-                lambda c: run(c, out, args.plugins, args.overrides, args.timeout), batch
+                lambda c: run(c, out, args.plugins, args.overrides, args.timeout, args.python),
+                batch,
             ):
                 detail = f"\n  {outcome.detail}" if outcome.detail else ""
                 print(outcome.line + detail, flush=True)

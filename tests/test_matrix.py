@@ -15,15 +15,19 @@ import torch
 from kiln.cli.paths import REPO_ROOT
 from kiln.registry import MODELS, compatible_pairs
 
-from .conftest import SUBPROCESS_ENV, run_python
+from .conftest import SUBPROCESS_ENV, run_python, shell_env
 from .test_failures import REGISTER_BROKEN
 
 SCRIPT = REPO_ROOT / "scripts" / "matrix.py"
 
 
 def matrix(tmp_path, *args, env=None, timeout=1500):
-    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "m"), *args]
-    return run_python(cmd, tmp_path, env or SUBPROCESS_ENV, timeout)
+    """scripts/matrix.py, its cells' `python train.py` (and torchrun) children of the worker's
+    preloaded Python (tests/preloaded_python.py) as the docs' commands are: the whole matrix
+    started 192 interpreters, each paying torch's import before its few steps."""
+    env = shell_env(env or SUBPROCESS_ENV)
+    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "m"), "--python", "python", *args]
+    return run_python(cmd, tmp_path, env, timeout)
 
 
 @pytest.mark.slow
