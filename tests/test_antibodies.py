@@ -567,8 +567,8 @@ def test_every_zoo_architecture_that_builds_small_passes_every_rule(zoo_model, z
         )
     with every_branch[0].lent():  # none steps the weights: the network itself, put back after
         check_rule1(*every_branch, backward_every_probe=False)  # rule 1 as a run probes
-        check_rule2(*every_branch)
-        check_rule3(*every_branch)
+        check_rule2(*every_branch, size=2)
+        check_rule3(*every_branch, size=2)
     every_branch[0].last_use = True
     check_device_diagnosis(*every_branch)
 

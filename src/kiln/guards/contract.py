@@ -69,9 +69,12 @@ def check_rule1(
             run_size_probe(model, probe, criterion.forward, classifier_output_problems)
 
 
-def check_rule2(build: Build, criterion, bundle: DataBundle) -> dict[str, torch.Tensor]:
-    """One step with the criterion's branches (build it with force_all_branches=True)."""
-    return check_loss_branches(build(bundle.spec), criterion, _batch(bundle, 4))
+def check_rule2(
+    build: Build, criterion, bundle: DataBundle, size: int = 4
+) -> dict[str, torch.Tensor]:
+    """One step of `size` items with the criterion's branches (build it with
+    force_all_branches=True)."""
+    return check_loss_branches(build(bundle.spec), criterion, _batch(bundle, size))
 
 
 def check_rule3(build: Build, criterion, bundle: DataBundle, size: int = 4) -> None:
