@@ -244,22 +244,27 @@ class SeededBuild:
             return network
         if self.lending is not None:
             network = self.original(spec)
-            if all(network is not kept for kept, _ in self.lending):
-                self.lending.append((network, snapshot(network)))
+            if all(network is not kept for kept, _, _ in self.lending):
+                versions = [p._version for p in network.parameters()]  # in-place writes count
+                self.lending.append((network, snapshot(network), versions))
             return network
         return copy.deepcopy(self.original(spec))
 
     @contextlib.contextmanager
     def lent(self):
         """Inside: the networks themselves, for checks that step no weights (rules 1 to 3: a
-        forward and backward change only gradients, buffers and modes); after: each as it was
+        forward and backward change only gradients, buffers and modes; a weight written in
+        place fails the block, by the parameters' version counters); after: each as it was
         (kiln.guards.no_trace, as a run's probes leave its model), the RNG state too. A copy
         per check was an eighth of a zoo case."""
         self.lending = []
         try:
             yield
+            for network, _, versions in self.lending:  # a check that stepped would fail here
+                written = [p._version for p in network.parameters()] != versions
+                assert not written, "a check lent the network wrote its weights: give it a copy"
         finally:
-            for network, saved in reversed(self.lending):
+            for network, saved, _ in reversed(self.lending):
                 restore(network, saved)
             self.lending = None
 
@@ -510,6 +515,24 @@ def tokens_build_small(model: str, arch: str) -> None:
         pytest.skip(f"{arch} builds at no small size: {type(err).__name__}: {str(err)[:160]}")
 
 
+def test_a_lent_network_comes_back_as_it_was_and_a_weight_write_fails_the_block():
+    """SeededBuild.lent, as the zoo uses it: a forward and backward inside leave the network
+    with its gradients, modes and buffers as before; a weight written in place is refused."""
+    build, criterion, bundle = parts("resnet18", "synthetic_images")
+    network = build.original(bundle.spec)
+    buffers = {n: b.clone() for n, b in network.named_buffers()}
+    with build.lent():
+        lent = build(bundle.spec)
+        assert lent is network  # the network itself, not a copy
+        check_rule3(build, criterion, bundle, size=2)  # train mode: batch norm's statistics move
+        criterion(lent, probe_batches(bundle, 2, 2).base)[0].backward()
+    assert all(p.grad is None for p in network.parameters())
+    assert all(torch.equal(b, buffers[n]) for n, b in network.named_buffers())
+    with pytest.raises(AssertionError, match="wrote its weights"), build.lent(), torch.no_grad():
+        next(build(bundle.spec).parameters()).add_(1.0)
+    assert build(bundle.spec) is not network  # outside lent(): a copy again
+
+
 @pytest.mark.parametrize("model, arch", [("timm", "vit_small_patch16_224"), ("hf", "roberta")])
 def test_a_zoo_config_is_the_composed_one(model, arch):
     data = ZOO_DATA[model_inputs(model)[0]]
@@ -552,7 +575,9 @@ def test_every_zoo_architecture_that_builds_small_passes_every_rule(zoo_model, z
     built once per input size, lent to the rules (none steps the weights), then handed to the
     device diagnosis, which moves a layer. Rule 1 probes as a run does: the extra backward at
     each batch size that the registry's own models and the broken ones get would be a backward
-    of the library's code that no run of kiln asks for (a sixth of a zoo case)."""
+    of the library's code that no run of kiln asks for (a sixth of a zoo case). Rules 2 and 3
+    on batches of 2, not 4: an architecture's branches and modes agree alike, at half the
+    compute."""
     kind = model_inputs(zoo_model)[0]
     branches = "loss.force_all_branches=true"
     if kind == "image":
