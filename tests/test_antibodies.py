@@ -52,7 +52,7 @@ from kiln.guards.contract import (
 from kiln.guards.determinism import NondeterministicEvalError
 from kiln.guards.input_sizes import EpochPlan, MemoryLayoutError
 from kiln.guards.learn_probe import CannotLearnError
-from kiln.guards.no_trace import restore, snapshot
+from kiln.guards.no_trace import untouched
 from kiln.guards.numerics import NumericsError
 from kiln.guards.optimizer_coverage import OutsideTheOptimizerError
 from kiln.guards.padding import PaddingError
@@ -235,7 +235,7 @@ class SeededBuild:
         # Set before the last check: it gets the networks themselves, not copies (a copy of a
         # CNN's many small modules took a third of a zoo case).
         self.last_use = False
-        self.lending: list | None = None  # inside lent(): the networks handed out, as they were
+        self.lending: tuple | None = None  # inside lent(): what puts them back, their versions
 
     def __call__(self, spec) -> nn.Module:
         if self.last_use:
@@ -243,10 +243,11 @@ class SeededBuild:
             _BUILT.pop(self._key(spec), None)  # changed by its last user: never handed out again
             return network
         if self.lending is not None:
+            putting_back, versions = self.lending
             network = self.original(spec)
-            if all(network is not kept for kept, _, _ in self.lending):
-                versions = [p._version for p in network.parameters()]  # in-place writes count
-                self.lending.append((network, snapshot(network), versions))
+            if network not in versions:
+                putting_back.enter_context(untouched(network))
+                versions[network] = [p._version for p in network.parameters()]  # in-place writes
             return network
         return copy.deepcopy(self.original(spec))
 
@@ -257,16 +258,16 @@ class SeededBuild:
         place fails the block, by the parameters' version counters); after: each as it was
         (kiln.guards.no_trace, as a run's probes leave its model), the RNG state too. A copy
         per check was an eighth of a zoo case."""
-        self.lending = []
-        try:
-            yield
-            for network, _, versions in self.lending:  # a check that stepped would fail here
-                written = [p._version for p in network.parameters()] != versions
-                assert not written, "a check lent the network wrote its weights: give it a copy"
-        finally:
-            for network, saved, _ in reversed(self.lending):
-                restore(network, saved)
-            self.lending = None
+        with contextlib.ExitStack() as putting_back:
+            versions: dict[nn.Module, list[int]] = {}
+            self.lending = putting_back, versions
+            try:
+                yield
+                for network, before in versions.items():  # a check that stepped fails here
+                    written = [p._version for p in network.parameters()] != before
+                    assert not written, "a check lent the network wrote its weights: give it a copy"
+            finally:
+                self.lending = None
 
     def original(self, spec) -> nn.Module:
         """The network the copies are made from: read it, never change it."""
