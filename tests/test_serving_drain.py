@@ -142,9 +142,11 @@ def slowed(tmp_path_factory, seconds: float) -> Predictor:
 
 
 def test_a_drain_answers_readiness_503_at_once_and_every_accepted_request(tmp_path_factory):
-    app = create_app(slowed(tmp_path_factory, 0.1), max_batch_size=1, max_delay_ms=0)
+    # 6 x 0.5 s of work accepted: the drain outlasts the two requests below on a loaded
+    # machine (at 0.1 s each, CI's listener had closed before the late one: refused, not 503).
+    app = create_app(slowed(tmp_path_factory, 0.5), max_batch_size=1, max_delay_ms=0)
     live = InThread(app)
-    statuses, senders = live.send_concurrently(6)  # 6 x 0.1 s of work accepted
+    statuses, senders = live.send_concurrently(6)
     live.server.handle_exit(signal.SIGTERM, None)
     ready = httpx.get(f"{live.url}/readyz")
     late = httpx.post(f"{live.url}/v1/predict", json={"inputs": []})
