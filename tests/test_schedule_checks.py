@@ -207,3 +207,36 @@ def test_a_warm_up_does_not_excuse_an_lr_that_diverges_after_it(tmp_path):
         return torch.optim.SGD(m.parameters(), lr=0.2 * scale)
 
     assert check_can_learn(model, sgd, criterion, batch, warmup_start=1 / 25) == ""
+
+
+def test_the_learn_probe_of_a_model_the_warm_up_carries_takes_only_the_steps_it_names():
+    """(w² - 1)² / 4 from w = 3 under SGD at lr 0.5: steep there (the configured lr throws w
+    out, to a non-finite loss), gentle near the minima (3 warm-up steps at a 25th, then 0.5,
+    lower it). The finding names both tries' readings; each reading is one forward and the
+    probe takes no other (the first update's size, measured by the same steps again, explains
+    only a failure). The weights are put back."""
+    import torch
+
+    from kiln.guards.learn_probe import check_can_learn
+
+    class Quartic(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor(3.0))
+
+    forwards = []
+
+    def criterion(m, _batch):
+        forwards.append(m.w.item())
+        return (m.w**2 - 1) ** 2 / 4, {}
+
+    def sgd(m, scale):
+        return torch.optim.SGD(m.parameters(), lr=0.5 * scale)
+
+    model = Quartic()
+    finding = check_can_learn(model, sgd, criterion, (torch.zeros(1, 1),), warmup_start=1 / 25)
+    assert "its loss 16 -> 1600 -> " in finding and " -> inf: it rose from cold" in finding
+    assert "after 3 steps at the schedule's first lr (0.02, its warm-up)" in finding
+    readings = finding.count(" -> ") + 2  # two series of readings
+    assert len(forwards) == readings == 13
+    assert model.w.item() == 3.0

@@ -175,8 +175,9 @@ def _check_can_learn(
 ) -> str:
     # The size of the first update explains a failure only: measured then, by the same steps
     # again (seeded: the same losses), so a model that learns holds no copy of its weights
-    # and stops at the first step that lowered the loss.
-    result = learn(
+    # and stops at the first step that lowered the loss, and one that the warm-up carries
+    # takes no steps that only a failure would read.
+    tried = learn(
         model,
         optimizer_for(model, 1.0),
         criterion,
@@ -185,13 +186,11 @@ def _check_can_learn(
         measure_update=False,
         until_fell=True,
     )
-    if result.fell:
+    if tried.fell:
         return ""
-    initial.restore()
-    result = learn(model, optimizer_for(model, 1.0), criterion, batch, steps, initial)
     name, n = type(model).__name__, len(batch[0])
-    saw = f"{steps} steps on one fixed batch of {n} at lr {result.lr:g}: its loss {result.shown}"
-    first, last = result.losses[0], result.losses[-1]
+    saw = f"{steps} steps on one fixed batch of {n} at lr {tried.lr:g}: its loss {tried.shown}"
+    first, last = tried.losses[0], tried.losses[-1]
     rose = not math.isfinite(last) or last > first * (1 + MIN_DROP)
     if rose and warmup_start < 1.0:  # the run's own schedule: warm up, then the lr reached
         initial.restore()
@@ -213,6 +212,8 @@ def _check_can_learn(
                 f"lr lowers it ({warm.shown}): the warm-up carries the model there (a run "
                 "without one would diverge)"
             )
+    initial.restore()
+    result = learn(model, optimizer_for(model, 1.0), criterion, batch, steps, initial)
     if rose:
         initial.restore()
         tenth = learn(model, optimizer_for(model, 0.1), criterion, batch, steps, initial)
