@@ -13,6 +13,7 @@ import functools
 import gc
 import importlib
 import itertools
+import math
 import random
 import re
 import tempfile
@@ -351,6 +352,52 @@ def test_rule2_every_branch_on_gives_finite_nonzero_terms_that_reach_the_weights
     classifier = bundle_for(data).spec.task == "classification"
     if classifier:
         assert set(terms) == {"main", "label_smoothing", "z_loss", "confidence_penalty", "aux_head"}
+
+
+class RootAtZero(nn.Module):
+    """sqrt(x) where x > 1, else x, at x = 0: a finite output whose gradient is NaN (the
+    unused branch's infinite slope times the mask's zero)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        nn.init.zeros_(self.fc.weight)
+        nn.init.zeros_(self.fc.bias)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return torch.where(y > 1, y.sqrt(), y)
+
+
+def test_a_non_finite_gradient_is_named_whatever_the_gradient():
+    """kiln.guards.numerics.nonfinite_grads, what rules 1 and 2 read: NaN, +Inf and -Inf in a
+    dense fp32 or bf16 gradient or among a sparse one's values, named in the model's order;
+    empty, absent and huge finite gradients (a sum of squares would overflow) are not; rule 1
+    names the first."""
+    from kiln.guards.input_sizes import check_sizes_follow_inputs
+    from kiln.guards.numerics import nonfinite_grads
+
+    net = nn.ModuleDict(
+        {
+            "dense": nn.Linear(2, 2),
+            "bf16": nn.Linear(2, 2).bfloat16(),
+            "rows": nn.Embedding(4, 2, sparse=True),
+            "empty": nn.Linear(0, 2),
+            "unused": nn.Linear(2, 2),
+        }
+    )
+    net["rows"](torch.tensor([1, 3])).sum().backward()
+    for name in ("dense", "bf16", "empty"):
+        for p in net[name].parameters():
+            p.grad = torch.full_like(p, 3e38)  # finite; its squares are not
+    net["empty"].weight.grad = torch.zeros(2, 0)
+    assert nonfinite_grads(net) == []
+    net["dense"].bias.grad[1] = math.nan
+    net["bf16"].weight.grad[0, 0] = -math.inf
+    net["rows"].weight.grad._values()[1, 0] = math.inf
+    assert nonfinite_grads(net) == ["dense.bias", "bf16.weight", "rows.weight"]
+    with pytest.raises(ShapeInferenceError, match="batch 2: non-finite gradient in fc.weight"):
+        check_sizes_follow_inputs(RootAtZero, [("batch 2", torch.zeros(2, 3))])
 
 
 @pytest.mark.parametrize("model", MODELS.names())

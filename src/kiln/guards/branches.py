@@ -11,6 +11,7 @@ from torch import nn
 
 from kiln.errors import first_few
 from kiln.graph import graph_leaves
+from kiln.guards.numerics import nonfinite_grads
 from kiln.guards.rules import RULE_2, ProbeFailure
 
 
@@ -45,9 +46,7 @@ def check_loss_branches(model: nn.Module, criterion, batch: Any) -> dict[str, to
             )
     loss.backward()
     check_every_parameter_learns(model)
-    bad = [
-        n for n, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()
-    ]
+    bad = nonfinite_grads(model)
     if bad:
         raise LossBranchError(f"{RULE_2}: non-finite gradients in {', '.join(bad[:5])}")
     return terms

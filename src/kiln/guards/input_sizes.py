@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.errors import attempt
+from kiln.guards.numerics import nonfinite_grads
 from kiln.guards.rules import DEAD, LAYOUT, NUMERICS, RULE_1, ProbeFailure
 from kiln.guards.trace import failing_call
 from kiln.guards.tree import describe, iter_tensors, same_container
@@ -181,9 +182,9 @@ def check_sizes_follow_inputs(
         )
         if err is not None:
             raise probe_error(model, label, inputs, err, trace) from err
-        for name, param in model.named_parameters():
-            if param.grad is not None and not torch.isfinite(param.grad).all():
-                raise ShapeInferenceError(f"{RULE_1}: {label}: non-finite gradient in {name}")
+        bad = nonfinite_grads(model)
+        if bad:
+            raise ShapeInferenceError(f"{RULE_1}: {label}: non-finite gradient in {bad[0]}")
 
 
 # ---------------------------------------------------------------------------------------------
