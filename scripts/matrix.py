@@ -109,8 +109,9 @@ def command(
     cell: Cell, out: Path, plugins: list[str], extra: list[str], python: str = sys.executable
 ) -> list[str]:
     launcher = [python]
-    if cell.ddp:
+    if cell.ddp:  # the ranks start as `python` does too, not as torchrun's sys.executable -u
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        launcher += ["--no-python", python]  # unbuffered all the same: run() sets the variable
     args = [
         f"model={cell.model}",
         f"data={cell.data}",

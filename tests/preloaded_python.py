@@ -48,14 +48,17 @@ READ_AT_IMPORT = (
     "MALLOC_",
     "PYTHON",
 )
-# ... except these, read later, when a command uses them (the import path, torch.hub's cache)
+# ... except these, read later, when a command uses them (the import path, torch.hub's cache,
+# what torchrun tells its ranks: their run, restarts and NCCL's error handling)
 READ_LATER = {"PYTHONPATH", "TORCH_HOME"}
+READ_LATER_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
 
 
 def imported_alike(env: dict, imported: dict) -> bool:
     """Whether `env` agrees with `imported` (the server's) in every variable torch's import
     reads."""
     names = {n for n in (*env, *imported) if n.startswith(READ_AT_IMPORT)} - READ_LATER
+    names = {n for n in names if not n.startswith(READ_LATER_PREFIXES)}
     return all(env.get(n) == imported.get(n) for n in names)
 
 

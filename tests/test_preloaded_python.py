@@ -102,6 +102,37 @@ def test_an_environment_torch_imports_differently_starts_a_fresh_interpreter(scr
     assert process.returncode == 0
 
 
+def test_torchrun_s_ranks_started_as_python_are_children_of_it_too(tmp_path):
+    """scripts/matrix.py's DDP cells: torchrun --no-python python train.py. What torchrun tells
+    its ranks (TORCHELASTIC_*, TORCH_NCCL_*) is read when they run, not when torch is imported:
+    each rank is a child of the preloaded Python (torch already imported as it starts), with
+    its own rank; a variable torch's import reads still starts a fresh one."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(
+        "import json, os, sys\n"
+        "print(json.dumps([os.environ['RANK'], 'torch' in sys.modules]), flush=True)\n"
+    )
+    torchrun = "python -m torch.distributed.run --standalone --nproc_per_node=2 --no-python"
+    done = subprocess.run(
+        ["bash", "-c", f"{torchrun} python {rank}"],
+        cwd=tmp_path,
+        env=shell_env(SUBPROCESS_ENV),
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = sorted(json.loads(line) for line in done.stdout.splitlines() if line.startswith("["))
+    assert ranks == [["0", True], ["1", True]]
+    told = {"RANK": "0", "TORCHELASTIC_RUN_ID": "none", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    read_at_import = {**told, "TORCH_SHOW_CPP_STACKTRACES": "1"}
+    for env, preloaded in ((told, True), (read_at_import, False)):
+        process = python_process([sys.executable, str(rank)], tmp_path, {**SUBPROCESS_ENV, **env})
+        assert isinstance(process, PreloadedPopen) == preloaded
+        process.communicate(timeout=60)
+        assert process.returncode == 0
+
+
 def test_children_running_side_by_side_each_get_their_own_status(script, tmp_path):
     children = [python_process([sys.executable, str(script), str(n)], tmp_path) for n in range(4)]
     for child in reversed(children):
