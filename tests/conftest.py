@@ -378,7 +378,8 @@ def shell_env(env: dict) -> dict:
     PATH (tests/preloaded_python.shim); KILN_TESTS_FRESH_PYTHON=1 leaves PATH as it is."""
     if FRESH_PYTHON:
         return env
-    return {**env, "PATH": preloaded_python(SUBPROCESS_ENV).shell_path(env)}
+    preloaded = preloaded_python(SUBPROCESS_ENV)
+    return {**preloaded.for_ranks(env), "PATH": preloaded.shell_path(env)}
 
 
 def run_python(

@@ -49,8 +49,9 @@ READ_AT_IMPORT = (
     "PYTHON",
 )
 # ... except these, read later, when a command uses them (the import path, torch.hub's cache,
-# what torchrun tells its ranks: their run, restarts and NCCL's error handling)
-READ_LATER = {"PYTHONPATH", "TORCH_HOME"}
+# the interpreter torchrun starts its ranks with, what it tells them: their run, restarts and
+# NCCL's error handling)
+READ_LATER = {"PYTHONPATH", "TORCH_HOME", "PYTHON_EXEC"}
 READ_LATER_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
 
 
@@ -293,6 +294,7 @@ class PreloadedPython:
         """`python *argv` (a script or `-m module`, its arguments) as this server's child; the
         streams as subprocess.Popen takes them (PIPE, DEVNULL, STDOUT, None, a file or fd)."""
         args = [sys.executable, *map(str, argv)]
+        env = self.for_ranks(env)
         own, parent = [], []  # (the child's end, the test's end) of each of its three streams
         for number, stream in enumerate((stdin, stdout, stderr)):
             if stream == subprocess.PIPE:
@@ -323,12 +325,28 @@ class PreloadedPython:
         ends = [None if fd is None else stream_end(fd, n == 0, text) for n, fd in enumerate(parent)]
         return PreloadedPopen(args, pid, conn, rest, *ends, text)
 
+    def for_ranks(self, env: dict) -> dict:
+        """`env` with this server's `python` as the interpreter torchrun starts its ranks
+        with (PYTHON_EXEC; by default its own sys.executable, a fresh interpreter per rank),
+        unless the caller named one."""
+        if self.said or "PYTHON_EXEC" in env:
+            return env
+        return {**env, "PYTHON_EXEC": os.path.join(self.folder, "bin", "python")}
+
     def shell_path(self, env: dict) -> str:
         """`env`'s PATH with this server's `python` first (`shim`): a shell's `python
         train.py ...` (a command run as typed) goes through it as `python_process` does."""
         if self.said:
             return env["PATH"]
         return os.pathsep.join([os.path.join(self.folder, "bin"), env["PATH"]])
+
+
+def unbuffered_alike(args: list[str], env) -> list[str]:
+    """`python -u ...` as `python ...` where PYTHONUNBUFFERED is set, which does the same
+    (torchrun starts its ranks with -u); else as given."""
+    if len(args) > 1 and args[1] == "-u" and env.get("PYTHONUNBUFFERED"):
+        return [args[0], *args[2:]]
+    return args
 
 
 def takes(args: list[str]) -> bool:
@@ -364,7 +382,7 @@ def shim(config_file: str) -> None:
     import) is the real interpreter, exec'd in its place."""
     with open(config_file) as file:
         config = json.load(file)
-    args = [config["python"], *sys.argv[1:]]
+    args = unbuffered_alike([config["python"], *sys.argv[1:]], os.environ)
     if not (takes(args) and imported_alike(dict(os.environ), config["env"])):
         os.execv(args[0], args)
     conn, pid, said = send(config["socket"], args, None, dict(os.environ), [0, 1, 2], False)

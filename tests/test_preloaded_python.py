@@ -102,28 +102,36 @@ def test_an_environment_torch_imports_differently_starts_a_fresh_interpreter(scr
     assert process.returncode == 0
 
 
-def test_torchrun_s_ranks_started_as_python_are_children_of_it_too(tmp_path):
-    """scripts/matrix.py's DDP cells: torchrun --no-python python train.py. What torchrun tells
-    its ranks (TORCHELASTIC_*, TORCH_NCCL_*) is read when they run, not when torch is imported:
-    each rank is a child of the preloaded Python (torch already imported as it starts), with
-    its own rank; a variable torch's import reads still starts a fresh one."""
+def test_torchrun_s_ranks_are_children_of_it_too(tmp_path):
+    """torchrun's ranks: `python -u script.py` with PYTHON_EXEC (what python_process and
+    shell_env tell torchrun: the server's `python`; -u as PYTHONUNBUFFERED does), and scripts/
+    matrix.py's `--no-python python train.py`. What torchrun tells its ranks (TORCHELASTIC_*,
+    TORCH_NCCL_*) is read when they run, not when torch is imported: each rank is a child of
+    the preloaded Python (torch imported as it starts), with its own rank; a variable torch's
+    import reads still starts a fresh one."""
     rank = tmp_path / "rank.py"
     rank.write_text(
         "import json, os, sys\n"
         "print(json.dumps([os.environ['RANK'], 'torch' in sys.modules]), flush=True)\n"
     )
-    torchrun = "python -m torch.distributed.run --standalone --nproc_per_node=2 --no-python"
-    done = subprocess.run(
-        ["bash", "-c", f"{torchrun} python {rank}"],
-        cwd=tmp_path,
-        env=shell_env(SUBPROCESS_ENV),
-        text=True,
-        capture_output=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    ranks = sorted(json.loads(line) for line in done.stdout.splitlines() if line.startswith("["))
-    assert ranks == [["0", True], ["1", True]]
+    torchrun = "python -m torch.distributed.run --standalone --nproc_per_node=2"
+    preloaded = [["0", True], ["1", True]]  # each rank: its RANK, torch imported as it starts
+    for line in (f"{torchrun} {rank}", f"{torchrun} --no-python python {rank}"):
+        done = subprocess.run(
+            ["bash", "-c", line],
+            cwd=tmp_path,
+            env=shell_env(SUBPROCESS_ENV),
+            text=True,
+            capture_output=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        said = done.stdout.splitlines()
+        assert sorted(json.loads(s) for s in said if s.startswith("[")) == preloaded
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    done = run_python([*launcher, "--nproc_per_node=2", rank], tmp_path, timeout=120)
+    said = done.stdout.splitlines()
+    assert sorted(json.loads(s) for s in said if s.startswith("[")) == preloaded
     told = {"RANK": "0", "TORCHELASTIC_RUN_ID": "none", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     read_at_import = {**told, "TORCH_SHOW_CPP_STACKTRACES": "1"}
     for env, preloaded in ((told, True), (read_at_import, False)):

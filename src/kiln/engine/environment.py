@@ -21,10 +21,11 @@ ENVIRONMENT_FILE = "environment.json"
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|PASSPHRASE|CREDENTIAL|AUTH|COOKIE|SESSION", re.I)
 DIGEST = "sha256:"
 # Not restored: kiln's own (KILN_*: the run's config already holds what they changed), the
-# launcher's (a replay is one process), the shell's bookkeeping and the test runner's.
+# launcher's (torchrun's, PYTHON_EXEC its ranks' interpreter: a replay is one process), the
+# shell's bookkeeping and the test runner's.
 IGNORED = re.compile(
     r"^(KILN_|TORCHELASTIC_|PYTEST_|(LOCAL_|GROUP_|ROLE_)?RANK$|(LOCAL_|GROUP_|ROLE_)?WORLD_SIZE$"
-    r"|ROLE_NAME$|MASTER_(ADDR|PORT)$|PWD$|OLDPWD$|SHLVL$|_$)"
+    r"|ROLE_NAME$|MASTER_(ADDR|PORT)$|PYTHON_EXEC$|PWD$|OLDPWD$|SHLVL$|_$)"
 )
 
 
