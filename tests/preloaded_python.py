@@ -58,8 +58,13 @@ READ_LATER_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
 def imported_alike(env: dict, imported: dict) -> bool:
     """Whether `env` agrees with `imported` (the server's) in every variable torch's import
     reads."""
-    names = {n for n in (*env, *imported) if n.startswith(READ_AT_IMPORT)} - READ_LATER
-    names = {n for n in names if not n.startswith(READ_LATER_PREFIXES)}
+    names = {
+        n
+        for n in (*env, *imported)
+        if n.startswith(READ_AT_IMPORT)
+        and n not in READ_LATER
+        and not n.startswith(READ_LATER_PREFIXES)
+    }
     return all(env.get(n) == imported.get(n) for n in names)
 
 

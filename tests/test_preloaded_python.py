@@ -134,9 +134,9 @@ def test_torchrun_s_ranks_are_children_of_it_too(tmp_path):
     assert sorted(json.loads(s) for s in said if s.startswith("[")) == preloaded
     told = {"RANK": "0", "TORCHELASTIC_RUN_ID": "none", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     read_at_import = {**told, "TORCH_SHOW_CPP_STACKTRACES": "1"}
-    for env, preloaded in ((told, True), (read_at_import, False)):
+    for env, forked in ((told, True), (read_at_import, False)):
         process = python_process([sys.executable, str(rank)], tmp_path, {**SUBPROCESS_ENV, **env})
-        assert isinstance(process, PreloadedPopen) == preloaded
+        assert isinstance(process, PreloadedPopen) == forked
         process.communicate(timeout=60)
         assert process.returncode == 0
 
